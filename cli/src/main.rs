@@ -1,0 +1,43 @@
+//! `carve`: the command-line front end.
+//!
+//! Arguments are parsed and checked first (clap), then the real objects are built. For now
+//! it estimates jobs locally; the gRPC commands (submit, jobs, watch, ...) arrive with the
+//! scheduler.
+
+mod estimate;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "carve",
+    version,
+    about = "Carve: GPU jobs admitted by their computed memory"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Computes the GPU memory one training step of a job needs, with breakdowns; with
+    /// --slice, what would run inside a slice of that size.
+    Estimate(estimate::EstimateArguments),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Estimate(arguments) => estimate::run(arguments),
+    };
+    match result {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::from(1)
+        }
+    }
+}

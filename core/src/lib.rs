@@ -1,0 +1,17 @@
+//! carve-core: the pure heart of Carve.
+//!
+//! Everything the scheduler decides and everything the estimator computes is a pure
+//! function of this crate: no IO, no async, no clock, no randomness (time and seeds come
+//! in as arguments). See ARCHITECTURE.md for the map.
+
+pub mod allocator;
+pub mod bytes;
+pub mod error;
+pub mod estimator;
+pub mod model;
+pub mod plan;
+pub mod shrink;
+pub mod spec;
+pub mod validate;
+
+pub use error::{CoreError, FieldError};

@@ -1,0 +1,251 @@
+//! The model graph: a job's layer list with every shape worked out and every setting
+//! resolved (padding in pixels, default strides filled in), ready for the step plan.
+//!
+//! Shapes are per sample. Images are `height x width x channels` (channels last, as the job
+//! file writes them); how a backend lays them out in memory is its own business, since the
+//! byte counts are the same.
+
+use std::fmt;
+
+use crate::spec::LossKind;
+
+/// The shape of one sample's features between two layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FeatureShape {
+    Image {
+        height: u64,
+        width: u64,
+        channels: u64,
+    },
+    Flat {
+        features: u64,
+    },
+}
+
+impl FeatureShape {
+    /// Elements per sample. Shapes are only built through checked arithmetic in shape
+    /// inference, so this product is known to fit.
+    pub fn elements(&self) -> u64 {
+        match *self {
+            FeatureShape::Image {
+                height,
+                width,
+                channels,
+            } => height * width * channels,
+            FeatureShape::Flat { features } => features,
+        }
+    }
+}
+
+impl fmt::Display for FeatureShape {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FeatureShape::Image {
+                height,
+                width,
+                channels,
+            } => write!(formatter, "{height}x{width}x{channels}"),
+            FeatureShape::Flat { features } => write!(formatter, "{features}"),
+        }
+    }
+}
+
+/// A convolution or pooling window with its padding resolved to pixels per side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WindowGeometry {
+    pub kernel_height: u64,
+    pub kernel_width: u64,
+    pub stride_height: u64,
+    pub stride_width: u64,
+    pub padding_top: u64,
+    pub padding_bottom: u64,
+    pub padding_left: u64,
+    pub padding_right: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ActivationKind {
+    Relu,
+    LeakyRelu { alpha: f64 },
+    Gelu,
+    Sigmoid,
+    Tanh,
+}
+
+/// What a layer computes, with everything resolved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LayerOp {
+    Conv2d {
+        filters: u64,
+        window: WindowGeometry,
+        use_bias: bool,
+    },
+    MaxPool {
+        window: WindowGeometry,
+    },
+    AvgPool {
+        window: WindowGeometry,
+    },
+    GlobalAvgPool,
+    Activation(ActivationKind),
+    BatchNorm {
+        momentum: f64,
+        epsilon: f64,
+    },
+    Dropout {
+        rate: f64,
+    },
+    Flatten,
+    Dense {
+        units: u64,
+        use_bias: bool,
+    },
+}
+
+/// One weight tensor of a layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParameterTensor {
+    /// `kernel`, `bias`, `gamma`, `beta`, `running_mean`, `running_variance`.
+    pub name: &'static str,
+    pub shape: Vec<u64>,
+    pub elements: u64,
+    /// Running statistics of batch norm are state, not trained: no gradient, no optimizer state.
+    pub trainable: bool,
+}
+
+/// One layer of the model with its shapes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerNode {
+    pub index: usize,
+    /// The key it was written under (`conv2d`, `relu`, ...).
+    pub kind_name: &'static str,
+    pub op: LayerOp,
+    pub input_shape: FeatureShape,
+    pub output_shape: FeatureShape,
+    pub parameters: Vec<ParameterTensor>,
+}
+
+impl LayerNode {
+    /// `layers[3].conv2d`, the name used in breakdowns and error messages.
+    pub fn label(&self) -> String {
+        format!("layers[{}].{}", self.index, self.kind_name)
+    }
+
+    /// Whether backward needs this layer's input kept from forward.
+    pub fn backward_reads_input(&self) -> bool {
+        match self.op {
+            LayerOp::Conv2d { .. }
+            | LayerOp::Dense { .. }
+            | LayerOp::MaxPool { .. }
+            | LayerOp::BatchNorm { .. } => true,
+            LayerOp::Activation(kind) => matches!(
+                kind,
+                ActivationKind::LeakyRelu { .. } | ActivationKind::Gelu
+            ),
+            LayerOp::AvgPool { .. }
+            | LayerOp::GlobalAvgPool
+            | LayerOp::Dropout { .. }
+            | LayerOp::Flatten => false,
+        }
+    }
+
+    /// Whether backward needs this layer's output kept from forward (cuDNN's pooling and
+    /// relu/sigmoid/tanh backward read `y`).
+    pub fn backward_reads_output(&self) -> bool {
+        match self.op {
+            LayerOp::MaxPool { .. } => true,
+            LayerOp::Activation(kind) => {
+                matches!(
+                    kind,
+                    ActivationKind::Relu | ActivationKind::Sigmoid | ActivationKind::Tanh
+                )
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether the output is the input under another shape (no memory of its own).
+    pub fn is_view(&self) -> bool {
+        matches!(self.op, LayerOp::Flatten)
+    }
+
+    /// im2col elements one sample needs for this layer (the workspace of an explicit-GEMM
+    /// convolution); 0 for layers without a workspace and for 1x1 stride-1 unpadded
+    /// convolutions, which multiply the input directly.
+    pub fn workspace_elements_per_sample(&self) -> u64 {
+        match (self.op, self.input_shape, self.output_shape) {
+            (
+                LayerOp::Conv2d { window, .. },
+                FeatureShape::Image { channels, .. },
+                FeatureShape::Image { height, width, .. },
+            ) => {
+                let pointwise = window.kernel_height == 1
+                    && window.kernel_width == 1
+                    && window.stride_height == 1
+                    && window.stride_width == 1
+                    && window.padding_top
+                        + window.padding_bottom
+                        + window.padding_left
+                        + window.padding_right
+                        == 0;
+                if pointwise {
+                    0
+                } else {
+                    // Bounded by validation: kernel <= padded input, so this is at most the
+                    // padded input times the output, both checked there.
+                    channels * window.kernel_height * window.kernel_width * height * width
+                }
+            }
+            _ => 0,
+        }
+    }
+
+    pub fn trainable_parameter_elements(&self) -> u64 {
+        self.parameters
+            .iter()
+            .filter(|parameter| parameter.trainable)
+            .map(|parameter| parameter.elements)
+            .sum()
+    }
+}
+
+/// The whole model, shapes inferred.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelGraph {
+    pub input_shape: FeatureShape,
+    pub layers: Vec<LayerNode>,
+    pub loss: LossKind,
+}
+
+impl ModelGraph {
+    pub fn output_shape(&self) -> FeatureShape {
+        self.layers
+            .last()
+            .map(|layer| layer.output_shape)
+            .unwrap_or(self.input_shape)
+    }
+
+    pub fn parameter_elements(&self) -> u64 {
+        self.layers
+            .iter()
+            .flat_map(|layer| &layer.parameters)
+            .map(|parameter| parameter.elements)
+            .sum()
+    }
+
+    pub fn trainable_parameter_elements(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(LayerNode::trainable_parameter_elements)
+            .sum()
+    }
+
+    /// Bytes of one target per sample: an i32 class index for cross-entropy, the fp32
+    /// output tensor for MSE (targets stay fp32 under mixed precision so the loss is exact).
+    pub fn target_bytes_per_sample(&self) -> u64 {
+        match self.loss {
+            LossKind::SoftmaxCrossEntropy => 4,
+            LossKind::Mse => self.output_shape().elements() * 4,
+        }
+    }
+}

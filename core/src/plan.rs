@@ -1,0 +1,945 @@
+//! The step plan: one training step compiled into the ordered list of what it does —
+//! allocate a buffer, run an operation that reads these buffers and writes those, free a
+//! buffer.
+//!
+//! This is the single description of a step's memory behaviour. The engine executes it on
+//! a backend and the estimator replays it through the slice allocator bookkeeping without
+//! data or math, so the estimate is the allocator's real peak and there is no second copy
+//! of the allocation logic to drift (DESIGN.md, "the memory model").
+//!
+//! A plan has three phases:
+//! - `setup`, run once per attempt: weights, fp32 masters (mixed precision), gradients,
+//!   optimizer state and the prefetched input batches. Nothing in it is freed during
+//!   training.
+//! - `micro_batch`, run `accumulation_steps` times per step: forward, loss, backward, with
+//!   gradients accumulated into the persistent gradient buffers.
+//! - `update`, run once per step: the optimizer.
+//!
+//! Every buffer allocated in `micro_batch` or `update` is freed in the same phase, so the
+//! allocator is back in the same state after each phase (coalescing is complete) and one
+//! replay of each phase gives the peak of any number of repetitions.
+//!
+//! Buffers are placed by liveness: allocated just before the first operation that touches
+//! them, freed just after the last one. Which buffers backward reads is decided by the
+//! layer (`LayerNode::backward_reads_input` / `_output`), and with recomputation the
+//! backward of a segment reads fresh copies made by re-running its forward.
+
+use std::fmt;
+
+use crate::bytes::HumanBytes;
+use crate::error::FieldError;
+use crate::model::{LayerNode, LayerOp, ModelGraph};
+use crate::spec::{JobSpec, LossKind, Precision};
+use crate::validate::ValidatedJob;
+
+/// How one attempt runs a job: the knobs the shrink planner turns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RunConfig {
+    /// The effective batch the optimizer sees.
+    pub batch_size: u64,
+    /// Samples per forward/backward pass; divides `batch_size`.
+    pub micro_batch_size: u64,
+    pub precision: Precision,
+    /// With `Some(k)`, only every k-th layer's input is kept in forward and the layers in
+    /// between are recomputed in backward.
+    pub recompute_segment_layers: Option<u64>,
+    /// The most one convolution may take as workspace (cuDNN workspace or im2col buffer).
+    pub workspace_limit_bytes: u64,
+    /// Micro-batches of input kept on the device ahead of use.
+    pub prefetch_batches: u64,
+}
+
+impl RunConfig {
+    /// The configuration the job asks for.
+    pub fn from_spec(spec: &JobSpec) -> RunConfig {
+        let accumulation_steps = spec.training.accumulation_steps.max(1);
+        RunConfig {
+            batch_size: spec.training.batch_size,
+            micro_batch_size: spec.training.batch_size / accumulation_steps,
+            precision: spec.training.precision,
+            recompute_segment_layers: spec.training.recompute_segment_layers,
+            workspace_limit_bytes: spec.training.workspace_limit.0,
+            prefetch_batches: spec.data.prefetch_batches,
+        }
+    }
+
+    pub fn accumulation_steps(&self) -> u64 {
+        self.batch_size / self.micro_batch_size.max(1)
+    }
+
+    /// Checks a config that came from outside (an override, the API) against its model.
+    pub fn check(&self, graph: &ModelGraph) -> Result<(), FieldError> {
+        if self.batch_size == 0 {
+            return Err(FieldError::new("batch_size", "must be at least 1"));
+        }
+        if self.micro_batch_size == 0 {
+            return Err(FieldError::new("micro_batch_size", "must be at least 1"));
+        }
+        if !self.batch_size.is_multiple_of(self.micro_batch_size) {
+            return Err(FieldError::new(
+                "micro_batch_size",
+                format!(
+                    "{} does not divide batch_size {}",
+                    self.micro_batch_size, self.batch_size
+                ),
+            ));
+        }
+        if let Some(segment) = self.recompute_segment_layers {
+            let layer_count = graph.layers.len() as u64;
+            if segment == 0 || segment > layer_count {
+                return Err(FieldError::new(
+                    "recompute_segment_layers",
+                    format!(
+                        "{segment} must be between 1 and the {layer_count} layers of the model"
+                    ),
+                ));
+            }
+        }
+        if self.prefetch_batches == 0 || self.prefetch_batches > 16 {
+            return Err(FieldError::new(
+                "prefetch_batches",
+                format!("{} must be between 1 and 16", self.prefetch_batches),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for RunConfig {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.micro_batch_size == self.batch_size {
+            write!(formatter, "batch {}", self.batch_size)?;
+        } else {
+            write!(
+                formatter,
+                "batch {} as {} micro-batches of {}",
+                self.batch_size,
+                self.accumulation_steps(),
+                self.micro_batch_size
+            )?;
+        }
+        write!(formatter, ", {}", self.precision)?;
+        if let Some(segment) = self.recompute_segment_layers {
+            write!(formatter, ", recompute in segments of {segment} layers")?;
+        }
+        write!(
+            formatter,
+            ", workspace {}",
+            HumanBytes(self.workspace_limit_bytes)
+        )
+    }
+}
+
+/// What a buffer holds, for the breakdowns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MemoryCategory {
+    /// Parameters in the compute precision (and batch-norm running statistics).
+    Weights,
+    /// fp32 copies of the parameters under mixed precision.
+    MasterWeights,
+    /// fp32 gradients, accumulated over micro-batches.
+    Gradients,
+    OptimizerState,
+    /// Prefetched micro-batches of inputs and targets.
+    InputBatches,
+    /// Layer outputs (and masks, statistics) kept for backward or passed between layers.
+    Activations,
+    /// Gradients of activations and other short-lived buffers.
+    Transients,
+    /// Convolution workspace, capped by `workspace_limit_bytes`.
+    Workspace,
+}
+
+impl MemoryCategory {
+    pub const ALL: [MemoryCategory; 8] = [
+        MemoryCategory::Weights,
+        MemoryCategory::MasterWeights,
+        MemoryCategory::Gradients,
+        MemoryCategory::OptimizerState,
+        MemoryCategory::InputBatches,
+        MemoryCategory::Activations,
+        MemoryCategory::Transients,
+        MemoryCategory::Workspace,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryCategory::Weights => "weights",
+            MemoryCategory::MasterWeights => "master_weights",
+            MemoryCategory::Gradients => "gradients",
+            MemoryCategory::OptimizerState => "optimizer_state",
+            MemoryCategory::InputBatches => "input_batches",
+            MemoryCategory::Activations => "activations",
+            MemoryCategory::Transients => "transients",
+            MemoryCategory::Workspace => "workspace",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Index of a buffer in [`StepPlan::buffers`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BufferId(pub usize);
+
+/// Who a buffer belongs to, for the per-layer breakdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BufferOwner {
+    Layer(usize),
+    /// Input batches and targets.
+    Data,
+    /// Loss value, softmax probabilities, the gradient of the loss.
+    Loss,
+}
+
+/// What a buffer holds, so a backend knows how to create and interpret it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BufferRole {
+    /// Parameter `parameter` of the owning layer in the compute precision.
+    Parameter {
+        parameter: usize,
+    },
+    MasterParameter {
+        parameter: usize,
+    },
+    Gradient {
+        parameter: usize,
+    },
+    /// Optimizer state tensor `slot` (velocity; first/second moment) of a parameter.
+    OptimizerState {
+        parameter: usize,
+        slot: usize,
+    },
+    /// Prefetch slot `slot`: a micro-batch of inputs.
+    InputSlot {
+        slot: usize,
+    },
+    /// Prefetch slot `slot`: the matching targets.
+    TargetSlot {
+        slot: usize,
+    },
+    LayerOutput,
+    /// One byte per element, the dropout mask.
+    DropoutMask,
+    /// Per-channel mean and inverse standard deviation of the batch, fp32.
+    BatchStatistics,
+    /// Gradient with respect to a layer's input.
+    InputGradient,
+    /// Half-precision weight gradients before they are added to the fp32 gradients.
+    HalfGradients,
+    Workspace,
+    LossValue,
+    Probabilities,
+    OutputGradient,
+    /// The fp16 overflow flag of dynamic loss scaling.
+    OverflowFlag,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ElementType {
+    F32,
+    F16,
+    Bf16,
+    I32,
+    U8,
+}
+
+impl ElementType {
+    pub fn bytes(self) -> u64 {
+        match self {
+            ElementType::F32 | ElementType::I32 => 4,
+            ElementType::F16 | ElementType::Bf16 => 2,
+            ElementType::U8 => 1,
+        }
+    }
+
+    fn for_compute(precision: Precision) -> ElementType {
+        match precision {
+            Precision::Fp32 => ElementType::F32,
+            Precision::Fp16 => ElementType::F16,
+            Precision::Bf16 => ElementType::Bf16,
+        }
+    }
+}
+
+/// One device buffer of the plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BufferSpec {
+    pub id: BufferId,
+    pub role: BufferRole,
+    pub owner: BufferOwner,
+    pub category: MemoryCategory,
+    pub element_type: ElementType,
+    pub elements: u64,
+    /// `elements * element_type.bytes()`, before the allocator's rounding.
+    pub bytes: u64,
+}
+
+/// What an operation computes. Reads and writes are listed on the [`Operation`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OperationKind {
+    /// Casts the fp32 masters into the compute-precision weights (mixed precision, setup).
+    InitializeParameters,
+    LayerForward {
+        layer: usize,
+    },
+    /// Forward run again in backward to rebuild what recomputation did not keep.
+    LayerRecompute {
+        layer: usize,
+    },
+    LossForward,
+    LossBackward,
+    /// Writes the input gradient (if any) and adds the weight gradients into the fp32
+    /// gradient buffers.
+    LayerBackward {
+        layer: usize,
+    },
+    /// Checks the gradients for inf/NaN (dynamic loss scaling under fp16).
+    CheckOverflow,
+    OptimizerUpdate {
+        layer: usize,
+        parameter: usize,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Operation {
+    pub kind: OperationKind,
+    pub reads: Vec<BufferId>,
+    pub writes: Vec<BufferId>,
+    /// Scratch buffers alive only during this operation (workspace, half gradients).
+    pub scratch: Vec<BufferId>,
+}
+
+/// One instruction of the plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlanStep {
+    Allocate(BufferId),
+    Run(Operation),
+    Free(BufferId),
+}
+
+/// One training step, compiled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepPlan {
+    pub config: RunConfig,
+    pub buffers: Vec<BufferSpec>,
+    pub setup: Vec<PlanStep>,
+    pub micro_batch: Vec<PlanStep>,
+    pub update: Vec<PlanStep>,
+    /// Labels of the buffer owners, indexed like the layers (`layers[3].conv2d`).
+    pub layer_labels: Vec<String>,
+}
+
+impl StepPlan {
+    pub fn buffer(&self, id: BufferId) -> &BufferSpec {
+        &self.buffers[id.0]
+    }
+
+    /// The name the per-layer breakdown uses for a buffer's owner.
+    pub fn owner_label(&self, owner: BufferOwner) -> &str {
+        match owner {
+            BufferOwner::Layer(index) => &self.layer_labels[index],
+            BufferOwner::Data => "input",
+            BufferOwner::Loss => "loss",
+        }
+    }
+}
+
+/// Builds plans, keeping the buffer table and the overflow checks in one place.
+struct PlanBuilder<'a> {
+    graph: &'a ModelGraph,
+    config: RunConfig,
+    buffers: Vec<BufferSpec>,
+}
+
+impl PlanBuilder<'_> {
+    fn add_buffer(
+        &mut self,
+        role: BufferRole,
+        owner: BufferOwner,
+        category: MemoryCategory,
+        element_type: ElementType,
+        elements: u64,
+    ) -> Result<BufferId, FieldError> {
+        let bytes = elements
+            .checked_mul(element_type.bytes())
+            .ok_or_else(|| self.too_large(owner))?;
+        let id = BufferId(self.buffers.len());
+        self.buffers.push(BufferSpec {
+            id,
+            role,
+            owner,
+            category,
+            element_type,
+            elements,
+            bytes,
+        });
+        Ok(id)
+    }
+
+    fn too_large(&self, owner: BufferOwner) -> FieldError {
+        let what = match owner {
+            BufferOwner::Layer(index) => self.graph.layers[index].label(),
+            BufferOwner::Data => "the input".to_string(),
+            BufferOwner::Loss => "the loss".to_string(),
+        };
+        FieldError::new(
+            "training.batch_size",
+            format!(
+                "a micro-batch of {} makes {what} larger than 2^64 bytes",
+                self.config.micro_batch_size
+            ),
+        )
+    }
+
+    fn per_micro_batch(
+        &self,
+        per_sample_elements: u64,
+        owner: BufferOwner,
+    ) -> Result<u64, FieldError> {
+        per_sample_elements
+            .checked_mul(self.config.micro_batch_size)
+            .ok_or_else(|| self.too_large(owner))
+    }
+
+    fn activation_type(&self) -> ElementType {
+        ElementType::for_compute(self.config.precision)
+    }
+
+    /// A layer's output for one micro-batch (views share their input's buffer).
+    fn layer_output(&mut self, layer: &LayerNode, input: BufferId) -> Result<BufferId, FieldError> {
+        if layer.is_view() {
+            return Ok(input);
+        }
+        let owner = BufferOwner::Layer(layer.index);
+        let elements = self.per_micro_batch(layer.output_shape.elements(), owner)?;
+        self.add_buffer(
+            BufferRole::LayerOutput,
+            owner,
+            MemoryCategory::Activations,
+            self.activation_type(),
+            elements,
+        )
+    }
+
+    /// The convolution workspace of one pass: whole samples' im2col up to the cap; an
+    /// algorithm without workspace when not even one sample fits.
+    fn workspace(&mut self, layer: &LayerNode) -> Result<Option<BufferId>, FieldError> {
+        let owner = BufferOwner::Layer(layer.index);
+        let per_sample_bytes = layer
+            .workspace_elements_per_sample()
+            .checked_mul(self.activation_type().bytes())
+            .ok_or_else(|| self.too_large(owner))?;
+        if per_sample_bytes == 0 {
+            return Ok(None);
+        }
+        let samples = (self.config.workspace_limit_bytes / per_sample_bytes)
+            .min(self.config.micro_batch_size);
+        if samples == 0 {
+            return Ok(None);
+        }
+        let elements = layer.workspace_elements_per_sample() * samples;
+        self.add_buffer(
+            BufferRole::Workspace,
+            owner,
+            MemoryCategory::Workspace,
+            self.activation_type(),
+            elements,
+        )
+        .map(Some)
+    }
+}
+
+/// The persistent buffers of each layer's parameters.
+#[derive(Debug, Clone, Default)]
+struct ParameterBuffers {
+    /// Compute-precision weights, one per parameter tensor.
+    weights: Vec<BufferId>,
+    /// fp32 gradients, `None` for non-trainable tensors.
+    gradients: Vec<Option<BufferId>>,
+}
+
+/// Compiles one training step of `job` run with `config`.
+pub fn compile_step_plan(job: &ValidatedJob, config: &RunConfig) -> Result<StepPlan, FieldError> {
+    config.check(&job.graph)?;
+    let graph = &job.graph;
+    let mixed = config.precision.is_mixed();
+    let optimizer_slots = job.spec.training.optimizer.state_tensors_per_parameter();
+    let mut builder = PlanBuilder {
+        graph,
+        config: *config,
+        buffers: Vec::new(),
+    };
+
+    // Setup: persistent buffers, grouped by category so the breakdown reads naturally.
+    let mut setup_operations = Vec::new();
+    let mut parameters: Vec<ParameterBuffers> =
+        vec![ParameterBuffers::default(); graph.layers.len()];
+    let mut masters: Vec<Vec<Option<BufferId>>> = vec![Vec::new(); graph.layers.len()];
+    let mut optimizer_state: Vec<Vec<Vec<BufferId>>> = vec![Vec::new(); graph.layers.len()];
+    for layer in &graph.layers {
+        let owner = BufferOwner::Layer(layer.index);
+        for (parameter_index, parameter) in layer.parameters.iter().enumerate() {
+            // Running statistics stay fp32 whatever the precision: they are averages that
+            // half precision would round away.
+            let element_type = if parameter.trainable {
+                builder.activation_type()
+            } else {
+                ElementType::F32
+            };
+            let id = builder.add_buffer(
+                BufferRole::Parameter {
+                    parameter: parameter_index,
+                },
+                owner,
+                MemoryCategory::Weights,
+                element_type,
+                parameter.elements,
+            )?;
+            parameters[layer.index].weights.push(id);
+        }
+    }
+    if mixed {
+        for layer in &graph.layers {
+            let owner = BufferOwner::Layer(layer.index);
+            for (parameter_index, parameter) in layer.parameters.iter().enumerate() {
+                let master = if parameter.trainable {
+                    Some(builder.add_buffer(
+                        BufferRole::MasterParameter {
+                            parameter: parameter_index,
+                        },
+                        owner,
+                        MemoryCategory::MasterWeights,
+                        ElementType::F32,
+                        parameter.elements,
+                    )?)
+                } else {
+                    None
+                };
+                masters[layer.index].push(master);
+            }
+        }
+    }
+    for layer in &graph.layers {
+        let owner = BufferOwner::Layer(layer.index);
+        for (parameter_index, parameter) in layer.parameters.iter().enumerate() {
+            let gradient = if parameter.trainable {
+                Some(builder.add_buffer(
+                    BufferRole::Gradient {
+                        parameter: parameter_index,
+                    },
+                    owner,
+                    MemoryCategory::Gradients,
+                    ElementType::F32,
+                    parameter.elements,
+                )?)
+            } else {
+                None
+            };
+            parameters[layer.index].gradients.push(gradient);
+        }
+    }
+    for layer in &graph.layers {
+        let owner = BufferOwner::Layer(layer.index);
+        for (parameter_index, parameter) in layer.parameters.iter().enumerate() {
+            let mut slots = Vec::new();
+            if parameter.trainable {
+                for slot in 0..optimizer_slots as usize {
+                    slots.push(builder.add_buffer(
+                        BufferRole::OptimizerState {
+                            parameter: parameter_index,
+                            slot,
+                        },
+                        owner,
+                        MemoryCategory::OptimizerState,
+                        ElementType::F32,
+                        parameter.elements,
+                    )?);
+                }
+            }
+            optimizer_state[layer.index].push(slots);
+        }
+    }
+    let input_elements =
+        builder.per_micro_batch(graph.input_shape.elements(), BufferOwner::Data)?;
+    let target_bytes =
+        builder.per_micro_batch(graph.target_bytes_per_sample(), BufferOwner::Data)?;
+    let target_type = match graph.loss {
+        LossKind::SoftmaxCrossEntropy => ElementType::I32,
+        LossKind::Mse => ElementType::F32,
+    };
+    let mut input_slots = Vec::new();
+    let mut target_slots = Vec::new();
+    for slot in 0..config.prefetch_batches as usize {
+        input_slots.push(builder.add_buffer(
+            BufferRole::InputSlot { slot },
+            BufferOwner::Data,
+            MemoryCategory::InputBatches,
+            builder.activation_type(),
+            input_elements,
+        )?);
+        target_slots.push(builder.add_buffer(
+            BufferRole::TargetSlot { slot },
+            BufferOwner::Data,
+            MemoryCategory::InputBatches,
+            target_type,
+            target_bytes / target_type.bytes(),
+        )?);
+    }
+    let persistent_count = builder.buffers.len();
+    let mut setup: Vec<PlanStep> = (0..persistent_count)
+        .map(|index| PlanStep::Allocate(BufferId(index)))
+        .collect();
+    if mixed {
+        let mut reads = Vec::new();
+        let mut writes = Vec::new();
+        for layer in &graph.layers {
+            for (parameter_index, master) in masters[layer.index].iter().enumerate() {
+                if let Some(master) = master {
+                    reads.push(*master);
+                    writes.push(parameters[layer.index].weights[parameter_index]);
+                }
+            }
+        }
+        setup_operations.push(Operation {
+            kind: OperationKind::InitializeParameters,
+            reads,
+            writes,
+            scratch: Vec::new(),
+        });
+    }
+    setup.extend(setup_operations.into_iter().map(PlanStep::Run));
+
+    // Micro-batch: forward, loss, backward. The engine rotates the prefetch slots; they
+    // are all the same size, so slot 0 stands for whichever is current.
+    let input = input_slots[0];
+    let target = target_slots[0];
+    let mut operations = Vec::new();
+    let layer_count = graph.layers.len();
+    let segment = config
+        .recompute_segment_layers
+        .map(|segment| segment as usize);
+    // What forward produced, by layer. With recomputation only the inputs of each
+    // segment's first layer (and the last layer's output) outlive the forward pass.
+    let mut layer_inputs = Vec::with_capacity(layer_count);
+    let mut layer_outputs = Vec::with_capacity(layer_count);
+    let mut forward_extras: Vec<Vec<BufferId>> = vec![Vec::new(); layer_count];
+    let mut current = input;
+    for layer in &graph.layers {
+        let output = builder.layer_output(layer, current)?;
+        let extras = layer_side_outputs(&mut builder, layer)?;
+        let workspace = builder.workspace(layer)?;
+        let mut writes = vec![output];
+        writes.extend(&extras);
+        if layer.is_view() {
+            writes.clear();
+        }
+        let mut reads = vec![current];
+        reads.extend(&parameters[layer.index].weights);
+        operations.push(Operation {
+            kind: OperationKind::LayerForward { layer: layer.index },
+            reads,
+            writes,
+            scratch: workspace.into_iter().collect(),
+        });
+        forward_extras[layer.index] = extras;
+        layer_inputs.push(current);
+        layer_outputs.push(output);
+        current = output;
+    }
+    let final_output = current;
+
+    let mut loss_reads = vec![final_output, target];
+    let loss_value = builder.add_buffer(
+        BufferRole::LossValue,
+        BufferOwner::Loss,
+        MemoryCategory::Transients,
+        ElementType::F32,
+        1,
+    )?;
+    let mut loss_writes = vec![loss_value];
+    let probabilities = if graph.loss == LossKind::SoftmaxCrossEntropy {
+        let elements =
+            builder.per_micro_batch(graph.output_shape().elements(), BufferOwner::Loss)?;
+        let probabilities = builder.add_buffer(
+            BufferRole::Probabilities,
+            BufferOwner::Loss,
+            MemoryCategory::Activations,
+            ElementType::F32,
+            elements,
+        )?;
+        loss_writes.push(probabilities);
+        Some(probabilities)
+    } else {
+        None
+    };
+    operations.push(Operation {
+        kind: OperationKind::LossForward,
+        reads: loss_reads.clone(),
+        writes: loss_writes,
+        scratch: Vec::new(),
+    });
+    let output_gradient_elements =
+        builder.per_micro_batch(graph.output_shape().elements(), BufferOwner::Loss)?;
+    let output_gradient = builder.add_buffer(
+        BufferRole::OutputGradient,
+        BufferOwner::Loss,
+        MemoryCategory::Transients,
+        builder.activation_type(),
+        output_gradient_elements,
+    )?;
+    if let Some(probabilities) = probabilities {
+        // Cross-entropy's gradient is softmax minus one-hot: it needs the probabilities,
+        // not the logits.
+        loss_reads[0] = probabilities;
+    }
+    operations.push(Operation {
+        kind: OperationKind::LossBackward,
+        reads: loss_reads,
+        writes: vec![output_gradient],
+        scratch: Vec::new(),
+    });
+
+    // Backward, last layer first. Layers before the first trainable one need no backward
+    // at all, and that layer needs no input gradient.
+    let first_trainable = graph
+        .layers
+        .iter()
+        .position(|layer| layer.trainable_parameter_elements() > 0)
+        .ok_or_else(|| FieldError::new("model.layers", "the model has no trainable parameters"))?;
+    let mut gradient = output_gradient;
+    // With recomputation, the buffers backward reads for layers inside a segment come from
+    // re-running the segment's forward just before its backward.
+    let mut backward_inputs = layer_inputs.clone();
+    let mut backward_outputs = layer_outputs.clone();
+    let mut backward_extras = forward_extras.clone();
+    let mut index = layer_count;
+    while index > first_trainable {
+        index -= 1;
+        let layer = &graph.layers[index];
+        if let Some(segment) = segment {
+            let segment_start = index - index % segment;
+            let segment_end = (segment_start + segment).min(layer_count);
+            if index + 1 == segment_end && segment_start < segment_end - 1 {
+                // Entering a segment from its end: rebuild its layers except the last, whose
+                // output is the next boundary (or the model output) and was kept.
+                let mut current = layer_inputs[segment_start];
+                for recompute_index in segment_start..segment_end - 1 {
+                    let recompute_layer = &graph.layers[recompute_index];
+                    let output = builder.layer_output(recompute_layer, current)?;
+                    let extras = layer_side_outputs(&mut builder, recompute_layer)?;
+                    let workspace = builder.workspace(recompute_layer)?;
+                    let mut writes = vec![output];
+                    writes.extend(&extras);
+                    if recompute_layer.is_view() {
+                        writes.clear();
+                    }
+                    let mut reads = vec![current];
+                    reads.extend(&parameters[recompute_index].weights);
+                    operations.push(Operation {
+                        kind: OperationKind::LayerRecompute {
+                            layer: recompute_index,
+                        },
+                        reads,
+                        writes,
+                        scratch: workspace.into_iter().collect(),
+                    });
+                    backward_inputs[recompute_index] = current;
+                    backward_outputs[recompute_index] = output;
+                    backward_extras[recompute_index] = extras;
+                    current = output;
+                }
+                backward_inputs[segment_end - 1] = current;
+            }
+        }
+        if layer.is_view() {
+            // The gradient of a reshape is the same buffer under the input's shape.
+            continue;
+        }
+        let owner = BufferOwner::Layer(index);
+        let mut reads = vec![gradient];
+        if layer.backward_reads_input() {
+            reads.push(backward_inputs[index]);
+        }
+        if layer.backward_reads_output() {
+            reads.push(backward_outputs[index]);
+        }
+        reads.extend(&backward_extras[index]);
+        reads.extend(&parameters[index].weights);
+        let mut writes = Vec::new();
+        let input_gradient = if index > first_trainable {
+            let elements = builder.per_micro_batch(layer.input_shape.elements(), owner)?;
+            let input_gradient = builder.add_buffer(
+                BufferRole::InputGradient,
+                owner,
+                MemoryCategory::Transients,
+                builder.activation_type(),
+                elements,
+            )?;
+            writes.push(input_gradient);
+            Some(input_gradient)
+        } else {
+            None
+        };
+        writes.extend(parameters[index].gradients.iter().flatten());
+        let mut scratch: Vec<BufferId> = builder.workspace(layer)?.into_iter().collect();
+        let trainable_elements = layer.trainable_parameter_elements();
+        if mixed && trainable_elements > 0 {
+            // Half-precision kernels produce half gradients; they are added into the fp32
+            // gradients so accumulation does not lose precision.
+            scratch.push(builder.add_buffer(
+                BufferRole::HalfGradients,
+                owner,
+                MemoryCategory::Transients,
+                builder.activation_type(),
+                trainable_elements,
+            )?);
+        }
+        operations.push(Operation {
+            kind: OperationKind::LayerBackward { layer: index },
+            reads,
+            writes,
+            scratch,
+        });
+        if let Some(input_gradient) = input_gradient {
+            gradient = input_gradient;
+        }
+    }
+    let micro_batch = place_by_liveness(&operations, persistent_count);
+
+    // Update: loss-scale overflow check (fp16), then the optimizer per parameter tensor.
+    let mut update_operations = Vec::new();
+    if config.precision == Precision::Fp16 {
+        let flag = builder.add_buffer(
+            BufferRole::OverflowFlag,
+            BufferOwner::Loss,
+            MemoryCategory::Transients,
+            ElementType::I32,
+            1,
+        )?;
+        update_operations.push(Operation {
+            kind: OperationKind::CheckOverflow,
+            reads: parameters
+                .iter()
+                .flat_map(|layer| layer.gradients.iter().flatten().copied())
+                .collect(),
+            writes: Vec::new(),
+            scratch: vec![flag],
+        });
+    }
+    for layer in &graph.layers {
+        for (parameter_index, gradient) in parameters[layer.index].gradients.iter().enumerate() {
+            let Some(gradient) = gradient else { continue };
+            let weights = parameters[layer.index].weights[parameter_index];
+            let mut writes = vec![weights];
+            if let Some(Some(master)) = masters[layer.index].get(parameter_index) {
+                writes.push(*master);
+            }
+            writes.extend(&optimizer_state[layer.index][parameter_index]);
+            update_operations.push(Operation {
+                kind: OperationKind::OptimizerUpdate {
+                    layer: layer.index,
+                    parameter: parameter_index,
+                },
+                reads: vec![*gradient],
+                writes,
+                scratch: Vec::new(),
+            });
+        }
+    }
+    let update = place_by_liveness(&update_operations, persistent_count);
+
+    Ok(StepPlan {
+        config: *config,
+        buffers: builder.buffers,
+        setup,
+        micro_batch,
+        update,
+        layer_labels: graph.layers.iter().map(LayerNode::label).collect(),
+    })
+}
+
+/// Buffers a layer's forward writes besides its output, all kept for backward: the
+/// dropout mask, batch norm's per-channel statistics.
+fn layer_side_outputs(
+    builder: &mut PlanBuilder<'_>,
+    layer: &LayerNode,
+) -> Result<Vec<BufferId>, FieldError> {
+    let owner = BufferOwner::Layer(layer.index);
+    match layer.op {
+        LayerOp::Dropout { .. } => {
+            let elements = builder.per_micro_batch(layer.output_shape.elements(), owner)?;
+            Ok(vec![builder.add_buffer(
+                BufferRole::DropoutMask,
+                owner,
+                MemoryCategory::Activations,
+                ElementType::U8,
+                elements,
+            )?])
+        }
+        LayerOp::BatchNorm { .. } => {
+            let channels = layer.parameters[0].elements;
+            Ok(vec![builder.add_buffer(
+                BufferRole::BatchStatistics,
+                owner,
+                MemoryCategory::Activations,
+                ElementType::F32,
+                2 * channels,
+            )?])
+        }
+        _ => Ok(Vec::new()),
+    }
+}
+
+/// Turns a list of operations into plan steps: each phase-local buffer is allocated just
+/// before the first operation that touches it and freed just after the last. Buffers
+/// with ids below `persistent_count` belong to setup and are never freed here.
+fn place_by_liveness(operations: &[Operation], persistent_count: usize) -> Vec<PlanStep> {
+    use std::collections::HashMap;
+    let mut last_use: HashMap<BufferId, usize> = HashMap::new();
+    for (position, operation) in operations.iter().enumerate() {
+        for id in operation
+            .reads
+            .iter()
+            .chain(&operation.writes)
+            .chain(&operation.scratch)
+        {
+            if id.0 >= persistent_count {
+                last_use.insert(*id, position);
+            }
+        }
+    }
+    let mut allocated = std::collections::HashSet::new();
+    let mut steps = Vec::with_capacity(operations.len() * 3);
+    for (position, operation) in operations.iter().enumerate() {
+        // Outputs before scratch: the workspace goes on top, where freeing it right after
+        // leaves one hole that the next buffer of similar size fills.
+        for id in operation
+            .reads
+            .iter()
+            .chain(&operation.writes)
+            .chain(&operation.scratch)
+        {
+            if id.0 >= persistent_count && allocated.insert(*id) {
+                steps.push(PlanStep::Allocate(*id));
+            }
+        }
+        steps.push(PlanStep::Run(operation.clone()));
+        let mut freed = std::collections::HashSet::new();
+        for id in operation
+            .scratch
+            .iter()
+            .chain(&operation.reads)
+            .chain(&operation.writes)
+        {
+            if id.0 >= persistent_count && last_use.get(id) == Some(&position) && freed.insert(*id)
+            {
+                steps.push(PlanStep::Free(*id));
+            }
+        }
+    }
+    steps
+}

@@ -1,0 +1,611 @@
+//! The job spec: what a researcher writes in `job.toml` (and what travels as JSON over the
+//! API), parsed strictly.
+//!
+//! This is a user-facing file format, so the serde derives here are the format itself, not a
+//! wire format leaking inward. Unknown fields are rejected everywhere, and every parse error
+//! names the field path (`model.layers[3].conv2d.kernel`) so a person can fix the file.
+//! Semantic checks (shapes, ranges, combinations) live in `validate`.
+
+use std::fmt;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::bytes::parse_byte_size;
+
+/// A whole job: the model, how to train it, on what data, with what resources, and what to
+/// do when it runs out of memory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// Higher runs first within one tenant.
+    #[serde(default)]
+    pub priority: i32,
+    pub model: ModelSpec,
+    pub training: TrainingSpec,
+    pub data: DataSpec,
+    #[serde(default)]
+    pub resources: ResourcesSpec,
+    #[serde(default)]
+    pub oom: OomPolicySpec,
+}
+
+/// The model as a Keras-Sequential-style layer list.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// `[height, width, channels]` for images (channels last, as in Keras), `[features]` for
+    /// flat inputs.
+    pub input_shape: Vec<u64>,
+    pub layers: Vec<LayerSpec>,
+    pub loss: LossKind,
+}
+
+/// One layer. In TOML: `{ conv2d = { filters = 32, kernel = 3, padding = "same" } }`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerSpec {
+    Conv2d(Conv2dSpec),
+    MaxPool(PoolSpec),
+    AvgPool(PoolSpec),
+    GlobalAvgPool(NoSettings),
+    Relu(NoSettings),
+    LeakyRelu(LeakyReluSpec),
+    Gelu(NoSettings),
+    Sigmoid(NoSettings),
+    Tanh(NoSettings),
+    BatchNorm(BatchNormSpec),
+    Dropout(DropoutSpec),
+    Flatten(NoSettings),
+    Dense(DenseSpec),
+}
+
+impl LayerSpec {
+    /// The key the layer is written under, used in field paths.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            LayerSpec::Conv2d(_) => "conv2d",
+            LayerSpec::MaxPool(_) => "max_pool",
+            LayerSpec::AvgPool(_) => "avg_pool",
+            LayerSpec::GlobalAvgPool(_) => "global_avg_pool",
+            LayerSpec::Relu(_) => "relu",
+            LayerSpec::LeakyRelu(_) => "leaky_relu",
+            LayerSpec::Gelu(_) => "gelu",
+            LayerSpec::Sigmoid(_) => "sigmoid",
+            LayerSpec::Tanh(_) => "tanh",
+            LayerSpec::BatchNorm(_) => "batch_norm",
+            LayerSpec::Dropout(_) => "dropout",
+            LayerSpec::Flatten(_) => "flatten",
+            LayerSpec::Dense(_) => "dense",
+        }
+    }
+}
+
+/// For layers with nothing to set: written `{ relu = {} }`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoSettings {}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Conv2dSpec {
+    pub filters: u64,
+    pub kernel: Dimensions,
+    #[serde(default = "Dimensions::one")]
+    pub stride: Dimensions,
+    #[serde(default)]
+    pub padding: Padding,
+    #[serde(default = "default_true")]
+    pub use_bias: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSpec {
+    pub size: Dimensions,
+    /// Defaults to the pool size, as in Keras.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stride: Option<Dimensions>,
+    #[serde(default)]
+    pub padding: Padding,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeakyReluSpec {
+    #[serde(default = "default_leaky_relu_alpha")]
+    pub alpha: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchNormSpec {
+    /// Running statistics momentum, Keras convention (new = momentum * old + (1 - momentum) * batch).
+    #[serde(default = "default_batch_norm_momentum")]
+    pub momentum: f64,
+    #[serde(default = "default_batch_norm_epsilon")]
+    pub epsilon: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DropoutSpec {
+    pub rate: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DenseSpec {
+    pub units: u64,
+    #[serde(default = "default_true")]
+    pub use_bias: bool,
+}
+
+/// A kernel, stride or pool size: one number for a square, or `[height, width]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged, expecting = "a positive integer or [height, width]")]
+pub enum Dimensions {
+    Square(u64),
+    Rectangle([u64; 2]),
+}
+
+impl Dimensions {
+    fn one() -> Self {
+        Dimensions::Square(1)
+    }
+
+    pub fn height(&self) -> u64 {
+        match self {
+            Dimensions::Square(size) => *size,
+            Dimensions::Rectangle([height, _]) => *height,
+        }
+    }
+
+    pub fn width(&self) -> u64 {
+        match self {
+            Dimensions::Square(size) => *size,
+            Dimensions::Rectangle([_, width]) => *width,
+        }
+    }
+}
+
+impl fmt::Display for Dimensions {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Dimensions::Square(size) => write!(formatter, "{size}"),
+            Dimensions::Rectangle([height, width]) => write!(formatter, "{height}x{width}"),
+        }
+    }
+}
+
+/// `"valid"` (no padding), `"same"` (output = ceil(input / stride), TensorFlow's rule) or an
+/// explicit number of pixels on every side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged, expecting = "\"valid\", \"same\" or a number of pixels")]
+pub enum Padding {
+    Named(PaddingMode),
+    Pixels(u64),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PaddingMode {
+    Valid,
+    Same,
+}
+
+impl Default for Padding {
+    fn default() -> Self {
+        Padding::Named(PaddingMode::Valid)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    /// Softmax over the last layer's outputs, then cross-entropy against integer class labels.
+    SoftmaxCrossEntropy,
+    /// Mean squared error against targets of the output's shape.
+    Mse,
+}
+
+/// How to train.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingSpec {
+    /// The effective batch the optimizer sees per step.
+    pub batch_size: u64,
+    /// Optimizer steps to run; exactly one of `steps` and `epochs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epochs: Option<u64>,
+    pub optimizer: OptimizerSpec,
+    #[serde(default)]
+    pub precision: Precision,
+    /// Micro-batches per step: the batch is split into this many pieces whose gradients are
+    /// accumulated, so the optimizer sees the same effective batch. Must divide `batch_size`.
+    #[serde(default = "default_one")]
+    pub accumulation_steps: u64,
+    /// Keep only every N-th layer's input during forward and recompute the rest in backward.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute_segment_layers: Option<u64>,
+    /// The most memory one convolution may take as cuDNN workspace (or im2col buffer).
+    #[serde(default = "default_workspace_limit")]
+    pub workspace_limit: ByteSize,
+    /// 0 writes a checkpoint only at the end.
+    #[serde(default = "default_checkpoint_every_steps")]
+    pub checkpoint_every_steps: u64,
+    #[serde(default)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerSpec {
+    /// Plain SGD; with `momentum > 0` it keeps one velocity buffer per parameter.
+    Sgd(SgdSpec),
+    Adam(AdamSpec),
+    Adamw(AdamSpec),
+}
+
+impl OptimizerSpec {
+    /// fp32 state tensors kept per parameter tensor (velocity; first and second moments).
+    pub fn state_tensors_per_parameter(&self) -> u64 {
+        match self {
+            OptimizerSpec::Sgd(sgd) if sgd.momentum == 0.0 => 0,
+            OptimizerSpec::Sgd(_) => 1,
+            OptimizerSpec::Adam(_) | OptimizerSpec::Adamw(_) => 2,
+        }
+    }
+
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            OptimizerSpec::Sgd(_) => "sgd",
+            OptimizerSpec::Adam(_) => "adam",
+            OptimizerSpec::Adamw(_) => "adamw",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SgdSpec {
+    pub learning_rate: f64,
+    #[serde(default)]
+    pub momentum: f64,
+    #[serde(default)]
+    pub nesterov: bool,
+    #[serde(default)]
+    pub weight_decay: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdamSpec {
+    pub learning_rate: f64,
+    #[serde(default = "default_beta1")]
+    pub beta1: f64,
+    #[serde(default = "default_beta2")]
+    pub beta2: f64,
+    #[serde(default = "default_adam_epsilon")]
+    pub epsilon: f64,
+    /// Adam adds it to the gradient (L2); AdamW decays the weights directly (decoupled).
+    #[serde(default)]
+    pub weight_decay: f64,
+}
+
+/// The precision of activations and gradients. `fp16` and `bf16` are mixed precision: fp32
+/// master weights, half-precision compute copies, and (for fp16) dynamic loss scaling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    #[default]
+    Fp32,
+    Fp16,
+    Bf16,
+}
+
+impl Precision {
+    pub fn element_bytes(self) -> u64 {
+        match self {
+            Precision::Fp32 => 4,
+            Precision::Fp16 | Precision::Bf16 => 2,
+        }
+    }
+
+    pub fn is_mixed(self) -> bool {
+        self != Precision::Fp32
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Fp16 => "fp16",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Precision> {
+        match name {
+            "fp32" => Some(Precision::Fp32),
+            "fp16" => Some(Precision::Fp16),
+            "bf16" => Some(Precision::Bf16),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str(self.name())
+    }
+}
+
+/// Where the training data comes from. Which fields are needed depends on `format`; the
+/// validator says which one is missing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSpec {
+    pub format: DataFormat,
+    /// Synthetic data: samples in the training set (generated from the training seed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples: Option<u64>,
+    /// Synthetic data: samples in the held-out test set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_samples: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train: Option<DataFiles>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test: Option<DataFiles>,
+    #[serde(default = "default_true")]
+    pub shuffle: bool,
+    /// Batches loaded ahead onto the device while the current one trains.
+    #[serde(default = "default_prefetch_batches")]
+    pub prefetch_batches: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataFormat {
+    Synthetic,
+    /// IDX files (the MNIST format): `images` and `labels`.
+    Idx,
+    /// CIFAR-10 binary batches: `files`.
+    Cifar10,
+    /// NumPy `.npy` arrays: `inputs` and `targets`.
+    Npy,
+}
+
+impl DataFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            DataFormat::Synthetic => "synthetic",
+            DataFormat::Idx => "idx",
+            DataFormat::Cifar10 => "cifar10",
+            DataFormat::Npy => "npy",
+        }
+    }
+}
+
+/// Paths of one split (train or test). Relative paths are relative to the job file.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataFiles {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inputs: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub targets: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcesSpec {
+    /// `"auto"` (the estimator decides) or a slice size such as `"6GiB"`.
+    #[serde(default)]
+    pub vram: VramRequest,
+    #[serde(default = "default_one")]
+    pub gpus: u64,
+}
+
+impl Default for ResourcesSpec {
+    fn default() -> Self {
+        ResourcesSpec {
+            vram: VramRequest::Auto,
+            gpus: 1,
+        }
+    }
+}
+
+/// How much GPU memory the job asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VramRequest {
+    /// The slice is sized by the estimator.
+    #[default]
+    Auto,
+    /// A fixed slice of this many bytes.
+    Bytes(u64),
+}
+
+impl Serialize for VramRequest {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            VramRequest::Auto => serializer.serialize_str("auto"),
+            VramRequest::Bytes(bytes) => ByteSize(*bytes).serialize(serializer),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for VramRequest {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged, expecting = "\"auto\" or a size such as \"6GiB\"")]
+        enum Written {
+            Text(String),
+            Bytes(u64),
+        }
+        match Written::deserialize(deserializer)? {
+            Written::Text(text) if text.trim().eq_ignore_ascii_case("auto") => {
+                Ok(VramRequest::Auto)
+            }
+            Written::Text(text) => parse_byte_size(&text)
+                .map(VramRequest::Bytes)
+                .map_err(serde::de::Error::custom),
+            Written::Bytes(bytes) => Ok(VramRequest::Bytes(bytes)),
+        }
+    }
+}
+
+/// A byte count written as a size string (`"256MiB"`) or a plain integer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ByteSize(pub u64);
+
+impl Serialize for ByteSize {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        // Exact units only, so a round trip gives back the same number of bytes.
+        let bytes = self.0;
+        let text = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")]
+            .iter()
+            .find(|(shift, _)| bytes != 0 && bytes.is_multiple_of(1u64 << shift))
+            .map(|(shift, unit)| format!("{}{unit}", bytes >> shift))
+            .unwrap_or_else(|| format!("{bytes}B"));
+        serializer.serialize_str(&text)
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged, expecting = "a size such as \"256MiB\" or a number of bytes")]
+        enum Written {
+            Text(String),
+            Bytes(u64),
+        }
+        match Written::deserialize(deserializer)? {
+            Written::Text(text) => parse_byte_size(&text)
+                .map(ByteSize)
+                .map_err(serde::de::Error::custom),
+            Written::Bytes(bytes) => Ok(ByteSize(bytes)),
+        }
+    }
+}
+
+/// What the scheduler may do when an attempt runs out of memory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OomPolicySpec {
+    /// Strategies to try, in order of preference.
+    #[serde(default = "ShrinkStrategy::default_order")]
+    pub strategies: Vec<ShrinkStrategy>,
+    /// The smallest micro-batch `accumulate` may go down to.
+    #[serde(default = "default_one")]
+    pub min_micro_batch: u64,
+    /// Attempts after the first that may be started because of an OOM.
+    #[serde(default = "default_max_retries")]
+    pub max_retries: u32,
+    /// The half precision `mixed_precision` switches to: fp16 runs everywhere, bf16 needs
+    /// Ampere or newer but never overflows.
+    #[serde(default = "default_half_precision")]
+    pub half_precision: Precision,
+}
+
+impl Default for OomPolicySpec {
+    fn default() -> Self {
+        OomPolicySpec {
+            strategies: ShrinkStrategy::default_order(),
+            min_micro_batch: 1,
+            max_retries: default_max_retries(),
+            half_precision: default_half_precision(),
+        }
+    }
+}
+
+/// One way to make a job use less memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShrinkStrategy {
+    /// fp16/bf16 activations with fp32 master weights: same training, half the activations.
+    MixedPrecision,
+    /// Micro-batches with gradient accumulation: same effective batch.
+    Accumulate,
+    /// Keep fewer activations and recompute them in backward: same math, more compute.
+    Recompute,
+    /// Convolution algorithms with smaller workspaces: same math, maybe slower.
+    Workspace,
+    /// A smaller batch: changes the training, so only when the job lists it.
+    ShrinkBatch,
+}
+
+impl ShrinkStrategy {
+    pub fn default_order() -> Vec<ShrinkStrategy> {
+        vec![
+            ShrinkStrategy::MixedPrecision,
+            ShrinkStrategy::Accumulate,
+            ShrinkStrategy::Recompute,
+            ShrinkStrategy::Workspace,
+        ]
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ShrinkStrategy::MixedPrecision => "mixed_precision",
+            ShrinkStrategy::Accumulate => "accumulate",
+            ShrinkStrategy::Recompute => "recompute",
+            ShrinkStrategy::Workspace => "workspace",
+            ShrinkStrategy::ShrinkBatch => "shrink_batch",
+        }
+    }
+
+    /// Whether the optimizer still sees the same training (up to floating-point rounding).
+    pub fn keeps_training_semantics(self) -> bool {
+        self != ShrinkStrategy::ShrinkBatch
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_one() -> u64 {
+    1
+}
+fn default_leaky_relu_alpha() -> f64 {
+    0.01
+}
+fn default_batch_norm_momentum() -> f64 {
+    0.99
+}
+fn default_batch_norm_epsilon() -> f64 {
+    1e-3
+}
+fn default_beta1() -> f64 {
+    0.9
+}
+fn default_beta2() -> f64 {
+    0.999
+}
+fn default_adam_epsilon() -> f64 {
+    1e-8
+}
+fn default_workspace_limit() -> ByteSize {
+    ByteSize(256 << 20)
+}
+fn default_checkpoint_every_steps() -> u64 {
+    100
+}
+fn default_prefetch_batches() -> u64 {
+    2
+}
+fn default_max_retries() -> u32 {
+    3
+}
+fn default_half_precision() -> Precision {
+    Precision::Fp16
+}
