@@ -67,8 +67,9 @@ impl RunConfig {
         self.batch_size / self.micro_batch_size.max(1)
     }
 
-    /// Checks a config that came from outside (an override, the API) against its model.
-    pub fn check(&self, graph: &ModelGraph) -> Result<(), FieldError> {
+    /// Checks the settings that need no model: what a worker or a store reading a config
+    /// back can check on its own.
+    pub fn check_settings(&self) -> Result<(), FieldError> {
         if self.batch_size == 0 {
             return Err(FieldError::new("batch_size", "must be at least 1"));
         }
@@ -84,9 +85,27 @@ impl RunConfig {
                 ),
             ));
         }
+        if self.recompute_segment_layers == Some(0) {
+            return Err(FieldError::new(
+                "recompute_segment_layers",
+                "must be at least 1",
+            ));
+        }
+        if self.prefetch_batches == 0 || self.prefetch_batches > 16 {
+            return Err(FieldError::new(
+                "prefetch_batches",
+                format!("{} must be between 1 and 16", self.prefetch_batches),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks a config that came from outside (an override, the API) against its model.
+    pub fn check(&self, graph: &ModelGraph) -> Result<(), FieldError> {
+        self.check_settings()?;
         if let Some(segment) = self.recompute_segment_layers {
             let layer_count = graph.layers.len() as u64;
-            if segment == 0 || segment > layer_count {
+            if segment > layer_count {
                 return Err(FieldError::new(
                     "recompute_segment_layers",
                     format!(
@@ -94,12 +113,6 @@ impl RunConfig {
                     ),
                 ));
             }
-        }
-        if self.prefetch_batches == 0 || self.prefetch_batches > 16 {
-            return Err(FieldError::new(
-                "prefetch_batches",
-                format!("{} must be between 1 and 16", self.prefetch_batches),
-            ));
         }
         Ok(())
     }
