@@ -34,6 +34,9 @@ pub fn parse_byte_size(text: &str) -> Result<u64, ByteSizeError> {
     let (number_text, unit_text) = trimmed.split_at(split_at);
     let number_text = number_text.replace('_', "");
     let unit = unit_text.trim();
+    if number_text.is_empty() || number_text.chars().filter(|c| *c == '.').count() > 1 {
+        return Err(ByteSizeError::NotANumber(trimmed.to_string()));
+    }
     let multiplier: u64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kib" => 1 << 10,
@@ -50,9 +53,6 @@ pub fn parse_byte_size(text: &str) -> Result<u64, ByteSizeError> {
             });
         }
     };
-    if number_text.is_empty() || number_text.chars().filter(|c| *c == '.').count() > 1 {
-        return Err(ByteSizeError::NotANumber(trimmed.to_string()));
-    }
     let (whole_text, fraction_text) = number_text.split_once('.').unwrap_or((&number_text, ""));
     let whole: u64 = if whole_text.is_empty() {
         0

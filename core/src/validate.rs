@@ -31,9 +31,9 @@ pub fn parse_job_spec_toml(text: &str) -> Result<JobSpec, FieldError> {
     let deserializer = toml::Deserializer::parse(text)
         .map_err(|error| FieldError::new("", error.to_string().trim()))?;
     serde_path_to_error::deserialize(deserializer).map_err(|error| {
-        let field = error.path().to_string();
+        let field = field_path(error.path().to_string(), error.inner().message());
         let reason = with_line_number(text, error.inner());
-        FieldError::new(if field == "." { String::new() } else { field }, reason)
+        FieldError::new(field, reason)
     })
 }
 
@@ -41,17 +41,28 @@ pub fn parse_job_spec_toml(text: &str) -> Result<JobSpec, FieldError> {
 pub fn parse_job_spec_json(text: &str) -> Result<JobSpec, FieldError> {
     let mut deserializer = serde_json::Deserializer::from_str(text);
     serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
-        let field = error.path().to_string();
-        FieldError::new(
-            if field == "." { String::new() } else { field },
-            error.inner().to_string(),
-        )
+        let reason = error.inner().to_string();
+        FieldError::new(field_path(error.path().to_string(), &reason), reason)
     })
 }
 
 /// Parses and validates in one go.
 pub fn load_job_spec_toml(text: &str) -> Result<ValidatedJob, FieldError> {
     validate_job_spec(parse_job_spec_toml(text)?)
+}
+
+/// The path serde_path_to_error reports, empty for the document itself; serde reports a
+/// missing field at the table that lacks it, so the missing key is added to the path.
+fn field_path(path: String, message: &str) -> String {
+    let path = if path == "." { String::new() } else { path };
+    match message
+        .strip_prefix("missing field `")
+        .and_then(|rest| rest.split_once('`'))
+    {
+        Some((name, _)) if path.is_empty() => name.to_string(),
+        Some((name, _)) => format!("{path}.{name}"),
+        None => path,
+    }
 }
 
 /// The message alone (the path is reported apart), with the line it is on when known.
@@ -223,7 +234,7 @@ fn resolve_window(
     let (padding_top, padding_bottom, padding_left, padding_right) = match padding {
         Padding::Named(PaddingMode::Valid) => (0, 0, 0, 0),
         Padding::Pixels(pixels) => {
-            if pixels >= kernel_height.max(kernel_width) {
+            if pixels >= kernel_height.min(kernel_width) {
                 return Err(FieldError::new(
                     format!("{path}.padding"),
                     format!("{pixels} pixels is not smaller than the {kernel} kernel"),
@@ -232,8 +243,12 @@ fn resolve_window(
             (pixels, pixels, pixels, pixels)
         }
         Padding::Named(PaddingMode::Same) => {
-            let total_height = same_padding_total(input_height, kernel_height, stride_height);
-            let total_width = same_padding_total(input_width, kernel_width, stride_width);
+            let too_large =
+                || FieldError::new(format!("{path}.kernel"), format!("{kernel} is too large"));
+            let total_height = same_padding_total(input_height, kernel_height, stride_height)
+                .ok_or_else(too_large)?;
+            let total_width = same_padding_total(input_width, kernel_width, stride_width)
+                .ok_or_else(too_large)?;
             (
                 total_height / 2,
                 total_height - total_height / 2,
@@ -242,8 +257,19 @@ fn resolve_window(
             )
         }
     };
-    let padded_height = input_height + padding_top + padding_bottom;
-    let padded_width = input_width + padding_left + padding_right;
+    let padded = |input: u64, before: u64, after: u64| {
+        input
+            .checked_add(before)
+            .and_then(|sum| sum.checked_add(after))
+            .ok_or_else(|| {
+                FieldError::new(
+                    format!("{path}.padding"),
+                    "makes the padded input too large",
+                )
+            })
+    };
+    let padded_height = padded(input_height, padding_top, padding_bottom)?;
+    let padded_width = padded(input_width, padding_left, padding_right)?;
     if kernel_height > padded_height || kernel_width > padded_width {
         return Err(FieldError::new(
             format!("{path}.kernel"),
@@ -268,9 +294,14 @@ fn resolve_window(
     ))
 }
 
-fn same_padding_total(input: u64, kernel: u64, stride: u64) -> u64 {
+/// None when the kernel is so large that the padded size does not fit in u64.
+fn same_padding_total(input: u64, kernel: u64, stride: u64) -> Option<u64> {
     let output = input.div_ceil(stride);
-    ((output - 1) * stride + kernel).saturating_sub(input)
+    Some(
+        ((output - 1) * stride)
+            .checked_add(kernel)?
+            .saturating_sub(input),
+    )
 }
 
 fn infer_layer(
@@ -291,8 +322,10 @@ fn infer_layer(
             }
             let (window, output_height, output_width) =
                 resolve_window(&path, height, width, conv.kernel, conv.stride, conv.padding)?;
-            let output_elements =
-                checked_elements(&[output_height, output_width, conv.filters], &path)?;
+            checked_elements(
+                &[output_height, output_width, conv.filters],
+                &format!("{path}.filters"),
+            )?;
             let kernel_elements = checked_elements(
                 &[
                     window.kernel_height,
@@ -313,7 +346,6 @@ fn infer_layer(
                 ],
                 &format!("{path}.kernel"),
             )?;
-            let _ = output_elements;
             parameters.push(ParameterTensor {
                 name: "kernel",
                 shape: vec![
@@ -346,6 +378,11 @@ fn infer_layer(
             let stride = pool.stride.unwrap_or(pool.size);
             let (window, output_height, output_width) =
                 resolve_window(&path, height, width, pool.size, stride, pool.padding)?;
+            // Explicit padding can make the output larger than the input: count it.
+            checked_elements(
+                &[output_height, output_width, channels],
+                &format!("{path}.padding"),
+            )?;
             let op = if matches!(layer, LayerSpec::MaxPool(_)) {
                 LayerOp::MaxPool { window }
             } else {

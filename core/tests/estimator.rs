@@ -84,16 +84,20 @@ fn adam_adds_two_fp32_moments_per_parameter() {
 
 #[test]
 fn mixed_precision_keeps_fp32_masters_and_half_weights() {
-    let job = job(
-        DENSE_ONLY,
-        "batch_size = 2\nsteps = 1\noptimizer = { sgd = { learning_rate = 0.1 } }\nprecision = \"fp16\"",
-        "",
-    );
-    let estimate = estimate_job(&job, &RunConfig::from_spec(&job.spec)).unwrap();
-    // Half kernel and bias, fp32 masters, fp32 gradients, input and target slots.
-    assert_eq!(estimate.persistent_bytes, 8 * 256);
-    assert_eq!(category(&estimate, MemoryCategory::MasterWeights), 512);
-    assert_eq!(estimate.peak_bytes, 11 * 256);
+    for precision in ["fp16", "bf16"] {
+        let job = job(
+            DENSE_ONLY,
+            &format!(
+                "batch_size = 2\nsteps = 1\noptimizer = {{ sgd = {{ learning_rate = 0.1 }} }}\nprecision = \"{precision}\""
+            ),
+            "",
+        );
+        let estimate = estimate_job(&job, &RunConfig::from_spec(&job.spec)).unwrap();
+        // Half kernel and bias, fp32 masters, fp32 gradients, input and target slots.
+        assert_eq!(estimate.persistent_bytes, 8 * 256, "{precision}");
+        assert_eq!(category(&estimate, MemoryCategory::MasterWeights), 512);
+        assert_eq!(estimate.peak_bytes, 11 * 256, "{precision}");
+    }
 }
 
 #[test]

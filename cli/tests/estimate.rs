@@ -1,0 +1,161 @@
+//! Runs the real `carve` binary: `carve estimate` on every example, JSON that parses and
+//! adds up, the shrink plan for a slice, and errors a person can act on.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn carve(arguments: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_carve"))
+        .args(arguments)
+        .output()
+        .expect("the carve binary runs")
+}
+
+fn examples() -> Vec<PathBuf> {
+    let directory = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&directory)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| {
+            path.extension()
+                .is_some_and(|extension| extension == "toml")
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+fn json_of(output: &Output) -> Value {
+    assert!(
+        output.status.success(),
+        "exit {:?}: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("stdout is JSON")
+}
+
+#[test]
+fn every_example_estimates_as_json_with_consistent_breakdowns() {
+    let examples = examples();
+    assert!(examples.len() >= 6, "examples: {examples:?}");
+    for example in examples {
+        let report = json_of(&carve(&[
+            "estimate",
+            example.to_str().unwrap(),
+            "-o",
+            "json",
+        ]));
+        let peak = report["peak_bytes"].as_u64().unwrap();
+        assert!(peak > 0, "{}", example.display());
+        assert!(report["required_bytes"].as_u64().unwrap() >= peak);
+        let by_category: u64 = report["by_category"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|bytes| bytes.as_u64().unwrap())
+            .sum();
+        let by_layer: u64 = report["by_layer"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|layer| layer["bytes"].as_u64().unwrap())
+            .sum();
+        assert_eq!(by_category, peak, "{}", example.display());
+        assert_eq!(by_layer, peak, "{}", example.display());
+        // Every example with a fixed slice fits it, shrunk where needed.
+        if let Some(slice) = report.get("slice") {
+            assert_eq!(slice["fits"], true, "{}: {slice}", example.display());
+        }
+    }
+}
+
+#[test]
+fn the_tensorflow_seed_case_is_shrunk_into_sixteen_gib() {
+    let example =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tf-conv2d-1024px-batch256.toml");
+    let report = json_of(&carve(&[
+        "estimate",
+        example.to_str().unwrap(),
+        "-o",
+        "json",
+    ]));
+    let sixteen_gib = 16u64 << 30;
+    assert!(report["required_bytes"].as_u64().unwrap() > sixteen_gib);
+    let slice = &report["slice"];
+    assert_eq!(slice["slice_bytes"].as_u64().unwrap(), sixteen_gib);
+    assert_eq!(slice["changed"], true);
+    assert!(slice["estimate"]["required_bytes"].as_u64().unwrap() <= sixteen_gib);
+    assert_eq!(
+        slice["estimate"]["config"]["batch_size"].as_u64().unwrap(),
+        256
+    );
+    assert_eq!(slice["steps"][0]["strategy"], "mixed_precision");
+}
+
+#[test]
+fn overrides_change_the_estimate() {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mnist-cnn.toml");
+    let path = example.to_str().unwrap();
+    let base = json_of(&carve(&["estimate", path, "-o", "json"]));
+    let half = json_of(&carve(&[
+        "estimate",
+        path,
+        "--precision",
+        "bf16",
+        "-o",
+        "json",
+    ]));
+    let small = json_of(&carve(&[
+        "estimate",
+        path,
+        "--batch-size",
+        "8",
+        "-o",
+        "json",
+    ]));
+    assert_eq!(half["config"]["precision"], "bf16");
+    assert_eq!(small["config"]["batch_size"].as_u64().unwrap(), 8);
+    assert!(small["peak_bytes"].as_u64().unwrap() < base["peak_bytes"].as_u64().unwrap());
+}
+
+#[test]
+fn a_slice_nothing_fits_exits_three_with_the_numbers() {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mnist-cnn.toml");
+    let output = carve(&["estimate", example.to_str().unwrap(), "--slice", "1MiB"]);
+    assert_eq!(output.status.code(), Some(3));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("does not fit in a 1 MiB slice"), "{stdout}");
+}
+
+#[test]
+fn a_bad_spec_names_the_file_and_the_field() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("bad.toml");
+    std::fs::write(
+        &path,
+        "name = \"bad\"\n[model]\ninput_shape = [4, 4, 1]\nloss = \"mse\"\nlayers = [{ conv2d = { filters = 2, kernel = 5 } }]\n[training]\nbatch_size = 2\nsteps = 1\noptimizer = { sgd = { learning_rate = 0.1 } }\n[data]\nformat = \"synthetic\"\nsamples = 8\n",
+    )
+    .unwrap();
+    let output = carve(&["estimate", path.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("bad.toml"), "{stderr}");
+    assert!(
+        stderr.contains("model.layers[0].conv2d.kernel: 5 is larger than the 4x4 input"),
+        "{stderr}"
+    );
+
+    let missing = carve(&["estimate", "/nonexistent/job.toml"]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("cannot read /nonexistent/job.toml"));
+
+    let bad_slice = carve(&["estimate", path.to_str().unwrap(), "--slice", "lots"]);
+    assert_eq!(
+        bad_slice.status.code(),
+        Some(2),
+        "clap rejects it before anything runs"
+    );
+}
