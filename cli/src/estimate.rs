@@ -34,7 +34,7 @@ pub struct EstimateArguments {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum OutputFormat {
+pub enum OutputFormat {
     Table,
     Json,
 }
@@ -113,7 +113,7 @@ pub fn run(arguments: EstimateArguments) -> Result<ExitCode> {
     })
 }
 
-fn config_json(config: &RunConfig) -> Value {
+pub fn config_json(config: &RunConfig) -> Value {
     json!({
         "batch_size": config.batch_size,
         "micro_batch_size": config.micro_batch_size,

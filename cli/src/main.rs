@@ -1,10 +1,11 @@
 //! `carve`: the command-line front end.
 //!
 //! Arguments are parsed and checked first (clap), then the real objects are built. For now
-//! it estimates jobs locally; the gRPC commands (submit, jobs, watch, ...) arrive with the
-//! scheduler.
+//! it estimates and trains jobs locally; the gRPC commands (submit, jobs, watch, ...)
+//! arrive with the scheduler.
 
 mod estimate;
+mod run;
 
 use std::process::ExitCode;
 
@@ -26,12 +27,16 @@ enum Command {
     /// Computes the GPU memory one training step of a job needs, with breakdowns; with
     /// --slice, what would run inside a slice of that size.
     Estimate(estimate::EstimateArguments),
+    /// Trains a job locally inside a slice (the same code a worker's attempt runs) and
+    /// prints its final metrics; an out-of-memory ends it with the numbers (exit code 3).
+    Run(run::RunArguments),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Estimate(arguments) => estimate::run(arguments),
+        Command::Run(arguments) => run::run(arguments),
     };
     match result {
         Ok(code) => code,

@@ -63,7 +63,7 @@ struct Replay {
     peak_during: String,
 }
 
-/// Runs setup, one micro-batch and the update through an allocator of `limit` bytes.
+/// Runs setup, one micro-batch, the update and an evaluation batch through an allocator of `limit` bytes.
 /// One micro-batch stands for all of them: each phase frees all it allocates and the
 /// allocator coalesces fully, so every repetition starts from the same state.
 fn replay_plan(plan: &StepPlan, limit: u64) -> Result<Replay, OutOfMemory> {
@@ -88,7 +88,12 @@ fn replay_plan(plan: &StepPlan, limit: u64) -> Result<Replay, OutOfMemory> {
         owner_bytes_at_peak: vec![0; layer_count + 2],
         peak_during: String::from("setup"),
     };
-    let phases = [&plan.setup, &plan.micro_batch, &plan.update];
+    let phases = [
+        &plan.setup,
+        &plan.micro_batch,
+        &plan.update,
+        &plan.evaluation,
+    ];
     for (phase_index, phase) in phases.into_iter().enumerate() {
         // Where an allocation happens, the operation that follows is what needs it.
         for (position, step) in phase.iter().enumerate() {
@@ -139,7 +144,7 @@ fn describe_next_operation(plan: &StepPlan, phase_index: usize, rest: &[PlanStep
         _ => None,
     });
     let Some(operation) = operation else {
-        return ["setup", "micro-batch", "update"][phase_index].to_string();
+        return ["setup", "micro-batch", "update", "evaluation"][phase_index].to_string();
     };
     match operation.kind {
         OperationKind::InitializeParameters => "setup".to_string(),
@@ -151,6 +156,10 @@ fn describe_next_operation(plan: &StepPlan, phase_index: usize, rest: &[PlanStep
         OperationKind::LossBackward => "loss backward".to_string(),
         OperationKind::LayerBackward { layer } => format!("backward {}", plan.layer_labels[layer]),
         OperationKind::CheckOverflow => "loss-scale overflow check".to_string(),
+        OperationKind::LayerInference { layer } => {
+            format!("evaluation {}", plan.layer_labels[layer])
+        }
+        OperationKind::LossEvaluate => "evaluation loss".to_string(),
         OperationKind::OptimizerUpdate { layer, .. } => {
             format!("optimizer update {}", plan.layer_labels[layer])
         }

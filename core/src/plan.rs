@@ -315,6 +315,13 @@ pub enum OperationKind {
         layer: usize,
         parameter: usize,
     },
+    /// Forward in inference mode (batch norm uses its running statistics, dropout passes
+    /// through), for evaluating the test set.
+    LayerInference {
+        layer: usize,
+    },
+    /// The loss and the probabilities of an evaluation batch.
+    LossEvaluate,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -342,6 +349,9 @@ pub struct StepPlan {
     pub setup: Vec<PlanStep>,
     pub micro_batch: Vec<PlanStep>,
     pub update: Vec<PlanStep>,
+    /// Forward only, in inference mode, for one micro-batch of the test set. Like the
+    /// other phases it frees all it allocates.
+    pub evaluation: Vec<PlanStep>,
     /// Labels of the buffer owners, indexed like the layers (`layers[3].conv2d`).
     pub layer_labels: Vec<String>,
 }
@@ -783,7 +793,11 @@ pub fn compile_step_plan(job: &ValidatedJob, config: &RunConfig) -> Result<StepP
         reads.extend(&backward_extras[index]);
         reads.extend(&parameters[index].weights);
         let mut writes = Vec::new();
-        let input_gradient = if index > first_trainable {
+        // cuDNN's batch-norm backward always writes the input gradient, so it gets one
+        // even as the first trainable layer.
+        let needs_input_gradient =
+            index > first_trainable || matches!(layer.op, LayerOp::BatchNorm { .. });
+        let input_gradient = if needs_input_gradient {
             let elements = builder.per_micro_batch(layer.input_shape.elements(), owner)?;
             let input_gradient = builder.add_buffer(
                 BufferRole::InputGradient,
@@ -865,12 +879,60 @@ pub fn compile_step_plan(job: &ValidatedJob, config: &RunConfig) -> Result<StepP
     }
     let update = place_by_liveness(&update_operations, persistent_count);
 
+    // Evaluation: each layer's output lives only until the next layer has read it.
+    let mut evaluation_operations = Vec::new();
+    let mut current = input;
+    for layer in &graph.layers {
+        let output = builder.layer_output(layer, current)?;
+        let workspace = builder.workspace(layer)?;
+        let mut reads = vec![current];
+        reads.extend(&parameters[layer.index].weights);
+        evaluation_operations.push(Operation {
+            kind: OperationKind::LayerInference { layer: layer.index },
+            reads,
+            writes: if layer.is_view() {
+                Vec::new()
+            } else {
+                vec![output]
+            },
+            scratch: workspace.into_iter().collect(),
+        });
+        current = output;
+    }
+    let evaluation_loss = builder.add_buffer(
+        BufferRole::LossValue,
+        BufferOwner::Loss,
+        MemoryCategory::Transients,
+        ElementType::F32,
+        1,
+    )?;
+    let mut evaluation_writes = vec![evaluation_loss];
+    if graph.loss == LossKind::SoftmaxCrossEntropy {
+        let elements =
+            builder.per_micro_batch(graph.output_shape().elements(), BufferOwner::Loss)?;
+        evaluation_writes.push(builder.add_buffer(
+            BufferRole::Probabilities,
+            BufferOwner::Loss,
+            MemoryCategory::Activations,
+            ElementType::F32,
+            elements,
+        )?);
+    }
+    evaluation_operations.push(Operation {
+        kind: OperationKind::LossEvaluate,
+        reads: vec![current, target],
+        writes: evaluation_writes,
+        scratch: Vec::new(),
+    });
+    let evaluation = place_by_liveness(&evaluation_operations, persistent_count);
+
     Ok(StepPlan {
         config: *config,
         buffers: builder.buffers,
         setup,
         micro_batch,
         update,
+        evaluation,
         layer_labels: graph.layers.iter().map(LayerNode::label).collect(),
     })
 }

@@ -295,7 +295,12 @@ fn recomputation_keeps_fewer_activations() {
 
 fn assert_every_read_is_live(plan: &StepPlan) {
     let mut live = vec![false; plan.buffers.len()];
-    for phase in [&plan.setup, &plan.micro_batch, &plan.update] {
+    for phase in [
+        &plan.setup,
+        &plan.micro_batch,
+        &plan.update,
+        &plan.evaluation,
+    ] {
         for step in phase {
             match step {
                 PlanStep::Allocate(id) => {

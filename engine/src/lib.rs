@@ -1,6 +1,22 @@
-//! carve-engine: training execution inside a slice.
+//! carve-engine: training execution inside a memory-limited slice.
 //!
-//! This crate will execute `carve_core::plan::StepPlan`s on a backend (`cpu` with real
-//! math over host buffers, `cuda` with cuDNN/cuBLAS through cudarc), with every buffer
-//! placed by `carve_core::allocator::SliceAllocator`. It is empty until the engine issue
-//! lands; the dependency on carve-core is what it will build on.
+//! The engine never decides allocation order itself: it executes the step plans that
+//! `carve_core::plan` compiles, placing every buffer through
+//! `carve_core::allocator::SliceAllocator`, so the memory it uses is exactly what the
+//! estimator predicted. Pieces:
+//! - `kernels`: the math of every layer, loss and optimizer, on f32 slices (NHWC images);
+//! - `data`: data sets (synthetic, IDX, CIFAR-10, NPY) streamed in batches;
+//! - `backend` / `executor`: device buffers and the plan interpreter;
+//! - `trainer` and `checkpoint`: the training loop, accumulation, loss scaling, resume.
+
+pub mod backend;
+pub mod checkpoint;
+pub mod cpu;
+pub mod data;
+pub mod error;
+pub mod executor;
+pub mod kernels;
+pub mod rng;
+pub mod trainer;
+
+pub use error::EngineError;

@@ -1,0 +1,62 @@
+//! Backends: where a plan's buffers live and how its operations run.
+//!
+//! The executor owns the slice allocator and decides where every buffer goes; a backend
+//! only creates storage at the offset it is given, runs operations on it, and moves data
+//! in and out. `CpuBackend` (in `cpu.rs`) does real math over host buffers; a CUDA
+//! backend implements the same trait over one reserved device region.
+
+use carve_core::model::ModelGraph;
+use carve_core::plan::{BufferId, BufferSpec, Operation, StepPlan};
+
+use crate::error::EngineError;
+use crate::kernels::optimizer::LossScaler;
+
+/// Everything an operation needs beyond its buffers.
+#[derive(Debug)]
+pub struct OperationContext<'a> {
+    pub plan: &'a StepPlan,
+    pub graph: &'a ModelGraph,
+    pub optimizer: &'a carve_core::spec::OptimizerSpec,
+    /// The training seed: dropout masks are drawn from (seed, step, micro-batch, layer).
+    pub seed: u64,
+    /// 0-based optimizer step being computed.
+    pub step: u64,
+    /// 0-based micro-batch within the step.
+    pub micro_batch: u64,
+    /// Samples in this micro-batch (the last evaluation batch may be short).
+    pub samples: usize,
+    /// Multiplies the loss gradient: loss scale / effective batch size.
+    pub loss_gradient_scale: f32,
+    /// Updates applied so far plus one (Adam's bias correction counts applied updates).
+    pub optimizer_update_number: u64,
+    pub loss_scaler: &'a mut LossScaler,
+    /// Set by the overflow check; optimizer updates are skipped when false.
+    pub apply_update: &'a mut bool,
+}
+
+/// What an operation reports back.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OperationResult {
+    /// Sum of per-sample losses (loss operations).
+    pub loss_sum: Option<f64>,
+    /// Correct predictions (classification loss operations).
+    pub correct: Option<usize>,
+}
+
+/// Storage and compute for one attempt.
+pub trait Backend {
+    fn name(&self) -> &'static str;
+    /// Creates the storage of `buffer`, which the allocator placed at `offset` in the slice.
+    fn create_buffer(&mut self, buffer: &BufferSpec, offset: u64) -> Result<(), EngineError>;
+    fn release_buffer(&mut self, id: BufferId);
+    fn run(
+        &mut self,
+        operation: &Operation,
+        context: &mut OperationContext<'_>,
+    ) -> Result<OperationResult, EngineError>;
+    /// Writes f32 values into a buffer, rounding to its element type.
+    fn write_f32(&mut self, id: BufferId, values: &[f32]) -> Result<(), EngineError>;
+    fn write_i32(&mut self, id: BufferId, values: &[i32]) -> Result<(), EngineError>;
+    /// Reads a buffer as f32.
+    fn read_f32(&self, id: BufferId) -> Result<Vec<f32>, EngineError>;
+}
