@@ -49,8 +49,16 @@ fn assert_close(left: &[NamedTensor], right: &[NamedTensor], relative: f32) {
     assert_eq!(left.len(), right.len());
     for (a, b) in left.iter().zip(right) {
         assert_eq!(a.name, b.name);
-        let magnitude = a.values.iter().chain(&b.values).fold(0f32, |largest, value| largest.max(value.abs()));
-        let difference = a.values.iter().zip(&b.values).fold(0f32, |largest, (x, y)| largest.max((x - y).abs()));
+        let magnitude = a
+            .values
+            .iter()
+            .chain(&b.values)
+            .fold(0f32, |largest, value| largest.max(value.abs()));
+        let difference = a
+            .values
+            .iter()
+            .zip(&b.values)
+            .fold(0f32, |largest, (x, y)| largest.max((x - y).abs()));
         assert!(
             difference <= relative * magnitude.max(1e-6),
             "{}: largest difference {difference} against magnitude {magnitude}",
