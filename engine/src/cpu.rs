@@ -578,7 +578,7 @@ impl CpuBackend {
             EngineError::Backend(format!("{} backward without its {what}", layer.label()))
         };
         match layer.op {
-            LayerOp::Conv2d { use_bias, .. } => {
+            LayerOp::Conv2d { .. } => {
                 let shapes = windowed_shapes(layer, batch).expect("conv has a window");
                 let (kernel_gradient, rest) = parameter_gradients.split_at_mut(1);
                 conv2d_backward(
@@ -588,15 +588,12 @@ impl CpuBackend {
                     dy,
                     dx,
                     &mut kernel_gradient[0],
-                    if use_bias {
-                        rest.first_mut().map(|values| &mut values[..])
-                    } else {
-                        None
-                    },
+                    // Only trainable tensors have gradients here: the bias, when there is one.
+                    rest.first_mut().map(Vec::as_mut_slice),
                     &mut workspace,
                 );
             }
-            LayerOp::Dense { units, use_bias } => {
+            LayerOp::Dense { units, .. } => {
                 let (kernel_gradient, rest) = parameter_gradients.split_at_mut(1);
                 dense_backward(
                     batch,
@@ -607,11 +604,8 @@ impl CpuBackend {
                     dy,
                     dx,
                     &mut kernel_gradient[0],
-                    if use_bias {
-                        rest.first_mut().map(|values| &mut values[..])
-                    } else {
-                        None
-                    },
+                    // Only trainable tensors have gradients here: the bias, when there is one.
+                    rest.first_mut().map(Vec::as_mut_slice),
                 );
             }
             LayerOp::MaxPool { .. } => {

@@ -280,19 +280,19 @@ fn run_training<B: Backend>(
         .partition(|step| matches!(step, PlanStep::Allocate(_)));
     let mut apply_update = true;
     {
-        let mut operation_context = OperationContext {
+        let mut operation_context = operation_context(
             plan,
-            graph: &job.graph,
-            optimizer: &training.optimizer,
-            seed,
-            step,
-            micro_batch: 0,
-            samples: 0,
-            loss_gradient_scale: 0.0,
-            optimizer_update_number: applied_updates + 1,
-            loss_scaler: &mut loss_scaler,
-            apply_update: &mut apply_update,
-        };
+            job,
+            Position {
+                step,
+                micro_batch: 0,
+                samples: 0,
+                loss_gradient_scale: 0.0,
+                optimizer_update_number: applied_updates + 1,
+            },
+            &mut loss_scaler,
+            &mut apply_update,
+        );
         executor.run_phase(plan, &allocations, &mut operation_context)?;
         for parameter in &parameters {
             let layer = &job.graph.layers[parameter.layer];
@@ -345,37 +345,37 @@ fn run_training<B: Backend>(
                 .backend_mut()
                 .write_f32(input_slot, &batch.inputs)?;
             write_targets(executor, target_slot, &batch)?;
-            let mut operation_context = OperationContext {
+            let mut operation_context = operation_context(
                 plan,
-                graph: &job.graph,
-                optimizer: &training.optimizer,
-                seed,
-                step,
-                micro_batch,
-                samples: batch.samples,
-                // Each micro-batch's gradient is a share of the whole batch's mean.
-                loss_gradient_scale: loss_scaler.scale() / config.batch_size as f32,
-                optimizer_update_number: applied_updates + 1,
-                loss_scaler: &mut loss_scaler,
-                apply_update: &mut apply_update,
-            };
+                job,
+                Position {
+                    step,
+                    micro_batch,
+                    samples: batch.samples,
+                    // Each micro-batch's gradient is a share of the whole batch's mean.
+                    loss_gradient_scale: loss_scaler.scale() / config.batch_size as f32,
+                    optimizer_update_number: applied_updates + 1,
+                },
+                &mut loss_scaler,
+                &mut apply_update,
+            );
             loss_sum += executor
                 .run_phase(plan, &plan.micro_batch, &mut operation_context)?
                 .loss_sum;
         }
-        let mut operation_context = OperationContext {
+        let mut operation_context = operation_context(
             plan,
-            graph: &job.graph,
-            optimizer: &training.optimizer,
-            seed,
-            step,
-            micro_batch: 0,
-            samples: micro_batch_size,
-            loss_gradient_scale: 0.0,
-            optimizer_update_number: applied_updates + 1,
-            loss_scaler: &mut loss_scaler,
-            apply_update: &mut apply_update,
-        };
+            job,
+            Position {
+                step,
+                micro_batch: 0,
+                samples: micro_batch_size,
+                loss_gradient_scale: 0.0,
+                optimizer_update_number: applied_updates + 1,
+            },
+            &mut loss_scaler,
+            &mut apply_update,
+        );
         executor.run_phase(plan, &plan.update, &mut operation_context)?;
         if apply_update {
             applied_updates += 1;
@@ -440,19 +440,19 @@ fn run_training<B: Backend>(
                     .backend_mut()
                     .write_f32(input_slot, &batch.inputs)?;
                 write_targets(executor, target_slot, &batch)?;
-                let mut operation_context = OperationContext {
+                let mut operation_context = operation_context(
                     plan,
-                    graph: &job.graph,
-                    optimizer: &training.optimizer,
-                    seed,
-                    step,
-                    micro_batch: 0,
-                    samples: batch.samples,
-                    loss_gradient_scale: 0.0,
-                    optimizer_update_number: applied_updates + 1,
-                    loss_scaler: &mut loss_scaler,
-                    apply_update: &mut apply_update,
-                };
+                    job,
+                    Position {
+                        step,
+                        micro_batch: 0,
+                        samples: batch.samples,
+                        loss_gradient_scale: 0.0,
+                        optimizer_update_number: applied_updates + 1,
+                    },
+                    &mut loss_scaler,
+                    &mut apply_update,
+                );
                 let totals = executor.run_phase(plan, &plan.evaluation, &mut operation_context)?;
                 loss_sum += totals.loss_sum;
                 correct += totals.correct;
@@ -486,6 +486,38 @@ fn run_training<B: Backend>(
             .collect(),
         checkpoint_path: options.checkpoint_path.clone(),
     })
+}
+
+/// Where in the run an operation happens.
+#[derive(Debug, Clone, Copy)]
+struct Position {
+    step: u64,
+    micro_batch: u64,
+    samples: usize,
+    loss_gradient_scale: f32,
+    optimizer_update_number: u64,
+}
+
+fn operation_context<'a>(
+    plan: &'a StepPlan,
+    job: &'a ValidatedJob,
+    position: Position,
+    loss_scaler: &'a mut LossScaler,
+    apply_update: &'a mut bool,
+) -> OperationContext<'a> {
+    OperationContext {
+        plan,
+        graph: &job.graph,
+        optimizer: &job.spec.training.optimizer,
+        seed: job.spec.training.seed,
+        step: position.step,
+        micro_batch: position.micro_batch,
+        samples: position.samples,
+        loss_gradient_scale: position.loss_gradient_scale,
+        optimizer_update_number: position.optimizer_update_number,
+        loss_scaler,
+        apply_update,
+    }
 }
 
 fn checkpoint_values(
