@@ -1,6 +1,20 @@
 //! carve-scheduler: the gRPC scheduler (job, cluster, admin and worker services), its
 //! store (sqlx: SQLite embedded, PostgreSQL in production), the scheduling loop and leases.
 //!
-//! Empty until the scheduler issue lands. Architecture invariant: this crate never depends
-//! on carve-engine or on GPU crates; it sees GPUs only through what workers report and
-//! estimates through carve-core.
+//! - `server::run(config, listener, shutdown)` serves everything on a given socket;
+//! - `scheduler` holds the live state and makes every decision (admission, placement
+//!   through `carve_core::scheduling::solve`, OOM retries through the shrink planner,
+//!   leases, fencing, cancellation);
+//! - `services` are the tonic handlers; `auth` the bearer tokens; `store` the database;
+//!   `convert` turns records into messages.
+//!
+//! Architecture invariant: this crate never depends on carve-engine or on GPU crates; it
+//! sees GPUs only through what workers report and estimates through carve-core.
+
+pub mod auth;
+pub mod convert;
+pub mod error;
+pub mod scheduler;
+pub mod server;
+pub mod services;
+pub mod store;

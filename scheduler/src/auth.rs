@@ -1,0 +1,133 @@
+//! Bearer tokens: generated here, shown once, stored only as SHA-256 hashes, and checked
+//! on every call against the store.
+
+use sha2::{Digest, Sha256};
+use tonic::metadata::MetadataMap;
+
+use crate::error::SchedulerError;
+use crate::store::Store;
+
+/// Who is calling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Role {
+    User,
+    Admin,
+    Worker,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::User => "user",
+            Role::Admin => "admin",
+            Role::Worker => "worker",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Role> {
+        match name {
+            "user" => Some(Role::User),
+            "admin" => Some(Role::Admin),
+            "worker" => Some(Role::Worker),
+            _ => None,
+        }
+    }
+}
+
+/// An authenticated caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub tenant: String,
+    pub role: Role,
+    pub token_id: String,
+}
+
+impl Caller {
+    pub fn require(&self, allowed: &[Role]) -> Result<(), SchedulerError> {
+        if allowed.contains(&self.role) {
+            Ok(())
+        } else {
+            Err(SchedulerError::PermissionDenied(format!(
+                "a {} token cannot do this (needs {})",
+                self.role.name(),
+                allowed
+                    .iter()
+                    .map(|role| role.name())
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            )))
+        }
+    }
+
+    /// Whether the caller may see and touch `tenant`'s jobs.
+    pub fn may_access_tenant(&self, tenant: &str) -> bool {
+        self.role == Role::Admin || self.tenant == tenant
+    }
+}
+
+/// A new secret: `carve_` and 64 hex digits of OS randomness.
+pub fn generate_secret() -> String {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).expect("the operating system provides randomness");
+    let mut secret = String::from("carve_");
+    for byte in bytes {
+        secret.push_str(&format!("{byte:02x}"));
+    }
+    secret
+}
+
+/// A new identifier with a prefix, e.g. `job-0190f3c2a1b24c7d8e9f`: time-ordered, so ids
+/// sort roughly by creation.
+pub fn generate_id(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::now_v7().simple())
+}
+
+pub fn hash_secret(secret: &str) -> Vec<u8> {
+    Sha256::digest(secret.as_bytes()).to_vec()
+}
+
+/// Reads `authorization: Bearer <secret>` and finds its token.
+pub async fn authenticate(
+    store: &Store,
+    metadata: &MetadataMap,
+    now_ms: i64,
+) -> Result<Caller, SchedulerError> {
+    let header = metadata
+        .get("authorization")
+        .ok_or_else(|| {
+            SchedulerError::Unauthenticated("missing authorization metadata (bearer token)".into())
+        })?
+        .to_str()
+        .map_err(|_| {
+            SchedulerError::Unauthenticated("authorization metadata is not text".into())
+        })?;
+    let secret = header
+        .strip_prefix("Bearer ")
+        .or_else(|| header.strip_prefix("bearer "))
+        .ok_or_else(|| {
+            SchedulerError::Unauthenticated("authorization must be `Bearer <token>`".into())
+        })?
+        .trim();
+    let token = store
+        .find_token_by_hash(&hash_secret(secret))
+        .await?
+        .ok_or_else(|| SchedulerError::Unauthenticated("token rejected".into()))?;
+    if token.revoked {
+        return Err(SchedulerError::Unauthenticated(
+            "token rejected: revoked".into(),
+        ));
+    }
+    if token.expires_at_ms.is_some_and(|expires| expires <= now_ms) {
+        return Err(SchedulerError::Unauthenticated(
+            "token rejected: expired".into(),
+        ));
+    }
+    let role = Role::from_name(&token.role).ok_or_else(|| {
+        SchedulerError::Internal(format!("token {} has an unknown role", token.id))
+    })?;
+    Ok(Caller {
+        tenant: token.tenant,
+        role,
+        token_id: token.id,
+    })
+}

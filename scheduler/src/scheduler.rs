@@ -1,0 +1,1289 @@
+//! The scheduler's state and its decisions: admission at submit, the scheduling pass
+//! (core's pure `solve`), worker sessions, leases, OOM retries and cancellation.
+//!
+//! The store is the truth for jobs and attempts; memory holds only what is live (worker
+//! sessions, heartbeats, attempts running now), rebuilt from the store at start. Every
+//! change of a job's state happens under one async lock (`job_changes`), so a cancel, a
+//! worker report and a scheduling pass never interleave on the same job.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use carve_core::allocator::OutOfMemory;
+use carve_core::estimator::estimate_job;
+use carve_core::plan::RunConfig;
+use carve_core::scheduling::{
+    GpuState, PendingJob, SchedulingProblem, TenantState, can_ever_fit, solve,
+};
+use carve_core::shrink::{OomObservation, plan_shrink};
+use carve_core::spec::VramRequest;
+use carve_core::validate::ValidatedJob;
+use carve_proto::v1;
+use sha2::{Digest, Sha256};
+use tokio::sync::{Notify, broadcast, mpsc};
+use tokio::time::Instant;
+use tonic::Status;
+
+use crate::auth::{Caller, Role, generate_id};
+use crate::convert::{
+    attempt_to_proto, config_from_json, config_to_json, job_state_to_proto, job_to_proto,
+    oom_to_json, timestamp,
+};
+use crate::error::SchedulerError;
+use crate::store::{AttemptRecord, JobRecord, Store, SubmitBatcher, WorkerRecord};
+
+/// Timing of leases and passes.
+#[derive(Debug, Clone)]
+pub struct SchedulerSettings {
+    /// A worker silent for longer loses its attempts.
+    pub lease_duration: Duration,
+    pub heartbeat_interval: Duration,
+    /// A pass also runs at least this often, besides every submit and report.
+    pub scheduling_interval: Duration,
+    /// Where attempts write checkpoints: `{checkpoint_directory}/{job id}.ckpt` on the worker.
+    pub checkpoint_directory: String,
+}
+
+impl Default for SchedulerSettings {
+    fn default() -> Self {
+        SchedulerSettings {
+            lease_duration: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(5),
+            scheduling_interval: Duration::from_secs(2),
+            checkpoint_directory: "checkpoints".to_string(),
+        }
+    }
+}
+
+pub type SessionSender = mpsc::Sender<Result<v1::SchedulerMessage, Status>>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerLiveness {
+    Ready,
+    Draining,
+    Lost,
+}
+
+impl WorkerLiveness {
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkerLiveness::Ready => "ready",
+            WorkerLiveness::Draining => "draining",
+            WorkerLiveness::Lost => "lost",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LiveWorker {
+    record: WorkerRecord,
+    gpus: Vec<v1::Gpu>,
+    state: WorkerLiveness,
+    last_heartbeat: Instant,
+    session: Option<SessionSender>,
+}
+
+/// An attempt that holds a slice now.
+#[derive(Debug, Clone)]
+struct RunningAttempt {
+    attempt_number: u32,
+    lease_epoch: u64,
+    worker_id: String,
+    gpu_id: String,
+    slice_bytes: u64,
+    tenant: String,
+    estimate_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Live {
+    workers: HashMap<String, LiveWorker>,
+    /// By job id: a job has at most one attempt running.
+    running: HashMap<String, RunningAttempt>,
+}
+
+/// The scheduler: shared by every service handler and the background loops.
+#[derive(Debug)]
+pub struct Scheduler {
+    pub store: Store,
+    batcher: SubmitBatcher,
+    pub settings: SchedulerSettings,
+    live: Mutex<Live>,
+    job_changes: tokio::sync::Mutex<()>,
+    wake: Notify,
+    events: broadcast::Sender<v1::JobEvent>,
+    event_sequence: AtomicU64,
+}
+
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_millis() as i64)
+}
+
+fn is_terminal(state: &str) -> bool {
+    matches!(state, "succeeded" | "failed" | "cancelled")
+}
+
+/// The key under which measured peaks of "the same job shape" are remembered: the model
+/// and the run config.
+fn shape_key(job: &ValidatedJob, config: &RunConfig) -> String {
+    let model = serde_json::to_string(&job.spec.model).unwrap_or_default();
+    let digest = Sha256::digest(format!("{model}|{}", config_to_json(config)).as_bytes());
+    digest
+        .iter()
+        .take(16)
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
+fn spec_error(error: carve_proto::ApiError) -> SchedulerError {
+    match error {
+        carve_proto::ApiError::InvalidArgument { field, reason } => {
+            SchedulerError::InvalidArgument { field, reason }
+        }
+        other => SchedulerError::InvalidArgument {
+            field: "spec_json".into(),
+            reason: other.to_string(),
+        },
+    }
+}
+
+impl Scheduler {
+    pub fn new(store: Store, settings: SchedulerSettings) -> Scheduler {
+        let batcher = SubmitBatcher::spawn(store.clone());
+        let (events, _) = broadcast::channel(4096);
+        Scheduler {
+            store,
+            batcher,
+            settings,
+            live: Mutex::new(Live::default()),
+            job_changes: tokio::sync::Mutex::new(()),
+            wake: Notify::new(),
+            events,
+            event_sequence: AtomicU64::new(1),
+        }
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, Live> {
+        // A panic while holding it would be a bug; the state is still usable.
+        self.live
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    pub async fn wait_for_wake(&self, timeout: Duration) {
+        let _ = tokio::time::timeout(timeout, self.wake.notified()).await;
+    }
+
+    pub fn subscribe(&self) -> broadcast::Receiver<v1::JobEvent> {
+        self.events.subscribe()
+    }
+
+    fn emit(&self, job_id: &str, event: v1::job_event::Event) {
+        let _ = self.events.send(v1::JobEvent {
+            job_id: job_id.to_string(),
+            sequence: self.event_sequence.fetch_add(1, Ordering::Relaxed),
+            time: Some(timestamp(now_ms())),
+            event: Some(event),
+        });
+    }
+
+    fn emit_state(&self, job_id: &str, previous: &str, state: &str, reason: &str) {
+        self.emit(
+            job_id,
+            v1::job_event::Event::StateChanged(v1::job_event::StateChanged {
+                previous_state: job_state_to_proto(previous) as i32,
+                state: job_state_to_proto(state) as i32,
+                reason: reason.to_string(),
+            }),
+        );
+    }
+
+    /// Rebuilds the live state from the store after a start: attempts still running keep
+    /// their slices, and their workers get one lease to come back.
+    pub async fn recover(&self) -> Result<(), SchedulerError> {
+        let workers = self.store.list_workers().await?;
+        let active = self.store.jobs_in_states(&["placed", "running"]).await?;
+        let mut running = HashMap::new();
+        for job in active {
+            let attempts = self.store.list_attempts(&job.id).await?;
+            if let Some(attempt) = attempts
+                .iter()
+                .rev()
+                .find(|attempt| attempt.outcome == "running")
+            {
+                running.insert(
+                    job.id.clone(),
+                    RunningAttempt {
+                        attempt_number: attempt.attempt_number as u32,
+                        lease_epoch: attempt.lease_epoch as u64,
+                        worker_id: attempt.worker_id.clone(),
+                        gpu_id: attempt.gpu_id.clone(),
+                        slice_bytes: attempt.slice_bytes as u64,
+                        tenant: job.tenant.clone(),
+                        estimate_bytes: attempt.estimate_bytes as u64,
+                    },
+                );
+            }
+        }
+        let mut live = self.live();
+        for worker in workers {
+            if worker.state == "lost" {
+                continue;
+            }
+            let gpus: Vec<v1::Gpu> = serde_json::from_str::<Vec<GpuJson>>(&worker.gpus_json)
+                .unwrap_or_default()
+                .into_iter()
+                .map(GpuJson::into_proto)
+                .collect();
+            let state = if worker.state == "draining" {
+                WorkerLiveness::Draining
+            } else {
+                WorkerLiveness::Ready
+            };
+            live.workers.insert(
+                worker.id.clone(),
+                LiveWorker {
+                    record: worker,
+                    gpus,
+                    state,
+                    last_heartbeat: Instant::now(),
+                    session: None,
+                },
+            );
+        }
+        live.running = running;
+        Ok(())
+    }
+
+    // ---- jobs ----
+
+    /// Admits a job: validates, estimates, fits it to its slice and the cluster (shrinking
+    /// ahead of time when the job allows), checks the quota, and stores it durably.
+    pub async fn submit(
+        &self,
+        caller: &Caller,
+        spec_json: &str,
+        idempotency_key: &str,
+    ) -> Result<(JobRecord, bool), SchedulerError> {
+        caller.require(&[Role::User, Role::Admin])?;
+        if idempotency_key.len() > 256 {
+            return Err(SchedulerError::InvalidArgument {
+                field: "idempotency_key".into(),
+                reason: format!(
+                    "is {} characters long; the limit is 256",
+                    idempotency_key.len()
+                ),
+            });
+        }
+        let job = carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)?;
+        let tenant = self.store.get_tenant(&caller.tenant).await?;
+        let mut config = RunConfig::from_spec(&job.spec);
+        let estimate =
+            estimate_job(&job, &config).map_err(|error| SchedulerError::InvalidArgument {
+                field: format!("spec.{}", error.field),
+                reason: error.reason,
+            })?;
+        let correction = self
+            .store
+            .peak_correction(&shape_key(&job, &config))
+            .await?
+            .unwrap_or(1.0)
+            .max(1.0);
+        let mut slice_bytes = (estimate.required_bytes as f64 * correction).ceil() as u64;
+        let largest_gpu = self.largest_usable_gpu();
+        let limit = match job.spec.resources.vram {
+            VramRequest::Bytes(bytes) => {
+                Some(largest_gpu.map_or(bytes, |largest| bytes.min(largest)))
+            }
+            VramRequest::Auto => largest_gpu.filter(|largest| slice_bytes > *largest),
+        };
+        if let Some(limit) = limit
+            && slice_bytes > limit
+        {
+            let decision = plan_shrink(&job, &config, None, limit).map_err(|error| {
+                SchedulerError::ResourceExhausted(format!(
+                    "job {} cannot fit: {error}",
+                    job.spec.name
+                ))
+            })?;
+            config = decision.config;
+            slice_bytes = decision.estimate.required_bytes;
+        }
+        if let VramRequest::Bytes(bytes) = job.spec.resources.vram {
+            // An explicit slice is reserved as asked, even when the job needs less.
+            slice_bytes = slice_bytes.max(bytes.min(largest_gpu.unwrap_or(bytes)));
+        }
+        let tenant_state = TenantState {
+            tenant: tenant.name.clone(),
+            weight: tenant.fair_share_weight.max(1) as u32,
+            vram_quota_bytes: tenant.vram_quota_bytes.map(|bytes| bytes as u64),
+            running_jobs_quota: tenant.max_running_jobs.map(|count| count as u32),
+            vram_in_use_bytes: 0,
+            running_jobs: 0,
+        };
+        if let Err(reason) = can_ever_fit(slice_bytes, &self.gpu_states(), &tenant_state) {
+            return Err(SchedulerError::ResourceExhausted(format!(
+                "job {} can never run: {reason}",
+                job.spec.name
+            )));
+        }
+        let now = now_ms();
+        let record = JobRecord {
+            id: generate_id("job"),
+            tenant: caller.tenant.clone(),
+            name: job.spec.name.clone(),
+            spec_json: spec_json.to_string(),
+            state: "queued".into(),
+            priority: i64::from(job.spec.priority),
+            submit_sequence: 0,
+            idempotency_key: (!idempotency_key.is_empty()).then(|| idempotency_key.to_string()),
+            config_json: config_to_json(&config),
+            estimate_json: serde_json::json!({ "peak_bytes": estimate.peak_bytes, "required_bytes": estimate.required_bytes }).to_string(),
+            required_bytes: slice_bytes as i64,
+            waiting_reason: String::new(),
+            message: String::new(),
+            created_at_ms: now,
+            finished_at_ms: None,
+            checkpoint_location: None,
+            attempts_count: 0,
+        };
+        let outcome = self.batcher.submit(record).await?;
+        if outcome.created {
+            self.emit_state(&outcome.job.id, "queued", "queued", "submitted");
+            self.wake();
+        }
+        Ok((outcome.job, outcome.created))
+    }
+
+    /// A job the caller may see, or NotFound (also for another tenant's job).
+    pub async fn visible_job(
+        &self,
+        caller: &Caller,
+        job_id: &str,
+    ) -> Result<JobRecord, SchedulerError> {
+        caller.require(&[Role::User, Role::Admin])?;
+        if job_id.is_empty() {
+            return Err(SchedulerError::InvalidArgument {
+                field: "job_id".into(),
+                reason: "must not be empty".into(),
+            });
+        }
+        let job = self.store.get_job(job_id).await?;
+        if !caller.may_access_tenant(&job.tenant) {
+            return Err(SchedulerError::NotFound {
+                what: "job",
+                id: job_id.to_string(),
+            });
+        }
+        Ok(job)
+    }
+
+    pub async fn job_proto(&self, job: &JobRecord) -> Result<v1::Job, SchedulerError> {
+        let attempts = self.store.list_attempts(&job.id).await?;
+        Ok(job_to_proto(job, &attempts))
+    }
+
+    pub async fn cancel(
+        &self,
+        caller: &Caller,
+        job_id: &str,
+        reason: &str,
+    ) -> Result<JobRecord, SchedulerError> {
+        let _guard = self.job_changes.lock().await;
+        let mut job = self.visible_job(caller, job_id).await?;
+        if is_terminal(&job.state) {
+            return Err(SchedulerError::FailedPrecondition(format!(
+                "job {job_id} already {}",
+                job.state
+            )));
+        }
+        let previous = std::mem::replace(&mut job.state, "cancelled".into());
+        job.message = if reason.is_empty() {
+            format!("cancelled by {}", caller.token_id)
+        } else {
+            format!("cancelled: {reason}")
+        };
+        job.finished_at_ms = Some(now_ms());
+        job.waiting_reason.clear();
+        self.store.update_job(&job).await?;
+        // A running attempt keeps its slice until its worker confirms it stopped.
+        let running = self.live().running.get(job_id).cloned();
+        if let Some(running) = running {
+            self.send_to_worker(
+                &running.worker_id,
+                v1::scheduler_message::Body::Cancel(v1::scheduler_message::Cancel {
+                    attempt: Some(v1::AttemptRef {
+                        job_id: job_id.to_string(),
+                        attempt_number: running.attempt_number,
+                        lease_epoch: running.lease_epoch,
+                    }),
+                    grace_period: Some(prost_types::Duration {
+                        seconds: 10,
+                        nanos: 0,
+                    }),
+                    reason: job.message.clone(),
+                }),
+            );
+        }
+        self.emit_state(job_id, &previous, "cancelled", &job.message);
+        Ok(job)
+    }
+
+    // ---- cluster ----
+
+    fn largest_usable_gpu(&self) -> Option<u64> {
+        self.gpu_states()
+            .iter()
+            .map(|gpu| gpu.total_bytes.saturating_sub(gpu.context_bytes))
+            .max()
+    }
+
+    /// GPUs of workers that are not lost, with the slices running on them.
+    fn gpu_states(&self) -> Vec<GpuState> {
+        let live = self.live();
+        let mut gpus = Vec::new();
+        for (worker_id, worker) in &live.workers {
+            if worker.state == WorkerLiveness::Lost {
+                continue;
+            }
+            for gpu in &worker.gpus {
+                let allocated: u64 = live
+                    .running
+                    .values()
+                    .filter(|running| running.worker_id == *worker_id && running.gpu_id == gpu.uuid)
+                    .map(|running| running.slice_bytes)
+                    .sum();
+                gpus.push(GpuState {
+                    gpu_id: gpu.uuid.clone(),
+                    worker_id: worker_id.clone(),
+                    total_bytes: gpu.total_bytes,
+                    context_bytes: gpu.context_bytes,
+                    allocated_bytes: allocated,
+                    schedulable: worker.state == WorkerLiveness::Ready && worker.session.is_some(),
+                });
+            }
+        }
+        gpus
+    }
+
+    fn send_to_worker(&self, worker_id: &str, body: v1::scheduler_message::Body) -> bool {
+        let session = self
+            .live()
+            .workers
+            .get(worker_id)
+            .and_then(|worker| worker.session.clone());
+        match session {
+            Some(session) => session
+                .try_send(Ok(v1::SchedulerMessage { body: Some(body) }))
+                .is_ok(),
+            None => false,
+        }
+    }
+
+    pub async fn register_worker(
+        &self,
+        caller: &Caller,
+        request: v1::RegisterWorkerRequest,
+    ) -> Result<v1::RegisterWorkerResponse, SchedulerError> {
+        caller.require(&[Role::Worker, Role::Admin])?;
+        if request.hostname.is_empty() {
+            return Err(SchedulerError::InvalidArgument {
+                field: "hostname".into(),
+                reason: "must not be empty".into(),
+            });
+        }
+        for (index, gpu) in request.gpus.iter().enumerate() {
+            if gpu.uuid.is_empty() {
+                return Err(SchedulerError::InvalidArgument {
+                    field: format!("gpus[{index}].uuid"),
+                    reason: "must not be empty".into(),
+                });
+            }
+            if gpu.total_bytes == 0 || gpu.context_bytes >= gpu.total_bytes {
+                return Err(SchedulerError::InvalidArgument {
+                    field: format!("gpus[{index}].total_bytes"),
+                    reason: format!(
+                        "{} total with {} taken by the context leaves nothing for slices",
+                        gpu.total_bytes, gpu.context_bytes
+                    ),
+                });
+            }
+        }
+        let known = !request.previous_worker_id.is_empty()
+            && self
+                .live()
+                .workers
+                .contains_key(&request.previous_worker_id);
+        let worker_id = if known {
+            request.previous_worker_id.clone()
+        } else {
+            generate_id("worker")
+        };
+        let now = now_ms();
+        let record = WorkerRecord {
+            id: worker_id.clone(),
+            hostname: request.hostname.clone(),
+            gpus_json: serde_json::to_string(
+                &request
+                    .gpus
+                    .iter()
+                    .map(GpuJson::from_proto)
+                    .collect::<Vec<_>>(),
+            )
+            .unwrap_or_else(|_| "[]".into()),
+            state: "ready".into(),
+            last_heartbeat_ms: now,
+            registered_at_ms: now,
+            version: request.version.clone(),
+        };
+        self.store.upsert_worker(&record).await?;
+        {
+            let mut live = self.live();
+            let session = live
+                .workers
+                .get_mut(&worker_id)
+                .and_then(|worker| worker.session.take());
+            live.workers.insert(
+                worker_id.clone(),
+                LiveWorker {
+                    record,
+                    gpus: request.gpus,
+                    state: WorkerLiveness::Ready,
+                    last_heartbeat: Instant::now(),
+                    session,
+                },
+            );
+        }
+        let duration = |duration: Duration| prost_types::Duration {
+            seconds: duration.as_secs() as i64,
+            nanos: duration.subsec_nanos() as i32,
+        };
+        Ok(v1::RegisterWorkerResponse {
+            worker_id,
+            heartbeat_interval: Some(duration(self.settings.heartbeat_interval)),
+            lease_duration: Some(duration(self.settings.lease_duration)),
+        })
+    }
+
+    /// Binds a session stream to a registered worker and reconciles what it still runs.
+    pub async fn open_session(
+        &self,
+        worker_id: &str,
+        running_attempts: &[v1::AttemptRef],
+        session: SessionSender,
+    ) -> Result<(), SchedulerError> {
+        {
+            let mut live = self.live();
+            let worker =
+                live.workers
+                    .get_mut(worker_id)
+                    .ok_or_else(|| SchedulerError::NotFound {
+                        what: "worker",
+                        id: worker_id.to_string(),
+                    })?;
+            if worker.state == WorkerLiveness::Lost {
+                worker.state = WorkerLiveness::Ready;
+            }
+            worker.session = Some(session);
+            worker.last_heartbeat = Instant::now();
+        }
+        // Attempts the worker runs that were reassigned meanwhile are stopped.
+        for attempt in running_attempts {
+            let current = self.live().running.get(&attempt.job_id).cloned();
+            let still_ours = current.is_some_and(|current| {
+                current.worker_id == worker_id && current.lease_epoch == attempt.lease_epoch
+            });
+            if !still_ours {
+                self.send_to_worker(
+                    worker_id,
+                    v1::scheduler_message::Body::Cancel(v1::scheduler_message::Cancel {
+                        attempt: Some(attempt.clone()),
+                        grace_period: Some(prost_types::Duration {
+                            seconds: 0,
+                            nanos: 0,
+                        }),
+                        reason: "the attempt was reassigned while the worker was away".into(),
+                    }),
+                );
+            }
+        }
+        self.wake();
+        Ok(())
+    }
+
+    /// Forgets a session that ended, unless the worker has opened a newer one since.
+    pub fn close_session(&self, worker_id: &str, session: &SessionSender) {
+        if let Some(worker) = self.live().workers.get_mut(worker_id)
+            && worker
+                .session
+                .as_ref()
+                .is_some_and(|current| current.same_channel(session))
+        {
+            worker.session = None;
+        }
+    }
+
+    pub fn heartbeat(&self, worker_id: &str, gpus: &[v1::GpuMemory]) {
+        let mut live = self.live();
+        if let Some(worker) = live.workers.get_mut(worker_id) {
+            worker.last_heartbeat = Instant::now();
+            worker.record.last_heartbeat_ms = now_ms();
+            for reported in gpus {
+                if let Some(gpu) = worker
+                    .gpus
+                    .iter_mut()
+                    .find(|gpu| gpu.uuid == reported.gpu_uuid)
+                {
+                    gpu.free_bytes = reported.free_bytes;
+                }
+            }
+        }
+    }
+
+    /// Whether a report about `attempt` comes from the worker that holds it now.
+    fn current_attempt(&self, worker_id: &str, attempt: &v1::AttemptRef) -> Option<RunningAttempt> {
+        self.live()
+            .running
+            .get(&attempt.job_id)
+            .filter(|running| {
+                running.worker_id == worker_id
+                    && running.attempt_number == attempt.attempt_number
+                    && running.lease_epoch == attempt.lease_epoch
+            })
+            .cloned()
+    }
+
+    /// Handles one message of a worker's session.
+    pub async fn handle_worker_message(
+        &self,
+        worker_id: &str,
+        message: v1::WorkerMessage,
+    ) -> Result<(), SchedulerError> {
+        use v1::worker_message::Body;
+        let Some(body) = message.body else {
+            return Err(SchedulerError::InvalidArgument {
+                field: "body".into(),
+                reason: "a worker message needs a body".into(),
+            });
+        };
+        match body {
+            Body::Hello(_) => Err(SchedulerError::InvalidArgument {
+                field: "body.hello".into(),
+                reason: "hello is only the first message of a session".into(),
+            }),
+            Body::Heartbeat(heartbeat) => {
+                self.heartbeat(worker_id, &heartbeat.gpus);
+                Ok(())
+            }
+            Body::AttemptStarted(started) => {
+                let attempt = started.attempt.unwrap_or_default();
+                let _guard = self.job_changes.lock().await;
+                if self.current_attempt(worker_id, &attempt).is_none() {
+                    return Err(self.fenced(&attempt));
+                }
+                let mut job = self.store.get_job(&attempt.job_id).await?;
+                if job.state == "placed" {
+                    job.state = "running".into();
+                    self.store.update_job(&job).await?;
+                    self.emit_state(&job.id, "placed", "running", "the attempt started");
+                }
+                Ok(())
+            }
+            Body::Progress(progress) => {
+                let attempt = progress.attempt.unwrap_or_default();
+                if self.current_attempt(worker_id, &attempt).is_none() {
+                    return Err(self.fenced(&attempt));
+                }
+                self.emit(
+                    &attempt.job_id,
+                    v1::job_event::Event::Progress(v1::job_event::Progress {
+                        attempt_number: attempt.attempt_number,
+                        progress: progress.progress,
+                    }),
+                );
+                Ok(())
+            }
+            Body::Log(line) => {
+                let attempt = line.attempt.unwrap_or_default();
+                if self.current_attempt(worker_id, &attempt).is_some() {
+                    self.emit(
+                        &attempt.job_id,
+                        v1::job_event::Event::Log(v1::job_event::LogLine {
+                            attempt_number: attempt.attempt_number,
+                            level: line.level,
+                            message: line.message,
+                        }),
+                    );
+                }
+                Ok(())
+            }
+            Body::CheckpointWritten(written) => {
+                let attempt = written.attempt.unwrap_or_default();
+                let _guard = self.job_changes.lock().await;
+                if self.current_attempt(worker_id, &attempt).is_none() {
+                    return Err(self.fenced(&attempt));
+                }
+                if let Some(checkpoint) = written.checkpoint {
+                    let mut job = self.store.get_job(&attempt.job_id).await?;
+                    job.checkpoint_location = Some(checkpoint.location);
+                    self.store.update_job(&job).await?;
+                }
+                Ok(())
+            }
+            Body::Oom(oom) => self.handle_oom(worker_id, oom).await,
+            Body::AttemptFinished(finished) => self.handle_finished(worker_id, finished).await,
+        }
+    }
+
+    fn fenced(&self, attempt: &v1::AttemptRef) -> SchedulerError {
+        SchedulerError::Conflict(format!(
+            "attempt {}/{} (lease epoch {}) is not this worker's any more",
+            attempt.job_id, attempt.attempt_number, attempt.lease_epoch
+        ))
+    }
+
+    async fn handle_oom(
+        &self,
+        worker_id: &str,
+        oom: v1::worker_message::OomReport,
+    ) -> Result<(), SchedulerError> {
+        let attempt = oom.attempt.unwrap_or_default();
+        let _guard = self.job_changes.lock().await;
+        let running = self
+            .current_attempt(worker_id, &attempt)
+            .ok_or_else(|| self.fenced(&attempt))?;
+        let report: OutOfMemory = oom.report.unwrap_or_default().into();
+        let now = now_ms();
+        self.store
+            .finish_attempt(
+                &attempt.job_id,
+                i64::from(attempt.attempt_number),
+                attempt.lease_epoch as i64,
+                "out_of_memory",
+                Some(report.peak as i64),
+                Some(oom_to_json(&report).as_str()),
+                &report.to_string(),
+                now,
+            )
+            .await?;
+        self.live().running.remove(&attempt.job_id);
+        let mut job = self.store.get_job(&attempt.job_id).await?;
+        if let Some(checkpoint) = oom
+            .checkpoint
+            .filter(|checkpoint| !checkpoint.location.is_empty())
+        {
+            job.checkpoint_location = Some(checkpoint.location);
+        }
+        let old_config = config_from_json(&job.config_json)?;
+        self.emit(
+            &job.id,
+            v1::job_event::Event::Oom(v1::job_event::OutOfMemory {
+                attempt_number: attempt.attempt_number,
+                config: Some(old_config.into()),
+                report: Some(report.into()),
+            }),
+        );
+        if is_terminal(&job.state) {
+            // Cancelled meanwhile: the slice is free, nothing to retry.
+            self.wake();
+            return Ok(());
+        }
+        let validated =
+            carve_proto::convert::validated_job_from_json(&job.spec_json).map_err(spec_error)?;
+        let attempts = self.store.list_attempts(&job.id).await?;
+        let out_of_memory_attempts = attempts
+            .iter()
+            .filter(|attempt| attempt.outcome == "out_of_memory")
+            .count();
+        let previous = job.state.clone();
+        let retries_left = out_of_memory_attempts <= validated.spec.oom.max_retries as usize;
+        let observation = OomObservation {
+            report,
+            estimated_required_bytes: running.estimate_bytes,
+        };
+        match plan_shrink(
+            &validated,
+            &old_config,
+            Some(&observation),
+            running.slice_bytes,
+        ) {
+            Ok(decision) if retries_left && decision.config != old_config => {
+                job.config_json = config_to_json(&decision.config);
+                job.required_bytes =
+                    running.slice_bytes.max(decision.estimate.required_bytes) as i64;
+                job.state = "queued".into();
+                job.waiting_reason = String::new();
+                self.store.update_job(&job).await?;
+                self.emit(
+                    &job.id,
+                    v1::job_event::Event::Shrink(carve_proto::convert::shrink_decision_to_proto(
+                        &old_config,
+                        &decision,
+                    )),
+                );
+                self.emit_state(
+                    &job.id,
+                    &previous,
+                    "queued",
+                    "out of memory: retrying with a smaller configuration",
+                );
+            }
+            outcome => {
+                let why = match outcome {
+                    Err(error) => error.to_string(),
+                    Ok(_) if !retries_left => format!(
+                        "the retry limit of {} is reached",
+                        validated.spec.oom.max_retries
+                    ),
+                    Ok(_) => "the shrink planner found nothing smaller that fits".to_string(),
+                };
+                job.state = "failed".into();
+                job.message = format!("out of memory ({report}); {why}");
+                job.finished_at_ms = Some(now);
+                self.store.update_job(&job).await?;
+                self.emit_state(&job.id, &previous, "failed", &job.message);
+            }
+        }
+        self.wake();
+        Ok(())
+    }
+
+    async fn handle_finished(
+        &self,
+        worker_id: &str,
+        finished: v1::worker_message::AttemptFinished,
+    ) -> Result<(), SchedulerError> {
+        let attempt = finished.attempt.unwrap_or_default();
+        let _guard = self.job_changes.lock().await;
+        let running = self
+            .current_attempt(worker_id, &attempt)
+            .ok_or_else(|| self.fenced(&attempt))?;
+        let outcome = match v1::AttemptOutcome::try_from(finished.outcome) {
+            Ok(v1::AttemptOutcome::Succeeded) => "succeeded",
+            Ok(v1::AttemptOutcome::Cancelled) => "cancelled",
+            Ok(v1::AttemptOutcome::Failed) => "failed",
+            _ => {
+                return Err(SchedulerError::InvalidArgument {
+                    field: "attempt_finished.outcome".into(),
+                    reason: "must be succeeded, failed or cancelled (out-of-memory goes in an oom report)".into(),
+                });
+            }
+        };
+        let now = now_ms();
+        let measured =
+            (finished.measured_peak_bytes > 0).then_some(finished.measured_peak_bytes as i64);
+        self.store
+            .finish_attempt(
+                &attempt.job_id,
+                i64::from(attempt.attempt_number),
+                attempt.lease_epoch as i64,
+                outcome,
+                measured,
+                None,
+                &finished.message,
+                now,
+            )
+            .await?;
+        self.live().running.remove(&attempt.job_id);
+        let mut job = self.store.get_job(&attempt.job_id).await?;
+        if let (Some(measured), "succeeded") = (measured, outcome) {
+            let validated = carve_proto::convert::validated_job_from_json(&job.spec_json)
+                .map_err(spec_error)?;
+            let config = config_from_json(&job.config_json)?;
+            self.store
+                .record_peak(
+                    &shape_key(&validated, &config),
+                    running.estimate_bytes as i64,
+                    measured,
+                    now,
+                )
+                .await?;
+        }
+        if !is_terminal(&job.state) {
+            let previous = std::mem::replace(&mut job.state, outcome.to_string());
+            job.finished_at_ms = Some(now);
+            if outcome == "failed" {
+                job.message = format!(
+                    "attempt {} failed: {}",
+                    attempt.attempt_number, finished.message
+                );
+            }
+            self.store.update_job(&job).await?;
+            self.emit_state(&job.id, &previous, outcome, &finished.message);
+        }
+        self.wake();
+        Ok(())
+    }
+
+    /// Workers silent for longer than the lease lose their attempts, which go back to
+    /// the queue and resume from their last checkpoint.
+    pub async fn expire_leases(&self) -> Result<(), SchedulerError> {
+        let lease = self.settings.lease_duration;
+        let expired: Vec<String> = {
+            let live = self.live();
+            live.workers
+                .iter()
+                .filter(|(_, worker)| {
+                    worker.state != WorkerLiveness::Lost && worker.last_heartbeat.elapsed() > lease
+                })
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        if expired.is_empty() {
+            return Ok(());
+        }
+        let _guard = self.job_changes.lock().await;
+        let now = now_ms();
+        for worker_id in expired {
+            let lost_attempts: Vec<(String, RunningAttempt)> = {
+                let mut live = self.live();
+                if let Some(worker) = live.workers.get_mut(&worker_id) {
+                    worker.state = WorkerLiveness::Lost;
+                    worker.session = None;
+                }
+                let lost: Vec<String> = live
+                    .running
+                    .iter()
+                    .filter(|(_, running)| running.worker_id == worker_id)
+                    .map(|(job_id, _)| job_id.clone())
+                    .collect();
+                lost.into_iter()
+                    .filter_map(|job_id| {
+                        live.running
+                            .remove(&job_id)
+                            .map(|running| (job_id, running))
+                    })
+                    .collect()
+            };
+            self.store.set_worker_state(&worker_id, "lost").await?;
+            for (job_id, running) in lost_attempts {
+                let fenced = self
+                    .store
+                    .finish_attempt(
+                        &job_id,
+                        i64::from(running.attempt_number),
+                        running.lease_epoch as i64,
+                        "lost",
+                        None,
+                        None,
+                        &format!("worker {worker_id} stopped heartbeating"),
+                        now,
+                    )
+                    .await;
+                if let Err(error) = fenced
+                    && !matches!(error, SchedulerError::Conflict(_))
+                {
+                    return Err(error);
+                }
+                let mut job = self.store.get_job(&job_id).await?;
+                if !is_terminal(&job.state) {
+                    let previous = std::mem::replace(&mut job.state, "queued".into());
+                    self.store.update_job(&job).await?;
+                    self.emit_state(
+                        &job_id,
+                        &previous,
+                        "queued",
+                        "its worker was lost; it resumes from its checkpoint",
+                    );
+                }
+            }
+        }
+        self.wake();
+        Ok(())
+    }
+
+    /// One pass: place what fits, record why the rest waits.
+    pub async fn schedule_once(&self) -> Result<usize, SchedulerError> {
+        let _guard = self.job_changes.lock().await;
+        let pending = self.store.jobs_in_states(&["queued"]).await?;
+        if pending.is_empty() {
+            return Ok(0);
+        }
+        let tenants = self.store.list_tenants().await?;
+        let gpus = self.gpu_states();
+        let (usage, running_counts) = {
+            let live = self.live();
+            let mut usage: HashMap<String, u64> = HashMap::new();
+            let mut counts: HashMap<String, u32> = HashMap::new();
+            for running in live.running.values() {
+                *usage.entry(running.tenant.clone()).or_default() += running.slice_bytes;
+                *counts.entry(running.tenant.clone()).or_default() += 1;
+            }
+            (usage, counts)
+        };
+        let problem = SchedulingProblem {
+            gpus,
+            tenants: tenants
+                .iter()
+                .map(|tenant| TenantState {
+                    tenant: tenant.name.clone(),
+                    weight: tenant.fair_share_weight.max(1) as u32,
+                    vram_quota_bytes: tenant.vram_quota_bytes.map(|bytes| bytes as u64),
+                    running_jobs_quota: tenant.max_running_jobs.map(|count| count as u32),
+                    vram_in_use_bytes: usage.get(&tenant.name).copied().unwrap_or(0),
+                    running_jobs: running_counts.get(&tenant.name).copied().unwrap_or(0),
+                })
+                .collect(),
+            pending: pending
+                .iter()
+                .map(|job| PendingJob {
+                    job_id: job.id.clone(),
+                    tenant: job.tenant.clone(),
+                    priority: job.priority as i32,
+                    submit_sequence: job.submit_sequence as u64,
+                    slice_bytes: job.required_bytes as u64,
+                })
+                .collect(),
+        };
+        let decision = solve(&problem);
+        let by_id: HashMap<&str, &JobRecord> =
+            pending.iter().map(|job| (job.id.as_str(), job)).collect();
+        let now = now_ms();
+        let mut placed = 0;
+        for placement in &decision.placements {
+            let Some(job) = by_id.get(placement.job_id.as_str()) else {
+                continue;
+            };
+            let mut job = (*job).clone();
+            let attempt_number = job.attempts_count + 1;
+            let config = config_from_json(&job.config_json)?;
+            let validated = carve_proto::convert::validated_job_from_json(&job.spec_json)
+                .map_err(spec_error)?;
+            let estimate_bytes = estimate_job(&validated, &config)
+                .map(|estimate| estimate.required_bytes)
+                .unwrap_or(placement.slice_bytes);
+            job.state = "placed".into();
+            job.attempts_count = attempt_number;
+            job.waiting_reason.clear();
+            let attempt = AttemptRecord {
+                job_id: job.id.clone(),
+                attempt_number,
+                config_json: job.config_json.clone(),
+                estimate_bytes: estimate_bytes as i64,
+                slice_bytes: placement.slice_bytes as i64,
+                worker_id: placement.worker_id.clone(),
+                gpu_id: placement.gpu_id.clone(),
+                lease_epoch: attempt_number,
+                outcome: "running".into(),
+                measured_peak_bytes: None,
+                oom_json: None,
+                message: String::new(),
+                resumed_from: job.checkpoint_location.clone(),
+                started_at_ms: now,
+                finished_at_ms: None,
+            };
+            self.store.record_job_and_attempt(&job, &attempt).await?;
+            self.live().running.insert(
+                job.id.clone(),
+                RunningAttempt {
+                    attempt_number: attempt_number as u32,
+                    lease_epoch: attempt_number as u64,
+                    worker_id: placement.worker_id.clone(),
+                    gpu_id: placement.gpu_id.clone(),
+                    slice_bytes: placement.slice_bytes,
+                    tenant: job.tenant.clone(),
+                    estimate_bytes,
+                },
+            );
+            let checkpoint_location =
+                format!("{}/{}.ckpt", self.settings.checkpoint_directory, job.id);
+            self.send_to_worker(
+                &placement.worker_id,
+                v1::scheduler_message::Body::Assignment(v1::scheduler_message::Assignment {
+                    attempt: Some(v1::AttemptRef {
+                        job_id: job.id.clone(),
+                        attempt_number: attempt_number as u32,
+                        lease_epoch: attempt_number as u64,
+                    }),
+                    spec_json: job.spec_json.clone(),
+                    config: Some(config.into()),
+                    gpu_uuid: placement.gpu_id.clone(),
+                    slice_bytes: placement.slice_bytes,
+                    resume_from: Some(v1::Checkpoint {
+                        step: 0,
+                        location: job
+                            .checkpoint_location
+                            .clone()
+                            .unwrap_or(checkpoint_location),
+                    }),
+                }),
+            );
+            self.emit_state(
+                &job.id,
+                "queued",
+                "placed",
+                &format!("placed on {} ({})", placement.gpu_id, placement.worker_id),
+            );
+            self.emit(
+                &job.id,
+                v1::job_event::Event::AttemptStarted(attempt_to_proto(&attempt)),
+            );
+            placed += 1;
+        }
+        for (job_id, reason) in &decision.waiting {
+            let Some(job) = by_id.get(job_id.as_str()) else {
+                continue;
+            };
+            let reason = reason.to_string();
+            if job.waiting_reason != reason {
+                let mut job = (*job).clone();
+                job.waiting_reason = reason;
+                self.store.update_job(&job).await?;
+            }
+        }
+        Ok(placed)
+    }
+
+    // ---- what the cluster service shows ----
+
+    pub fn workers_proto(&self) -> Vec<v1::Worker> {
+        let live = self.live();
+        let mut workers: Vec<v1::Worker> = live
+            .workers
+            .iter()
+            .map(|(worker_id, worker)| v1::Worker {
+                id: worker_id.clone(),
+                hostname: worker.record.hostname.clone(),
+                state: match worker.state {
+                    WorkerLiveness::Ready => v1::WorkerState::Ready,
+                    WorkerLiveness::Draining => v1::WorkerState::Draining,
+                    WorkerLiveness::Lost => v1::WorkerState::Lost,
+                } as i32,
+                gpus: worker
+                    .gpus
+                    .iter()
+                    .map(|gpu| v1::Gpu {
+                        slices: live
+                            .running
+                            .iter()
+                            .filter(|(_, running)| {
+                                running.worker_id == *worker_id && running.gpu_id == gpu.uuid
+                            })
+                            .map(|(job_id, running)| slice_proto(job_id, running))
+                            .collect(),
+                        ..gpu.clone()
+                    })
+                    .collect(),
+                last_heartbeat_at: Some(timestamp(worker.record.last_heartbeat_ms)),
+                registered_at: Some(timestamp(worker.record.registered_at_ms)),
+                version: worker.record.version.clone(),
+            })
+            .collect();
+        workers.sort_by(|left, right| left.id.cmp(&right.id));
+        workers
+    }
+
+    pub async fn set_draining(
+        &self,
+        worker_id: &str,
+        draining: bool,
+    ) -> Result<(), SchedulerError> {
+        let state = {
+            let mut live = self.live();
+            let worker =
+                live.workers
+                    .get_mut(worker_id)
+                    .ok_or_else(|| SchedulerError::NotFound {
+                        what: "worker",
+                        id: worker_id.to_string(),
+                    })?;
+            worker.state = if draining {
+                WorkerLiveness::Draining
+            } else {
+                WorkerLiveness::Ready
+            };
+            worker.state
+        };
+        self.store.set_worker_state(worker_id, state.name()).await?;
+        if draining {
+            self.send_to_worker(
+                worker_id,
+                v1::scheduler_message::Body::Drain(v1::scheduler_message::Drain {}),
+            );
+        }
+        self.wake();
+        Ok(())
+    }
+
+    pub fn slices_proto(&self) -> Vec<v1::Slice> {
+        let live = self.live();
+        let mut slices: Vec<v1::Slice> = live
+            .running
+            .iter()
+            .map(|(job_id, running)| slice_proto(job_id, running))
+            .collect();
+        slices.sort_by(|left, right| left.id.cmp(&right.id));
+        slices
+    }
+
+    /// VRAM in use and running jobs of a tenant now.
+    pub fn tenant_usage(&self, tenant: &str) -> (u64, u32) {
+        let live = self.live();
+        live.running
+            .values()
+            .filter(|running| running.tenant == tenant)
+            .fold((0, 0), |(bytes, count), running| {
+                (bytes + running.slice_bytes, count + 1)
+            })
+    }
+}
+
+fn slice_proto(job_id: &str, running: &RunningAttempt) -> v1::Slice {
+    v1::Slice {
+        id: format!("{job_id}/{}", running.attempt_number),
+        gpu_uuid: running.gpu_id.clone(),
+        bytes: running.slice_bytes,
+        job_id: job_id.to_string(),
+        attempt_number: running.attempt_number,
+        worker_id: running.worker_id.clone(),
+        tenant: running.tenant.clone(),
+    }
+}
+
+/// How a worker's GPUs are kept in the store (JSON, not the wire format).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct GpuJson {
+    uuid: String,
+    index: u32,
+    model_name: String,
+    total_bytes: u64,
+    context_bytes: u64,
+    simulated: bool,
+    compute_capability: String,
+}
+
+impl GpuJson {
+    fn from_proto(gpu: &v1::Gpu) -> GpuJson {
+        GpuJson {
+            uuid: gpu.uuid.clone(),
+            index: gpu.index,
+            model_name: gpu.model_name.clone(),
+            total_bytes: gpu.total_bytes,
+            context_bytes: gpu.context_bytes,
+            simulated: gpu.simulated,
+            compute_capability: gpu.compute_capability.clone(),
+        }
+    }
+
+    fn into_proto(self) -> v1::Gpu {
+        v1::Gpu {
+            uuid: self.uuid,
+            index: self.index,
+            model_name: self.model_name,
+            total_bytes: self.total_bytes,
+            context_bytes: self.context_bytes,
+            free_bytes: self.total_bytes.saturating_sub(self.context_bytes),
+            simulated: self.simulated,
+            slices: Vec::new(),
+            compute_capability: self.compute_capability,
+        }
+    }
+}

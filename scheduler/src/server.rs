@@ -1,0 +1,140 @@
+//! `run(config, listener, shutdown)`: the whole scheduler on a socket it is given, until
+//! the shutdown future completes — so tests run the real server in-process on
+//! `127.0.0.1:0` (mini-redis's shape).
+
+use std::future::Future;
+use std::sync::Arc;
+
+use carve_proto::v1::admin_service_server::AdminServiceServer;
+use carve_proto::v1::cluster_service_server::ClusterServiceServer;
+use carve_proto::v1::job_service_server::JobServiceServer;
+use carve_proto::v1::worker_service_server::WorkerServiceServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::auth::{generate_id, generate_secret, hash_secret};
+use crate::error::SchedulerError;
+use crate::scheduler::{Scheduler, SchedulerSettings, now_ms};
+use crate::services::Services;
+use crate::store::{Store, TenantRecord, TokenRecord};
+
+/// Everything the scheduler needs to start.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// `sqlite:///path/carve.db` or `postgres://user@host/db`.
+    pub database_url: String,
+    pub settings: SchedulerSettings,
+    /// An admin secret to accept (stored hashed). Without one, a first start creates an
+    /// admin token and prints it once.
+    pub admin_token: Option<String>,
+}
+
+/// The tenant the first admin token belongs to.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// Creates the default tenant and the admin token on a first start; returns a secret
+/// when one was generated (to be shown once).
+async fn bootstrap(
+    store: &Store,
+    admin_token: Option<&str>,
+) -> Result<Option<String>, SchedulerError> {
+    let now = now_ms();
+    if store.list_tenants().await?.is_empty() {
+        store
+            .create_tenant(&TenantRecord {
+                name: DEFAULT_TENANT.into(),
+                vram_quota_bytes: None,
+                max_running_jobs: None,
+                fair_share_weight: 1,
+                created_at_ms: now,
+            })
+            .await?;
+    }
+    let (secret, generated) = match admin_token {
+        Some(secret) => (secret.to_string(), false),
+        None if store
+            .list_tokens(None)
+            .await?
+            .iter()
+            .any(|token| token.role == "admin" && !token.revoked) =>
+        {
+            return Ok(None);
+        }
+        None => (generate_secret(), true),
+    };
+    let hash = hash_secret(&secret);
+    if store.find_token_by_hash(&hash).await?.is_none() {
+        store
+            .create_token(&TokenRecord {
+                id: generate_id("token"),
+                tenant: DEFAULT_TENANT.into(),
+                role: "admin".into(),
+                secret_hash: hash,
+                description: "bootstrap admin token".into(),
+                created_at_ms: now,
+                expires_at_ms: None,
+                revoked: false,
+            })
+            .await?;
+    }
+    Ok(generated.then_some(secret))
+}
+
+/// Runs the scheduler until `shutdown` completes.
+pub async fn run(
+    config: SchedulerConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), SchedulerError> {
+    let store = Store::open(&config.database_url).await?;
+    if let Some(secret) = bootstrap(&store, config.admin_token.as_deref()).await? {
+        // Shown once: only its hash is stored.
+        eprintln!("admin token (shown once, store it now): {secret}");
+    }
+    let scheduler = Arc::new(Scheduler::new(store, config.settings.clone()));
+    scheduler.recover().await?;
+    let background = tokio::spawn(background_loop(scheduler.clone()));
+    let services = Services {
+        scheduler: scheduler.clone(),
+    };
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<JobServiceServer<Services>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(carve_proto::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|error| SchedulerError::Internal(format!("reflection: {error}")))?;
+    let address = listener.local_addr().ok();
+    tracing::info!(?address, "scheduler listening");
+    let result = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(JobServiceServer::new(services.clone()))
+        .add_service(AdminServiceServer::new(services.clone()))
+        .add_service(ClusterServiceServer::new(services.clone()))
+        .add_service(WorkerServiceServer::new(services))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await
+        .map_err(|error| SchedulerError::Unavailable(format!("server: {error}")));
+    background.abort();
+    result
+}
+
+/// Passes on every wake-up (submit, report, drain) and at least every scheduling
+/// interval; lease checks ride along.
+async fn background_loop(scheduler: Arc<Scheduler>) {
+    loop {
+        if let Err(error) = scheduler.expire_leases().await {
+            tracing::warn!(%error, "lease check failed");
+        }
+        if let Err(error) = scheduler.schedule_once().await {
+            tracing::warn!(%error, "scheduling pass failed");
+        }
+        let interval = scheduler
+            .settings
+            .scheduling_interval
+            .min(scheduler.settings.heartbeat_interval);
+        scheduler.wait_for_wake(interval).await;
+    }
+}

@@ -1,0 +1,727 @@
+//! The gRPC handlers: authenticate, check the request's fields, call the scheduler, turn
+//! records into messages. Generated types stop here; errors become statuses through
+//! `carve_proto::ApiError`, the project's one mapping.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use carve_core::estimator::estimate_job;
+use carve_core::plan::RunConfig;
+use carve_core::shrink::plan_shrink;
+use carve_proto::ApiError;
+use carve_proto::v1;
+use carve_proto::v1::admin_service_server::AdminService;
+use carve_proto::v1::cluster_service_server::ClusterService;
+use carve_proto::v1::job_service_server::JobService;
+use carve_proto::v1::worker_service_server::WorkerService;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::auth::{Caller, Role, authenticate, generate_id, generate_secret, hash_secret};
+use crate::convert::{job_state_from_proto, timestamp};
+use crate::error::SchedulerError;
+use crate::scheduler::{Scheduler, now_ms};
+use crate::store::{JobFilter, TenantRecord, TokenRecord};
+
+/// One handle on the scheduler for all four services.
+#[derive(Debug, Clone)]
+pub struct Services {
+    pub scheduler: Arc<Scheduler>,
+}
+
+fn status(error: SchedulerError) -> Status {
+    ApiError::from(error).into()
+}
+
+fn invalid(field: &str, reason: impl Into<String>) -> Status {
+    status(SchedulerError::InvalidArgument {
+        field: field.into(),
+        reason: reason.into(),
+    })
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<v1::JobEvent, Status>> + Send>>;
+type SchedulerMessageStream =
+    Pin<Box<dyn Stream<Item = Result<v1::SchedulerMessage, Status>> + Send>>;
+
+impl Services {
+    async fn caller<T>(&self, request: &Request<T>) -> Result<Caller, Status> {
+        authenticate(&self.scheduler.store, request.metadata(), now_ms())
+            .await
+            .map_err(status)
+    }
+
+    async fn tenant_proto(&self, tenant: &TenantRecord) -> v1::Tenant {
+        let (vram_in_use_bytes, running_jobs) = self.scheduler.tenant_usage(&tenant.name);
+        let queued_jobs = self
+            .scheduler
+            .store
+            .list_jobs(&JobFilter {
+                tenant: Some(tenant.name.clone()),
+                states: vec!["queued".into()],
+                name_prefix: None,
+                page_size: 1000,
+                page_token: None,
+            })
+            .await
+            .map(|(jobs, _)| jobs.len() as u32)
+            .unwrap_or(0);
+        v1::Tenant {
+            name: tenant.name.clone(),
+            quota: Some(v1::Quota {
+                vram_bytes: tenant.vram_quota_bytes.map(|bytes| bytes as u64),
+                max_running_jobs: tenant.max_running_jobs.map(|count| count as u32),
+                fair_share_weight: tenant.fair_share_weight as f64,
+            }),
+            created_at: Some(timestamp(tenant.created_at_ms)),
+            vram_in_use_bytes,
+            running_jobs,
+            queued_jobs,
+        }
+    }
+}
+
+fn token_proto(token: &TokenRecord) -> v1::Token {
+    v1::Token {
+        id: token.id.clone(),
+        tenant: token.tenant.clone(),
+        role: match Role::from_name(&token.role) {
+            Some(Role::User) => v1::Role::User,
+            Some(Role::Admin) => v1::Role::Admin,
+            Some(Role::Worker) => v1::Role::Worker,
+            None => v1::Role::Unspecified,
+        } as i32,
+        description: token.description.clone(),
+        created_at: Some(timestamp(token.created_at_ms)),
+        expires_at: token.expires_at_ms.map(timestamp),
+        last_used_at: None,
+        revoked_at: None,
+    }
+}
+
+fn quota_fields(quota: Option<v1::Quota>) -> Result<(Option<i64>, Option<i64>, i64), Status> {
+    let quota = quota.unwrap_or_default();
+    if !(quota.fair_share_weight.is_finite() && quota.fair_share_weight >= 0.0) {
+        return Err(invalid(
+            "quota.fair_share_weight",
+            format!("{} must be a finite number >= 0", quota.fair_share_weight),
+        ));
+    }
+    let vram = quota
+        .vram_bytes
+        .map(|bytes| i64::try_from(bytes).map_err(|_| invalid("quota.vram_bytes", "is too large")))
+        .transpose()?;
+    let weight = if quota.fair_share_weight == 0.0 {
+        1
+    } else {
+        quota.fair_share_weight.round().max(1.0) as i64
+    };
+    Ok((vram, quota.max_running_jobs.map(i64::from), weight))
+}
+
+fn tenant_name_check(name: &str) -> Result<(), Status> {
+    if name.is_empty()
+        || name.len() > 64
+        || !name.chars().all(|character| {
+            character.is_ascii_alphanumeric() || matches!(character, '-' | '_' | '.')
+        })
+    {
+        return Err(invalid(
+            "name",
+            format!("{name:?} must be 1 to 64 letters, digits, '-', '_' or '.'"),
+        ));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl JobService for Services {
+    async fn submit_job(
+        &self,
+        request: Request<v1::SubmitJobRequest>,
+    ) -> Result<Response<v1::SubmitJobResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let request = request.into_inner();
+        if request.spec_json.trim().is_empty() {
+            return Err(invalid("spec_json", "must not be empty"));
+        }
+        let (job, created) = self
+            .scheduler
+            .submit(&caller, &request.spec_json, &request.idempotency_key)
+            .await
+            .map_err(status)?;
+        let job = self.scheduler.job_proto(&job).await.map_err(status)?;
+        Ok(Response::new(v1::SubmitJobResponse {
+            job: Some(job),
+            created,
+        }))
+    }
+
+    async fn get_job(
+        &self,
+        request: Request<v1::GetJobRequest>,
+    ) -> Result<Response<v1::GetJobResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let job = self
+            .scheduler
+            .visible_job(&caller, &request.get_ref().job_id)
+            .await
+            .map_err(status)?;
+        let job = self.scheduler.job_proto(&job).await.map_err(status)?;
+        Ok(Response::new(v1::GetJobResponse { job: Some(job) }))
+    }
+
+    async fn list_jobs(
+        &self,
+        request: Request<v1::ListJobsRequest>,
+    ) -> Result<Response<v1::ListJobsResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        caller.require(&[Role::User, Role::Admin]).map_err(status)?;
+        let request = request.into_inner();
+        let tenant = if request.tenant.is_empty() {
+            (caller.role != Role::Admin).then(|| caller.tenant.clone())
+        } else if caller.may_access_tenant(&request.tenant) {
+            Some(request.tenant.clone())
+        } else {
+            return Err(status(SchedulerError::PermissionDenied(
+                "only admins list other tenants' jobs".into(),
+            )));
+        };
+        let mut states = Vec::new();
+        for (index, state) in request.states.iter().enumerate() {
+            let state = v1::JobState::try_from(*state)
+                .ok()
+                .and_then(job_state_from_proto)
+                .ok_or_else(|| {
+                    invalid(
+                        &format!("states[{index}]"),
+                        format!("{state} is not a job state"),
+                    )
+                })?;
+            states.push(state.to_string());
+        }
+        if request.page_size > 1000 {
+            return Err(invalid(
+                "page_size",
+                format!("{} is more than the limit of 1000", request.page_size),
+            ));
+        }
+        let (jobs, next_page_token) = self
+            .scheduler
+            .store
+            .list_jobs(&JobFilter {
+                tenant,
+                states,
+                name_prefix: (!request.name_prefix.is_empty()).then_some(request.name_prefix),
+                page_size: if request.page_size == 0 {
+                    100
+                } else {
+                    request.page_size
+                },
+                page_token: (!request.page_token.is_empty()).then_some(request.page_token),
+            })
+            .await
+            .map_err(status)?;
+        let mut messages = Vec::with_capacity(jobs.len());
+        for job in &jobs {
+            messages.push(self.scheduler.job_proto(job).await.map_err(status)?);
+        }
+        Ok(Response::new(v1::ListJobsResponse {
+            jobs: messages,
+            next_page_token: next_page_token.unwrap_or_default(),
+        }))
+    }
+
+    async fn cancel_job(
+        &self,
+        request: Request<v1::CancelJobRequest>,
+    ) -> Result<Response<v1::CancelJobResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let request = request.into_inner();
+        let job = self
+            .scheduler
+            .cancel(&caller, &request.job_id, &request.reason)
+            .await
+            .map_err(status)?;
+        let job = self.scheduler.job_proto(&job).await.map_err(status)?;
+        Ok(Response::new(v1::CancelJobResponse { job: Some(job) }))
+    }
+
+    type WatchJobStream = EventStream;
+
+    async fn watch_job(
+        &self,
+        request: Request<v1::WatchJobRequest>,
+    ) -> Result<Response<Self::WatchJobStream>, Status> {
+        let caller = self.caller(&request).await?;
+        let request = request.into_inner();
+        // Subscribe before reading the state, so nothing falls between the two.
+        let mut events = self.scheduler.subscribe();
+        let job = self
+            .scheduler
+            .visible_job(&caller, &request.job_id)
+            .await
+            .map_err(status)?;
+        let (sender, receiver) = mpsc::channel(256);
+        let job_id = job.id.clone();
+        let include_logs = request.include_logs;
+        let first = v1::JobEvent {
+            job_id: job.id.clone(),
+            sequence: 0,
+            time: Some(timestamp(now_ms())),
+            event: Some(v1::job_event::Event::StateChanged(
+                v1::job_event::StateChanged {
+                    previous_state: crate::convert::job_state_to_proto(&job.state) as i32,
+                    state: crate::convert::job_state_to_proto(&job.state) as i32,
+                    reason: "current state".into(),
+                },
+            )),
+        };
+        let terminal = |event: &v1::JobEvent| {
+            matches!(&event.event, Some(v1::job_event::Event::StateChanged(changed))
+                if matches!(v1::JobState::try_from(changed.state), Ok(v1::JobState::Succeeded | v1::JobState::Failed | v1::JobState::Cancelled)))
+        };
+        let already_over = terminal(&first);
+        tokio::spawn(async move {
+            if sender.send(Ok(first)).await.is_err() || already_over {
+                return;
+            }
+            loop {
+                match events.recv().await {
+                    Ok(event) if event.job_id == job_id => {
+                        if !include_logs
+                            && matches!(event.event, Some(v1::job_event::Event::Log(_)))
+                        {
+                            continue;
+                        }
+                        let over = terminal(&event);
+                        if sender.send(Ok(event)).await.is_err() || over {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
+                        let _ = sender
+                            .send(Err(Status::data_loss(format!(
+                                "the watcher fell {missed} events behind; watch again"
+                            ))))
+                            .await;
+                        return;
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
+    }
+
+    async fn estimate_job(
+        &self,
+        request: Request<v1::EstimateJobRequest>,
+    ) -> Result<Response<v1::EstimateJobResponse>, Status> {
+        self.caller(&request).await?;
+        let request = request.into_inner();
+        let mut spec =
+            carve_proto::convert::job_spec_from_json(&request.spec_json).map_err(Status::from)?;
+        if let Some(batch_size) = request.batch_size {
+            spec.training.batch_size = batch_size;
+        }
+        if let Some(precision) = request.precision {
+            spec.training.precision =
+                carve_proto::convert::precision_from_proto(precision, "precision")
+                    .map_err(Status::from)?;
+        }
+        let job = carve_core::validate::validate_job_spec(spec)
+            .map_err(|error| invalid(&format!("spec.{}", error.field), error.reason))?;
+        let config = RunConfig::from_spec(&job.spec);
+        let estimate = estimate_job(&job, &config)
+            .map_err(|error| invalid(&format!("spec.{}", error.field), error.reason))?;
+        let (fits, shrink_plan) = match request.slice_bytes {
+            None => (true, None),
+            Some(0) => return Err(invalid("slice_bytes", "must be larger than 0")),
+            Some(slice) if estimate.required_bytes <= slice => (true, None),
+            Some(slice) => {
+                let decision = plan_shrink(&job, &config, None, slice)
+                    .map_err(|error| Status::from(ApiError::from(error)))?;
+                (
+                    false,
+                    Some(carve_proto::convert::shrink_decision_to_proto(
+                        &config, &decision,
+                    )),
+                )
+            }
+        };
+        Ok(Response::new(v1::EstimateJobResponse {
+            estimate: Some(estimate.into()),
+            fits,
+            shrink_plan,
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl AdminService for Services {
+    async fn create_tenant(
+        &self,
+        request: Request<v1::CreateTenantRequest>,
+    ) -> Result<Response<v1::CreateTenantResponse>, Status> {
+        self.caller(&request)
+            .await?
+            .require(&[Role::Admin])
+            .map_err(status)?;
+        let request = request.into_inner();
+        tenant_name_check(&request.name)?;
+        let (vram_quota_bytes, max_running_jobs, fair_share_weight) = quota_fields(request.quota)?;
+        let tenant = TenantRecord {
+            name: request.name,
+            vram_quota_bytes,
+            max_running_jobs,
+            fair_share_weight,
+            created_at_ms: now_ms(),
+        };
+        self.scheduler
+            .store
+            .create_tenant(&tenant)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(v1::CreateTenantResponse {
+            tenant: Some(self.tenant_proto(&tenant).await),
+        }))
+    }
+
+    async fn list_tenants(
+        &self,
+        request: Request<v1::ListTenantsRequest>,
+    ) -> Result<Response<v1::ListTenantsResponse>, Status> {
+        self.caller(&request)
+            .await?
+            .require(&[Role::Admin])
+            .map_err(status)?;
+        let tenants = self.scheduler.store.list_tenants().await.map_err(status)?;
+        let mut messages = Vec::new();
+        for tenant in &tenants {
+            messages.push(self.tenant_proto(tenant).await);
+        }
+        Ok(Response::new(v1::ListTenantsResponse { tenants: messages }))
+    }
+
+    async fn set_quota(
+        &self,
+        request: Request<v1::SetQuotaRequest>,
+    ) -> Result<Response<v1::SetQuotaResponse>, Status> {
+        self.caller(&request)
+            .await?
+            .require(&[Role::Admin])
+            .map_err(status)?;
+        let request = request.into_inner();
+        let (vram, running, weight) = quota_fields(request.quota)?;
+        self.scheduler
+            .store
+            .set_quota(&request.tenant, vram, running, weight)
+            .await
+            .map_err(status)?;
+        let tenant = self
+            .scheduler
+            .store
+            .get_tenant(&request.tenant)
+            .await
+            .map_err(status)?;
+        self.scheduler.wake();
+        Ok(Response::new(v1::SetQuotaResponse {
+            tenant: Some(self.tenant_proto(&tenant).await),
+        }))
+    }
+
+    async fn create_token(
+        &self,
+        request: Request<v1::CreateTokenRequest>,
+    ) -> Result<Response<v1::CreateTokenResponse>, Status> {
+        self.caller(&request)
+            .await?
+            .require(&[Role::Admin])
+            .map_err(status)?;
+        let request = request.into_inner();
+        let role = match v1::Role::try_from(request.role) {
+            Ok(v1::Role::User) => Role::User,
+            Ok(v1::Role::Admin) => Role::Admin,
+            Ok(v1::Role::Worker) => Role::Worker,
+            _ => {
+                return Err(invalid(
+                    "role",
+                    format!("{} is not a role (user, admin, worker)", request.role),
+                ));
+            }
+        };
+        self.scheduler
+            .store
+            .get_tenant(&request.tenant)
+            .await
+            .map_err(status)?;
+        let now = now_ms();
+        let expires_at_ms = match request.time_to_live {
+            Some(ttl) if ttl.seconds <= 0 => {
+                return Err(invalid("time_to_live", "must be positive"));
+            }
+            Some(ttl) => Some(now.saturating_add(ttl.seconds.saturating_mul(1000))),
+            None => None,
+        };
+        let secret = generate_secret();
+        let token = TokenRecord {
+            id: generate_id("token"),
+            tenant: request.tenant,
+            role: role.name().into(),
+            secret_hash: hash_secret(&secret),
+            description: request.description,
+            created_at_ms: now,
+            expires_at_ms,
+            revoked: false,
+        };
+        self.scheduler
+            .store
+            .create_token(&token)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(v1::CreateTokenResponse {
+            token: Some(token_proto(&token)),
+            secret,
+        }))
+    }
+
+    async fn list_tokens(
+        &self,
+        request: Request<v1::ListTokensRequest>,
+    ) -> Result<Response<v1::ListTokensResponse>, Status> {
+        self.caller(&request)
+            .await?
+            .require(&[Role::Admin])
+            .map_err(status)?;
+        let request = request.into_inner();
+        let tokens = self
+            .scheduler
+            .store
+            .list_tokens((!request.tenant.is_empty()).then_some(request.tenant.as_str()))
+            .await
+            .map_err(status)?;
+        Ok(Response::new(v1::ListTokensResponse {
+            tokens: tokens
+                .iter()
+                .filter(|token| request.include_inactive || !token.revoked)
+                .map(token_proto)
+                .collect(),
+        }))
+    }
+
+    async fn revoke_token(
+        &self,
+        request: Request<v1::RevokeTokenRequest>,
+    ) -> Result<Response<v1::RevokeTokenResponse>, Status> {
+        self.caller(&request)
+            .await?
+            .require(&[Role::Admin])
+            .map_err(status)?;
+        let token_id = request.into_inner().token_id;
+        self.scheduler
+            .store
+            .revoke_token(&token_id)
+            .await
+            .map_err(status)?;
+        let token = self
+            .scheduler
+            .store
+            .list_tokens(None)
+            .await
+            .map_err(status)?
+            .into_iter()
+            .find(|token| token.id == token_id)
+            .ok_or_else(|| {
+                status(SchedulerError::NotFound {
+                    what: "token",
+                    id: token_id.clone(),
+                })
+            })?;
+        Ok(Response::new(v1::RevokeTokenResponse {
+            token: Some(token_proto(&token)),
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl ClusterService for Services {
+    async fn list_workers(
+        &self,
+        request: Request<v1::ListWorkersRequest>,
+    ) -> Result<Response<v1::ListWorkersResponse>, Status> {
+        self.caller(&request).await?;
+        let states = request.into_inner().states;
+        let workers = self
+            .scheduler
+            .workers_proto()
+            .into_iter()
+            .filter(|worker| states.is_empty() || states.contains(&worker.state))
+            .collect();
+        Ok(Response::new(v1::ListWorkersResponse { workers }))
+    }
+
+    async fn get_worker(
+        &self,
+        request: Request<v1::GetWorkerRequest>,
+    ) -> Result<Response<v1::GetWorkerResponse>, Status> {
+        self.caller(&request).await?;
+        let worker_id = request.into_inner().worker_id;
+        let worker = self
+            .scheduler
+            .workers_proto()
+            .into_iter()
+            .find(|worker| worker.id == worker_id)
+            .ok_or_else(|| {
+                status(SchedulerError::NotFound {
+                    what: "worker",
+                    id: worker_id,
+                })
+            })?;
+        Ok(Response::new(v1::GetWorkerResponse {
+            worker: Some(worker),
+        }))
+    }
+
+    async fn drain_worker(
+        &self,
+        request: Request<v1::DrainWorkerRequest>,
+    ) -> Result<Response<v1::DrainWorkerResponse>, Status> {
+        self.caller(&request)
+            .await?
+            .require(&[Role::Admin])
+            .map_err(status)?;
+        let worker_id = request.into_inner().worker_id;
+        self.scheduler
+            .set_draining(&worker_id, true)
+            .await
+            .map_err(status)?;
+        let worker = self
+            .scheduler
+            .workers_proto()
+            .into_iter()
+            .find(|worker| worker.id == worker_id);
+        Ok(Response::new(v1::DrainWorkerResponse { worker }))
+    }
+
+    async fn undrain_worker(
+        &self,
+        request: Request<v1::UndrainWorkerRequest>,
+    ) -> Result<Response<v1::UndrainWorkerResponse>, Status> {
+        self.caller(&request)
+            .await?
+            .require(&[Role::Admin])
+            .map_err(status)?;
+        let worker_id = request.into_inner().worker_id;
+        self.scheduler
+            .set_draining(&worker_id, false)
+            .await
+            .map_err(status)?;
+        let worker = self
+            .scheduler
+            .workers_proto()
+            .into_iter()
+            .find(|worker| worker.id == worker_id);
+        Ok(Response::new(v1::UndrainWorkerResponse { worker }))
+    }
+
+    async fn list_slices(
+        &self,
+        request: Request<v1::ListSlicesRequest>,
+    ) -> Result<Response<v1::ListSlicesResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let request = request.into_inner();
+        let slices = self
+            .scheduler
+            .slices_proto()
+            .into_iter()
+            .filter(|slice| caller.may_access_tenant(&slice.tenant) || caller.role == Role::Worker)
+            .filter(|slice| request.worker_id.is_empty() || slice.worker_id == request.worker_id)
+            .filter(|slice| request.gpu_uuid.is_empty() || slice.gpu_uuid == request.gpu_uuid)
+            .filter(|slice| request.job_id.is_empty() || slice.job_id == request.job_id)
+            .collect();
+        Ok(Response::new(v1::ListSlicesResponse { slices }))
+    }
+}
+
+#[tonic::async_trait]
+impl WorkerService for Services {
+    async fn register(
+        &self,
+        request: Request<v1::RegisterWorkerRequest>,
+    ) -> Result<Response<v1::RegisterWorkerResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let response = self
+            .scheduler
+            .register_worker(&caller, request.into_inner())
+            .await
+            .map_err(status)?;
+        Ok(Response::new(response))
+    }
+
+    type SessionStream = SchedulerMessageStream;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<v1::WorkerMessage>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let caller = self.caller(&request).await?;
+        caller
+            .require(&[Role::Worker, Role::Admin])
+            .map_err(status)?;
+        let mut incoming = request.into_inner();
+        let first = incoming
+            .next()
+            .await
+            .ok_or_else(|| invalid("body.hello", "a session starts with hello"))??;
+        let hello = match first.body {
+            Some(v1::worker_message::Body::Hello(hello)) => hello,
+            _ => return Err(invalid("body.hello", "a session starts with hello")),
+        };
+        let (sender, receiver) = mpsc::channel(1024);
+        self.scheduler
+            .open_session(&hello.worker_id, &hello.running_attempts, sender.clone())
+            .await
+            .map_err(status)?;
+        let scheduler = self.scheduler.clone();
+        let worker_id = hello.worker_id;
+        tokio::spawn(async move {
+            while let Some(message) = incoming.next().await {
+                let Ok(message) = message else { break };
+                let sequence = message.sequence;
+                match scheduler.handle_worker_message(&worker_id, message).await {
+                    Ok(()) => {
+                        let _ = sender
+                            .send(Ok(v1::SchedulerMessage {
+                                body: Some(v1::scheduler_message::Body::Ack(
+                                    v1::scheduler_message::Ack { sequence },
+                                )),
+                            }))
+                            .await;
+                    }
+                    // A fenced report is answered, not fatal: the worker learns its attempt is gone.
+                    Err(error @ SchedulerError::Conflict(_)) => {
+                        tracing::info!(worker = %worker_id, %error, "fenced report");
+                        let _ = sender
+                            .send(Ok(v1::SchedulerMessage {
+                                body: Some(v1::scheduler_message::Body::Ack(
+                                    v1::scheduler_message::Ack { sequence },
+                                )),
+                            }))
+                            .await;
+                    }
+                    Err(error) => {
+                        tracing::warn!(worker = %worker_id, %error, "worker message rejected");
+                        let _ = sender.send(Err(status(error))).await;
+                        break;
+                    }
+                }
+            }
+            scheduler.close_session(&worker_id, &sender);
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
+    }
+}

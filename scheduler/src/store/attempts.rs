@@ -1,0 +1,218 @@
+//! Attempts of jobs, with updates fenced by the lease epoch of their assignment.
+
+use super::jobs::{UPDATE_JOB_SQL, bind_job_update};
+use super::records::{attempt_display_id, check_one_of};
+use super::{
+    ATTEMPT_OUTCOMES, ATTEMPT_RUNNING, AttemptRecord, JOB_STATES, JobRecord, Store,
+    is_foreign_key_violation, is_unique_violation,
+};
+use crate::error::SchedulerError;
+
+const ATTEMPT_COLUMNS: &str = "job_id, attempt_number, config_json, estimate_bytes, \
+     slice_bytes, worker_id, gpu_id, lease_epoch, outcome, measured_peak_bytes, oom_json, \
+     message, resumed_from, started_at_ms, finished_at_ms";
+
+const INSERT_ATTEMPT_SQL: &str = "INSERT INTO attempts (job_id, attempt_number, config_json, \
+     estimate_bytes, slice_bytes, worker_id, gpu_id, lease_epoch, outcome, \
+     measured_peak_bytes, oom_json, message, resumed_from, started_at_ms, finished_at_ms) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
+
+/// Binds an attempt's columns in the order of [`ATTEMPT_COLUMNS`] ($1 to $15).
+macro_rules! bind_attempt_columns {
+    ($query:expr, $attempt:expr) => {
+        $query
+            .bind(&$attempt.job_id)
+            .bind($attempt.attempt_number)
+            .bind(&$attempt.config_json)
+            .bind($attempt.estimate_bytes)
+            .bind($attempt.slice_bytes)
+            .bind(&$attempt.worker_id)
+            .bind(&$attempt.gpu_id)
+            .bind($attempt.lease_epoch)
+            .bind(&$attempt.outcome)
+            .bind($attempt.measured_peak_bytes)
+            .bind(&$attempt.oom_json)
+            .bind(&$attempt.message)
+            .bind(&$attempt.resumed_from)
+            .bind($attempt.started_at_ms)
+            .bind($attempt.finished_at_ms)
+    };
+}
+
+impl Store {
+    /// Stores a new attempt. `AlreadyExists` when the job already has an attempt with
+    /// that number; `NotFound` when the job does not exist.
+    pub async fn create_attempt(&self, attempt: &AttemptRecord) -> Result<(), SchedulerError> {
+        check_one_of("outcome", &attempt.outcome, ATTEMPT_OUTCOMES)?;
+        let result = with_pool!(self, pool => {
+            bind_attempt_columns!(sqlx::query(INSERT_ATTEMPT_SQL), attempt)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected())
+        });
+        match result {
+            Ok(_) => Ok(()),
+            Err(error) if is_unique_violation(&error) => Err(SchedulerError::already_exists(
+                "attempt",
+                attempt.display_id(),
+            )),
+            Err(error) if is_foreign_key_violation(&error) => {
+                Err(SchedulerError::not_found("job", &attempt.job_id))
+            }
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// Every attempt of a job, by number (empty for a job without attempts, or none).
+    pub async fn list_attempts(&self, job_id: &str) -> Result<Vec<AttemptRecord>, SchedulerError> {
+        let sql = format!(
+            "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE job_id = $1 ORDER BY attempt_number"
+        );
+        Ok(with_pool!(self, pool => {
+            sqlx::query_as(&sql).bind(job_id).fetch_all(pool).await?
+        }))
+    }
+
+    /// Ends a running attempt with `outcome`, FENCED by its lease epoch: the attempt is
+    /// updated only while its stored `lease_epoch` equals `lease_epoch` and it is still
+    /// running. A report quoting another epoch is `Conflict("attempt j/2 was reassigned
+    /// (lease epoch 3, reported 2)")`, one about an attempt that already ended is
+    /// `Conflict("attempt j/2 already ended (succeeded)")`, and one about an attempt
+    /// that does not exist is `NotFound`. `outcome` must be one of [`ATTEMPT_OUTCOMES`]
+    /// other than running.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn finish_attempt(
+        &self,
+        job_id: &str,
+        attempt_number: i64,
+        lease_epoch: i64,
+        outcome: &str,
+        measured_peak_bytes: Option<i64>,
+        oom_json: Option<&str>,
+        message: &str,
+        finished_at_ms: i64,
+    ) -> Result<(), SchedulerError> {
+        if outcome == ATTEMPT_RUNNING {
+            return Err(SchedulerError::invalid_argument(
+                "outcome",
+                "must end the attempt, not be running",
+            ));
+        }
+        check_one_of("outcome", outcome, ATTEMPT_OUTCOMES)?;
+        with_write_tx!(self, tx => {
+            let updated = sqlx::query(
+                "UPDATE attempts SET outcome = $4, measured_peak_bytes = $5, oom_json = $6, \
+                 message = $7, finished_at_ms = $8 \
+                 WHERE job_id = $1 AND attempt_number = $2 AND lease_epoch = $3 \
+                 AND outcome = $9",
+            )
+            .bind(job_id)
+            .bind(attempt_number)
+            .bind(lease_epoch)
+            .bind(outcome)
+            .bind(measured_peak_bytes)
+            .bind(oom_json)
+            .bind(message)
+            .bind(finished_at_ms)
+            .bind(ATTEMPT_RUNNING)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if updated == 0 {
+                let stored: Option<(i64, String)> = sqlx::query_as(
+                    "SELECT lease_epoch, outcome FROM attempts \
+                     WHERE job_id = $1 AND attempt_number = $2",
+                )
+                .bind(job_id)
+                .bind(attempt_number)
+                .fetch_optional(&mut *tx)
+                .await?;
+                let id = attempt_display_id(job_id, attempt_number);
+                return Err(match stored {
+                    None => SchedulerError::not_found("attempt", id),
+                    Some((stored_epoch, _)) if stored_epoch != lease_epoch => {
+                        epoch_conflict(&id, stored_epoch, lease_epoch)
+                    }
+                    Some((_, stored_outcome)) => SchedulerError::Conflict(format!(
+                        "attempt {id} already ended ({stored_outcome})"
+                    )),
+                });
+            }
+        });
+        Ok(())
+    }
+
+    /// Writes a job and one of its attempts in one transaction (placing a job: the job
+    /// becomes placed and its new attempt appears together, or neither does).
+    ///
+    /// The job is rewritten as [`Store::update_job`] does (`NotFound` when it does not
+    /// exist). The attempt is inserted; when the job already has an attempt with that
+    /// number, it is replaced only if the new `lease_epoch` is higher (the attempt was
+    /// reassigned): the same epoch is `AlreadyExists`, a lower one `Conflict`.
+    pub async fn record_job_and_attempt(
+        &self,
+        job: &JobRecord,
+        attempt: &AttemptRecord,
+    ) -> Result<(), SchedulerError> {
+        check_one_of("state", &job.state, JOB_STATES)?;
+        check_one_of("outcome", &attempt.outcome, ATTEMPT_OUTCOMES)?;
+        if attempt.job_id != job.id {
+            return Err(SchedulerError::invalid_argument(
+                "attempt.job_id",
+                format!("is {:?} but the job is {:?}", attempt.job_id, job.id),
+            ));
+        }
+        let upsert = format!(
+            "{INSERT_ATTEMPT_SQL} ON CONFLICT (job_id, attempt_number) DO UPDATE SET \
+             config_json = excluded.config_json, estimate_bytes = excluded.estimate_bytes, \
+             slice_bytes = excluded.slice_bytes, worker_id = excluded.worker_id, \
+             gpu_id = excluded.gpu_id, lease_epoch = excluded.lease_epoch, \
+             outcome = excluded.outcome, measured_peak_bytes = excluded.measured_peak_bytes, \
+             oom_json = excluded.oom_json, message = excluded.message, \
+             resumed_from = excluded.resumed_from, started_at_ms = excluded.started_at_ms, \
+             finished_at_ms = excluded.finished_at_ms \
+             WHERE attempts.lease_epoch < excluded.lease_epoch"
+        );
+        with_write_tx!(self, tx => {
+            let updated = bind_job_update!(sqlx::query(UPDATE_JOB_SQL), job)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if updated == 0 {
+                return Err(SchedulerError::not_found("job", &job.id));
+            }
+            let written = bind_attempt_columns!(sqlx::query(&upsert), attempt)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if written == 0 {
+                let stored_epoch: i64 = sqlx::query_scalar(
+                    "SELECT lease_epoch FROM attempts WHERE job_id = $1 AND attempt_number = $2",
+                )
+                .bind(&attempt.job_id)
+                .bind(attempt.attempt_number)
+                .fetch_one(&mut *tx)
+                .await?;
+                let id = attempt.display_id();
+                return Err(if stored_epoch == attempt.lease_epoch {
+                    SchedulerError::already_exists("attempt", id)
+                } else {
+                    epoch_conflict(&id, stored_epoch, attempt.lease_epoch)
+                });
+            }
+        });
+        Ok(())
+    }
+}
+
+fn epoch_conflict(id: &str, stored_epoch: i64, reported_epoch: i64) -> SchedulerError {
+    if stored_epoch > reported_epoch {
+        SchedulerError::Conflict(format!(
+            "attempt {id} was reassigned (lease epoch {stored_epoch}, reported {reported_epoch})"
+        ))
+    } else {
+        SchedulerError::Conflict(format!(
+            "attempt {id} is held under lease epoch {stored_epoch}, not {reported_epoch}"
+        ))
+    }
+}

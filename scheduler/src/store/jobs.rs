@@ -1,0 +1,313 @@
+//! Jobs: group-committed submits with idempotency keys, lookups, keyset-paged listings
+//! and whole-row updates.
+
+use std::collections::HashMap;
+
+use super::records::check_one_of;
+use super::{
+    DEFAULT_PAGE_SIZE, JOB_STATES, JobFilter, JobRecord, MAX_PAGE_SIZE, Store, SubmitOutcome,
+    is_foreign_key_violation, is_unique_violation,
+};
+use crate::error::SchedulerError;
+
+pub(super) const JOB_COLUMNS: &str = "id, tenant, name, spec_json, state, priority, \
+     submit_sequence, idempotency_key, config_json, estimate_json, required_bytes, \
+     waiting_reason, message, created_at_ms, finished_at_ms, checkpoint_location, \
+     attempts_count";
+
+/// Binds a job's columns in the order of [`JOB_COLUMNS`] ($1 to $17).
+macro_rules! bind_job_columns {
+    ($query:expr, $job:expr) => {
+        $query
+            .bind(&$job.id)
+            .bind(&$job.tenant)
+            .bind(&$job.name)
+            .bind(&$job.spec_json)
+            .bind(&$job.state)
+            .bind($job.priority)
+            .bind($job.submit_sequence)
+            .bind(&$job.idempotency_key)
+            .bind(&$job.config_json)
+            .bind(&$job.estimate_json)
+            .bind($job.required_bytes)
+            .bind(&$job.waiting_reason)
+            .bind(&$job.message)
+            .bind($job.created_at_ms)
+            .bind($job.finished_at_ms)
+            .bind(&$job.checkpoint_location)
+            .bind($job.attempts_count)
+    };
+}
+
+/// What [`Store::update_job`] rewrites: everything but the job's identity (`id`,
+/// `tenant`, `submit_sequence`, `idempotency_key`, `created_at_ms`).
+pub(super) const UPDATE_JOB_SQL: &str = "UPDATE jobs SET name = $2, spec_json = $3, \
+     state = $4, priority = $5, config_json = $6, estimate_json = $7, required_bytes = $8, \
+     waiting_reason = $9, message = $10, finished_at_ms = $11, checkpoint_location = $12, \
+     attempts_count = $13 WHERE id = $1";
+
+/// Binds the parameters of [`UPDATE_JOB_SQL`].
+macro_rules! bind_job_update {
+    ($query:expr, $job:expr) => {
+        $query
+            .bind(&$job.id)
+            .bind(&$job.name)
+            .bind(&$job.spec_json)
+            .bind(&$job.state)
+            .bind($job.priority)
+            .bind(&$job.config_json)
+            .bind(&$job.estimate_json)
+            .bind($job.required_bytes)
+            .bind(&$job.waiting_reason)
+            .bind(&$job.message)
+            .bind($job.finished_at_ms)
+            .bind(&$job.checkpoint_location)
+            .bind($job.attempts_count)
+    };
+}
+pub(super) use bind_job_update;
+
+/// A value bound to a query built at run time.
+enum Arg {
+    Text(String),
+    Int(i64),
+}
+
+/// Binds `args` in order to `$query` (a `sqlx::query_as`), whichever the database.
+macro_rules! bind_args {
+    ($query:expr, $args:expr) => {{
+        let mut query = $query;
+        for arg in $args {
+            query = match arg {
+                Arg::Text(text) => query.bind(text),
+                Arg::Int(int) => query.bind(*int),
+            };
+        }
+        query
+    }};
+}
+
+impl Store {
+    /// Submits a group of jobs in ONE transaction (one flush to disk for all of them) and
+    /// answers, in order, what happened to each.
+    ///
+    /// Each created job gets the next `submit_sequence` (increasing in the order of
+    /// `jobs`, and above every earlier group's). A job whose `(tenant, idempotency_key)`
+    /// was used before, in the database or earlier in the same group, is not created: its
+    /// outcome is the job the key first created, with `created == false`. An empty key is
+    /// stored as no key.
+    ///
+    /// Any failure rolls the whole group back: `AlreadyExists` for a job id that is taken,
+    /// `NotFound` for a tenant that does not exist, `InvalidArgument` for a state that is
+    /// not one of [`JOB_STATES`].
+    pub async fn submit_jobs(
+        &self,
+        jobs: Vec<JobRecord>,
+    ) -> Result<Vec<SubmitOutcome>, SchedulerError> {
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        for job in &jobs {
+            check_one_of("state", &job.state, JOB_STATES)?;
+        }
+        let reserved = i64::try_from(jobs.len())
+            .map_err(|_| SchedulerError::invalid_argument("jobs", "too many jobs in one group"))?;
+        let select_by_key =
+            format!("SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = $1 AND idempotency_key = $2");
+        let insert = format!(
+            "INSERT INTO jobs ({JOB_COLUMNS}) VALUES \
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
+        );
+        let outcomes = with_write_tx!(self, tx => {
+            // Bumping the counter first takes the write lock (SQLite) or the counter's row
+            // lock (PostgreSQL) for the whole group, so the idempotency lookups below see
+            // every earlier group and sequences are handed out in commit order.
+            let reserved_end: i64 = sqlx::query_scalar(
+                "UPDATE counters SET value = value + $1 WHERE name = 'submit_sequence' \
+                 RETURNING value",
+            )
+            .bind(reserved)
+            .fetch_one(&mut *tx)
+            .await?;
+            let mut last_sequence = reserved_end - reserved;
+            let mut outcomes: Vec<SubmitOutcome> = Vec::with_capacity(jobs.len());
+            let mut first_with_key: HashMap<(String, String), usize> = HashMap::new();
+            for mut job in jobs {
+                if job.idempotency_key.as_deref() == Some("") {
+                    job.idempotency_key = None;
+                }
+                if let Some(key) = &job.idempotency_key {
+                    let tenant_and_key = (job.tenant.clone(), key.clone());
+                    if let Some(&earlier) = first_with_key.get(&tenant_and_key) {
+                        let existing = outcomes[earlier].job.clone();
+                        outcomes.push(SubmitOutcome { job: existing, created: false });
+                        continue;
+                    }
+                    first_with_key.insert(tenant_and_key, outcomes.len());
+                    let existing: Option<JobRecord> = sqlx::query_as(&select_by_key)
+                        .bind(&job.tenant)
+                        .bind(key)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                    if let Some(existing) = existing {
+                        outcomes.push(SubmitOutcome { job: existing, created: false });
+                        continue;
+                    }
+                }
+                last_sequence += 1;
+                job.submit_sequence = last_sequence;
+                let inserted = bind_job_columns!(sqlx::query(&insert), job)
+                    .execute(&mut *tx)
+                    .await;
+                match inserted {
+                    Ok(_) => {}
+                    Err(error) if is_unique_violation(&error) => {
+                        return Err(SchedulerError::already_exists("job", job.id));
+                    }
+                    Err(error) if is_foreign_key_violation(&error) => {
+                        return Err(SchedulerError::not_found("tenant", job.tenant));
+                    }
+                    Err(error) => return Err(error.into()),
+                }
+                outcomes.push(SubmitOutcome { job, created: true });
+            }
+            if last_sequence != reserved_end {
+                // Give back the numbers reserved for jobs that matched a key.
+                sqlx::query("UPDATE counters SET value = $1 WHERE name = 'submit_sequence'")
+                    .bind(last_sequence)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            outcomes
+        });
+        Ok(outcomes)
+    }
+
+    /// The job with this id; `NotFound` when there is none.
+    pub async fn get_job(&self, id: &str) -> Result<JobRecord, SchedulerError> {
+        let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1");
+        let job: Option<JobRecord> = with_pool!(self, pool => {
+            sqlx::query_as(&sql).bind(id).fetch_optional(pool).await?
+        });
+        job.ok_or_else(|| SchedulerError::not_found("job", id))
+    }
+
+    /// One page of the jobs that match `filter`, newest (highest `submit_sequence`)
+    /// first, and the token of the next page (`None` on the last page). Paging is by
+    /// key, so jobs submitted while a client pages do not shift or repeat its pages.
+    pub async fn list_jobs(
+        &self,
+        filter: &JobFilter,
+    ) -> Result<(Vec<JobRecord>, Option<String>), SchedulerError> {
+        let page_size = match filter.page_size {
+            0 => DEFAULT_PAGE_SIZE,
+            size => size.min(MAX_PAGE_SIZE),
+        } as usize;
+        let mut conditions: Vec<String> = Vec::new();
+        let mut args: Vec<Arg> = Vec::new();
+        if let Some(tenant) = &filter.tenant {
+            args.push(Arg::Text(tenant.clone()));
+            conditions.push(format!("tenant = ${}", args.len()));
+        }
+        if !filter.states.is_empty() {
+            let mut placeholders = Vec::with_capacity(filter.states.len());
+            for (index, state) in filter.states.iter().enumerate() {
+                check_one_of(&format!("states[{index}]"), state, JOB_STATES)?;
+                args.push(Arg::Text(state.clone()));
+                placeholders.push(format!("${}", args.len()));
+            }
+            conditions.push(format!("state IN ({})", placeholders.join(", ")));
+        }
+        if let Some(prefix) = filter
+            .name_prefix
+            .as_deref()
+            .filter(|prefix| !prefix.is_empty())
+        {
+            // substr rather than LIKE: no wildcards to escape, and case-sensitive in both
+            // databases.
+            args.push(Arg::Text(prefix.to_string()));
+            let n = args.len();
+            conditions.push(format!("substr(name, 1, length(${n})) = ${n}"));
+        }
+        if let Some(token) = filter
+            .page_token
+            .as_deref()
+            .filter(|token| !token.is_empty())
+        {
+            let before = parse_page_token(token)?;
+            args.push(Arg::Int(before));
+            conditions.push(format!("submit_sequence < ${}", args.len()));
+        }
+        let where_clause = if conditions.is_empty() {
+            String::new()
+        } else {
+            format!("WHERE {}", conditions.join(" AND "))
+        };
+        let sql = format!(
+            "SELECT {JOB_COLUMNS} FROM jobs {where_clause} \
+             ORDER BY submit_sequence DESC LIMIT {}",
+            page_size + 1
+        );
+        let mut jobs: Vec<JobRecord> = with_pool!(self, pool => {
+            bind_args!(sqlx::query_as(&sql), &args).fetch_all(pool).await?
+        });
+        let next_page_token = if jobs.len() > page_size {
+            jobs.truncate(page_size);
+            jobs.last().map(|last| last.submit_sequence.to_string())
+        } else {
+            None
+        };
+        Ok((jobs, next_page_token))
+    }
+
+    /// Rewrites a job by id: every column but its identity (`id`, `tenant`,
+    /// `submit_sequence`, `idempotency_key`, `created_at_ms`), which never change.
+    /// `NotFound` when there is no such job.
+    pub async fn update_job(&self, job: &JobRecord) -> Result<(), SchedulerError> {
+        check_one_of("state", &job.state, JOB_STATES)?;
+        let updated = with_pool!(self, pool => {
+            bind_job_update!(sqlx::query(UPDATE_JOB_SQL), job)
+                .execute(pool)
+                .await?
+                .rows_affected()
+        });
+        if updated == 0 {
+            return Err(SchedulerError::not_found("job", &job.id));
+        }
+        Ok(())
+    }
+
+    /// Every job in one of `states`, oldest (lowest `submit_sequence`) first: what the
+    /// scheduling loop loads at start-up.
+    pub async fn jobs_in_states(&self, states: &[&str]) -> Result<Vec<JobRecord>, SchedulerError> {
+        if states.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut args = Vec::with_capacity(states.len());
+        for (index, state) in states.iter().enumerate() {
+            check_one_of(&format!("states[{index}]"), state, JOB_STATES)?;
+            args.push(Arg::Text(state.to_string()));
+        }
+        let placeholders: Vec<String> = (1..=states.len()).map(|n| format!("${n}")).collect();
+        let sql = format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE state IN ({}) ORDER BY submit_sequence",
+            placeholders.join(", ")
+        );
+        Ok(with_pool!(self, pool => {
+            bind_args!(sqlx::query_as(&sql), &args).fetch_all(pool).await?
+        }))
+    }
+}
+
+fn parse_page_token(token: &str) -> Result<i64, SchedulerError> {
+    token
+        .parse::<i64>()
+        .ok()
+        .filter(|sequence| *sequence > 0)
+        .ok_or_else(|| {
+            SchedulerError::invalid_argument(
+                "page_token",
+                format!("{token:?} is not a page token this server issued"),
+            )
+        })
+}

@@ -1,0 +1,194 @@
+//! The rows the store keeps, as plain structs, and the string values their state columns
+//! may hold.
+//!
+//! Times are milliseconds since the Unix epoch, chosen by the caller (the scheduler owns
+//! the clock). Ids are chosen by the caller. JSON blobs (job spec, run config, estimate,
+//! out-of-memory report, GPUs) are stored as text exactly as given; the store never
+//! parses them.
+
+use crate::error::SchedulerError;
+
+/// Roles a token may have (`TokenRecord::role`).
+pub const TOKEN_ROLES: &[&str] = &["user", "admin", "worker"];
+
+/// States a job may be in (`JobRecord::state`), the lowercase names of the API's
+/// `JobState` values.
+pub const JOB_STATES: &[&str] = &[
+    "queued",
+    "placed",
+    "running",
+    "succeeded",
+    "failed",
+    "cancelled",
+];
+
+/// Job states from which a job never moves again.
+pub const TERMINAL_JOB_STATES: &[&str] = &["succeeded", "failed", "cancelled"];
+
+/// The outcome of an attempt that has not ended yet.
+pub const ATTEMPT_RUNNING: &str = "running";
+
+/// Outcomes an attempt may have (`AttemptRecord::outcome`), the lowercase names of the
+/// API's `AttemptOutcome` values. Every one but [`ATTEMPT_RUNNING`] ends the attempt.
+pub const ATTEMPT_OUTCOMES: &[&str] = &[
+    "running",
+    "succeeded",
+    "out_of_memory",
+    "failed",
+    "cancelled",
+    "lost",
+];
+
+/// States a worker may be in (`WorkerRecord::state`).
+pub const WORKER_STATES: &[&str] = &["ready", "draining", "lost"];
+
+/// A tenant: a group of users whose jobs share a quota. The name is the id.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct TenantRecord {
+    pub name: String,
+    /// Sum of the slice sizes of its running attempts; `None` means no limit.
+    pub vram_quota_bytes: Option<i64>,
+    /// Attempts placed or running at once; `None` means no limit.
+    pub max_running_jobs: Option<i64>,
+    pub fair_share_weight: i64,
+    pub created_at_ms: i64,
+}
+
+/// A bearer token, stored by the hash of its secret (the secret itself is never stored).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct TokenRecord {
+    pub id: String,
+    /// The tenant it acts for; empty for admin and worker tokens (so it is not a foreign
+    /// key to `tenants`).
+    pub tenant: String,
+    /// One of [`TOKEN_ROLES`].
+    pub role: String,
+    /// Unique across tokens: `find_token_by_hash` looks tokens up by it.
+    pub secret_hash: Vec<u8>,
+    pub description: String,
+    pub created_at_ms: i64,
+    pub expires_at_ms: Option<i64>,
+    pub revoked: bool,
+}
+
+/// A job. `submit_sequence` is assigned by the store at submit (whatever the caller put
+/// there) and orders jobs newest first in listings.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct JobRecord {
+    pub id: String,
+    /// Must name an existing tenant (a foreign key).
+    pub tenant: String,
+    pub name: String,
+    pub spec_json: String,
+    /// One of [`JOB_STATES`].
+    pub state: String,
+    pub priority: i64,
+    pub submit_sequence: i64,
+    /// Unique per tenant when set; an empty key is stored as no key.
+    pub idempotency_key: Option<String>,
+    /// The run config the next (or the running) attempt uses, as JSON.
+    pub config_json: String,
+    /// The estimate of `config_json`, as JSON.
+    pub estimate_json: String,
+    /// The slice size `estimate_json` needs.
+    pub required_bytes: i64,
+    pub waiting_reason: String,
+    pub message: String,
+    pub created_at_ms: i64,
+    pub finished_at_ms: Option<i64>,
+    pub checkpoint_location: Option<String>,
+    pub attempts_count: i64,
+}
+
+/// What `submit_jobs` did with one job: created it, or found the job an earlier submit
+/// with the same `(tenant, idempotency_key)` created (`created == false`, `job` is that
+/// existing job).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubmitOutcome {
+    pub job: JobRecord,
+    pub created: bool,
+}
+
+/// Filters and a page for `list_jobs`. Filters combine with AND; empty ones match all.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JobFilter {
+    pub tenant: Option<String>,
+    /// Jobs in any of these states; empty means every state.
+    pub states: Vec<String>,
+    /// Jobs whose name starts with this (case-sensitive, no wildcards).
+    pub name_prefix: Option<String>,
+    /// 0 means [`DEFAULT_PAGE_SIZE`]; larger than [`MAX_PAGE_SIZE`] is capped.
+    pub page_size: u32,
+    /// The `next_page_token` of the previous page; `None` (or empty) for the first.
+    pub page_token: Option<String>,
+}
+
+/// The page size of `list_jobs` when the filter asks for 0.
+pub const DEFAULT_PAGE_SIZE: u32 = 100;
+/// The most jobs one `list_jobs` page returns.
+pub const MAX_PAGE_SIZE: u32 = 1000;
+
+/// One try at running a job, identified by `(job_id, attempt_number)`.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct AttemptRecord {
+    pub job_id: String,
+    /// 1 for the first attempt of a job, counting up.
+    pub attempt_number: i64,
+    pub config_json: String,
+    pub estimate_bytes: i64,
+    pub slice_bytes: i64,
+    pub worker_id: String,
+    pub gpu_id: String,
+    /// The fencing token of the assignment: reports quoting another epoch are stale.
+    pub lease_epoch: i64,
+    /// One of [`ATTEMPT_OUTCOMES`]; [`ATTEMPT_RUNNING`] until it ends.
+    pub outcome: String,
+    pub measured_peak_bytes: Option<i64>,
+    pub oom_json: Option<String>,
+    pub message: String,
+    /// The checkpoint it resumed from, if any.
+    pub resumed_from: Option<String>,
+    pub started_at_ms: i64,
+    pub finished_at_ms: Option<i64>,
+}
+
+impl AttemptRecord {
+    /// `job/number`, the way messages name an attempt.
+    pub fn display_id(&self) -> String {
+        attempt_display_id(&self.job_id, self.attempt_number)
+    }
+}
+
+pub(crate) fn attempt_display_id(job_id: &str, attempt_number: i64) -> String {
+    format!("{job_id}/{attempt_number}")
+}
+
+/// A worker node as it registered, with its GPUs as JSON.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct WorkerRecord {
+    pub id: String,
+    pub hostname: String,
+    pub gpus_json: String,
+    /// One of [`WORKER_STATES`].
+    pub state: String,
+    pub last_heartbeat_ms: i64,
+    /// When it first registered; kept when it registers again.
+    pub registered_at_ms: i64,
+    pub version: String,
+}
+
+/// `Ok` when `value` is one of `allowed`, otherwise an `InvalidArgument` naming `field`.
+pub(crate) fn check_one_of(
+    field: &str,
+    value: &str,
+    allowed: &[&str],
+) -> Result<(), SchedulerError> {
+    if allowed.contains(&value) {
+        Ok(())
+    } else {
+        Err(SchedulerError::invalid_argument(
+            field,
+            format!("{value:?} is not one of {}", allowed.join(", ")),
+        ))
+    }
+}

@@ -1,0 +1,89 @@
+//! Bearer tokens, stored by the hash of their secret.
+
+use super::records::check_one_of;
+use super::{Store, TOKEN_ROLES, TokenRecord, is_unique_violation};
+use crate::error::SchedulerError;
+
+const TOKEN_COLUMNS: &str =
+    "id, tenant, role, secret_hash, description, created_at_ms, expires_at_ms, revoked";
+
+impl Store {
+    /// Stores a token. `AlreadyExists` when its id or its secret hash is taken;
+    /// `InvalidArgument` for a role that is not one of [`TOKEN_ROLES`].
+    pub async fn create_token(&self, token: &TokenRecord) -> Result<(), SchedulerError> {
+        check_one_of("role", &token.role, TOKEN_ROLES)?;
+        if token.secret_hash.is_empty() {
+            return Err(SchedulerError::invalid_argument(
+                "secret_hash",
+                "must not be empty",
+            ));
+        }
+        let result = with_pool!(self, pool => {
+            sqlx::query(
+                "INSERT INTO tokens (id, tenant, role, secret_hash, description, \
+                 created_at_ms, expires_at_ms, revoked) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            )
+            .bind(&token.id)
+            .bind(&token.tenant)
+            .bind(&token.role)
+            .bind(&token.secret_hash)
+            .bind(&token.description)
+            .bind(token.created_at_ms)
+            .bind(token.expires_at_ms)
+            .bind(token.revoked)
+            .execute(pool)
+            .await
+            .map(|done| done.rows_affected())
+        });
+        match result {
+            Ok(_) => Ok(()),
+            Err(error) if is_unique_violation(&error) => {
+                Err(SchedulerError::already_exists("token", &token.id))
+            }
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// The token whose secret hashes to `secret_hash`, revoked or expired ones included
+    /// (the caller decides what those mean); `None` when no token has that hash.
+    pub async fn find_token_by_hash(
+        &self,
+        secret_hash: &[u8],
+    ) -> Result<Option<TokenRecord>, SchedulerError> {
+        let sql = format!("SELECT {TOKEN_COLUMNS} FROM tokens WHERE secret_hash = $1");
+        Ok(with_pool!(self, pool => {
+            sqlx::query_as(&sql).bind(secret_hash).fetch_optional(pool).await?
+        }))
+    }
+
+    /// Tokens of `tenant` (every token when `None`), newest first, revoked ones included.
+    pub async fn list_tokens(
+        &self,
+        tenant: Option<&str>,
+    ) -> Result<Vec<TokenRecord>, SchedulerError> {
+        const ORDER: &str = "ORDER BY created_at_ms DESC, id DESC";
+        Ok(match tenant {
+            Some(tenant) => {
+                let sql = format!("SELECT {TOKEN_COLUMNS} FROM tokens WHERE tenant = $1 {ORDER}");
+                with_pool!(self, pool => {
+                    sqlx::query_as(&sql).bind(tenant).fetch_all(pool).await?
+                })
+            }
+            None => {
+                let sql = format!("SELECT {TOKEN_COLUMNS} FROM tokens {ORDER}");
+                with_pool!(self, pool => sqlx::query_as(&sql).fetch_all(pool).await?)
+            }
+        })
+    }
+
+    /// Revokes a token and returns it. Revoking a revoked token changes nothing;
+    /// `NotFound` when there is no such token.
+    pub async fn revoke_token(&self, id: &str) -> Result<TokenRecord, SchedulerError> {
+        let sql = format!("UPDATE tokens SET revoked = $2 WHERE id = $1 RETURNING {TOKEN_COLUMNS}");
+        let token: Option<TokenRecord> = with_pool!(self, pool => {
+            sqlx::query_as(&sql).bind(id).bind(true).fetch_optional(pool).await?
+        });
+        token.ok_or_else(|| SchedulerError::not_found("token", id))
+    }
+}

@@ -1,0 +1,153 @@
+//! A kill -9 of the scheduler during a stream of submits loses no acknowledged job: the
+//! real binary, SIGKILLed mid-stream, restarted on the same SQLite file, and counted.
+
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use carve_proto::v1;
+use carve_proto::v1::job_service_client::JobServiceClient;
+use tonic::Request;
+use tonic::metadata::MetadataValue;
+use tonic::transport::Channel;
+
+const ADMIN: &str = "carve_durability_admin";
+
+const JOB: &str = r#"{
+  "name": "tiny",
+  "model": { "input_shape": [4], "loss": "softmax_cross_entropy", "layers": [ { "dense": { "units": 2 } } ] },
+  "training": { "batch_size": 8, "steps": 1, "optimizer": { "sgd": { "learning_rate": 0.1 } } },
+  "data": { "format": "synthetic", "samples": 16 }
+}"#;
+
+/// Starts the binary and returns it with the address it printed.
+fn start_scheduler(directory: &std::path::Path) -> (Child, String) {
+    let token_file = directory.join("admin.token");
+    std::fs::write(&token_file, ADMIN).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_carve-scheduler"))
+        .args(["--listen", "127.0.0.1:0", "--database"])
+        .arg(format!("sqlite://{}", directory.join("carve.db").display()))
+        .arg("--admin-token-file")
+        .arg(&token_file)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the scheduler binary starts");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let address = loop {
+        let line = lines
+            .next()
+            .expect("the scheduler prints its address")
+            .unwrap();
+        if let Some(address) = line.strip_prefix("carve-scheduler listening on ") {
+            break address.trim().to_string();
+        }
+    };
+    // Keep draining stderr so the child never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    (child, format!("http://{address}"))
+}
+
+async fn connect(address: &str) -> Channel {
+    for _ in 0..200 {
+        if let Ok(channel) = Channel::from_shared(address.to_string())
+            .unwrap()
+            .connect()
+            .await
+        {
+            return channel;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("cannot reach the scheduler at {address}");
+}
+
+fn authorized<T>(message: T) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        MetadataValue::try_from(format!("Bearer {ADMIN}")).unwrap(),
+    );
+    request
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_during_submits_loses_no_acknowledged_job() {
+    let directory = tempfile::tempdir().unwrap();
+    let (mut child, address) = start_scheduler(directory.path());
+    let channel = connect(&address).await;
+    let acknowledged = Arc::new(Mutex::new(HashSet::new()));
+    let mut submitters = Vec::new();
+    for submitter in 0..8 {
+        let channel = channel.clone();
+        let acknowledged = acknowledged.clone();
+        submitters.push(tokio::spawn(async move {
+            let mut client = JobServiceClient::new(channel);
+            for index in 0.. {
+                let request = authorized(v1::SubmitJobRequest {
+                    spec_json: JOB.into(),
+                    idempotency_key: format!("{submitter}-{index}"),
+                });
+                match client.submit_job(request).await {
+                    Ok(response) => {
+                        let job = response.into_inner().job.unwrap();
+                        acknowledged.lock().unwrap().insert(job.id);
+                    }
+                    // The server died: everything acknowledged before this is what counts.
+                    Err(_) => return,
+                }
+            }
+        }));
+    }
+    // Let a few hundred submits through, then kill -9 in the middle of the stream.
+    for _ in 0..200 {
+        if acknowledged.lock().unwrap().len() >= 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    for submitter in submitters {
+        let _ = tokio::time::timeout(Duration::from_secs(10), submitter).await;
+    }
+    let acknowledged = acknowledged.lock().unwrap().clone();
+    assert!(
+        acknowledged.len() >= 50,
+        "only {} submits were acknowledged",
+        acknowledged.len()
+    );
+
+    let (mut restarted, address) = start_scheduler(directory.path());
+    let mut client = JobServiceClient::new(connect(&address).await);
+    let mut stored = HashSet::new();
+    let mut page_token = String::new();
+    loop {
+        let page = client
+            .list_jobs(authorized(v1::ListJobsRequest {
+                page_size: 1000,
+                page_token: page_token.clone(),
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner();
+        stored.extend(page.jobs.into_iter().map(|job| job.id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    restarted.kill().unwrap();
+    restarted.wait().unwrap();
+    let lost: Vec<_> = acknowledged.difference(&stored).collect();
+    assert!(
+        lost.is_empty(),
+        "{} acknowledged jobs were lost, e.g. {:?}",
+        lost.len(),
+        lost.first()
+    );
+}

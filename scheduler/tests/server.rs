@@ -1,0 +1,781 @@
+//! The real scheduler in-process on 127.0.0.1:0, a real SQLite file, real gRPC clients, and
+//! a test worker that speaks the worker protocol by hand: submit to success, OOM retries
+//! with the planner's config, lease expiry and fencing, cancel, tenancy, quotas,
+//! idempotency, and the status of every invalid request.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use carve_proto::v1;
+use carve_proto::v1::admin_service_client::AdminServiceClient;
+use carve_proto::v1::cluster_service_client::ClusterServiceClient;
+use carve_proto::v1::job_service_client::JobServiceClient;
+use carve_proto::v1::worker_service_client::WorkerServiceClient;
+use carve_scheduler::scheduler::SchedulerSettings;
+use carve_scheduler::server::{SchedulerConfig, run};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataValue;
+use tonic::transport::Channel;
+use tonic::{Code, Request};
+
+const ADMIN: &str = "carve_test_admin_secret";
+
+struct Cluster {
+    address: String,
+    _directory: tempfile::TempDir,
+    _shutdown: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn start(lease: Duration) -> Cluster {
+    let directory = tempfile::tempdir().unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    let (shutdown, shutdown_signal) = tokio::sync::oneshot::channel::<()>();
+    let config = SchedulerConfig {
+        database_url: format!("sqlite://{}", directory.path().join("carve.db").display()),
+        settings: SchedulerSettings {
+            lease_duration: lease,
+            heartbeat_interval: Duration::from_millis(100),
+            scheduling_interval: Duration::from_millis(50),
+            checkpoint_directory: "/checkpoints".into(),
+        },
+        admin_token: Some(ADMIN.into()),
+    };
+    tokio::spawn(async move {
+        run(config, listener, async {
+            let _ = shutdown_signal.await;
+        })
+        .await
+        .unwrap();
+    });
+    Cluster {
+        address,
+        _directory: directory,
+        _shutdown: shutdown,
+    }
+}
+
+fn authorized<T>(message: T, token: &str) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
+    );
+    request
+}
+
+async fn channel(cluster: &Cluster) -> Channel {
+    for _ in 0..100 {
+        if let Ok(channel) = Channel::from_shared(cluster.address.clone())
+            .unwrap()
+            .connect()
+            .await
+        {
+            return channel;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the scheduler did not come up at {}", cluster.address);
+}
+
+async fn tenant_with_tokens(channel: &Channel, tenant: &str, quota: v1::Quota) -> (String, String) {
+    let mut admin = AdminServiceClient::new(channel.clone());
+    admin
+        .create_tenant(authorized(
+            v1::CreateTenantRequest {
+                name: tenant.into(),
+                quota: Some(quota),
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap();
+    let token = |role: v1::Role| {
+        let mut admin = admin.clone();
+        let tenant = tenant.to_string();
+        async move {
+            admin
+                .create_token(authorized(
+                    v1::CreateTokenRequest {
+                        tenant,
+                        role: role as i32,
+                        description: "test".into(),
+                        time_to_live: None,
+                    },
+                    ADMIN,
+                ))
+                .await
+                .unwrap()
+                .into_inner()
+                .secret
+        }
+    };
+    (token(v1::Role::User).await, token(v1::Role::Worker).await)
+}
+
+/// A worker that speaks the protocol by hand.
+struct TestWorker {
+    id: String,
+    heartbeating: Arc<AtomicBool>,
+    outgoing: mpsc::Sender<v1::WorkerMessage>,
+    incoming: tonic::Streaming<v1::SchedulerMessage>,
+    sequence: u64,
+}
+
+impl TestWorker {
+    async fn connect(
+        channel: &Channel,
+        token: &str,
+        gpu_uuid: &str,
+        total_bytes: u64,
+    ) -> TestWorker {
+        let mut client = WorkerServiceClient::new(channel.clone());
+        let registered = client
+            .register(authorized(
+                v1::RegisterWorkerRequest {
+                    hostname: format!("host-{gpu_uuid}"),
+                    gpus: vec![v1::Gpu {
+                        uuid: gpu_uuid.into(),
+                        index: 0,
+                        model_name: "simulated".into(),
+                        total_bytes,
+                        context_bytes: 256 << 20,
+                        free_bytes: total_bytes - (256 << 20),
+                        simulated: true,
+                        slices: vec![],
+                        compute_capability: "9.0".into(),
+                    }],
+                    version: "test".into(),
+                    previous_worker_id: String::new(),
+                },
+                token,
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        let (outgoing, receiver) = mpsc::channel(64);
+        outgoing
+            .send(v1::WorkerMessage {
+                sequence: 0,
+                body: Some(v1::worker_message::Body::Hello(v1::worker_message::Hello {
+                    worker_id: registered.worker_id.clone(),
+                    running_attempts: vec![],
+                })),
+            })
+            .await
+            .unwrap();
+        let incoming = client
+            .session(authorized(ReceiverStream::new(receiver), token))
+            .await
+            .unwrap()
+            .into_inner();
+        let worker = TestWorker {
+            id: registered.worker_id,
+            heartbeating: Arc::new(AtomicBool::new(true)),
+            outgoing,
+            incoming,
+            sequence: 0,
+        };
+        worker.keep_alive();
+        worker
+    }
+
+    /// Heartbeats in the background until the worker is dropped.
+    fn keep_alive(&self) {
+        let outgoing = self.outgoing.clone();
+        let heartbeating = self.heartbeating.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if !heartbeating.load(Ordering::Relaxed) {
+                    return;
+                }
+                let heartbeat = v1::WorkerMessage {
+                    sequence: 0,
+                    body: Some(v1::worker_message::Body::Heartbeat(
+                        v1::worker_message::Heartbeat { gpus: vec![] },
+                    )),
+                };
+                if outgoing.send(heartbeat).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    async fn send(&mut self, body: v1::worker_message::Body) {
+        self.sequence += 1;
+        self.outgoing
+            .send(v1::WorkerMessage {
+                sequence: self.sequence,
+                body: Some(body),
+            })
+            .await
+            .unwrap();
+    }
+
+    /// The next message that is not an ack.
+    async fn next(&mut self) -> v1::scheduler_message::Body {
+        loop {
+            let message = tokio::time::timeout(Duration::from_secs(10), self.incoming.next())
+                .await
+                .expect("a scheduler message within 10 s")
+                .expect("the session is open")
+                .expect("not an error");
+            match message.body {
+                Some(v1::scheduler_message::Body::Ack(_)) | None => continue,
+                Some(body) => return body,
+            }
+        }
+    }
+
+    async fn next_assignment(&mut self) -> v1::scheduler_message::Assignment {
+        match self.next().await {
+            v1::scheduler_message::Body::Assignment(assignment) => assignment,
+            other => panic!("expected an assignment, got {other:?}"),
+        }
+    }
+
+    async fn finish(&mut self, attempt: &v1::AttemptRef, outcome: v1::AttemptOutcome, peak: u64) {
+        self.send(v1::worker_message::Body::AttemptFinished(
+            v1::worker_message::AttemptFinished {
+                attempt: Some(attempt.clone()),
+                outcome: outcome as i32,
+                final_loss: Some(0.1),
+                test_accuracy: None,
+                measured_peak_bytes: peak,
+                message: String::new(),
+            },
+        ))
+        .await;
+    }
+}
+
+const JOB: &str = r#"{
+  "name": "small",
+  "model": {
+    "input_shape": [8, 8, 1],
+    "loss": "softmax_cross_entropy",
+    "layers": [
+      { "conv2d": { "filters": 8, "kernel": 3, "padding": "same" } },
+      { "relu": {} },
+      { "flatten": {} },
+      { "dense": { "units": 4 } }
+    ]
+  },
+  "training": { "batch_size": 64, "steps": 10, "optimizer": { "adam": { "learning_rate": 0.001 } } },
+  "data": { "format": "synthetic", "samples": 256 }
+}"#;
+
+async fn submit(
+    channel: &Channel,
+    token: &str,
+    spec: &str,
+    key: &str,
+) -> Result<v1::SubmitJobResponse, tonic::Status> {
+    JobServiceClient::new(channel.clone())
+        .submit_job(authorized(
+            v1::SubmitJobRequest {
+                spec_json: spec.into(),
+                idempotency_key: key.into(),
+            },
+            token,
+        ))
+        .await
+        .map(|response| response.into_inner())
+}
+
+async fn get(channel: &Channel, token: &str, job_id: &str) -> Result<v1::Job, tonic::Status> {
+    JobServiceClient::new(channel.clone())
+        .get_job(authorized(
+            v1::GetJobRequest {
+                job_id: job_id.into(),
+            },
+            token,
+        ))
+        .await
+        .map(|response| response.into_inner().job.unwrap())
+}
+
+async fn wait_for_state(
+    channel: &Channel,
+    token: &str,
+    job_id: &str,
+    state: v1::JobState,
+) -> v1::Job {
+    for _ in 0..200 {
+        let job = get(channel, token, job_id).await.unwrap();
+        if job.state == state as i32 {
+            return job;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("job {job_id} never reached {state:?}");
+}
+
+#[tokio::test]
+async fn a_job_goes_from_submit_to_success_and_watch_sees_every_state() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let submitted = submit(&channel, &user, JOB, "").await.unwrap();
+    assert!(submitted.created);
+    let job = submitted.job.unwrap();
+    assert!(job.estimate.as_ref().unwrap().peak_bytes > 0);
+    let mut watch = JobServiceClient::new(channel.clone())
+        .watch_job(authorized(
+            v1::WatchJobRequest {
+                job_id: job.id.clone(),
+                include_logs: false,
+            },
+            &user,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+
+    let assignment = worker.next_assignment().await;
+    let attempt = assignment.attempt.clone().unwrap();
+    assert_eq!(attempt.job_id, job.id);
+    assert_eq!(attempt.attempt_number, 1);
+    assert!(assignment.slice_bytes >= job.estimate.as_ref().unwrap().peak_bytes);
+    worker
+        .send(v1::worker_message::Body::AttemptStarted(
+            v1::worker_message::AttemptStarted {
+                attempt: Some(attempt.clone()),
+                reserved_bytes: assignment.slice_bytes,
+            },
+        ))
+        .await;
+    worker
+        .send(v1::worker_message::Body::Progress(
+            v1::worker_message::Progress {
+                attempt: Some(attempt.clone()),
+                progress: Some(v1::TrainingProgress {
+                    step: 5,
+                    total_steps: 10,
+                    loss: 0.5,
+                    samples_per_second: 100.0,
+                    memory_in_use_bytes: 1 << 20,
+                    memory_peak_bytes: 2 << 20,
+                }),
+            },
+        ))
+        .await;
+    worker
+        .finish(&attempt, v1::AttemptOutcome::Succeeded, 2 << 20)
+        .await;
+
+    let mut states = Vec::new();
+    let mut saw_progress = false;
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .unwrap()
+    {
+        match event.unwrap().event.unwrap() {
+            v1::job_event::Event::StateChanged(changed) => {
+                states.push(v1::JobState::try_from(changed.state).unwrap())
+            }
+            v1::job_event::Event::Progress(progress) => {
+                saw_progress |= progress.progress.unwrap().step == 5
+            }
+            _ => {}
+        }
+    }
+    assert!(saw_progress);
+    assert_eq!(states.last(), Some(&v1::JobState::Succeeded), "{states:?}");
+    assert!(states.contains(&v1::JobState::Running), "{states:?}");
+    let finished = get(&channel, &user, &job.id).await.unwrap();
+    assert_eq!(finished.state, v1::JobState::Succeeded as i32);
+    assert_eq!(finished.attempts.len(), 1);
+    assert_eq!(finished.attempts[0].measured_peak_bytes, Some(2 << 20));
+    assert_eq!(
+        finished.attempts[0].outcome,
+        v1::AttemptOutcome::Succeeded as i32
+    );
+}
+
+#[tokio::test]
+async fn an_oom_is_retried_with_the_planners_config_from_the_checkpoint() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    let first = worker.next_assignment().await;
+    let attempt = first.attempt.clone().unwrap();
+    // The attempt died a quarter short of its slice: something outside the plan took memory.
+    worker
+        .send(v1::worker_message::Body::Oom(
+            v1::worker_message::OomReport {
+                attempt: Some(attempt.clone()),
+                report: Some(v1::OutOfMemoryReport {
+                    requested_bytes: first.slice_bytes / 2,
+                    in_use_bytes: first.slice_bytes / 4 * 3,
+                    limit_bytes: first.slice_bytes,
+                    largest_free_bytes: first.slice_bytes / 4,
+                    peak_bytes: first.slice_bytes / 4 * 3,
+                }),
+                checkpoint: Some(v1::Checkpoint {
+                    step: 4,
+                    location: "/checkpoints/a.ckpt".into(),
+                }),
+            },
+        ))
+        .await;
+    let second = worker.next_assignment().await;
+    assert_eq!(second.attempt.as_ref().unwrap().attempt_number, 2);
+    assert_eq!(
+        second.resume_from.as_ref().unwrap().location,
+        "/checkpoints/a.ckpt"
+    );
+    let old = first.config.unwrap();
+    let new = second.config.unwrap();
+    assert_eq!(
+        new.batch_size, old.batch_size,
+        "the effective batch is kept"
+    );
+    assert_ne!(new, old, "the planner changed the config");
+    worker
+        .finish(
+            second.attempt.as_ref().unwrap(),
+            v1::AttemptOutcome::Succeeded,
+            1 << 20,
+        )
+        .await;
+    let done = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
+    assert_eq!(done.attempts.len(), 2);
+    assert_eq!(
+        done.attempts[0].outcome,
+        v1::AttemptOutcome::OutOfMemory as i32
+    );
+    assert_eq!(
+        done.attempts[0].oom.as_ref().unwrap().limit_bytes,
+        first.slice_bytes
+    );
+    assert_eq!(
+        done.attempts[1].outcome,
+        v1::AttemptOutcome::Succeeded as i32
+    );
+    assert_eq!(done.current_config.unwrap(), new);
+}
+
+#[tokio::test]
+async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
+    let cluster = start(Duration::from_millis(600)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let mut first_worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    let first = first_worker.next_assignment().await;
+    let stale_attempt = first.attempt.clone().unwrap();
+    // The first worker goes silent: its heartbeats stop (the session stays open).
+    first_worker.heartbeating.store(false, Ordering::Relaxed);
+    let TestWorker {
+        outgoing: stale_outgoing,
+        mut incoming,
+        ..
+    } = first_worker;
+    let silent = tokio::spawn(async move {
+        // Keep reading so the session is not closed, but send nothing.
+        while incoming.next().await.is_some() {}
+    });
+    drop(silent);
+    let mut second_worker = TestWorker::connect(&channel, &worker_token, "gpu-b", 16 << 30).await;
+    let second = second_worker.next_assignment().await;
+    assert_eq!(second.attempt.as_ref().unwrap().attempt_number, 2);
+    assert_eq!(
+        second.resume_from.as_ref().unwrap().location,
+        first.resume_from.unwrap().location
+    );
+    // The stale worker's late report is fenced off.
+    let _ = stale_outgoing
+        .send(v1::WorkerMessage {
+            sequence: 99,
+            body: Some(v1::worker_message::Body::AttemptFinished(
+                v1::worker_message::AttemptFinished {
+                    attempt: Some(stale_attempt),
+                    outcome: v1::AttemptOutcome::Succeeded as i32,
+                    final_loss: None,
+                    test_accuracy: None,
+                    measured_peak_bytes: 1,
+                    message: "late".into(),
+                },
+            )),
+        })
+        .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let job_now = get(&channel, &user, &job.id).await.unwrap();
+    assert_ne!(job_now.state, v1::JobState::Succeeded as i32);
+    assert_eq!(job_now.attempts[0].outcome, v1::AttemptOutcome::Lost as i32);
+    second_worker
+        .finish(
+            second.attempt.as_ref().unwrap(),
+            v1::AttemptOutcome::Succeeded,
+            1 << 20,
+        )
+        .await;
+    let done = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
+    assert_eq!(done.attempts[1].worker_id, second_worker.id);
+}
+
+#[tokio::test]
+async fn cancel_reaches_the_running_attempt() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    let assignment = worker.next_assignment().await;
+    let cancelled = JobServiceClient::new(channel.clone())
+        .cancel_job(authorized(
+            v1::CancelJobRequest {
+                job_id: job.id.clone(),
+                reason: "changed my mind".into(),
+            },
+            &user,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    assert_eq!(cancelled.state, v1::JobState::Cancelled as i32);
+    match worker.next().await {
+        v1::scheduler_message::Body::Cancel(cancel) => {
+            assert_eq!(cancel.attempt, assignment.attempt)
+        }
+        other => panic!("expected a cancel, got {other:?}"),
+    }
+    let again = JobServiceClient::new(channel.clone())
+        .cancel_job(authorized(
+            v1::CancelJobRequest {
+                job_id: job.id.clone(),
+                reason: String::new(),
+            },
+            &user,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), Code::FailedPrecondition);
+}
+
+#[tokio::test]
+async fn tenants_see_only_their_own_jobs() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (alice, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (bob, _) = tenant_with_tokens(&channel, "bob", v1::Quota::default()).await;
+    let job = submit(&channel, &alice, JOB, "")
+        .await
+        .unwrap()
+        .job
+        .unwrap();
+    assert_eq!(
+        get(&channel, &bob, &job.id).await.unwrap_err().code(),
+        Code::NotFound
+    );
+    let listed = JobServiceClient::new(channel.clone())
+        .list_jobs(authorized(v1::ListJobsRequest::default(), &bob))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.jobs.is_empty());
+    let cancel = JobServiceClient::new(channel.clone())
+        .cancel_job(authorized(
+            v1::CancelJobRequest {
+                job_id: job.id.clone(),
+                reason: String::new(),
+            },
+            &bob,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(cancel.code(), Code::NotFound);
+    let mine = JobServiceClient::new(channel.clone())
+        .list_jobs(authorized(v1::ListJobsRequest::default(), &alice))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(mine.jobs.len(), 1);
+    let admin_view = get(&channel, ADMIN, &job.id).await.unwrap();
+    assert_eq!(admin_view.tenant, "alice");
+}
+
+#[tokio::test]
+async fn a_running_jobs_quota_holds_under_concurrent_submits() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let quota = v1::Quota {
+        vram_bytes: None,
+        max_running_jobs: Some(2),
+        fair_share_weight: 1.0,
+    };
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", quota).await;
+    let _worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 80 << 30).await;
+    let submits = (0..12).map(|index| {
+        let channel = channel.clone();
+        let user = user.clone();
+        async move {
+            submit(&channel, &user, JOB, &format!("key-{index}"))
+                .await
+                .unwrap()
+        }
+    });
+    let jobs = futures::future::join_all(submits).await;
+    assert_eq!(jobs.len(), 12);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let slices = ClusterServiceClient::new(channel.clone())
+        .list_slices(authorized(v1::ListSlicesRequest::default(), ADMIN))
+        .await
+        .unwrap()
+        .into_inner()
+        .slices;
+    assert_eq!(slices.len(), 2, "{slices:?}");
+    let waiting = get(&channel, &user, &jobs[0].job.as_ref().unwrap().id)
+        .await
+        .unwrap();
+    let waiting_jobs = JobServiceClient::new(channel.clone())
+        .list_jobs(authorized(
+            v1::ListJobsRequest {
+                states: vec![v1::JobState::Queued as i32],
+                ..Default::default()
+            },
+            &user,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs;
+    assert_eq!(waiting_jobs.len(), 10);
+    assert!(
+        waiting_jobs
+            .iter()
+            .all(|job| job.waiting_reason.contains("running")),
+        "{:?} / {:?}",
+        waiting_jobs.first().map(|job| &job.waiting_reason),
+        waiting.waiting_reason
+    );
+}
+
+#[tokio::test]
+async fn a_retried_submit_returns_the_same_job() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let first = submit(&channel, &user, JOB, "retry-me").await.unwrap();
+    let second = submit(&channel, &user, JOB, "retry-me").await.unwrap();
+    assert!(first.created);
+    assert!(!second.created);
+    assert_eq!(first.job.unwrap().id, second.job.unwrap().id);
+    let other = submit(&channel, &user, JOB, "another").await.unwrap();
+    assert!(other.created);
+}
+
+#[tokio::test]
+async fn invalid_requests_get_the_right_status_naming_the_field() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(
+        &channel,
+        "alice",
+        v1::Quota {
+            vram_bytes: Some(1 << 30),
+            max_running_jobs: None,
+            fair_share_weight: 1.0,
+        },
+    )
+    .await;
+    let _worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+
+    let bad_kernel = JOB.replace("\"kernel\": 3, \"padding\": \"same\"", "\"kernel\": 9");
+    let error = submit(&channel, &user, &bad_kernel, "").await.unwrap_err();
+    assert_eq!(error.code(), Code::InvalidArgument);
+    assert!(
+        error
+            .message()
+            .contains("spec.model.layers[0].conv2d.kernel"),
+        "{}",
+        error.message()
+    );
+
+    let unknown_field = JOB.replace("\"name\": \"small\"", "\"name\": \"small\", \"gpus\": 2");
+    let error = submit(&channel, &user, &unknown_field, "")
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::InvalidArgument);
+    assert!(error.message().contains("gpus"), "{}", error.message());
+
+    let error = submit(&channel, &user, "", "").await.unwrap_err();
+    assert_eq!(error.code(), Code::InvalidArgument);
+    assert!(error.message().contains("spec_json"), "{}", error.message());
+
+    let huge = JOB
+        .replace("\"batch_size\": 64", "\"batch_size\": 65536")
+        .replace("[8, 8, 1]", "[512, 512, 3]");
+    let error = submit(&channel, &user, &huge, "").await.unwrap_err();
+    assert_eq!(error.code(), Code::ResourceExhausted, "{}", error.message());
+
+    let error = JobServiceClient::new(channel.clone())
+        .submit_job(Request::new(v1::SubmitJobRequest {
+            spec_json: JOB.into(),
+            idempotency_key: String::new(),
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::Unauthenticated);
+    let error = submit(&channel, "carve_not_a_token", JOB, "")
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::Unauthenticated);
+    assert!(error.message().contains("token rejected"));
+
+    let error = AdminServiceClient::new(channel.clone())
+        .create_tenant(authorized(
+            v1::CreateTenantRequest {
+                name: "mallory".into(),
+                quota: None,
+            },
+            &user,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::PermissionDenied);
+
+    let error = get(&channel, &user, "job-does-not-exist")
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::NotFound);
+    let error = get(&channel, &user, "").await.unwrap_err();
+    assert_eq!(error.code(), Code::InvalidArgument);
+    assert!(error.message().contains("job_id"));
+
+    let error = AdminServiceClient::new(channel.clone())
+        .create_tenant(authorized(
+            v1::CreateTenantRequest {
+                name: "alice".into(),
+                quota: None,
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::AlreadyExists);
+
+    let error = JobServiceClient::new(channel.clone())
+        .list_jobs(authorized(
+            v1::ListJobsRequest {
+                states: vec![42],
+                ..Default::default()
+            },
+            &user,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::InvalidArgument);
+    assert!(error.message().contains("states[0]"), "{}", error.message());
+}

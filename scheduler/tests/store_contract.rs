@@ -1,0 +1,1432 @@
+//! The store's contract: every test here runs against SQLite (a temp file) and against
+//! PostgreSQL (a database of its own on a server this binary starts; see
+//! `support/mod.rs`), as `sqlite::NAME` and `postgres::NAME`.
+
+mod support;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use carve_scheduler::error::SchedulerError;
+use carve_scheduler::store::{
+    AttemptRecord, Backend, JobFilter, JobRecord, Store, SubmitBatcher, TenantRecord, TokenRecord,
+    WorkerRecord,
+};
+use support::TestDb;
+
+/// Declares each contract test once per database.
+macro_rules! contract_tests {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let db = crate::support::TestDb::sqlite().await;
+                    crate::$name(&db).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let db = crate::support::TestDb::postgres().await;
+                    crate::$name(&db).await;
+                }
+            )*
+        }
+    };
+}
+
+contract_tests!(
+    durability_settings_are_safe,
+    tenants_crud,
+    tokens_are_found_by_hash_and_revoked,
+    submit_group_commit_assigns_increasing_sequences,
+    a_failing_group_commits_nothing,
+    idempotency_keys_within_a_group_and_across_groups,
+    concurrent_submits_through_the_batcher_share_commits,
+    batcher_answers_each_job_of_a_failing_group_on_its_own,
+    list_jobs_filters_and_pages,
+    list_jobs_pages_are_stable_while_jobs_arrive,
+    update_job_rewrites_all_but_the_identity,
+    jobs_in_states_are_oldest_first,
+    attempts_are_listed_by_number,
+    finishing_an_attempt_is_fenced_by_its_lease_epoch,
+    record_job_and_attempt_is_atomic,
+    workers_upsert_and_state,
+    peak_correction_is_the_largest_ratio,
+    data_survives_reopening,
+);
+
+const T0: i64 = 1_700_000_000_000;
+
+fn tenant(name: &str) -> TenantRecord {
+    TenantRecord {
+        name: name.to_string(),
+        vram_quota_bytes: None,
+        max_running_jobs: None,
+        fair_share_weight: 1,
+        created_at_ms: T0,
+    }
+}
+
+fn job(id: &str, tenant: &str, name: &str) -> JobRecord {
+    JobRecord {
+        id: id.to_string(),
+        tenant: tenant.to_string(),
+        name: name.to_string(),
+        spec_json: format!(r#"{{"name":"{name}"}}"#),
+        state: "queued".to_string(),
+        priority: 0,
+        submit_sequence: 0,
+        idempotency_key: None,
+        config_json: r#"{"batch_size":32}"#.to_string(),
+        estimate_json: r#"{"required_bytes":1048576}"#.to_string(),
+        required_bytes: 1 << 20,
+        waiting_reason: String::new(),
+        message: String::new(),
+        created_at_ms: T0,
+        finished_at_ms: None,
+        checkpoint_location: None,
+        attempts_count: 0,
+    }
+}
+
+fn keyed(mut job: JobRecord, key: &str) -> JobRecord {
+    job.idempotency_key = Some(key.to_string());
+    job
+}
+
+fn attempt(job_id: &str, number: i64, lease_epoch: i64) -> AttemptRecord {
+    AttemptRecord {
+        job_id: job_id.to_string(),
+        attempt_number: number,
+        config_json: r#"{"batch_size":32}"#.to_string(),
+        estimate_bytes: 1 << 20,
+        slice_bytes: 2 << 20,
+        worker_id: "w-1".to_string(),
+        gpu_id: "GPU-0".to_string(),
+        lease_epoch,
+        outcome: "running".to_string(),
+        measured_peak_bytes: None,
+        oom_json: None,
+        message: String::new(),
+        resumed_from: None,
+        started_at_ms: T0 + number,
+        finished_at_ms: None,
+    }
+}
+
+fn worker(id: &str, hostname: &str) -> WorkerRecord {
+    WorkerRecord {
+        id: id.to_string(),
+        hostname: hostname.to_string(),
+        gpus_json: r#"[{"uuid":"GPU-0","total_bytes":17179869184}]"#.to_string(),
+        state: "ready".to_string(),
+        last_heartbeat_ms: T0,
+        registered_at_ms: T0,
+        version: "0.1.0".to_string(),
+    }
+}
+
+/// Every job the filter matches, page by page, checking each page on the way.
+async fn all_pages(store: &Store, filter: &JobFilter) -> (Vec<JobRecord>, usize) {
+    let mut filter = filter.clone();
+    let mut jobs = Vec::new();
+    let mut pages = 0;
+    loop {
+        let (page, next) = store.list_jobs(&filter).await.unwrap();
+        pages += 1;
+        assert!(pages < 1000, "paging does not end");
+        assert!(
+            page.len() <= filter.page_size as usize,
+            "a page of {} jobs for page size {}",
+            page.len(),
+            filter.page_size
+        );
+        jobs.extend(page);
+        match next {
+            Some(token) => {
+                assert!(!token.is_empty());
+                filter.page_token = Some(token);
+            }
+            None => break,
+        }
+    }
+    (jobs, pages)
+}
+
+async fn durability_settings_are_safe(db: &TestDb) {
+    let store = db.open().await;
+    let settings: HashMap<String, String> = store
+        .durability_settings()
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    let expected: &[(&str, &str)] = match db.backend() {
+        Backend::Sqlite => &[
+            ("journal_mode", "wal"),
+            ("synchronous", "full"),
+            ("foreign_keys", "on"),
+        ],
+        Backend::Postgres => &[("fsync", "on"), ("synchronous_commit", "on")],
+    };
+    for (name, value) in expected {
+        assert_eq!(
+            settings.get(*name).map(String::as_str),
+            Some(*value),
+            "{name} in {settings:?}"
+        );
+    }
+    if db.backend() == Backend::Sqlite {
+        let busy_timeout: i64 = settings["busy_timeout_ms"].parse().unwrap();
+        assert!(busy_timeout >= 1000, "busy timeout {busy_timeout} ms");
+    }
+}
+
+async fn tenants_crud(db: &TestDb) {
+    let store = db.open().await;
+    assert_eq!(store.list_tenants().await.unwrap(), vec![]);
+
+    let acme = TenantRecord {
+        name: "acme".into(),
+        vram_quota_bytes: Some(32 << 30),
+        max_running_jobs: Some(4),
+        fair_share_weight: 2,
+        created_at_ms: T0,
+    };
+    let zeta = tenant("zeta");
+    let beta = TenantRecord {
+        created_at_ms: T0 + 5,
+        ..tenant("beta")
+    };
+    for tenant in [&zeta, &acme, &beta] {
+        store.create_tenant(tenant).await.unwrap();
+    }
+    assert_eq!(store.get_tenant("acme").await.unwrap(), acme);
+    assert_eq!(store.get_tenant("beta").await.unwrap(), beta);
+    assert_eq!(
+        store.list_tenants().await.unwrap(),
+        vec![acme.clone(), beta.clone(), zeta.clone()],
+        "by name"
+    );
+
+    let again = TenantRecord {
+        fair_share_weight: 9,
+        ..acme.clone()
+    };
+    assert_eq!(
+        store.create_tenant(&again).await,
+        Err(SchedulerError::already_exists("tenant", "acme"))
+    );
+    assert_eq!(store.get_tenant("acme").await.unwrap(), acme, "unchanged");
+    assert_eq!(
+        store.get_tenant("nope").await,
+        Err(SchedulerError::not_found("tenant", "nope"))
+    );
+
+    let updated = store.set_quota("acme", None, Some(8), 3).await.unwrap();
+    let expected = TenantRecord {
+        vram_quota_bytes: None,
+        max_running_jobs: Some(8),
+        fair_share_weight: 3,
+        ..acme.clone()
+    };
+    assert_eq!(updated, expected);
+    assert_eq!(store.get_tenant("acme").await.unwrap(), expected);
+    assert_eq!(
+        store.get_tenant("zeta").await.unwrap(),
+        zeta,
+        "others untouched"
+    );
+    assert_eq!(
+        store.set_quota("nope", Some(1), None, 1).await,
+        Err(SchedulerError::not_found("tenant", "nope"))
+    );
+}
+
+async fn tokens_are_found_by_hash_and_revoked(db: &TestDb) {
+    let store = db.open().await;
+    let alice = TokenRecord {
+        id: "tok-alice".into(),
+        tenant: "acme".into(),
+        role: "user".into(),
+        secret_hash: vec![1, 2, 3, 4, 0, 255],
+        description: "alice's laptop".into(),
+        created_at_ms: T0,
+        expires_at_ms: Some(T0 + 86_400_000),
+        revoked: false,
+    };
+    let bob = TokenRecord {
+        id: "tok-bob".into(),
+        secret_hash: vec![9, 9, 9],
+        description: "bob".into(),
+        created_at_ms: T0 + 10,
+        expires_at_ms: None,
+        ..alice.clone()
+    };
+    let admin = TokenRecord {
+        id: "tok-admin".into(),
+        tenant: String::new(),
+        role: "admin".into(),
+        secret_hash: vec![7; 32],
+        description: "operator".into(),
+        created_at_ms: T0 + 20,
+        expires_at_ms: None,
+        revoked: false,
+    };
+    for token in [&alice, &bob, &admin] {
+        store.create_token(token).await.unwrap();
+    }
+
+    assert_eq!(
+        store
+            .find_token_by_hash(&[1, 2, 3, 4, 0, 255])
+            .await
+            .unwrap(),
+        Some(alice.clone())
+    );
+    assert_eq!(
+        store.find_token_by_hash(&[7; 32]).await.unwrap(),
+        Some(admin.clone())
+    );
+    assert_eq!(store.find_token_by_hash(&[1, 2, 3]).await.unwrap(), None);
+
+    assert_eq!(
+        store.list_tokens(Some("acme")).await.unwrap(),
+        vec![bob.clone(), alice.clone()],
+        "newest first"
+    );
+    assert_eq!(
+        store.list_tokens(None).await.unwrap(),
+        vec![admin.clone(), bob.clone(), alice.clone()]
+    );
+    assert_eq!(store.list_tokens(Some("beta")).await.unwrap(), vec![]);
+
+    let duplicate_id = TokenRecord {
+        secret_hash: vec![5, 5],
+        ..alice.clone()
+    };
+    assert_eq!(
+        store.create_token(&duplicate_id).await,
+        Err(SchedulerError::already_exists("token", "tok-alice"))
+    );
+    let duplicate_hash = TokenRecord {
+        id: "tok-other".into(),
+        ..bob.clone()
+    };
+    assert_eq!(
+        store.create_token(&duplicate_hash).await,
+        Err(SchedulerError::already_exists("token", "tok-other"))
+    );
+    let bad_role = TokenRecord {
+        id: "tok-root".into(),
+        role: "root".into(),
+        secret_hash: vec![6],
+        ..alice.clone()
+    };
+    assert!(matches!(
+        store.create_token(&bad_role).await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "role"
+    ));
+
+    let revoked = store.revoke_token("tok-alice").await.unwrap();
+    let expected = TokenRecord {
+        revoked: true,
+        ..alice.clone()
+    };
+    assert_eq!(revoked, expected);
+    assert_eq!(
+        store.find_token_by_hash(&alice.secret_hash).await.unwrap(),
+        Some(expected.clone()),
+        "a revoked token is still found, marked revoked"
+    );
+    assert_eq!(
+        store.revoke_token("tok-alice").await.unwrap(),
+        expected,
+        "revoking twice changes nothing"
+    );
+    assert_eq!(
+        store.find_token_by_hash(&bob.secret_hash).await.unwrap(),
+        Some(bob.clone()),
+        "other tokens stay valid"
+    );
+    assert_eq!(
+        store.revoke_token("tok-nope").await,
+        Err(SchedulerError::not_found("token", "tok-nope"))
+    );
+}
+
+async fn submit_group_commit_assigns_increasing_sequences(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    assert_eq!(store.submit_jobs(Vec::new()).await.unwrap(), vec![]);
+
+    let first: Vec<JobRecord> = (0..5)
+        .map(|i| JobRecord {
+            // Whatever the caller puts here is replaced.
+            submit_sequence: 999 - i,
+            ..job(&format!("j-{i}"), "acme", &format!("train-{i}"))
+        })
+        .collect();
+    let outcomes = store.submit_jobs(first.clone()).await.unwrap();
+    assert_eq!(outcomes.len(), 5);
+    for (outcome, submitted) in outcomes.iter().zip(&first) {
+        assert!(outcome.created);
+        assert_eq!(outcome.job.id, submitted.id, "answers in submit order");
+        assert_eq!(
+            JobRecord {
+                submit_sequence: submitted.submit_sequence,
+                ..outcome.job.clone()
+            },
+            *submitted,
+            "stored as given, but for the sequence"
+        );
+        assert_eq!(store.get_job(&outcome.job.id).await.unwrap(), outcome.job);
+    }
+    let sequences: Vec<i64> = outcomes.iter().map(|o| o.job.submit_sequence).collect();
+    assert!(
+        sequences.windows(2).all(|pair| pair[0] < pair[1]),
+        "increasing within the group: {sequences:?}"
+    );
+    assert!(sequences[0] > 0);
+
+    let second = store
+        .submit_jobs(vec![job("j-5", "acme", "a"), job("j-6", "acme", "b")])
+        .await
+        .unwrap();
+    let later: Vec<i64> = second.iter().map(|o| o.job.submit_sequence).collect();
+    assert!(
+        later[0] > sequences[4] && later[1] > later[0],
+        "a later group gets later numbers: {sequences:?} then {later:?}"
+    );
+    assert_eq!(
+        store.get_job("nope").await,
+        Err(SchedulerError::not_found("job", "nope"))
+    );
+}
+
+async fn a_failing_group_commits_nothing(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    store
+        .submit_jobs(vec![job("taken", "acme", "x")])
+        .await
+        .unwrap();
+
+    let unknown_tenant = store
+        .submit_jobs(vec![
+            job("g1-a", "acme", "x"),
+            job("g1-b", "ghost", "x"),
+            job("g1-c", "acme", "x"),
+        ])
+        .await;
+    assert_eq!(
+        unknown_tenant,
+        Err(SchedulerError::not_found("tenant", "ghost"))
+    );
+    let taken_id = store
+        .submit_jobs(vec![
+            keyed(job("g2-a", "acme", "x"), "k"),
+            job("taken", "acme", "y"),
+        ])
+        .await;
+    assert_eq!(
+        taken_id,
+        Err(SchedulerError::already_exists("job", "taken"))
+    );
+    let bad_state = store
+        .submit_jobs(vec![JobRecord {
+            state: "sleeping".into(),
+            ..job("g3-a", "acme", "x")
+        }])
+        .await;
+    assert!(matches!(
+        bad_state,
+        Err(SchedulerError::InvalidArgument { .. })
+    ));
+
+    for id in ["g1-a", "g1-b", "g1-c", "g2-a", "g3-a"] {
+        assert_eq!(
+            store.get_job(id).await,
+            Err(SchedulerError::not_found("job", id)),
+            "{id} must not be stored: its group failed"
+        );
+    }
+    assert_eq!(store.get_job("taken").await.unwrap().name, "x");
+    // The key of the rolled-back job is free again.
+    let outcome = store
+        .submit_jobs(vec![keyed(job("g4-a", "acme", "x"), "k")])
+        .await
+        .unwrap();
+    assert!(outcome[0].created);
+}
+
+async fn idempotency_keys_within_a_group_and_across_groups(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    store.create_tenant(&tenant("beta")).await.unwrap();
+
+    let outcomes = store
+        .submit_jobs(vec![
+            keyed(job("a", "acme", "first"), "k1"),
+            keyed(job("b", "acme", "second"), "k1"),
+            job("c", "acme", "unkeyed"),
+            keyed(job("d", "beta", "other tenant"), "k1"),
+            keyed(job("e", "acme", "k2"), "k2"),
+            keyed(job("f", "acme", "third"), "k1"),
+        ])
+        .await
+        .unwrap();
+    let summary: Vec<(&str, bool)> = outcomes
+        .iter()
+        .map(|o| (o.job.id.as_str(), o.created))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            ("a", true),
+            ("a", false),
+            ("c", true),
+            ("d", true),
+            ("e", true),
+            ("a", false),
+        ]
+    );
+    assert_eq!(outcomes[1].job, outcomes[0].job, "the job the key created");
+    assert_eq!(outcomes[1].job.name, "first");
+    for id in ["b", "f"] {
+        assert_eq!(
+            store.get_job(id).await,
+            Err(SchedulerError::not_found("job", id))
+        );
+    }
+
+    let stored_a = store.get_job("a").await.unwrap();
+    let later = store
+        .submit_jobs(vec![
+            keyed(job("g", "acme", "retry"), "k1"),
+            keyed(job("h", "acme", "empty key"), ""),
+            keyed(job("i", "acme", "empty key too"), ""),
+            keyed(job("j", "beta", "retry"), "k1"),
+        ])
+        .await
+        .unwrap();
+    assert!(!later[0].created);
+    assert_eq!(
+        later[0].job, stored_a,
+        "the stored job, same id and sequence"
+    );
+    assert!(
+        later[1].created && later[2].created,
+        "an empty key is no key"
+    );
+    assert_eq!(later[1].job.idempotency_key, None);
+    assert!(!later[3].created);
+    assert_eq!(later[3].job.id, "d");
+
+    let (all, _) = store
+        .list_jobs(&JobFilter {
+            page_size: 100,
+            ..JobFilter::default()
+        })
+        .await
+        .unwrap();
+    let mut ids: Vec<&str> = all.iter().map(|job| job.id.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, vec!["a", "c", "d", "e", "h", "i"], "never a duplicate");
+    let sequences: HashSet<i64> = all.iter().map(|job| job.submit_sequence).collect();
+    assert_eq!(sequences.len(), all.len(), "sequences are unique");
+}
+
+async fn concurrent_submits_through_the_batcher_share_commits(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    let batcher = SubmitBatcher::spawn(store.clone());
+
+    const SUBMITS: usize = 200;
+    let mut tasks = Vec::new();
+    for i in 0..SUBMITS {
+        let batcher = batcher.clone();
+        // 20 of them share two idempotency keys; the rest are distinct jobs.
+        let mut submitted = job(&format!("job-{i:03}"), "acme", &format!("n-{i}"));
+        if i % 10 == 0 {
+            submitted.idempotency_key = Some(format!("shared-{}", i % 20));
+        } else if i % 3 == 0 {
+            submitted.idempotency_key = Some(format!("own-{i}"));
+        }
+        tasks.push(tokio::spawn(async move {
+            (submitted.clone(), batcher.submit(submitted).await)
+        }));
+    }
+    let mut answers = Vec::new();
+    for task in tasks {
+        let (submitted, answer) = task.await.unwrap();
+        answers.push((submitted, answer.expect("every submit is acknowledged")));
+    }
+
+    // Read back through a new pool: an acknowledged submit is committed.
+    let reader = db.open().await;
+    let mut created_sequences = BTreeSet::new();
+    let mut by_shared_key: HashMap<String, BTreeSet<String>> = HashMap::new();
+    for (submitted, outcome) in &answers {
+        let stored = reader.get_job(&outcome.job.id).await.unwrap();
+        assert_eq!(stored, outcome.job);
+        match submitted.idempotency_key.as_deref() {
+            Some(key) if key.starts_with("shared-") => {
+                by_shared_key
+                    .entry(key.to_string())
+                    .or_default()
+                    .insert(outcome.job.id.clone());
+            }
+            _ => {
+                assert!(outcome.created, "{} has its own key", submitted.id);
+                assert_eq!(outcome.job.id, submitted.id);
+            }
+        }
+        if outcome.created {
+            assert!(
+                created_sequences.insert(outcome.job.submit_sequence),
+                "sequence {} handed out twice",
+                outcome.job.submit_sequence
+            );
+        }
+    }
+    assert_eq!(by_shared_key.len(), 2);
+    for (key, ids) in &by_shared_key {
+        assert_eq!(ids.len(), 1, "{key} made one job: {ids:?}");
+    }
+    let created = answers
+        .iter()
+        .filter(|(_, outcome)| outcome.created)
+        .count();
+    assert_eq!(created, SUBMITS - 20 + 2);
+    let (listed, _) = all_pages(
+        &reader,
+        &JobFilter {
+            tenant: Some("acme".into()),
+            page_size: 1000,
+            ..JobFilter::default()
+        },
+    )
+    .await;
+    assert_eq!(listed.len(), created, "nothing more is stored");
+
+    assert_eq!(batcher.jobs_committed(), SUBMITS as u64);
+    let groups = batcher.groups_committed();
+    assert!(
+        (1..SUBMITS as u64).contains(&groups),
+        "{SUBMITS} concurrent submits took {groups} commits: they must share commits"
+    );
+}
+
+async fn batcher_answers_each_job_of_a_failing_group_on_its_own(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    let batcher = SubmitBatcher::spawn(store.clone());
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let batcher = batcher.clone();
+        let tenant = if i == 7 { "ghost" } else { "acme" };
+        let submitted = job(&format!("b-{i:02}"), tenant, "x");
+        tasks.push(tokio::spawn(async move { batcher.submit(submitted).await }));
+    }
+    for (i, task) in tasks.into_iter().enumerate() {
+        let answer = task.await.unwrap();
+        if i == 7 {
+            assert_eq!(answer, Err(SchedulerError::not_found("tenant", "ghost")));
+        } else {
+            let outcome = answer.unwrap_or_else(|error| panic!("b-{i:02}: {error}"));
+            assert!(outcome.created);
+            assert_eq!(store.get_job(&outcome.job.id).await.unwrap(), outcome.job);
+        }
+    }
+}
+
+async fn list_jobs_filters_and_pages(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    store.create_tenant(&tenant("beta")).await.unwrap();
+    let states = ["queued", "running", "succeeded", "failed"];
+    let mut submitted = Vec::new();
+    for i in 0..30 {
+        let tenant = if i % 3 == 0 { "beta" } else { "acme" };
+        let name = match i {
+            28 => "tr%n-wild".to_string(),
+            29 => "TRAIN-upper".to_string(),
+            i if i % 2 == 0 => format!("train-{i}"),
+            i => format!("eval-{i}"),
+        };
+        submitted.push(JobRecord {
+            state: states[i % states.len()].to_string(),
+            ..job(&format!("j-{i:02}"), tenant, &name)
+        });
+    }
+    // Several groups, so sequences come from several commits.
+    let mut all = Vec::new();
+    for group in submitted.chunks(7) {
+        for outcome in store.submit_jobs(group.to_vec()).await.unwrap() {
+            all.push(outcome.job);
+        }
+    }
+    all.sort_by_key(|job| std::cmp::Reverse(job.submit_sequence));
+
+    let check = |filter: JobFilter, expected: Vec<JobRecord>| {
+        let store = store.clone();
+        async move {
+            for page_size in [1, 4, 7, 10, 1000] {
+                let filter = JobFilter {
+                    page_size,
+                    ..filter.clone()
+                };
+                let (jobs, pages) = all_pages(&store, &filter).await;
+                assert_eq!(
+                    jobs.iter().map(|job| &job.id).collect::<Vec<_>>(),
+                    expected.iter().map(|job| &job.id).collect::<Vec<_>>(),
+                    "every matching job exactly once, newest first, for {filter:?}"
+                );
+                assert_eq!(jobs, expected);
+                let full_pages = expected.len().div_ceil(page_size as usize).max(1);
+                assert_eq!(pages, full_pages, "no empty trailing page for {filter:?}");
+            }
+        }
+    };
+
+    check(JobFilter::default(), all.clone()).await;
+    check(
+        JobFilter {
+            tenant: Some("acme".into()),
+            ..JobFilter::default()
+        },
+        all.iter().filter(|j| j.tenant == "acme").cloned().collect(),
+    )
+    .await;
+    check(
+        JobFilter {
+            tenant: Some("nobody".into()),
+            ..JobFilter::default()
+        },
+        vec![],
+    )
+    .await;
+    check(
+        JobFilter {
+            states: vec!["queued".into(), "failed".into()],
+            ..JobFilter::default()
+        },
+        all.iter()
+            .filter(|j| j.state == "queued" || j.state == "failed")
+            .cloned()
+            .collect(),
+    )
+    .await;
+    check(
+        JobFilter {
+            name_prefix: Some("train-".into()),
+            ..JobFilter::default()
+        },
+        all.iter()
+            .filter(|j| j.name.starts_with("train-"))
+            .cloned()
+            .collect(),
+    )
+    .await;
+    // No LIKE wildcards, and case matters.
+    check(
+        JobFilter {
+            name_prefix: Some("tr%".into()),
+            ..JobFilter::default()
+        },
+        all.iter()
+            .filter(|j| j.name == "tr%n-wild")
+            .cloned()
+            .collect(),
+    )
+    .await;
+    check(
+        JobFilter {
+            name_prefix: Some("TRAIN".into()),
+            ..JobFilter::default()
+        },
+        all.iter()
+            .filter(|j| j.name == "TRAIN-upper")
+            .cloned()
+            .collect(),
+    )
+    .await;
+    check(
+        JobFilter {
+            tenant: Some("acme".into()),
+            states: vec!["queued".into(), "succeeded".into()],
+            name_prefix: Some("train".into()),
+            ..JobFilter::default()
+        },
+        all.iter()
+            .filter(|j| {
+                j.tenant == "acme"
+                    && (j.state == "queued" || j.state == "succeeded")
+                    && j.name.starts_with("train")
+            })
+            .cloned()
+            .collect(),
+    )
+    .await;
+
+    let (default_page, next) = store.list_jobs(&JobFilter::default()).await.unwrap();
+    assert_eq!(
+        default_page.len(),
+        30,
+        "page size 0 means the default (100)"
+    );
+    assert_eq!(next, None);
+
+    let bad_token = store
+        .list_jobs(&JobFilter {
+            page_token: Some("not-a-token".into()),
+            ..JobFilter::default()
+        })
+        .await;
+    assert!(
+        matches!(&bad_token, Err(SchedulerError::InvalidArgument { field, .. }) if field == "page_token"),
+        "{bad_token:?}"
+    );
+    let bad_state = store
+        .list_jobs(&JobFilter {
+            states: vec!["queued".into(), "napping".into()],
+            ..JobFilter::default()
+        })
+        .await;
+    assert!(
+        matches!(&bad_state, Err(SchedulerError::InvalidArgument { field, .. }) if field == "states[1]"),
+        "{bad_state:?}"
+    );
+}
+
+async fn list_jobs_pages_are_stable_while_jobs_arrive(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    for i in 0..10 {
+        store
+            .submit_jobs(vec![job(&format!("old-{i}"), "acme", "x")])
+            .await
+            .unwrap();
+    }
+    let filter = JobFilter {
+        page_size: 4,
+        ..JobFilter::default()
+    };
+    let (first, token) = store.list_jobs(&filter).await.unwrap();
+    // New jobs arrive between pages: they are newer than every page already handed out.
+    store
+        .submit_jobs(vec![job("new-0", "acme", "x"), job("new-1", "acme", "x")])
+        .await
+        .unwrap();
+    let (rest, pages) = all_pages(
+        &store,
+        &JobFilter {
+            page_token: token,
+            ..filter.clone()
+        },
+    )
+    .await;
+    assert_eq!(pages, 2);
+    let ids: Vec<&str> = first.iter().chain(&rest).map(|j| j.id.as_str()).collect();
+    let expected: Vec<String> = (0..10).rev().map(|i| format!("old-{i}")).collect();
+    assert_eq!(ids, expected);
+}
+
+async fn update_job_rewrites_all_but_the_identity(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    store.create_tenant(&tenant("beta")).await.unwrap();
+    let outcomes = store
+        .submit_jobs(vec![
+            keyed(job("j-1", "acme", "one"), "key-1"),
+            job("j-2", "acme", "two"),
+        ])
+        .await
+        .unwrap();
+    let stored = outcomes[0].job.clone();
+
+    let changed = JobRecord {
+        name: "one-renamed".into(),
+        spec_json: r#"{"name":"one-renamed"}"#.into(),
+        state: "failed".into(),
+        priority: 7,
+        config_json: r#"{"batch_size":32,"micro_batch_size":8}"#.into(),
+        estimate_json: r#"{"required_bytes":524288}"#.into(),
+        required_bytes: 524_288,
+        waiting_reason: "no gpu has 512 KiB free".into(),
+        message: "out of memory with no retry left".into(),
+        finished_at_ms: Some(T0 + 1000),
+        checkpoint_location: Some("/ckpt/j-1/step-40".into()),
+        attempts_count: 3,
+        ..stored.clone()
+    };
+    store.update_job(&changed).await.unwrap();
+    assert_eq!(store.get_job("j-1").await.unwrap(), changed);
+
+    // The identity never changes, whatever the record says.
+    let identity_changed = JobRecord {
+        tenant: "beta".into(),
+        submit_sequence: stored.submit_sequence + 100,
+        idempotency_key: Some("other".into()),
+        created_at_ms: 1,
+        message: "again".into(),
+        finished_at_ms: None,
+        checkpoint_location: None,
+        ..changed.clone()
+    };
+    store.update_job(&identity_changed).await.unwrap();
+    let after = store.get_job("j-1").await.unwrap();
+    assert_eq!(
+        after,
+        JobRecord {
+            message: "again".into(),
+            finished_at_ms: None,
+            checkpoint_location: None,
+            ..changed.clone()
+        }
+    );
+    assert_eq!(
+        store.get_job("j-2").await.unwrap(),
+        outcomes[1].job,
+        "untouched"
+    );
+
+    assert_eq!(
+        store.update_job(&job("j-nope", "acme", "x")).await,
+        Err(SchedulerError::not_found("job", "j-nope"))
+    );
+    let bad_state = JobRecord {
+        state: "done".into(),
+        ..changed.clone()
+    };
+    assert!(matches!(
+        store.update_job(&bad_state).await,
+        Err(SchedulerError::InvalidArgument { .. })
+    ));
+    assert_eq!(store.get_job("j-1").await.unwrap().state, "failed");
+}
+
+async fn jobs_in_states_are_oldest_first(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    let mut ids = Vec::new();
+    for (i, state) in ["queued", "running", "queued", "succeeded", "placed"]
+        .iter()
+        .enumerate()
+    {
+        let outcome = store
+            .submit_jobs(vec![JobRecord {
+                state: state.to_string(),
+                ..job(&format!("j-{i}"), "acme", "x")
+            }])
+            .await
+            .unwrap();
+        ids.push(outcome[0].job.id.clone());
+    }
+    let ids_of = |jobs: Vec<JobRecord>| jobs.into_iter().map(|j| j.id).collect::<Vec<_>>();
+    assert_eq!(
+        ids_of(store.jobs_in_states(&["queued"]).await.unwrap()),
+        vec!["j-0", "j-2"]
+    );
+    assert_eq!(
+        ids_of(
+            store
+                .jobs_in_states(&["running", "placed", "queued"])
+                .await
+                .unwrap()
+        ),
+        vec!["j-0", "j-1", "j-2", "j-4"]
+    );
+    assert_eq!(store.jobs_in_states(&[]).await.unwrap(), vec![]);
+    assert_eq!(store.jobs_in_states(&["cancelled"]).await.unwrap(), vec![]);
+    assert!(matches!(
+        store.jobs_in_states(&["queued", "asleep"]).await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "states[1]"
+    ));
+}
+
+async fn attempts_are_listed_by_number(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    store
+        .submit_jobs(vec![job("j", "acme", "x"), job("k", "acme", "y")])
+        .await
+        .unwrap();
+    let third = AttemptRecord {
+        outcome: "out_of_memory".into(),
+        measured_peak_bytes: Some(3 << 20),
+        oom_json: Some(r#"{"requested_bytes":1024}"#.into()),
+        message: "oom".into(),
+        resumed_from: Some("/ckpt/j/10".into()),
+        finished_at_ms: Some(T0 + 99),
+        ..attempt("j", 3, 5)
+    };
+    for record in [
+        &third,
+        &attempt("j", 1, 1),
+        &attempt("k", 1, 1),
+        &attempt("j", 2, 2),
+    ] {
+        store.create_attempt(record).await.unwrap();
+    }
+    let listed = store.list_attempts("j").await.unwrap();
+    assert_eq!(
+        listed,
+        vec![attempt("j", 1, 1), attempt("j", 2, 2), third.clone()]
+    );
+    assert_eq!(store.list_attempts("nope").await.unwrap(), vec![]);
+
+    assert_eq!(
+        store.create_attempt(&attempt("j", 2, 9)).await,
+        Err(SchedulerError::already_exists("attempt", "j/2"))
+    );
+    assert_eq!(
+        store.create_attempt(&attempt("ghost", 1, 1)).await,
+        Err(SchedulerError::not_found("job", "ghost"))
+    );
+    let bad_outcome = AttemptRecord {
+        outcome: "exploded".into(),
+        ..attempt("j", 4, 1)
+    };
+    assert!(matches!(
+        store.create_attempt(&bad_outcome).await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "outcome"
+    ));
+    assert_eq!(store.list_attempts("j").await.unwrap().len(), 3);
+}
+
+async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    store
+        .submit_jobs(vec![job("j", "acme", "x")])
+        .await
+        .unwrap();
+    store.create_attempt(&attempt("j", 1, 1)).await.unwrap();
+    store.create_attempt(&attempt("j", 2, 3)).await.unwrap();
+
+    // A report from the worker that held attempt 2 under epoch 2, before it was
+    // reassigned under epoch 3.
+    let stale = store
+        .finish_attempt("j", 2, 2, "succeeded", Some(10), None, "done", T0 + 50)
+        .await;
+    assert_eq!(
+        stale,
+        Err(SchedulerError::Conflict(
+            "attempt j/2 was reassigned (lease epoch 3, reported 2)".into()
+        ))
+    );
+    assert_eq!(
+        store.list_attempts("j").await.unwrap()[1],
+        attempt("j", 2, 3),
+        "a stale report changes nothing"
+    );
+
+    let oom = r#"{"requested_bytes":4096,"in_use_bytes":1024,"limit_bytes":2048}"#;
+    store
+        .finish_attempt(
+            "j",
+            2,
+            3,
+            "out_of_memory",
+            Some(2 << 20),
+            Some(oom),
+            "oom in conv",
+            T0 + 60,
+        )
+        .await
+        .unwrap();
+    let finished = AttemptRecord {
+        outcome: "out_of_memory".into(),
+        measured_peak_bytes: Some(2 << 20),
+        oom_json: Some(oom.into()),
+        message: "oom in conv".into(),
+        finished_at_ms: Some(T0 + 60),
+        ..attempt("j", 2, 3)
+    };
+    assert_eq!(store.list_attempts("j").await.unwrap()[1], finished);
+
+    // Finished attempts stay finished, whatever the epoch.
+    assert_eq!(
+        store
+            .finish_attempt("j", 2, 3, "succeeded", None, None, "", T0 + 70)
+            .await,
+        Err(SchedulerError::Conflict(
+            "attempt j/2 already ended (out_of_memory)".into()
+        ))
+    );
+    assert_eq!(store.list_attempts("j").await.unwrap()[1], finished);
+
+    assert_eq!(
+        store
+            .finish_attempt("j", 9, 1, "failed", None, None, "", T0)
+            .await,
+        Err(SchedulerError::not_found("attempt", "j/9"))
+    );
+    assert!(matches!(
+        store
+            .finish_attempt("j", 1, 1, "running", None, None, "", T0)
+            .await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "outcome"
+    ));
+    store
+        .finish_attempt(
+            "j",
+            1,
+            1,
+            "lost",
+            None,
+            None,
+            "worker w-1 lost its lease",
+            T0 + 80,
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.list_attempts("j").await.unwrap()[0].outcome, "lost");
+}
+
+async fn record_job_and_attempt_is_atomic(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    let queued = store
+        .submit_jobs(vec![job("j", "acme", "x")])
+        .await
+        .unwrap()
+        .remove(0)
+        .job;
+
+    // Placing: the job and its first attempt together.
+    let placed = JobRecord {
+        state: "placed".into(),
+        attempts_count: 1,
+        ..queued.clone()
+    };
+    store
+        .record_job_and_attempt(&placed, &attempt("j", 1, 1))
+        .await
+        .unwrap();
+    assert_eq!(store.get_job("j").await.unwrap(), placed);
+    assert_eq!(
+        store.list_attempts("j").await.unwrap(),
+        vec![attempt("j", 1, 1)]
+    );
+
+    // Recording the same attempt again fails, and the job change with it is undone.
+    let running = JobRecord {
+        state: "running".into(),
+        message: "should not stick".into(),
+        ..placed.clone()
+    };
+    assert_eq!(
+        store
+            .record_job_and_attempt(&running, &attempt("j", 1, 1))
+            .await,
+        Err(SchedulerError::already_exists("attempt", "j/1"))
+    );
+    assert_eq!(store.get_job("j").await.unwrap(), placed);
+
+    // Reassigning attempt 1 under a newer epoch replaces it; the old holder is fenced off.
+    let reassigned = AttemptRecord {
+        worker_id: "w-2".into(),
+        gpu_id: "GPU-7".into(),
+        ..attempt("j", 1, 4)
+    };
+    let replaced = JobRecord {
+        waiting_reason: String::new(),
+        message: "reassigned to w-2".into(),
+        ..placed.clone()
+    };
+    store
+        .record_job_and_attempt(&replaced, &reassigned)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.list_attempts("j").await.unwrap(),
+        vec![reassigned.clone()]
+    );
+    assert_eq!(
+        store
+            .finish_attempt("j", 1, 1, "succeeded", None, None, "", T0)
+            .await,
+        Err(SchedulerError::Conflict(
+            "attempt j/1 was reassigned (lease epoch 4, reported 1)".into()
+        ))
+    );
+    // An older epoch cannot overwrite a newer one, and nothing of the call sticks.
+    assert_eq!(
+        store
+            .record_job_and_attempt(&running, &attempt("j", 1, 2))
+            .await,
+        Err(SchedulerError::Conflict(
+            "attempt j/1 was reassigned (lease epoch 4, reported 2)".into()
+        ))
+    );
+    assert_eq!(store.get_job("j").await.unwrap(), replaced);
+    assert_eq!(store.list_attempts("j").await.unwrap(), vec![reassigned]);
+
+    // A missing job: no attempt is written either.
+    let ghost = job("ghost", "acme", "x");
+    assert_eq!(
+        store
+            .record_job_and_attempt(&ghost, &attempt("ghost", 1, 1))
+            .await,
+        Err(SchedulerError::not_found("job", "ghost"))
+    );
+    assert_eq!(store.list_attempts("ghost").await.unwrap(), vec![]);
+    // An attempt of another job is refused before anything is written.
+    assert!(matches!(
+        store
+            .record_job_and_attempt(&running, &attempt("other", 2, 1))
+            .await,
+        Err(SchedulerError::InvalidArgument { .. })
+    ));
+    assert_eq!(store.get_job("j").await.unwrap(), replaced);
+}
+
+async fn workers_upsert_and_state(db: &TestDb) {
+    let store = db.open().await;
+    let node_b = worker("w-1", "node-b");
+    let node_a = worker("w-2", "node-a");
+    assert_eq!(store.upsert_worker(&node_b).await.unwrap(), node_b);
+    assert_eq!(store.upsert_worker(&node_a).await.unwrap(), node_a);
+    assert_eq!(store.get_worker("w-1").await.unwrap(), node_b);
+    assert_eq!(
+        store.list_workers().await.unwrap(),
+        vec![node_a.clone(), node_b.clone()],
+        "by hostname"
+    );
+
+    // Registering again replaces what it reports but keeps when it first registered.
+    let again = WorkerRecord {
+        hostname: "node-b2".into(),
+        gpus_json: "[]".into(),
+        last_heartbeat_ms: T0 + 500,
+        registered_at_ms: T0 + 500,
+        version: "0.2.0".into(),
+        ..node_b.clone()
+    };
+    let expected = WorkerRecord {
+        registered_at_ms: T0,
+        ..again.clone()
+    };
+    assert_eq!(store.upsert_worker(&again).await.unwrap(), expected);
+    assert_eq!(store.get_worker("w-1").await.unwrap(), expected);
+
+    let draining = store.set_worker_state("w-1", "draining").await.unwrap();
+    assert_eq!(draining.state, "draining");
+    assert_eq!(store.get_worker("w-1").await.unwrap().state, "draining");
+    store.set_worker_state("w-1", "lost").await.unwrap();
+    assert_eq!(store.get_worker("w-1").await.unwrap().state, "lost");
+    assert_eq!(store.get_worker("w-2").await.unwrap(), node_a, "untouched");
+    store.record_heartbeat("w-2", T0 + 900).await.unwrap();
+    assert_eq!(
+        store.get_worker("w-2").await.unwrap().last_heartbeat_ms,
+        T0 + 900
+    );
+
+    assert!(matches!(
+        store.set_worker_state("w-1", "asleep").await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "state"
+    ));
+    assert_eq!(store.get_worker("w-1").await.unwrap().state, "lost");
+    assert_eq!(
+        store.set_worker_state("w-9", "ready").await,
+        Err(SchedulerError::not_found("worker", "w-9"))
+    );
+    assert_eq!(
+        store.get_worker("w-9").await,
+        Err(SchedulerError::not_found("worker", "w-9"))
+    );
+    assert_eq!(
+        store.record_heartbeat("w-9", T0).await,
+        Err(SchedulerError::not_found("worker", "w-9"))
+    );
+}
+
+async fn peak_correction_is_the_largest_ratio(db: &TestDb) {
+    let store = db.open().await;
+    assert_eq!(store.peak_correction("conv-1024").await.unwrap(), None);
+    store
+        .record_peak("conv-1024", 1000, 1200, T0)
+        .await
+        .unwrap();
+    assert_eq!(store.peak_correction("conv-1024").await.unwrap(), Some(1.2));
+    store
+        .record_peak("conv-1024", 1000, 1100, T0 + 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.peak_correction("conv-1024").await.unwrap(),
+        Some(1.2),
+        "a smaller ratio does not lower it"
+    );
+    store
+        .record_peak("conv-1024", 2000, 3000, T0 + 2)
+        .await
+        .unwrap();
+    assert_eq!(store.peak_correction("conv-1024").await.unwrap(), Some(1.5));
+    store.record_peak("mlp", 4000, 3000, T0).await.unwrap();
+    assert_eq!(store.peak_correction("mlp").await.unwrap(), Some(0.75));
+    assert_eq!(store.peak_correction("conv-1024").await.unwrap(), Some(1.5));
+    assert_eq!(store.peak_correction("other").await.unwrap(), None);
+    assert!(matches!(
+        store.record_peak("mlp", 0, 10, T0).await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "estimated_bytes"
+    ));
+    assert!(matches!(
+        store.record_peak("mlp", 10, -1, T0).await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "measured_bytes"
+    ));
+    assert_eq!(store.peak_correction("mlp").await.unwrap(), Some(0.75));
+}
+
+async fn data_survives_reopening(db: &TestDb) {
+    let acme = TenantRecord {
+        vram_quota_bytes: Some(1 << 30),
+        ..tenant("acme")
+    };
+    let token = TokenRecord {
+        id: "tok-1".into(),
+        tenant: "acme".into(),
+        role: "user".into(),
+        secret_hash: vec![42; 32],
+        description: "ci".into(),
+        created_at_ms: T0,
+        expires_at_ms: None,
+        revoked: false,
+    };
+    let node = worker("w-1", "node-1");
+    let before;
+    {
+        let store = db.open().await;
+        store.create_tenant(&acme).await.unwrap();
+        store.create_token(&token).await.unwrap();
+        before = store
+            .submit_jobs(vec![
+                keyed(job("j-1", "acme", "x"), "k"),
+                job("j-2", "acme", "y"),
+            ])
+            .await
+            .unwrap();
+        store.create_attempt(&attempt("j-1", 1, 1)).await.unwrap();
+        store.upsert_worker(&node).await.unwrap();
+        store.record_peak("shape", 100, 130, T0).await.unwrap();
+        store.close().await;
+    }
+
+    // A new pool on the same file / database; migrations run again and change nothing.
+    let store = db.open().await;
+    assert_eq!(store.get_tenant("acme").await.unwrap(), acme);
+    assert_eq!(
+        store.find_token_by_hash(&[42; 32]).await.unwrap(),
+        Some(token)
+    );
+    for outcome in &before {
+        assert_eq!(store.get_job(&outcome.job.id).await.unwrap(), outcome.job);
+    }
+    assert_eq!(
+        store.list_attempts("j-1").await.unwrap(),
+        vec![attempt("j-1", 1, 1)]
+    );
+    assert_eq!(store.get_worker("w-1").await.unwrap(), node);
+    assert_eq!(store.peak_correction("shape").await.unwrap(), Some(1.3));
+
+    // The idempotency key and the sequence counter survived too.
+    let after = store
+        .submit_jobs(vec![
+            keyed(job("j-3", "acme", "retry"), "k"),
+            job("j-4", "acme", "z"),
+        ])
+        .await
+        .unwrap();
+    assert!(!after[0].created);
+    assert_eq!(after[0].job, before[0].job);
+    assert!(after[1].created);
+    assert!(after[1].job.submit_sequence > before[1].job.submit_sequence);
+    store.close().await;
+    assert!(
+        store.get_tenant("acme").await.is_err(),
+        "a closed store answers nothing"
+    );
+}
+
+/// The harness itself: a server runs as an unprivileged user, listens on 127.0.0.1 only,
+/// and is stopped, its files removed, when its guard drops.
+#[tokio::test]
+async fn a_postgres_test_server_is_unprivileged_local_and_stopped_on_drop() {
+    use sqlx::Connection;
+
+    let server = support::PgServer::start().unwrap_or_else(|reason| panic!("{reason}"));
+    let url = server.url("postgres");
+    let root = server.root().to_path_buf();
+    let mut connection = sqlx::PgConnection::connect(&url).await.unwrap();
+    let listen: String = sqlx::query_scalar("SHOW listen_addresses")
+        .fetch_one(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(listen, "127.0.0.1");
+    let fsync: String = sqlx::query_scalar("SHOW fsync")
+        .fetch_one(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(fsync, "on");
+    connection.close().await.unwrap();
+
+    let pid_file = std::fs::read_to_string(root.join("data/postmaster.pid")).unwrap();
+    let pid = pid_file.lines().next().unwrap().trim();
+    use std::os::unix::fs::MetadataExt;
+    let server_uid = std::fs::metadata(format!("/proc/{pid}")).unwrap().uid();
+    assert_ne!(server_uid, 0, "postgres must not run as root");
+
+    drop(server);
+    assert!(!root.exists(), "{} is left behind", root.display());
+    // Gone, or a zombie its new parent has not reaped yet.
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| stat.rsplit_once(") ")?.1.chars().next());
+    assert!(
+        matches!(state, None | Some('Z') | Some('X')),
+        "postgres {pid} still runs (state {state:?})"
+    );
+    assert!(sqlx::PgConnection::connect(&url).await.is_err());
+}
+
+/// The other ways to name a SQLite database: a `sqlite://` URL and an in-memory one
+/// (which several pool connections share).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_urls_and_in_memory_stores_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("by-url.db").display());
+    let store = Store::open(&url).await.unwrap();
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    store.close().await;
+    let reopened = Store::open(&url).await.unwrap();
+    assert_eq!(reopened.get_tenant("acme").await.unwrap(), tenant("acme"));
+
+    let memory = Store::open("sqlite::memory:").await.unwrap();
+    assert_eq!(memory.backend(), Backend::Sqlite);
+    memory.create_tenant(&tenant("acme")).await.unwrap();
+    let batcher = SubmitBatcher::spawn(memory.clone());
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let batcher = batcher.clone();
+        tasks.push(tokio::spawn(async move {
+            batcher.submit(job(&format!("m-{i}"), "acme", "x")).await
+        }));
+    }
+    for task in tasks {
+        let outcome = task.await.unwrap().unwrap();
+        assert_eq!(memory.get_job(&outcome.job.id).await.unwrap(), outcome.job);
+    }
+    assert_eq!(
+        Store::open("").await.err(),
+        Some(SchedulerError::invalid_argument(
+            "database_url",
+            "must not be empty"
+        ))
+    );
+}
