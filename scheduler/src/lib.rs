@@ -14,6 +14,7 @@
 pub mod auth;
 pub mod convert;
 pub mod error;
+pub mod metrics;
 pub mod scheduler;
 pub mod server;
 pub mod services;

@@ -38,6 +38,9 @@ struct Arguments {
     /// Directory (on the workers) for checkpoints.
     #[arg(long, env = "CARVE_CHECKPOINT_DIR")]
     checkpoint_dir: Option<String>,
+    /// Serve Prometheus metrics at http://ADDRESS/metrics.
+    #[arg(long, env = "CARVE_METRICS_LISTEN")]
+    metrics_listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -49,6 +52,7 @@ struct FileSettings {
     lease_seconds: Option<u64>,
     heartbeat_seconds: Option<u64>,
     checkpoint_dir: Option<String>,
+    metrics_listen: Option<std::net::SocketAddr>,
 }
 
 fn default_database() -> Result<String> {
@@ -126,6 +130,7 @@ async fn main() -> Result<()> {
             database_url: database,
             settings,
             admin_token,
+            metrics_address: arguments.metrics_listen.or(file.metrics_listen),
         },
         listener,
         shutdown,

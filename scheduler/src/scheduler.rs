@@ -32,6 +32,7 @@ use crate::convert::{
     oom_to_json, timestamp,
 };
 use crate::error::SchedulerError;
+use crate::metrics::{ClusterGauges, Metrics};
 use crate::store::{AttemptRecord, JobRecord, Store, SubmitBatcher, WorkerRecord};
 
 /// Timing of leases and passes.
@@ -95,6 +96,8 @@ struct RunningAttempt {
     slice_bytes: u64,
     tenant: String,
     estimate_bytes: u64,
+    /// The peak the attempt last reported in its progress.
+    measured_peak_bytes: u64,
 }
 
 #[derive(Debug, Default)]
@@ -115,6 +118,7 @@ pub struct Scheduler {
     wake: Notify,
     events: broadcast::Sender<v1::JobEvent>,
     event_sequence: AtomicU64,
+    pub metrics: Metrics,
 }
 
 pub fn now_ms() -> i64 {
@@ -164,6 +168,7 @@ impl Scheduler {
             wake: Notify::new(),
             events,
             event_sequence: AtomicU64::new(1),
+            metrics: Metrics::default(),
         }
     }
 
@@ -229,6 +234,7 @@ impl Scheduler {
                         slice_bytes: attempt.slice_bytes as u64,
                         tenant: job.tenant.clone(),
                         estimate_bytes: attempt.estimate_bytes as u64,
+                        measured_peak_bytes: 0,
                     },
                 );
             }
@@ -434,6 +440,7 @@ impl Scheduler {
             );
         }
         self.emit_state(job_id, &previous, "cancelled", &job.message);
+        Metrics::count(&self.metrics.jobs_cancelled);
         Ok(job)
     }
 
@@ -702,6 +709,14 @@ impl Scheduler {
                 if self.current_attempt(worker_id, &attempt).is_none() {
                     return Err(self.fenced(&attempt));
                 }
+                if let Some(peak) = progress
+                    .progress
+                    .as_ref()
+                    .map(|progress| progress.memory_peak_bytes)
+                    && let Some(running) = self.live().running.get_mut(&attempt.job_id)
+                {
+                    running.measured_peak_bytes = running.measured_peak_bytes.max(peak);
+                }
                 self.emit(
                     &attempt.job_id,
                     v1::job_event::Event::Progress(v1::job_event::Progress {
@@ -775,6 +790,7 @@ impl Scheduler {
             )
             .await?;
         self.live().running.remove(&attempt.job_id);
+        Metrics::count(&self.metrics.out_of_memory_reports);
         let mut job = self.store.get_job(&attempt.job_id).await?;
         if let Some(checkpoint) = oom
             .checkpoint
@@ -835,6 +851,7 @@ impl Scheduler {
                     "queued",
                     "out of memory: retrying with a smaller configuration",
                 );
+                Metrics::count(&self.metrics.retries);
             }
             outcome => {
                 let why = match outcome {
@@ -849,6 +866,7 @@ impl Scheduler {
                 job.message = format!("out of memory ({report}); {why}");
                 job.finished_at_ms = Some(now);
                 self.store.update_job(&job).await?;
+                Metrics::count(&self.metrics.jobs_failed);
                 self.emit_state(&job.id, &previous, "failed", &job.message);
             }
         }
@@ -917,6 +935,11 @@ impl Scheduler {
                 );
             }
             self.store.update_job(&job).await?;
+            Metrics::count(match outcome {
+                "succeeded" => &self.metrics.jobs_succeeded,
+                "cancelled" => &self.metrics.jobs_cancelled,
+                _ => &self.metrics.jobs_failed,
+            });
             self.emit_state(&job.id, &previous, outcome, &finished.message);
         }
         self.wake();
@@ -965,6 +988,7 @@ impl Scheduler {
             };
             self.store.set_worker_state(&worker_id, "lost").await?;
             for (job_id, running) in lost_attempts {
+                Metrics::count(&self.metrics.attempts_lost);
                 let fenced = self
                     .store
                     .finish_attempt(
@@ -1091,6 +1115,7 @@ impl Scheduler {
                     slice_bytes: placement.slice_bytes,
                     tenant: job.tenant.clone(),
                     estimate_bytes,
+                    measured_peak_bytes: 0,
                 },
             );
             let checkpoint_location =
@@ -1127,6 +1152,7 @@ impl Scheduler {
                 v1::job_event::Event::AttemptStarted(attempt_to_proto(&attempt)),
             );
             placed += 1;
+            Metrics::count(&self.metrics.placements);
         }
         for (job_id, reason) in &decision.waiting {
             let Some(job) = by_id.get(job_id.as_str()) else {
@@ -1222,6 +1248,44 @@ impl Scheduler {
             .collect();
         slices.sort_by(|left, right| left.id.cmp(&right.id));
         slices
+    }
+
+    /// The metrics page: counters plus gauges read now.
+    pub async fn render_metrics(&self) -> String {
+        let mut gauges = ClusterGauges::default();
+        if let Ok(queued) = self.store.jobs_in_states(&["queued"]).await {
+            for job in queued {
+                *gauges.queued_jobs.entry(job.tenant).or_default() += 1;
+            }
+        }
+        {
+            let live = self.live();
+            for running in live.running.values() {
+                *gauges
+                    .running_jobs
+                    .entry(running.tenant.clone())
+                    .or_default() += 1;
+                *gauges
+                    .vram_allocated_bytes
+                    .entry(running.tenant.clone())
+                    .or_default() += running.slice_bytes;
+                *gauges
+                    .vram_estimated_bytes
+                    .entry(running.tenant.clone())
+                    .or_default() += running.estimate_bytes;
+                *gauges
+                    .vram_measured_bytes
+                    .entry(running.tenant.clone())
+                    .or_default() += running.measured_peak_bytes;
+            }
+            for worker in live.workers.values() {
+                match worker.state {
+                    WorkerLiveness::Lost => gauges.workers_lost += 1,
+                    _ => gauges.workers_ready += 1,
+                }
+            }
+        }
+        self.metrics.render(&gauges)
     }
 
     /// VRAM in use and running jobs of a tenant now.

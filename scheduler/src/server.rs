@@ -27,6 +27,8 @@ pub struct SchedulerConfig {
     /// An admin secret to accept (stored hashed). Without one, a first start creates an
     /// admin token and prints it once.
     pub admin_token: Option<String>,
+    /// Where to serve Prometheus metrics (`GET /metrics`), if anywhere.
+    pub metrics_address: Option<std::net::SocketAddr>,
 }
 
 /// The tenant the first admin token belongs to.
@@ -94,6 +96,19 @@ pub async fn run(
     let scheduler = Arc::new(Scheduler::new(store, config.settings.clone()));
     scheduler.recover().await?;
     let background = tokio::spawn(background_loop(scheduler.clone()));
+    let metrics = match config.metrics_address {
+        Some(address) => {
+            let listener = TcpListener::bind(address).await.map_err(|error| {
+                SchedulerError::Unavailable(format!("cannot serve metrics on {address}: {error}"))
+            })?;
+            tracing::info!(address = ?listener.local_addr().ok(), "metrics at /metrics");
+            Some(tokio::spawn(crate::metrics::serve_metrics(
+                listener,
+                scheduler.clone(),
+            )))
+        }
+        None => None,
+    };
     let services = Services {
         scheduler: scheduler.clone(),
     };
@@ -118,6 +133,9 @@ pub async fn run(
         .await
         .map_err(|error| SchedulerError::Unavailable(format!("server: {error}")));
     background.abort();
+    if let Some(metrics) = metrics {
+        metrics.abort();
+    }
     result
 }
 

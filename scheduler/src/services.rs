@@ -22,6 +22,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::auth::{Caller, Role, authenticate, generate_id, generate_secret, hash_secret};
 use crate::convert::{job_state_from_proto, timestamp};
 use crate::error::SchedulerError;
+use crate::metrics::Metrics;
 use crate::scheduler::{Scheduler, now_ms};
 use crate::store::{JobFilter, TenantRecord, TokenRecord};
 
@@ -147,11 +148,25 @@ impl JobService for Services {
         if request.spec_json.trim().is_empty() {
             return Err(invalid("spec_json", "must not be empty"));
         }
-        let (job, created) = self
+        let started = std::time::Instant::now();
+        let submitted = self
             .scheduler
             .submit(&caller, &request.spec_json, &request.idempotency_key)
-            .await
-            .map_err(status)?;
+            .await;
+        let metrics = &self.scheduler.metrics;
+        let (job, created) = match submitted {
+            Ok(submitted) => {
+                metrics.observe_submit_latency(started.elapsed());
+                if submitted.1 {
+                    Metrics::count(&metrics.submits_accepted);
+                }
+                submitted
+            }
+            Err(error) => {
+                Metrics::count(&metrics.submits_rejected);
+                return Err(status(error));
+            }
+        };
         let job = self.scheduler.job_proto(&job).await.map_err(status)?;
         Ok(Response::new(v1::SubmitJobResponse {
             job: Some(job),

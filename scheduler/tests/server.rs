@@ -25,6 +25,7 @@ const ADMIN: &str = "carve_test_admin_secret";
 
 struct Cluster {
     address: String,
+    metrics_address: std::net::SocketAddr,
     _directory: tempfile::TempDir,
     _shutdown: tokio::sync::oneshot::Sender<()>,
 }
@@ -34,6 +35,11 @@ async fn start(lease: Duration) -> Cluster {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = format!("http://{}", listener.local_addr().unwrap());
     let (shutdown, shutdown_signal) = tokio::sync::oneshot::channel::<()>();
+    // A free port for the metrics page (bound and released: a small race, fine in tests).
+    let metrics_address = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
     let config = SchedulerConfig {
         database_url: format!("sqlite://{}", directory.path().join("carve.db").display()),
         settings: SchedulerSettings {
@@ -43,6 +49,7 @@ async fn start(lease: Duration) -> Cluster {
             checkpoint_directory: "/checkpoints".into(),
         },
         admin_token: Some(ADMIN.into()),
+        metrics_address: Some(metrics_address),
     };
     tokio::spawn(async move {
         run(config, listener, async {
@@ -53,6 +60,7 @@ async fn start(lease: Duration) -> Cluster {
     });
     Cluster {
         address,
+        metrics_address,
         _directory: directory,
         _shutdown: shutdown,
     }
@@ -254,6 +262,20 @@ impl TestWorker {
     }
 }
 
+/// `GET /metrics` over a plain socket, as a scraper does.
+async fn scrape(address: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut connection = tokio::net::TcpStream::connect(address).await.unwrap();
+    connection
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = String::new();
+    connection.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+    response.split_once("\r\n\r\n").unwrap().1.to_string()
+}
+
 const JOB: &str = r#"{
   "name": "small",
   "model": {
@@ -391,6 +413,19 @@ async fn a_job_goes_from_submit_to_success_and_watch_sees_every_state() {
     assert!(states.contains(&v1::JobState::Running), "{states:?}");
     let finished = get(&channel, &user, &job.id).await.unwrap();
     assert_eq!(finished.state, v1::JobState::Succeeded as i32);
+    let metrics = scrape(cluster.metrics_address).await;
+    for line in [
+        "carve_submits_accepted_total 1",
+        "carve_placements_total 1",
+        "carve_jobs_succeeded_total 1",
+        "carve_submit_latency_seconds_count 1",
+        "carve_workers{state=\"ready\"} 1",
+    ] {
+        assert!(
+            metrics.lines().any(|metric| metric == line),
+            "{line} missing from:\n{metrics}"
+        );
+    }
     assert_eq!(finished.attempts.len(), 1);
     assert_eq!(finished.attempts[0].measured_peak_bytes, Some(2 << 20));
     assert_eq!(
