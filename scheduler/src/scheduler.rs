@@ -119,6 +119,7 @@ pub struct Scheduler {
     events: broadcast::Sender<v1::JobEvent>,
     event_sequence: AtomicU64,
     pub metrics: Metrics,
+    stopping: tokio::sync::watch::Sender<bool>,
 }
 
 pub fn now_ms() -> i64 {
@@ -169,6 +170,7 @@ impl Scheduler {
             events,
             event_sequence: AtomicU64::new(1),
             metrics: Metrics::default(),
+            stopping: tokio::sync::watch::Sender::new(false),
         }
     }
 
@@ -177,6 +179,19 @@ impl Scheduler {
         self.live
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Ends every worker session (the workers reconnect to the next scheduler) so that a
+    /// graceful shutdown does not wait on streams that never end by themselves.
+    pub fn begin_shutdown(&self) {
+        self.stopping.send_replace(true);
+        for worker in self.live().workers.values_mut() {
+            worker.session = None;
+        }
+    }
+
+    pub fn shutting_down(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.stopping.subscribe()
     }
 
     pub fn wake(&self) {

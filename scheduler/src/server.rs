@@ -129,7 +129,13 @@ pub async fn run(
         .add_service(AdminServiceServer::new(services.clone()))
         .add_service(ClusterServiceServer::new(services.clone()))
         .add_service(WorkerServiceServer::new(services))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), {
+            let scheduler = scheduler.clone();
+            async move {
+                shutdown.await;
+                scheduler.begin_shutdown();
+            }
+        })
         .await
         .map_err(|error| SchedulerError::Unavailable(format!("server: {error}")));
     background.abort();

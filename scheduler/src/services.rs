@@ -703,9 +703,15 @@ impl WorkerService for Services {
             .map_err(status)?;
         let scheduler = self.scheduler.clone();
         let worker_id = hello.worker_id;
+        let mut shutting_down = self.scheduler.shutting_down();
         tokio::spawn(async move {
-            while let Some(message) = incoming.next().await {
-                let Ok(message) = message else { break };
+            loop {
+                // A stopping scheduler ends its sessions, so the server can finish.
+                let message = tokio::select! {
+                    message = incoming.next() => message,
+                    _ = shutting_down.wait_for(|stopping| *stopping) => break,
+                };
+                let Some(Ok(message)) = message else { break };
                 let sequence = message.sequence;
                 match scheduler.handle_worker_message(&worker_id, message).await {
                     Ok(()) => {

@@ -1,0 +1,622 @@
+//! Restarting the scheduler while a job runs: the real scheduler in-process on
+//! 127.0.0.1:0, stopped and started again (a second `run`) on the same SQLite file, with a
+//! test worker that speaks the worker protocol by hand.
+//!
+//! - A worker that comes back within the lease keeps its id and its running attempt: the
+//!   scheduler neither cancels nor re-places it, and the attempt's result is recorded.
+//! - A worker that does not come back loses its attempt when the lease (restarted from the
+//!   store) runs out: the job is placed again on another worker, from its checkpoint.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use carve_proto::v1;
+use carve_proto::v1::admin_service_client::AdminServiceClient;
+use carve_proto::v1::cluster_service_client::ClusterServiceClient;
+use carve_proto::v1::job_service_client::JobServiceClient;
+use carve_proto::v1::worker_service_client::WorkerServiceClient;
+use carve_scheduler::error::SchedulerError;
+use carve_scheduler::scheduler::SchedulerSettings;
+use carve_scheduler::server::{SchedulerConfig, run};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Request;
+use tonic::metadata::MetadataValue;
+use tonic::transport::Channel;
+
+const ADMIN: &str = "carve_restart_admin_secret";
+
+/// Every wait in these tests ends by this deadline.
+const DEADLINE: Duration = Duration::from_secs(10);
+
+const JOB: &str = r#"{
+  "name": "small",
+  "model": {
+    "input_shape": [8, 8, 1],
+    "loss": "softmax_cross_entropy",
+    "layers": [
+      { "conv2d": { "filters": 8, "kernel": 3, "padding": "same" } },
+      { "relu": {} },
+      { "flatten": {} },
+      { "dense": { "units": 4 } }
+    ]
+  },
+  "training": { "batch_size": 64, "steps": 10, "optimizer": { "adam": { "learning_rate": 0.001 } } },
+  "data": { "format": "synthetic", "samples": 256 }
+}"#;
+
+/// One life of the scheduler: `run` on its own listener, until `stop`.
+struct RunningScheduler {
+    address: String,
+    shutdown: oneshot::Sender<()>,
+    server: JoinHandle<Result<(), SchedulerError>>,
+}
+
+impl RunningScheduler {
+    async fn start(database_url: &str, lease: Duration) -> RunningScheduler {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = format!("http://{}", listener.local_addr().unwrap());
+        let (shutdown, shutdown_signal) = oneshot::channel::<()>();
+        let config = SchedulerConfig {
+            database_url: database_url.to_string(),
+            settings: SchedulerSettings {
+                lease_duration: lease,
+                heartbeat_interval: Duration::from_millis(100),
+                scheduling_interval: Duration::from_millis(50),
+                checkpoint_directory: "/checkpoints".into(),
+            },
+            admin_token: Some(ADMIN.into()),
+            metrics_address: None,
+        };
+        let server = tokio::spawn(run(config, listener, async {
+            let _ = shutdown_signal.await;
+        }));
+        RunningScheduler {
+            address,
+            shutdown,
+            server,
+        }
+    }
+
+    async fn channel(&self) -> Channel {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            if let Ok(channel) = Channel::from_shared(self.address.clone())
+                .unwrap()
+                .connect()
+                .await
+            {
+                return channel;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the scheduler did not come up at {}",
+                self.address
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Fires the shutdown and waits for `run` to return.
+    async fn stop(self) {
+        let _ = self.shutdown.send(());
+        tokio::time::timeout(DEADLINE, self.server)
+            .await
+            .expect("run returns within the deadline after shutdown")
+            .expect("the server task did not panic")
+            .expect("run ends cleanly");
+    }
+}
+
+fn authorized<T>(message: T, token: &str) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
+    );
+    request
+}
+
+/// A tenant with a user token and a worker token, made through the admin API.
+async fn tenant_with_tokens(channel: &Channel, tenant: &str) -> (String, String) {
+    let mut admin = AdminServiceClient::new(channel.clone());
+    admin
+        .create_tenant(authorized(
+            v1::CreateTenantRequest {
+                name: tenant.into(),
+                quota: Some(v1::Quota::default()),
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap();
+    let token = |role: v1::Role| {
+        let mut admin = admin.clone();
+        let tenant = tenant.to_string();
+        async move {
+            admin
+                .create_token(authorized(
+                    v1::CreateTokenRequest {
+                        tenant,
+                        role: role as i32,
+                        description: "restart test".into(),
+                        time_to_live: None,
+                    },
+                    ADMIN,
+                ))
+                .await
+                .unwrap()
+                .into_inner()
+                .secret
+        }
+    };
+    let user = token(v1::Role::User).await;
+    let worker = token(v1::Role::Worker).await;
+    (user, worker)
+}
+
+/// A worker that speaks the protocol by hand.
+struct TestWorker {
+    id: String,
+    heartbeating: Arc<AtomicBool>,
+    outgoing: mpsc::Sender<v1::WorkerMessage>,
+    incoming: tonic::Streaming<v1::SchedulerMessage>,
+    sequence: u64,
+}
+
+impl TestWorker {
+    /// Registers (as `previous_worker_id` when given) and opens a session whose hello
+    /// lists `running_attempts`.
+    async fn connect(
+        channel: &Channel,
+        token: &str,
+        gpu_uuid: &str,
+        previous_worker_id: &str,
+        running_attempts: Vec<v1::AttemptRef>,
+    ) -> TestWorker {
+        let total_bytes: u64 = 16 << 30;
+        let mut client = WorkerServiceClient::new(channel.clone());
+        let registered = client
+            .register(authorized(
+                v1::RegisterWorkerRequest {
+                    hostname: format!("host-{gpu_uuid}"),
+                    gpus: vec![v1::Gpu {
+                        uuid: gpu_uuid.into(),
+                        index: 0,
+                        model_name: "simulated".into(),
+                        total_bytes,
+                        context_bytes: 256 << 20,
+                        free_bytes: total_bytes - (256 << 20),
+                        simulated: true,
+                        slices: vec![],
+                        compute_capability: "9.0".into(),
+                    }],
+                    version: "test".into(),
+                    previous_worker_id: previous_worker_id.into(),
+                },
+                token,
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        let (outgoing, receiver) = mpsc::channel(64);
+        outgoing
+            .send(v1::WorkerMessage {
+                sequence: 0,
+                body: Some(v1::worker_message::Body::Hello(v1::worker_message::Hello {
+                    worker_id: registered.worker_id.clone(),
+                    running_attempts,
+                })),
+            })
+            .await
+            .unwrap();
+        let incoming = client
+            .session(authorized(ReceiverStream::new(receiver), token))
+            .await
+            .unwrap()
+            .into_inner();
+        let worker = TestWorker {
+            id: registered.worker_id,
+            heartbeating: Arc::new(AtomicBool::new(true)),
+            outgoing,
+            incoming,
+            sequence: 0,
+        };
+        worker.keep_alive();
+        worker
+    }
+
+    /// Heartbeats in the background until the worker disconnects.
+    fn keep_alive(&self) {
+        let outgoing = self.outgoing.clone();
+        let heartbeating = self.heartbeating.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if !heartbeating.load(Ordering::Relaxed) {
+                    return;
+                }
+                let heartbeat = v1::WorkerMessage {
+                    sequence: 0,
+                    body: Some(v1::worker_message::Body::Heartbeat(
+                        v1::worker_message::Heartbeat { gpus: vec![] },
+                    )),
+                };
+                if outgoing.send(heartbeat).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// Ends the session as a worker process would when its scheduler went away: no more
+    /// heartbeats, both directions of the stream dropped.
+    fn disconnect(self) {
+        self.heartbeating.store(false, Ordering::Relaxed);
+    }
+
+    /// Sends one message and waits for its ack; returns every other message the scheduler
+    /// sent meanwhile.
+    async fn send(&mut self, body: v1::worker_message::Body) -> Vec<v1::scheduler_message::Body> {
+        self.sequence += 1;
+        let sequence = self.sequence;
+        self.outgoing
+            .send(v1::WorkerMessage {
+                sequence,
+                body: Some(body),
+            })
+            .await
+            .unwrap();
+        let mut others = Vec::new();
+        loop {
+            match self.receive(DEADLINE).await {
+                Some(v1::scheduler_message::Body::Ack(ack)) if ack.sequence == sequence => {
+                    return others;
+                }
+                Some(v1::scheduler_message::Body::Ack(_)) => {}
+                Some(other) => others.push(other),
+                None => panic!("no ack for message {sequence} within {DEADLINE:?}"),
+            }
+        }
+    }
+
+    /// The next message within `wait`, acks included; None when none came.
+    async fn receive(&mut self, wait: Duration) -> Option<v1::scheduler_message::Body> {
+        loop {
+            let message = tokio::time::timeout(wait, self.incoming.next())
+                .await
+                .ok()?
+                .expect("the session is open")
+                .expect("not an error");
+            if let Some(body) = message.body {
+                return Some(body);
+            }
+        }
+    }
+
+    /// Every message but acks that arrives within `window`.
+    async fn messages_within(&mut self, window: Duration) -> Vec<v1::scheduler_message::Body> {
+        let until = tokio::time::Instant::now() + window;
+        let mut messages = Vec::new();
+        loop {
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return messages;
+            }
+            match self.receive(left).await {
+                Some(v1::scheduler_message::Body::Ack(_)) => {}
+                Some(body) => messages.push(body),
+                None => return messages,
+            }
+        }
+    }
+
+    async fn next_assignment(&mut self) -> v1::scheduler_message::Assignment {
+        loop {
+            match self.receive(DEADLINE).await {
+                Some(v1::scheduler_message::Body::Ack(_)) => {}
+                Some(v1::scheduler_message::Body::Assignment(assignment)) => return assignment,
+                Some(other) => panic!("expected an assignment, got {other:?}"),
+                None => panic!("no assignment within {DEADLINE:?}"),
+            }
+        }
+    }
+
+    async fn started(&mut self, assignment: &v1::scheduler_message::Assignment) {
+        let others = self
+            .send(v1::worker_message::Body::AttemptStarted(
+                v1::worker_message::AttemptStarted {
+                    attempt: assignment.attempt.clone(),
+                    reserved_bytes: assignment.slice_bytes,
+                },
+            ))
+            .await;
+        assert!(others.is_empty(), "unexpected messages: {others:?}");
+    }
+
+    async fn finish(
+        &mut self,
+        attempt: &v1::AttemptRef,
+        peak: u64,
+    ) -> Vec<v1::scheduler_message::Body> {
+        self.send(v1::worker_message::Body::AttemptFinished(
+            v1::worker_message::AttemptFinished {
+                attempt: Some(attempt.clone()),
+                outcome: v1::AttemptOutcome::Succeeded as i32,
+                final_loss: Some(0.1),
+                test_accuracy: None,
+                measured_peak_bytes: peak,
+                message: String::new(),
+            },
+        ))
+        .await
+    }
+}
+
+async fn submit(channel: &Channel, token: &str) -> v1::Job {
+    JobServiceClient::new(channel.clone())
+        .submit_job(authorized(
+            v1::SubmitJobRequest {
+                spec_json: JOB.into(),
+                idempotency_key: String::new(),
+            },
+            token,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap()
+}
+
+async fn get(channel: &Channel, token: &str, job_id: &str) -> v1::Job {
+    JobServiceClient::new(channel.clone())
+        .get_job(authorized(
+            v1::GetJobRequest {
+                job_id: job_id.into(),
+            },
+            token,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap()
+}
+
+async fn wait_for_state(
+    channel: &Channel,
+    token: &str,
+    job_id: &str,
+    state: v1::JobState,
+) -> v1::Job {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let job = get(channel, token, job_id).await;
+        if job.state == state as i32 {
+            return job;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "job {job_id} never reached {state:?}; it is {:?}",
+            v1::JobState::try_from(job.state)
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+async fn slices(channel: &Channel) -> Vec<v1::Slice> {
+    ClusterServiceClient::new(channel.clone())
+        .list_slices(authorized(v1::ListSlicesRequest::default(), ADMIN))
+        .await
+        .unwrap()
+        .into_inner()
+        .slices
+}
+
+fn database_url(directory: &tempfile::TempDir) -> String {
+    format!("sqlite://{}", directory.path().join("carve.db").display())
+}
+
+#[tokio::test]
+async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
+    let directory = tempfile::tempdir().unwrap();
+    let database = database_url(&directory);
+    let lease = Duration::from_secs(3);
+
+    // The first life: a job is placed and starts.
+    let first = RunningScheduler::start(&database, lease).await;
+    let channel = first.channel().await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice").await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", "", vec![]).await;
+    let job = submit(&channel, &user).await;
+    let assignment = worker.next_assignment().await;
+    let attempt = assignment.attempt.clone().unwrap();
+    assert_eq!(attempt.job_id, job.id);
+    assert_eq!(attempt.attempt_number, 1);
+    worker.started(&assignment).await;
+    wait_for_state(&channel, &user, &job.id, v1::JobState::Running).await;
+    let worker_id = worker.id.clone();
+
+    // The scheduler stops; the worker's session goes with it.
+    worker.disconnect();
+    drop(channel);
+    first.stop().await;
+
+    // The second life, on the same database and a new socket.
+    let second = RunningScheduler::start(&database, lease).await;
+    let channel = second.channel().await;
+    let recovered = get(&channel, &user, &job.id).await;
+    assert_eq!(recovered.state, v1::JobState::Running as i32);
+    assert_eq!(recovered.attempts.len(), 1);
+    assert_eq!(
+        recovered.attempts[0].outcome,
+        v1::AttemptOutcome::Running as i32
+    );
+    let held = slices(&channel).await;
+    assert_eq!(
+        held.len(),
+        1,
+        "the running attempt keeps its slice: {held:?}"
+    );
+    assert_eq!(held[0].job_id, job.id);
+    assert_eq!(held[0].worker_id, worker_id);
+
+    // The worker comes back under its old id, still running the attempt.
+    let mut worker = TestWorker::connect(
+        &channel,
+        &worker_token,
+        "gpu-a",
+        &worker_id,
+        vec![attempt.clone()],
+    )
+    .await;
+    assert_eq!(
+        worker.id, worker_id,
+        "the worker keeps its id across a restart"
+    );
+    let progress = worker
+        .send(v1::worker_message::Body::Progress(
+            v1::worker_message::Progress {
+                attempt: Some(attempt.clone()),
+                progress: Some(v1::TrainingProgress {
+                    step: 5,
+                    total_steps: 10,
+                    loss: 0.5,
+                    samples_per_second: 100.0,
+                    memory_in_use_bytes: 1 << 20,
+                    memory_peak_bytes: 2 << 20,
+                }),
+            },
+        ))
+        .await;
+    assert!(
+        progress.is_empty(),
+        "the attempt is still this worker's: nothing is cancelled or placed again: {progress:?}"
+    );
+    let after_progress = get(&channel, &user, &job.id).await;
+    assert_eq!(after_progress.state, v1::JobState::Running as i32);
+    assert_eq!(after_progress.attempts.len(), 1);
+
+    let finished = worker.finish(&attempt, 2 << 20).await;
+    assert!(finished.is_empty(), "unexpected messages: {finished:?}");
+    let done = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
+    assert_eq!(done.attempts.len(), 1, "{:?}", done.attempts);
+    assert_eq!(
+        done.attempts[0].outcome,
+        v1::AttemptOutcome::Succeeded as i32
+    );
+    assert_eq!(done.attempts[0].number, 1);
+    assert_eq!(done.attempts[0].worker_id, worker_id);
+    assert_eq!(done.attempts[0].measured_peak_bytes, Some(2 << 20));
+    assert!(slices(&channel).await.is_empty(), "the slice is freed");
+    let late = worker.messages_within(Duration::from_millis(300)).await;
+    assert!(late.is_empty(), "nothing is sent after success: {late:?}");
+
+    worker.disconnect();
+    drop(channel);
+    second.stop().await;
+}
+
+#[tokio::test]
+async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
+    let directory = tempfile::tempdir().unwrap();
+    let database = database_url(&directory);
+    let lease = Duration::from_secs(1);
+
+    // The first life: a job starts and writes a checkpoint.
+    let first = RunningScheduler::start(&database, lease).await;
+    let channel = first.channel().await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice").await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", "", vec![]).await;
+    let job = submit(&channel, &user).await;
+    let assignment = worker.next_assignment().await;
+    let attempt = assignment.attempt.clone().unwrap();
+    worker.started(&assignment).await;
+    let checkpoint = "/checkpoints/restart-a.ckpt";
+    let others = worker
+        .send(v1::worker_message::Body::CheckpointWritten(
+            v1::worker_message::CheckpointWritten {
+                attempt: Some(attempt.clone()),
+                checkpoint: Some(v1::Checkpoint {
+                    step: 4,
+                    location: checkpoint.into(),
+                }),
+            },
+        ))
+        .await;
+    assert!(others.is_empty(), "unexpected messages: {others:?}");
+    wait_for_state(&channel, &user, &job.id, v1::JobState::Running).await;
+    let lost_worker = worker.id.clone();
+    worker.disconnect();
+    drop(channel);
+    first.stop().await;
+
+    // The second life: the worker never comes back.
+    let restarted_at = tokio::time::Instant::now();
+    let second = RunningScheduler::start(&database, lease).await;
+    let channel = second.channel().await;
+    let recovered = get(&channel, &user, &job.id).await;
+    if restarted_at.elapsed() < lease {
+        // Within the lease the attempt is still the old worker's.
+        assert_eq!(recovered.state, v1::JobState::Running as i32);
+        assert_eq!(recovered.attempts.len(), 1);
+    }
+    let mut replacement = TestWorker::connect(&channel, &worker_token, "gpu-b", "", vec![]).await;
+    assert_ne!(replacement.id, lost_worker);
+    let second_assignment = replacement.next_assignment().await;
+    assert!(
+        restarted_at.elapsed() >= lease,
+        "the job is placed again only after the lease runs out"
+    );
+    let second_attempt = second_assignment.attempt.clone().unwrap();
+    assert_eq!(second_attempt.job_id, job.id);
+    assert_eq!(second_attempt.attempt_number, 2);
+    assert!(second_attempt.lease_epoch > attempt.lease_epoch);
+    assert_eq!(
+        second_assignment.resume_from.as_ref().unwrap().location,
+        checkpoint
+    );
+    let requeued = get(&channel, &user, &job.id).await;
+    assert_eq!(requeued.attempts.len(), 2);
+    assert_eq!(
+        requeued.attempts[0].outcome,
+        v1::AttemptOutcome::Lost as i32
+    );
+    assert_eq!(requeued.attempts[0].worker_id, lost_worker);
+    assert_eq!(requeued.attempts[1].worker_id, replacement.id);
+    assert_eq!(
+        requeued.attempts[1].resumed_from.as_ref().unwrap().location,
+        checkpoint
+    );
+
+    replacement.started(&second_assignment).await;
+    let finished = replacement.finish(&second_attempt, 1 << 20).await;
+    assert!(finished.is_empty(), "unexpected messages: {finished:?}");
+    let done = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
+    assert_eq!(done.attempts.len(), 2);
+    assert_eq!(
+        done.attempts[1].outcome,
+        v1::AttemptOutcome::Succeeded as i32
+    );
+    assert_eq!(done.attempts[1].measured_peak_bytes, Some(1 << 20));
+
+    replacement.disconnect();
+    drop(channel);
+    second.stop().await;
+}
+
+#[tokio::test]
+async fn the_scheduler_stops_while_a_worker_is_still_connected() {
+    let directory = tempfile::tempdir().unwrap();
+    let scheduler =
+        RunningScheduler::start(&database_url(&directory), Duration::from_secs(30)).await;
+    let channel = scheduler.channel().await;
+    let (_, worker_token) = tenant_with_tokens(&channel, "alice").await;
+    // The session stays open from the worker's side: the scheduler must end it to stop.
+    let _worker = TestWorker::connect(&channel, &worker_token, "gpu-a", "", vec![]).await;
+    scheduler.stop().await;
+}
