@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use carve_scheduler::scheduler::SchedulerSettings;
-use carve_scheduler::server::{SchedulerConfig, run};
+use carve_scheduler::server::{SchedulerConfig, TlsIdentity, run};
 use clap::Parser;
 use serde::Deserialize;
 
@@ -41,6 +41,12 @@ struct Arguments {
     /// Serve Prometheus metrics at http://ADDRESS/metrics.
     #[arg(long, env = "CARVE_METRICS_LISTEN")]
     metrics_listen: Option<std::net::SocketAddr>,
+    /// Serve gRPC over TLS with this certificate chain (PEM); needs --tls-key.
+    #[arg(long, env = "CARVE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "CARVE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -53,6 +59,8 @@ struct FileSettings {
     heartbeat_seconds: Option<u64>,
     checkpoint_dir: Option<String>,
     metrics_listen: Option<std::net::SocketAddr>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
 }
 
 fn default_database() -> Result<String> {
@@ -117,6 +125,20 @@ async fn main() -> Result<()> {
             .or(file.checkpoint_dir)
             .unwrap_or(defaults.checkpoint_directory),
     };
+    let tls = match (
+        arguments.tls_cert.or(file.tls_cert),
+        arguments.tls_key.or(file.tls_key),
+    ) {
+        (Some(certificate), Some(key)) => Some(TlsIdentity {
+            certificate_chain_pem: std::fs::read(&certificate).with_context(|| {
+                format!("cannot read the TLS certificate {}", certificate.display())
+            })?,
+            private_key_pem: std::fs::read(&key)
+                .with_context(|| format!("cannot read the TLS key {}", key.display()))?,
+        }),
+        (None, None) => None,
+        _ => anyhow::bail!("TLS needs both a certificate and a key (tls_cert and tls_key)"),
+    };
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
@@ -131,6 +153,7 @@ async fn main() -> Result<()> {
             settings,
             admin_token,
             metrics_address: arguments.metrics_listen.or(file.metrics_listen),
+            tls,
         },
         listener,
         shutdown,

@@ -29,6 +29,28 @@ pub struct SchedulerConfig {
     pub admin_token: Option<String>,
     /// Where to serve Prometheus metrics (`GET /metrics`), if anywhere.
     pub metrics_address: Option<std::net::SocketAddr>,
+    /// Serve gRPC over TLS with this certificate chain and key (PEM); plain HTTP/2 without.
+    pub tls: Option<TlsIdentity>,
+}
+
+/// The server's certificate chain and private key, PEM-encoded.
+#[derive(Clone)]
+pub struct TlsIdentity {
+    pub certificate_chain_pem: Vec<u8>,
+    pub private_key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsIdentity {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the key.
+        formatter
+            .debug_struct("TlsIdentity")
+            .field(
+                "certificate_chain_pem",
+                &format!("{} bytes", self.certificate_chain_pem.len()),
+            )
+            .finish_non_exhaustive()
+    }
 }
 
 /// The tenant the first admin token belongs to.
@@ -122,7 +144,21 @@ pub async fn run(
         .map_err(|error| SchedulerError::Internal(format!("reflection: {error}")))?;
     let address = listener.local_addr().ok();
     tracing::info!(?address, "scheduler listening");
-    let result = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &config.tls {
+        builder = builder
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(
+                tonic::transport::Identity::from_pem(
+                    &tls.certificate_chain_pem,
+                    &tls.private_key_pem,
+                ),
+            ))
+            .map_err(|error| SchedulerError::InvalidArgument {
+                field: "tls".into(),
+                reason: format!("the certificate or key is not usable: {error}"),
+            })?;
+    }
+    let result = builder
         .add_service(health_service)
         .add_service(reflection)
         .add_service(JobServiceServer::new(services.clone()))

@@ -70,6 +70,7 @@ impl RunningScheduler {
             },
             admin_token: Some(ADMIN.into()),
             metrics_address: None,
+            tls: None,
         };
         let server = tokio::spawn(run(config, listener, async {
             let _ = shutdown_signal.await;

@@ -50,6 +50,7 @@ async fn start(lease: Duration) -> Cluster {
         },
         admin_token: Some(ADMIN.into()),
         metrics_address: Some(metrics_address),
+        tls: None,
     };
     tokio::spawn(async move {
         run(config, listener, async {
