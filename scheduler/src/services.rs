@@ -84,6 +84,27 @@ impl Services {
     }
 }
 
+impl Services {
+    /// Drain and undrain: admins only; answers with the worker as it is now.
+    async fn set_draining(
+        &self,
+        caller: &Caller,
+        worker_id: &str,
+        draining: bool,
+    ) -> Result<Option<v1::Worker>, Status> {
+        caller.require(&[Role::Admin]).map_err(status)?;
+        self.scheduler
+            .set_draining(worker_id, draining)
+            .await
+            .map_err(status)?;
+        Ok(self
+            .scheduler
+            .workers_proto()
+            .into_iter()
+            .find(|worker| worker.id == worker_id))
+    }
+}
+
 fn token_proto(token: &TokenRecord) -> v1::Token {
     v1::Token {
         id: token.id.clone(),
@@ -605,20 +626,10 @@ impl ClusterService for Services {
         &self,
         request: Request<v1::DrainWorkerRequest>,
     ) -> Result<Response<v1::DrainWorkerResponse>, Status> {
-        self.caller(&request)
-            .await?
-            .require(&[Role::Admin])
-            .map_err(status)?;
-        let worker_id = request.into_inner().worker_id;
-        self.scheduler
-            .set_draining(&worker_id, true)
-            .await
-            .map_err(status)?;
+        let caller = self.caller(&request).await?;
         let worker = self
-            .scheduler
-            .workers_proto()
-            .into_iter()
-            .find(|worker| worker.id == worker_id);
+            .set_draining(&caller, &request.into_inner().worker_id, true)
+            .await?;
         Ok(Response::new(v1::DrainWorkerResponse { worker }))
     }
 
@@ -626,20 +637,10 @@ impl ClusterService for Services {
         &self,
         request: Request<v1::UndrainWorkerRequest>,
     ) -> Result<Response<v1::UndrainWorkerResponse>, Status> {
-        self.caller(&request)
-            .await?
-            .require(&[Role::Admin])
-            .map_err(status)?;
-        let worker_id = request.into_inner().worker_id;
-        self.scheduler
-            .set_draining(&worker_id, false)
-            .await
-            .map_err(status)?;
+        let caller = self.caller(&request).await?;
         let worker = self
-            .scheduler
-            .workers_proto()
-            .into_iter()
-            .find(|worker| worker.id == worker_id);
+            .set_draining(&caller, &request.into_inner().worker_id, false)
+            .await?;
         Ok(Response::new(v1::UndrainWorkerResponse { worker }))
     }
 

@@ -815,3 +815,56 @@ async fn invalid_requests_get_the_right_status_naming_the_field() {
     assert_eq!(error.code(), Code::InvalidArgument);
     assert!(error.message().contains("states[0]"), "{}", error.message());
 }
+
+#[tokio::test]
+async fn a_drained_worker_takes_nothing_new_until_undrained() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let mut cluster_client = ClusterServiceClient::new(channel.clone());
+    let drained = cluster_client
+        .drain_worker(authorized(
+            v1::DrainWorkerRequest {
+                worker_id: worker.id.clone(),
+                reason: "maintenance".into(),
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .worker
+        .unwrap();
+    assert_eq!(drained.state, v1::WorkerState::Draining as i32);
+    assert!(matches!(
+        worker.next().await,
+        v1::scheduler_message::Body::Drain(_)
+    ));
+    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiting = get(&channel, &user, &job.id).await.unwrap();
+    assert_eq!(waiting.state, v1::JobState::Queued as i32);
+    assert!(!waiting.waiting_reason.is_empty());
+    let error = cluster_client
+        .undrain_worker(authorized(
+            v1::UndrainWorkerRequest {
+                worker_id: worker.id.clone(),
+            },
+            &user,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::PermissionDenied);
+    cluster_client
+        .undrain_worker(authorized(
+            v1::UndrainWorkerRequest {
+                worker_id: worker.id.clone(),
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap();
+    let assignment = worker.next_assignment().await;
+    assert_eq!(assignment.attempt.unwrap().job_id, job.id);
+}
