@@ -63,7 +63,8 @@ pub struct ShrinkDecision {
     pub estimate: MemoryEstimate,
     /// Empty when the current config already fits the budget.
     pub steps: Vec<ShrinkStep>,
-    /// The slice size less what the last OOM showed the estimator misses.
+    /// The slice size (or the smaller limit the attempt really had) less what the last OOM
+    /// showed the estimator misses.
     pub budget_bytes: u64,
 }
 
@@ -76,7 +77,12 @@ pub fn plan_shrink(
     slice_bytes: u64,
 ) -> Result<ShrinkDecision, CoreError> {
     let margin = observation.map_or(0, OomObservation::unaccounted_bytes);
-    let budget_bytes = slice_bytes.saturating_sub(margin);
+    // The attempt may have had less than the slice it was given (a reservation that came
+    // up short): its report's limit is what it really had.
+    let usable_bytes = observation.map_or(slice_bytes, |observation| {
+        slice_bytes.min(observation.report.limit)
+    });
+    let budget_bytes = usable_bytes.saturating_sub(margin);
     let policy = &job.spec.oom;
     let mut config = *current;
     let mut steps = Vec::new();

@@ -493,3 +493,22 @@ fn an_oom_the_estimator_missed_leaves_a_margin() {
     assert!(decision.estimate.required_bytes <= decision.budget_bytes);
     assert_ne!(decision.config, config);
 }
+
+#[test]
+fn an_attempt_that_had_less_than_its_slice_is_shrunk_to_what_it_had() {
+    let job = resnet_style();
+    let config = RunConfig::from_spec(&job.spec);
+    let estimate = estimate_job(&job, &config).unwrap();
+    let slice = estimate.required_bytes;
+    // The reservation came up a third short; the step ran out inside what it got.
+    let plan = compile_step_plan(&job, &config).unwrap();
+    let report = try_plan_in_slice(&plan, slice / 3 * 2).unwrap_err();
+    let observation = OomObservation {
+        report,
+        estimated_required_bytes: estimate.required_bytes,
+    };
+    let decision = plan_shrink(&job, &config, Some(&observation), slice).unwrap();
+    assert_eq!(decision.budget_bytes, slice / 3 * 2);
+    assert!(decision.estimate.required_bytes <= slice / 3 * 2);
+    assert_ne!(decision.config, config);
+}
