@@ -1,4 +1,22 @@
-//! carve-worker: GPU discovery (NVML, or simulated GPUs), slices, one child process per
-//! attempt, heartbeats and reports to the scheduler.
+//! carve-worker: runs on every GPU node. It offers its GPUs to the scheduler (simulated
+//! ones with `--sim-gpus`; there is no NVML binding yet), holds a session with it, and
+//! runs each attempt in its own child process inside a memory-limited slice.
 //!
-//! Empty until the worker issue lands.
+//! - `worker`: `run_worker(config, shutdown)`, the session loop, admission, reconnects;
+//! - `attempt_process`: the worker's side of one attempt process (start, watch, stop);
+//! - `attempt_child`: the attempt process itself (`carve-worker attempt ...`);
+//! - `child_protocol`: the JSON lines between the two;
+//! - `gpus`: GPU discovery, `--sim-gpus` parsing, the slice book.
+//!
+//! Architecture invariant: the worker never admits a slice its GPU cannot hold, and an
+//! attempt process that ends without its final line is a failed attempt, never an OOM.
+
+pub mod attempt_child;
+pub mod attempt_process;
+pub mod child_protocol;
+pub mod error;
+pub mod gpus;
+pub mod worker;
+
+pub use error::WorkerError;
+pub use worker::{StartedAttemptProcess, WorkerConfig, run_worker};

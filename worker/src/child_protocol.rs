@@ -1,0 +1,112 @@
+//! What an attempt process writes on stdout, one JSON object a line, and the run config
+//! it is handed on its command line. Both sides (the worker and the attempt process)
+//! use these types, so the format is defined once.
+
+use carve_proto::v1;
+use serde::{Deserialize, Serialize};
+
+/// One line of an attempt process's stdout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ChildLine {
+    /// The slice is reserved; training starts.
+    Started { reserved_bytes: u64, pid: u32 },
+    Progress {
+        step: u64,
+        total_steps: u64,
+        loss: f64,
+        samples_per_second: f64,
+        memory_in_use_bytes: u64,
+        memory_peak_bytes: u64,
+    },
+    /// A checkpoint is on disk.
+    Checkpoint { step: u64, location: String },
+    /// Training completed; exit code 0 follows.
+    Finished {
+        final_loss: f64,
+        test_accuracy: Option<f64>,
+        peak_bytes: u64,
+    },
+    /// The slice could not hold a buffer; exit code 3 follows.
+    Oom {
+        requested_bytes: u64,
+        in_use_bytes: u64,
+        limit_bytes: u64,
+        largest_free_bytes: u64,
+        peak_bytes: u64,
+        checkpoint: Option<CheckpointLine>,
+    },
+}
+
+/// A checkpoint as an OOM line names it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointLine {
+    pub step: u64,
+    pub location: String,
+}
+
+/// The exit code of an attempt process that ran out of memory in its slice.
+pub const OUT_OF_MEMORY_EXIT_CODE: i32 = 3;
+
+/// The run config on the attempt process's command line (`--config-json`): the wire
+/// config's fields, with the precision as its protobuf number, so the child checks it
+/// with the same conversion the scheduler uses.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConfigArgument {
+    pub batch_size: u64,
+    pub micro_batch_size: u64,
+    pub precision: i32,
+    pub recompute_segment_layers: Option<u64>,
+    pub workspace_limit_bytes: u64,
+    pub prefetch_batches: u64,
+}
+
+impl From<&v1::RunConfig> for ConfigArgument {
+    fn from(config: &v1::RunConfig) -> Self {
+        ConfigArgument {
+            batch_size: config.batch_size,
+            micro_batch_size: config.micro_batch_size,
+            precision: config.precision,
+            recompute_segment_layers: config.recompute_segment_layers,
+            workspace_limit_bytes: config.workspace_limit_bytes,
+            prefetch_batches: config.prefetch_batches,
+        }
+    }
+}
+
+impl From<&ConfigArgument> for v1::RunConfig {
+    fn from(config: &ConfigArgument) -> Self {
+        v1::RunConfig {
+            batch_size: config.batch_size,
+            micro_batch_size: config.micro_batch_size,
+            precision: config.precision,
+            recompute_segment_layers: config.recompute_segment_layers,
+            workspace_limit_bytes: config.workspace_limit_bytes,
+            prefetch_batches: config.prefetch_batches,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_are_tagged_by_type() {
+        let line = ChildLine::Checkpoint {
+            step: 4,
+            location: "/c/job.ckpt".into(),
+        };
+        let text = serde_json::to_string(&line).unwrap();
+        assert_eq!(
+            text,
+            r#"{"type":"checkpoint","step":4,"location":"/c/job.ckpt"}"#
+        );
+        assert_eq!(serde_json::from_str::<ChildLine>(&text).unwrap(), line);
+        let oom: ChildLine = serde_json::from_str(
+            r#"{"type":"oom","requested_bytes":1,"in_use_bytes":2,"limit_bytes":3,"largest_free_bytes":0,"peak_bytes":2,"checkpoint":null}"#,
+        )
+        .unwrap();
+        assert!(matches!(oom, ChildLine::Oom { limit_bytes: 3, .. }));
+    }
+}

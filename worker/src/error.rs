@@ -1,0 +1,44 @@
+//! The one error type of carve-worker's library; the binary wraps it in `anyhow`.
+
+/// Everything that can stop the worker or one of its attempts before it runs.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// A flag or setting is not acceptable (e.g. `--sim-gpus 2x`).
+    #[error("{setting}: {reason}")]
+    InvalidSetting { setting: String, reason: String },
+    /// The worker has no GPU to offer.
+    #[error("no gpus: {0}")]
+    NoGpus(String),
+    /// The scheduler could not be reached or refused the worker.
+    #[error("scheduler: {0}")]
+    Scheduler(String),
+    /// An attempt's process could not be started or watched.
+    #[error("attempt process: {0}")]
+    AttemptProcess(String),
+    /// The attempt process (child side) got an unusable assignment.
+    #[error("attempt: {0}")]
+    Attempt(String),
+    /// A file or process operation failed.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl WorkerError {
+    pub fn invalid_setting(setting: impl Into<String>, reason: impl Into<String>) -> Self {
+        WorkerError::InvalidSetting {
+            setting: setting.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        WorkerError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}

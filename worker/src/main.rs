@@ -1,0 +1,158 @@
+//! `carve-worker`: the GPU node agent. Parses and checks its flags, then runs
+//! `carve_worker::run_worker` until SIGINT/SIGTERM. The hidden `attempt` subcommand is
+//! the attempt process the worker starts for every attempt.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use carve_core::bytes::parse_byte_size;
+use carve_worker::attempt_child::{AttemptArguments, run_attempt};
+use carve_worker::gpus::parse_simulated_gpus;
+use carve_worker::worker::DEFAULT_CONTEXT_BYTES;
+use carve_worker::{WorkerConfig, run_worker};
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "carve-worker",
+    version,
+    about = "Carve's GPU node agent: offers this node's GPUs to the scheduler and runs attempts in slices",
+    subcommand_negates_reqs = true,
+    args_conflicts_with_subcommands = true
+)]
+struct Arguments {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// The scheduler, e.g. http://scheduler:7070.
+    #[arg(long, env = "CARVE_SCHEDULER", required = true)]
+    scheduler: Option<String>,
+    /// A worker token.
+    #[arg(long, env = "CARVE_TOKEN", hide_env_values = true, required = true)]
+    token: Option<String>,
+    /// GPUs to simulate when there is no NVML: `2x16GiB` or `16GiB,8GiB`.
+    #[arg(long)]
+    sim_gpus: Option<String>,
+    /// Where attempts write checkpoints.
+    #[arg(long, default_value = "checkpoints")]
+    checkpoint_dir: PathBuf,
+    /// What each attempt process takes outside its slice on a simulated GPU (e.g. 300MiB).
+    #[arg(long, value_parser = parse_byte_size_argument)]
+    context_bytes: Option<u64>,
+    /// The node name to register with; defaults to the host name.
+    #[arg(long)]
+    hostname: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Runs one attempt (started by the worker, not by people).
+    #[command(hide = true)]
+    Attempt {
+        #[arg(long)]
+        spec_file: PathBuf,
+        #[arg(long)]
+        config_json: String,
+        #[arg(long)]
+        slice_bytes: u64,
+        #[arg(long)]
+        checkpoint: PathBuf,
+        #[arg(long)]
+        resume: Option<PathBuf>,
+    },
+}
+
+fn parse_byte_size_argument(text: &str) -> Result<u64, String> {
+    parse_byte_size(text).map_err(|error| error.to_string())
+}
+
+fn hostname() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|name| name.trim().to_string())
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+fn main() -> ExitCode {
+    let arguments = Arguments::parse();
+    if let Some(Command::Attempt {
+        spec_file,
+        config_json,
+        slice_bytes,
+        checkpoint,
+        resume,
+    }) = arguments.command
+    {
+        // The attempt process: no logging setup, stdout is the report channel.
+        let attempt = AttemptArguments {
+            spec_file,
+            config_json,
+            slice_bytes,
+            checkpoint,
+            resume,
+        };
+        return match run_attempt(&attempt) {
+            Ok(code) => ExitCode::from(code as u8),
+            Err(error) => {
+                eprintln!("carve-worker attempt: {error}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    match run(arguments) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("carve-worker: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(arguments: Arguments) -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    // Validate everything that was typed before building anything.
+    let simulated_gpus = match &arguments.sim_gpus {
+        Some(text) => parse_simulated_gpus(text)?,
+        None => Vec::new(),
+    };
+    let program = std::env::current_exe().context("cannot find the carve-worker binary")?;
+    let mut config = WorkerConfig::new(
+        arguments.scheduler.unwrap_or_default(),
+        arguments.token.unwrap_or_default(),
+        simulated_gpus,
+        program,
+    );
+    config.hostname = arguments.hostname.unwrap_or_else(hostname);
+    config.checkpoint_directory = arguments.checkpoint_dir;
+    config.context_bytes = arguments.context_bytes.unwrap_or(DEFAULT_CONTEXT_BYTES);
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        run_worker(config, shutdown_signal()).await?;
+        Ok(())
+    })
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let mut terminate =
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(signal) => signal,
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
+    tracing::info!("shutting down");
+}

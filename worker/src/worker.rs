@@ -1,0 +1,564 @@
+//! The worker's main loop: registers its GPUs, holds the session with the scheduler
+//! (hello, heartbeats, reports, acknowledgements), starts and stops attempt processes
+//! as the scheduler assigns and cancels, and reconnects with backoff when the scheduler
+//! goes away. Attempts keep running while the worker is disconnected; their reports
+//! wait in a queue and go out after the reconnect, so nothing is lost.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use carve_proto::v1;
+use carve_proto::v1::worker_message::Body;
+use carve_proto::v1::worker_service_client::WorkerServiceClient;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Request;
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::attempt_process::{
+    AttemptControl, AttemptLaunch, spawn_attempt_process, watch_attempt_process,
+};
+use crate::child_protocol::ConfigArgument;
+use crate::error::WorkerError;
+use crate::gpus::{SimulatedGpu, SliceBook, WorkerGpu, discover_gpus};
+
+/// Everything the worker needs to start.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// `http://host:port` of the scheduler.
+    pub scheduler_url: String,
+    /// A WORKER bearer token.
+    pub token: String,
+    /// The node's name, as registration reports it; also part of simulated GPU uuids.
+    pub hostname: String,
+    /// GPUs to simulate (there is no NVML in this build).
+    pub simulated_gpus: Vec<SimulatedGpu>,
+    /// What each attempt process takes outside its slice on a simulated GPU.
+    pub context_bytes: u64,
+    /// Where attempts write checkpoints (`{job id}.ckpt`) and their spec files.
+    pub checkpoint_directory: PathBuf,
+    /// The program to run for an attempt (`PROGRAM attempt ...`): this binary, normally
+    /// `std::env::current_exe()`.
+    pub attempt_program: PathBuf,
+    /// The first wait before reconnecting; it doubles up to `reconnect_backoff_max`.
+    pub reconnect_backoff_initial: Duration,
+    pub reconnect_backoff_max: Duration,
+    /// Told about every attempt process the worker starts (tests use it to find pids).
+    pub process_observer: Option<mpsc::UnboundedSender<StartedAttemptProcess>>,
+}
+
+/// The default context reservation of a simulated GPU: what a CUDA context with cuDNN
+/// and cuBLAS handles typically takes.
+pub const DEFAULT_CONTEXT_BYTES: u64 = 300 << 20;
+
+impl WorkerConfig {
+    /// A config with the defaults for everything but the scheduler and the GPUs.
+    pub fn new(
+        scheduler_url: impl Into<String>,
+        token: impl Into<String>,
+        simulated_gpus: Vec<SimulatedGpu>,
+        attempt_program: PathBuf,
+    ) -> WorkerConfig {
+        WorkerConfig {
+            scheduler_url: scheduler_url.into(),
+            token: token.into(),
+            hostname: "localhost".into(),
+            simulated_gpus,
+            context_bytes: DEFAULT_CONTEXT_BYTES,
+            checkpoint_directory: PathBuf::from("checkpoints"),
+            attempt_program,
+            reconnect_backoff_initial: Duration::from_millis(100),
+            reconnect_backoff_max: Duration::from_secs(5),
+            process_observer: None,
+        }
+    }
+}
+
+/// An attempt process the worker started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartedAttemptProcess {
+    pub job_id: String,
+    pub attempt_number: u32,
+    pub process_id: u32,
+}
+
+/// One attempt that runs now.
+#[derive(Debug)]
+struct RunningAttempt {
+    attempt: v1::AttemptRef,
+    control: mpsc::UnboundedSender<AttemptControl>,
+}
+
+/// What the session loop and the attempt watchers share.
+#[derive(Debug, Default)]
+struct SharedState {
+    slices: SliceBook,
+    /// By [`attempt_key`]: after a reconnect an old attempt of a job may still be
+    /// stopping while its new attempt starts here.
+    running: HashMap<String, RunningAttempt>,
+}
+
+type Shared = Arc<Mutex<SharedState>>;
+
+/// `job/attempt`: names one attempt in the worker's tables.
+fn attempt_key(attempt: &v1::AttemptRef) -> String {
+    format!("{}/{}", attempt.job_id, attempt.attempt_number)
+}
+
+fn lock(shared: &Shared) -> MutexGuard<'_, SharedState> {
+    // A panicking watcher must not take the whole worker down with a poisoned lock.
+    shared
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A report the scheduler has not acknowledged yet.
+#[derive(Debug)]
+struct PendingReport {
+    /// Its sequence number in the current session.
+    sequence: u64,
+    body: Body,
+    /// How many sessions it was sent in.
+    sessions: u32,
+}
+
+/// A report sent in this many sessions without an acknowledgement is dropped: the
+/// scheduler rejects it (and ends the session) every time, and resending it forever
+/// would keep the worker from ever holding a session.
+const MOST_SESSIONS_PER_REPORT: u32 = 5;
+
+/// The worker across sessions.
+struct Worker {
+    config: WorkerConfig,
+    gpus: Vec<WorkerGpu>,
+    shared: Shared,
+    reports: mpsc::UnboundedSender<Body>,
+    /// Reports sent in the current session and not yet acknowledged; after a reconnect
+    /// they are sent again (renumbered) ahead of anything new.
+    unacknowledged: VecDeque<PendingReport>,
+    worker_id: String,
+    /// Set by a drain: the scheduler places nothing new here.
+    draining: bool,
+}
+
+/// Runs the worker until `shutdown` completes; then stops its attempts.
+pub async fn run_worker(
+    config: WorkerConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), WorkerError> {
+    if config.scheduler_url.is_empty() {
+        return Err(WorkerError::invalid_setting(
+            "--scheduler",
+            "must not be empty",
+        ));
+    }
+    if config.token.is_empty() {
+        return Err(WorkerError::invalid_setting("--token", "must not be empty"));
+    }
+    let gpus = discover_gpus(
+        &config.hostname,
+        &config.simulated_gpus,
+        config.context_bytes,
+    )?;
+    tokio::fs::create_dir_all(&config.checkpoint_directory)
+        .await
+        .map_err(|error| {
+            WorkerError::io(
+                format!("cannot create {}", config.checkpoint_directory.display()),
+                error,
+            )
+        })?;
+    let (reports, mut incoming_reports) = mpsc::unbounded_channel();
+    let mut worker = Worker {
+        config,
+        gpus,
+        shared: Arc::default(),
+        reports,
+        unacknowledged: VecDeque::new(),
+        worker_id: String::new(),
+        draining: false,
+    };
+    tokio::pin!(shutdown);
+    let mut backoff = worker.config.reconnect_backoff_initial;
+    loop {
+        let ended = tokio::select! {
+            _ = &mut shutdown => break,
+            ended = worker.run_session(&mut incoming_reports, &mut backoff) => ended,
+        };
+        let reason = match ended {
+            Ok(()) => "the scheduler ended the session".to_string(),
+            Err(error) => error.to_string(),
+        };
+        tracing::warn!(%reason, retry_in = ?backoff, "no session with the scheduler");
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(worker.config.reconnect_backoff_max);
+    }
+    // Shutting down: the attempts die with the worker (their processes would outlive it
+    // otherwise); the scheduler requeues them when the lease runs out.
+    for running in lock(&worker.shared).running.values() {
+        let _ = running.control.send(AttemptControl::Cancel {
+            grace_period: Duration::ZERO,
+            reason: "the worker is shutting down".into(),
+        });
+    }
+    tracing::info!("worker stopped");
+    Ok(())
+}
+
+fn authorized<T>(message: T, token: &str) -> Result<Request<T>, WorkerError> {
+    let mut request = Request::new(message);
+    let value = MetadataValue::try_from(format!("Bearer {token}"))
+        .map_err(|_| WorkerError::invalid_setting("--token", "is not a valid header value"))?;
+    request.metadata_mut().insert("authorization", value);
+    Ok(request)
+}
+
+fn proto_duration(duration: Option<prost_types::Duration>) -> Option<Duration> {
+    let duration = duration?;
+    let seconds = u64::try_from(duration.seconds).ok()?;
+    let nanos = u32::try_from(duration.nanos).ok()?;
+    Some(Duration::new(seconds, nanos))
+}
+
+impl Worker {
+    fn gpus_proto(&self) -> Vec<v1::Gpu> {
+        let shared = lock(&self.shared);
+        self.gpus
+            .iter()
+            .map(|gpu| gpu.to_proto(shared.slices.free_bytes(gpu)))
+            .collect()
+    }
+
+    /// One session: register, hello, then stream until the connection ends. Returns
+    /// only on an error or when the scheduler closes the stream.
+    async fn run_session(
+        &mut self,
+        incoming_reports: &mut mpsc::UnboundedReceiver<Body>,
+        backoff: &mut Duration,
+    ) -> Result<(), WorkerError> {
+        // tonic's transport error says only "transport error"; the why is in its sources.
+        let unreachable = |error: &dyn std::error::Error| {
+            let mut message = error.to_string();
+            let mut source = error.source();
+            while let Some(cause) = source {
+                message.push_str(": ");
+                message.push_str(&cause.to_string());
+                source = cause.source();
+            }
+            WorkerError::Scheduler(format!(
+                "cannot connect to {}: {message}",
+                self.config.scheduler_url
+            ))
+        };
+        let channel: Channel = Endpoint::from_shared(self.config.scheduler_url.clone())
+            .map_err(|error| WorkerError::invalid_setting("--scheduler", error.to_string()))?
+            .connect_timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .map_err(|error| unreachable(&error))?;
+        let mut client = WorkerServiceClient::new(channel);
+        let registered = client
+            .register(authorized(
+                v1::RegisterWorkerRequest {
+                    hostname: self.config.hostname.clone(),
+                    gpus: self.gpus_proto(),
+                    version: env!("CARGO_PKG_VERSION").to_string(),
+                    previous_worker_id: self.worker_id.clone(),
+                },
+                &self.config.token,
+            )?)
+            .await
+            .map_err(|status| WorkerError::Scheduler(format!("register: {}", status.message())))?
+            .into_inner();
+        if !self.worker_id.is_empty() && self.worker_id != registered.worker_id {
+            tracing::warn!(
+                previous = %self.worker_id,
+                now = %registered.worker_id,
+                "the scheduler forgot this worker and gave it a new id"
+            );
+        }
+        self.worker_id = registered.worker_id;
+        let heartbeat_interval =
+            proto_duration(registered.heartbeat_interval).unwrap_or(Duration::from_secs(5));
+        let (outgoing, outgoing_stream) = mpsc::channel::<v1::WorkerMessage>(1024);
+        let mut sequence = 1u64;
+        let running_attempts: Vec<v1::AttemptRef> = lock(&self.shared)
+            .running
+            .values()
+            .map(|running| running.attempt.clone())
+            .collect();
+        let closed = || WorkerError::Scheduler("the session stream closed".into());
+        outgoing
+            .send(v1::WorkerMessage {
+                sequence,
+                body: Some(Body::Hello(v1::worker_message::Hello {
+                    worker_id: self.worker_id.clone(),
+                    running_attempts,
+                })),
+            })
+            .await
+            .map_err(|_| closed())?;
+        // What the last session did not get acknowledged goes first, renumbered.
+        self.unacknowledged.retain(|pending| {
+            let keep = pending.sessions < MOST_SESSIONS_PER_REPORT;
+            if !keep {
+                tracing::error!(report = ?pending.body, "the scheduler never acknowledged a report: dropped");
+            }
+            keep
+        });
+        for pending in self.unacknowledged.iter_mut() {
+            sequence += 1;
+            pending.sequence = sequence;
+            pending.sessions += 1;
+            outgoing
+                .send(v1::WorkerMessage {
+                    sequence,
+                    body: Some(pending.body.clone()),
+                })
+                .await
+                .map_err(|_| closed())?;
+        }
+        let mut incoming = client
+            .session(authorized(
+                ReceiverStream::new(outgoing_stream),
+                &self.config.token,
+            )?)
+            .await
+            .map_err(|status| WorkerError::Scheduler(format!("session: {}", status.message())))?
+            .into_inner();
+        tracing::info!(worker = %self.worker_id, ?heartbeat_interval, "session open");
+        *backoff = self.config.reconnect_backoff_initial;
+        let mut heartbeat = tokio::time::interval(heartbeat_interval);
+        heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = heartbeat.tick() => {
+                    sequence += 1;
+                    let gpus = self
+                        .gpus_proto()
+                        .into_iter()
+                        .map(|gpu| v1::GpuMemory { gpu_uuid: gpu.uuid, free_bytes: gpu.free_bytes })
+                        .collect();
+                    outgoing
+                        .send(v1::WorkerMessage {
+                            sequence,
+                            body: Some(Body::Heartbeat(v1::worker_message::Heartbeat { gpus })),
+                        })
+                        .await
+                        .map_err(|_| closed())?;
+                }
+                Some(body) = incoming_reports.recv() => {
+                    sequence += 1;
+                    self.unacknowledged.push_back(PendingReport {
+                        sequence,
+                        body: body.clone(),
+                        sessions: 1,
+                    });
+                    outgoing
+                        .send(v1::WorkerMessage { sequence, body: Some(body) })
+                        .await
+                        .map_err(|_| closed())?;
+                }
+                message = incoming.message() => {
+                    match message {
+                        Ok(Some(message)) => self.handle_scheduler_message(message).await,
+                        Ok(None) => return Ok(()),
+                        Err(status) => {
+                            return Err(WorkerError::Scheduler(format!(
+                                "session ended: {}",
+                                status.message()
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn handle_scheduler_message(&mut self, message: v1::SchedulerMessage) {
+        use v1::scheduler_message::Body as SchedulerBody;
+        match message.body {
+            Some(SchedulerBody::Ack(ack)) => {
+                while self
+                    .unacknowledged
+                    .front()
+                    .is_some_and(|pending| pending.sequence <= ack.sequence)
+                {
+                    self.unacknowledged.pop_front();
+                }
+            }
+            Some(SchedulerBody::Assignment(assignment)) => self.start_attempt(assignment).await,
+            Some(SchedulerBody::Cancel(cancel)) => {
+                let Some(attempt) = cancel.attempt else {
+                    return;
+                };
+                let shared = lock(&self.shared);
+                match shared.running.get(&attempt_key(&attempt)) {
+                    Some(running) => {
+                        let _ = running.control.send(AttemptControl::Cancel {
+                            grace_period: proto_duration(cancel.grace_period)
+                                .unwrap_or(Duration::ZERO),
+                            reason: if cancel.reason.is_empty() {
+                                "cancelled by the scheduler".into()
+                            } else {
+                                cancel.reason
+                            },
+                        });
+                    }
+                    _ => tracing::info!(
+                        job = %attempt.job_id,
+                        attempt = attempt.attempt_number,
+                        "cancel for an attempt that does not run here"
+                    ),
+                }
+            }
+            Some(SchedulerBody::Drain(_)) => {
+                tracing::info!("draining: finishing what runs, taking nothing new");
+                self.draining = true;
+            }
+            None => {}
+        }
+    }
+
+    /// Refuses an assignment: the attempt ends at once as failed, with the reason.
+    fn refuse(&self, attempt: v1::AttemptRef, reason: String) {
+        tracing::warn!(job = %attempt.job_id, attempt = attempt.attempt_number, %reason, "assignment refused");
+        let _ = self
+            .reports
+            .send(Body::AttemptFinished(v1::worker_message::AttemptFinished {
+                attempt: Some(attempt),
+                outcome: v1::AttemptOutcome::Failed as i32,
+                final_loss: None,
+                test_accuracy: None,
+                measured_peak_bytes: 0,
+                message: reason,
+            }));
+    }
+
+    async fn start_attempt(&mut self, assignment: v1::scheduler_message::Assignment) {
+        let Some(attempt) = assignment.attempt.clone() else {
+            tracing::warn!("an assignment without an attempt: ignored");
+            return;
+        };
+        if self.draining {
+            // The scheduler places nothing on a draining worker, so an assignment after
+            // a drain means an operator took the drain back (the protocol has no undrain
+            // message).
+            tracing::info!("an assignment after a drain: the drain was taken back");
+            self.draining = false;
+        }
+        let key = attempt_key(&attempt);
+        if lock(&self.shared).running.contains_key(&key) {
+            tracing::info!(job = %attempt.job_id, "the same assignment again: already running");
+            return;
+        }
+        let Some(gpu) = self
+            .gpus
+            .iter()
+            .find(|gpu| gpu.uuid == assignment.gpu_uuid)
+            .cloned()
+        else {
+            let reason = format!("this worker has no gpu {}", assignment.gpu_uuid);
+            return self.refuse(attempt, reason);
+        };
+        let Some(config) = assignment.config.as_ref() else {
+            return self.refuse(attempt, "the assignment has no run config".into());
+        };
+        if let Err(reason) = lock(&self.shared)
+            .slices
+            .admit(&gpu, &key, assignment.slice_bytes)
+        {
+            return self.refuse(attempt, reason);
+        }
+        match self.launch(&assignment, &attempt, config).await {
+            Ok(()) => {}
+            Err(error) => {
+                lock(&self.shared).slices.release(&gpu.uuid, &key);
+                self.refuse(attempt, error.to_string());
+            }
+        }
+    }
+
+    /// Writes the spec file, starts the process and a task that watches it.
+    async fn launch(
+        &self,
+        assignment: &v1::scheduler_message::Assignment,
+        attempt: &v1::AttemptRef,
+        config: &v1::RunConfig,
+    ) -> Result<(), WorkerError> {
+        let directory = &self.config.checkpoint_directory;
+        let spec_file = directory.join(format!(
+            "{}.attempt-{}.spec.json",
+            attempt.job_id, attempt.attempt_number
+        ));
+        tokio::fs::write(&spec_file, &assignment.spec_json)
+            .await
+            .map_err(|error| {
+                WorkerError::io(format!("cannot write {}", spec_file.display()), error)
+            })?;
+        let config_json = serde_json::to_string(&ConfigArgument::from(config))
+            .map_err(|error| WorkerError::AttemptProcess(format!("config: {error}")))?;
+        let launch = AttemptLaunch {
+            program: self.config.attempt_program.clone(),
+            attempt: attempt.clone(),
+            spec_file: spec_file.clone(),
+            config_json,
+            slice_bytes: assignment.slice_bytes,
+            checkpoint: directory.join(format!("{}.ckpt", attempt.job_id)),
+            resume: assignment
+                .resume_from
+                .as_ref()
+                .filter(|checkpoint| !checkpoint.location.is_empty())
+                .map(|checkpoint| PathBuf::from(&checkpoint.location)),
+        };
+        let child = spawn_attempt_process(&launch)?;
+        let process_id = child.id().unwrap_or(0);
+        tracing::info!(
+            job = %attempt.job_id,
+            attempt = attempt.attempt_number,
+            gpu = %assignment.gpu_uuid,
+            slice_bytes = assignment.slice_bytes,
+            process_id,
+            "attempt started"
+        );
+        let (control, control_receiver) = mpsc::unbounded_channel();
+        lock(&self.shared).running.insert(
+            attempt_key(attempt),
+            RunningAttempt {
+                attempt: attempt.clone(),
+                control,
+            },
+        );
+        if let Some(observer) = &self.config.process_observer {
+            let _ = observer.send(StartedAttemptProcess {
+                job_id: attempt.job_id.clone(),
+                attempt_number: attempt.attempt_number,
+                process_id,
+            });
+        }
+        let shared = self.shared.clone();
+        let key = attempt_key(attempt);
+        let gpu_uuid = assignment.gpu_uuid.clone();
+        tokio::spawn(watch_attempt_process(
+            child,
+            attempt.clone(),
+            self.reports.clone(),
+            control_receiver,
+            move || {
+                let mut shared = lock(&shared);
+                shared.running.remove(&key);
+                shared.slices.release(&gpu_uuid, &key);
+                // The spec file was only for the process.
+                let _ = std::fs::remove_file(&spec_file);
+            },
+        ));
+        Ok(())
+    }
+}

@@ -1,0 +1,685 @@
+//! The real scheduler in-process (SQLite in a temp directory) and the real worker
+//! in-process (`run_worker` with simulated GPUs), whose attempt processes are the real
+//! `carve-worker` binary training tiny jobs on synthetic data: a job to success with
+//! its measured peak, a batch that does not fit its slice, two slices side by side on
+//! one GPU (and cancelling them), and an attempt process killed from outside.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use carve_proto::v1;
+use carve_proto::v1::admin_service_client::AdminServiceClient;
+use carve_proto::v1::cluster_service_client::ClusterServiceClient;
+use carve_proto::v1::job_service_client::JobServiceClient;
+use carve_scheduler::scheduler::SchedulerSettings;
+use carve_scheduler::server::SchedulerConfig;
+use carve_worker::gpus::SimulatedGpu;
+use carve_worker::{StartedAttemptProcess, WorkerConfig, run_worker};
+use tokio::sync::{mpsc, oneshot};
+use tonic::Request;
+use tonic::metadata::MetadataValue;
+use tonic::transport::Channel;
+
+const ADMIN: &str = "carve_worker_test_admin_secret";
+
+/// How long any one wait in these tests may take before the test fails.
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A job small enough to train in well under a second; `steps` sets how long it runs.
+fn job_spec(name: &str, steps: u64, vram: Option<&str>) -> String {
+    let resources = match vram {
+        Some(vram) => format!(r#", "resources": {{ "vram": "{vram}" }}"#),
+        None => String::new(),
+    };
+    format!(
+        r#"{{
+  "name": "{name}",
+  "model": {{
+    "input_shape": [8, 8, 1],
+    "loss": "softmax_cross_entropy",
+    "layers": [
+      {{ "conv2d": {{ "filters": 8, "kernel": 3, "padding": "same" }} }},
+      {{ "relu": {{}} }},
+      {{ "flatten": {{}} }},
+      {{ "dense": {{ "units": 4 }} }}
+    ]
+  }},
+  "training": {{ "batch_size": 64, "steps": {steps}, "checkpoint_every_steps": 50, "optimizer": {{ "adam": {{ "learning_rate": 0.001 }} }} }},
+  "data": {{ "format": "synthetic", "samples": 256 }}{resources}
+}}"#
+    )
+}
+
+struct Cluster {
+    channel: Channel,
+    address: String,
+    user: String,
+    worker_token: String,
+    checkpoints: PathBuf,
+    directory: tempfile::TempDir,
+    shutdown: oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+fn authorized<T>(message: T, token: &str) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
+    );
+    request
+}
+
+/// Starts the real scheduler on `listener` with its database in `directory`.
+async fn start_scheduler(
+    directory: &Path,
+    listener: tokio::net::TcpListener,
+    lease: Duration,
+) -> (Channel, oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let checkpoints = directory.join("checkpoints");
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    let (shutdown, shutdown_signal) = oneshot::channel::<()>();
+    let config = SchedulerConfig {
+        database_url: format!("sqlite://{}", directory.join("carve.db").display()),
+        settings: SchedulerSettings {
+            lease_duration: lease,
+            heartbeat_interval: Duration::from_millis(200),
+            scheduling_interval: Duration::from_millis(50),
+            checkpoint_directory: checkpoints.display().to_string(),
+        },
+        admin_token: Some(ADMIN.into()),
+        metrics_address: None,
+        tls: None,
+    };
+    let server = tokio::spawn(async move {
+        carve_scheduler::server::run(config, listener, async {
+            let _ = shutdown_signal.await;
+        })
+        .await
+        .unwrap();
+    });
+    let mut channel = None;
+    for _ in 0..200 {
+        if let Ok(connected) = Channel::from_shared(address.clone())
+            .unwrap()
+            .connect()
+            .await
+        {
+            channel = Some(connected);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let channel = channel.expect("the scheduler comes up");
+    (channel, shutdown, server)
+}
+
+async fn start_cluster() -> Cluster {
+    start_cluster_with_lease(Duration::from_secs(30)).await
+}
+
+async fn start_cluster_with_lease(lease: Duration) -> Cluster {
+    let directory = tempfile::tempdir().unwrap();
+    let checkpoints = directory.path().join("checkpoints");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    let (channel, shutdown, server) = start_scheduler(directory.path(), listener, lease).await;
+    let mut admin = AdminServiceClient::new(channel.clone());
+    admin
+        .create_tenant(authorized(
+            v1::CreateTenantRequest {
+                name: "alice".into(),
+                quota: Some(v1::Quota::default()),
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap();
+    let mut token = async |role: v1::Role| {
+        admin
+            .create_token(authorized(
+                v1::CreateTokenRequest {
+                    tenant: "alice".into(),
+                    role: role as i32,
+                    description: "test".into(),
+                    time_to_live: None,
+                },
+                ADMIN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .secret
+    };
+    let user = token(v1::Role::User).await;
+    let worker_token = token(v1::Role::Worker).await;
+    Cluster {
+        channel,
+        address,
+        user,
+        worker_token,
+        checkpoints,
+        directory,
+        shutdown,
+        server,
+    }
+}
+
+struct RunningWorker {
+    started_processes: mpsc::UnboundedReceiver<StartedAttemptProcess>,
+    _shutdown: oneshot::Sender<()>,
+}
+
+/// The real worker in-process; its attempts run `program` (the real binary, or a
+/// wrapper around it).
+fn start_worker(cluster: &Cluster, gpus: Vec<SimulatedGpu>, program: &Path) -> RunningWorker {
+    start_named_worker(cluster, "test-node", gpus, program)
+}
+
+fn start_named_worker(
+    cluster: &Cluster,
+    hostname: &str,
+    gpus: Vec<SimulatedGpu>,
+    program: &Path,
+) -> RunningWorker {
+    let (observer, started_processes) = mpsc::unbounded_channel();
+    let mut config = WorkerConfig::new(
+        cluster.address.clone(),
+        cluster.worker_token.clone(),
+        gpus,
+        program.to_path_buf(),
+    );
+    config.hostname = hostname.into();
+    config.context_bytes = 64 << 20;
+    config.checkpoint_directory = cluster.checkpoints.clone();
+    config.process_observer = Some(observer);
+    config.reconnect_backoff_initial = Duration::from_millis(50);
+    config.reconnect_backoff_max = Duration::from_millis(200);
+    let (shutdown, shutdown_signal) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        run_worker(config, async {
+            let _ = shutdown_signal.await;
+        })
+        .await
+        .unwrap();
+    });
+    RunningWorker {
+        started_processes,
+        _shutdown: shutdown,
+    }
+}
+
+fn worker_binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_carve-worker"))
+}
+
+fn one_gpu(bytes: u64) -> Vec<SimulatedGpu> {
+    vec![SimulatedGpu { total_bytes: bytes }]
+}
+
+async fn submit(cluster: &Cluster, spec: &str) -> v1::Job {
+    JobServiceClient::new(cluster.channel.clone())
+        .submit_job(authorized(
+            v1::SubmitJobRequest {
+                spec_json: spec.into(),
+                idempotency_key: String::new(),
+            },
+            &cluster.user,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap()
+}
+
+async fn get(cluster: &Cluster, job_id: &str) -> v1::Job {
+    JobServiceClient::new(cluster.channel.clone())
+        .get_job(authorized(
+            v1::GetJobRequest {
+                job_id: job_id.into(),
+            },
+            &cluster.user,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap()
+}
+
+/// Polls until `done` holds for the job; fails the test after [`WAIT`].
+async fn wait_for_job(
+    cluster: &Cluster,
+    job_id: &str,
+    what: &str,
+    done: impl Fn(&v1::Job) -> bool,
+) -> v1::Job {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let job = get(cluster, job_id).await;
+        if done(&job) {
+            return job;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "job {job_id} never became {what}: {job:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn wait_for_state(cluster: &Cluster, job_id: &str, state: v1::JobState) -> v1::Job {
+    wait_for_job(cluster, job_id, state.as_str_name(), |job| {
+        job.state == state as i32
+    })
+    .await
+}
+
+async fn next_process(worker: &mut RunningWorker) -> StartedAttemptProcess {
+    tokio::time::timeout(WAIT, worker.started_processes.recv())
+        .await
+        .expect("an attempt process starts")
+        .expect("the worker runs")
+}
+
+fn outcome(attempt: &v1::Attempt) -> v1::AttemptOutcome {
+    v1::AttemptOutcome::try_from(attempt.outcome).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_job_trains_to_success_with_its_measured_peak_equal_to_the_estimate() {
+    let cluster = start_cluster().await;
+    let mut worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
+    let job = submit(&cluster, &job_spec("small", 20, None)).await;
+    let process = next_process(&mut worker).await;
+    assert_eq!(process.job_id, job.id);
+    assert!(process.process_id > 0);
+    let finished = wait_for_state(&cluster, &job.id, v1::JobState::Succeeded).await;
+    assert_eq!(finished.attempts.len(), 1, "{finished:#?}");
+    let attempt = &finished.attempts[0];
+    assert_eq!(outcome(attempt), v1::AttemptOutcome::Succeeded);
+    assert_eq!(attempt.gpu_uuid, "sim-test-node-0");
+    let estimate = finished.estimate.as_ref().unwrap();
+    assert_eq!(attempt.measured_peak_bytes, Some(estimate.peak_bytes));
+    assert!(attempt.slice_bytes >= estimate.peak_bytes);
+    // The final checkpoint is where the scheduler said, and the spec file is gone.
+    assert!(
+        cluster
+            .checkpoints
+            .join(format!("{}.ckpt", job.id))
+            .is_file()
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(&cluster.checkpoints)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.ends_with(".spec.json"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vram_request_too_small_for_the_batch_runs_the_shrunk_config_inside_it() {
+    // The scheduler shrinks a job whose explicit vram is too small at submit, before any
+    // attempt, so this OOM never reaches a worker: what runs is the shrunk config, and
+    // it must really fit the slice it was given.
+    let cluster = start_cluster().await;
+    let _worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
+    let roomy = submit(&cluster, &job_spec("roomy", 10, None)).await;
+    let needed = roomy.estimate.as_ref().unwrap().required_bytes;
+    wait_for_state(&cluster, &roomy.id, v1::JobState::Succeeded).await;
+    let vram = needed * 3 / 4;
+    let job = submit(&cluster, &job_spec("tight", 10, Some(&vram.to_string()))).await;
+    let config = job.current_config.as_ref().unwrap();
+    assert!(
+        config.micro_batch_size < config.batch_size
+            || config.precision != v1::Precision::Fp32 as i32,
+        "the scheduler shrank the config: {config:?}"
+    );
+    let finished = wait_for_state(&cluster, &job.id, v1::JobState::Succeeded).await;
+    let attempt = &finished.attempts[0];
+    assert_eq!(attempt.config.as_ref(), Some(config));
+    assert!(attempt.slice_bytes <= vram.max(job.estimate.as_ref().unwrap().required_bytes));
+    assert!(attempt.measured_peak_bytes.unwrap() <= attempt.slice_bytes);
+}
+
+/// A wrapper around the worker binary that hands its first attempt process a quarter of
+/// its slice: what a real GPU does when the estimate is too low. Later attempts get
+/// their slice unchanged.
+fn wrapper_shrinking_the_first_slice(directory: &Path) -> PathBuf {
+    let script = directory.join("first-attempt-gets-a-quarter-slice.sh");
+    let marker = directory.join("first-attempt-done");
+    std::fs::write(
+        &script,
+        format!(
+            r#"#!/bin/bash
+shrink=0
+if mkdir "{marker}" 2>/dev/null; then shrink=1; fi
+arguments=()
+previous=""
+for argument in "$@"; do
+  if [ "$previous" = "--slice-bytes" ] && [ "$shrink" = 1 ]; then argument=$((argument / 4)); fi
+  arguments+=("$argument")
+  previous="$argument"
+done
+exec "{program}" "${{arguments[@]}}"
+"#,
+            marker = marker.display(),
+            program = worker_binary().display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    script
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_that_runs_out_of_memory_is_retried_with_the_planners_config_and_succeeds() {
+    let cluster = start_cluster().await;
+    let program = wrapper_shrinking_the_first_slice(cluster.directory.path());
+    let _worker = start_worker(&cluster, one_gpu(1 << 30), &program);
+    let job = submit(&cluster, &job_spec("squeezed", 10, None)).await;
+    let settled = wait_for_job(&cluster, &job.id, "settled after an oom", |job| {
+        job.attempts
+            .first()
+            .is_some_and(|attempt| outcome(attempt) == v1::AttemptOutcome::OutOfMemory)
+            && (job.state == v1::JobState::Succeeded as i32
+                || job.state == v1::JobState::Failed as i32)
+    })
+    .await;
+    let first = &settled.attempts[0];
+    let oom = first.oom.as_ref().expect("the oom numbers");
+    assert_eq!(oom.limit_bytes, first.slice_bytes / 4, "{settled:#?}");
+    assert!(oom.requested_bytes > 0);
+    assert!(
+        oom.in_use_bytes + oom.requested_bytes > oom.limit_bytes
+            || oom.largest_free_bytes < oom.requested_bytes
+    );
+    // The planner shrinks to what the attempt really had (the report's limit), and the
+    // retry trains to the end from the checkpoint.
+    assert_eq!(
+        settled.state,
+        v1::JobState::Succeeded as i32,
+        "{}",
+        settled.message
+    );
+    assert_eq!(settled.attempts.len(), 2, "{settled:#?}");
+    assert_eq!(outcome(&settled.attempts[1]), v1::AttemptOutcome::Succeeded);
+    assert_ne!(settled.attempts[1].config, first.config);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_jobs_share_one_gpu_in_two_slices_and_cancel_stops_both() {
+    let cluster = start_cluster().await;
+    let mut worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
+    let first = submit(&cluster, &job_spec("first", 1_000_000, None)).await;
+    let second = submit(&cluster, &job_spec("second", 1_000_000, None)).await;
+    next_process(&mut worker).await;
+    next_process(&mut worker).await;
+    for job in [&first, &second] {
+        wait_for_state(&cluster, &job.id, v1::JobState::Running).await;
+    }
+    let slices = ClusterServiceClient::new(cluster.channel.clone())
+        .list_slices(authorized(v1::ListSlicesRequest::default(), &cluster.user))
+        .await
+        .unwrap()
+        .into_inner()
+        .slices;
+    assert_eq!(slices.len(), 2, "{slices:#?}");
+    assert!(
+        slices
+            .iter()
+            .all(|slice| slice.gpu_uuid == "sim-test-node-0")
+    );
+    let mut jobs: Vec<&str> = slices.iter().map(|slice| slice.job_id.as_str()).collect();
+    jobs.sort();
+    let mut wanted = vec![first.id.as_str(), second.id.as_str()];
+    wanted.sort();
+    assert_eq!(jobs, wanted);
+
+    for job in [&first, &second] {
+        JobServiceClient::new(cluster.channel.clone())
+            .cancel_job(authorized(
+                v1::CancelJobRequest {
+                    job_id: job.id.clone(),
+                    reason: "enough".into(),
+                },
+                &cluster.user,
+            ))
+            .await
+            .unwrap();
+    }
+    for job in [&first, &second] {
+        let cancelled = wait_for_job(&cluster, &job.id, "cancelled with its attempt", |job| {
+            job.attempts
+                .first()
+                .is_some_and(|attempt| outcome(attempt) == v1::AttemptOutcome::Cancelled)
+        })
+        .await;
+        assert_eq!(cancelled.state, v1::JobState::Cancelled as i32);
+    }
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let slices = ClusterServiceClient::new(cluster.channel.clone())
+            .list_slices(authorized(v1::ListSlicesRequest::default(), &cluster.user))
+            .await
+            .unwrap()
+            .into_inner()
+            .slices;
+        if slices.is_empty() {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{slices:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_an_attempt_process_fails_the_attempt_with_the_reason() {
+    let cluster = start_cluster().await;
+    let mut worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
+    let job = submit(&cluster, &job_spec("doomed", 1_000_000, None)).await;
+    let process = next_process(&mut worker).await;
+    wait_for_state(&cluster, &job.id, v1::JobState::Running).await;
+    let killed = std::process::Command::new("kill")
+        .arg("-KILL")
+        .arg(process.process_id.to_string())
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let failed = wait_for_state(&cluster, &job.id, v1::JobState::Failed).await;
+    let attempt = &failed.attempts[0];
+    assert_eq!(outcome(attempt), v1::AttemptOutcome::Failed);
+    assert!(
+        attempt.failure_message.contains("signal: 9"),
+        "{}",
+        attempt.failure_message
+    );
+    assert!(attempt.failure_message.contains("without a result"));
+    assert!(failed.message.contains("signal: 9"), "{}", failed.message);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_attempt_process_alone_reports_an_oom_and_exits_with_3() {
+    // The child side on its own: a slice far too small for the batch.
+    let directory = tempfile::tempdir().unwrap();
+    let spec_file = directory.path().join("spec.json");
+    std::fs::write(&spec_file, job_spec("alone", 5, None)).unwrap();
+    let config = r#"{"batch_size":64,"micro_batch_size":64,"precision":1,"recompute_segment_layers":null,"workspace_limit_bytes":67108864,"prefetch_batches":1}"#;
+    let output = tokio::process::Command::new(worker_binary())
+        .arg("attempt")
+        .arg("--spec-file")
+        .arg(&spec_file)
+        .arg("--config-json")
+        .arg(config)
+        .arg("--slice-bytes")
+        .arg("4096")
+        .arg("--checkpoint")
+        .arg(directory.path().join("alone.ckpt"))
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(
+        output.status.code(),
+        Some(3),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(last["type"], "oom", "{stdout}");
+    assert_eq!(last["limit_bytes"], 4096);
+    assert!(last["requested_bytes"].as_u64().unwrap() > 0);
+}
+
+fn send_signal(signal: &str, process_id: u32) {
+    let status = std::process::Command::new("kill")
+        .arg(signal)
+        .arg(process_id.to_string())
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {signal} {process_id}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_that_finishes_while_the_scheduler_is_down_is_recorded_after_the_reconnect() {
+    let cluster = start_cluster().await;
+    let mut worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
+    let job = submit(&cluster, &job_spec("across-a-restart", 1000, None)).await;
+    let process = next_process(&mut worker).await;
+    wait_for_state(&cluster, &job.id, v1::JobState::Running).await;
+    // Hold the attempt still (it trains for seconds) so that it cannot finish before the
+    // scheduler is gone.
+    send_signal("-STOP", process.process_id);
+    let Cluster {
+        channel,
+        address,
+        user,
+        worker_token,
+        checkpoints,
+        directory,
+        shutdown,
+        server,
+    } = cluster;
+    drop(channel);
+    let _ = shutdown.send(());
+    tokio::time::timeout(WAIT, server)
+        .await
+        .expect("the scheduler stops")
+        .unwrap();
+    // The attempt finishes with nobody to tell: its reports wait in the worker.
+    send_signal("-CONT", process.process_id);
+    let process_directory = PathBuf::from(format!("/proc/{}", process.process_id));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while process_directory.exists() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the attempt process ends"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The scheduler comes back on the same address with the same database.
+    let listener = tokio::net::TcpListener::bind(address.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let (channel, shutdown, server) =
+        start_scheduler(directory.path(), listener, Duration::from_secs(30)).await;
+    let cluster = Cluster {
+        channel,
+        address,
+        user,
+        worker_token,
+        checkpoints,
+        directory,
+        shutdown,
+        server,
+    };
+    let finished = wait_for_state(&cluster, &job.id, v1::JobState::Succeeded).await;
+    assert_eq!(finished.attempts.len(), 1, "{finished:#?}");
+    let attempt = &finished.attempts[0];
+    assert_eq!(outcome(attempt), v1::AttemptOutcome::Succeeded);
+    assert_eq!(
+        attempt.measured_peak_bytes,
+        Some(finished.estimate.as_ref().unwrap().peak_bytes)
+    );
+    // The worker kept its id across the reconnect, and no second process was started.
+    assert!(worker.started_processes.try_recv().is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_worker_s_attempt_resumes_from_its_checkpoint_on_another_worker() {
+    let cluster = start_cluster_with_lease(Duration::from_millis(800)).await;
+    let mut first_worker =
+        start_named_worker(&cluster, "first-node", one_gpu(1 << 30), &worker_binary());
+    let job = submit(&cluster, &job_spec("moving", 400, None)).await;
+    next_process(&mut first_worker).await;
+    wait_for_state(&cluster, &job.id, v1::JobState::Running).await;
+    // A checkpoint every 50 steps: wait for the first one on disk, then a moment for
+    // its report to reach the scheduler.
+    let checkpoint = cluster.checkpoints.join(format!("{}.ckpt", job.id));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !checkpoint.is_file() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a checkpoint is written"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The first worker dies with its attempt; its lease runs out.
+    drop(first_worker);
+    let mut second_worker =
+        start_named_worker(&cluster, "second-node", one_gpu(1 << 30), &worker_binary());
+    next_process(&mut second_worker).await;
+    let finished = wait_for_state(&cluster, &job.id, v1::JobState::Succeeded).await;
+    assert_eq!(finished.attempts.len(), 2, "{finished:#?}");
+    assert_eq!(outcome(&finished.attempts[0]), v1::AttemptOutcome::Lost);
+    let second = &finished.attempts[1];
+    assert_eq!(outcome(second), v1::AttemptOutcome::Succeeded);
+    assert_eq!(second.gpu_uuid, "sim-second-node-0");
+    let resumed_from = second
+        .resumed_from
+        .as_ref()
+        .expect("resumed from a checkpoint");
+    assert_eq!(resumed_from.location, checkpoint.display().to_string());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_worker_finishes_what_runs_and_starts_nothing_new() {
+    let cluster = start_cluster().await;
+    let mut worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
+    let running = submit(&cluster, &job_spec("running", 300, None)).await;
+    next_process(&mut worker).await;
+    wait_for_state(&cluster, &running.id, v1::JobState::Running).await;
+    let mut clusters = ClusterServiceClient::new(cluster.channel.clone());
+    let workers = clusters
+        .list_workers(authorized(v1::ListWorkersRequest::default(), &cluster.user))
+        .await
+        .unwrap()
+        .into_inner()
+        .workers;
+    assert_eq!(workers.len(), 1);
+    clusters
+        .drain_worker(authorized(
+            v1::DrainWorkerRequest {
+                worker_id: workers[0].id.clone(),
+                reason: "maintenance".into(),
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap();
+    let waiting = submit(&cluster, &job_spec("waiting", 10, None)).await;
+    let finished = wait_for_state(&cluster, &running.id, v1::JobState::Succeeded).await;
+    assert_eq!(
+        outcome(&finished.attempts[0]),
+        v1::AttemptOutcome::Succeeded
+    );
+    // A few scheduling passes later the new job still waits and no process started.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let still_waiting = get(&cluster, &waiting.id).await;
+    assert_eq!(still_waiting.state, v1::JobState::Queued as i32);
+    assert!(still_waiting.attempts.is_empty());
+    assert!(worker.started_processes.try_recv().is_err());
+}
