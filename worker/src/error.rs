@@ -9,6 +9,9 @@ pub enum WorkerError {
     /// The worker has no GPU to offer.
     #[error("no gpus: {0}")]
     NoGpus(String),
+    /// NVML (the NVIDIA driver's management library) is missing or failed.
+    #[error("nvml: {0}")]
+    Nvml(String),
     /// The scheduler could not be reached or refused the worker.
     #[error("scheduler: {0}")]
     Scheduler(String),

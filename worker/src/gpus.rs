@@ -1,6 +1,6 @@
-//! The GPUs a worker offers: discovery (NVML is not built in yet, so only simulated
-//! GPUs), `--sim-gpus` parsing, and the memory book that keeps the worker from admitting
-//! more slices than a GPU can hold.
+//! The GPUs a worker offers: real ones found through NVML (see `nvml`) and simulated
+//! ones from `--sim-gpus`, the `--sim-gpus` parsing, and the memory book that keeps the
+//! worker from admitting more slices than a GPU can hold.
 
 use std::collections::HashMap;
 
@@ -8,6 +8,7 @@ use carve_core::bytes::parse_byte_size;
 use carve_proto::v1;
 
 use crate::error::WorkerError;
+use crate::nvml::DiscoveredGpu;
 
 /// A GPU the worker simulates: attempts run on the cpu backend with the same memory
 /// bookkeeping, inside a capacity the operator chose.
@@ -78,6 +79,13 @@ pub struct WorkerGpu {
     /// What one attempt process takes outside its slice (CUDA context and handles).
     pub context_bytes: u64,
     pub simulated: bool,
+    /// NVML's product name; "simulated" for a simulated GPU.
+    pub model_name: String,
+    /// `major.minor` for a real GPU; empty for a simulated one.
+    pub compute_capability: String,
+    /// Whether MIG mode is on (real GPUs that support MIG); registration has no field
+    /// for it yet, so the worker only logs it.
+    pub mig_enabled: Option<bool>,
 }
 
 impl WorkerGpu {
@@ -86,56 +94,73 @@ impl WorkerGpu {
         v1::Gpu {
             uuid: self.uuid.clone(),
             index: self.index,
-            model_name: if self.simulated {
-                "simulated".into()
-            } else {
-                String::new()
-            },
+            model_name: self.model_name.clone(),
             total_bytes: self.total_bytes,
             context_bytes: self.context_bytes,
             free_bytes,
             simulated: self.simulated,
             slices: vec![],
-            compute_capability: String::new(),
+            compute_capability: self.compute_capability.clone(),
         }
     }
 }
 
-/// The GPUs to offer. There is no NVML binding in this build, so the worker says so
-/// and offers only the simulated GPUs; without any it refuses to start.
+/// The GPUs to offer: the real GPUs NVML found (`real`, empty without NVML) first, then
+/// the simulated ones, numbered after them. Each attempt process on either kind is
+/// charged `context_bytes` outside its slice. Without any GPU the worker refuses to start.
 pub fn discover_gpus(
     hostname: &str,
+    real: &[DiscoveredGpu],
     simulated: &[SimulatedGpu],
     context_bytes: u64,
 ) -> Result<Vec<WorkerGpu>, WorkerError> {
-    tracing::info!("no nvml in this build: offering only simulated gpus");
-    if simulated.is_empty() {
+    if real.is_empty() && simulated.is_empty() {
         return Err(WorkerError::NoGpus(
-            "nvml is not available; pass --sim-gpus (e.g. 2x16GiB) to simulate gpus".into(),
+            "nvml found no gpu and none are simulated; pass --sim-gpus (e.g. 2x16GiB) to \
+             simulate gpus"
+                .into(),
         ));
     }
-    simulated
-        .iter()
-        .enumerate()
-        .map(|(index, gpu)| {
-            if context_bytes >= gpu.total_bytes {
-                return Err(WorkerError::invalid_setting(
-                    "--context-bytes",
-                    format!(
-                        "{context_bytes} bytes of context leave nothing of a {} byte gpu",
-                        gpu.total_bytes
-                    ),
-                ));
-            }
-            Ok(WorkerGpu {
-                uuid: format!("sim-{hostname}-{index}"),
-                index: index as u32,
-                total_bytes: gpu.total_bytes,
-                context_bytes,
-                simulated: true,
-            })
+    let leaves_room = |total_bytes: u64| {
+        if context_bytes >= total_bytes {
+            return Err(WorkerError::invalid_setting(
+                "--context-bytes",
+                format!(
+                    "{context_bytes} bytes of context leave nothing of a {total_bytes} byte gpu"
+                ),
+            ));
+        }
+        Ok(())
+    };
+    let real_gpus = real.iter().map(|gpu| {
+        leaves_room(gpu.total_bytes)?;
+        Ok(WorkerGpu {
+            uuid: gpu.uuid.clone(),
+            index: gpu.index,
+            total_bytes: gpu.total_bytes,
+            context_bytes,
+            simulated: false,
+            model_name: gpu.model_name.clone(),
+            compute_capability: gpu.compute_capability.clone(),
+            mig_enabled: gpu.mig_enabled,
         })
-        .collect()
+    });
+    let first_simulated_index = real.iter().map(|gpu| gpu.index + 1).max().unwrap_or(0);
+    let simulated_gpus = simulated.iter().enumerate().map(|(position, gpu)| {
+        leaves_room(gpu.total_bytes)?;
+        let index = first_simulated_index + position as u32;
+        Ok(WorkerGpu {
+            uuid: format!("sim-{hostname}-{index}"),
+            index,
+            total_bytes: gpu.total_bytes,
+            context_bytes,
+            simulated: true,
+            model_name: "simulated".into(),
+            compute_capability: String::new(),
+            mig_enabled: None,
+        })
+    });
+    real_gpus.chain(simulated_gpus).collect()
 }
 
 /// Which slices run on which GPU: the worker's own check that it never admits more than
@@ -247,6 +272,9 @@ mod tests {
             total_bytes: 1000,
             context_bytes: 100,
             simulated: true,
+            model_name: "simulated".into(),
+            compute_capability: String::new(),
+            mig_enabled: None,
         };
         let mut book = SliceBook::default();
         book.admit(&gpu, "job-1", 500).unwrap();
@@ -256,5 +284,43 @@ mod tests {
         book.admit(&gpu, "job-2", 400).unwrap();
         book.release(&gpu.uuid, "job-1");
         assert_eq!(book.free_bytes(&gpu), 500);
+    }
+
+    fn real_gpu(index: u32) -> DiscoveredGpu {
+        DiscoveredGpu {
+            index,
+            uuid: format!("GPU-{index}"),
+            model_name: "NVIDIA A100-SXM4-40GB".into(),
+            total_bytes: 40 << 30,
+            free_bytes: 39 << 30,
+            compute_capability: "8.0".into(),
+            mig_enabled: Some(false),
+        }
+    }
+
+    #[test]
+    fn real_and_simulated_gpus_are_offered_together() {
+        let simulated = parse_simulated_gpus("16GiB").unwrap();
+        let gpus =
+            discover_gpus("node", &[real_gpu(0), real_gpu(1)], &simulated, 300 << 20).unwrap();
+        assert_eq!(gpus.len(), 3);
+        assert!(!gpus[0].simulated && !gpus[1].simulated && gpus[2].simulated);
+        assert_eq!(gpus[1].uuid, "GPU-1");
+        assert_eq!(gpus[2].uuid, "sim-node-2");
+        assert_eq!(gpus[2].index, 2);
+        let registered = gpus[0].to_proto(1);
+        assert_eq!(registered.model_name, "NVIDIA A100-SXM4-40GB");
+        assert_eq!(registered.compute_capability, "8.0");
+        assert_eq!(registered.context_bytes, 300 << 20);
+        assert!(!registered.simulated);
+        assert_eq!(gpus[2].to_proto(1).model_name, "simulated");
+    }
+
+    #[test]
+    fn no_gpus_at_all_is_a_clear_error() {
+        let error = discover_gpus("node", &[], &[], 300 << 20)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("--sim-gpus"), "{error}");
     }
 }

@@ -1,12 +1,13 @@
-//! carve-worker: runs on every GPU node. It offers its GPUs to the scheduler (simulated
-//! ones with `--sim-gpus`; there is no NVML binding yet), holds a session with it, and
+//! carve-worker: runs on every GPU node. It offers its GPUs to the scheduler (real ones
+//! through NVML, simulated ones with `--sim-gpus`), holds a session with it, and
 //! runs each attempt in its own child process inside a memory-limited slice.
 //!
 //! - `worker`: `run_worker(config, shutdown)`, the session loop, admission, reconnects;
 //! - `attempt_process`: the worker's side of one attempt process (start, watch, stop);
 //! - `attempt_child`: the attempt process itself (`carve-worker attempt ...`);
 //! - `child_protocol`: the JSON lines between the two;
-//! - `gpus`: GPU discovery, `--sim-gpus` parsing, the slice book.
+//! - `gpus`: the GPUs offered (real and simulated), `--sim-gpus` parsing, the slice book;
+//! - `nvml`: real GPUs through NVML: discovery and the per-process memory watch.
 //!
 //! Architecture invariant: the worker never admits a slice its GPU cannot hold, and an
 //! attempt process that ends without its final line is a failed attempt, never an OOM.
@@ -16,6 +17,7 @@ pub mod attempt_process;
 pub mod child_protocol;
 pub mod error;
 pub mod gpus;
+pub mod nvml;
 pub mod worker;
 
 pub use error::WorkerError;

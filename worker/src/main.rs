@@ -30,13 +30,15 @@ struct Arguments {
     /// A worker token.
     #[arg(long, env = "CARVE_TOKEN", hide_env_values = true, required = true)]
     token: Option<String>,
-    /// GPUs to simulate when there is no NVML: `2x16GiB` or `16GiB,8GiB`.
+    /// GPUs to simulate: `2x16GiB` or `16GiB,8GiB`. Offered alone when there is no NVML,
+    /// after the real GPUs when there is.
     #[arg(long)]
     sim_gpus: Option<String>,
     /// Where attempts write checkpoints.
     #[arg(long, default_value = "checkpoints")]
     checkpoint_dir: PathBuf,
-    /// What each attempt process takes outside its slice on a simulated GPU (e.g. 300MiB).
+    /// What each attempt process takes outside its slice (CUDA context and handles), on
+    /// real and simulated GPUs (default 300MiB; the worker cannot measure it without CUDA).
     #[arg(long, value_parser = parse_byte_size_argument)]
     context_bytes: Option<u64>,
     /// The node name to register with; defaults to the host name.

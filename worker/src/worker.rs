@@ -7,6 +7,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -25,6 +26,10 @@ use crate::attempt_process::{
 use crate::child_protocol::ConfigArgument;
 use crate::error::WorkerError;
 use crate::gpus::{SimulatedGpu, SliceBook, WorkerGpu, discover_gpus};
+use crate::nvml::{
+    DiscoveredGpu, NvmlHandle, WatchedAttempt, find_slice_overruns, open_nvml,
+    read_compute_processes,
+};
 
 /// Everything the worker needs to start.
 #[derive(Debug, Clone)]
@@ -35,9 +40,12 @@ pub struct WorkerConfig {
     pub token: String,
     /// The node's name, as registration reports it; also part of simulated GPU uuids.
     pub hostname: String,
-    /// GPUs to simulate (there is no NVML in this build).
+    /// GPUs to simulate, offered after the real ones NVML finds (or alone without NVML).
     pub simulated_gpus: Vec<SimulatedGpu>,
-    /// What each attempt process takes outside its slice on a simulated GPU.
+    /// Whether to look for real GPUs through NVML (on by default; tests that want only
+    /// simulated GPUs, whatever the machine has, turn it off).
+    pub discover_real_gpus: bool,
+    /// What each attempt process takes outside its slice, on real and simulated GPUs.
     pub context_bytes: u64,
     /// Where attempts write checkpoints (`{job id}.ckpt`) and their spec files.
     pub checkpoint_directory: PathBuf,
@@ -51,8 +59,11 @@ pub struct WorkerConfig {
     pub process_observer: Option<mpsc::UnboundedSender<StartedAttemptProcess>>,
 }
 
-/// The default context reservation of a simulated GPU: what a CUDA context with cuDNN
-/// and cuBLAS handles typically takes.
+/// The default context reservation, on real and simulated GPUs alike: what a CUDA
+/// context with cuDNN and cuBLAS handles typically takes. On a real GPU this should be
+/// measured (create a context, read NVML's per-process usage), but measuring needs
+/// CUDA, which the worker does not have yet; until then it is this estimate or what
+/// `--context-bytes` says.
 pub const DEFAULT_CONTEXT_BYTES: u64 = 300 << 20;
 
 impl WorkerConfig {
@@ -68,6 +79,7 @@ impl WorkerConfig {
             token: token.into(),
             hostname: "localhost".into(),
             simulated_gpus,
+            discover_real_gpus: true,
             context_bytes: DEFAULT_CONTEXT_BYTES,
             checkpoint_directory: PathBuf::from("checkpoints"),
             attempt_program,
@@ -91,6 +103,9 @@ pub struct StartedAttemptProcess {
 struct RunningAttempt {
     attempt: v1::AttemptRef,
     control: mpsc::UnboundedSender<AttemptControl>,
+    gpu_uuid: String,
+    process_id: u32,
+    slice_bytes: u64,
 }
 
 /// What the session loop and the attempt watchers share.
@@ -100,6 +115,9 @@ struct SharedState {
     /// By [`attempt_key`]: after a reconnect an old attempt of a job may still be
     /// stopping while its new attempt starts here.
     running: HashMap<String, RunningAttempt>,
+    /// The device memory last reported as outside its slice, by [`attempt_key`]
+    /// (see [`find_slice_overruns`]).
+    memory_warnings: HashMap<String, u64>,
 }
 
 type Shared = Arc<Mutex<SharedState>>;
@@ -143,6 +161,10 @@ struct Worker {
     worker_id: String,
     /// Set by a drain: the scheduler places nothing new here.
     draining: bool,
+    /// NVML, when this node has it: the per-process memory watch reads through it.
+    nvml: Option<NvmlHandle>,
+    /// Set while a memory watch reads NVML, so slow readings never pile up.
+    memory_watch_running: Arc<AtomicBool>,
 }
 
 /// Runs the worker until `shutdown` completes; then stops its attempts.
@@ -159,8 +181,10 @@ pub async fn run_worker(
     if config.token.is_empty() {
         return Err(WorkerError::invalid_setting("--token", "must not be empty"));
     }
+    let (nvml, real_gpus) = find_real_gpus(&config).await?;
     let gpus = discover_gpus(
         &config.hostname,
+        &real_gpus,
         &config.simulated_gpus,
         config.context_bytes,
     )?;
@@ -181,6 +205,8 @@ pub async fn run_worker(
         unacknowledged: VecDeque::new(),
         worker_id: String::new(),
         draining: false,
+        nvml,
+        memory_watch_running: Arc::default(),
     };
     tokio::pin!(shutdown);
     let mut backoff = worker.config.reconnect_backoff_initial;
@@ -210,6 +236,50 @@ pub async fn run_worker(
     }
     tracing::info!("worker stopped");
     Ok(())
+}
+
+/// NVML and the real GPUs it sees, or why there are none. Without NVML the worker goes
+/// on with the simulated GPUs alone (and refuses to start without those either).
+async fn find_real_gpus(
+    config: &WorkerConfig,
+) -> Result<(Option<NvmlHandle>, Vec<DiscoveredGpu>), WorkerError> {
+    if !config.discover_real_gpus {
+        return Ok((None, Vec::new()));
+    }
+    // "no nvml (<why>)" reads better without the error's own "nvml: " prefix.
+    let why = |error: WorkerError| match error {
+        WorkerError::Nvml(reason) => reason,
+        other => other.to_string(),
+    };
+    match open_nvml().await {
+        Ok((nvml, gpus)) => {
+            for gpu in &gpus {
+                tracing::info!(
+                    index = gpu.index,
+                    uuid = %gpu.uuid,
+                    model = %gpu.model_name,
+                    total_bytes = gpu.total_bytes,
+                    free_bytes = gpu.free_bytes,
+                    compute_capability = %gpu.compute_capability,
+                    mig_enabled = ?gpu.mig_enabled,
+                    "found a gpu"
+                );
+            }
+            if gpus.is_empty() {
+                tracing::info!("nvml found no gpu: offering only simulated gpus");
+            }
+            Ok((Some(nvml), gpus))
+        }
+        Err(error) if config.simulated_gpus.is_empty() => Err(WorkerError::NoGpus(format!(
+            "no nvml ({}) and no simulated gpus; pass --sim-gpus (e.g. 2x16GiB) to \
+             simulate gpus",
+            why(error)
+        ))),
+        Err(error) => {
+            tracing::info!("no nvml ({}): offering only simulated gpus", why(error));
+            Ok((None, Vec::new()))
+        }
+    }
 }
 
 fn authorized<T>(message: T, token: &str) -> Result<Request<T>, WorkerError> {
@@ -353,6 +423,7 @@ impl Worker {
                         })
                         .await
                         .map_err(|_| closed())?;
+                    self.watch_device_memory();
                 }
                 Some(body) = incoming_reports.recv() => {
                     sequence += 1;
@@ -425,6 +496,71 @@ impl Worker {
             }
             None => {}
         }
+    }
+
+    /// The per-process usage watch (real GPUs, with NVML): reads each real GPU's compute
+    /// processes on a blocking thread and sends a warning log line for every attempt
+    /// process using more than its slice and context. Runs in its own task, so the
+    /// session loop never waits for NVML; a reading still running is not doubled.
+    fn watch_device_memory(&self) {
+        let Some(nvml) = self.nvml.clone() else {
+            return;
+        };
+        let context_bytes: HashMap<String, u64> = self
+            .gpus
+            .iter()
+            .filter(|gpu| !gpu.simulated)
+            .map(|gpu| (gpu.uuid.clone(), gpu.context_bytes))
+            .collect();
+        let attempts: Vec<WatchedAttempt> = lock(&self.shared)
+            .running
+            .values()
+            .filter_map(|running| {
+                Some(WatchedAttempt {
+                    attempt: running.attempt.clone(),
+                    gpu_uuid: running.gpu_uuid.clone(),
+                    process_id: running.process_id,
+                    slice_bytes: running.slice_bytes,
+                    context_bytes: *context_bytes.get(&running.gpu_uuid)?,
+                })
+            })
+            .collect();
+        if attempts.is_empty() || self.memory_watch_running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut gpu_uuids: Vec<String> = attempts
+            .iter()
+            .map(|watched| watched.gpu_uuid.clone())
+            .collect();
+        gpu_uuids.sort();
+        gpu_uuids.dedup();
+        let shared = self.shared.clone();
+        let reports = self.reports.clone();
+        let running = self.memory_watch_running.clone();
+        tokio::spawn(async move {
+            let readings = read_compute_processes(nvml, gpu_uuids).await;
+            let overruns = {
+                let mut shared = lock(&shared);
+                // Only attempts that still run: one may have ended during the reading.
+                let attempts: Vec<WatchedAttempt> = attempts
+                    .into_iter()
+                    .filter(|watched| shared.running.contains_key(&attempt_key(&watched.attempt)))
+                    .collect();
+                find_slice_overruns(&attempts, &readings, &mut shared.memory_warnings)
+            };
+            for overrun in overruns {
+                tracing::warn!(
+                    job = %overrun.attempt.job_id,
+                    attempt = overrun.attempt.attempt_number,
+                    process_id = overrun.process_id,
+                    used_bytes = overrun.used_bytes,
+                    slice_bytes = overrun.slice_bytes,
+                    "an attempt uses device memory outside its slice"
+                );
+                let _ = reports.send(Body::Log(overrun.to_log_line()));
+            }
+            running.store(false, Ordering::Release);
+        });
     }
 
     /// Refuses an assignment: the attempt ends at once as failed, with the reason.
@@ -534,6 +670,9 @@ impl Worker {
             RunningAttempt {
                 attempt: attempt.clone(),
                 control,
+                gpu_uuid: assignment.gpu_uuid.clone(),
+                process_id,
+                slice_bytes: assignment.slice_bytes,
             },
         );
         if let Some(observer) = &self.config.process_observer {
@@ -554,6 +693,7 @@ impl Worker {
             move || {
                 let mut shared = lock(&shared);
                 shared.running.remove(&key);
+                shared.memory_warnings.remove(&key);
                 shared.slices.release(&gpu_uuid, &key);
                 // The spec file was only for the process.
                 let _ = std::fs::remove_file(&spec_file);

@@ -190,6 +190,8 @@ fn start_named_worker(
         program.to_path_buf(),
     );
     config.hostname = hostname.into();
+    // Only the simulated GPUs, even on a machine with real ones.
+    config.discover_real_gpus = false;
     config.context_bytes = 64 << 20;
     config.checkpoint_directory = cluster.checkpoints.clone();
     config.process_observer = Some(observer);
