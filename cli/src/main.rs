@@ -4,6 +4,8 @@
 //! it estimates and trains jobs locally; the gRPC commands (submit, jobs, watch, ...)
 //! arrive with the scheduler.
 
+mod attempt;
+mod dev;
 mod estimate;
 mod run;
 
@@ -30,6 +32,13 @@ enum Command {
     /// Trains a job locally inside a slice (the same code a worker's attempt runs) and
     /// prints its final metrics; an out-of-memory ends it with the numbers (exit code 3).
     Run(run::RunArguments),
+    /// Starts a local cluster in this process: a scheduler (SQLite) and a worker with
+    /// simulated GPUs; prints the endpoint and a token and runs until Ctrl-C. With
+    /// --demo it submits the examples, watches them to the end, prints a summary and stops.
+    Dev(dev::DevArguments),
+    /// Runs one attempt (started by the worker of `carve dev`, not by people).
+    #[command(hide = true)]
+    Attempt(attempt::AttemptCommandArguments),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +46,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Estimate(arguments) => estimate::run(arguments),
         Command::Run(arguments) => run::run(arguments),
+        Command::Dev(arguments) => dev::run(arguments),
+        // The attempt process: stdout is its report channel, errors are handled inside.
+        Command::Attempt(arguments) => return attempt::run(arguments),
     };
     match result {
         Ok(code) => code,

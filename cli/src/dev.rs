@@ -1,0 +1,594 @@
+//! `carve dev [--demo]`: a whole local cluster in one process. The real scheduler
+//! (SQLite in a data directory) and the real worker (simulated GPUs) run in-process; the
+//! worker's attempt processes are this binary (`carve attempt ...`). A tenant `dev` with
+//! a user token and a worker token is created through the admin API, exactly as an
+//! operator would. With `--demo` the examples are submitted (step counts cut so they
+//! train in seconds on a CPU), watched to the end through the JobService, and summed up
+//! in a table; the exit code says whether every one of them succeeded.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use carve_core::bytes::HumanBytes;
+use carve_core::validate::parse_job_spec_toml;
+use carve_proto::v1;
+use carve_proto::v1::admin_service_client::AdminServiceClient;
+use carve_proto::v1::job_service_client::JobServiceClient;
+use carve_scheduler::scheduler::SchedulerSettings;
+use carve_scheduler::server::SchedulerConfig;
+use carve_worker::gpus::{SimulatedGpu, parse_simulated_gpus};
+use carve_worker::{WorkerConfig, run_worker};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::Request;
+use tonic::metadata::MetadataValue;
+use tonic::transport::Channel;
+
+/// The tenant `carve dev` creates and hands out a user token for.
+pub const DEV_TENANT: &str = "dev";
+
+/// How long the demo waits for all its jobs before it gives up.
+const DEMO_DEADLINE: Duration = Duration::from_secs(600);
+
+/// How long stopping the worker or the scheduler may take before it is abandoned.
+const STOP_DEADLINE: Duration = Duration::from_secs(30);
+
+#[derive(Debug, clap::Args)]
+pub struct DevArguments {
+    /// Submit the examples, watch them to the end, print a summary and stop; the exit
+    /// code is 0 when every one succeeded.
+    #[arg(long)]
+    demo: bool,
+    /// Where the scheduler listens (port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Where the database and checkpoints go; a fresh temporary directory, removed at
+    /// the end, when not given.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// The GPUs the worker simulates: `2x16GiB` or `16GiB,8GiB`.
+    #[arg(long, default_value = "2x16GiB")]
+    sim_gpus: String,
+}
+
+/// One example the demo submits: its file, and the step count it is cut to.
+#[derive(Debug)]
+struct DemoExample {
+    file: &'static str,
+    toml: &'static str,
+    steps: u64,
+}
+
+/// The examples that train in seconds on a CPU. `tf-conv2d-128px-batch32` asks for a
+/// 128 MiB slice its batch does not fit: the scheduler shrinks it at submit. The
+/// 1024px, deep-CNN and ResNet examples take minutes a step on a CPU and are left out;
+/// `mnist-idx` needs the real MNIST files.
+const DEMO_EXAMPLES: &[DemoExample] = &[
+    DemoExample {
+        file: "examples/mnist-cnn.toml",
+        toml: include_str!("../../examples/mnist-cnn.toml"),
+        steps: 30,
+    },
+    DemoExample {
+        file: "examples/tf-conv2d-128px-batch32.toml",
+        toml: include_str!("../../examples/tf-conv2d-128px-batch32.toml"),
+        steps: 5,
+    },
+];
+
+pub fn run(arguments: DevArguments) -> Result<ExitCode> {
+    // Check what was typed before starting anything.
+    let gpus = parse_simulated_gpus(&arguments.sim_gpus)?;
+    let program = std::env::current_exe().context("cannot find the carve binary")?;
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    runtime.block_on(run_cluster(arguments, gpus, program))
+}
+
+fn authorized<T>(message: T, token: &str) -> Result<Request<T>> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        MetadataValue::try_from(format!("Bearer {token}")).context("a token is not ascii")?,
+    );
+    Ok(request)
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let mut terminate =
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(signal) => signal,
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
+}
+
+/// A task running until its stop sender fires.
+struct Stoppable {
+    name: &'static str,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Result<()>>,
+}
+
+impl Stoppable {
+    async fn stop(self) -> Result<()> {
+        let _ = self.stop.send(());
+        match tokio::time::timeout(STOP_DEADLINE, self.task).await {
+            Ok(Ok(result)) => result.with_context(|| format!("the {}", self.name)),
+            Ok(Err(error)) => Err(anyhow!("the {} panicked: {error}", self.name)),
+            Err(_) => bail!(
+                "the {} did not stop within {}s",
+                self.name,
+                STOP_DEADLINE.as_secs()
+            ),
+        }
+    }
+}
+
+async fn run_cluster(
+    arguments: DevArguments,
+    gpus: Vec<SimulatedGpu>,
+    program: PathBuf,
+) -> Result<ExitCode> {
+    // The temporary directory lives (and is removed) with this function.
+    let (_temporary, data_dir) = match &arguments.data_dir {
+        Some(directory) => (None, directory.clone()),
+        None => {
+            let temporary = tempfile::Builder::new()
+                .prefix("carve-dev-")
+                .tempdir()
+                .context("cannot create a temporary data directory")?;
+            let path = temporary.path().to_path_buf();
+            (Some(temporary), path)
+        }
+    };
+    std::fs::create_dir_all(&data_dir)
+        .with_context(|| format!("cannot create {}", data_dir.display()))?;
+    let data_dir = data_dir
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", data_dir.display()))?;
+    let checkpoints = data_dir.join("checkpoints");
+    let listener = tokio::net::TcpListener::bind(arguments.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", arguments.listen))?;
+    let address = listener.local_addr().context("the listening address")?;
+    let endpoint = format!("http://{address}");
+
+    let admin_token = carve_scheduler::auth::generate_secret();
+    let scheduler = start_scheduler(&data_dir, &checkpoints, listener, admin_token.clone());
+    let result = async {
+        let channel = connect(&endpoint).await?;
+        let (user_token, worker_token) = create_tenant_and_tokens(&channel, &admin_token).await?;
+        let worker = start_worker(&endpoint, worker_token, gpus, program, &checkpoints);
+        println!(
+            "carve dev: a scheduler and a worker ({}) are running",
+            arguments.sim_gpus
+        );
+        println!("  endpoint:  {endpoint}");
+        println!("  token:     {user_token}   (tenant `{DEV_TENANT}`)");
+        println!("  admin:     {admin_token}");
+        println!("  data dir:  {}", data_dir.display());
+        println!("  export CARVE_ENDPOINT={endpoint} CARVE_TOKEN={user_token}");
+        let code = if arguments.demo {
+            tokio::select! {
+                code = run_demo(&channel, &user_token) => code?,
+                () = shutdown_signal() => {
+                    println!("interrupted; stopping");
+                    ExitCode::from(130)
+                }
+            }
+        } else {
+            println!("Ctrl-C stops it.");
+            shutdown_signal().await;
+            println!("stopping");
+            ExitCode::SUCCESS
+        };
+        drop(channel);
+        worker.stop().await?;
+        Ok::<_, anyhow::Error>(code)
+    }
+    .await;
+    let stopped = scheduler.stop().await;
+    let code = result?;
+    stopped?;
+    println!("stopped");
+    Ok(code)
+}
+
+fn start_scheduler(
+    data_dir: &Path,
+    checkpoints: &Path,
+    listener: tokio::net::TcpListener,
+    admin_token: String,
+) -> Stoppable {
+    let config = SchedulerConfig {
+        database_url: format!("sqlite://{}", data_dir.join("carve.db").display()),
+        settings: SchedulerSettings {
+            heartbeat_interval: Duration::from_secs(1),
+            scheduling_interval: Duration::from_millis(200),
+            checkpoint_directory: checkpoints.display().to_string(),
+            ..SchedulerSettings::default()
+        },
+        admin_token: Some(admin_token),
+        metrics_address: None,
+        tls: None,
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        carve_scheduler::server::run(config, listener, async {
+            let _ = stopped.await;
+        })
+        .await
+        .map_err(anyhow::Error::from)
+    });
+    Stoppable {
+        name: "scheduler",
+        stop,
+        task,
+    }
+}
+
+fn start_worker(
+    endpoint: &str,
+    worker_token: String,
+    gpus: Vec<SimulatedGpu>,
+    program: PathBuf,
+    checkpoints: &Path,
+) -> Stoppable {
+    let mut config = WorkerConfig::new(endpoint, worker_token, gpus, program);
+    config.hostname = "dev-node".into();
+    config.checkpoint_directory = checkpoints.to_path_buf();
+    config.reconnect_backoff_initial = Duration::from_millis(50);
+    config.reconnect_backoff_max = Duration::from_secs(1);
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        run_worker(config, async {
+            let _ = stopped.await;
+        })
+        .await
+        .map_err(anyhow::Error::from)
+    });
+    Stoppable {
+        name: "worker",
+        stop,
+        task,
+    }
+}
+
+/// Connects to the scheduler that was just started on `endpoint`.
+async fn connect(endpoint: &str) -> Result<Channel> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match Channel::from_shared(endpoint.to_string())
+            .context("the endpoint")?
+            .connect()
+            .await
+        {
+            Ok(channel) => return Ok(channel),
+            Err(error) if Instant::now() >= deadline => {
+                bail!("cannot reach the scheduler at {endpoint}: {error}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+/// Creates the `dev` tenant (unless a reused data dir has it) and returns a new user
+/// token and a new worker token for it.
+async fn create_tenant_and_tokens(channel: &Channel, admin: &str) -> Result<(String, String)> {
+    let mut client = AdminServiceClient::new(channel.clone());
+    // The server may still be coming up behind the socket: retry briefly.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let request = authorized(
+            v1::CreateTenantRequest {
+                name: DEV_TENANT.into(),
+                quota: Some(v1::Quota::default()),
+            },
+            admin,
+        )?;
+        match client.create_tenant(request).await {
+            Ok(_) => break,
+            Err(status) if status.code() == tonic::Code::AlreadyExists => break,
+            Err(status)
+                if status.code() == tonic::Code::Unavailable && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(status) => bail!(
+                "cannot create the tenant `{DEV_TENANT}`: {}",
+                status.message()
+            ),
+        }
+    }
+    let mut secrets = Vec::new();
+    for role in [v1::Role::User, v1::Role::Worker] {
+        let request = authorized(
+            v1::CreateTokenRequest {
+                tenant: DEV_TENANT.into(),
+                role: role as i32,
+                description: "carve dev".into(),
+                time_to_live: None,
+            },
+            admin,
+        )?;
+        let response = client.create_token(request).await.map_err(|status| {
+            anyhow!(
+                "cannot create a {} token: {}",
+                role.as_str_name(),
+                status.message()
+            )
+        })?;
+        secrets.push(response.into_inner().secret);
+    }
+    let worker = secrets.pop().unwrap_or_default();
+    let user = secrets.pop().unwrap_or_default();
+    Ok((user, worker))
+}
+
+/// The spec JSON of an example with its steps cut.
+fn demo_spec_json(example: &DemoExample) -> Result<String> {
+    let mut spec =
+        parse_job_spec_toml(example.toml).map_err(|error| anyhow!("{}: {error}", example.file))?;
+    spec.training.steps = Some(example.steps);
+    spec.training.epochs = None;
+    carve_proto::convert::job_spec_to_json(&spec)
+        .map_err(|error| anyhow!("{}: {error}", example.file))
+}
+
+fn job_state_name(state: i32) -> String {
+    v1::JobState::try_from(state)
+        .map(|state| {
+            state
+                .as_str_name()
+                .trim_start_matches("JOB_STATE_")
+                .to_lowercase()
+        })
+        .unwrap_or_else(|_| format!("state {state}"))
+}
+
+fn outcome_name(outcome: i32) -> String {
+    v1::AttemptOutcome::try_from(outcome)
+        .map(|outcome| {
+            outcome
+                .as_str_name()
+                .trim_start_matches("ATTEMPT_OUTCOME_")
+                .to_lowercase()
+        })
+        .unwrap_or_else(|_| format!("outcome {outcome}"))
+}
+
+fn precision_name(precision: i32) -> String {
+    v1::Precision::try_from(precision)
+        .map(|precision| {
+            precision
+                .as_str_name()
+                .trim_start_matches("PRECISION_")
+                .to_lowercase()
+        })
+        .unwrap_or_else(|_| format!("precision {precision}"))
+}
+
+fn is_terminal(job: &v1::Job) -> bool {
+    matches!(
+        v1::JobState::try_from(job.state),
+        Ok(v1::JobState::Succeeded | v1::JobState::Failed | v1::JobState::Cancelled)
+    )
+}
+
+fn config_text(config: Option<&v1::RunConfig>) -> String {
+    match config {
+        Some(config) => format!(
+            "batch {}, micro {}, {}",
+            config.batch_size,
+            config.micro_batch_size,
+            precision_name(config.precision)
+        ),
+        None => "-".into(),
+    }
+}
+
+/// Submits the demo examples, follows them to their end and prints the summary.
+async fn run_demo(channel: &Channel, token: &str) -> Result<ExitCode> {
+    let started = Instant::now();
+    let mut client = JobServiceClient::new(channel.clone());
+    let mut jobs = Vec::new();
+    for example in DEMO_EXAMPLES {
+        let spec_json = demo_spec_json(example)?;
+        let request = authorized(
+            v1::SubmitJobRequest {
+                spec_json,
+                idempotency_key: String::new(),
+            },
+            token,
+        )?;
+        let job = client
+            .submit_job(request)
+            .await
+            .map_err(|status| anyhow!("cannot submit {}: {}", example.file, status.message()))?
+            .into_inner()
+            .job
+            .context("the scheduler answered a submit without the job")?;
+        println!(
+            "submitted {} as {} ({} steps): {}, estimate {}",
+            example.file,
+            job.id,
+            example.steps,
+            config_text(job.current_config.as_ref()),
+            job.estimate
+                .as_ref()
+                .map(|estimate| HumanBytes(estimate.required_bytes).to_string())
+                .unwrap_or_else(|| "-".into()),
+        );
+        jobs.push(job);
+    }
+    // Poll every job until all have ended, telling each state change as it happens.
+    let deadline = started + DEMO_DEADLINE;
+    let mut states: Vec<(i32, usize)> = jobs.iter().map(|job| (job.state, 0)).collect();
+    loop {
+        for (index, job) in jobs.iter_mut().enumerate() {
+            if is_terminal(job) {
+                continue;
+            }
+            let request = authorized(
+                v1::GetJobRequest {
+                    job_id: job.id.clone(),
+                },
+                token,
+            )?;
+            *job = client
+                .get_job(request)
+                .await
+                .map_err(|status| anyhow!("cannot get job {}: {}", job.id, status.message()))?
+                .into_inner()
+                .job
+                .context("the scheduler answered without the job")?;
+            let now = (job.state, job.attempts.len());
+            if now != states[index] {
+                states[index] = now;
+                let attempt = job
+                    .attempts
+                    .last()
+                    .map(|attempt| {
+                        format!(
+                            " (attempt {}: {})",
+                            attempt.number,
+                            outcome_name(attempt.outcome)
+                        )
+                    })
+                    .unwrap_or_default();
+                println!(
+                    "[{:>5.1}s] {}: {}{attempt}",
+                    started.elapsed().as_secs_f64(),
+                    job.name,
+                    job_state_name(job.state)
+                );
+            }
+        }
+        if jobs.iter().all(is_terminal) {
+            break;
+        }
+        if Instant::now() >= deadline {
+            println!(
+                "the demo jobs did not all end within {}s",
+                DEMO_DEADLINE.as_secs()
+            );
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    print_summary(&jobs);
+    println!("demo finished in {:.1}s", started.elapsed().as_secs_f64());
+    let all_succeeded = jobs
+        .iter()
+        .all(|job| job.state == v1::JobState::Succeeded as i32);
+    Ok(if all_succeeded {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// What to say about a job beyond its state: its failure, or the shrink it went through.
+fn job_note(job: &v1::Job) -> String {
+    if !job.message.is_empty() {
+        return job.message.clone();
+    }
+    if let Some(attempt) = job.attempts.last()
+        && !attempt.failure_message.is_empty()
+    {
+        return attempt.failure_message.clone();
+    }
+    let ooms = job
+        .attempts
+        .iter()
+        .filter(|attempt| attempt.outcome == v1::AttemptOutcome::OutOfMemory as i32)
+        .count();
+    let spec = carve_proto::convert::job_spec_from_json(&job.spec_json).ok();
+    let ran = job
+        .attempts
+        .last()
+        .and_then(|attempt| attempt.config.as_ref());
+    let shrunk = match (spec, ran) {
+        (Some(spec), Some(ran)) => {
+            ran.micro_batch_size != spec.training.batch_size
+                || precision_name(ran.precision) != spec.training.precision.name()
+        }
+        _ => false,
+    };
+    match (ooms, shrunk) {
+        (0, true) => "shrunk at submit to fit its slice".into(),
+        (0, false) => "ran as written".into(),
+        (count, _) => format!("shrunk after {count} out-of-memory attempt(s)"),
+    }
+}
+
+fn print_summary(jobs: &[v1::Job]) {
+    let header = [
+        "JOB", "STATE", "ATTEMPTS", "CONFIG", "SLICE", "ESTIMATE", "PEAK", "NOTE",
+    ];
+    let rows: Vec<[String; 8]> = jobs
+        .iter()
+        .map(|job| {
+            let attempt = job.attempts.last();
+            let bytes = |value: Option<u64>| {
+                value
+                    .map(|bytes| HumanBytes(bytes).to_string())
+                    .unwrap_or_else(|| "-".into())
+            };
+            [
+                job.name.clone(),
+                job_state_name(job.state),
+                job.attempts.len().to_string(),
+                config_text(
+                    attempt
+                        .and_then(|attempt| attempt.config.as_ref())
+                        .or(job.current_config.as_ref()),
+                ),
+                bytes(attempt.map(|attempt| attempt.slice_bytes)),
+                bytes(attempt.map(|attempt| attempt.estimate_bytes)),
+                bytes(attempt.and_then(|attempt| attempt.measured_peak_bytes)),
+                job_note(job),
+            ]
+        })
+        .collect();
+    let mut widths = header.map(str::len);
+    for row in &rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.len());
+        }
+    }
+    let line = |cells: &[String]| {
+        let mut text = String::new();
+        for (index, (cell, width)) in cells.iter().zip(widths).enumerate() {
+            if index + 1 == cells.len() {
+                text.push_str(cell);
+            } else {
+                text.push_str(&format!("{cell:<width$}  "));
+            }
+        }
+        println!("{}", text.trim_end());
+    };
+    println!();
+    line(&header.map(String::from));
+    for row in &rows {
+        line(row);
+    }
+    println!();
+}
