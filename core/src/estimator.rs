@@ -42,14 +42,6 @@ pub struct MemoryEstimate {
     pub peak_during: String,
 }
 
-impl MemoryEstimate {
-    /// Whether a slice of `limit` bytes runs the step (checked by a replay, not by
-    /// comparing numbers, so fragmentation at that size is accounted).
-    pub fn fits_in(&self, plan: &StepPlan, limit: u64) -> bool {
-        limit >= self.required_bytes || replay_plan(plan, limit).is_ok()
-    }
-}
-
 /// The allocator's view of one replay.
 #[derive(Debug, Clone)]
 struct Replay {
