@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use carve_core::allocator::OutOfMemory;
 use carve_core::estimator::estimate_job;
+use carve_core::job_state::{JobEvent, JobState, next_state};
 use carve_core::plan::RunConfig;
 use carve_core::scheduling::{
     GpuState, PendingJob, SchedulingProblem, TenantState, can_ever_fit, solve,
@@ -126,6 +127,20 @@ pub fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |elapsed| elapsed.as_millis() as i64)
+}
+
+/// Moves a job to its next state through core's state machine, the one place that says
+/// which transitions exist; returns the previous state's name.
+fn transition(job: &mut JobRecord, event: JobEvent) -> Result<String, SchedulerError> {
+    let current = JobState::from_name(&job.state).ok_or_else(|| {
+        SchedulerError::Internal(format!(
+            "job {} has an unknown state {:?}",
+            job.id, job.state
+        ))
+    })?;
+    let next = next_state(current, event)
+        .map_err(|error| SchedulerError::FailedPrecondition(error.to_string()))?;
+    Ok(std::mem::replace(&mut job.state, next.name().to_string()))
 }
 
 fn is_terminal(state: &str) -> bool {
@@ -426,7 +441,7 @@ impl Scheduler {
                 job.state
             )));
         }
-        let previous = std::mem::replace(&mut job.state, "cancelled".into());
+        let previous = transition(&mut job, JobEvent::CancelRequested)?;
         job.message = if reason.is_empty() {
             format!("cancelled by {}", caller.token_id)
         } else {
@@ -713,7 +728,7 @@ impl Scheduler {
                 }
                 let mut job = self.store.get_job(&attempt.job_id).await?;
                 if job.state == "placed" {
-                    job.state = "running".into();
+                    transition(&mut job, JobEvent::Started)?;
                     self.store.update_job(&job).await?;
                     self.emit_state(&job.id, "placed", "running", "the attempt started");
                 }
@@ -850,7 +865,12 @@ impl Scheduler {
                 job.config_json = config_to_json(&decision.config);
                 job.required_bytes =
                     running.slice_bytes.max(decision.estimate.required_bytes) as i64;
-                job.state = "queued".into();
+                transition(
+                    &mut job,
+                    JobEvent::AttemptOutOfMemory {
+                        retry_allowed: true,
+                    },
+                )?;
                 job.waiting_reason = String::new();
                 self.store.update_job(&job).await?;
                 self.emit(
@@ -877,7 +897,12 @@ impl Scheduler {
                     ),
                     Ok(_) => "the shrink planner found nothing smaller that fits".to_string(),
                 };
-                job.state = "failed".into();
+                transition(
+                    &mut job,
+                    JobEvent::AttemptOutOfMemory {
+                        retry_allowed: false,
+                    },
+                )?;
                 job.message = format!("out of memory ({report}); {why}");
                 job.finished_at_ms = Some(now);
                 self.store.update_job(&job).await?;
@@ -941,7 +966,12 @@ impl Scheduler {
                 .await?;
         }
         if !is_terminal(&job.state) {
-            let previous = std::mem::replace(&mut job.state, outcome.to_string());
+            let event = match outcome {
+                "succeeded" => JobEvent::AttemptSucceeded,
+                "cancelled" => JobEvent::CancelRequested,
+                _ => JobEvent::AttemptFailed,
+            };
+            let previous = transition(&mut job, event)?;
             job.finished_at_ms = Some(now);
             if outcome == "failed" {
                 job.message = format!(
@@ -1024,7 +1054,7 @@ impl Scheduler {
                 }
                 let mut job = self.store.get_job(&job_id).await?;
                 if !is_terminal(&job.state) {
-                    let previous = std::mem::replace(&mut job.state, "queued".into());
+                    let previous = transition(&mut job, JobEvent::AttemptLost)?;
                     self.store.update_job(&job).await?;
                     self.emit_state(
                         &job_id,
@@ -1099,7 +1129,7 @@ impl Scheduler {
             let estimate_bytes = estimate_job(&validated, &config)
                 .map(|estimate| estimate.required_bytes)
                 .unwrap_or(placement.slice_bytes);
-            job.state = "placed".into();
+            transition(&mut job, JobEvent::Placed)?;
             job.attempts_count = attempt_number;
             job.waiting_reason.clear();
             let attempt = AttemptRecord {
