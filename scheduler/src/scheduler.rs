@@ -143,6 +143,12 @@ fn transition(job: &mut JobRecord, event: JobEvent) -> Result<String, SchedulerE
     Ok(std::mem::replace(&mut job.state, next.name().to_string()))
 }
 
+/// The spec of a stored job, validated again: it was valid at submit, so an error here
+/// means the store holds something this build cannot read.
+fn stored_spec(job: &JobRecord) -> Result<ValidatedJob, SchedulerError> {
+    carve_proto::convert::validated_job_from_json(&job.spec_json).map_err(spec_error)
+}
+
 fn is_terminal(state: &str) -> bool {
     matches!(state, "succeeded" | "failed" | "cancelled")
 }
@@ -842,8 +848,7 @@ impl Scheduler {
             self.wake();
             return Ok(());
         }
-        let validated =
-            carve_proto::convert::validated_job_from_json(&job.spec_json).map_err(spec_error)?;
+        let validated = stored_spec(&job)?;
         let attempts = self.store.list_attempts(&job.id).await?;
         let out_of_memory_attempts = attempts
             .iter()
@@ -953,8 +958,7 @@ impl Scheduler {
         self.live().running.remove(&attempt.job_id);
         let mut job = self.store.get_job(&attempt.job_id).await?;
         if let (Some(measured), "succeeded") = (measured, outcome) {
-            let validated = carve_proto::convert::validated_job_from_json(&job.spec_json)
-                .map_err(spec_error)?;
+            let validated = stored_spec(&job)?;
             let config = config_from_json(&job.config_json)?;
             self.store
                 .record_peak(
@@ -1124,8 +1128,7 @@ impl Scheduler {
             let mut job = (*job).clone();
             let attempt_number = job.attempts_count + 1;
             let config = config_from_json(&job.config_json)?;
-            let validated = carve_proto::convert::validated_job_from_json(&job.spec_json)
-                .map_err(spec_error)?;
+            let validated = stored_spec(&job)?;
             let estimate_bytes = estimate_job(&validated, &config)
                 .map(|estimate| estimate.required_bytes)
                 .unwrap_or(placement.slice_bytes);
