@@ -24,25 +24,33 @@ use clap::{Parser, Subcommand};
 struct Arguments {
     #[command(subcommand)]
     command: Option<Command>,
-    /// The scheduler, e.g. http://scheduler:7070.
+    /// The scheduler, e.g. http://scheduler:7470 (https:// for a scheduler serving TLS).
     #[arg(long, env = "CARVE_SCHEDULER", required = true)]
     scheduler: Option<String>,
     /// A worker token.
     #[arg(long, env = "CARVE_TOKEN", hide_env_values = true, required = true)]
     token: Option<String>,
+    /// The certificate (PEM) to trust for an https:// scheduler (a private CA or a
+    /// self-signed certificate); without it the system's roots are trusted.
+    #[arg(long, env = "CARVE_CA_CERT")]
+    ca_cert: Option<PathBuf>,
     /// GPUs to simulate: `2x16GiB` or `16GiB,8GiB`. Offered alone when there is no NVML,
     /// after the real GPUs when there is.
-    #[arg(long)]
+    #[arg(long, env = "CARVE_SIM_GPUS")]
     sim_gpus: Option<String>,
     /// Where attempts write checkpoints.
-    #[arg(long, default_value = "checkpoints")]
+    #[arg(
+        long,
+        env = "CARVE_WORKER_CHECKPOINT_DIR",
+        default_value = "checkpoints"
+    )]
     checkpoint_dir: PathBuf,
     /// What each attempt process takes outside its slice (CUDA context and handles), on
     /// real and simulated GPUs (default 300MiB; the worker cannot measure it without CUDA).
-    #[arg(long, value_parser = parse_byte_size_argument)]
+    #[arg(long, env = "CARVE_CONTEXT_BYTES", value_parser = parse_byte_size_argument)]
     context_bytes: Option<u64>,
     /// The node name to register with; defaults to the host name.
-    #[arg(long)]
+    #[arg(long, env = "CARVE_HOSTNAME")]
     hostname: Option<String>,
 }
 
@@ -125,6 +133,13 @@ fn run(arguments: Arguments) -> Result<()> {
         Some(text) => parse_simulated_gpus(text)?,
         None => Vec::new(),
     };
+    let scheduler_ca_certificate_pem = match &arguments.ca_cert {
+        Some(path) => Some(
+            std::fs::read(path)
+                .with_context(|| format!("--ca-cert: cannot read {}", path.display()))?,
+        ),
+        None => None,
+    };
     let program = std::env::current_exe().context("cannot find the carve-worker binary")?;
     let mut config = WorkerConfig::new(
         arguments.scheduler.unwrap_or_default(),
@@ -135,6 +150,7 @@ fn run(arguments: Arguments) -> Result<()> {
     config.hostname = arguments.hostname.unwrap_or_else(hostname);
     config.checkpoint_directory = arguments.checkpoint_dir;
     config.context_bytes = arguments.context_bytes.unwrap_or(DEFAULT_CONTEXT_BYTES);
+    config.scheduler_ca_certificate_pem = scheduler_ca_certificate_pem;
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
         run_worker(config, shutdown_signal()).await?;

@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Request;
 use tonic::metadata::MetadataValue;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::attempt_process::{
     AttemptControl, AttemptLaunch, spawn_attempt_process, watch_attempt_process,
@@ -57,6 +57,9 @@ pub struct WorkerConfig {
     pub reconnect_backoff_max: Duration,
     /// Told about every attempt process the worker starts (tests use it to find pids).
     pub process_observer: Option<mpsc::UnboundedSender<StartedAttemptProcess>>,
+    /// The certificate (PEM) to trust for an `https://` scheduler, for private CAs and
+    /// self-signed certificates; without it the system's roots are trusted.
+    pub scheduler_ca_certificate_pem: Option<Vec<u8>>,
 }
 
 /// The default context reservation, on real and simulated GPUs alike: what a CUDA
@@ -86,6 +89,7 @@ impl WorkerConfig {
             reconnect_backoff_initial: Duration::from_millis(100),
             reconnect_backoff_max: Duration::from_secs(5),
             process_observer: None,
+            scheduler_ca_certificate_pem: None,
         }
     }
 }
@@ -327,8 +331,18 @@ impl Worker {
                 self.config.scheduler_url
             ))
         };
-        let channel: Channel = Endpoint::from_shared(self.config.scheduler_url.clone())
-            .map_err(|error| WorkerError::invalid_setting("--scheduler", error.to_string()))?
+        let mut endpoint = Endpoint::from_shared(self.config.scheduler_url.clone())
+            .map_err(|error| WorkerError::invalid_setting("--scheduler", error.to_string()))?;
+        if self.config.scheduler_url.starts_with("https://") {
+            let mut tls = ClientTlsConfig::new().with_native_roots();
+            if let Some(pem) = &self.config.scheduler_ca_certificate_pem {
+                tls = tls.ca_certificate(Certificate::from_pem(pem));
+            }
+            endpoint = endpoint
+                .tls_config(tls)
+                .map_err(|error| WorkerError::invalid_setting("--ca-cert", error.to_string()))?;
+        }
+        let channel: Channel = endpoint
             .connect_timeout(Duration::from_secs(5))
             .connect()
             .await

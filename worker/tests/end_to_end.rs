@@ -12,13 +12,13 @@ use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::scheduler::SchedulerSettings;
-use carve_scheduler::server::SchedulerConfig;
+use carve_scheduler::server::{SchedulerConfig, TlsIdentity};
 use carve_worker::gpus::SimulatedGpu;
 use carve_worker::{StartedAttemptProcess, WorkerConfig, run_worker};
 use tokio::sync::{mpsc, oneshot};
 use tonic::Request;
 use tonic::metadata::MetadataValue;
-use tonic::transport::Channel;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
 const ADMIN: &str = "carve_worker_test_admin_secret";
 
@@ -53,6 +53,8 @@ fn job_spec(name: &str, steps: u64, vram: Option<&str>) -> String {
 struct Cluster {
     channel: Channel,
     address: String,
+    /// The certificate the scheduler serves, when it serves TLS.
+    certificate_pem: Option<String>,
     user: String,
     worker_token: String,
     checkpoints: PathBuf,
@@ -76,8 +78,29 @@ async fn start_scheduler(
     listener: tokio::net::TcpListener,
     lease: Duration,
 ) -> (Channel, oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    start_scheduler_with_tls(directory, listener, lease, None).await
+}
+
+/// A self-signed certificate for 127.0.0.1 (an IP SAN, so clients can dial the address)
+/// and its key, both PEM.
+fn self_signed_certificate() -> (String, String) {
+    let certified = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
+    (certified.cert.pem(), certified.signing_key.serialize_pem())
+}
+
+/// [`start_scheduler`], serving TLS with `tls` (certificate, key) when given.
+async fn start_scheduler_with_tls(
+    directory: &Path,
+    listener: tokio::net::TcpListener,
+    lease: Duration,
+    tls: Option<(String, String)>,
+) -> (Channel, oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
     let checkpoints = directory.join("checkpoints");
-    let address = format!("http://{}", listener.local_addr().unwrap());
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let address = format!("{scheme}://{}", listener.local_addr().unwrap());
+    let client_tls = tls.as_ref().map(|(certificate, _)| {
+        ClientTlsConfig::new().ca_certificate(Certificate::from_pem(certificate))
+    });
     let (shutdown, shutdown_signal) = oneshot::channel::<()>();
     let config = SchedulerConfig {
         database_url: format!("sqlite://{}", directory.join("carve.db").display()),
@@ -89,7 +112,10 @@ async fn start_scheduler(
         },
         admin_token: Some(ADMIN.into()),
         metrics_address: None,
-        tls: None,
+        tls: tls.map(|(certificate, key)| TlsIdentity {
+            certificate_chain_pem: certificate.into_bytes(),
+            private_key_pem: key.into_bytes(),
+        }),
     };
     let server = tokio::spawn(async move {
         carve_scheduler::server::run(config, listener, async {
@@ -100,11 +126,11 @@ async fn start_scheduler(
     });
     let mut channel = None;
     for _ in 0..200 {
-        if let Ok(connected) = Channel::from_shared(address.clone())
-            .unwrap()
-            .connect()
-            .await
-        {
+        let mut endpoint = Channel::from_shared(address.clone()).unwrap();
+        if let Some(client_tls) = &client_tls {
+            endpoint = endpoint.tls_config(client_tls.clone()).unwrap();
+        }
+        if let Ok(connected) = endpoint.connect().await {
             channel = Some(connected);
             break;
         }
@@ -119,11 +145,19 @@ async fn start_cluster() -> Cluster {
 }
 
 async fn start_cluster_with_lease(lease: Duration) -> Cluster {
+    start_cluster_with(lease, false).await
+}
+
+async fn start_cluster_with(lease: Duration, serve_tls: bool) -> Cluster {
     let directory = tempfile::tempdir().unwrap();
     let checkpoints = directory.path().join("checkpoints");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = format!("http://{}", listener.local_addr().unwrap());
-    let (channel, shutdown, server) = start_scheduler(directory.path(), listener, lease).await;
+    let tls = serve_tls.then(self_signed_certificate);
+    let certificate_pem = tls.as_ref().map(|(certificate, _)| certificate.clone());
+    let scheme = if serve_tls { "https" } else { "http" };
+    let address = format!("{scheme}://{}", listener.local_addr().unwrap());
+    let (channel, shutdown, server) =
+        start_scheduler_with_tls(directory.path(), listener, lease, tls).await;
     let mut admin = AdminServiceClient::new(channel.clone());
     admin
         .create_tenant(authorized(
@@ -156,6 +190,7 @@ async fn start_cluster_with_lease(lease: Duration) -> Cluster {
     Cluster {
         channel,
         address,
+        certificate_pem,
         user,
         worker_token,
         checkpoints,
@@ -197,6 +232,10 @@ fn start_named_worker(
     config.process_observer = Some(observer);
     config.reconnect_backoff_initial = Duration::from_millis(50);
     config.reconnect_backoff_max = Duration::from_millis(200);
+    config.scheduler_ca_certificate_pem = cluster
+        .certificate_pem
+        .as_ref()
+        .map(|pem| pem.clone().into_bytes());
     let (shutdown, shutdown_signal) = oneshot::channel::<()>();
     tokio::spawn(async move {
         run_worker(config, async {
@@ -318,6 +357,16 @@ async fn a_small_job_trains_to_success_with_its_measured_peak_equal_to_the_estim
         .filter(|name| name.ends_with(".spec.json"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_trusting_the_scheduler_s_certificate_runs_jobs_over_tls() {
+    let cluster = start_cluster_with(Duration::from_secs(30), true).await;
+    assert!(cluster.address.starts_with("https://"));
+    let _worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
+    let job = submit(&cluster, &job_spec("over-tls", 5, None)).await;
+    let finished = wait_for_state(&cluster, &job.id, v1::JobState::Succeeded).await;
+    assert_eq!(finished.attempts.len(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -557,6 +606,7 @@ async fn an_attempt_that_finishes_while_the_scheduler_is_down_is_recorded_after_
     let Cluster {
         channel,
         address,
+        certificate_pem,
         user,
         worker_token,
         checkpoints,
@@ -590,6 +640,7 @@ async fn an_attempt_that_finishes_while_the_scheduler_is_down_is_recorded_after_
     let cluster = Cluster {
         channel,
         address,
+        certificate_pem,
         user,
         worker_token,
         checkpoints,
