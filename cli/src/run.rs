@@ -13,6 +13,7 @@ use carve_core::shrink::{OomObservation, plan_shrink};
 use carve_core::spec::{Precision, VramRequest};
 use carve_core::validate::{parse_job_spec_toml, validate_job_spec};
 use carve_engine::EngineError;
+use carve_engine::cuda::{CudaBackend, CudaTraining};
 use carve_engine::data::open_data_sets;
 use carve_engine::trainer::{Progress, TrainingOptions, train};
 use serde_json::json;
@@ -29,6 +30,9 @@ pub struct RunArguments {
     /// Where the training runs.
     #[arg(long, value_enum, default_value_t = BackendChoice::Cpu)]
     backend: BackendChoice,
+    /// The GPU to train on with `--backend cuda`.
+    #[arg(long, default_value_t = 0)]
+    cuda_device: usize,
     /// Resume from this checkpoint.
     #[arg(long)]
     resume: Option<PathBuf>,
@@ -99,8 +103,10 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
         config.workspace_limit_bytes = limit;
     }
     config.check(&job.graph).map_err(in_file)?;
-    if arguments.backend == BackendChoice::Cuda {
-        bail!("this build has no cuda backend yet; use --backend cpu");
+    if arguments.backend == BackendChoice::Cuda
+        && let Err(reason) = CudaBackend::available()
+    {
+        bail!("--backend cuda: CUDA not available: {reason}; use --backend cpu");
     }
     let estimate = estimate_job(&job, &config).map_err(in_file)?;
     let slice_bytes = arguments.slice.unwrap_or(match job.spec.resources.vram {
@@ -120,9 +126,13 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
         stop_after_steps: arguments.stop_after_steps,
     };
     let table = arguments.output == crate::estimate::OutputFormat::Table;
+    let backend_name = match arguments.backend {
+        BackendChoice::Cpu => "cpu".to_string(),
+        BackendChoice::Cuda => format!("cuda:{}", arguments.cuda_device),
+    };
     if table {
         eprintln!(
-            "training {} on cpu in a {} slice: {} (estimated peak {})",
+            "training {} on {backend_name} in a {} slice: {} (estimated peak {})",
             job.spec.name,
             HumanBytes(slice_bytes),
             config,
@@ -148,7 +158,17 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
             );
         }
     };
-    match train(&job, &data, &options, &mut show_progress) {
+    let result = match arguments.backend {
+        BackendChoice::Cpu => train(&job, &data, &options, &mut show_progress),
+        BackendChoice::Cuda => CudaTraining::prepare(&job, &options, arguments.cuda_device)
+            .and_then(|prepared| {
+                if table {
+                    eprintln!("{}", prepared.reservation());
+                }
+                prepared.train(&job, &data, &options, &mut show_progress)
+            }),
+    };
+    match result {
         Ok(report) => {
             if table {
                 println!("steps            {}/{}", report.steps, report.total_steps);
@@ -172,7 +192,7 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
             } else {
                 let output = json!({
                     "job": job.spec.name,
-                    "backend": "cpu",
+                    "backend": backend_name,
                     "config": config_json(&config),
                     "steps": report.steps,
                     "total_steps": report.total_steps,

@@ -137,10 +137,25 @@ fn out_of_memory_exits_three_and_the_next_config_then_fits() {
 }
 
 #[test]
-fn the_cuda_backend_is_refused_with_a_clear_error() {
+fn the_cuda_backend_trains_or_is_refused_with_the_reason() {
     let directory = tempfile::tempdir().unwrap();
     let job = write_job(directory.path());
-    let output = carve(&["run", &job, "--backend", "cuda"]);
-    assert_eq!(output.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&output.stderr).contains("no cuda backend"));
+    let output = carve(&["run", &job, "--backend", "cuda", "-o", "json"]);
+    match carve_engine::cuda::CudaBackend::available() {
+        Err(reason) => {
+            println!("skipped: CUDA not available: {reason}");
+            assert_eq!(output.status.code(), Some(1));
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(stderr.contains("CUDA not available"), "{stderr}");
+            assert!(stderr.contains(&reason), "{stderr}");
+        }
+        Ok(()) => {
+            assert!(
+                output.status.success(),
+                "{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            assert_eq!(json_of(&output)["backend"], "cuda:0");
+        }
+    }
 }

@@ -1,5 +1,7 @@
 //! `cargo bench -p carve-engine`: training throughput of the example CNNs on the cpu
-//! backend, as a table to compare across commits on the same machine.
+//! backend and, where CUDA is available, on the cuda backend, as a table to compare
+//! across commits on the same machine. `engine/benches/pytorch_reference.py` measures
+//! the ResNet-style example with PyTorch (cuDNN benchmark mode) for comparison.
 //!
 //! Each row trains a few steps of an example (synthetic data, its own batch size unless
 //! noted) after one warm-up step and reports samples per second and the slice's peak.
@@ -12,8 +14,15 @@ use carve_core::estimator::estimate_job;
 use carve_core::plan::RunConfig;
 use carve_core::spec::{DataFormat, Precision};
 use carve_core::validate::{parse_job_spec_toml, validate_job_spec};
+use carve_engine::cuda::{CudaBackend, train_on_cuda};
 use carve_engine::data::open_data_sets;
 use carve_engine::trainer::{TrainingOptions, train};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BenchBackend {
+    Cpu,
+    Cuda,
+}
 
 fn main() {
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
@@ -24,54 +33,91 @@ fn main() {
         ("resnet-cifar.toml", 32, Precision::Fp16, 3),
         ("tf-conv2d-128px-batch32.toml", 32, Precision::Fp32, 3),
     ];
+    let cuda = match CudaBackend::available() {
+        Ok(()) => true,
+        Err(reason) => {
+            println!("cuda: skipped: CUDA not available: {reason}");
+            false
+        }
+    };
     println!(
-        "{:<30} {:>6} {:>9} {:>7} {:>12} {:>12}",
-        "example", "batch", "precision", "steps", "samples/s", "peak"
+        "{:<30} {:>7} {:>6} {:>9} {:>7} {:>12} {:>12}",
+        "example", "backend", "batch", "precision", "steps", "samples/s", "peak"
     );
-    for (file, batch_size, precision, steps) in cases {
-        let text = std::fs::read_to_string(examples.join(file)).expect("example exists");
-        let mut spec = parse_job_spec_toml(&text).expect("example parses");
-        spec.training.batch_size = batch_size;
-        spec.training.accumulation_steps = 1;
-        spec.training.steps = Some(steps + 1);
-        spec.training.epochs = None;
-        spec.data.format = DataFormat::Synthetic;
-        spec.data.samples = Some(batch_size * (steps + 1));
-        spec.data.test_samples = None;
-        spec.data.train = None;
-        spec.data.test = None;
-        let job = validate_job_spec(spec).expect("example validates");
-        let config = RunConfig {
-            precision,
-            ..RunConfig::from_spec(&job.spec)
-        };
-        let options = TrainingOptions {
-            config,
-            slice_bytes: estimate_job(&job, &config)
-                .expect("estimates")
-                .required_bytes,
-            checkpoint_path: None,
-            resume_from: None,
-            stop_after_steps: None,
-        };
-        let data = open_data_sets(&job, Path::new(".")).expect("synthetic data");
-        let mut timer: Option<Instant> = None;
-        let report = train(&job, &data, &options, &mut |progress| {
-            // The first step warms caches and the loader; time the rest.
-            if progress.step == 1 {
-                timer = Some(Instant::now());
-            }
-        })
-        .expect("trains");
-        let seconds = timer.map_or(f64::NAN, |started| started.elapsed().as_secs_f64());
-        println!(
-            "{:<30} {:>6} {:>9} {:>7} {:>12.1} {:>12}",
-            file.trim_end_matches(".toml"),
-            batch_size,
-            precision.name(),
-            steps,
-            (steps * batch_size) as f64 / seconds,
-            HumanBytes(report.peak_bytes).to_string()
-        );
+    let backends: &[BenchBackend] = if cuda {
+        &[BenchBackend::Cpu, BenchBackend::Cuda]
+    } else {
+        &[BenchBackend::Cpu]
+    };
+    for &backend in backends {
+        for (file, batch_size, precision, steps) in cases {
+            bench_case(&examples, backend, file, batch_size, precision, steps);
+        }
     }
+}
+
+fn bench_case(
+    examples: &Path,
+    backend: BenchBackend,
+    file: &str,
+    batch_size: u64,
+    precision: Precision,
+    steps: u64,
+) {
+    let text = std::fs::read_to_string(examples.join(file)).expect("example exists");
+    let mut spec = parse_job_spec_toml(&text).expect("example parses");
+    spec.training.batch_size = batch_size;
+    spec.training.accumulation_steps = 1;
+    spec.training.steps = Some(steps + 1);
+    spec.training.epochs = None;
+    spec.data.format = DataFormat::Synthetic;
+    spec.data.samples = Some(batch_size * (steps + 1));
+    spec.data.test_samples = None;
+    spec.data.train = None;
+    spec.data.test = None;
+    let job = validate_job_spec(spec).expect("example validates");
+    let config = RunConfig {
+        precision,
+        ..RunConfig::from_spec(&job.spec)
+    };
+    let options = TrainingOptions {
+        config,
+        slice_bytes: estimate_job(&job, &config)
+            .expect("estimates")
+            .required_bytes,
+        checkpoint_path: None,
+        resume_from: None,
+        stop_after_steps: None,
+    };
+    let data = open_data_sets(&job, Path::new(".")).expect("synthetic data");
+    let mut timer: Option<Instant> = None;
+    let mut on_progress = |progress: &carve_engine::trainer::Progress| {
+        // The first step warms caches, the loader and cuDNN's algorithm search; time
+        // the rest.
+        if progress.step == 1 {
+            timer = Some(Instant::now());
+        }
+    };
+    let report = match backend {
+        BenchBackend::Cpu => train(&job, &data, &options, &mut on_progress).expect("trains"),
+        BenchBackend::Cuda => {
+            train_on_cuda(&job, &data, &options, 0, &mut on_progress)
+                .expect("trains on cuda")
+                .0
+        }
+    };
+    let seconds = timer.map_or(f64::NAN, |started| started.elapsed().as_secs_f64());
+    println!(
+        "{:<30} {:>7} {:>6} {:>9} {:>7} {:>12.1} {:>12}",
+        file.trim_end_matches(".toml"),
+        match backend {
+            BenchBackend::Cpu => "cpu",
+            BenchBackend::Cuda => "cuda",
+        },
+        batch_size,
+        precision.name(),
+        steps,
+        (steps * batch_size) as f64 / seconds,
+        HumanBytes(report.peak_bytes).to_string()
+    );
 }

@@ -155,7 +155,7 @@ impl Workbench {
     }
 }
 
-fn image_shape(shape: FeatureShape, batch: usize) -> ImageShape {
+pub(crate) fn image_shape(shape: FeatureShape, batch: usize) -> ImageShape {
     match shape {
         FeatureShape::Image {
             height,
@@ -176,7 +176,7 @@ fn image_shape(shape: FeatureShape, batch: usize) -> ImageShape {
     }
 }
 
-fn windowed_shapes(layer: &LayerNode, batch: usize) -> Option<WindowedShapes> {
+pub(crate) fn windowed_shapes(layer: &LayerNode, batch: usize) -> Option<WindowedShapes> {
     let window = match layer.op {
         LayerOp::Conv2d { window, .. }
         | LayerOp::MaxPool { window }
@@ -190,21 +190,26 @@ fn windowed_shapes(layer: &LayerNode, batch: usize) -> Option<WindowedShapes> {
     })
 }
 
-/// The ids an operation touches, sorted out by what they are for.
+/// The ids an operation touches, sorted out by what they are for (shared with the cuda
+/// backend, which reads operations the same way).
 #[derive(Debug, Default)]
-struct Roles {
-    input: Option<BufferId>,
-    output: Option<BufferId>,
-    parameters: Vec<BufferId>,
-    side: Option<BufferId>,
-    gradient_in: Option<BufferId>,
-    input_gradient: Option<BufferId>,
-    parameter_gradients: Vec<BufferId>,
-    workspace: Option<BufferId>,
-    half_gradients: Option<BufferId>,
+pub(crate) struct Roles {
+    pub(crate) input: Option<BufferId>,
+    pub(crate) output: Option<BufferId>,
+    pub(crate) parameters: Vec<BufferId>,
+    pub(crate) side: Option<BufferId>,
+    pub(crate) gradient_in: Option<BufferId>,
+    pub(crate) input_gradient: Option<BufferId>,
+    pub(crate) parameter_gradients: Vec<BufferId>,
+    pub(crate) workspace: Option<BufferId>,
+    pub(crate) half_gradients: Option<BufferId>,
 }
 
-fn sort_roles(operation: &Operation, buffers: &[BufferSpec], layer_index: usize) -> Roles {
+pub(crate) fn sort_roles(
+    operation: &Operation,
+    buffers: &[BufferSpec],
+    layer_index: usize,
+) -> Roles {
     let mut roles = Roles::default();
     let is_backward = matches!(operation.kind, OperationKind::LayerBackward { .. });
     for (position, id) in operation.reads.iter().enumerate() {

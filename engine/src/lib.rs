@@ -6,12 +6,14 @@
 //! estimator predicted. Pieces:
 //! - `kernels`: the math of every layer, loss and optimizer, on f32 slices (NHWC images);
 //! - `data`: data sets (synthetic, IDX, CIFAR-10, NPY) streamed in batches;
-//! - `backend` / `executor`: device buffers and the plan interpreter;
+//! - `backend` / `executor`: device buffers and the plan interpreter; `cpu` and `cuda` are
+//!   the backends;
 //! - `trainer` and `checkpoint`: the training loop, accumulation, loss scaling, resume.
 
 pub mod backend;
 pub mod checkpoint;
 pub mod cpu;
+pub mod cuda;
 pub mod data;
 pub mod error;
 pub mod executor;

@@ -1,6 +1,8 @@
 //! The attempt process: `carve-worker attempt ...`, one per attempt, so a crash or a
 //! runaway allocation stays inside it. It trains with the engine (the code `carve run`
-//! uses) inside its slice and reports on stdout in [`ChildLine`]s.
+//! uses) inside its slice and reports on stdout in [`ChildLine`]s. With
+//! `CARVE_ATTEMPT_CUDA_DEVICE=N` in its environment it trains on GPU N with the cuda
+//! backend (reserving and verifying the slice first); without it, on the cpu backend.
 //!
 //! Exit codes: 0 trained, 3 out of memory in the slice, 1 anything else (the reason on
 //! stderr, which the worker forwards as the failure message).
@@ -10,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use carve_engine::EngineError;
 use carve_engine::checkpoint::read_checkpoint;
+use carve_engine::cuda::CudaTraining;
 use carve_engine::data::open_data_sets;
 use carve_engine::trainer::{Progress, TrainingOptions, train};
 use carve_proto::v1;
@@ -74,10 +77,19 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
         resume_from: resume.clone(),
         stop_after_steps: None,
     };
-    // The executor reserves the whole slice as one arena before the first buffer, so
-    // the reservation is the slice itself.
+    // On a GPU the slice is reserved (and verified) before training starts; on the cpu
+    // backend the executor's arena is the slice itself.
+    let prepared_cuda = cuda_device_from_environment()?
+        .map(|ordinal| CudaTraining::prepare(&job, &options, ordinal));
+    let reserved_bytes = match &prepared_cuda {
+        Some(Ok(prepared)) => {
+            eprintln!("{}", prepared.reservation());
+            prepared.reservation().reserved_bytes
+        }
+        _ => arguments.slice_bytes,
+    };
     emit(&ChildLine::Started {
-        reserved_bytes: arguments.slice_bytes,
+        reserved_bytes,
         pid: std::process::id(),
     });
     let checkpoint_every = job.spec.training.checkpoint_every_steps;
@@ -130,7 +142,11 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
                 checkpoint_pending = Some(progress.step);
             }
         };
-        train(&job, &data, &options, &mut on_progress)
+        match prepared_cuda {
+            Some(Ok(prepared)) => prepared.train(&job, &data, &options, &mut on_progress),
+            Some(Err(error)) => Err(error),
+            None => train(&job, &data, &options, &mut on_progress),
+        }
     };
     match result {
         Ok(report) => {
@@ -161,6 +177,22 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
             Ok(OUT_OF_MEMORY_EXIT_CODE)
         }
         Err(error) => Err(engine_error(error)),
+    }
+}
+
+/// The variable that asks an attempt process to train on a GPU: the CUDA device ordinal.
+/// Unset, the attempt uses the cpu backend (simulated GPUs).
+pub const CUDA_DEVICE_VARIABLE: &str = "CARVE_ATTEMPT_CUDA_DEVICE";
+
+fn cuda_device_from_environment() -> Result<Option<usize>, WorkerError> {
+    match std::env::var(CUDA_DEVICE_VARIABLE) {
+        Ok(text) if text.trim().is_empty() => Ok(None),
+        Ok(text) => text.trim().parse().map(Some).map_err(|_| {
+            WorkerError::Attempt(format!(
+                "{CUDA_DEVICE_VARIABLE}={text}: not a cuda device ordinal"
+            ))
+        }),
+        Err(_) => Ok(None),
     }
 }
 

@@ -34,6 +34,8 @@ pub struct AttemptLaunch {
     pub slice_bytes: u64,
     pub checkpoint: PathBuf,
     pub resume: Option<PathBuf>,
+    /// The NVML uuid of the real GPU the slice is on; `None` on a simulated GPU.
+    pub cuda_gpu_uuid: Option<String>,
 }
 
 /// What the worker can tell a running attempt.
@@ -62,6 +64,14 @@ pub fn spawn_attempt_process(launch: &AttemptLaunch) -> Result<Child, WorkerErro
         .arg(&launch.checkpoint);
     if let Some(resume) = &launch.resume {
         command.arg("--resume").arg(resume);
+    }
+    if let Some(uuid) = &launch.cuda_gpu_uuid {
+        // NVML's index and CUDA's device ordinal can differ (CUDA orders by speed unless
+        // told otherwise); the uuid names the same GPU for both, and the process then
+        // sees it as its only device, ordinal 0.
+        command
+            .env("CUDA_VISIBLE_DEVICES", uuid)
+            .env(crate::attempt_child::CUDA_DEVICE_VARIABLE, "0");
     }
     command
         .stdin(Stdio::null())

@@ -627,7 +627,7 @@ impl Worker {
         {
             return self.refuse(attempt, reason);
         }
-        match self.launch(&assignment, &attempt, config).await {
+        match self.launch(&assignment, &attempt, config, &gpu).await {
             Ok(()) => {}
             Err(error) => {
                 lock(&self.shared).slices.release(&gpu.uuid, &key);
@@ -642,6 +642,7 @@ impl Worker {
         assignment: &v1::scheduler_message::Assignment,
         attempt: &v1::AttemptRef,
         config: &v1::RunConfig,
+        gpu: &WorkerGpu,
     ) -> Result<(), WorkerError> {
         let directory = &self.config.checkpoint_directory;
         let spec_file = directory.join(format!(
@@ -667,6 +668,8 @@ impl Worker {
                 .as_ref()
                 .filter(|checkpoint| !checkpoint.location.is_empty())
                 .map(|checkpoint| PathBuf::from(&checkpoint.location)),
+            // A simulated GPU's attempt trains on the cpu backend.
+            cuda_gpu_uuid: (!gpu.simulated).then(|| gpu.uuid.clone()),
         };
         let child = spawn_attempt_process(&launch)?;
         let process_id = child.id().unwrap_or(0);

@@ -1,0 +1,201 @@
+//! Workspace-aware choice of cuDNN convolution algorithms.
+//!
+//! For every convolution (forward, backward data, backward filter) the backend asks
+//! cuDNN for its algorithms with their workspace sizes — measured times from
+//! `cudnnFind*AlgorithmEx`, or the heuristic's ranking from `cudnnGet*Algorithm_v7` — and
+//! [`choose_algorithm`] takes the fastest one whose workspace fits the budget, instead of
+//! trusting the heuristic's first pick (which may want more workspace than the slice has).
+//!
+//! The budget is the plan's workspace buffer for that convolution, never free space
+//! elsewhere in the slice: the plan sizes that buffer as whole samples' im2col up to
+//! `RunConfig::workspace_limit_bytes` (and gives none when not even one sample fits), and
+//! the estimator counts exactly that buffer. Taking more would make the measured peak
+//! exceed the estimate; the cap therefore holds twice (it bounds the buffer, and
+//! [`workspace_budget`] bounds the choice again).
+
+/// One algorithm as cuDNN reported it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AlgorithmCandidate {
+    /// cuDNN's algorithm number (`cudnnConvolutionFwdAlgo_t` and friends).
+    pub algorithm: u32,
+    /// Measured milliseconds (`cudnnFind*`), `None` for a heuristic ranking (`cudnnGet*_v7`,
+    /// which reports -1).
+    pub time_milliseconds: Option<f32>,
+    pub workspace_bytes: u64,
+    /// Whether cuDNN reported `CUDNN_STATUS_SUCCESS` for it (unsupported algorithms come
+    /// back in the list with an error status).
+    pub usable: bool,
+}
+
+/// Why no algorithm could be chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AlgorithmChoiceError {
+    /// Every usable algorithm needs more workspace than the budget; the smallest need is
+    /// reported so the caller can say how much was missing.
+    WorkspaceTooSmall {
+        budget_bytes: u64,
+        smallest_workspace_bytes: u64,
+    },
+    /// cuDNN reported no usable algorithm at all.
+    NoUsableAlgorithm,
+}
+
+impl std::fmt::Display for AlgorithmChoiceError {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AlgorithmChoiceError::WorkspaceTooSmall {
+                budget_bytes,
+                smallest_workspace_bytes,
+            } => write!(
+                formatter,
+                "every cudnn algorithm needs more workspace than the {budget_bytes} bytes \
+                 available (the smallest needs {smallest_workspace_bytes})"
+            ),
+            AlgorithmChoiceError::NoUsableAlgorithm => {
+                write!(formatter, "cudnn reported no usable algorithm")
+            }
+        }
+    }
+}
+
+/// The workspace a convolution may use: the plan's workspace buffer (0 without one),
+/// never more than the config's cap.
+pub fn workspace_budget(plan_workspace_bytes: Option<u64>, workspace_limit_bytes: u64) -> u64 {
+    plan_workspace_bytes.unwrap_or(0).min(workspace_limit_bytes)
+}
+
+/// Picks the algorithm to run: among the usable candidates whose workspace fits
+/// `budget_bytes`, the one with the smallest measured time; candidates without a
+/// measurement rank after measured ones, in the order given (cuDNN's heuristic order).
+/// Ties keep the earlier candidate, so the choice is deterministic.
+pub fn choose_algorithm(
+    candidates: &[AlgorithmCandidate],
+    budget_bytes: u64,
+) -> Result<AlgorithmCandidate, AlgorithmChoiceError> {
+    let usable = candidates.iter().filter(|candidate| {
+        candidate.usable
+            && candidate
+                .time_milliseconds
+                .is_none_or(|time| time.is_finite() && time >= 0.0)
+    });
+    let mut best: Option<AlgorithmCandidate> = None;
+    let mut smallest_workspace: Option<u64> = None;
+    for candidate in usable {
+        smallest_workspace = Some(
+            smallest_workspace.map_or(candidate.workspace_bytes, |smallest| {
+                smallest.min(candidate.workspace_bytes)
+            }),
+        );
+        if candidate.workspace_bytes > budget_bytes {
+            continue;
+        }
+        let better = match (&best, candidate.time_milliseconds) {
+            (None, _) => true,
+            (Some(current), Some(time)) => current.time_milliseconds.is_none_or(|now| time < now),
+            (Some(_), None) => false,
+        };
+        if better {
+            best = Some(*candidate);
+        }
+    }
+    match (best, smallest_workspace) {
+        (Some(chosen), _) => Ok(chosen),
+        (None, Some(smallest_workspace_bytes)) => Err(AlgorithmChoiceError::WorkspaceTooSmall {
+            budget_bytes,
+            smallest_workspace_bytes,
+        }),
+        (None, None) => Err(AlgorithmChoiceError::NoUsableAlgorithm),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn measured(algorithm: u32, time: f32, workspace_bytes: u64) -> AlgorithmCandidate {
+        AlgorithmCandidate {
+            algorithm,
+            time_milliseconds: Some(time),
+            workspace_bytes,
+            usable: true,
+        }
+    }
+
+    fn ranked(algorithm: u32, workspace_bytes: u64) -> AlgorithmCandidate {
+        AlgorithmCandidate {
+            algorithm,
+            time_milliseconds: None,
+            workspace_bytes,
+            usable: true,
+        }
+    }
+
+    #[test]
+    fn the_fastest_algorithm_that_fits_wins_over_a_faster_one_that_does_not() {
+        let candidates = [
+            measured(6, 0.5, 64 << 20),
+            measured(1, 0.9, 1 << 20),
+            measured(0, 1.4, 0),
+        ];
+        assert_eq!(choose_algorithm(&candidates, 2 << 20).unwrap().algorithm, 1);
+        assert_eq!(
+            choose_algorithm(&candidates, 64 << 20).unwrap().algorithm,
+            6
+        );
+        assert_eq!(choose_algorithm(&candidates, 0).unwrap().algorithm, 0);
+    }
+
+    #[test]
+    fn order_of_the_list_does_not_matter_for_measured_times() {
+        let candidates = [
+            measured(0, 1.4, 0),
+            measured(1, 0.9, 1 << 20),
+            measured(6, 0.5, 64 << 20),
+        ];
+        assert_eq!(choose_algorithm(&candidates, 2 << 20).unwrap().algorithm, 1);
+    }
+
+    #[test]
+    fn unusable_and_failed_measurements_are_skipped() {
+        let mut failed = measured(7, 0.1, 0);
+        failed.usable = false;
+        let candidates = [failed, measured(2, f32::NAN, 0), measured(3, 2.0, 0)];
+        assert_eq!(choose_algorithm(&candidates, 0).unwrap().algorithm, 3);
+    }
+
+    #[test]
+    fn a_heuristic_ranking_keeps_its_order_among_what_fits() {
+        let candidates = [ranked(5, 8 << 20), ranked(1, 1 << 20), ranked(0, 0)];
+        assert_eq!(choose_algorithm(&candidates, 4 << 20).unwrap().algorithm, 1);
+        assert_eq!(choose_algorithm(&candidates, 0).unwrap().algorithm, 0);
+    }
+
+    #[test]
+    fn measured_candidates_rank_before_unmeasured_ones() {
+        let candidates = [ranked(5, 0), measured(1, 3.0, 0)];
+        assert_eq!(choose_algorithm(&candidates, 0).unwrap().algorithm, 1);
+    }
+
+    #[test]
+    fn nothing_fitting_reports_the_smallest_need() {
+        let candidates = [measured(1, 0.9, 1 << 20), measured(6, 0.5, 64 << 20)];
+        assert_eq!(
+            choose_algorithm(&candidates, 1000),
+            Err(AlgorithmChoiceError::WorkspaceTooSmall {
+                budget_bytes: 1000,
+                smallest_workspace_bytes: 1 << 20
+            })
+        );
+        assert_eq!(
+            choose_algorithm(&[], 1000),
+            Err(AlgorithmChoiceError::NoUsableAlgorithm)
+        );
+    }
+
+    #[test]
+    fn the_budget_is_the_plan_buffer_capped_by_the_config() {
+        assert_eq!(workspace_budget(None, 1 << 30), 0);
+        assert_eq!(workspace_budget(Some(4096), 1 << 30), 4096);
+        assert_eq!(workspace_budget(Some(4096), 1024), 1024);
+    }
+}

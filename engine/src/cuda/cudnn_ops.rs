@@ -1,0 +1,840 @@
+//! The cuDNN calls of the backend: convolution forward, backward data, backward filter
+//! and backward bias with workspace-aware algorithm queries, bias addition, pooling and
+//! activation forward and backward. Tensors are NHWC and filters KRSC
+//! (`CUDNN_TENSOR_NHWC`), the layouts the rest of the engine uses on the device.
+//!
+//! Descriptors are created per call and destroyed on drop (`Descriptors`); they are
+//! host-side objects that cost microseconds. Algorithm choices are cached by the backend.
+
+// The FFI boundary: every unsafe block below says why it is sound.
+#![allow(unsafe_code)]
+
+use carve_core::plan::ElementType;
+use cudarc::cudnn::sys;
+use cudarc::driver::sys as driver_sys;
+
+use crate::cuda::algorithms::AlgorithmCandidate;
+use crate::cuda::error::{CudaFailure, CudaLibrary};
+
+fn check(status: sys::cudnnStatus_t, during: &str) -> Result<(), CudaFailure> {
+    if status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(
+            CudaFailure::new(CudaLibrary::Cudnn, status as u32, format!("{status:?}"))
+                .during(during),
+        )
+    }
+}
+
+fn data_type(element_type: ElementType) -> Result<sys::cudnnDataType_t, CudaFailure> {
+    match element_type {
+        ElementType::F32 => Ok(sys::cudnnDataType_t::CUDNN_DATA_FLOAT),
+        ElementType::F16 => Ok(sys::cudnnDataType_t::CUDNN_DATA_HALF),
+        ElementType::Bf16 => Ok(sys::cudnnDataType_t::CUDNN_DATA_BFLOAT16),
+        other => Err(CudaFailure::new(
+            CudaLibrary::Cudnn,
+            2000,
+            format!("no cudnn tensor of {other:?}"),
+        )),
+    }
+}
+
+fn int(value: usize, what: &str) -> Result<i32, CudaFailure> {
+    i32::try_from(value).map_err(|_| {
+        CudaFailure::new(
+            CudaLibrary::Cudnn,
+            2000,
+            format!("{what} of {value} exceeds cudnn's 32-bit dimensions"),
+        )
+    })
+}
+
+/// The descriptors one call needs, destroyed when dropped.
+#[derive(Default)]
+struct Descriptors {
+    tensors: Vec<sys::cudnnTensorDescriptor_t>,
+    filters: Vec<sys::cudnnFilterDescriptor_t>,
+    convolutions: Vec<sys::cudnnConvolutionDescriptor_t>,
+    poolings: Vec<sys::cudnnPoolingDescriptor_t>,
+    activations: Vec<sys::cudnnActivationDescriptor_t>,
+}
+
+impl Descriptors {
+    /// An NHWC tensor of `[n, h, w, c]`.
+    fn tensor(
+        &mut self,
+        element_type: ElementType,
+        [n, h, w, c]: [usize; 4],
+    ) -> Result<sys::cudnnTensorDescriptor_t, CudaFailure> {
+        let mut descriptor: sys::cudnnTensorDescriptor_t = std::ptr::null_mut();
+        // SAFETY: `descriptor` is a valid out-pointer.
+        check(
+            unsafe { sys::cudnnCreateTensorDescriptor(&mut descriptor) },
+            "creating a tensor descriptor",
+        )?;
+        self.tensors.push(descriptor);
+        // SAFETY: the descriptor was just created and is owned by `self`.
+        check(
+            unsafe {
+                sys::cudnnSetTensor4dDescriptor(
+                    descriptor,
+                    sys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
+                    data_type(element_type)?,
+                    int(n, "batch")?,
+                    int(c, "channels")?,
+                    int(h, "height")?,
+                    int(w, "width")?,
+                )
+            },
+            "describing a tensor",
+        )?;
+        Ok(descriptor)
+    }
+
+    /// A KRSC filter of `filters x kh x kw x channels`.
+    fn filter(
+        &mut self,
+        element_type: ElementType,
+        [k, r, s, c]: [usize; 4],
+    ) -> Result<sys::cudnnFilterDescriptor_t, CudaFailure> {
+        let mut descriptor: sys::cudnnFilterDescriptor_t = std::ptr::null_mut();
+        // SAFETY: `descriptor` is a valid out-pointer.
+        check(
+            unsafe { sys::cudnnCreateFilterDescriptor(&mut descriptor) },
+            "creating a filter descriptor",
+        )?;
+        self.filters.push(descriptor);
+        // SAFETY: the descriptor was just created and is owned by `self`.
+        check(
+            unsafe {
+                sys::cudnnSetFilter4dDescriptor(
+                    descriptor,
+                    data_type(element_type)?,
+                    sys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
+                    int(k, "filters")?,
+                    int(c, "channels")?,
+                    int(r, "kernel height")?,
+                    int(s, "kernel width")?,
+                )
+            },
+            "describing a filter",
+        )?;
+        Ok(descriptor)
+    }
+
+    fn convolution(
+        &mut self,
+        shape: &ConvolutionShape,
+    ) -> Result<sys::cudnnConvolutionDescriptor_t, CudaFailure> {
+        let mut descriptor: sys::cudnnConvolutionDescriptor_t = std::ptr::null_mut();
+        // SAFETY: `descriptor` is a valid out-pointer.
+        check(
+            unsafe { sys::cudnnCreateConvolutionDescriptor(&mut descriptor) },
+            "creating a convolution descriptor",
+        )?;
+        self.convolutions.push(descriptor);
+        // fp32 data: plain FMA math, so cuDNN never rounds inputs to TF32 and the results
+        // stay within 1e-4 of the cpu backend. Half data: tensor cores, fp32 accumulation.
+        let math = if shape.element_type == ElementType::F32 {
+            sys::cudnnMathType_t::CUDNN_FMA_MATH
+        } else {
+            sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH
+        };
+        // SAFETY: the descriptor was just created and is owned by `self`.
+        check(
+            unsafe {
+                sys::cudnnSetConvolution2dDescriptor(
+                    descriptor,
+                    int(shape.padding[0], "padding")?,
+                    int(shape.padding[1], "padding")?,
+                    int(shape.stride[0], "stride")?,
+                    int(shape.stride[1], "stride")?,
+                    1,
+                    1,
+                    sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+                    sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+                )
+            },
+            "describing a convolution",
+        )?;
+        // SAFETY: as above.
+        check(
+            unsafe { sys::cudnnSetConvolutionMathType(descriptor, math) },
+            "setting the convolution math type",
+        )?;
+        Ok(descriptor)
+    }
+
+    fn pooling(
+        &mut self,
+        shape: &PoolingShape,
+    ) -> Result<sys::cudnnPoolingDescriptor_t, CudaFailure> {
+        let mut descriptor: sys::cudnnPoolingDescriptor_t = std::ptr::null_mut();
+        // SAFETY: `descriptor` is a valid out-pointer.
+        check(
+            unsafe { sys::cudnnCreatePoolingDescriptor(&mut descriptor) },
+            "creating a pooling descriptor",
+        )?;
+        self.poolings.push(descriptor);
+        let mode = if shape.is_max {
+            sys::cudnnPoolingMode_t::CUDNN_POOLING_MAX
+        } else {
+            // Padding never counts, as in the cpu kernels and TF.
+            sys::cudnnPoolingMode_t::CUDNN_POOLING_AVERAGE_COUNT_EXCLUDE_PADDING
+        };
+        // SAFETY: the descriptor was just created and is owned by `self`.
+        check(
+            unsafe {
+                sys::cudnnSetPooling2dDescriptor(
+                    descriptor,
+                    mode,
+                    sys::cudnnNanPropagation_t::CUDNN_PROPAGATE_NAN,
+                    int(shape.window[0], "window")?,
+                    int(shape.window[1], "window")?,
+                    int(shape.padding[0], "padding")?,
+                    int(shape.padding[1], "padding")?,
+                    int(shape.stride[0], "stride")?,
+                    int(shape.stride[1], "stride")?,
+                )
+            },
+            "describing a pooling",
+        )?;
+        Ok(descriptor)
+    }
+
+    fn activation(
+        &mut self,
+        kind: CudnnActivation,
+    ) -> Result<sys::cudnnActivationDescriptor_t, CudaFailure> {
+        let mut descriptor: sys::cudnnActivationDescriptor_t = std::ptr::null_mut();
+        // SAFETY: `descriptor` is a valid out-pointer.
+        check(
+            unsafe { sys::cudnnCreateActivationDescriptor(&mut descriptor) },
+            "creating an activation descriptor",
+        )?;
+        self.activations.push(descriptor);
+        let mode = match kind {
+            CudnnActivation::Relu => sys::cudnnActivationMode_t::CUDNN_ACTIVATION_RELU,
+            CudnnActivation::Sigmoid => sys::cudnnActivationMode_t::CUDNN_ACTIVATION_SIGMOID,
+            CudnnActivation::Tanh => sys::cudnnActivationMode_t::CUDNN_ACTIVATION_TANH,
+        };
+        // SAFETY: the descriptor was just created and is owned by `self`.
+        check(
+            unsafe {
+                sys::cudnnSetActivationDescriptor(
+                    descriptor,
+                    mode,
+                    // relu(NaN) stays NaN, as on the cpu backend.
+                    sys::cudnnNanPropagation_t::CUDNN_PROPAGATE_NAN,
+                    0.0,
+                )
+            },
+            "describing an activation",
+        )?;
+        Ok(descriptor)
+    }
+}
+
+impl Drop for Descriptors {
+    fn drop(&mut self) {
+        // SAFETY: every descriptor was created by this struct, is destroyed once, and no
+        // call that uses it is pending on the host (cuDNN reads descriptors when a call
+        // is enqueued, not when it runs).
+        unsafe {
+            for descriptor in self.tensors.drain(..) {
+                sys::cudnnDestroyTensorDescriptor(descriptor);
+            }
+            for descriptor in self.filters.drain(..) {
+                sys::cudnnDestroyFilterDescriptor(descriptor);
+            }
+            for descriptor in self.convolutions.drain(..) {
+                sys::cudnnDestroyConvolutionDescriptor(descriptor);
+            }
+            for descriptor in self.poolings.drain(..) {
+                sys::cudnnDestroyPoolingDescriptor(descriptor);
+            }
+            for descriptor in self.activations.drain(..) {
+                sys::cudnnDestroyActivationDescriptor(descriptor);
+            }
+        }
+    }
+}
+
+/// A convolution with symmetric padding, NHWC, KRSC filters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConvolutionShape {
+    /// `[n, h, w, c]`
+    pub input: [usize; 4],
+    /// `[n, oh, ow, filters]`
+    pub output: [usize; 4],
+    /// `[kh, kw]`
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    /// Rows and columns of padding on each side.
+    pub padding: [usize; 2],
+    pub element_type: ElementType,
+}
+
+impl ConvolutionShape {
+    fn filter(&self) -> [usize; 4] {
+        [
+            self.output[3],
+            self.kernel[0],
+            self.kernel[1],
+            self.input[3],
+        ]
+    }
+}
+
+/// Which of the three convolutions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ConvolutionDirection {
+    Forward,
+    BackwardData,
+    BackwardFilter,
+}
+
+/// The algorithm a direction runs, as cuDNN's own enum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConvolutionAlgorithm {
+    Forward(sys::cudnnConvolutionFwdAlgo_t),
+    BackwardData(sys::cudnnConvolutionBwdDataAlgo_t),
+    BackwardFilter(sys::cudnnConvolutionBwdFilterAlgo_t),
+}
+
+/// The device addresses of a convolution: `input` (x or dx), `filter` (w or dw),
+/// `output` (y or dy).
+#[derive(Debug, Clone, Copy)]
+pub struct ConvolutionBuffers {
+    pub input: u64,
+    pub filter: u64,
+    pub output: u64,
+    pub workspace: u64,
+    pub workspace_bytes: u64,
+}
+
+/// A pooling with symmetric padding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolingShape {
+    pub input: [usize; 4],
+    pub output: [usize; 4],
+    pub window: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub is_max: bool,
+    pub element_type: ElementType,
+}
+
+/// The activations cuDNN runs (the others are NVRTC kernels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudnnActivation {
+    Relu,
+    Sigmoid,
+    Tanh,
+}
+
+fn pointer(address: u64) -> *const std::ffi::c_void {
+    address as *const std::ffi::c_void
+}
+
+fn pointer_mut(address: u64) -> *mut std::ffi::c_void {
+    address as *mut std::ffi::c_void
+}
+
+const ONE: f32 = 1.0;
+const ZERO: f32 = 0.0;
+
+fn scale(value: &f32) -> *const std::ffi::c_void {
+    (value as *const f32).cast()
+}
+
+/// A cuDNN handle bound to the backend's stream.
+pub struct Cudnn {
+    handle: sys::cudnnHandle_t,
+}
+
+impl std::fmt::Debug for Cudnn {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("Cudnn").finish_non_exhaustive()
+    }
+}
+
+impl Drop for Cudnn {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once; the backend synchronizes its stream
+        // before dropping.
+        let _ = unsafe { sys::cudnnDestroy(self.handle) };
+    }
+}
+
+/// Up to this many algorithms are asked for (more than cuDNN has in any direction).
+const ALGORITHM_QUERY_COUNT: usize = 16;
+
+impl Cudnn {
+    /// Creates a handle on `stream` (the context must be current).
+    pub fn new(stream: driver_sys::CUstream) -> Result<Cudnn, CudaFailure> {
+        let mut handle: sys::cudnnHandle_t = std::ptr::null_mut();
+        // SAFETY: `handle` is a valid out-pointer; the caller made the context current.
+        check(
+            unsafe { sys::cudnnCreate(&mut handle) },
+            "creating the cudnn handle",
+        )?;
+        let cudnn = Cudnn { handle };
+        // SAFETY: the handle is live; the stream belongs to the current context and
+        // outlives the handle (the backend drops the handle first).
+        check(
+            unsafe { sys::cudnnSetStream(cudnn.handle, stream as sys::cudaStream_t) },
+            "binding cudnn to the stream",
+        )?;
+        Ok(cudnn)
+    }
+
+    /// Asks cuDNN for the algorithms of one direction with their workspace sizes. With
+    /// `measure`, runs them (`cudnnFind*AlgorithmEx`, which writes the direction's output
+    /// buffer: only for outputs the caller overwrites anyway); otherwise takes the
+    /// heuristic ranking (`cudnnGet*Algorithm_v7`, no times).
+    pub fn convolution_algorithms(
+        &self,
+        shape: &ConvolutionShape,
+        direction: ConvolutionDirection,
+        buffers: &ConvolutionBuffers,
+        measure: bool,
+    ) -> Result<Vec<(AlgorithmCandidate, ConvolutionAlgorithm)>, CudaFailure> {
+        let mut descriptors = Descriptors::default();
+        let x = descriptors.tensor(shape.element_type, shape.input)?;
+        let y = descriptors.tensor(shape.element_type, shape.output)?;
+        let w = descriptors.filter(shape.element_type, shape.filter())?;
+        let convolution = descriptors.convolution(shape)?;
+        let mut returned: i32 = 0;
+        let requested = ALGORITHM_QUERY_COUNT as i32;
+        let time = |milliseconds: f32| (measure && milliseconds >= 0.0).then_some(milliseconds);
+        let during = match direction {
+            ConvolutionDirection::Forward => "querying convolution forward algorithms",
+            ConvolutionDirection::BackwardData => "querying convolution backward-data algorithms",
+            ConvolutionDirection::BackwardFilter => {
+                "querying convolution backward-filter algorithms"
+            }
+        };
+        match direction {
+            ConvolutionDirection::Forward => {
+                // SAFETY: an all-zero perf struct is valid: every enum field has a
+                // variant 0 and the rest are plain numbers.
+                let mut results: Vec<sys::cudnnConvolutionFwdAlgoPerf_t> =
+                    vec![unsafe { std::mem::zeroed() }; ALGORITHM_QUERY_COUNT];
+                // SAFETY: descriptors are live; `results` holds `requested` entries;
+                // the buffers are live slice buffers matching the descriptors, and the
+                // workspace pointer/size are the plan's workspace buffer (or null/0).
+                let status = unsafe {
+                    if measure {
+                        sys::cudnnFindConvolutionForwardAlgorithmEx(
+                            self.handle,
+                            x,
+                            pointer(buffers.input),
+                            w,
+                            pointer(buffers.filter),
+                            convolution,
+                            y,
+                            pointer_mut(buffers.output),
+                            requested,
+                            &mut returned,
+                            results.as_mut_ptr(),
+                            pointer_mut(buffers.workspace),
+                            buffers.workspace_bytes as usize,
+                        )
+                    } else {
+                        sys::cudnnGetConvolutionForwardAlgorithm_v7(
+                            self.handle,
+                            x,
+                            w,
+                            convolution,
+                            y,
+                            requested,
+                            &mut returned,
+                            results.as_mut_ptr(),
+                        )
+                    }
+                };
+                check(status, during)?;
+                Ok(results
+                    .iter()
+                    .take(returned.max(0) as usize)
+                    .map(|result| {
+                        (
+                            AlgorithmCandidate {
+                                algorithm: result.algo as u32,
+                                time_milliseconds: time(result.time),
+                                workspace_bytes: result.memory as u64,
+                                usable: result.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
+                            },
+                            ConvolutionAlgorithm::Forward(result.algo),
+                        )
+                    })
+                    .collect())
+            }
+            ConvolutionDirection::BackwardData => {
+                // SAFETY: as for the forward perf struct.
+                let mut results: Vec<sys::cudnnConvolutionBwdDataAlgoPerf_t> =
+                    vec![unsafe { std::mem::zeroed() }; ALGORITHM_QUERY_COUNT];
+                // SAFETY: as for forward; `input` is dx (written by Find), `output` dy.
+                let status = unsafe {
+                    if measure {
+                        sys::cudnnFindConvolutionBackwardDataAlgorithmEx(
+                            self.handle,
+                            w,
+                            pointer(buffers.filter),
+                            y,
+                            pointer(buffers.output),
+                            convolution,
+                            x,
+                            pointer_mut(buffers.input),
+                            requested,
+                            &mut returned,
+                            results.as_mut_ptr(),
+                            pointer_mut(buffers.workspace),
+                            buffers.workspace_bytes as usize,
+                        )
+                    } else {
+                        sys::cudnnGetConvolutionBackwardDataAlgorithm_v7(
+                            self.handle,
+                            w,
+                            y,
+                            convolution,
+                            x,
+                            requested,
+                            &mut returned,
+                            results.as_mut_ptr(),
+                        )
+                    }
+                };
+                check(status, during)?;
+                Ok(results
+                    .iter()
+                    .take(returned.max(0) as usize)
+                    .map(|result| {
+                        (
+                            AlgorithmCandidate {
+                                algorithm: result.algo as u32,
+                                time_milliseconds: time(result.time),
+                                workspace_bytes: result.memory as u64,
+                                usable: result.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
+                            },
+                            ConvolutionAlgorithm::BackwardData(result.algo),
+                        )
+                    })
+                    .collect())
+            }
+            ConvolutionDirection::BackwardFilter => {
+                // SAFETY: as for the forward perf struct.
+                let mut results: Vec<sys::cudnnConvolutionBwdFilterAlgoPerf_t> =
+                    vec![unsafe { std::mem::zeroed() }; ALGORITHM_QUERY_COUNT];
+                // SAFETY: as for forward; `filter` is dw (written by Find).
+                let status = unsafe {
+                    if measure {
+                        sys::cudnnFindConvolutionBackwardFilterAlgorithmEx(
+                            self.handle,
+                            x,
+                            pointer(buffers.input),
+                            y,
+                            pointer(buffers.output),
+                            convolution,
+                            w,
+                            pointer_mut(buffers.filter),
+                            requested,
+                            &mut returned,
+                            results.as_mut_ptr(),
+                            pointer_mut(buffers.workspace),
+                            buffers.workspace_bytes as usize,
+                        )
+                    } else {
+                        sys::cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+                            self.handle,
+                            x,
+                            y,
+                            convolution,
+                            w,
+                            requested,
+                            &mut returned,
+                            results.as_mut_ptr(),
+                        )
+                    }
+                };
+                check(status, during)?;
+                Ok(results
+                    .iter()
+                    .take(returned.max(0) as usize)
+                    .map(|result| {
+                        (
+                            AlgorithmCandidate {
+                                algorithm: result.algo as u32,
+                                time_milliseconds: time(result.time),
+                                workspace_bytes: result.memory as u64,
+                                usable: result.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
+                            },
+                            ConvolutionAlgorithm::BackwardFilter(result.algo),
+                        )
+                    })
+                    .collect())
+            }
+        }
+    }
+
+    /// Runs one convolution direction with `algorithm`: `output = conv(x, w)`,
+    /// `dx = conv_backward_data(w, dy)` or `dw = beta * dw + conv_backward_filter(x, dy)`.
+    pub fn convolution(
+        &self,
+        shape: &ConvolutionShape,
+        algorithm: ConvolutionAlgorithm,
+        buffers: &ConvolutionBuffers,
+        beta: f32,
+    ) -> Result<(), CudaFailure> {
+        let mut descriptors = Descriptors::default();
+        let x = descriptors.tensor(shape.element_type, shape.input)?;
+        let y = descriptors.tensor(shape.element_type, shape.output)?;
+        let w = descriptors.filter(shape.element_type, shape.filter())?;
+        let convolution = descriptors.convolution(shape)?;
+        let workspace = pointer_mut(buffers.workspace);
+        let workspace_bytes = buffers.workspace_bytes as usize;
+        // SAFETY: descriptors are live and match the buffers, which are live slice
+        // buffers; the algorithm was chosen for this shape with a workspace need no
+        // larger than `workspace_bytes`, the size of the buffer at `workspace`; alpha
+        // and beta are host f32 as cuDNN requires for float/half data.
+        let (status, during) = unsafe {
+            match algorithm {
+                ConvolutionAlgorithm::Forward(algorithm) => (
+                    sys::cudnnConvolutionForward(
+                        self.handle,
+                        scale(&ONE),
+                        x,
+                        pointer(buffers.input),
+                        w,
+                        pointer(buffers.filter),
+                        convolution,
+                        algorithm,
+                        workspace,
+                        workspace_bytes,
+                        scale(&beta),
+                        y,
+                        pointer_mut(buffers.output),
+                    ),
+                    "cudnnConvolutionForward",
+                ),
+                ConvolutionAlgorithm::BackwardData(algorithm) => (
+                    sys::cudnnConvolutionBackwardData(
+                        self.handle,
+                        scale(&ONE),
+                        w,
+                        pointer(buffers.filter),
+                        y,
+                        pointer(buffers.output),
+                        convolution,
+                        algorithm,
+                        workspace,
+                        workspace_bytes,
+                        scale(&beta),
+                        x,
+                        pointer_mut(buffers.input),
+                    ),
+                    "cudnnConvolutionBackwardData",
+                ),
+                ConvolutionAlgorithm::BackwardFilter(algorithm) => (
+                    sys::cudnnConvolutionBackwardFilter(
+                        self.handle,
+                        scale(&ONE),
+                        x,
+                        pointer(buffers.input),
+                        y,
+                        pointer(buffers.output),
+                        convolution,
+                        algorithm,
+                        workspace,
+                        workspace_bytes,
+                        scale(&beta),
+                        w,
+                        pointer_mut(buffers.filter),
+                    ),
+                    "cudnnConvolutionBackwardFilter",
+                ),
+            }
+        };
+        check(status, during)
+    }
+
+    /// `bias_gradient = beta * bias_gradient + sum of dy over n, h, w`.
+    pub fn convolution_backward_bias(
+        &self,
+        output_shape: [usize; 4],
+        element_type: ElementType,
+        output_gradient: u64,
+        bias_gradient: u64,
+        bias_type: ElementType,
+        beta: f32,
+    ) -> Result<(), CudaFailure> {
+        let mut descriptors = Descriptors::default();
+        let dy = descriptors.tensor(element_type, output_shape)?;
+        let db = descriptors.tensor(bias_type, [1, 1, 1, output_shape[3]])?;
+        // SAFETY: live descriptors matching live slice buffers; host f32 scales.
+        let status = unsafe {
+            sys::cudnnConvolutionBackwardBias(
+                self.handle,
+                scale(&ONE),
+                dy,
+                pointer(output_gradient),
+                scale(&beta),
+                db,
+                pointer_mut(bias_gradient),
+            )
+        };
+        check(status, "cudnnConvolutionBackwardBias")
+    }
+
+    /// `output += bias`, broadcast over n, h, w.
+    pub fn add_bias(
+        &self,
+        output_shape: [usize; 4],
+        element_type: ElementType,
+        bias: u64,
+        output: u64,
+    ) -> Result<(), CudaFailure> {
+        let mut descriptors = Descriptors::default();
+        let y = descriptors.tensor(element_type, output_shape)?;
+        let b = descriptors.tensor(element_type, [1, 1, 1, output_shape[3]])?;
+        // SAFETY: live descriptors matching live slice buffers; host f32 scales.
+        let status = unsafe {
+            sys::cudnnAddTensor(
+                self.handle,
+                scale(&ONE),
+                b,
+                pointer(bias),
+                scale(&ONE),
+                y,
+                pointer_mut(output),
+            )
+        };
+        check(status, "cudnnAddTensor")
+    }
+
+    pub fn pooling_forward(
+        &self,
+        shape: &PoolingShape,
+        input: u64,
+        output: u64,
+    ) -> Result<(), CudaFailure> {
+        let mut descriptors = Descriptors::default();
+        let x = descriptors.tensor(shape.element_type, shape.input)?;
+        let y = descriptors.tensor(shape.element_type, shape.output)?;
+        let pooling = descriptors.pooling(shape)?;
+        // SAFETY: live descriptors matching live slice buffers; host f32 scales.
+        let status = unsafe {
+            sys::cudnnPoolingForward(
+                self.handle,
+                pooling,
+                scale(&ONE),
+                x,
+                pointer(input),
+                scale(&ZERO),
+                y,
+                pointer_mut(output),
+            )
+        };
+        check(status, "cudnnPoolingForward")
+    }
+
+    /// `dx = pooling_backward(y, dy, x)` (overwritten).
+    pub fn pooling_backward(
+        &self,
+        shape: &PoolingShape,
+        input: u64,
+        output: u64,
+        output_gradient: u64,
+        input_gradient: u64,
+    ) -> Result<(), CudaFailure> {
+        let mut descriptors = Descriptors::default();
+        let x = descriptors.tensor(shape.element_type, shape.input)?;
+        let y = descriptors.tensor(shape.element_type, shape.output)?;
+        let pooling = descriptors.pooling(shape)?;
+        // SAFETY: live descriptors matching live slice buffers; for average pooling x and
+        // y are the saved tensors too when the plan kept them, otherwise the gradients'
+        // own buffers stand in (cuDNN reads only the shapes then); host f32 scales.
+        let status = unsafe {
+            sys::cudnnPoolingBackward(
+                self.handle,
+                pooling,
+                scale(&ONE),
+                y,
+                pointer(output),
+                y,
+                pointer(output_gradient),
+                x,
+                pointer(input),
+                scale(&ZERO),
+                x,
+                pointer_mut(input_gradient),
+            )
+        };
+        check(status, "cudnnPoolingBackward")
+    }
+
+    /// `output = activation(input)` over `elements` values.
+    pub fn activation_forward(
+        &self,
+        kind: CudnnActivation,
+        elements: usize,
+        element_type: ElementType,
+        input: u64,
+        output: u64,
+    ) -> Result<(), CudaFailure> {
+        let mut descriptors = Descriptors::default();
+        let tensor = descriptors.tensor(element_type, [1, 1, 1, elements])?;
+        let activation = descriptors.activation(kind)?;
+        // SAFETY: live descriptors matching live slice buffers of `elements` values.
+        let status = unsafe {
+            sys::cudnnActivationForward(
+                self.handle,
+                activation,
+                scale(&ONE),
+                tensor,
+                pointer(input),
+                scale(&ZERO),
+                tensor,
+                pointer_mut(output),
+            )
+        };
+        check(status, "cudnnActivationForward")
+    }
+
+    /// `dx = dy * activation'(...)`, from the saved output (relu, sigmoid and tanh need
+    /// only it; it is passed as the input too, which relu's backward may read and which
+    /// has the same sign).
+    pub fn activation_backward(
+        &self,
+        kind: CudnnActivation,
+        elements: usize,
+        element_type: ElementType,
+        output: u64,
+        output_gradient: u64,
+        input_gradient: u64,
+    ) -> Result<(), CudaFailure> {
+        let mut descriptors = Descriptors::default();
+        let tensor = descriptors.tensor(element_type, [1, 1, 1, elements])?;
+        let activation = descriptors.activation(kind)?;
+        // SAFETY: live descriptors matching live slice buffers of `elements` values.
+        let status = unsafe {
+            sys::cudnnActivationBackward(
+                self.handle,
+                activation,
+                scale(&ONE),
+                tensor,
+                pointer(output),
+                tensor,
+                pointer(output_gradient),
+                tensor,
+                pointer(output),
+                scale(&ZERO),
+                tensor,
+                pointer_mut(input_gradient),
+            )
+        };
+        check(status, "cudnnActivationBackward")
+    }
+}

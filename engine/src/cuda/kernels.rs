@@ -1,0 +1,525 @@
+//! The NVRTC kernels of the CUDA backend, as CUDA C source compiled once per process.
+//!
+//! Each kernel is a line-by-line translation of the cpu kernel it stands for
+//! (`crate::kernels::*`), with the same formulas in the same order and the same f64
+//! accumulations, so the two backends agree to rounding. The module is compiled with
+//! `--fmad=false`: Rust never contracts `a * b + c` into a fused multiply-add, and the
+//! optimizer updates must round the same way on both backends.
+//!
+//! Buffers of any element type are read and written through `load_element` /
+//! `store_element` with the type code of [`element_type_code`]: half values are converted
+//! with PTX `cvt` instructions (round to nearest even, as the `half` crate does) and
+//! bfloat16 with integer rounding, so the source needs no CUDA headers and compiles with
+//! any NVRTC.
+
+use carve_core::plan::ElementType;
+
+/// The code a kernel receives for a buffer's element type.
+pub fn element_type_code(element_type: ElementType) -> i32 {
+    match element_type {
+        ElementType::F32 => 0,
+        ElementType::F16 => 1,
+        ElementType::Bf16 => 2,
+        ElementType::I32 => 3,
+        ElementType::U8 => 4,
+    }
+}
+
+/// Threads per block of every 1-D launch; the reduction kernels assume exactly this.
+pub const THREADS_PER_BLOCK: u32 = 256;
+
+/// Words of the host-visible result area ("mailbox") the loss and overflow kernels write:
+/// loss sum (f64 bits), correct predictions, the first sample with a bad label (stored as
+/// its bitwise complement, 0 when none), unused, overflow flag.
+pub const MAILBOX_WORDS: usize = 5;
+pub const MAILBOX_LOSS_SUM: usize = 0;
+pub const MAILBOX_CORRECT: usize = 1;
+pub const MAILBOX_BAD_LABEL_SAMPLE: usize = 2;
+pub const MAILBOX_OVERFLOW: usize = 4;
+
+/// Every kernel the module defines, so the backend can load them all up front and a
+/// missing one is an error at start, not in the middle of a step.
+pub const KERNEL_NAMES: &[&str] = &[
+    "convert_elements",
+    "add_into_f32",
+    "add_bias_rows",
+    "column_sums",
+    "activation_forward",
+    "activation_backward",
+    "dropout_forward",
+    "dropout_backward",
+    "batch_norm_training_forward",
+    "batch_norm_backward",
+    "batch_norm_inference_forward",
+    "softmax_cross_entropy_forward",
+    "softmax_cross_entropy_backward",
+    "mse_forward",
+    "mse_backward",
+    "check_finite",
+    "sgd_update",
+    "adam_update",
+    "conv_forward_direct",
+    "conv_backward_data_direct",
+    "conv_backward_filter_direct",
+    "pool_forward_direct",
+    "pool_backward_direct",
+    "global_avg_pool_forward",
+    "global_avg_pool_backward",
+];
+
+/// The CUDA C source of every kernel.
+pub const KERNEL_SOURCE: &str = r#"
+typedef long long i64;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+__device__ __forceinline__ float bf16_to_f32(unsigned short b) {
+    return __uint_as_float(((unsigned int)b) << 16);
+}
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    unsigned int rounding = 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)((u + rounding) >> 16);
+}
+__device__ __forceinline__ float load_element(const void* p, int t, i64 i) {
+    switch (t) {
+        case 0: return ((const float*)p)[i];
+        case 1: return f16_to_f32(((const unsigned short*)p)[i]);
+        case 2: return bf16_to_f32(((const unsigned short*)p)[i]);
+        case 3: return (float)((const int*)p)[i];
+        default: return (float)((const unsigned char*)p)[i];
+    }
+}
+__device__ __forceinline__ void store_element(void* p, int t, i64 i, float v) {
+    switch (t) {
+        case 0: ((float*)p)[i] = v; break;
+        case 1: ((unsigned short*)p)[i] = f32_to_f16(v); break;
+        case 2: ((unsigned short*)p)[i] = f32_to_bf16(v); break;
+        case 3: ((int*)p)[i] = (int)v; break;
+        default: ((unsigned char*)p)[i] = (unsigned char)v; break;
+    }
+}
+#define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
+
+extern "C" __global__ void convert_elements(const void* src, int src_t, void* dst, int dst_t, i64 n) {
+    GRID_STRIDE(i, n) { store_element(dst, dst_t, i, load_element(src, src_t, i)); }
+}
+
+extern "C" __global__ void add_into_f32(float* dst, const void* src, int src_t, i64 n) {
+    GRID_STRIDE(i, n) { dst[i] = dst[i] + load_element(src, src_t, i); }
+}
+
+extern "C" __global__ void add_bias_rows(void* out, int out_t, const void* bias, int bias_t, i64 rows, i64 columns) {
+    GRID_STRIDE(i, rows * columns) {
+        store_element(out, out_t, i, load_element(out, out_t, i) + load_element(bias, bias_t, i % columns));
+    }
+}
+
+// dst[c] (+)= sum over rows of src[r, c], summed in f32 in row order like the cpu kernels.
+extern "C" __global__ void column_sums(const void* src, int src_t, i64 rows, i64 columns, void* dst, int dst_t, int accumulate) {
+    GRID_STRIDE(c, columns) {
+        float sum = 0.0f;
+        for (i64 r = 0; r < rows; ++r) sum = sum + load_element(src, src_t, r * columns + c);
+        float before = accumulate ? load_element(dst, dst_t, c) : 0.0f;
+        store_element(dst, dst_t, c, before + sum);
+    }
+}
+
+// Activation kinds: 0 relu, 1 leaky relu, 2 gelu, 3 sigmoid, 4 tanh.
+__device__ float sigmoid_of(float x) {
+    if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
+    float e = expf(x); return e / (1.0f + e);
+}
+__device__ double standard_normal_cdf(double x) { return 0.5 * erfc(-x * 0.70710678118654752440); }
+extern "C" __global__ void activation_forward(int kind, float alpha, const void* x, void* y, int t, i64 n) {
+    GRID_STRIDE(i, n) {
+        float v = load_element(x, t, i), r;
+        switch (kind) {
+            case 0: r = v < 0.0f ? 0.0f : v; break;
+            case 1: r = v > 0.0f ? v : alpha * v; break;
+            case 2: { double d = (double)v; r = (float)(d * standard_normal_cdf(d)); break; }
+            case 3: r = sigmoid_of(v); break;
+            default: r = tanhf(v); break;
+        }
+        store_element(y, t, i, r);
+    }
+}
+// `saved` is the output for relu, sigmoid and tanh and the input for leaky relu and gelu.
+extern "C" __global__ void activation_backward(int kind, float alpha, const void* saved, const void* dy, void* dx, int t, i64 n) {
+    GRID_STRIDE(i, n) {
+        float s = load_element(saved, t, i), g = load_element(dy, t, i), r;
+        switch (kind) {
+            case 0: r = s > 0.0f ? g : 0.0f; break;
+            case 1: r = s > 0.0f ? g : alpha * g; break;
+            case 2: {
+                double d = (double)s;
+                double density = exp(-0.5 * d * d) / sqrt(2.0 * 3.14159265358979323846);
+                r = g * (float)(standard_normal_cdf(d) + d * density); break;
+            }
+            case 3: r = g * s * (1.0f - s); break;
+            default: r = g * (1.0f - s * s); break;
+        }
+        store_element(dx, t, i, r);
+    }
+}
+
+// SplitMix64, positional: draw i of a stream is mix(state0 + (i + 1) * golden), exactly
+// what `Rng::next_f32` returns for the i-th call.
+__device__ u64 splitmix_mix(u64 z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+extern "C" __global__ void dropout_forward(const void* x, void* y, int t, unsigned char* mask, i64 n, float rate, float keep_scale, u64 state0, int identity) {
+    GRID_STRIDE(i, n) {
+        float v = load_element(x, t, i);
+        if (identity) { mask[i] = 1; store_element(y, t, i, v); continue; }
+        u64 draw = splitmix_mix(state0 + (u64)(i + 1) * 0x9e3779b97f4a7c15ull);
+        float uniform = (float)(draw >> 40) / 16777216.0f;
+        int keep = uniform >= rate;
+        mask[i] = (unsigned char)keep;
+        store_element(y, t, i, v * (keep ? keep_scale : 0.0f));
+    }
+}
+extern "C" __global__ void dropout_backward(const unsigned char* mask, const void* dy, void* dx, int t, i64 n, float keep_scale) {
+    GRID_STRIDE(i, n) { store_element(dx, t, i, load_element(dy, t, i) * (mask[i] ? keep_scale : 0.0f)); }
+}
+
+// One block per channel: f64 sums in two passes as the cpu kernel, then normalization.
+__device__ double block_sum(double value, double* shared) {
+    shared[threadIdx.x] = value;
+    __syncthreads();
+    for (unsigned int half = blockDim.x / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) shared[threadIdx.x] += shared[threadIdx.x + half];
+        __syncthreads();
+    }
+    double total = shared[0];
+    __syncthreads();
+    return total;
+}
+extern "C" __global__ void batch_norm_training_forward(const void* x, void* y, int t, i64 rows, i64 channels,
+        const void* gamma, const void* beta, int parameter_t, float* statistics,
+        float* running_mean, float* running_variance, int update_running, double momentum, double epsilon) {
+    __shared__ double shared[256];
+    i64 c = blockIdx.x;
+    if (c >= channels) return;
+    double sum = 0.0;
+    for (i64 r = threadIdx.x; r < rows; r += blockDim.x) sum += (double)load_element(x, t, r * channels + c);
+    double row_count = rows > 0 ? (double)rows : 1.0;
+    double mean = block_sum(sum, shared) / row_count;
+    double squares = 0.0;
+    for (i64 r = threadIdx.x; r < rows; r += blockDim.x) {
+        double d = (double)load_element(x, t, r * channels + c) - mean; squares += d * d;
+    }
+    double squared_deviations = block_sum(squares, shared);
+    float saved_mean = (float)mean;
+    float saved_inverse_std = (float)(1.0 / sqrt(squared_deviations / row_count + epsilon));
+    if (threadIdx.x == 0) {
+        statistics[c] = saved_mean;
+        statistics[channels + c] = saved_inverse_std;
+        if (update_running && rows > 0) {
+            double divisor = rows > 1 ? (double)(rows - 1) : 1.0;
+            running_mean[c] = (float)(momentum * (double)running_mean[c] + (1.0 - momentum) * mean);
+            running_variance[c] = (float)(momentum * (double)running_variance[c] + (1.0 - momentum) * (squared_deviations / divisor));
+        }
+    }
+    float g = load_element(gamma, parameter_t, c), b = load_element(beta, parameter_t, c);
+    for (i64 r = threadIdx.x; r < rows; r += blockDim.x) {
+        i64 i = r * channels + c;
+        store_element(y, t, i, g * ((load_element(x, t, i) - saved_mean) * saved_inverse_std) + b);
+    }
+}
+// Parameter gradients go to `gamma_gradient` / `beta_gradient` (element type
+// gradient_t): added to fp32 gradients, or written to the half scratch.
+extern "C" __global__ void batch_norm_backward(const void* x, const void* dy, void* dx, int t, i64 rows, i64 channels,
+        const void* gamma, int parameter_t, const float* statistics,
+        void* gamma_gradient, void* beta_gradient, int gradient_t, int accumulate) {
+    __shared__ double shared[256];
+    i64 c = blockIdx.x;
+    if (c >= channels || rows == 0) return;
+    float mean = statistics[c], inverse_std = statistics[channels + c];
+    double sum_gradient = 0.0, sum_gradient_normalized = 0.0;
+    for (i64 r = threadIdx.x; r < rows; r += blockDim.x) {
+        i64 i = r * channels + c;
+        float normalized = (load_element(x, t, i) - mean) * inverse_std;
+        double g = (double)load_element(dy, t, i);
+        sum_gradient += g; sum_gradient_normalized += g * (double)normalized;
+    }
+    sum_gradient = block_sum(sum_gradient, shared);
+    sum_gradient_normalized = block_sum(sum_gradient_normalized, shared);
+    float mean_gradient = (float)(sum_gradient / (double)rows);
+    float mean_gradient_normalized = (float)(sum_gradient_normalized / (double)rows);
+    float coefficient = load_element(gamma, parameter_t, c) * inverse_std;
+    if (dx != 0) {
+        for (i64 r = threadIdx.x; r < rows; r += blockDim.x) {
+            i64 i = r * channels + c;
+            float normalized = (load_element(x, t, i) - mean) * inverse_std;
+            store_element(dx, t, i, coefficient * (load_element(dy, t, i) - mean_gradient - normalized * mean_gradient_normalized));
+        }
+    }
+    if (threadIdx.x == 0) {
+        float gamma_before = accumulate ? load_element(gamma_gradient, gradient_t, c) : 0.0f;
+        float beta_before = accumulate ? load_element(beta_gradient, gradient_t, c) : 0.0f;
+        store_element(gamma_gradient, gradient_t, c, gamma_before + (float)sum_gradient_normalized);
+        store_element(beta_gradient, gradient_t, c, beta_before + (float)sum_gradient);
+    }
+}
+extern "C" __global__ void batch_norm_inference_forward(const void* x, void* y, int t, i64 rows, i64 channels,
+        const void* gamma, const void* beta, int parameter_t, const float* running_mean, const float* running_variance, double epsilon) {
+    GRID_STRIDE(i, rows * channels) {
+        i64 c = i % channels;
+        float inverse_std = (float)(1.0 / sqrt((double)running_variance[c] + epsilon));
+        store_element(y, t, i, load_element(gamma, parameter_t, c) * ((load_element(x, t, i) - running_mean[c]) * inverse_std) + load_element(beta, parameter_t, c));
+    }
+}
+
+// One block of 256 threads: each thread takes whole rows, the sums are combined in a
+// fixed order, so the result does not depend on scheduling.
+extern "C" __global__ void softmax_cross_entropy_forward(const void* logits, int t, const int* labels, float* probabilities,
+        i64 batch, i64 classes, u64* mailbox, void* loss_value, int loss_t) {
+    __shared__ double shared[256];
+    double total = 0.0, correct = 0.0;
+    for (i64 s = threadIdx.x; s < batch; s += blockDim.x) {
+        int label = labels[s];
+        if (label < 0 || (i64)label >= classes) {
+            // The largest of ~s is the first bad sample, whatever the thread order.
+            atomicMax(&mailbox[2], ~(u64)s);
+            continue;
+        }
+        const i64 base = s * classes;
+        float maximum = __int_as_float(0xff800000);
+        // As the cpu fold: a NaN logit never becomes the maximum, it poisons the sum below.
+        for (i64 k = 0; k < classes; ++k) { float v = load_element(logits, t, base + k); if (v > maximum) maximum = v; }
+        double m = (double)maximum, sum = 0.0;
+        for (i64 k = 0; k < classes; ++k) {
+            double e = exp((double)load_element(logits, t, base + k) - m);
+            probabilities[base + k] = (float)e; sum += e;
+        }
+        double inverse_sum = 1.0 / sum;
+        for (i64 k = 0; k < classes; ++k) probabilities[base + k] = (float)((double)probabilities[base + k] * inverse_sum);
+        total += log(sum) - ((double)load_element(logits, t, base + label) - m);
+        i64 best = 0; float best_score = probabilities[base];
+        for (i64 k = 1; k < classes; ++k) {
+            float score = probabilities[base + k];
+            if (score > best_score || (best_score != best_score && score == score)) { best = k; best_score = score; }
+        }
+        if (best_score == best_score && best == (i64)label) correct += 1.0;
+    }
+    total = block_sum(total, shared);
+    correct = block_sum(correct, shared);
+    if (threadIdx.x == 0) {
+        mailbox[0] = (u64)__double_as_longlong(total);
+        mailbox[1] = (u64)correct;
+        store_element(loss_value, loss_t, 0, (float)(total / (double)(batch > 0 ? batch : 1)));
+    }
+}
+extern "C" __global__ void softmax_cross_entropy_backward(const float* probabilities, const int* labels, i64 batch, i64 classes,
+        float scale, void* gradient, int gradient_t) {
+    GRID_STRIDE(i, batch * classes) {
+        i64 s = i / classes, k = i % classes;
+        float one_hot = (labels[s] == (int)k) ? 1.0f : 0.0f;
+        store_element(gradient, gradient_t, i, (probabilities[i] - one_hot) * scale);
+    }
+}
+extern "C" __global__ void mse_forward(const void* output, int t, const float* targets, i64 elements, i64 per_sample,
+        i64 batch, u64* mailbox, void* loss_value, int loss_t) {
+    __shared__ double shared[256];
+    double sum = 0.0;
+    for (i64 i = threadIdx.x; i < elements; i += blockDim.x) {
+        double e = (double)load_element(output, t, i) - (double)targets[i]; sum += e * e;
+    }
+    sum = block_sum(sum, shared);
+    if (threadIdx.x == 0) {
+        double loss_sum = per_sample > 0 ? sum / (double)per_sample : 0.0;
+        mailbox[0] = (u64)__double_as_longlong(loss_sum);
+        store_element(loss_value, loss_t, 0, (float)(loss_sum / (double)(batch > 0 ? batch : 1)));
+    }
+}
+extern "C" __global__ void mse_backward(const void* output, int t, const float* targets, i64 elements, float factor,
+        void* gradient, int gradient_t) {
+    GRID_STRIDE(i, elements) { store_element(gradient, gradient_t, i, (load_element(output, t, i) - targets[i]) * factor); }
+}
+
+extern "C" __global__ void check_finite(const void* values, int t, i64 n, u64* mailbox) {
+    // Exponent all ones: infinity or NaN.
+    GRID_STRIDE(i, n) { if ((__float_as_uint(load_element(values, t, i)) & 0x7f800000u) == 0x7f800000u) mailbox[4] = 1ull; }
+}
+
+extern "C" __global__ void sgd_update(float* w, const float* gradients, float* velocity, i64 n, float learning_rate,
+        float momentum, float weight_decay, int nesterov, float gradient_scale) {
+    GRID_STRIDE(i, n) {
+        float gradient = gradients[i] * gradient_scale + weight_decay * w[i];
+        if (velocity == 0) { w[i] = w[i] - learning_rate * gradient; continue; }
+        float v = momentum * velocity[i] + gradient;
+        velocity[i] = v;
+        float step = nesterov ? gradient + momentum * v : v;
+        w[i] = w[i] - learning_rate * step;
+    }
+}
+extern "C" __global__ void adam_update(float* w, const float* gradients, float* first, float* second, i64 n,
+        float beta1, float beta2, float one_minus_beta1, float one_minus_beta2, float epsilon, float step_size,
+        float bias_correction2_sqrt, float l2_decay, float decoupled_decay_factor, float gradient_scale) {
+    GRID_STRIDE(i, n) {
+        float gradient = gradients[i] * gradient_scale + l2_decay * w[i];
+        float weight = w[i] * decoupled_decay_factor;
+        float m = beta1 * first[i] + one_minus_beta1 * gradient;
+        float v = beta2 * second[i] + one_minus_beta2 * gradient * gradient;
+        first[i] = m; second[i] = v;
+        float denominator = sqrtf(v) / bias_correction2_sqrt + epsilon;
+        w[i] = weight - step_size * m / denominator;
+    }
+}
+
+// Direct convolution for the geometries cuDNN's symmetric padding cannot express (TF
+// "same" with an odd total padding). Kernels are KRSC: [filters][kh][kw][in_channels].
+struct ConvGeometry { i64 n, h, w, c, oh, ow, f, kh, kw, sh, sw, pt, pl; };
+extern "C" __global__ void conv_forward_direct(const void* x, const void* kernel, const void* bias, void* y, int t, ConvGeometry g) {
+    GRID_STRIDE(i, g.n * g.oh * g.ow * g.f) {
+        i64 f = i % g.f, ox = (i / g.f) % g.ow, oy = (i / (g.f * g.ow)) % g.oh, s = i / (g.f * g.ow * g.oh);
+        float sum = 0.0f;
+        for (i64 ky = 0; ky < g.kh; ++ky) {
+            i64 iy = oy * g.sh + ky - g.pt; if (iy < 0 || iy >= g.h) continue;
+            for (i64 kx = 0; kx < g.kw; ++kx) {
+                i64 ix = ox * g.sw + kx - g.pl; if (ix < 0 || ix >= g.w) continue;
+                for (i64 c = 0; c < g.c; ++c)
+                    sum = sum + load_element(x, t, ((s * g.h + iy) * g.w + ix) * g.c + c) * load_element(kernel, t, ((f * g.kh + ky) * g.kw + kx) * g.c + c);
+            }
+        }
+        if (bias != 0) sum = sum + load_element(bias, t, f);
+        store_element(y, t, i, sum);
+    }
+}
+extern "C" __global__ void conv_backward_data_direct(const void* dy, const void* kernel, void* dx, int t, ConvGeometry g) {
+    GRID_STRIDE(i, g.n * g.h * g.w * g.c) {
+        i64 c = i % g.c, ix = (i / g.c) % g.w, iy = (i / (g.c * g.w)) % g.h, s = i / (g.c * g.w * g.h);
+        float sum = 0.0f;
+        for (i64 ky = 0; ky < g.kh; ++ky) {
+            i64 ny = iy + g.pt - ky; if (ny < 0 || ny % g.sh != 0) continue; i64 oy = ny / g.sh; if (oy >= g.oh) continue;
+            for (i64 kx = 0; kx < g.kw; ++kx) {
+                i64 nx = ix + g.pl - kx; if (nx < 0 || nx % g.sw != 0) continue; i64 ox = nx / g.sw; if (ox >= g.ow) continue;
+                for (i64 f = 0; f < g.f; ++f)
+                    sum = sum + load_element(dy, t, ((s * g.oh + oy) * g.ow + ox) * g.f + f) * load_element(kernel, t, ((f * g.kh + ky) * g.kw + kx) * g.c + c);
+            }
+        }
+        store_element(dx, t, i, sum);
+    }
+}
+extern "C" __global__ void conv_backward_filter_direct(const void* x, const void* dy, int t, void* dw, int dw_t, int accumulate, ConvGeometry g) {
+    GRID_STRIDE(i, g.f * g.kh * g.kw * g.c) {
+        i64 c = i % g.c, kx = (i / g.c) % g.kw, ky = (i / (g.c * g.kw)) % g.kh, f = i / (g.c * g.kw * g.kh);
+        float sum = 0.0f;
+        for (i64 s = 0; s < g.n; ++s)
+            for (i64 oy = 0; oy < g.oh; ++oy) {
+                i64 iy = oy * g.sh + ky - g.pt; if (iy < 0 || iy >= g.h) continue;
+                for (i64 ox = 0; ox < g.ow; ++ox) {
+                    i64 ix = ox * g.sw + kx - g.pl; if (ix < 0 || ix >= g.w) continue;
+                    sum = sum + load_element(x, t, ((s * g.h + iy) * g.w + ix) * g.c + c) * load_element(dy, t, ((s * g.oh + oy) * g.ow + ox) * g.f + f);
+                }
+            }
+        float before = accumulate ? load_element(dw, dw_t, i) : 0.0f;
+        store_element(dw, dw_t, i, before + sum);
+    }
+}
+
+// Pooling for asymmetric padding; the same rules as the cpu kernels: padding never
+// takes part, a max pool's gradient goes to the first maximum in row-major order.
+// mode 0: max, 1: average.
+extern "C" __global__ void pool_forward_direct(const void* x, void* y, int t, int mode, ConvGeometry g) {
+    GRID_STRIDE(i, g.n * g.oh * g.ow * g.c) {
+        i64 c = i % g.c, ox = (i / g.c) % g.ow, oy = (i / (g.c * g.ow)) % g.oh, s = i / (g.c * g.ow * g.oh);
+        float best = 0.0f, sum = 0.0f; int found = 0; i64 count = 0;
+        for (i64 ky = 0; ky < g.kh; ++ky) {
+            i64 iy = oy * g.sh + ky - g.pt; if (iy < 0 || iy >= g.h) continue;
+            for (i64 kx = 0; kx < g.kw; ++kx) {
+                i64 ix = ox * g.sw + kx - g.pl; if (ix < 0 || ix >= g.w) continue;
+                float v = load_element(x, t, ((s * g.h + iy) * g.w + ix) * g.c + c);
+                // Once a NaN is seen the output stays NaN.
+                if (!found) best = v; else if (best == best && (v > best || v != v)) best = v;
+                found = 1; sum = sum + v; ++count;
+            }
+        }
+        float r = mode == 0 ? (found ? best : 0.0f) : (count > 0 ? sum * (1.0f / (float)count) : 0.0f);
+        store_element(y, t, i, r);
+    }
+}
+extern "C" __global__ void pool_backward_direct(const void* x, const void* y, const void* dy, void* dx, int t, int mode, ConvGeometry g) {
+    GRID_STRIDE(i, g.n * g.h * g.w * g.c) {
+        i64 c = i % g.c, ix = (i / g.c) % g.w, iy = (i / (g.c * g.w)) % g.h, s = i / (g.c * g.w * g.h);
+        float sum = 0.0f;
+        for (i64 ky = 0; ky < g.kh; ++ky) {
+            i64 ny = iy + g.pt - ky; if (ny < 0 || ny % g.sh != 0) continue; i64 oy = ny / g.sh; if (oy >= g.oh) continue;
+            for (i64 kx = 0; kx < g.kw; ++kx) {
+                i64 nx = ix + g.pl - kx; if (nx < 0 || nx % g.sw != 0) continue; i64 ox = nx / g.sw; if (ox >= g.ow) continue;
+                i64 o = ((s * g.oh + oy) * g.ow + ox) * g.c + c;
+                i64 first_row = oy * g.sh - g.pt, first_column = ox * g.sw - g.pl;
+                i64 row_begin = first_row < 0 ? 0 : first_row, row_end = first_row + g.kh < g.h ? first_row + g.kh : g.h;
+                i64 column_begin = first_column < 0 ? 0 : first_column, column_end = first_column + g.kw < g.w ? first_column + g.kw : g.w;
+                if (mode == 1) {
+                    i64 count = (row_end - row_begin) * (column_end - column_begin);
+                    if (count > 0) sum = sum + load_element(dy, t, o) * (1.0f / (float)count);
+                    continue;
+                }
+                float maximum = load_element(y, t, o);
+                // The first input of the window equal to the output receives the gradient.
+                i64 winner_row = -1, winner_column = -1;
+                for (i64 r = row_begin; r < row_end && winner_row < 0; ++r)
+                    for (i64 q = column_begin; q < column_end; ++q)
+                        if (load_element(x, t, ((s * g.h + r) * g.w + q) * g.c + c) == maximum) { winner_row = r; winner_column = q; break; }
+                if (winner_row == iy && winner_column == ix) sum = sum + load_element(dy, t, o);
+            }
+        }
+        store_element(dx, t, i, sum);
+    }
+}
+extern "C" __global__ void global_avg_pool_forward(const void* x, void* y, int t, i64 batch, i64 pixels, i64 channels) {
+    GRID_STRIDE(i, batch * channels) {
+        i64 s = i / channels, c = i % channels;
+        float sum = 0.0f;
+        for (i64 p = 0; p < pixels; ++p) sum = sum + load_element(x, t, (s * pixels + p) * channels + c);
+        store_element(y, t, i, sum * (pixels > 0 ? 1.0f / (float)pixels : 0.0f));
+    }
+}
+extern "C" __global__ void global_avg_pool_backward(const void* dy, void* dx, int t, i64 batch, i64 pixels, i64 channels) {
+    GRID_STRIDE(i, batch * pixels * channels) {
+        i64 c = i % channels, s = i / (pixels * channels);
+        store_element(dx, t, i, load_element(dy, t, s * channels + c) * (1.0f / (float)pixels));
+    }
+}
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_listed_kernel_is_defined_once_in_the_source() {
+        for name in KERNEL_NAMES {
+            let definition = format!("__global__ void {name}(");
+            assert_eq!(
+                KERNEL_SOURCE.matches(&definition).count(),
+                1,
+                "kernel {name} must be defined exactly once"
+            );
+        }
+        assert_eq!(
+            KERNEL_SOURCE.matches("__global__").count(),
+            KERNEL_NAMES.len(),
+            "every kernel in the source is listed"
+        );
+    }
+
+    #[test]
+    fn element_type_codes_match_the_source_switch() {
+        assert_eq!(element_type_code(ElementType::F32), 0);
+        assert_eq!(element_type_code(ElementType::F16), 1);
+        assert_eq!(element_type_code(ElementType::Bf16), 2);
+        assert_eq!(element_type_code(ElementType::I32), 3);
+        assert_eq!(element_type_code(ElementType::U8), 4);
+    }
+}

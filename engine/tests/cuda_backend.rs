@@ -1,0 +1,288 @@
+//! The training suite against both backends: every model, precision and optimizer here
+//! trains on the cpu backend, and — where `CudaBackend::available()` — on the GPU too,
+//! and the two must agree (fp32 within 1e-4 of the largest magnitude of each tensor, half
+//! precisions within what their rounding allows).
+//!
+//! Without CUDA each comparison prints "skipped: CUDA not available: <reason>" and checks
+//! only the cpu side, plus that the cuda backend refuses cleanly with that reason: these
+//! tests then report that they did not run on CUDA rather than pretending they did.
+
+use std::path::Path;
+
+use carve_core::estimator::estimate_job;
+use carve_core::plan::RunConfig;
+use carve_core::spec::Precision;
+use carve_core::validate::{ValidatedJob, load_job_spec_toml};
+use carve_engine::EngineError;
+use carve_engine::checkpoint::NamedTensor;
+use carve_engine::cuda::{CudaBackend, CudaOptions, train_on_cuda};
+use carve_engine::data::{DataSets, open_data_sets};
+use carve_engine::trainer::{TrainingOptions, train};
+
+fn job(text: &str) -> ValidatedJob {
+    load_job_spec_toml(text).unwrap_or_else(|error| panic!("{error}\n{text}"))
+}
+
+fn data(job: &ValidatedJob) -> DataSets {
+    open_data_sets(job, Path::new(".")).unwrap()
+}
+
+fn options(job: &ValidatedJob, precision: Precision) -> TrainingOptions {
+    let config = RunConfig {
+        precision,
+        ..RunConfig::from_spec(&job.spec)
+    };
+    TrainingOptions {
+        config,
+        slice_bytes: estimate_job(job, &config).unwrap().required_bytes,
+        checkpoint_path: None,
+        resume_from: None,
+        stop_after_steps: None,
+    }
+}
+
+/// `Some(reason)` when the cuda side must be skipped, printing the line the issue asks for.
+fn cuda_skipped() -> Option<String> {
+    match CudaBackend::available() {
+        Ok(()) => None,
+        Err(reason) => {
+            println!("skipped: CUDA not available: {reason}");
+            Some(reason)
+        }
+    }
+}
+
+fn assert_close(label: &str, left: &[NamedTensor], right: &[NamedTensor], relative: f32) {
+    assert_eq!(left.len(), right.len(), "{label}: tensor count");
+    for (a, b) in left.iter().zip(right) {
+        assert_eq!(a.name, b.name, "{label}");
+        assert!(
+            a.values
+                .iter()
+                .chain(&b.values)
+                .all(|value| value.is_finite()),
+            "{label}: {} is not finite",
+            a.name
+        );
+        let magnitude = a
+            .values
+            .iter()
+            .chain(&b.values)
+            .fold(0f32, |largest, value| largest.max(value.abs()));
+        let difference = a
+            .values
+            .iter()
+            .zip(&b.values)
+            .fold(0f32, |largest, (x, y)| largest.max((x - y).abs()));
+        assert!(
+            difference <= relative * magnitude.max(1e-6),
+            "{label}: {}: cpu and cuda differ by {difference} against magnitude {magnitude}",
+            a.name
+        );
+    }
+}
+
+/// How far the backends may drift after a few steps in each precision: fp32 differs
+/// only by summation order; half precisions round each activation to 11 or 8 bits, and a
+/// different summation order can flip a rounding.
+fn tolerance(precision: Precision) -> f32 {
+    match precision {
+        Precision::Fp32 => 1e-4,
+        Precision::Fp16 => 2e-2,
+        Precision::Bf16 => 1e-1,
+    }
+}
+
+/// Trains on the cpu and, when there is one, on the GPU, and compares.
+fn compare_backends(label: &str, text: &str, precision: Precision) {
+    let job = job(text);
+    let options = options(&job, precision);
+    let cpu = train(&job, &data(&job), &options, &mut |_| {})
+        .unwrap_or_else(|error| panic!("{label}: cpu training failed: {error}"));
+    assert_eq!(cpu.peak_bytes, cpu.estimate.peak_bytes, "{label}");
+    assert!(cpu.final_loss.is_finite(), "{label}: cpu loss");
+    if cuda_skipped().is_some() {
+        return;
+    }
+    let (gpu, reservation) = train_on_cuda(&job, &data(&job), &options, 0, &mut |_| {})
+        .unwrap_or_else(|error| panic!("{label}: cuda training failed: {error}"));
+    assert_eq!(reservation.reserved_bytes, options.slice_bytes, "{label}");
+    assert!(reservation.taken_bytes() >= options.slice_bytes, "{label}");
+    // Same plan, same allocator: the peak is the estimate on both backends.
+    assert_eq!(gpu.peak_bytes, cpu.peak_bytes, "{label}");
+    assert_eq!(gpu.skipped_steps, cpu.skipped_steps, "{label}");
+    let loss_tolerance = f64::from(tolerance(precision)) * cpu.final_loss.abs().max(1.0);
+    assert!(
+        (gpu.final_loss - cpu.final_loss).abs() <= loss_tolerance,
+        "{label}: loss cpu {} cuda {}",
+        cpu.final_loss,
+        gpu.final_loss
+    );
+    if let (Some(cpu_accuracy), Some(gpu_accuracy)) = (cpu.test_accuracy, gpu.test_accuracy) {
+        assert!(
+            (cpu_accuracy - gpu_accuracy).abs() <= 0.1,
+            "{label}: accuracy"
+        );
+    }
+    assert_close(
+        label,
+        &cpu.parameters,
+        &gpu.parameters,
+        tolerance(precision),
+    );
+}
+
+const PRECISIONS: [Precision; 3] = [Precision::Fp32, Precision::Fp16, Precision::Bf16];
+
+/// Convolutions with symmetric padding (cuDNN), a stride-2 "same" convolution with
+/// asymmetric padding (the direct kernels), pooling of both kinds, batch norm, every
+/// activation, dropout, dense layers, cross-entropy with a test set.
+const CNN: &str = r#"
+name = "backend-cnn"
+[model]
+input_shape = [12, 12, 3]
+loss = "softmax_cross_entropy"
+layers = [
+  { conv2d = { filters = 8, kernel = 3, padding = "same" } },
+  { batch_norm = {} },
+  { relu = {} },
+  { conv2d = { filters = 8, kernel = 3, stride = 2, padding = "same", use_bias = false } },
+  { leaky_relu = { alpha = 0.1 } },
+  { max_pool = { size = 2 } },
+  { conv2d = { filters = 6, kernel = 1 } },
+  { gelu = {} },
+  { avg_pool = { size = 2, stride = 1, padding = "same" } },
+  { sigmoid = {} },
+  { flatten = {} },
+  { dropout = { rate = 0.25 } },
+  { dense = { units = 16 } },
+  { tanh = {} },
+  { dense = { units = 5 } },
+]
+[training]
+batch_size = 16
+steps = 4
+optimizer = { sgd = { learning_rate = 0.05, momentum = 0.9, nesterov = true, weight_decay = 0.0005 } }
+seed = 5
+[data]
+format = "synthetic"
+samples = 64
+test_samples = 24
+"#;
+
+#[test]
+fn a_cnn_with_every_layer_kind_trains_the_same_on_both_backends() {
+    for precision in PRECISIONS {
+        compare_backends(&format!("cnn {}", precision.name()), CNN, precision);
+    }
+}
+
+#[test]
+fn adam_and_adamw_train_the_same_on_both_backends() {
+    for optimizer in [
+        "adam = { learning_rate = 0.01 }",
+        "adamw = { learning_rate = 0.01, weight_decay = 0.01 }",
+    ] {
+        let text = CNN.replace(
+            "sgd = { learning_rate = 0.05, momentum = 0.9, nesterov = true, weight_decay = 0.0005 }",
+            optimizer,
+        );
+        compare_backends(optimizer, &text, Precision::Fp32);
+    }
+}
+
+#[test]
+fn global_pooling_and_mean_squared_error_train_the_same_on_both_backends() {
+    let text = r#"
+name = "backend-regression"
+[model]
+input_shape = [6, 6, 2]
+loss = "mse"
+layers = [
+  { conv2d = { filters = 4, kernel = 3, padding = "same" } },
+  { relu = {} },
+  { global_avg_pool = {} },
+  { dense = { units = 3 } },
+]
+[training]
+batch_size = 8
+steps = 3
+optimizer = { sgd = { learning_rate = 0.01 } }
+seed = 2
+[data]
+format = "synthetic"
+samples = 32
+"#;
+    for precision in PRECISIONS {
+        compare_backends(&format!("mse {}", precision.name()), text, precision);
+    }
+}
+
+#[test]
+fn micro_batches_and_recomputation_match_across_backends() {
+    let job_text = CNN.replace("{ dropout = { rate = 0.25 } },", "");
+    let job = job(&job_text);
+    let mut options = options(&job, Precision::Fp32);
+    options.config.micro_batch_size = 4;
+    options.config.recompute_segment_layers = Some(3);
+    options.slice_bytes = estimate_job(&job, &options.config).unwrap().required_bytes;
+    let cpu = train(&job, &data(&job), &options, &mut |_| {}).unwrap();
+    assert_eq!(cpu.peak_bytes, cpu.estimate.peak_bytes);
+    if cuda_skipped().is_some() {
+        return;
+    }
+    let (gpu, _) = train_on_cuda(&job, &data(&job), &options, 0, &mut |_| {}).unwrap();
+    assert_eq!(gpu.peak_bytes, cpu.peak_bytes);
+    assert_close("micro-batches", &cpu.parameters, &gpu.parameters, 1e-4);
+}
+
+#[test]
+fn a_slice_too_small_is_out_of_memory_on_both_backends() {
+    let job = job(CNN);
+    let mut options = options(&job, Precision::Fp32);
+    let required = options.slice_bytes;
+    options.slice_bytes = required / 2;
+    match train(&job, &data(&job), &options, &mut |_| {}) {
+        Err(EngineError::OutOfMemory(report)) => assert_eq!(report.limit, required / 2),
+        other => panic!("cpu: expected out of memory, got {other:?}"),
+    }
+    if cuda_skipped().is_some() {
+        return;
+    }
+    match train_on_cuda(&job, &data(&job), &options, 0, &mut |_| {}) {
+        Err(EngineError::OutOfMemory(report)) => assert_eq!(report.limit, required / 2),
+        other => panic!("cuda: expected out of memory, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_cuda_backend_refuses_with_the_reason_or_reserves_and_verifies_the_slice() {
+    let job = job(CNN);
+    let slice_bytes = 64 << 20;
+    let result = CudaBackend::new(
+        CudaOptions {
+            device_ordinal: 0,
+            slice_bytes,
+            workspace_limit_bytes: 1 << 20,
+        },
+        &job.graph,
+    );
+    match (CudaBackend::available(), result) {
+        (Err(reason), Err(EngineError::Backend(message))) => {
+            println!("skipped: CUDA not available: {reason}");
+            assert_eq!(message, format!("CUDA not available: {reason}"));
+            assert!(
+                reason.contains("not found") || reason.contains("no CUDA"),
+                "the reason names what is missing: {reason}"
+            );
+        }
+        (Ok(()), Ok(backend)) => {
+            let reservation = backend.reservation();
+            assert_eq!(reservation.reserved_bytes, slice_bytes);
+            assert!(reservation.taken_bytes() >= slice_bytes, "{reservation}");
+        }
+        (availability, result) => {
+            panic!("availability {availability:?} but construction gave {result:?}")
+        }
+    }
+}
