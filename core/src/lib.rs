@@ -13,6 +13,7 @@ pub mod model;
 pub mod plan;
 pub mod scheduling;
 pub mod shrink;
+pub mod simulation;
 pub mod spec;
 pub mod validate;
 

@@ -1,0 +1,728 @@
+//! The discrete-event loop: one policy, one workload, one cluster, a simulated clock.
+//!
+//! The cluster is kept as the [`SchedulingProblem`] the scheduler would build (GPUs with
+//! their allocated bytes, tenants with their usage), updated in place as attempts start
+//! and end, so each pass hands `solve_with_options` exactly what it would see live.
+
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
+
+use crate::error::CoreError;
+use crate::plan::RunConfig;
+use crate::scheduling::{
+    GpuState, PendingJob, SchedulingOptions, SchedulingProblem, TenantState, can_ever_fit,
+    solve_with_options,
+};
+use crate::simulation::policy::{Policy, oom_observation, slowdown_factor};
+use crate::simulation::report::{ClusterLevels, Percentiles, PolicyReport, TimeIntegrals};
+use crate::simulation::workload::{MemoryOracle, SimulatedJob, Workload};
+use crate::simulation::{Cluster, SimulationOptions};
+use crate::spec::VramRequest;
+
+/// A queued job's place within its tenant: priority (higher first), submit sequence, index.
+type QueueKey = (Reverse<i32>, u64, usize);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    NotArrived,
+    Queued,
+    Running,
+    /// Waiting for its user to resubmit it after an out-of-memory.
+    Resubmitting,
+    Succeeded,
+    Failed,
+    Rejected,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Attempt {
+    gpu: usize,
+    started_s: f64,
+    slowdown: f64,
+    used_bytes: u64,
+    runs_out_of_memory: bool,
+}
+
+#[derive(Debug, Clone)]
+struct JobRun {
+    phase: Phase,
+    slice_bytes: u64,
+    /// Carve with a model: the configuration the next attempt runs.
+    config: Option<RunConfig>,
+    /// Run time left at the job's own configuration on a whole GPU.
+    remaining_work_s: f64,
+    submit_sequence: u64,
+    first_start_s: Option<f64>,
+    end_s: Option<f64>,
+    out_of_memory_attempts: u32,
+    attempt: Option<Attempt>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EventKind {
+    Arrival,
+    AttemptEnd,
+    Resubmission,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Event {
+    time_s: f64,
+    /// Insertion order: events at one instant are applied in the order they were made.
+    order: u64,
+    kind: EventKind,
+    job: usize,
+}
+
+impl Ord for Event {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // Reversed: BinaryHeap pops the greatest, the simulation wants the earliest.
+        other
+            .time_s
+            .total_cmp(&self.time_s)
+            .then_with(|| other.order.cmp(&self.order))
+    }
+}
+
+impl PartialOrd for Event {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Event {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Event {}
+
+/// Simulates `policy` on `workload` and `cluster`. `oracle` may be shared between
+/// policies and runs (it only memoizes pure answers).
+pub fn simulate(
+    workload: &Workload,
+    cluster: &Cluster,
+    policy: Policy,
+    options: &SimulationOptions,
+    oracle: &mut MemoryOracle,
+) -> Result<PolicyReport, CoreError> {
+    simulate_with_pruning(workload, cluster, policy, options, oracle, true)
+}
+
+/// [`simulate`], optionally handing the solver every queued job in every pass: the tests
+/// check that pruning changes nothing.
+pub(crate) fn simulate_with_pruning(
+    workload: &Workload,
+    cluster: &Cluster,
+    policy: Policy,
+    options: &SimulationOptions,
+    oracle: &mut MemoryOracle,
+    prune_pending: bool,
+) -> Result<PolicyReport, CoreError> {
+    options.check(cluster)?;
+    let mut simulation = Simulation::new(workload, cluster, policy, options, oracle);
+    simulation.prune_pending = prune_pending;
+    simulation.run();
+    Ok(simulation.report())
+}
+
+struct Simulation<'a> {
+    workload: &'a Workload,
+    policy: Policy,
+    options: &'a SimulationOptions,
+    oracle: &'a mut MemoryOracle,
+    scheduling_options: SchedulingOptions,
+    /// GPUs and tenants as the scheduler would pass them; `pending` is rebuilt per pass.
+    problem: SchedulingProblem,
+    gpu_index: HashMap<String, usize>,
+    usable_bytes: u64,
+    total_bytes: f64,
+    jobs_on_gpu: Vec<u32>,
+    tenant_of_job: Vec<usize>,
+    job_ids: Vec<String>,
+    runs: Vec<JobRun>,
+    /// Queued jobs per tenant (by tenant index), in the solver's order within a tenant:
+    /// priority (higher first), then submit sequence (unique per job).
+    queue: Vec<BTreeSet<QueueKey>>,
+    queued_jobs: usize,
+    /// Hand the solver only the jobs that can matter in a pass (see `scheduling_pass`).
+    prune_pending: bool,
+    events: BinaryHeap<Event>,
+    next_event_order: u64,
+    next_submit_sequence: u64,
+    allocated_bytes: u128,
+    used_bytes: u128,
+    running_jobs: usize,
+    /// Largest measured / estimated ratio per (model, config), learned from successes:
+    /// the scheduler's peak correction.
+    peak_corrections: HashMap<(usize, RunConfig), f64>,
+    integrals: TimeIntegrals,
+    out_of_memory_attempts: u64,
+    most_allocated_on_one_gpu_bytes: u64,
+}
+
+impl<'a> Simulation<'a> {
+    fn new(
+        workload: &'a Workload,
+        cluster: &Cluster,
+        policy: Policy,
+        options: &'a SimulationOptions,
+        oracle: &'a mut MemoryOracle,
+    ) -> Self {
+        let mut gpus = Vec::with_capacity(cluster.gpu_count());
+        for node in 0..cluster.nodes {
+            for gpu in 0..cluster.gpus_per_node {
+                gpus.push(GpuState {
+                    gpu_id: format!("node{node:03}-gpu{gpu:02}"),
+                    worker_id: format!("node{node:03}"),
+                    total_bytes: cluster.gpu_bytes,
+                    context_bytes: options.gpu_context_bytes,
+                    allocated_bytes: 0,
+                    schedulable: true,
+                });
+            }
+        }
+        let gpu_index = gpus
+            .iter()
+            .enumerate()
+            .map(|(index, gpu)| (gpu.gpu_id.clone(), index))
+            .collect();
+        let tenants: Vec<TenantState> = workload
+            .tenants
+            .iter()
+            .map(|tenant| TenantState {
+                tenant: tenant.clone(),
+                weight: 1,
+                vram_quota_bytes: None,
+                running_jobs_quota: None,
+                vram_in_use_bytes: 0,
+                running_jobs: 0,
+            })
+            .collect();
+        let tenant_of_job = workload
+            .jobs
+            .iter()
+            .map(|job| workload.tenants.binary_search(&job.tenant).unwrap_or(0))
+            .collect();
+        let mut events = BinaryHeap::with_capacity(workload.jobs.len() * 2);
+        for (index, job) in workload.jobs.iter().enumerate() {
+            events.push(Event {
+                time_s: job.submit_time_s,
+                order: index as u64,
+                kind: EventKind::Arrival,
+                job: index,
+            });
+        }
+        let start_s = workload.jobs.first().map_or(0.0, |job| job.submit_time_s);
+        Simulation {
+            workload,
+            policy,
+            options,
+            oracle,
+            scheduling_options: SchedulingOptions {
+                reserve_for_blocked_jobs: options.reserve_for_blocked_jobs,
+            },
+            usable_bytes: cluster.gpu_bytes - options.gpu_context_bytes,
+            total_bytes: cluster.gpu_bytes as f64 * cluster.gpu_count() as f64,
+            jobs_on_gpu: vec![0; gpus.len()],
+            problem: SchedulingProblem {
+                gpus,
+                tenants,
+                pending: Vec::new(),
+            },
+            gpu_index,
+            tenant_of_job,
+            job_ids: (0..workload.jobs.len())
+                .map(|index| index.to_string())
+                .collect(),
+            runs: workload
+                .jobs
+                .iter()
+                .map(|job| JobRun {
+                    phase: Phase::NotArrived,
+                    slice_bytes: 0,
+                    config: None,
+                    remaining_work_s: job.duration_s,
+                    submit_sequence: 0,
+                    first_start_s: None,
+                    end_s: None,
+                    out_of_memory_attempts: 0,
+                    attempt: None,
+                })
+                .collect(),
+            queue: vec![BTreeSet::new(); workload.tenants.len()],
+            queued_jobs: 0,
+            prune_pending: true,
+            next_event_order: workload.jobs.len() as u64,
+            events,
+            next_submit_sequence: 0,
+            allocated_bytes: 0,
+            used_bytes: 0,
+            running_jobs: 0,
+            peak_corrections: HashMap::new(),
+            integrals: TimeIntegrals::new(start_s),
+            out_of_memory_attempts: 0,
+            most_allocated_on_one_gpu_bytes: 0,
+        }
+    }
+
+    fn push_event(&mut self, time_s: f64, kind: EventKind, job: usize) {
+        self.events.push(Event {
+            time_s,
+            order: self.next_event_order,
+            kind,
+            job,
+        });
+        self.next_event_order += 1;
+    }
+
+    fn run(&mut self) {
+        while let Some(first) = self.events.pop() {
+            let now = first.time_s;
+            self.integrals.advance_to(now);
+            self.apply(first);
+            while self.events.peek().is_some_and(|event| event.time_s == now) {
+                if let Some(event) = self.events.pop() {
+                    self.apply(event);
+                }
+            }
+            if self.queued_jobs > 0 {
+                self.scheduling_pass(now);
+            }
+            self.integrals.set_levels(self.levels());
+        }
+    }
+
+    fn apply(&mut self, event: Event) {
+        match event.kind {
+            EventKind::Arrival => self.arrive(event.job, event.time_s),
+            EventKind::AttemptEnd => self.end_attempt(event.job, event.time_s),
+            EventKind::Resubmission => self.enqueue(event.job),
+        }
+    }
+
+    fn enqueue(&mut self, job: usize) {
+        self.runs[job].phase = Phase::Queued;
+        self.runs[job].submit_sequence = self.next_submit_sequence;
+        self.next_submit_sequence += 1;
+        self.push_queue(job);
+    }
+
+    /// Admission: the slice (and under Carve the configuration) a job asks for.
+    fn arrive(&mut self, job_index: usize, now: f64) {
+        let job = &self.workload.jobs[job_index];
+        let usable = self.usable_bytes;
+        let admitted = match (self.policy, job.model) {
+            (Policy::WholeGpu, _) => Some((usable, None)),
+            // Users cannot ask for more than a GPU: such a declaration means "all of it".
+            (Policy::Declared, _) | (Policy::Carve, None) => {
+                Some((job.requested_bytes.min(usable), None))
+            }
+            (Policy::Carve, Some(model)) => self.carve_admission(job, model),
+        };
+        match admitted {
+            Some((slice_bytes, config)) => {
+                self.runs[job_index].slice_bytes = slice_bytes;
+                self.runs[job_index].config = config;
+                self.enqueue(job_index);
+            }
+            None => {
+                let run = &mut self.runs[job_index];
+                run.phase = Phase::Rejected;
+                run.end_s = Some(now);
+            }
+        }
+    }
+
+    /// The scheduler's `submit`, step for step: estimate, raise by the measured-peak
+    /// correction of the same shape, shrink ahead of time when the slice the job asks for
+    /// (or the largest GPU) is smaller, honour an explicit slice, and refuse what can
+    /// never fit.
+    fn carve_admission(
+        &mut self,
+        job: &SimulatedJob,
+        model: usize,
+    ) -> Option<(u64, Option<RunConfig>)> {
+        let entry = &self.workload.models[model];
+        let usable = self.usable_bytes;
+        let mut config = entry.own_config;
+        let correction = self
+            .peak_corrections
+            .get(&(model, config))
+            .copied()
+            .unwrap_or(1.0)
+            .max(1.0);
+        let mut slice_bytes = (entry.own_required_bytes as f64 * correction).ceil() as u64;
+        let vram = entry.job.spec.resources.vram;
+        let limit = match vram {
+            VramRequest::Bytes(bytes) => Some(bytes.min(usable)),
+            VramRequest::Auto => (slice_bytes > usable).then_some(usable),
+        };
+        if let Some(limit) = limit
+            && slice_bytes > limit
+        {
+            let shrunk = self
+                .oracle
+                .shrink(self.workload, model, &config, None, limit)?;
+            config = shrunk.config;
+            slice_bytes = shrunk.required_bytes;
+        }
+        if let VramRequest::Bytes(bytes) = vram {
+            slice_bytes = slice_bytes.max(bytes.min(usable));
+        }
+        let tenant = TenantState {
+            tenant: job.tenant.clone(),
+            weight: 1,
+            vram_quota_bytes: None,
+            running_jobs_quota: None,
+            vram_in_use_bytes: 0,
+            running_jobs: 0,
+        };
+        can_ever_fit(slice_bytes, &self.problem.gpus, &tenant).ok()?;
+        Some((slice_bytes, Some(config)))
+    }
+
+    /// What the job really needs in `config` (its own configuration when `None`); see
+    /// the truth model in the module docs.
+    fn need_bytes(&mut self, job_index: usize, config: Option<RunConfig>) -> u64 {
+        let job = &self.workload.jobs[job_index];
+        let Some(model) = job.model else {
+            return job.actual_peak_bytes.unwrap_or(job.requested_bytes);
+        };
+        let entry = &self.workload.models[model];
+        let config = config.unwrap_or(entry.own_config);
+        let estimated = self.oracle.required_bytes(self.workload, model, &config);
+        match job.actual_peak_bytes {
+            None => estimated,
+            Some(actual) => {
+                let missed = i128::from(actual) - i128::from(entry.own_required_bytes);
+                u64::try_from((i128::from(estimated) + missed).max(1)).unwrap_or(u64::MAX)
+            }
+        }
+    }
+
+    fn queue_key(&self, job: usize) -> QueueKey {
+        (
+            Reverse(self.workload.jobs[job].priority),
+            self.runs[job].submit_sequence,
+            job,
+        )
+    }
+
+    fn push_queue(&mut self, job: usize) {
+        let key = self.queue_key(job);
+        if self.queue[self.tenant_of_job[job]].insert(key) {
+            self.queued_jobs += 1;
+        }
+    }
+
+    fn remove_from_queue(&mut self, job: usize) {
+        let key = self.queue_key(job);
+        if self.queue[self.tenant_of_job[job]].remove(&key) {
+            self.queued_jobs -= 1;
+        }
+    }
+
+    fn smallest_queued_slice(&self) -> Option<u64> {
+        self.queue
+            .iter()
+            .flatten()
+            .map(|&(_, _, job)| self.runs[job].slice_bytes)
+            .min()
+    }
+
+    /// One pass of the solver over the queued jobs, starting the attempts it places.
+    ///
+    /// With `prune_pending`, jobs that provably cannot be placed in this pass are left out
+    /// of the problem, which gives the same placements (the simulator has no quotas, and
+    /// every slice fits an empty GPU, so each tenant's head is its first job):
+    /// - a job the solver does not place changes nothing for the jobs after it (no GPU
+    ///   bytes, no tenant usage), so leaving it out changes no other decision, as long as
+    ///   each tenant's first job stays, since heads make reservations;
+    /// - a job larger than every GPU's free bytes at the start cannot be placed (free
+    ///   bytes only shrink during a pass);
+    /// - at most `M = sum over GPUs of free / smallest queued slice` jobs are placed in a
+    ///   pass. If `M + 1` earlier jobs of the same tenant have slices no larger than a
+    ///   job's, one of them was not placed, so when it was considered no unreserved GPU
+    ///   had room for it, and so none has for the later, larger job.
+    ///
+    /// An overloaded cluster queues thousands of jobs; this keeps each pass small.
+    fn scheduling_pass(&mut self, now: f64) {
+        let Some(smallest_slice) = self.smallest_queued_slice() else {
+            return;
+        };
+        let free_bytes: Vec<u64> = self.problem.gpus.iter().map(GpuState::free_bytes).collect();
+        let largest_free = free_bytes.iter().copied().max().unwrap_or(0);
+        let most_placements: u64 = free_bytes
+            .iter()
+            .map(|free| free / smallest_slice.max(1))
+            .sum();
+        let mut pending = Vec::new();
+        for tenant_queue in &self.queue {
+            // The slices of up to `most_placements + 1` kept jobs, largest on top.
+            let mut smallest_kept: BinaryHeap<u64> = BinaryHeap::new();
+            for (position, &(_, _, job)) in tenant_queue.iter().enumerate() {
+                let slice_bytes = self.runs[job].slice_bytes;
+                let keep = !self.prune_pending
+                    || position == 0
+                    || (slice_bytes <= largest_free
+                        && !(smallest_kept.len() as u64 > most_placements
+                            && smallest_kept
+                                .peek()
+                                .is_some_and(|largest| *largest <= slice_bytes)));
+                if !keep {
+                    continue;
+                }
+                smallest_kept.push(slice_bytes);
+                if smallest_kept.len() as u64 > most_placements + 1 {
+                    smallest_kept.pop();
+                }
+                pending.push(PendingJob {
+                    job_id: self.job_ids[job].clone(),
+                    tenant: self.workload.jobs[job].tenant.clone(),
+                    priority: self.workload.jobs[job].priority,
+                    submit_sequence: self.runs[job].submit_sequence,
+                    slice_bytes,
+                });
+            }
+        }
+        self.problem.pending = pending;
+        let decision = solve_with_options(&self.problem, &self.scheduling_options);
+        self.problem.pending.clear();
+        for placement in &decision.placements {
+            let (Ok(job), Some(&gpu)) = (
+                placement.job_id.parse::<usize>(),
+                self.gpu_index.get(&placement.gpu_id),
+            ) else {
+                continue;
+            };
+            self.remove_from_queue(job);
+            self.start_attempt(job, gpu, now);
+        }
+    }
+
+    fn start_attempt(&mut self, job: usize, gpu: usize, now: f64) {
+        let config = self.runs[job].config;
+        let need = self.need_bytes(job, config);
+        let slowdown = match (config, self.workload.jobs[job].model) {
+            (Some(config), Some(model)) => {
+                slowdown_factor(&self.workload.models[model].own_config, &config)
+            }
+            _ => 1.0,
+        };
+        let run = &mut self.runs[job];
+        let slice = run.slice_bytes;
+        let runs_out_of_memory = need > slice;
+        let run_time_left = run.remaining_work_s * slowdown;
+        let ends_at = now
+            + if runs_out_of_memory {
+                self.options.oom_after_fraction * run_time_left
+            } else {
+                run_time_left
+            };
+        let used_bytes = need.min(slice);
+        run.phase = Phase::Running;
+        run.first_start_s.get_or_insert(now);
+        run.attempt = Some(Attempt {
+            gpu,
+            started_s: now,
+            slowdown,
+            used_bytes,
+            runs_out_of_memory,
+        });
+        let gpu_state = &mut self.problem.gpus[gpu];
+        gpu_state.allocated_bytes += slice;
+        self.most_allocated_on_one_gpu_bytes = self
+            .most_allocated_on_one_gpu_bytes
+            .max(gpu_state.allocated_bytes);
+        let tenant = &mut self.problem.tenants[self.tenant_of_job[job]];
+        tenant.vram_in_use_bytes += slice;
+        tenant.running_jobs += 1;
+        self.jobs_on_gpu[gpu] += 1;
+        self.allocated_bytes += u128::from(slice);
+        self.used_bytes += u128::from(used_bytes);
+        self.running_jobs += 1;
+        self.push_event(ends_at, EventKind::AttemptEnd, job);
+    }
+
+    fn end_attempt(&mut self, job: usize, now: f64) {
+        let Some(attempt) = self.runs[job].attempt.take() else {
+            return;
+        };
+        let slice = self.runs[job].slice_bytes;
+        self.problem.gpus[attempt.gpu].allocated_bytes -= slice;
+        let tenant = &mut self.problem.tenants[self.tenant_of_job[job]];
+        tenant.vram_in_use_bytes -= slice;
+        tenant.running_jobs -= 1;
+        self.jobs_on_gpu[attempt.gpu] -= 1;
+        self.allocated_bytes -= u128::from(slice);
+        self.used_bytes -= u128::from(attempt.used_bytes);
+        self.running_jobs -= 1;
+
+        if !attempt.runs_out_of_memory {
+            self.succeed(job, now, attempt);
+            return;
+        }
+        self.out_of_memory_attempts += 1;
+        let checkpoint = self.options.checkpoint_interval_s;
+        let run = &mut self.runs[job];
+        run.out_of_memory_attempts += 1;
+        let kept_run_time = ((now - attempt.started_s) / checkpoint).floor() * checkpoint;
+        run.remaining_work_s = (run.remaining_work_s - kept_run_time / attempt.slowdown).max(0.0);
+        match (self.policy, self.workload.jobs[job].model, run.config) {
+            (Policy::WholeGpu, _, _) => self.fail(job, now),
+            (Policy::Carve, Some(model), Some(config)) => self.carve_retry(job, model, config, now),
+            _ => {
+                // A person reads the error and resubmits with twice the memory, up to a
+                // whole GPU; at a whole GPU there is nothing left to ask for.
+                if slice >= self.usable_bytes {
+                    self.fail(job, now);
+                } else {
+                    let run = &mut self.runs[job];
+                    run.slice_bytes = slice.saturating_mul(2).min(self.usable_bytes);
+                    run.phase = Phase::Resubmitting;
+                    self.push_event(
+                        now + self.options.resubmit_delay_s,
+                        EventKind::Resubmission,
+                        job,
+                    );
+                }
+            }
+        }
+    }
+
+    /// The scheduler's OOM handler: plan a smaller configuration for the same slice with
+    /// the report the attempt made, within the job's retry limit, and requeue it at once.
+    fn carve_retry(&mut self, job: usize, model: usize, config: RunConfig, now: f64) {
+        let slice = self.runs[job].slice_bytes;
+        let need = self.need_bytes(job, Some(config));
+        let estimated = self.oracle.required_bytes(self.workload, model, &config);
+        let observation = oom_observation(need, slice, estimated);
+        let max_retries = self.workload.models[model].job.spec.oom.max_retries;
+        let retries_left = self.runs[job].out_of_memory_attempts <= max_retries;
+        let shrunk = self
+            .oracle
+            .shrink(self.workload, model, &config, Some(&observation), slice);
+        match shrunk {
+            Some(shrunk) if retries_left && shrunk.config != config => {
+                let run = &mut self.runs[job];
+                run.config = Some(shrunk.config);
+                run.slice_bytes = slice.max(shrunk.required_bytes);
+                // The same job goes back to the queue: it keeps its place in line.
+                run.phase = Phase::Queued;
+                self.push_queue(job);
+            }
+            _ => self.fail(job, now),
+        }
+    }
+
+    fn succeed(&mut self, job: usize, now: f64, attempt: Attempt) {
+        let run = &mut self.runs[job];
+        run.phase = Phase::Succeeded;
+        run.end_s = Some(now);
+        run.remaining_work_s = 0.0;
+        if let (Policy::Carve, Some(model), Some(config)) =
+            (self.policy, self.workload.jobs[job].model, run.config)
+        {
+            let estimated = self.oracle.required_bytes(self.workload, model, &config);
+            if estimated > 0 {
+                let ratio = attempt.used_bytes as f64 / estimated as f64;
+                let entry = self
+                    .peak_corrections
+                    .entry((model, config))
+                    .or_insert(ratio);
+                *entry = entry.max(ratio);
+            }
+        }
+    }
+
+    fn fail(&mut self, job: usize, now: f64) {
+        let run = &mut self.runs[job];
+        run.phase = Phase::Failed;
+        run.end_s = Some(now);
+    }
+
+    fn levels(&self) -> ClusterLevels {
+        let fragmented_bytes: u64 = match self.smallest_queued_slice() {
+            Some(smallest_waiting) => self
+                .problem
+                .gpus
+                .iter()
+                .map(GpuState::free_bytes)
+                .filter(|free| *free < smallest_waiting)
+                .sum(),
+            None => 0,
+        };
+        ClusterLevels {
+            allocated_fraction: self.allocated_bytes as f64 / self.total_bytes,
+            used_fraction: self.used_bytes as f64 / self.total_bytes,
+            running_jobs: self.running_jobs,
+            busy_gpus: self.jobs_on_gpu.iter().filter(|count| **count > 0).count(),
+            fragmented_fraction: fragmented_bytes as f64 / self.total_bytes,
+        }
+    }
+
+    fn report(&self) -> PolicyReport {
+        let count = |phase: Phase| self.runs.iter().filter(|run| run.phase == phase).count();
+        let mut queueing: Vec<f64> = self
+            .runs
+            .iter()
+            .zip(&self.workload.jobs)
+            .filter_map(|(run, job)| run.first_start_s.map(|start| start - job.submit_time_s))
+            .collect();
+        let mut completion: Vec<f64> = self
+            .runs
+            .iter()
+            .zip(&self.workload.jobs)
+            .filter(|(run, _)| run.phase == Phase::Succeeded)
+            .filter_map(|(run, job)| run.end_s.map(|end| end - job.submit_time_s))
+            .collect();
+        let elapsed = self.integrals.elapsed_s();
+        let average = |integral: f64| {
+            if elapsed > 0.0 {
+                integral / elapsed
+            } else {
+                0.0
+            }
+        };
+        let shrunk_jobs = self
+            .runs
+            .iter()
+            .zip(&self.workload.jobs)
+            .filter(|(run, job)| match (run.config, job.model) {
+                (Some(config), Some(model)) => config != self.workload.models[model].own_config,
+                _ => false,
+            })
+            .count();
+        PolicyReport {
+            policy: self.policy,
+            jobs: self.runs.len(),
+            succeeded_jobs: count(Phase::Succeeded),
+            failed_jobs: count(Phase::Failed),
+            rejected_jobs: count(Phase::Rejected),
+            unfinished_jobs: self.runs.len()
+                - count(Phase::Succeeded)
+                - count(Phase::Failed)
+                - count(Phase::Rejected),
+            out_of_memory_attempts: self.out_of_memory_attempts,
+            shrunk_jobs,
+            allocated_memory_utilisation: average(self.integrals.allocated_integral),
+            used_memory_utilisation: average(self.integrals.used_integral),
+            jobs_per_busy_gpu: if self.integrals.busy_integral > 0.0 {
+                self.integrals.running_integral / self.integrals.busy_integral
+            } else {
+                0.0
+            },
+            fragmentation: average(self.integrals.fragmented_integral),
+            queueing_delay_s: Percentiles::of(&mut queueing),
+            completion_time_s: Percentiles::of(&mut completion),
+            makespan_s: elapsed,
+            most_allocated_on_one_gpu_bytes: self.most_allocated_on_one_gpu_bytes,
+            usable_bytes_per_gpu: self.usable_bytes,
+            utilisation_over_time: self
+                .integrals
+                .utilisation_buckets(self.options.utilisation_samples),
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! A trace-driven, discrete-event simulator of a GPU cluster that compares how three
+//! admission policies would have served the same jobs: one whole GPU per job, trusting
+//! the memory users declare, and Carve.
+//!
+//! It drives the real decision code with a simulated clock: placement is
+//! [`crate::scheduling::solve_with_options`] (fair share, best fit, reservations) on a
+//! [`crate::scheduling::SchedulingProblem`] built the way the scheduler builds it;
+//! Carve's admission mirrors the scheduler's `submit` (estimate, measured-peak
+//! correction, shrink ahead of time with [`crate::shrink::plan_shrink`] when the largest
+//! GPU is smaller, [`crate::scheduling::can_ever_fit`]); and an out-of-memory under Carve
+//! goes through `plan_shrink` with the report the attempt would have made, as the
+//! scheduler's OOM handler does. Like the rest of core it does no IO and reads no clock:
+//! the trace comes in as text ([`trace::parse_trace`]) and job files as texts keyed by
+//! their paths ([`workload::Workload::prepare`]).
+//!
+//! # The truth model
+//!
+//! Each job really needs `need(config)` bytes to run in configuration `config`:
+//! - with a model (`spec` or `model` column) and no `actual_peak_bytes`, the estimator's
+//!   `required_bytes` for that config (the estimate *is* the allocator's peak, holes
+//!   included, ARCHITECTURE.md);
+//! - with `actual_peak_bytes` too, that number at the job's own config, and at any other
+//!   config the estimate plus the same difference (memory the estimator does not see,
+//!   such as a library's private buffers, does not shrink with the batch);
+//! - with `actual_peak_bytes` alone, that number; such a job cannot be shrunk.
+//!
+//! An attempt whose slice is smaller than its need runs out of memory after
+//! `oom_after_fraction` of the run time it had left (the peak may come late: the first
+//! evaluation, a long sequence). Every attempt resumes from the last checkpoint, taken
+//! every `checkpoint_interval_s` of its run time. How each policy reacts is in
+//! [`policy::Policy`]; how fast a shrunk configuration runs is in
+//! [`policy::slowdown_factor`].
+//!
+//! # The event loop
+//!
+//! Events are arrivals, attempt ends (success or out-of-memory, known when the attempt
+//! starts) and resubmissions. All events at one instant are applied, then one scheduling
+//! pass runs if jobs wait. So the solver runs only when something changed, and estimates
+//! and shrink plans are memoized per distinct model and configuration
+//! ([`workload::MemoryOracle`]).
+
+pub mod event_loop;
+pub mod generator;
+pub mod policy;
+pub mod report;
+pub mod trace;
+pub mod workload;
+
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+
+use crate::bytes::{HumanBytes, parse_byte_size};
+use crate::error::{CoreError, FieldError};
+
+pub use event_loop::simulate;
+pub use generator::{GeneratorOptions, generate_trace};
+pub use policy::Policy;
+pub use report::{Percentiles, PolicyReport, UtilisationSample};
+pub use trace::{ModelFamilyParameters, Trace, parse_trace};
+pub use workload::{MemoryOracle, Workload};
+
+/// A cluster of identical GPUs: `nodes x gpus_per_node`, each of `gpu_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cluster {
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    pub gpu_bytes: u64,
+}
+
+impl Cluster {
+    /// Reads `8x80GiB` (one node of 8 GPUs) or `4x8x80GiB` (4 nodes of 8 GPUs each).
+    pub fn parse(text: &str) -> Result<Cluster, CoreError> {
+        let error = |reason: String| CoreError::InvalidSpec(FieldError::new("cluster", reason));
+        let parse_count = |count: &str| -> Result<u32, CoreError> {
+            let number: u32 = count
+                .trim()
+                .parse()
+                .map_err(|_| error(format!("`{count}` is not a whole number of nodes or GPUs")))?;
+            if number == 0 || number > 100_000 {
+                return Err(error(format!("{number} must be between 1 and 100000")));
+            }
+            Ok(number)
+        };
+        let parts: Vec<&str> = text.trim().split(['x', 'X']).collect();
+        let (nodes, gpus_per_node, size) = match parts.as_slice() {
+            [gpus, size] => (1, parse_count(gpus)?, *size),
+            [nodes, gpus, size] => (parse_count(nodes)?, parse_count(gpus)?, *size),
+            _ => {
+                return Err(error(format!(
+                    "`{text}` is not GPUSxSIZE or NODESxGPUSxSIZE, e.g. 8x80GiB or 4x8x80GiB"
+                )));
+            }
+        };
+        let gpu_bytes =
+            parse_byte_size(size).map_err(|reason| error(format!("GPU size: {reason}")))?;
+        if gpu_bytes == 0 {
+            return Err(error("GPU size must be more than 0 bytes".to_string()));
+        }
+        if u64::from(nodes) * u64::from(gpus_per_node) > 100_000 {
+            return Err(error("more than 100000 GPUs".to_string()));
+        }
+        Ok(Cluster {
+            nodes,
+            gpus_per_node,
+            gpu_bytes,
+        })
+    }
+
+    pub fn gpu_count(&self) -> usize {
+        self.nodes as usize * self.gpus_per_node as usize
+    }
+}
+
+impl fmt::Display for Cluster {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            formatter,
+            "{} node(s) x {} GPU(s) x {}",
+            self.nodes,
+            self.gpus_per_node,
+            HumanBytes(self.gpu_bytes)
+        )
+    }
+}
+
+/// The knobs of the model that are not in the trace.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimulationOptions {
+    /// Bytes of each GPU taken by the CUDA context and library handles.
+    pub gpu_context_bytes: u64,
+    /// Share of its remaining run time after which an attempt that does not fit its
+    /// slice runs out of memory.
+    pub oom_after_fraction: f64,
+    /// How long a user takes to resubmit a job that ran out of memory (declared policy,
+    /// and Carve for jobs without a model).
+    pub resubmit_delay_s: f64,
+    /// Run time between checkpoints; an attempt that ends resumes from the last one.
+    pub checkpoint_interval_s: f64,
+    /// The solver's reservations for blocked jobs (on in the scheduler).
+    pub reserve_for_blocked_jobs: bool,
+    /// Points of the utilisation-over-time series.
+    pub utilisation_samples: usize,
+}
+
+impl Default for SimulationOptions {
+    fn default() -> Self {
+        SimulationOptions {
+            gpu_context_bytes: 0,
+            oom_after_fraction: 0.1,
+            resubmit_delay_s: 600.0,
+            checkpoint_interval_s: 600.0,
+            reserve_for_blocked_jobs: true,
+            utilisation_samples: 200,
+        }
+    }
+}
+
+impl SimulationOptions {
+    /// Checks the options against the cluster.
+    pub fn check(&self, cluster: &Cluster) -> Result<(), CoreError> {
+        let error =
+            |field: &str, reason: String| CoreError::InvalidSpec(FieldError::new(field, reason));
+        if self.gpu_context_bytes >= cluster.gpu_bytes {
+            return Err(error(
+                "gpu_context_bytes",
+                format!(
+                    "{} leaves nothing of a {} GPU",
+                    HumanBytes(self.gpu_context_bytes),
+                    HumanBytes(cluster.gpu_bytes)
+                ),
+            ));
+        }
+        if !(self.oom_after_fraction > 0.0 && self.oom_after_fraction <= 1.0) {
+            return Err(error(
+                "oom_after_fraction",
+                format!("{} must be in (0, 1]", self.oom_after_fraction),
+            ));
+        }
+        if !(self.resubmit_delay_s.is_finite() && self.resubmit_delay_s >= 0.0) {
+            return Err(error(
+                "resubmit_delay_s",
+                format!(
+                    "{} must be a number of seconds, at least 0",
+                    self.resubmit_delay_s
+                ),
+            ));
+        }
+        if !(self.checkpoint_interval_s.is_finite() && self.checkpoint_interval_s > 0.0) {
+            return Err(error(
+                "checkpoint_interval_s",
+                format!("{} must be more than 0 seconds", self.checkpoint_interval_s),
+            ));
+        }
+        Ok(())
+    }
+}
