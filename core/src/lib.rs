@@ -4,6 +4,7 @@
 //! function of this crate: no IO, no async, no clock, no randomness (time and seeds come
 //! in as arguments). See ARCHITECTURE.md for the map.
 
+pub mod admission;
 pub mod allocator;
 pub mod bytes;
 pub mod error;

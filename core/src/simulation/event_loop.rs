@@ -7,6 +7,7 @@
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
+use crate::admission::size_slice_at_admission;
 use crate::error::CoreError;
 use crate::plan::RunConfig;
 use crate::scheduling::{
@@ -17,7 +18,6 @@ use crate::simulation::policy::{Policy, oom_observation, slowdown_factor};
 use crate::simulation::report::{ClusterLevels, Percentiles, PolicyReport, TimeIntegrals};
 use crate::simulation::workload::{MemoryOracle, SimulatedJob, Workload};
 use crate::simulation::{Cluster, SimulationOptions};
-use crate::spec::VramRequest;
 
 /// A queued job's place within its tenant: priority (higher first), submit sequence, index.
 type QueueKey = (Reverse<i32>, u64, usize);
@@ -346,31 +346,28 @@ impl<'a> Simulation<'a> {
     ) -> Option<(u64, Option<RunConfig>)> {
         let entry = &self.workload.models[model];
         let usable = self.usable_bytes;
-        let mut config = entry.own_config;
+        let config = entry.own_config;
         let correction = self
             .peak_corrections
             .get(&(model, config))
             .copied()
-            .unwrap_or(1.0)
-            .max(1.0);
-        let mut slice_bytes = (entry.own_required_bytes as f64 * correction).ceil() as u64;
-        let vram = entry.job.spec.resources.vram;
-        let limit = match vram {
-            VramRequest::Bytes(bytes) => Some(bytes.min(usable)),
-            VramRequest::Auto => (slice_bytes > usable).then_some(usable),
-        };
-        if let Some(limit) = limit
-            && slice_bytes > limit
-        {
-            let shrunk = self
-                .oracle
-                .shrink(self.workload, model, &config, None, limit)?;
-            config = shrunk.config;
-            slice_bytes = shrunk.required_bytes;
-        }
-        if let VramRequest::Bytes(bytes) = vram {
-            slice_bytes = slice_bytes.max(bytes.min(usable));
-        }
+            .unwrap_or(1.0);
+        let (oracle, workload) = (&mut self.oracle, self.workload);
+        let admitted = size_slice_at_admission(
+            entry.job.spec.resources.vram,
+            config,
+            entry.own_required_bytes,
+            correction,
+            Some(usable),
+            |config, limit| {
+                oracle
+                    .shrink(workload, model, config, None, limit)
+                    .map(|shrunk| (shrunk.config, shrunk.required_bytes))
+                    .ok_or(())
+            },
+        )
+        .ok()?;
+        let (config, slice_bytes) = (admitted.config, admitted.slice_bytes);
         let tenant = TenantState {
             tenant: job.tenant.clone(),
             weight: 1,
