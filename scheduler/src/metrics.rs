@@ -44,6 +44,15 @@ pub struct ClusterGauges {
     pub vram_measured_bytes: BTreeMap<String, u64>,
     pub workers_ready: u64,
     pub workers_lost: u64,
+    /// The submit batcher's transactions so far (a counter, read at scrape time).
+    pub submit_groups_committed: u64,
+    /// The submits those transactions answered (a counter, read at scrape time).
+    pub submit_jobs_committed: u64,
+    /// Job log lines written to the store so far (a counter, read at scrape time).
+    pub log_lines_stored: u64,
+    /// Job log lines given up on so far: the writer was behind or the database refused
+    /// them (a counter, read at scrape time).
+    pub log_lines_dropped: u64,
 }
 
 impl Metrics {
@@ -120,6 +129,26 @@ impl Metrics {
                 counter.load(Ordering::Relaxed)
             );
         }
+        let _ = writeln!(
+            text,
+            "# HELP carve_submit_groups_committed_total submit transactions committed (each covers a group of submits)\n# TYPE carve_submit_groups_committed_total counter\ncarve_submit_groups_committed_total {}",
+            gauges.submit_groups_committed
+        );
+        let _ = writeln!(
+            text,
+            "# HELP carve_submit_jobs_committed_total submits answered from committed groups\n# TYPE carve_submit_jobs_committed_total counter\ncarve_submit_jobs_committed_total {}",
+            gauges.submit_jobs_committed
+        );
+        let _ = writeln!(
+            text,
+            "# HELP carve_log_lines_stored_total job log lines written to the store\n# TYPE carve_log_lines_stored_total counter\ncarve_log_lines_stored_total {}",
+            gauges.log_lines_stored
+        );
+        let _ = writeln!(
+            text,
+            "# HELP carve_log_lines_dropped_total job log lines dropped (writer behind, or refused by the database)\n# TYPE carve_log_lines_dropped_total counter\ncarve_log_lines_dropped_total {}",
+            gauges.log_lines_dropped
+        );
         let _ = writeln!(
             text,
             "# HELP carve_submit_latency_seconds time from receiving a submit to its durable acknowledgement\n# TYPE carve_submit_latency_seconds histogram"

@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use carve_core::admission::{AdmittedSlice, size_slice_at_admission};
 use carve_core::allocator::OutOfMemory;
 use carve_core::estimator::estimate_job;
 use carve_core::job_state::{JobEvent, JobState, next_state};
@@ -19,7 +20,6 @@ use carve_core::scheduling::{
     GpuState, PendingJob, SchedulingProblem, TenantState, can_ever_fit, solve,
 };
 use carve_core::shrink::{OomObservation, plan_shrink};
-use carve_core::spec::VramRequest;
 use carve_core::validate::ValidatedJob;
 use carve_proto::v1;
 use sha2::{Digest, Sha256};
@@ -34,7 +34,9 @@ use crate::convert::{
 };
 use crate::error::SchedulerError;
 use crate::metrics::{ClusterGauges, Metrics};
-use crate::store::{AttemptRecord, JobRecord, Store, SubmitBatcher, WorkerRecord};
+use crate::store::{
+    AttemptRecord, JobRecord, QueueFingerprint, QueuedJob, Store, SubmitBatcher, WorkerRecord,
+};
 
 /// Timing of leases and passes.
 #[derive(Debug, Clone)]
@@ -113,6 +115,9 @@ struct Live {
 pub struct Scheduler {
     pub store: Store,
     batcher: SubmitBatcher,
+    /// Job log lines (worker lines of current attempts, the scheduler's notes), written
+    /// in groups; best effort, see `LogBatcher`.
+    logs: crate::store::LogBatcher,
     pub settings: SchedulerSettings,
     live: Mutex<Live>,
     job_changes: tokio::sync::Mutex<()>,
@@ -121,6 +126,21 @@ pub struct Scheduler {
     event_sequence: AtomicU64,
     pub metrics: Metrics,
     stopping: tokio::sync::watch::Sender<bool>,
+    /// Counts wake-ups, so a pass knows whether anything asked for one since the last.
+    wake_generation: AtomicU64,
+    last_pass_inputs: Mutex<Option<PassInputs>>,
+}
+
+/// What a scheduling pass decides from, as far as it can tell cheaply: a pass with the
+/// same inputs as the last one that finished is skipped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PassInputs {
+    wake_generation: u64,
+    queue: QueueFingerprint,
+    /// Sorted by worker, then GPU.
+    gpus: Vec<GpuState>,
+    /// Sorted by tenant.
+    tenants: Vec<TenantState>,
 }
 
 pub fn now_ms() -> i64 {
@@ -180,10 +200,12 @@ fn spec_error(error: carve_proto::ApiError) -> SchedulerError {
 impl Scheduler {
     pub fn new(store: Store, settings: SchedulerSettings) -> Scheduler {
         let batcher = SubmitBatcher::spawn(store.clone());
+        let logs = crate::store::LogBatcher::spawn(store.clone());
         let (events, _) = broadcast::channel(4096);
         Scheduler {
             store,
             batcher,
+            logs,
             settings,
             live: Mutex::new(Live::default()),
             job_changes: tokio::sync::Mutex::new(()),
@@ -192,6 +214,8 @@ impl Scheduler {
             event_sequence: AtomicU64::new(1),
             metrics: Metrics::default(),
             stopping: tokio::sync::watch::Sender::new(false),
+            wake_generation: AtomicU64::new(0),
+            last_pass_inputs: Mutex::new(None),
         }
     }
 
@@ -216,6 +240,7 @@ impl Scheduler {
     }
 
     pub fn wake(&self) {
+        self.wake_generation.fetch_add(1, Ordering::AcqRel);
         self.wake.notify_one();
     }
 
@@ -227,13 +252,38 @@ impl Scheduler {
         self.events.subscribe()
     }
 
+    /// Sends an event to watchers, and stores the job log line it makes (worker lines,
+    /// and the scheduler's notes on state changes, OOMs, shrinks and placements) — queued
+    /// before the event is sent, so a watcher that saw the event and then reads the logs
+    /// finds the line.
     fn emit(&self, job_id: &str, event: v1::job_event::Event) {
+        let time_ms = now_ms();
+        if let Some(line) = log_line_for_event(job_id, time_ms, &event) {
+            self.logs.append(line);
+        }
         let _ = self.events.send(v1::JobEvent {
             job_id: job_id.to_string(),
             sequence: self.event_sequence.fetch_add(1, Ordering::Relaxed),
-            time: Some(timestamp(now_ms())),
+            time: Some(timestamp(time_ms)),
             event: Some(event),
         });
+    }
+
+    /// Lines of a job the caller may see (NotFound for another tenant's job), after
+    /// writing every line received so far, so a reader sees what the scheduler has.
+    pub async fn job_logs(
+        &self,
+        caller: &Caller,
+        query: &crate::store::LogQuery,
+    ) -> Result<crate::store::LogPage, SchedulerError> {
+        self.visible_job(caller, &query.job_id).await?;
+        self.logs.flush().await;
+        self.store.read_log_lines(query).await
+    }
+
+    /// Writes the log lines received so far (a graceful shutdown calls it last).
+    pub async fn flush_logs(&self) {
+        self.logs.flush().await;
     }
 
     fn emit_state(&self, job_id: &str, previous: &str, state: &str, reason: &str) {
@@ -327,7 +377,7 @@ impl Scheduler {
         }
         let job = carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)?;
         let tenant = self.store.get_tenant(&caller.tenant).await?;
-        let mut config = RunConfig::from_spec(&job.spec);
+        let config = RunConfig::from_spec(&job.spec);
         let estimate =
             estimate_job(&job, &config).map_err(|error| SchedulerError::InvalidArgument {
                 field: format!("spec.{}", error.field),
@@ -337,32 +387,28 @@ impl Scheduler {
             .store
             .peak_correction(&shape_key(&job, &config))
             .await?
-            .unwrap_or(1.0)
-            .max(1.0);
-        let mut slice_bytes = (estimate.required_bytes as f64 * correction).ceil() as u64;
-        let largest_gpu = self.largest_usable_gpu();
-        let limit = match job.spec.resources.vram {
-            VramRequest::Bytes(bytes) => {
-                Some(largest_gpu.map_or(bytes, |largest| bytes.min(largest)))
-            }
-            VramRequest::Auto => largest_gpu.filter(|largest| slice_bytes > *largest),
-        };
-        if let Some(limit) = limit
-            && slice_bytes > limit
-        {
-            let decision = plan_shrink(&job, &config, None, limit).map_err(|error| {
-                SchedulerError::ResourceExhausted(format!(
-                    "job {} cannot fit: {error}",
-                    job.spec.name
-                ))
-            })?;
-            config = decision.config;
-            slice_bytes = decision.estimate.required_bytes;
-        }
-        if let VramRequest::Bytes(bytes) = job.spec.resources.vram {
-            // An explicit slice is reserved as asked, even when the job needs less.
-            slice_bytes = slice_bytes.max(bytes.min(largest_gpu.unwrap_or(bytes)));
-        }
+            .unwrap_or(1.0);
+        let AdmittedSlice {
+            config,
+            slice_bytes,
+            ..
+        } = size_slice_at_admission(
+            job.spec.resources.vram,
+            config,
+            estimate.required_bytes,
+            correction,
+            self.largest_usable_gpu(),
+            |config, limit| {
+                plan_shrink(&job, config, None, limit)
+                    .map(|decision| (decision.config, decision.estimate.required_bytes))
+                    .map_err(|error| {
+                        SchedulerError::ResourceExhausted(format!(
+                            "job {} cannot fit: {error}",
+                            job.spec.name
+                        ))
+                    })
+            },
+        )?;
         let tenant_state = TenantState {
             tenant: tenant.name.clone(),
             weight: tenant.fair_share_weight.max(1) as u32,
@@ -1064,7 +1110,11 @@ impl Scheduler {
                         &job_id,
                         &previous,
                         "queued",
-                        "its worker was lost; it resumes from its checkpoint",
+                        &format!(
+                            "lease lost: worker {worker_id} stopped heartbeating during attempt {}; \
+                             it resumes from its checkpoint",
+                            running.attempt_number
+                        ),
                     );
                 }
             }
@@ -1074,14 +1124,26 @@ impl Scheduler {
     }
 
     /// One pass: place what fits, record why the rest waits.
+    ///
+    /// The pass reads only the solver's columns of the queued jobs ([`QueuedJob`]), loads
+    /// the whole record of the few it places, and writes only waiting reasons that
+    /// changed, in a few large transactions. It is skipped when nothing it decides from
+    /// changed since the last pass that finished (no wake-up, the same queue, GPUs and
+    /// tenants): `solve` is a pure function, so it would decide the same again, and with a
+    /// million queued jobs a pass costs about a second of CPU.
     pub async fn schedule_once(&self) -> Result<usize, SchedulerError> {
         let _guard = self.job_changes.lock().await;
-        let pending = self.store.jobs_in_states(&["queued"]).await?;
-        if pending.is_empty() {
+        // Read before anything else, so that a wake-up during the pass causes another.
+        let wake_generation = self.wake_generation.load(Ordering::Acquire);
+        let queue = self.store.queue_fingerprint().await?;
+        if queue.queued_jobs == 0 {
             return Ok(0);
         }
         let tenants = self.store.list_tenants().await?;
-        let gpus = self.gpu_states();
+        let mut gpus = self.gpu_states();
+        gpus.sort_by(|left, right| {
+            (&left.worker_id, &left.gpu_id).cmp(&(&right.worker_id, &right.gpu_id))
+        });
         let (usage, running_counts) = {
             let live = self.live();
             let mut usage: HashMap<String, u64> = HashMap::new();
@@ -1092,19 +1154,31 @@ impl Scheduler {
             }
             (usage, counts)
         };
+        let mut tenant_states: Vec<TenantState> = tenants
+            .iter()
+            .map(|tenant| TenantState {
+                tenant: tenant.name.clone(),
+                weight: tenant.fair_share_weight.max(1) as u32,
+                vram_quota_bytes: tenant.vram_quota_bytes.map(|bytes| bytes as u64),
+                running_jobs_quota: tenant.max_running_jobs.map(|count| count as u32),
+                vram_in_use_bytes: usage.get(&tenant.name).copied().unwrap_or(0),
+                running_jobs: running_counts.get(&tenant.name).copied().unwrap_or(0),
+            })
+            .collect();
+        tenant_states.sort_by(|left, right| left.tenant.cmp(&right.tenant));
+        let inputs = PassInputs {
+            wake_generation,
+            queue,
+            gpus: gpus.clone(),
+            tenants: tenant_states.clone(),
+        };
+        if self.last_pass_inputs().as_ref() == Some(&inputs) {
+            return Ok(0);
+        }
+        let pending = self.store.queued_jobs_for_scheduling().await?;
         let problem = SchedulingProblem {
             gpus,
-            tenants: tenants
-                .iter()
-                .map(|tenant| TenantState {
-                    tenant: tenant.name.clone(),
-                    weight: tenant.fair_share_weight.max(1) as u32,
-                    vram_quota_bytes: tenant.vram_quota_bytes.map(|bytes| bytes as u64),
-                    running_jobs_quota: tenant.max_running_jobs.map(|count| count as u32),
-                    vram_in_use_bytes: usage.get(&tenant.name).copied().unwrap_or(0),
-                    running_jobs: running_counts.get(&tenant.name).copied().unwrap_or(0),
-                })
-                .collect(),
+            tenants: tenant_states,
             pending: pending
                 .iter()
                 .map(|job| PendingJob {
@@ -1117,15 +1191,20 @@ impl Scheduler {
                 .collect(),
         };
         let decision = solve(&problem);
-        let by_id: HashMap<&str, &JobRecord> =
+        drop(problem);
+        let by_id: HashMap<&str, &QueuedJob> =
             pending.iter().map(|job| (job.id.as_str(), job)).collect();
         let now = now_ms();
         let mut placed = 0;
         for placement in &decision.placements {
-            let Some(job) = by_id.get(placement.job_id.as_str()) else {
+            if !by_id.contains_key(placement.job_id.as_str()) {
                 continue;
-            };
-            let mut job = (*job).clone();
+            }
+            // Only placed jobs need their whole record (spec, config, checkpoint).
+            let mut job = self.store.get_job(&placement.job_id).await?;
+            if job.state != "queued" {
+                continue;
+            }
             let attempt_number = job.attempts_count + 1;
             let config = config_from_json(&job.config_json)?;
             let validated = stored_spec(&job)?;
@@ -1202,18 +1281,29 @@ impl Scheduler {
             placed += 1;
             Metrics::count(&self.metrics.placements);
         }
-        for (job_id, reason) in &decision.waiting {
-            let Some(job) = by_id.get(job_id.as_str()) else {
-                continue;
-            };
-            let reason = reason.to_string();
-            if job.waiting_reason != reason {
-                let mut job = (*job).clone();
-                job.waiting_reason = reason;
-                self.store.update_job(&job).await?;
-            }
-        }
+        let changed_reasons: Vec<(String, String)> = decision
+            .waiting
+            .iter()
+            .filter_map(|(job_id, reason)| {
+                let job = by_id.get(job_id.as_str())?;
+                let reason = reason.to_string();
+                (job.waiting_reason != reason).then(|| (job_id.clone(), reason))
+            })
+            .collect();
+        self.store.set_waiting_reasons(&changed_reasons).await?;
+        *self
+            .last_pass_inputs
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(inputs);
         Ok(placed)
+    }
+
+    /// What the last pass that finished decided from.
+    fn last_pass_inputs(&self) -> Option<PassInputs> {
+        self.last_pass_inputs
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
     }
 
     // ---- what the cluster service shows ----
@@ -1300,10 +1390,17 @@ impl Scheduler {
 
     /// The metrics page: counters plus gauges read now.
     pub async fn render_metrics(&self) -> String {
-        let mut gauges = ClusterGauges::default();
-        if let Ok(queued) = self.store.jobs_in_states(&["queued"]).await {
-            for job in queued {
-                *gauges.queued_jobs.entry(job.tenant).or_default() += 1;
+        let mut gauges = ClusterGauges {
+            submit_groups_committed: self.batcher.groups_committed(),
+            submit_jobs_committed: self.batcher.jobs_committed(),
+            log_lines_stored: self.logs.lines_stored(),
+            log_lines_dropped: self.logs.lines_dropped(),
+            ..ClusterGauges::default()
+        };
+        // Counted by the database: a scrape must not load a million queued jobs.
+        if let Ok(queued) = self.store.queued_jobs_by_tenant().await {
+            for (tenant, count) in queued {
+                gauges.queued_jobs.insert(tenant, count.max(0) as u64);
             }
         }
         {
@@ -1346,6 +1443,118 @@ impl Scheduler {
                 (bytes + running.slice_bytes, count + 1)
             })
     }
+}
+
+/// The job log line an event makes, if any: a worker's line under its attempt number, or
+/// one of the scheduler's notes (attempt 0) telling the job's story — state changes with
+/// their reasons, out-of-memory reports, shrink decisions and where attempts run.
+/// Progress is left out: it is frequent and `carve get` shows the latest.
+fn log_line_for_event(
+    job_id: &str,
+    time_ms: i64,
+    event: &v1::job_event::Event,
+) -> Option<crate::store::NewLogLine> {
+    use carve_core::bytes::HumanBytes;
+    use v1::job_event::Event;
+    let (attempt_number, level, message) = match event {
+        Event::Log(line) => (
+            line.attempt_number,
+            line.level.as_str(),
+            line.message.clone(),
+        ),
+        Event::StateChanged(changed) => {
+            let name = |state: i32| {
+                v1::JobState::try_from(state)
+                    .ok()
+                    .and_then(crate::convert::job_state_from_proto)
+                    .unwrap_or("unknown")
+            };
+            let (previous, state) = (name(changed.previous_state), name(changed.state));
+            let level = match (previous, state) {
+                (_, "failed") => "error",
+                (_, "cancelled") => "warn",
+                // Back in the queue from a slice: an OOM retry or a lost lease.
+                ("placed" | "running", "queued") => "warn",
+                _ => "info",
+            };
+            let message = match (previous == state, changed.reason.is_empty()) {
+                (true, _) => format!("job {}", changed.reason),
+                (false, true) => format!("{previous} -> {state}"),
+                (false, false) => format!("{previous} -> {state}: {}", changed.reason),
+            };
+            (0, level, message)
+        }
+        Event::Oom(oom) => {
+            let report: OutOfMemory = oom.report.unwrap_or_default().into();
+            (
+                0,
+                "warn",
+                format!("attempt {} ran {report}", oom.attempt_number),
+            )
+        }
+        Event::Shrink(decision) => {
+            let steps: Vec<&str> = decision
+                .steps
+                .iter()
+                .map(|step| step.description.as_str())
+                .collect();
+            let estimate = decision
+                .estimate
+                .as_ref()
+                .map_or(0, |estimate| estimate.required_bytes);
+            (
+                0,
+                "info",
+                format!(
+                    "shrink decision: {} (needs {} of a {} budget)",
+                    if steps.is_empty() {
+                        "no change".to_string()
+                    } else {
+                        steps.join("; ")
+                    },
+                    HumanBytes(estimate),
+                    HumanBytes(decision.budget_bytes)
+                ),
+            )
+        }
+        Event::AttemptStarted(attempt) => {
+            let resume = attempt
+                .resumed_from
+                .as_ref()
+                .filter(|checkpoint| !checkpoint.location.is_empty())
+                .map(|checkpoint| format!(", from checkpoint {}", checkpoint.location))
+                .unwrap_or_default();
+            (
+                0,
+                "info",
+                format!(
+                    "attempt {} assigned: a {} slice of {} on {} (estimated need {}){resume}",
+                    attempt.number,
+                    HumanBytes(attempt.slice_bytes),
+                    attempt.gpu_uuid,
+                    attempt.worker_id,
+                    HumanBytes(attempt.estimate_bytes)
+                ),
+            )
+        }
+        Event::AttemptFinished(attempt) => {
+            let outcome = v1::AttemptOutcome::try_from(attempt.outcome)
+                .map_or("unknown", |outcome| outcome.as_str_name());
+            (
+                0,
+                "info",
+                format!("attempt {} ended: {outcome}", attempt.number),
+            )
+        }
+        Event::Progress(_) => return None,
+    };
+    Some(crate::store::NewLogLine::normalized(
+        job_id,
+        time_ms,
+        i64::from(attempt_number),
+        level,
+        &message,
+    ))
 }
 
 fn slice_proto(job_id: &str, running: &RunningAttempt) -> v1::Slice {

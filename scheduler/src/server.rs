@@ -178,23 +178,46 @@ pub async fn run(
     if let Some(metrics) = metrics {
         metrics.abort();
     }
+    // Log lines are written in groups every ~150 ms; write the last group before going.
+    // (A crash loses that group: log lines are best effort, acknowledged jobs are not.)
+    scheduler.flush_logs().await;
     result
 }
 
+/// A pass never starts sooner than this after the previous one started.
+const MIN_PASS_GAP: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// After a pass that took `d`, the next starts no sooner than `PASS_GAP_FACTOR * d` after
+/// it started (but never later than the scheduling interval after it ended), so passes
+/// take at most 1/`PASS_GAP_FACTOR` of a core unless they are longer than the interval.
+const PASS_GAP_FACTOR: u32 = 4;
+
 /// Passes on every wake-up (submit, report, drain) and at least every scheduling
 /// interval; lease checks ride along.
+///
+/// A pass reads the whole queue, so its cost grows with the queue: with a long queue and
+/// a stream of submits (each one a wake-up), passes back to back would take a core from
+/// admission and the submit path. Wake-ups that come during a pass are merged into the
+/// next one, and the next one waits for the gap above: a job waits a little longer to be
+/// placed when the queue is long, and submits keep their throughput.
 async fn background_loop(scheduler: Arc<Scheduler>) {
     loop {
+        let started = tokio::time::Instant::now();
         if let Err(error) = scheduler.expire_leases().await {
             tracing::warn!(%error, "lease check failed");
         }
         if let Err(error) = scheduler.schedule_once().await {
             tracing::warn!(%error, "scheduling pass failed");
         }
+        let took = started.elapsed();
         let interval = scheduler
             .settings
             .scheduling_interval
             .min(scheduler.settings.heartbeat_interval);
+        let gap = MIN_PASS_GAP
+            .max(took * PASS_GAP_FACTOR)
+            .min(took + interval);
         scheduler.wait_for_wake(interval).await;
+        tokio::time::sleep_until(started + gap).await;
     }
 }

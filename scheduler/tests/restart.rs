@@ -621,3 +621,74 @@ async fn the_scheduler_stops_while_a_worker_is_still_connected() {
     let _worker = TestWorker::connect(&channel, &worker_token, "gpu-a", "", vec![]).await;
     scheduler.stop().await;
 }
+
+/// Log lines received just before a graceful stop are written by the stop, and a job's
+/// lines are read from the store after a restart.
+#[tokio::test]
+async fn job_logs_received_before_a_stop_are_read_after_the_restart() {
+    let directory = tempfile::tempdir().unwrap();
+    let database = database_url(&directory);
+    let lease = Duration::from_secs(3);
+    let first = RunningScheduler::start(&database, lease).await;
+    let channel = first.channel().await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice").await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", "", vec![]).await;
+    let job = submit(&channel, &user).await;
+    let assignment = worker.next_assignment().await;
+    let attempt = assignment.attempt.clone().unwrap();
+    for step in 1..=3 {
+        // Each send waits for its ack, so the scheduler has taken the line in.
+        worker
+            .send(v1::worker_message::Body::Log(v1::worker_message::LogLine {
+                attempt: Some(attempt.clone()),
+                level: "info".into(),
+                message: format!("step {step}"),
+            }))
+            .await;
+    }
+    worker.disconnect();
+    drop(channel);
+    first.stop().await;
+
+    let second = RunningScheduler::start(&database, lease).await;
+    let channel = second.channel().await;
+    let logs = JobServiceClient::new(channel.clone())
+        .get_job_logs(authorized(
+            v1::GetJobLogsRequest {
+                job_id: job.id.clone(),
+                attempt_number: 1,
+                ..Default::default()
+            },
+            &user,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let messages: Vec<&str> = logs
+        .lines
+        .iter()
+        .map(|line| line.message.as_str())
+        .collect();
+    assert_eq!(messages, vec!["step 1", "step 2", "step 3"]);
+    let everything = JobServiceClient::new(channel.clone())
+        .get_job_logs(authorized(
+            v1::GetJobLogsRequest {
+                job_id: job.id.clone(),
+                ..Default::default()
+            },
+            &user,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        everything
+            .lines
+            .iter()
+            .any(|line| line.attempt_number == 0 && line.message.starts_with("queued -> placed")),
+        "{:#?}",
+        everything.lines
+    );
+    drop(channel);
+    second.stop().await;
+}

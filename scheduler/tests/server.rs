@@ -557,6 +557,28 @@ async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
         .await;
     let done = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(done.attempts[1].worker_id, second_worker.id);
+    // The job's log says why it moved.
+    let logs = job_logs(
+        &channel,
+        &user,
+        v1::GetJobLogsRequest {
+            job_id: job.id.clone(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let lease_lost = format!(
+        "placed -> queued: lease lost: worker {} stopped heartbeating during attempt 1",
+        done.attempts[0].worker_id
+    );
+    assert!(
+        logs.lines
+            .iter()
+            .any(|line| line.level == "warn" && line.message.starts_with(&lease_lost)),
+        "no {lease_lost:?} in {:#?}",
+        logs.lines
+    );
 }
 
 #[tokio::test]
@@ -867,4 +889,335 @@ async fn a_drained_worker_takes_nothing_new_until_undrained() {
         .unwrap();
     let assignment = worker.next_assignment().await;
     assert_eq!(assignment.attempt.unwrap().job_id, job.id);
+}
+
+async fn job_logs(
+    channel: &Channel,
+    token: &str,
+    request: v1::GetJobLogsRequest,
+) -> Result<v1::GetJobLogsResponse, tonic::Status> {
+    JobServiceClient::new(channel.clone())
+        .get_job_logs(authorized(request, token))
+        .await
+        .map(|response| response.into_inner())
+}
+
+#[tokio::test]
+async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_tenant() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (other_user, _) = tenant_with_tokens(&channel, "bob", v1::Quota::default()).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    let mut watch = JobServiceClient::new(channel.clone())
+        .watch_job(authorized(
+            v1::WatchJobRequest {
+                job_id: job.id.clone(),
+                include_logs: false,
+            },
+            &user,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let assignment = worker.next_assignment().await;
+    let attempt = assignment.attempt.clone().unwrap();
+    worker
+        .send(v1::worker_message::Body::AttemptStarted(
+            v1::worker_message::AttemptStarted {
+                attempt: Some(attempt.clone()),
+                reserved_bytes: assignment.slice_bytes,
+            },
+        ))
+        .await;
+    let log = |attempt: &v1::AttemptRef, level: &str, message: &str| {
+        v1::worker_message::Body::Log(v1::worker_message::LogLine {
+            attempt: Some(attempt.clone()),
+            level: level.into(),
+            message: message.into(),
+        })
+    };
+    worker.send(log(&attempt, "info", "step 1 loss 2.30")).await;
+    worker
+        .send(log(&attempt, "WARNING", "loss scale halved\n"))
+        .await;
+    // A line about an attempt this worker does not hold is not the job's.
+    let stale = v1::AttemptRef {
+        attempt_number: 7,
+        lease_epoch: 7,
+        ..attempt.clone()
+    };
+    worker.send(log(&stale, "error", "not this attempt")).await;
+    worker
+        .send(log(&attempt, "debug", "step 10 loss 0.91"))
+        .await;
+    worker
+        .finish(&attempt, v1::AttemptOutcome::Succeeded, 2 << 20)
+        .await;
+    // The terminal event is sent after its note is queued, so the logs read next have it.
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(10), watch.next())
+            .await
+            .expect("an event within 10 s")
+            .expect("the watch ends only after the terminal state")
+            .unwrap();
+        if let Some(v1::job_event::Event::StateChanged(changed)) = event.event
+            && changed.state == v1::JobState::Succeeded as i32
+        {
+            break;
+        }
+    }
+
+    let request = |after_sequence: u64, page_size: u32| v1::GetJobLogsRequest {
+        job_id: job.id.clone(),
+        attempt_number: 0,
+        after_sequence,
+        page_size,
+        tail: 0,
+    };
+    let all = job_logs(&channel, &user, request(0, 0)).await.unwrap();
+    assert!(!all.more);
+    assert_eq!(all.last_sequence, all.lines.last().unwrap().sequence);
+    let text: Vec<String> = all
+        .lines
+        .iter()
+        .map(|line| format!("{} {} {}", line.attempt_number, line.level, line.message))
+        .collect();
+    assert!(
+        all.lines
+            .windows(2)
+            .all(|pair| pair[0].sequence < pair[1].sequence),
+        "{text:#?}"
+    );
+    assert!(all.lines.iter().all(|line| line.time.is_some()));
+    let worker_lines: Vec<&String> = text.iter().filter(|line| line.starts_with("1 ")).collect();
+    assert_eq!(
+        worker_lines,
+        vec![
+            "1 info step 1 loss 2.30",
+            "1 warn loss scale halved",
+            "1 debug step 10 loss 0.91"
+        ],
+        "{text:#?}"
+    );
+    // The scheduler's notes tell the story around them, in order.
+    let position = |needle: &str| {
+        text.iter()
+            .position(|line| line.starts_with("0 ") && line.contains(needle))
+            .unwrap_or_else(|| panic!("no note containing {needle:?} in {text:#?}"))
+    };
+    let submitted = position("job submitted");
+    let placed = position("queued -> placed: placed on gpu-a");
+    let started = position("placed -> running");
+    let first_worker_line = text.iter().position(|line| line.starts_with("1 ")).unwrap();
+    let succeeded = position("running -> succeeded");
+    assert!(
+        submitted < placed && placed < started && started < first_worker_line,
+        "{text:#?}"
+    );
+    assert_eq!(succeeded, text.len() - 1, "{text:#?}");
+    assert!(position("attempt 1 assigned") > placed);
+
+    // One attempt's lines only.
+    let attempt_only = job_logs(
+        &channel,
+        &user,
+        v1::GetJobLogsRequest {
+            attempt_number: 1,
+            ..request(0, 0)
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(attempt_only.lines.len(), 3);
+    assert!(
+        attempt_only
+            .lines
+            .iter()
+            .all(|line| line.attempt_number == 1)
+    );
+
+    // Paging by after_sequence gives the same lines, page by page.
+    let mut paged = Vec::new();
+    let mut after_sequence = 0;
+    let mut pages = 0;
+    loop {
+        let page = job_logs(&channel, &user, request(after_sequence, 2))
+            .await
+            .unwrap();
+        assert!(page.lines.len() <= 2);
+        pages += 1;
+        assert!(pages <= all.lines.len(), "paging does not end");
+        paged.extend(page.lines);
+        after_sequence = page.last_sequence;
+        if !page.more {
+            break;
+        }
+    }
+    assert_eq!(paged, all.lines);
+    // Past the end: nothing, and last_sequence stays where the caller was.
+    let past = job_logs(&channel, &user, request(all.last_sequence, 0))
+        .await
+        .unwrap();
+    assert_eq!(
+        (past.lines.len(), past.last_sequence, past.more),
+        (0, all.last_sequence, false)
+    );
+
+    // The tail; a page size over the cap is capped, not refused.
+    let tail = job_logs(
+        &channel,
+        &user,
+        v1::GetJobLogsRequest {
+            tail: 2,
+            ..request(0, 0)
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(tail.lines, all.lines[all.lines.len() - 2..]);
+    let capped = job_logs(&channel, &user, request(0, 1_000_000))
+        .await
+        .unwrap();
+    assert_eq!(capped.lines, all.lines);
+
+    // Visibility is GetJob's: another tenant's job does not exist for it; admins see it.
+    let error = job_logs(&channel, &other_user, request(0, 0))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::NotFound, "{}", error.message());
+    assert_eq!(
+        job_logs(&channel, ADMIN, request(0, 0))
+            .await
+            .unwrap()
+            .lines,
+        all.lines
+    );
+    let error = job_logs(&channel, &worker_token, request(0, 0))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::PermissionDenied, "{}", error.message());
+    let error = job_logs(
+        &channel,
+        &user,
+        v1::GetJobLogsRequest {
+            job_id: "job-does-not-exist".into(),
+            ..request(0, 0)
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(error.code(), Code::NotFound);
+    let error = job_logs(
+        &channel,
+        &user,
+        v1::GetJobLogsRequest {
+            job_id: String::new(),
+            ..request(0, 0)
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(error.code(), Code::InvalidArgument);
+    assert!(error.message().contains("job_id"), "{}", error.message());
+    let error = job_logs(&channel, &user, request(u64::MAX, 0))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::InvalidArgument);
+    assert!(
+        error.message().contains("after_sequence"),
+        "{}",
+        error.message()
+    );
+
+    let metrics = scrape(cluster.metrics_address).await;
+    let stored: u64 = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("carve_log_lines_stored_total "))
+        .unwrap_or_else(|| panic!("no carve_log_lines_stored_total in:\n{metrics}"))
+        .parse()
+        .unwrap();
+    assert!(
+        stored >= all.lines.len() as u64,
+        "{stored} < {}",
+        all.lines.len()
+    );
+    assert!(
+        metrics
+            .lines()
+            .any(|line| line == "carve_log_lines_dropped_total 0"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn job_logs_tell_an_oom_retry_and_a_cancel() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    let first = worker.next_assignment().await;
+    worker
+        .send(v1::worker_message::Body::Oom(
+            v1::worker_message::OomReport {
+                attempt: first.attempt.clone(),
+                report: Some(v1::OutOfMemoryReport {
+                    requested_bytes: first.slice_bytes / 2,
+                    in_use_bytes: first.slice_bytes / 4 * 3,
+                    limit_bytes: first.slice_bytes,
+                    largest_free_bytes: first.slice_bytes / 4,
+                    peak_bytes: first.slice_bytes / 4 * 3,
+                }),
+                checkpoint: None,
+            },
+        ))
+        .await;
+    let second = worker.next_assignment().await;
+    assert_eq!(second.attempt.as_ref().unwrap().attempt_number, 2);
+    JobServiceClient::new(channel.clone())
+        .cancel_job(authorized(
+            v1::CancelJobRequest {
+                job_id: job.id.clone(),
+                reason: String::new(),
+            },
+            &user,
+        ))
+        .await
+        .unwrap();
+    let logs = job_logs(
+        &channel,
+        &user,
+        v1::GetJobLogsRequest {
+            job_id: job.id.clone(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let notes: Vec<String> = logs
+        .lines
+        .iter()
+        .map(|line| format!("{} {}", line.level, line.message))
+        .collect();
+    let position = |needle: &str| {
+        notes
+            .iter()
+            .position(|line| line.contains(needle))
+            .unwrap_or_else(|| panic!("no note containing {needle:?} in {notes:#?}"))
+    };
+    let oom = position("warn attempt 1 ran out of memory: requested");
+    let shrink = position("info shrink decision: ");
+    let requeued = position("warn placed -> queued: out of memory");
+    let second_placement = position("attempt 2 assigned");
+    let cancelled = position("warn placed -> cancelled: cancelled by");
+    assert!(
+        oom < shrink
+            && shrink < requeued
+            && requeued < second_placement
+            && second_placement < cancelled,
+        "{notes:#?}"
+    );
+    assert!(logs.lines.iter().all(|line| line.attempt_number == 0));
 }

@@ -8,8 +8,9 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::store::{
-    AttemptRecord, Backend, JobFilter, JobRecord, Store, SubmitBatcher, TenantRecord, TokenRecord,
-    WorkerRecord,
+    AttemptRecord, Backend, JobFilter, JobRecord, LogBatcher, LogBatcherSettings, LogLineRecord,
+    LogPage, LogQuery, MAX_LOG_LINES_PER_JOB, MAX_LOG_MESSAGE_BYTES, NewLogLine, Store,
+    SubmitBatcher, TenantRecord, TokenRecord, WorkerRecord,
 };
 use support::TestDb;
 
@@ -56,6 +57,11 @@ contract_tests!(
     workers_upsert_and_state,
     peak_correction_is_the_largest_ratio,
     data_survives_reopening,
+    log_lines_get_per_job_sequences_and_read_in_pages,
+    log_lines_filter_by_attempt_and_tail,
+    log_lines_are_trimmed_to_the_newest_per_job,
+    appending_log_lines_is_all_or_nothing,
+    the_log_batcher_writes_groups_and_flush_makes_them_readable,
 );
 
 const T0: i64 = 1_700_000_000_000;
@@ -1429,4 +1435,458 @@ async fn sqlite_urls_and_in_memory_stores_open() {
             "must not be empty"
         ))
     );
+}
+
+// ---- job log lines ----
+
+fn log_line(job_id: &str, attempt_number: i64, message: &str) -> NewLogLine {
+    NewLogLine {
+        job_id: job_id.to_string(),
+        time_ms: T0 + 7,
+        attempt_number,
+        level: "info".to_string(),
+        message: message.to_string(),
+    }
+}
+
+fn log_query(job_id: &str) -> LogQuery {
+    LogQuery {
+        job_id: job_id.to_string(),
+        attempt_number: None,
+        after_sequence: 0,
+        page_size: 0,
+        tail: None,
+    }
+}
+
+/// The (sequence, message) pairs of a page, for compact assertions.
+fn sequenced(page: &LogPage) -> Vec<(i64, String)> {
+    page.lines
+        .iter()
+        .map(|line| (line.sequence, line.message.clone()))
+        .collect()
+}
+
+/// Two jobs with lines, written by one append as the batcher does.
+async fn two_jobs_for_logs(store: &Store) {
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    store
+        .submit_jobs(vec![job("j-1", "acme", "x"), job("j-2", "acme", "y")])
+        .await
+        .unwrap();
+}
+
+async fn log_lines_get_per_job_sequences_and_read_in_pages(db: &TestDb) {
+    let store = db.open().await;
+    two_jobs_for_logs(&store).await;
+    assert_eq!(
+        store.read_log_lines(&log_query("j-1")).await.unwrap(),
+        LogPage {
+            lines: vec![],
+            more: false
+        }
+    );
+    store.append_log_lines(&[]).await.unwrap();
+    // Interleaved jobs in one append: each job's lines keep their order.
+    let mut lines = Vec::new();
+    for i in 1..=5 {
+        lines.push(log_line("j-1", 1, &format!("one {i}")));
+        lines.push(log_line("j-2", 1, &format!("two {i}")));
+    }
+    lines[0] = NewLogLine {
+        level: "warn".into(),
+        attempt_number: 0,
+        ..lines[0].clone()
+    };
+    store.append_log_lines(&lines).await.unwrap();
+    let everything = store.read_log_lines(&log_query("j-1")).await.unwrap();
+    assert!(!everything.more);
+    assert_eq!(
+        everything.lines[0],
+        LogLineRecord {
+            job_id: "j-1".into(),
+            sequence: 1,
+            time_ms: T0 + 7,
+            attempt_number: 0,
+            level: "warn".into(),
+            message: "one 1".into(),
+        }
+    );
+    assert_eq!(
+        sequenced(&everything),
+        (1..=5).map(|i| (i, format!("one {i}"))).collect::<Vec<_>>()
+    );
+    let other = store.read_log_lines(&log_query("j-2")).await.unwrap();
+    assert_eq!(
+        sequenced(&other),
+        (1..=5).map(|i| (i, format!("two {i}"))).collect::<Vec<_>>()
+    );
+
+    // Pages of 2 after a sequence, with `more` telling whether another page exists.
+    let page = |after_sequence: i64| LogQuery {
+        after_sequence,
+        page_size: 2,
+        ..log_query("j-1")
+    };
+    let first = store.read_log_lines(&page(0)).await.unwrap();
+    assert_eq!(
+        sequenced(&first),
+        vec![(1, "one 1".into()), (2, "one 2".into())]
+    );
+    assert!(first.more);
+    let second = store.read_log_lines(&page(2)).await.unwrap();
+    assert_eq!(
+        sequenced(&second),
+        vec![(3, "one 3".into()), (4, "one 4".into())]
+    );
+    assert!(second.more);
+    let last = store.read_log_lines(&page(4)).await.unwrap();
+    assert_eq!(sequenced(&last), vec![(5, "one 5".into())]);
+    assert!(!last.more);
+    let beyond = store.read_log_lines(&page(5)).await.unwrap();
+    assert_eq!(beyond.lines, vec![]);
+    assert!(!beyond.more);
+
+    // A later append continues the job's sequence, also after reopening the store.
+    store
+        .append_log_lines(&[log_line("j-1", 2, "one 6")])
+        .await
+        .unwrap();
+    store.close().await;
+    let store = db.open().await;
+    store
+        .append_log_lines(&[log_line("j-1", 2, "one 7")])
+        .await
+        .unwrap();
+    let after_reopen = store.read_log_lines(&page(5)).await.unwrap();
+    assert_eq!(
+        sequenced(&after_reopen),
+        vec![(6, "one 6".into()), (7, "one 7".into())]
+    );
+
+    // Page size 0 is the default page (1000 lines); more than that is another page.
+    let many: Vec<NewLogLine> = (8..=1_010)
+        .map(|i| log_line("j-1", 2, &format!("one {i}")))
+        .collect();
+    store.append_log_lines(&many).await.unwrap();
+    let default_page = store.read_log_lines(&log_query("j-1")).await.unwrap();
+    assert_eq!(default_page.lines.len(), 1_000);
+    assert_eq!(default_page.lines.last().unwrap().sequence, 1_000);
+    assert!(default_page.more);
+}
+
+async fn log_lines_filter_by_attempt_and_tail(db: &TestDb) {
+    let store = db.open().await;
+    two_jobs_for_logs(&store).await;
+    // The scheduler's notes (attempt 0) around two attempts' lines.
+    let lines = vec![
+        log_line("j-1", 0, "placed"),
+        log_line("j-1", 1, "a1 first"),
+        log_line("j-1", 1, "a1 second"),
+        log_line("j-1", 0, "out of memory"),
+        log_line("j-1", 2, "a2 first"),
+        log_line("j-1", 1, "a1 late"),
+        log_line("j-1", 2, "a2 second"),
+        log_line("j-1", 0, "succeeded"),
+        log_line("j-2", 1, "other job"),
+    ];
+    store.append_log_lines(&lines).await.unwrap();
+    let attempt = |number: i64| LogQuery {
+        attempt_number: Some(number),
+        ..log_query("j-1")
+    };
+    assert_eq!(
+        sequenced(&store.read_log_lines(&attempt(1)).await.unwrap()),
+        vec![
+            (2, "a1 first".into()),
+            (3, "a1 second".into()),
+            (6, "a1 late".into())
+        ]
+    );
+    // Paging within one attempt: after_sequence counts the job's sequences.
+    let paged = store
+        .read_log_lines(&LogQuery {
+            after_sequence: 2,
+            page_size: 1,
+            ..attempt(1)
+        })
+        .await
+        .unwrap();
+    assert_eq!(sequenced(&paged), vec![(3, "a1 second".into())]);
+    assert!(paged.more);
+    assert_eq!(
+        sequenced(&store.read_log_lines(&attempt(2)).await.unwrap()),
+        vec![(5, "a2 first".into()), (7, "a2 second".into())]
+    );
+    assert_eq!(
+        store.read_log_lines(&attempt(3)).await.unwrap().lines,
+        vec![]
+    );
+
+    // The tail: the last lines after the attempt filter, oldest first, ignoring
+    // after_sequence and the page size; never `more`.
+    let tail = |tail: u32| LogQuery {
+        tail: Some(tail),
+        after_sequence: 7,
+        page_size: 1,
+        ..log_query("j-1")
+    };
+    let last_three = store.read_log_lines(&tail(3)).await.unwrap();
+    assert_eq!(
+        sequenced(&last_three),
+        vec![
+            (6, "a1 late".into()),
+            (7, "a2 second".into()),
+            (8, "succeeded".into())
+        ]
+    );
+    assert!(!last_three.more);
+    assert_eq!(
+        store.read_log_lines(&tail(100)).await.unwrap().lines.len(),
+        8
+    );
+    // Tails over the cap are capped, not refused.
+    assert_eq!(
+        store
+            .read_log_lines(&tail(u32::MAX))
+            .await
+            .unwrap()
+            .lines
+            .len(),
+        8
+    );
+    let attempt_tail = store
+        .read_log_lines(&LogQuery {
+            tail: Some(2),
+            ..attempt(1)
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        sequenced(&attempt_tail),
+        vec![(3, "a1 second".into()), (6, "a1 late".into())]
+    );
+    // A tail of 0 is no tail.
+    assert_eq!(
+        store
+            .read_log_lines(&LogQuery {
+                tail: Some(0),
+                ..log_query("j-1")
+            })
+            .await
+            .unwrap()
+            .lines
+            .len(),
+        8
+    );
+}
+
+async fn log_lines_are_trimmed_to_the_newest_per_job(db: &TestDb) {
+    let store = db.open().await;
+    two_jobs_for_logs(&store).await;
+    let numbered = |job_id: &str, range: std::ops::RangeInclusive<i64>| -> Vec<NewLogLine> {
+        range
+            .map(|i| log_line(job_id, 1, &format!("line {i}")))
+            .collect()
+    };
+    store
+        .append_log_lines_keeping(&numbered("j-1", 1..=3), 5)
+        .await
+        .unwrap();
+    store
+        .append_log_lines_keeping(&numbered("j-2", 1..=2), 5)
+        .await
+        .unwrap();
+    store
+        .append_log_lines_keeping(&numbered("j-1", 4..=7), 5)
+        .await
+        .unwrap();
+    let kept = store.read_log_lines(&log_query("j-1")).await.unwrap();
+    assert_eq!(
+        sequenced(&kept),
+        (3..=7)
+            .map(|i| (i, format!("line {i}")))
+            .collect::<Vec<_>>(),
+        "the two oldest lines are gone, sequences unchanged"
+    );
+    // One append larger than the limit keeps its own newest lines.
+    store
+        .append_log_lines_keeping(&numbered("j-1", 8..=20), 5)
+        .await
+        .unwrap();
+    assert_eq!(
+        sequenced(&store.read_log_lines(&log_query("j-1")).await.unwrap()),
+        (16..=20)
+            .map(|i| (i, format!("line {i}")))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        store
+            .read_log_lines(&log_query("j-2"))
+            .await
+            .unwrap()
+            .lines
+            .len(),
+        2,
+        "another job's lines are not trimmed"
+    );
+
+    // The default limit is 10,000 lines per job.
+    assert_eq!(MAX_LOG_LINES_PER_JOB, 10_000);
+    store
+        .append_log_lines(&numbered("j-2", 3..=10_000))
+        .await
+        .unwrap();
+    store
+        .append_log_lines(&numbered("j-2", 10_001..=10_025))
+        .await
+        .unwrap();
+    let oldest = store
+        .read_log_lines(&LogQuery {
+            page_size: 1,
+            ..log_query("j-2")
+        })
+        .await
+        .unwrap();
+    assert_eq!(sequenced(&oldest), vec![(26, "line 26".into())]);
+    let newest = store
+        .read_log_lines(&LogQuery {
+            tail: Some(1),
+            ..log_query("j-2")
+        })
+        .await
+        .unwrap();
+    assert_eq!(sequenced(&newest), vec![(10_025, "line 10025".into())]);
+    let mut count = 0;
+    let mut after_sequence = 0;
+    loop {
+        let page = store
+            .read_log_lines(&LogQuery {
+                after_sequence,
+                page_size: 10_000,
+                ..log_query("j-2")
+            })
+            .await
+            .unwrap();
+        count += page.lines.len();
+        after_sequence = page
+            .lines
+            .last()
+            .map_or(after_sequence, |line| line.sequence);
+        if !page.more {
+            break;
+        }
+    }
+    assert_eq!(count, 10_000);
+}
+
+async fn appending_log_lines_is_all_or_nothing(db: &TestDb) {
+    let store = db.open().await;
+    two_jobs_for_logs(&store).await;
+    assert!(matches!(
+        store
+            .append_log_lines(&[log_line("j-1", 1, "kept?"), log_line("missing", 1, "x")])
+            .await,
+        Err(SchedulerError::NotFound { what: "job", .. })
+    ));
+    let invalid_level = NewLogLine {
+        level: "loud".into(),
+        ..log_line("j-1", 1, "x")
+    };
+    assert!(matches!(
+        store.append_log_lines(&[log_line("j-1", 1, "kept?"), invalid_level]).await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "lines[1].level"
+    ));
+    let negative_attempt = log_line("j-1", -1, "x");
+    assert!(matches!(
+        store.append_log_lines(&[negative_attempt]).await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "lines[0].attempt_number"
+    ));
+    let too_long = log_line("j-1", 1, &"x".repeat(MAX_LOG_MESSAGE_BYTES + 1));
+    assert!(matches!(
+        store.append_log_lines(&[too_long]).await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "lines[0].message"
+    ));
+    assert!(matches!(
+        store.append_log_lines_keeping(&[log_line("j-1", 1, "x")], 0).await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "keep_per_job"
+    ));
+    // Nothing of the refused appends was written, not even their sequences.
+    assert_eq!(
+        store.read_log_lines(&log_query("j-1")).await.unwrap().lines,
+        vec![]
+    );
+    store
+        .append_log_lines(&[log_line("j-1", 1, "first")])
+        .await
+        .unwrap();
+    assert_eq!(
+        sequenced(&store.read_log_lines(&log_query("j-1")).await.unwrap()),
+        vec![(1, "first".into())]
+    );
+    assert!(matches!(
+        store
+            .read_log_lines(&LogQuery {
+                after_sequence: -1,
+                ..log_query("j-1")
+            })
+            .await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "after_sequence"
+    ));
+    assert!(matches!(
+        store
+            .read_log_lines(&LogQuery {
+                attempt_number: Some(-2),
+                ..log_query("j-1")
+            })
+            .await,
+        Err(SchedulerError::InvalidArgument { field, .. }) if field == "attempt_number"
+    ));
+}
+
+async fn the_log_batcher_writes_groups_and_flush_makes_them_readable(db: &TestDb) {
+    let store = db.open().await;
+    two_jobs_for_logs(&store).await;
+    // An interval no test waits for: only the group size and flushes write here.
+    let batcher = LogBatcher::spawn_with(
+        store.clone(),
+        LogBatcherSettings {
+            flush_interval: std::time::Duration::from_secs(3600),
+            max_group: 10,
+            capacity: 1_000,
+            keep_per_job: 1_000,
+        },
+    );
+    for i in 1..=25 {
+        batcher.append(log_line(
+            if i % 2 == 0 { "j-2" } else { "j-1" },
+            1,
+            &format!("{i}"),
+        ));
+    }
+    // A line for a job that does not exist costs only its own line.
+    batcher.append(log_line("missing", 1, "lost"));
+    batcher.flush().await;
+    assert_eq!(batcher.lines_stored(), 25);
+    assert_eq!(batcher.lines_dropped(), 1);
+    let odd = store.read_log_lines(&log_query("j-1")).await.unwrap();
+    assert_eq!(
+        odd.lines
+            .iter()
+            .map(|line| line.message.clone())
+            .collect::<Vec<_>>(),
+        (1..=25)
+            .step_by(2)
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+    );
+    let even = store.read_log_lines(&log_query("j-2")).await.unwrap();
+    assert_eq!(
+        sequenced(&even).last(),
+        Some(&(12, "24".to_string())),
+        "12 lines, in order"
+    );
+    // A flush with nothing waiting answers at once.
+    batcher.flush().await;
+    assert_eq!(batcher.lines_stored(), 25);
 }

@@ -1,12 +1,13 @@
-//! Jobs: group-committed submits with idempotency keys, lookups, keyset-paged listings
-//! and whole-row updates.
+//! Jobs: group-committed submits with idempotency keys, lookups, keyset-paged listings,
+//! whole-row updates, and the narrow reads and writes of the scheduling pass over the
+//! queue (which must stay cheap with a million queued jobs).
 
 use std::collections::HashMap;
 
 use super::records::check_one_of;
 use super::{
-    DEFAULT_PAGE_SIZE, JOB_STATES, JobFilter, JobRecord, MAX_PAGE_SIZE, Store, SubmitOutcome,
-    is_foreign_key_violation, is_unique_violation,
+    DEFAULT_PAGE_SIZE, JOB_STATES, JobFilter, JobRecord, MAX_PAGE_SIZE, QueueFingerprint,
+    QueuedJob, Store, SubmitOutcome, is_foreign_key_violation, is_unique_violation,
 };
 use crate::error::SchedulerError;
 
@@ -66,6 +67,9 @@ macro_rules! bind_job_update {
     };
 }
 pub(super) use bind_job_update;
+
+/// The most waiting reasons [`Store::set_waiting_reasons`] writes in one transaction.
+pub const WAITING_REASONS_PER_TRANSACTION: usize = 4096;
 
 /// A value bound to a query built at run time.
 enum Arg {
@@ -296,6 +300,67 @@ impl Store {
         Ok(with_pool!(self, pool => {
             bind_args!(sqlx::query_as(&sql), &args).fetch_all(pool).await?
         }))
+    }
+
+    /// Every queued job as the scheduling pass needs it (see [`QueuedJob`]), oldest
+    /// (lowest `submit_sequence`) first.
+    pub async fn queued_jobs_for_scheduling(&self) -> Result<Vec<QueuedJob>, SchedulerError> {
+        let sql = "SELECT id, tenant, priority, submit_sequence, required_bytes, \
+                   waiting_reason FROM jobs WHERE state = 'queued' ORDER BY submit_sequence";
+        Ok(with_pool!(self, pool => {
+            sqlx::query_as(sql).fetch_all(pool).await?
+        }))
+    }
+
+    /// How many jobs are queued and the highest `submit_sequence` among them, from the
+    /// `(state, submit_sequence)` index alone.
+    pub async fn queue_fingerprint(&self) -> Result<QueueFingerprint, SchedulerError> {
+        let sql = "SELECT count(*), coalesce(max(submit_sequence), 0) FROM jobs \
+                   WHERE state = 'queued'";
+        let (queued_jobs, highest_submit_sequence): (i64, i64) = with_pool!(self, pool => {
+            sqlx::query_as(sql).fetch_one(pool).await?
+        });
+        Ok(QueueFingerprint {
+            queued_jobs,
+            highest_submit_sequence,
+        })
+    }
+
+    /// The number of queued jobs of each tenant that has any, by tenant name.
+    pub async fn queued_jobs_by_tenant(&self) -> Result<Vec<(String, i64)>, SchedulerError> {
+        let sql = "SELECT tenant, count(*) FROM jobs WHERE state = 'queued' \
+                   GROUP BY tenant ORDER BY tenant";
+        Ok(with_pool!(self, pool => {
+            sqlx::query_as(sql).fetch_all(pool).await?
+        }))
+    }
+
+    /// Sets the waiting reason of each `(job id, reason)` whose job is still queued, in
+    /// transactions of up to [`WAITING_REASONS_PER_TRANSACTION`] updates: a pass that
+    /// explains a million waiting jobs costs a few hundred flushes, not a million, and
+    /// does not hold the write lock (which submits need) for the whole of it. Returns how
+    /// many jobs were updated; ids that are unknown or no longer queued are skipped.
+    pub async fn set_waiting_reasons(
+        &self,
+        reasons: &[(String, String)],
+    ) -> Result<u64, SchedulerError> {
+        let sql = "UPDATE jobs SET waiting_reason = $2 WHERE id = $1 AND state = 'queued'";
+        let mut updated = 0;
+        for chunk in reasons.chunks(WAITING_REASONS_PER_TRANSACTION) {
+            updated += with_write_tx!(self, tx => {
+                let mut updated_in_chunk = 0;
+                for (job_id, reason) in chunk {
+                    updated_in_chunk += sqlx::query(sql)
+                        .bind(job_id)
+                        .bind(reason)
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected();
+                }
+                updated_in_chunk
+            });
+        }
+        Ok(updated)
     }
 }
 

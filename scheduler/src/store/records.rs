@@ -100,6 +100,28 @@ pub struct JobRecord {
     pub attempts_count: i64,
 }
 
+/// What a scheduling pass needs of a queued job, and nothing more: the solver's inputs
+/// and the reason the job last waited for (to write only reasons that changed). A pass
+/// over a million queued jobs reads these instead of whole [`JobRecord`]s, whose spec,
+/// config and estimate JSON it does not use.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct QueuedJob {
+    pub id: String,
+    pub tenant: String,
+    pub priority: i64,
+    pub submit_sequence: i64,
+    pub required_bytes: i64,
+    pub waiting_reason: String,
+}
+
+/// How many jobs are queued and the highest `submit_sequence` among them: two numbers
+/// that change whenever a job joins or leaves the queue, whichever replica moved it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueueFingerprint {
+    pub queued_jobs: i64,
+    pub highest_submit_sequence: i64,
+}
+
 /// What `submit_jobs` did with one job: created it, or found the job an earlier submit
 /// with the same `(tenant, idempotency_key)` created (`created == false`, `job` is that
 /// existing job).
