@@ -12,7 +12,6 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use carve_core::bytes::HumanBytes;
 use carve_core::validate::parse_job_spec_toml;
 use carve_proto::v1;
 use carve_proto::v1::admin_service_client::AdminServiceClient;
@@ -23,9 +22,12 @@ use carve_worker::gpus::{SimulatedGpu, parse_simulated_gpus};
 use carve_worker::{WorkerConfig, run_worker};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tonic::Request;
-use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
+
+use crate::client::connection::{authorized, connect_channel};
+use crate::client::output::{
+    bytes_text, config_text, is_terminal, job_state_name, outcome_name, precision_name, print_table,
+};
 
 /// The tenant `carve dev` creates and hands out a user token for.
 pub const DEV_TENANT: &str = "dev";
@@ -92,15 +94,6 @@ pub fn run(arguments: DevArguments) -> Result<ExitCode> {
         .try_init();
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(run_cluster(arguments, gpus, program))
-}
-
-fn authorized<T>(message: T, token: &str) -> Result<Request<T>> {
-    let mut request = Request::new(message);
-    request.metadata_mut().insert(
-        "authorization",
-        MetadataValue::try_from(format!("Bearer {token}")).context("a token is not ascii")?,
-    );
-    Ok(request)
 }
 
 /// SIGINT or SIGTERM.
@@ -173,7 +166,8 @@ async fn run_cluster(
     let admin_token = carve_scheduler::auth::generate_secret();
     let scheduler = start_scheduler(&data_dir, &checkpoints, listener, admin_token.clone());
     let result = async {
-        let channel = connect(&endpoint).await?;
+        // The listener is bound already, so connecting succeeds at once.
+        let channel = connect_channel(&endpoint, None).await?;
         let (user_token, worker_token) = create_tenant_and_tokens(&channel, &admin_token).await?;
         let worker = start_worker(&endpoint, worker_token, gpus, program, &checkpoints);
         println!(
@@ -271,24 +265,6 @@ fn start_worker(
     }
 }
 
-/// Connects to the scheduler that was just started on `endpoint`.
-async fn connect(endpoint: &str) -> Result<Channel> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        match Channel::from_shared(endpoint.to_string())
-            .context("the endpoint")?
-            .connect()
-            .await
-        {
-            Ok(channel) => return Ok(channel),
-            Err(error) if Instant::now() >= deadline => {
-                bail!("cannot reach the scheduler at {endpoint}: {error}")
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    }
-}
-
 /// Creates the `dev` tenant (unless a reused data dir has it) and returns a new user
 /// token and a new worker token for it.
 async fn create_tenant_and_tokens(channel: &Channel, admin: &str) -> Result<(String, String)> {
@@ -352,58 +328,6 @@ fn demo_spec_json(example: &DemoExample) -> Result<String> {
         .map_err(|error| anyhow!("{}: {error}", example.file))
 }
 
-fn job_state_name(state: i32) -> String {
-    v1::JobState::try_from(state)
-        .map(|state| {
-            state
-                .as_str_name()
-                .trim_start_matches("JOB_STATE_")
-                .to_lowercase()
-        })
-        .unwrap_or_else(|_| format!("state {state}"))
-}
-
-fn outcome_name(outcome: i32) -> String {
-    v1::AttemptOutcome::try_from(outcome)
-        .map(|outcome| {
-            outcome
-                .as_str_name()
-                .trim_start_matches("ATTEMPT_OUTCOME_")
-                .to_lowercase()
-        })
-        .unwrap_or_else(|_| format!("outcome {outcome}"))
-}
-
-fn precision_name(precision: i32) -> String {
-    v1::Precision::try_from(precision)
-        .map(|precision| {
-            precision
-                .as_str_name()
-                .trim_start_matches("PRECISION_")
-                .to_lowercase()
-        })
-        .unwrap_or_else(|_| format!("precision {precision}"))
-}
-
-fn is_terminal(job: &v1::Job) -> bool {
-    matches!(
-        v1::JobState::try_from(job.state),
-        Ok(v1::JobState::Succeeded | v1::JobState::Failed | v1::JobState::Cancelled)
-    )
-}
-
-fn config_text(config: Option<&v1::RunConfig>) -> String {
-    match config {
-        Some(config) => format!(
-            "batch {}, micro {}, {}",
-            config.batch_size,
-            config.micro_batch_size,
-            precision_name(config.precision)
-        ),
-        None => "-".into(),
-    }
-}
-
 /// Submits the demo examples, follows them to their end and prints the summary.
 async fn run_demo(channel: &Channel, token: &str) -> Result<ExitCode> {
     let started = Instant::now();
@@ -431,10 +355,11 @@ async fn run_demo(channel: &Channel, token: &str) -> Result<ExitCode> {
             job.id,
             example.steps,
             config_text(job.current_config.as_ref()),
-            job.estimate
-                .as_ref()
-                .map(|estimate| HumanBytes(estimate.required_bytes).to_string())
-                .unwrap_or_else(|| "-".into()),
+            bytes_text(
+                job.estimate
+                    .as_ref()
+                    .map(|estimate| estimate.required_bytes)
+            ),
         );
         jobs.push(job);
     }
@@ -547,11 +472,6 @@ fn print_summary(jobs: &[v1::Job]) {
         .iter()
         .map(|job| {
             let attempt = job.attempts.last();
-            let bytes = |value: Option<u64>| {
-                value
-                    .map(|bytes| HumanBytes(bytes).to_string())
-                    .unwrap_or_else(|| "-".into())
-            };
             [
                 job.name.clone(),
                 job_state_name(job.state),
@@ -561,34 +481,14 @@ fn print_summary(jobs: &[v1::Job]) {
                         .and_then(|attempt| attempt.config.as_ref())
                         .or(job.current_config.as_ref()),
                 ),
-                bytes(attempt.map(|attempt| attempt.slice_bytes)),
-                bytes(attempt.map(|attempt| attempt.estimate_bytes)),
-                bytes(attempt.and_then(|attempt| attempt.measured_peak_bytes)),
+                bytes_text(attempt.map(|attempt| attempt.slice_bytes)),
+                bytes_text(attempt.map(|attempt| attempt.estimate_bytes)),
+                bytes_text(attempt.and_then(|attempt| attempt.measured_peak_bytes)),
                 job_note(job),
             ]
         })
         .collect();
-    let mut widths = header.map(str::len);
-    for row in &rows {
-        for (width, cell) in widths.iter_mut().zip(row) {
-            *width = (*width).max(cell.len());
-        }
-    }
-    let line = |cells: &[String]| {
-        let mut text = String::new();
-        for (index, (cell, width)) in cells.iter().zip(widths).enumerate() {
-            if index + 1 == cells.len() {
-                text.push_str(cell);
-            } else {
-                text.push_str(&format!("{cell:<width$}  "));
-            }
-        }
-        println!("{}", text.trim_end());
-    };
     println!();
-    line(&header.map(String::from));
-    for row in &rows {
-        line(row);
-    }
+    print_table(header, &rows);
     println!();
 }

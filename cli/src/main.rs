@@ -1,23 +1,27 @@
 //! `carve`: the command-line front end.
 //!
-//! Arguments are parsed and checked first (clap), then the real objects are built. For now
-//! it estimates and trains jobs locally; the gRPC commands (submit, jobs, watch, ...)
-//! arrive with the scheduler.
+//! Arguments are parsed and checked first (clap), then the real objects are built. Local
+//! commands (estimate, run, dev) live in their own modules; the commands that talk to a
+//! scheduler (submit, jobs, get, watch, logs, cancel, cluster, admin) in `client`, which
+//! also chooses every exit code (`client::failure`).
 
 mod attempt;
+mod client;
 mod dev;
 mod estimate;
 mod run;
+mod sim;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
 #[command(
     name = "carve",
     version,
-    about = "Carve: GPU jobs admitted by their computed memory"
+    about = "Carve: GPU jobs admitted by their computed memory",
+    after_long_help = client::failure::EXIT_CODES_HELP
 )]
 struct Cli {
     #[command(subcommand)]
@@ -36,9 +40,15 @@ enum Command {
     /// simulated GPUs; prints the endpoint and a token and runs until Ctrl-C. With
     /// --demo it submits the examples, watches them to the end, prints a summary and stops.
     Dev(dev::DevArguments),
+    /// Replays a job trace on a simulated cluster under three policies (whole GPU per
+    /// job, trust the declared memory, Carve) and compares utilisation, queueing, job
+    /// completion times and out-of-memory errors; `carve sim generate` writes a trace.
+    Sim(sim::SimArguments),
     /// Runs one attempt (started by the worker of `carve dev`, not by people).
     #[command(hide = true)]
     Attempt(attempt::AttemptCommandArguments),
+    #[command(flatten)]
+    Client(client::ClientCommand),
 }
 
 fn main() -> ExitCode {
@@ -47,14 +57,16 @@ fn main() -> ExitCode {
         Command::Estimate(arguments) => estimate::run(arguments),
         Command::Run(arguments) => run::run(arguments),
         Command::Dev(arguments) => dev::run(arguments),
+        Command::Sim(arguments) => sim::run(arguments),
         // The attempt process: stdout is its report channel, errors are handled inside.
         Command::Attempt(arguments) => return attempt::run(arguments),
+        Command::Client(command) => client::run(command, Cli::command),
     };
     match result {
         Ok(code) => code,
         Err(error) => {
             eprintln!("error: {error:#}");
-            ExitCode::from(1)
+            client::failure::exit_code_for_error(&error)
         }
     }
 }

@@ -1,0 +1,375 @@
+//! Where the scheduler is and who is calling: the connection options every client
+//! command takes, the config file, and the authenticated channel built from them.
+//!
+//! Each setting is taken from, in order: its flag, its environment variable, the config
+//! file (`--config`, `CARVE_CLI_CONFIG`, or `$XDG_CONFIG_HOME/carve/config.toml`, or
+//! `~/.config/carve/config.toml`), and the default (`http://127.0.0.1:7470`, where
+//! `carve-scheduler` listens unless told otherwise).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use carve_proto::v1::admin_service_client::AdminServiceClient;
+use carve_proto::v1::cluster_service_client::ClusterServiceClient;
+use carve_proto::v1::job_service_client::JobServiceClient;
+use serde::Deserialize;
+use tonic::Request;
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+
+use super::failure::{ClientFailure, FailureKind, lower_os_error, status_failure};
+
+/// Where `carve-scheduler` listens by default (its `--listen`), as an endpoint.
+pub const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:7470";
+
+/// How long connecting may take before the scheduler counts as unreachable.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The connection options of every command that talks to a scheduler.
+#[derive(Debug, Clone, Default, clap::Args)]
+#[command(next_help_heading = "Connection")]
+pub struct ConnectionOptions {
+    /// The scheduler's gRPC endpoint: http://HOST:PORT, or https://HOST:PORT for TLS
+    /// [default: http://127.0.0.1:7470]
+    #[arg(long, env = "CARVE_ENDPOINT", global = true)]
+    pub endpoint: Option<String>,
+    /// The bearer token to authenticate with (see `carve admin tokens create`).
+    #[arg(long, env = "CARVE_TOKEN", hide_env_values = true, global = true)]
+    pub token: Option<String>,
+    /// A PEM file with the certificate authority that signed the scheduler's TLS
+    /// certificate (https:// endpoints; without it the system's roots are used).
+    #[arg(long, env = "CARVE_CA_CERT", global = true)]
+    pub ca_cert: Option<PathBuf>,
+    /// The config file with `endpoint`, `token` (or `token_file`) and `ca_cert`
+    /// [default: $XDG_CONFIG_HOME/carve/config.toml or ~/.config/carve/config.toml]
+    #[arg(long, env = "CARVE_CLI_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+}
+
+/// The config file's contents. Relative paths are relative to the file's directory.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigFile {
+    endpoint: Option<String>,
+    token: Option<String>,
+    token_file: Option<PathBuf>,
+    ca_cert: Option<PathBuf>,
+}
+
+/// The settings after every source was consulted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedConnection {
+    pub endpoint: String,
+    pub token: Option<String>,
+    pub ca_cert: Option<PathBuf>,
+}
+
+/// The config file used when none is named: under `$XDG_CONFIG_HOME`, else `~/.config`.
+fn default_config_path() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CONFIG_HOME")
+        .filter(|value| !value.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".config")))?;
+    Some(base.join("carve").join("config.toml"))
+}
+
+fn read_config_file(path: &Path) -> Result<ConfigFile> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the config file {}", path.display()))?;
+    let file: ConfigFile = toml::from_str(&text).map_err(|error| {
+        ClientFailure::new(
+            FailureKind::InvalidArgument,
+            format!(
+                "config file {}: {}",
+                path.display(),
+                error.to_string().trim_end()
+            ),
+        )
+    })?;
+    if file.token.is_some() && file.token_file.is_some() {
+        return Err(ClientFailure::new(
+            FailureKind::InvalidArgument,
+            format!(
+                "config file {}: token and token_file: set only one",
+                path.display()
+            ),
+        )
+        .into());
+    }
+    Ok(file)
+}
+
+impl ConnectionOptions {
+    /// Applies the config file and the defaults to what the flags and the environment
+    /// gave. A config file named explicitly must exist; the default one may be missing.
+    pub fn resolve(&self) -> Result<ResolvedConnection> {
+        let (file, file_directory) = match &self.config {
+            Some(path) => (
+                read_config_file(path)?,
+                path.parent().map(Path::to_path_buf),
+            ),
+            None => match default_config_path() {
+                Some(path) if path.is_file() => (
+                    read_config_file(&path)?,
+                    path.parent().map(Path::to_path_buf),
+                ),
+                _ => (ConfigFile::default(), None),
+            },
+        };
+        let relative_to_file = |path: PathBuf| match &file_directory {
+            Some(directory) if path.is_relative() => directory.join(path),
+            _ => path,
+        };
+        let endpoint = normalize_endpoint(
+            self.endpoint
+                .clone()
+                .or(file.endpoint)
+                .as_deref()
+                .unwrap_or(DEFAULT_ENDPOINT),
+        )?;
+        let token = match (&self.token, file.token, file.token_file) {
+            (Some(token), _, _) => Some(token.clone()),
+            (None, Some(token), _) => Some(token),
+            (None, None, Some(token_file)) => {
+                let token_file = relative_to_file(token_file);
+                let text = std::fs::read_to_string(&token_file).with_context(|| {
+                    format!("cannot read the token file {}", token_file.display())
+                })?;
+                Some(text.trim().to_string())
+            }
+            (None, None, None) => None,
+        };
+        let ca_cert = self
+            .ca_cert
+            .clone()
+            .or_else(|| file.ca_cert.map(relative_to_file));
+        Ok(ResolvedConnection {
+            endpoint,
+            token: token.filter(|token| !token.is_empty()),
+            ca_cert,
+        })
+    }
+}
+
+/// Accepts `host:port` as `http://host:port`; only http and https are endpoints.
+pub fn normalize_endpoint(text: &str) -> Result<String, ClientFailure> {
+    let text = text.trim().trim_end_matches('/');
+    let endpoint = if text.contains("://") {
+        text.to_string()
+    } else {
+        format!("http://{text}")
+    };
+    let invalid = |reason: &str| {
+        ClientFailure::new(
+            FailureKind::InvalidArgument,
+            format!("endpoint: {text:?} {reason}"),
+        )
+    };
+    if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+        return Err(invalid("must start with http:// or https://"));
+    }
+    let uri: tonic::codegen::http::Uri = endpoint
+        .parse()
+        .map_err(|error| invalid(&format!("is not an address: {error}")))?;
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(invalid("has no host"));
+    }
+    Ok(endpoint)
+}
+
+/// Opens a channel to `endpoint`, with TLS for https:// (trusting `ca_cert`, or the
+/// system's roots without it). Failing to connect is a [`FailureKind::CannotConnect`].
+pub async fn connect_channel(endpoint: &str, ca_cert: Option<&Path>) -> Result<Channel> {
+    let mut builder = Endpoint::from_shared(endpoint.to_string())
+        .map_err(|error| {
+            ClientFailure::new(
+                FailureKind::InvalidArgument,
+                format!("endpoint: {endpoint:?} is not an address: {error}"),
+            )
+        })?
+        .connect_timeout(CONNECT_TIMEOUT);
+    if endpoint.starts_with("https://") {
+        let tls = match ca_cert {
+            Some(path) => {
+                let pem = std::fs::read(path).with_context(|| {
+                    format!("cannot read the ca certificate {}", path.display())
+                })?;
+                ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem))
+            }
+            None => ClientTlsConfig::new().with_native_roots(),
+        };
+        builder = builder
+            .tls_config(tls)
+            .with_context(|| format!("cannot set up tls for {endpoint}"))?;
+    } else if let Some(path) = ca_cert {
+        return Err(ClientFailure::new(
+            FailureKind::InvalidArgument,
+            format!(
+                "ca_cert: {} is given but the endpoint {endpoint} is not https://",
+                path.display()
+            ),
+        )
+        .into());
+    }
+    builder.connect().await.map_err(|error| {
+        let cause = deepest_cause(&error);
+        let advice = if cause.contains("certificate") {
+            "is --ca-cert the authority that signed the scheduler's certificate?"
+        } else {
+            "is it running? set --endpoint or CARVE_ENDPOINT"
+        };
+        anyhow::Error::new(ClientFailure::new(
+            FailureKind::CannotConnect,
+            format!("cannot reach the scheduler at {endpoint}: {cause} ({advice})"),
+        ))
+    })
+}
+
+/// The innermost cause of a transport error: the operating system's or the TLS
+/// library's words, where tonic's own say only "transport error".
+fn deepest_cause(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut deepest = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        deepest = cause.to_string();
+        source = cause.source();
+    }
+    lower_os_error(&deepest)
+}
+
+/// `message` with `authorization: Bearer <token>` metadata.
+pub fn authorized<T>(message: T, token: &str) -> Result<Request<T>> {
+    let mut request = Request::new(message);
+    let value = MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| {
+        ClientFailure::new(
+            FailureKind::Authentication,
+            "token: must be printable ascii without spaces",
+        )
+    })?;
+    request.metadata_mut().insert("authorization", value);
+    Ok(request)
+}
+
+/// An open, authenticated connection to a scheduler.
+#[derive(Debug, Clone)]
+pub struct Connection {
+    pub endpoint: String,
+    channel: Channel,
+    token: String,
+}
+
+impl Connection {
+    /// Resolves the options and connects. A missing token is an authentication failure
+    /// before anything is sent.
+    pub async fn open(options: &ConnectionOptions) -> Result<Connection> {
+        let resolved = options.resolve()?;
+        let token = resolved.token.ok_or_else(|| {
+            ClientFailure::new(
+                FailureKind::Authentication,
+                "no token: set --token, CARVE_TOKEN, or token in the config file \
+                 (~/.config/carve/config.toml)",
+            )
+        })?;
+        let channel = connect_channel(&resolved.endpoint, resolved.ca_cert.as_deref()).await?;
+        Ok(Connection {
+            endpoint: resolved.endpoint,
+            channel,
+            token,
+        })
+    }
+
+    pub fn jobs(&self) -> JobServiceClient<Channel> {
+        JobServiceClient::new(self.channel.clone())
+    }
+
+    pub fn cluster(&self) -> ClusterServiceClient<Channel> {
+        ClusterServiceClient::new(self.channel.clone())
+    }
+
+    pub fn admin(&self) -> AdminServiceClient<Channel> {
+        AdminServiceClient::new(self.channel.clone())
+    }
+
+    /// `message` carrying this connection's token.
+    pub fn request<T>(&self, message: T) -> Result<Request<T>> {
+        authorized(message, &self.token)
+    }
+
+    /// A status from this scheduler as a failure with its exit code; `action` says
+    /// what was being done ("cannot get job j-1").
+    pub fn failure(&self, status: &tonic::Status, action: &str) -> anyhow::Error {
+        status_failure(status, &self.endpoint, action).into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_address_without_a_scheme_is_plain_http() {
+        assert_eq!(
+            normalize_endpoint("127.0.0.1:7470").unwrap(),
+            "http://127.0.0.1:7470"
+        );
+        assert_eq!(
+            normalize_endpoint("https://carve.example:443/").unwrap(),
+            "https://carve.example:443"
+        );
+    }
+
+    #[test]
+    fn a_bad_endpoint_names_the_setting_and_the_reason() {
+        let error = normalize_endpoint("ftp://host:1").unwrap_err();
+        assert_eq!(error.kind, FailureKind::InvalidArgument);
+        assert!(error.message.starts_with("endpoint: "), "{}", error.message);
+        assert!(error.message.contains("http://"), "{}", error.message);
+    }
+
+    #[test]
+    fn flags_beat_the_config_file_which_beats_the_default() {
+        let directory = tempfile::tempdir().unwrap();
+        let config = directory.path().join("config.toml");
+        std::fs::write(directory.path().join("token"), "carve_from_file\n").unwrap();
+        std::fs::write(
+            &config,
+            "endpoint = \"http://file:1\"\ntoken_file = \"token\"\nca_cert = \"ca.pem\"\n",
+        )
+        .unwrap();
+        let from_file = ConnectionOptions {
+            config: Some(config.clone()),
+            ..ConnectionOptions::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(from_file.endpoint, "http://file:1");
+        assert_eq!(from_file.token.as_deref(), Some("carve_from_file"));
+        assert_eq!(from_file.ca_cert, Some(directory.path().join("ca.pem")));
+
+        let from_flags = ConnectionOptions {
+            endpoint: Some("http://flag:2".into()),
+            token: Some("carve_flag".into()),
+            ca_cert: None,
+            config: Some(config),
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(from_flags.endpoint, "http://flag:2");
+        assert_eq!(from_flags.token.as_deref(), Some("carve_flag"));
+    }
+
+    #[test]
+    fn a_config_file_with_an_unknown_key_is_rejected_naming_it() {
+        let directory = tempfile::tempdir().unwrap();
+        let config = directory.path().join("config.toml");
+        std::fs::write(&config, "endpoint = \"http://h:1\"\ntokn = \"x\"\n").unwrap();
+        let error = ConnectionOptions {
+            config: Some(config),
+            ..ConnectionOptions::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(format!("{error:#}").contains("tokn"), "{error:#}");
+    }
+}

@@ -1,0 +1,232 @@
+//! The exit codes of `carve` and the one place that chooses them.
+//!
+//! Scripts branch on the exit code, so every command reports a failure it can classify
+//! as a [`ClientFailure`] (wrapped in `anyhow::Error` like any other error) and `main`
+//! turns whatever error reaches it into a code with [`exit_code_for_error`]. gRPC
+//! statuses become failures in [`status_failure`], with the advice a person needs to act
+//! on them.
+
+use std::fmt;
+use std::process::ExitCode;
+
+use tonic::Code;
+
+/// The help text that lists the exit codes (`carve --help`).
+pub const EXIT_CODES_HELP: &str = "\
+Exit codes:
+  0   success (for watch and submit --watch: the job succeeded)
+  1   any other error
+  2   usage error (bad arguments)
+  3   the job ran out of memory (carve run, carve estimate; a watched job that failed
+      out of memory)
+  4   cannot connect to the scheduler
+  5   authentication or permission failure (token missing, rejected or not allowed)
+  6   not found (job, worker, tenant or token)
+  7   invalid argument: a rejected spec or request field (the message names it)
+  8   resource exhausted: the job can never fit (quota or largest GPU)
+  10  the watched job failed
+  11  the watched job was cancelled";
+
+/// Why a command failed, as far as the exit code is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Anything without a more precise code.
+    Other,
+    /// The job (or the local run) ran out of memory.
+    OutOfMemory,
+    /// The scheduler could not be reached.
+    CannotConnect,
+    /// No token, a rejected token, or a token whose role or tenant may not do this.
+    Authentication,
+    /// The job, worker, tenant or token does not exist (or is another tenant's).
+    NotFound,
+    /// A field of the request or of the spec was rejected.
+    InvalidArgument,
+    /// Nothing the job allows fits in its quota or on any GPU.
+    ResourceExhausted,
+    /// A watched job ended FAILED.
+    JobFailed,
+    /// A watched job ended CANCELLED.
+    JobCancelled,
+}
+
+impl FailureKind {
+    /// The process exit code of this kind of failure.
+    pub fn exit_code(self) -> u8 {
+        match self {
+            FailureKind::Other => 1,
+            FailureKind::OutOfMemory => 3,
+            FailureKind::CannotConnect => 4,
+            FailureKind::Authentication => 5,
+            FailureKind::NotFound => 6,
+            FailureKind::InvalidArgument => 7,
+            FailureKind::ResourceExhausted => 8,
+            FailureKind::JobFailed => 10,
+            FailureKind::JobCancelled => 11,
+        }
+    }
+}
+
+/// A failure with the code it exits with and the message a person reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientFailure {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+impl ClientFailure {
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> Self {
+        ClientFailure {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for ClientFailure {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ClientFailure {}
+
+/// The exit code for an error that ended a command: the kind of the first
+/// [`ClientFailure`] in its chain, 1 when there is none.
+pub fn exit_code_for_error(error: &anyhow::Error) -> ExitCode {
+    let kind = error
+        .chain()
+        .find_map(|cause| cause.downcast_ref::<ClientFailure>())
+        .map_or(FailureKind::Other, |failure| failure.kind);
+    ExitCode::from(kind.exit_code())
+}
+
+/// Turns a gRPC status from `endpoint` into a failure a person can act on. `action` says
+/// what was being done ("cannot get job j-1"), for the codes whose server message alone
+/// lacks context.
+pub fn status_failure(status: &tonic::Status, endpoint: &str, action: &str) -> ClientFailure {
+    let message = status.message();
+    match status.code() {
+        Code::Unauthenticated => ClientFailure::new(
+            FailureKind::Authentication,
+            format!("token rejected by {endpoint}: {message} (set --token or CARVE_TOKEN)"),
+        ),
+        Code::PermissionDenied => ClientFailure::new(
+            FailureKind::Authentication,
+            format!("permission denied by {endpoint}: {message}"),
+        ),
+        // The server's message already names the thing: "job j-1 not found".
+        Code::NotFound => ClientFailure::new(FailureKind::NotFound, message),
+        // The server's message names the field and the reason.
+        Code::InvalidArgument => {
+            ClientFailure::new(FailureKind::InvalidArgument, format!("{action}: {message}"))
+        }
+        Code::ResourceExhausted => ClientFailure::new(
+            FailureKind::ResourceExhausted,
+            format!("{action}: {message}"),
+        ),
+        Code::Unavailable => ClientFailure::new(
+            FailureKind::CannotConnect,
+            format!(
+                "cannot reach the scheduler at {endpoint}: {} (is it running? set --endpoint or CARVE_ENDPOINT)",
+                unavailable_reason(status)
+            ),
+        ),
+        Code::Unimplemented => ClientFailure::new(
+            FailureKind::Other,
+            format!(
+                "{action}: the scheduler at {endpoint} does not implement this call (it is older than this carve): {message}"
+            ),
+        ),
+        Code::DeadlineExceeded => ClientFailure::new(
+            FailureKind::CannotConnect,
+            format!("{action}: the scheduler at {endpoint} did not answer in time: {message}"),
+        ),
+        _ => ClientFailure::new(FailureKind::Other, format!("{action}: {message}")),
+    }
+}
+
+/// The deepest cause of an `Unavailable` status, which for a transport failure is the
+/// operating system's words ("connection refused") rather than tonic's.
+fn unavailable_reason(status: &tonic::Status) -> String {
+    let mut deepest = None;
+    let mut source = std::error::Error::source(status);
+    while let Some(cause) = source {
+        deepest = Some(cause.to_string());
+        source = cause.source();
+    }
+    deepest.map_or_else(
+        || status.message().to_string(),
+        |cause| lower_os_error(&cause),
+    )
+}
+
+/// "Connection refused (os error 111)" -> "connection refused".
+pub fn lower_os_error(text: &str) -> String {
+    let text = match text.find(" (os error") {
+        Some(index) => &text[..index],
+        None => text,
+    };
+    let mut characters = text.chars();
+    match characters.next() {
+        Some(first) => first.to_lowercase().chain(characters).collect(),
+        None => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_status_code_a_script_branches_on_gets_its_exit_code() {
+        let cases = [
+            (Code::Unauthenticated, 5),
+            (Code::PermissionDenied, 5),
+            (Code::NotFound, 6),
+            (Code::InvalidArgument, 7),
+            (Code::ResourceExhausted, 8),
+            (Code::Unavailable, 4),
+            (Code::FailedPrecondition, 1),
+            (Code::Internal, 1),
+        ];
+        for (code, exit) in cases {
+            let failure = status_failure(&tonic::Status::new(code, "x"), "http://h:1", "doing");
+            assert_eq!(failure.kind.exit_code(), exit, "{code:?}");
+        }
+    }
+
+    #[test]
+    fn the_exit_code_comes_from_a_failure_anywhere_in_the_chain() {
+        let error =
+            anyhow::Error::new(ClientFailure::new(FailureKind::NotFound, "job j not found"))
+                .context("while getting");
+        assert_eq!(exit_code_for_error(&error), ExitCode::from(6));
+        assert_eq!(
+            exit_code_for_error(&anyhow::anyhow!("plain")),
+            ExitCode::from(1)
+        );
+    }
+
+    #[test]
+    fn an_unauthenticated_status_says_which_setting_to_change() {
+        let failure = status_failure(
+            &tonic::Status::unauthenticated("token rejected"),
+            "http://127.0.0.1:7470",
+            "cannot list jobs",
+        );
+        assert_eq!(
+            failure.message,
+            "token rejected by http://127.0.0.1:7470: token rejected (set --token or CARVE_TOKEN)"
+        );
+    }
+
+    #[test]
+    fn os_errors_read_as_lowercase_words() {
+        assert_eq!(
+            lower_os_error("Connection refused (os error 111)"),
+            "connection refused"
+        );
+        assert_eq!(lower_os_error(""), "");
+    }
+}

@@ -1,0 +1,572 @@
+//! `carve submit`, `carve jobs`, `carve get` and `carve cancel`: a researcher's view of
+//! jobs through the JobService.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use carve_core::plan::RunConfig;
+use carve_proto::v1;
+
+use super::connection::{Connection, ConnectionOptions};
+use super::failure::{ClientFailure, FailureKind};
+use super::output::{
+    OutputFormat, age_text, bytes_text, config_text, job_state_name, now_seconds, outcome_name,
+    print_message, print_structured, print_table, timestamp_text,
+};
+use super::overrides::{SpecOverride, apply_overrides, parse_override, toml_to_json};
+use super::watch::watch_job;
+
+/// The job states, as `--state` spells them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum JobStateArgument {
+    Queued,
+    Placed,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl From<JobStateArgument> for v1::JobState {
+    fn from(state: JobStateArgument) -> Self {
+        match state {
+            JobStateArgument::Queued => v1::JobState::Queued,
+            JobStateArgument::Placed => v1::JobState::Placed,
+            JobStateArgument::Running => v1::JobState::Running,
+            JobStateArgument::Succeeded => v1::JobState::Succeeded,
+            JobStateArgument::Failed => v1::JobState::Failed,
+            JobStateArgument::Cancelled => v1::JobState::Cancelled,
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SubmitArguments {
+    /// The job spec (TOML).
+    file: PathBuf,
+    /// Changes a value of the spec before it is sent: a dotted path and a TOML value
+    /// (training.batch_size=32, resources.vram=8GiB, model.layers[0].conv2d.filters=16).
+    /// Repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = parse_override)]
+    overrides: Vec<SpecOverride>,
+    /// Watch the job after submitting it (as `carve watch`; the exit code is the job's).
+    #[arg(long)]
+    watch: bool,
+    /// Makes retrying safe: a second submit with the same key returns the first job.
+    #[arg(long, value_name = "KEY")]
+    idempotency_key: Option<String>,
+    /// Print only the job id.
+    #[arg(short, long, conflicts_with = "output")]
+    quiet: bool,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
+    output: OutputFormat,
+    #[command(flatten)]
+    connection: ConnectionOptions,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct JobsArguments {
+    /// Only jobs in these states (comma-separated or repeated).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    state: Vec<JobStateArgument>,
+    /// Only jobs whose name starts with this.
+    #[arg(long, value_name = "PREFIX")]
+    name_prefix: Option<String>,
+    /// Only this tenant's jobs (admins; others may name only their own tenant).
+    #[arg(long)]
+    tenant: Option<String>,
+    /// The most jobs to list, newest first; 0 lists every one.
+    #[arg(long, default_value_t = 200)]
+    limit: u32,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
+    output: OutputFormat,
+    #[command(flatten)]
+    connection: ConnectionOptions,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct GetArguments {
+    /// The job id.
+    job: String,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
+    output: OutputFormat,
+    #[command(flatten)]
+    connection: ConnectionOptions,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CancelArguments {
+    /// The job id.
+    job: String,
+    /// Why, for the job's message and its watchers.
+    #[arg(long)]
+    reason: Option<String>,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
+    output: OutputFormat,
+    #[command(flatten)]
+    connection: ConnectionOptions,
+}
+
+/// Reads the job file, applies the overrides and returns the spec as JSON.
+fn spec_json_from_file(arguments: &SubmitArguments) -> Result<String> {
+    let path = &arguments.file;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the job file {}", path.display()))?;
+    let invalid = |reason: String| {
+        anyhow::Error::new(ClientFailure::new(
+            FailureKind::InvalidArgument,
+            format!("{}: {reason}", path.display()),
+        ))
+    };
+    let mut document: toml::Table =
+        toml::from_str(&text).map_err(|error| invalid(error.to_string().trim_end().to_string()))?;
+    apply_overrides(&mut document, &arguments.overrides).map_err(invalid)?;
+    let json = toml_to_json(&toml::Value::Table(document), "").map_err(invalid)?;
+    Ok(json.to_string())
+}
+
+pub async fn submit(arguments: SubmitArguments) -> Result<ExitCode> {
+    let spec_json = spec_json_from_file(&arguments)?;
+    let connection = Connection::open(&arguments.connection).await?;
+    let action = format!("cannot submit {}", arguments.file.display());
+    let response = connection
+        .jobs()
+        .submit_job(connection.request(v1::SubmitJobRequest {
+            spec_json,
+            idempotency_key: arguments.idempotency_key.clone().unwrap_or_default(),
+        })?)
+        .await
+        .map_err(|status| connection.failure(&status, &action))?
+        .into_inner();
+    let job = response
+        .job
+        .clone()
+        .context("the scheduler answered a submit without the job")?;
+    if arguments.quiet {
+        println!("{}", job.id);
+    } else if arguments.output == OutputFormat::Table {
+        print_submitted(&job, response.created);
+    } else {
+        print_message(&response, "carve.v1.SubmitJobResponse", arguments.output)?;
+    }
+    if arguments.watch {
+        return watch_job(&connection, &job.id, false).await;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The configuration the spec asks for, as the API writes configs; `None` when the stored
+/// spec does not read back (it always should).
+fn config_as_written(job: &v1::Job) -> Option<v1::RunConfig> {
+    let spec = carve_proto::convert::job_spec_from_json(&job.spec_json).ok()?;
+    Some(RunConfig::from_spec(&spec).into())
+}
+
+/// Whether two configs differ in what the shrink planner turns.
+fn config_changed(before: &v1::RunConfig, after: &v1::RunConfig) -> bool {
+    (
+        before.batch_size,
+        before.micro_batch_size,
+        before.precision,
+        before.recompute_segment_layers,
+        before.workspace_limit_bytes,
+    ) != (
+        after.batch_size,
+        after.micro_batch_size,
+        after.precision,
+        after.recompute_segment_layers,
+        after.workspace_limit_bytes,
+    )
+}
+
+/// Every change of configuration the job went through, oldest first: at submit (to fit
+/// its slice or the largest GPU) and after each attempt that ran out of memory.
+fn shrink_history(job: &v1::Job) -> Vec<String> {
+    let mut history = Vec::new();
+    let Some(written) = config_as_written(job) else {
+        return history;
+    };
+    let mut previous = written;
+    let mut when = "at submit".to_string();
+    let mut configs: Vec<(&v1::RunConfig, String)> = Vec::new();
+    for attempt in &job.attempts {
+        if let Some(config) = &attempt.config {
+            configs.push((config, when.clone()));
+        }
+        when = format!(
+            "after attempt {} ({})",
+            attempt.number,
+            outcome_name(attempt.outcome).replace('_', " ")
+        );
+    }
+    if let Some(current) = &job.current_config {
+        configs.push((current, when));
+    }
+    for (config, when) in configs {
+        if config_changed(&previous, config) {
+            history.push(format!(
+                "{when}: {} -> {}",
+                config_text(Some(&previous)),
+                config_text(Some(config))
+            ));
+        }
+        previous = *config;
+    }
+    history
+}
+
+fn print_submitted(job: &v1::Job, created: bool) {
+    if created {
+        println!("submitted job {} ({})", job.id, job.name);
+    } else {
+        println!(
+            "job {} ({}) already exists for this idempotency key; nothing was submitted",
+            job.id, job.name
+        );
+    }
+    println!("  state:     {}", job_state_name(job.state));
+    if let Some(estimate) = &job.estimate {
+        println!(
+            "  estimate:  {} required (peak {})",
+            bytes_text(Some(estimate.required_bytes)),
+            bytes_text(Some(estimate.peak_bytes))
+        );
+    }
+    println!("  config:    {}", config_text(job.current_config.as_ref()));
+    for change in shrink_history(job) {
+        println!("  shrunk {change}");
+    }
+    if !job.waiting_reason.is_empty() {
+        println!("  waiting:   {}", job.waiting_reason);
+    }
+}
+
+pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
+    let connection = Connection::open(&arguments.connection).await?;
+    let mut client = connection.jobs();
+    let states: Vec<i32> = arguments
+        .state
+        .iter()
+        .map(|state| v1::JobState::from(*state) as i32)
+        .collect();
+    let mut jobs = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let wanted = match arguments.limit {
+            0 => 1000,
+            limit => (limit as usize).saturating_sub(jobs.len()).min(1000) as u32,
+        };
+        let page = client
+            .list_jobs(connection.request(v1::ListJobsRequest {
+                states: states.clone(),
+                name_prefix: arguments.name_prefix.clone().unwrap_or_default(),
+                tenant: arguments.tenant.clone().unwrap_or_default(),
+                page_size: wanted,
+                page_token: page_token.clone(),
+            })?)
+            .await
+            .map_err(|status| connection.failure(&status, "cannot list jobs"))?
+            .into_inner();
+        jobs.extend(page.jobs);
+        page_token = page.next_page_token;
+        let full = arguments.limit != 0 && jobs.len() >= arguments.limit as usize;
+        if page_token.is_empty() || full {
+            break;
+        }
+    }
+    if arguments.limit != 0 {
+        jobs.truncate(arguments.limit as usize);
+    }
+    if arguments.output != OutputFormat::Table {
+        let list = v1::ListJobsResponse {
+            jobs,
+            next_page_token: String::new(),
+        };
+        return print_message(&list, "carve.v1.ListJobsResponse", arguments.output)
+            .map(|()| ExitCode::SUCCESS);
+    }
+    if jobs.is_empty() {
+        println!("no jobs");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = now_seconds();
+    let rows: Vec<[String; 8]> = jobs
+        .iter()
+        .map(|job| {
+            let peak = job
+                .attempts
+                .iter()
+                .rev()
+                .find_map(|attempt| attempt.measured_peak_bytes);
+            [
+                job.id.clone(),
+                job.name.clone(),
+                job.tenant.clone(),
+                job_state_name(job.state),
+                config_text(job.current_config.as_ref()),
+                format!(
+                    "{} / {}",
+                    bytes_text(
+                        job.estimate
+                            .as_ref()
+                            .map(|estimate| estimate.required_bytes)
+                    ),
+                    bytes_text(peak)
+                ),
+                age_text(job.created_at.as_ref(), now),
+                job.waiting_reason.clone(),
+            ]
+        })
+        .collect();
+    print_table(
+        [
+            "ID",
+            "NAME",
+            "TENANT",
+            "STATE",
+            "CONFIG",
+            "ESTIMATE / PEAK",
+            "AGE",
+            "WAITING",
+        ],
+        &rows,
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Gets one job; a missing one is "job X not found" (exit code 6).
+pub async fn fetch_job(connection: &Connection, job_id: &str) -> Result<v1::Job> {
+    connection
+        .jobs()
+        .get_job(connection.request(v1::GetJobRequest {
+            job_id: job_id.to_string(),
+        })?)
+        .await
+        .map_err(|status| connection.failure(&status, &format!("cannot get job {job_id}")))?
+        .into_inner()
+        .job
+        .context("the scheduler answered without the job")
+}
+
+pub async fn get(arguments: GetArguments) -> Result<ExitCode> {
+    let connection = Connection::open(&arguments.connection).await?;
+    let job = fetch_job(&connection, &arguments.job).await?;
+    if arguments.output == OutputFormat::Table {
+        print_job_details(&job);
+    } else {
+        print_message(&job, "carve.v1.Job", arguments.output)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_job_details(job: &v1::Job) {
+    let now = now_seconds();
+    println!("job {}  {}", job.id, job.name);
+    println!("  tenant:     {}", job.tenant);
+    println!("  state:      {}", job_state_name(job.state));
+    if !job.waiting_reason.is_empty() {
+        println!("  waiting:    {}", job.waiting_reason);
+    }
+    if !job.message.is_empty() {
+        println!("  message:    {}", job.message);
+    }
+    println!(
+        "  submitted:  {} ({} ago)",
+        timestamp_text(job.created_at.as_ref()),
+        age_text(job.created_at.as_ref(), now)
+    );
+    if job.finished_at.is_some() {
+        println!("  finished:   {}", timestamp_text(job.finished_at.as_ref()));
+    }
+    if let Some(written) = config_as_written(job) {
+        println!("  as written: {}", config_text(Some(&written)));
+    }
+    println!("  config:     {}", config_text(job.current_config.as_ref()));
+    if let Some(estimate) = &job.estimate {
+        println!(
+            "  estimate:   {} required, peak {}{}",
+            bytes_text(Some(estimate.required_bytes)),
+            bytes_text(Some(estimate.peak_bytes)),
+            if estimate.peak_during.is_empty() {
+                String::new()
+            } else {
+                format!(" during {}", estimate.peak_during)
+            }
+        );
+        let categories: Vec<String> = estimate
+            .by_category
+            .iter()
+            .filter(|category| category.bytes > 0)
+            .map(|category| format!("{} {}", category.category, bytes_text(Some(category.bytes))))
+            .collect();
+        if !categories.is_empty() {
+            println!("  at peak:    {}", categories.join(", "));
+        }
+    }
+    let history = shrink_history(job);
+    if !history.is_empty() {
+        println!("  shrunk:");
+        for change in history {
+            println!("    {change}");
+        }
+    }
+    if job.attempts.is_empty() {
+        println!("  attempts:   none yet");
+        return;
+    }
+    println!();
+    let rows: Vec<[String; 9]> = job
+        .attempts
+        .iter()
+        .map(|attempt| {
+            [
+                attempt.number.to_string(),
+                outcome_name(attempt.outcome),
+                config_text(attempt.config.as_ref()),
+                bytes_text(Some(attempt.slice_bytes)),
+                bytes_text(Some(attempt.estimate_bytes)),
+                bytes_text(attempt.measured_peak_bytes),
+                attempt.worker_id.clone(),
+                attempt.gpu_uuid.clone(),
+                attempt_note(attempt),
+            ]
+        })
+        .collect();
+    print_table(
+        [
+            "ATTEMPT", "OUTCOME", "CONFIG", "SLICE", "ESTIMATE", "PEAK", "WORKER", "GPU", "NOTE",
+        ],
+        &rows,
+    );
+}
+
+/// What to say about an attempt beyond its outcome: the out-of-memory numbers, why it
+/// failed, or the checkpoint it resumed from.
+pub fn attempt_note(attempt: &v1::Attempt) -> String {
+    let mut notes = Vec::new();
+    if let Some(oom) = &attempt.oom {
+        notes.push(oom_text(oom));
+    }
+    if !attempt.failure_message.is_empty() {
+        notes.push(attempt.failure_message.clone());
+    }
+    if let Some(checkpoint) = &attempt.resumed_from {
+        notes.push(format!("resumed from step {}", checkpoint.step));
+    }
+    notes.join("; ")
+}
+
+/// The allocator's numbers at an out-of-memory, for people.
+pub fn oom_text(report: &v1::OutOfMemoryReport) -> String {
+    format!(
+        "requested {} with {} of {} in use (largest free {}, peak {})",
+        bytes_text(Some(report.requested_bytes)),
+        bytes_text(Some(report.in_use_bytes)),
+        bytes_text(Some(report.limit_bytes)),
+        bytes_text(Some(report.largest_free_bytes)),
+        bytes_text(Some(report.peak_bytes))
+    )
+}
+
+pub async fn cancel(arguments: CancelArguments) -> Result<ExitCode> {
+    let connection = Connection::open(&arguments.connection).await?;
+    let job = connection
+        .jobs()
+        .cancel_job(connection.request(v1::CancelJobRequest {
+            job_id: arguments.job.clone(),
+            reason: arguments.reason.clone().unwrap_or_default(),
+        })?)
+        .await
+        .map_err(|status| {
+            connection.failure(&status, &format!("cannot cancel job {}", arguments.job))
+        })?
+        .into_inner()
+        .job
+        .context("the scheduler answered a cancel without the job")?;
+    match arguments.output {
+        OutputFormat::Table if job.state == v1::JobState::Cancelled as i32 => {
+            println!("job {} ({}) cancelled", job.id, job.name);
+        }
+        OutputFormat::Table => println!(
+            "job {} ({}) is cancelling: its attempt stops within its grace period (state {})",
+            job.id,
+            job.name,
+            job_state_name(job.state)
+        ),
+        format => print_structured(&super::output::message_json(&job, "carve.v1.Job")?, format)?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(batch: u64, micro: u64, precision: v1::Precision) -> v1::RunConfig {
+        v1::RunConfig {
+            batch_size: batch,
+            micro_batch_size: micro,
+            precision: precision as i32,
+            recompute_segment_layers: None,
+            workspace_limit_bytes: 0,
+            prefetch_batches: 2,
+        }
+    }
+
+    #[test]
+    fn the_shrink_history_tells_each_change_and_when_it_happened() {
+        let spec_json = carve_proto::convert::job_spec_to_json(
+            &carve_core::validate::parse_job_spec_toml(include_str!(
+                "../../../examples/mnist-cnn.toml"
+            ))
+            .unwrap(),
+        )
+        .unwrap();
+        let written = config_as_written(&v1::Job {
+            spec_json: spec_json.clone(),
+            ..v1::Job::default()
+        })
+        .unwrap();
+        let at_submit = v1::RunConfig {
+            micro_batch_size: 16,
+            ..written
+        };
+        let after_oom = v1::RunConfig {
+            precision: v1::Precision::Fp16 as i32,
+            ..at_submit
+        };
+        let job = v1::Job {
+            spec_json,
+            attempts: vec![v1::Attempt {
+                number: 1,
+                config: Some(at_submit),
+                outcome: v1::AttemptOutcome::OutOfMemory as i32,
+                ..v1::Attempt::default()
+            }],
+            current_config: Some(after_oom),
+            ..v1::Job::default()
+        };
+        assert_eq!(
+            shrink_history(&job),
+            [
+                "at submit: batch 64, micro 64, fp32 -> batch 64, micro 16, fp32",
+                "after attempt 1 (out of memory): batch 64, micro 16, fp32 -> batch 64, micro 16, fp16"
+            ]
+        );
+        let unchanged = v1::Job {
+            current_config: Some(written),
+            attempts: Vec::new(),
+            ..job
+        };
+        assert!(shrink_history(&unchanged).is_empty());
+        assert!(config_changed(
+            &config(8, 8, v1::Precision::Fp32),
+            &config(8, 4, v1::Precision::Fp32)
+        ));
+    }
+}

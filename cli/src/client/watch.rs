@@ -1,0 +1,397 @@
+//! `carve watch JOB` (and `carve submit --watch`): follows a job's event stream to its
+//! end. On a terminal, a live progress bar shows the step, the loss, the throughput and
+//! the slice's memory; state changes, attempts, out-of-memory reports and shrink
+//! decisions print as lines as they happen. Off a terminal everything is plain lines.
+//! The exit code is the job's: 0 succeeded, 3 failed out of memory, 10 failed, 11
+//! cancelled.
+
+use std::cell::Cell;
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Result;
+use carve_proto::v1;
+use carve_proto::v1::job_event::Event;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use super::connection::Connection;
+use super::failure::{ClientFailure, FailureKind};
+use super::jobs::{attempt_note, fetch_job, oom_text};
+use super::output::{
+    bytes_text, config_text, is_terminal, is_terminal_state, job_state_name, outcome_name,
+};
+
+#[derive(Debug, clap::Args)]
+pub struct WatchArguments {
+    /// The job id.
+    job: String,
+    /// Also print the attempts' log lines.
+    #[arg(long)]
+    logs: bool,
+    #[command(flatten)]
+    connection: super::connection::ConnectionOptions,
+}
+
+pub async fn watch(arguments: WatchArguments) -> Result<ExitCode> {
+    let connection = Connection::open(&arguments.connection).await?;
+    watch_job(&connection, &arguments.job, arguments.logs).await
+}
+
+/// Where the lines and the bar go.
+enum Display {
+    /// A terminal: a bar redrawn in place, lines printed above it.
+    Terminal {
+        bar: ProgressBar,
+        /// Whether the bar shows steps yet (it starts as a spinner).
+        showing_steps: Cell<bool>,
+    },
+    /// A pipe or a file: plain lines only.
+    Lines,
+}
+
+impl Display {
+    fn new() -> Display {
+        if std::io::stdout().is_terminal() {
+            // A spinner until the first progress report says how many steps there are.
+            let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stdout());
+            bar.set_style(
+                ProgressStyle::with_template("{spinner} {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+            );
+            bar.set_message("waiting for the first progress report");
+            bar.enable_steady_tick(Duration::from_millis(250));
+            Display::Terminal {
+                bar,
+                showing_steps: Cell::new(false),
+            }
+        } else {
+            Display::Lines
+        }
+    }
+
+    fn line(&self, text: &str) {
+        match self {
+            Display::Terminal { bar, .. } => bar.println(text),
+            Display::Lines => println!("{text}"),
+        }
+    }
+
+    fn progress(&self, attempt: u32, progress: &v1::TrainingProgress, slice_bytes: Option<u64>) {
+        let memory = match slice_bytes {
+            Some(slice) => format!(
+                "{} of {} slice (peak {})",
+                bytes_text(Some(progress.memory_in_use_bytes)),
+                bytes_text(Some(slice)),
+                bytes_text(Some(progress.memory_peak_bytes))
+            ),
+            None => format!(
+                "{} in use (peak {})",
+                bytes_text(Some(progress.memory_in_use_bytes)),
+                bytes_text(Some(progress.memory_peak_bytes))
+            ),
+        };
+        let message = format!(
+            "loss {:.4}  {:.0} samples/s  {memory}",
+            progress.loss, progress.samples_per_second
+        );
+        match self {
+            Display::Terminal { bar, showing_steps } => {
+                if !showing_steps.replace(true) {
+                    bar.set_style(
+                        ProgressStyle::with_template(
+                            "{prefix} [{bar:30.cyan/blue}] {pos}/{len} steps  {msg}",
+                        )
+                        .unwrap_or_else(|_| ProgressStyle::default_bar())
+                        .progress_chars("=> "),
+                    );
+                }
+                bar.set_prefix(format!("attempt {attempt}"));
+                bar.set_length(progress.total_steps);
+                bar.set_position(progress.step);
+                bar.set_message(message);
+            }
+            Display::Lines => println!(
+                "attempt {attempt}: step {}/{}  {message}",
+                progress.step, progress.total_steps
+            ),
+        }
+    }
+
+    fn finish(&self) {
+        if let Display::Terminal { bar, .. } = self {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// Follows `job_id` to its end and returns the job's exit code (as an error for every
+/// end but success, so `main` prints why).
+pub async fn watch_job(
+    connection: &Connection,
+    job_id: &str,
+    include_logs: bool,
+) -> Result<ExitCode> {
+    let job = fetch_job(connection, job_id).await?;
+    let display = Display::new();
+    let mut slice_bytes = job
+        .attempts
+        .last()
+        .filter(|attempt| attempt.outcome == v1::AttemptOutcome::Running as i32)
+        .map(|attempt| attempt.slice_bytes);
+    let result = async {
+        loop {
+            let mut stream = connection
+                .jobs()
+                .watch_job(connection.request(v1::WatchJobRequest {
+                    job_id: job_id.to_string(),
+                    include_logs,
+                })?)
+                .await
+                .map_err(|status| {
+                    connection.failure(&status, &format!("cannot watch job {job_id}"))
+                })?
+                .into_inner();
+            loop {
+                match stream.message().await {
+                    Ok(Some(event)) => {
+                        if let Some(event) = event.event {
+                            show_event(&display, &job, event, &mut slice_bytes);
+                        }
+                    }
+                    // The stream ends after the event that makes the job terminal.
+                    Ok(None) => break,
+                    // The watcher fell behind the scheduler's events: watch again.
+                    Err(status) if status.code() == tonic::Code::DataLoss => {
+                        display.line(&format!("({}; watching again)", status.message()));
+                        break;
+                    }
+                    Err(status) => {
+                        return Err(connection.failure(&status, &format!("watching job {job_id}")));
+                    }
+                }
+            }
+            let now = fetch_job(connection, job_id).await?;
+            if is_terminal(&now) {
+                return Ok(now);
+            }
+        }
+    }
+    .await;
+    display.finish();
+    job_exit(&result?)
+}
+
+fn show_event(display: &Display, job: &v1::Job, event: Event, slice_bytes: &mut Option<u64>) {
+    match event {
+        Event::StateChanged(changed) => {
+            let state = job_state_name(changed.state);
+            if changed.previous_state == v1::JobState::Unspecified as i32
+                || changed.previous_state == changed.state
+            {
+                display.line(&format!("job {} ({}): {state}", job.id, job.name));
+                // Joining a job midway: say where its attempt runs, which the stream
+                // told before this watch began.
+                if let Some(attempt) = job.attempts.last().filter(|attempt| {
+                    attempt.outcome == v1::AttemptOutcome::Running as i32
+                        && !is_terminal_state(changed.state)
+                }) {
+                    display.line(&format!(
+                        "attempt {} running on {} {} in a {} slice: {} (estimate {})",
+                        attempt.number,
+                        attempt.worker_id,
+                        attempt.gpu_uuid,
+                        bytes_text(Some(attempt.slice_bytes)),
+                        config_text(attempt.config.as_ref()),
+                        bytes_text(Some(attempt.estimate_bytes))
+                    ));
+                }
+            } else {
+                // Reasons often start with the state itself ("cancelled: not needed").
+                let now = if changed.reason.is_empty() {
+                    state
+                } else if changed.reason.starts_with(&state) {
+                    changed.reason
+                } else {
+                    format!("{state}: {}", changed.reason)
+                };
+                display.line(&format!(
+                    "{} -> {now}",
+                    job_state_name(changed.previous_state)
+                ));
+            }
+        }
+        Event::Progress(progress) => {
+            if let Some(training) = &progress.progress {
+                display.progress(progress.attempt_number, training, *slice_bytes);
+            }
+        }
+        Event::Oom(oom) => display.line(&format!(
+            "attempt {} ran out of memory with {}: {}",
+            oom.attempt_number,
+            config_text(oom.config.as_ref()),
+            oom.report.as_ref().map(oom_text).unwrap_or_default()
+        )),
+        Event::Shrink(decision) => {
+            let steps: Vec<String> = decision
+                .steps
+                .iter()
+                .map(|step| format!("{}: {}", step.strategy, step.description))
+                .collect();
+            display.line(&format!(
+                "shrink: {} -> {} (needs {} of a {} budget){}",
+                config_text(decision.old_config.as_ref()),
+                config_text(decision.new_config.as_ref()),
+                bytes_text(
+                    decision
+                        .estimate
+                        .as_ref()
+                        .map(|estimate| estimate.required_bytes)
+                ),
+                bytes_text(Some(decision.budget_bytes)),
+                if steps.is_empty() {
+                    String::new()
+                } else {
+                    format!("; {}", steps.join("; "))
+                }
+            ));
+        }
+        Event::AttemptStarted(attempt) => {
+            *slice_bytes = Some(attempt.slice_bytes);
+            display.line(&format!(
+                "attempt {} started on {} {} in a {} slice: {} (estimate {})",
+                attempt.number,
+                attempt.worker_id,
+                attempt.gpu_uuid,
+                bytes_text(Some(attempt.slice_bytes)),
+                config_text(attempt.config.as_ref()),
+                bytes_text(Some(attempt.estimate_bytes))
+            ));
+        }
+        Event::AttemptFinished(attempt) => {
+            let note = attempt_note(&attempt);
+            display.line(&format!(
+                "attempt {} finished: {}, peak {}{}",
+                attempt.number,
+                outcome_name(attempt.outcome).replace('_', " "),
+                bytes_text(attempt.measured_peak_bytes),
+                if note.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({note})")
+                }
+            ));
+        }
+        Event::Log(line) => {
+            let source = if line.attempt_number == 0 {
+                "scheduler".to_string()
+            } else {
+                format!("attempt {}", line.attempt_number)
+            };
+            display.line(&format!("[{source}] {}: {}", line.level, line.message));
+        }
+    }
+}
+
+/// The exit code of a job that ended: success, or a failure naming how it ended.
+pub fn job_exit(job: &v1::Job) -> Result<ExitCode> {
+    let why = if job.message.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", job.message)
+    };
+    match v1::JobState::try_from(job.state) {
+        Ok(v1::JobState::Succeeded) => {
+            println!("job {} ({}) succeeded", job.id, job.name);
+            Ok(ExitCode::SUCCESS)
+        }
+        Ok(v1::JobState::Failed) => {
+            let out_of_memory = job
+                .attempts
+                .last()
+                .is_some_and(|attempt| attempt.outcome == v1::AttemptOutcome::OutOfMemory as i32);
+            let kind = if out_of_memory {
+                FailureKind::OutOfMemory
+            } else {
+                FailureKind::JobFailed
+            };
+            Err(
+                ClientFailure::new(kind, format!("job {} ({}) failed{why}", job.id, job.name))
+                    .into(),
+            )
+        }
+        Ok(v1::JobState::Cancelled) => {
+            let what = if job.message.starts_with("cancelled") {
+                job.message.clone()
+            } else {
+                format!("was cancelled{why}")
+            };
+            Err(ClientFailure::new(
+                FailureKind::JobCancelled,
+                format!("job {} ({}) {what}", job.id, job.name),
+            )
+            .into())
+        }
+        _ => Err(ClientFailure::new(
+            FailureKind::Other,
+            format!("job {} is {}, not ended", job.id, job_state_name(job.state)),
+        )
+        .into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::failure::exit_code_for_error;
+
+    fn ended(state: v1::JobState, last_outcome: v1::AttemptOutcome) -> v1::Job {
+        v1::Job {
+            id: "job-1".into(),
+            name: "mnist".into(),
+            state: state as i32,
+            attempts: vec![v1::Attempt {
+                number: 1,
+                outcome: last_outcome as i32,
+                ..v1::Attempt::default()
+            }],
+            message: "why".into(),
+            ..v1::Job::default()
+        }
+    }
+
+    fn code(job: &v1::Job) -> ExitCode {
+        match job_exit(job) {
+            Ok(code) => code,
+            Err(error) => exit_code_for_error(&error),
+        }
+    }
+
+    #[test]
+    fn a_watched_job_exits_with_the_code_of_how_it_ended() {
+        use v1::AttemptOutcome as Outcome;
+        use v1::JobState as State;
+        assert_eq!(
+            code(&ended(State::Succeeded, Outcome::Succeeded)),
+            ExitCode::SUCCESS
+        );
+        assert_eq!(
+            code(&ended(State::Failed, Outcome::OutOfMemory)),
+            ExitCode::from(3)
+        );
+        assert_eq!(
+            code(&ended(State::Failed, Outcome::Failed)),
+            ExitCode::from(10)
+        );
+        assert_eq!(
+            code(&ended(State::Cancelled, Outcome::Cancelled)),
+            ExitCode::from(11)
+        );
+        assert_eq!(
+            code(&ended(State::Running, Outcome::Running)),
+            ExitCode::from(1)
+        );
+        let error = job_exit(&ended(State::Failed, Outcome::Failed)).unwrap_err();
+        assert_eq!(error.to_string(), "job job-1 (mnist) failed: why");
+    }
+}

@@ -1,0 +1,730 @@
+//! The `carve` client commands, the real binary against a real local cluster: `carve dev`
+//! runs as a child process (scheduler with SQLite, worker with simulated GPUs, attempt
+//! processes) and each command is a separate `carve` process, as a person or a script
+//! would run it. Checked: what they print, what `-o json` / `-o yaml` parse to, and the
+//! exit codes scripts branch on.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How long `carve dev` may take to print its endpoint and tokens.
+const STARTUP_LIMIT: Duration = Duration::from_secs(60);
+
+fn carve_binary() -> &'static str {
+    env!("CARGO_BIN_EXE_carve")
+}
+
+fn repository_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// A `carve dev` child process, killed when dropped.
+struct DevCluster {
+    child: Child,
+    endpoint: String,
+    user_token: String,
+    admin_token: String,
+    stderr: Arc<Mutex<String>>,
+    /// No user config file may leak into the commands: this is their XDG_CONFIG_HOME.
+    config_home: tempfile::TempDir,
+    _data: tempfile::TempDir,
+}
+
+impl DevCluster {
+    fn start() -> DevCluster {
+        let data = tempfile::tempdir().unwrap();
+        let mut child = Command::new(carve_binary())
+            .args(["dev", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let mut stderr_pipe = child.stderr.take().unwrap();
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let stderr_sink = Arc::clone(&stderr);
+        std::thread::spawn(move || {
+            let mut buffer = [0u8; 4096];
+            while let Ok(read) = stderr_pipe.read(&mut buffer) {
+                if read == 0 {
+                    break;
+                }
+                stderr_sink
+                    .lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buffer[..read]));
+            }
+        });
+        // Lines go to the test until it has what it needs; the thread keeps draining the
+        // pipe after that, so the child never blocks on a full pipe.
+        let (lines, received) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let _ = lines.send(line);
+            }
+        });
+        let (mut endpoint, mut user_token, mut admin_token) = (None, None, None);
+        let mut seen = String::new();
+        while endpoint.is_none() || user_token.is_none() || admin_token.is_none() {
+            let line = match received.recv_timeout(STARTUP_LIMIT) {
+                Ok(line) => line,
+                Err(_) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!(
+                        "carve dev did not print its endpoint and tokens\nstdout:\n{seen}\nstderr:\n{}",
+                        stderr.lock().unwrap()
+                    );
+                }
+            };
+            seen.push_str(&line);
+            seen.push('\n');
+            let value = |prefix: &str| {
+                line.trim()
+                    .strip_prefix(prefix)
+                    .and_then(|rest| rest.split_whitespace().next())
+                    .map(str::to_string)
+            };
+            endpoint = endpoint.or_else(|| value("endpoint:"));
+            user_token = user_token.or_else(|| value("token:"));
+            admin_token = admin_token.or_else(|| value("admin:"));
+        }
+        DevCluster {
+            child,
+            endpoint: endpoint.unwrap(),
+            user_token: user_token.unwrap(),
+            admin_token: admin_token.unwrap(),
+            stderr,
+            config_home: tempfile::tempdir().unwrap(),
+            _data: data,
+        }
+    }
+
+    /// Runs `carve ARGS` against this cluster with `token`.
+    fn carve_with_token(&self, token: &str, arguments: &[&str]) -> Outcome {
+        run_carve(
+            arguments,
+            &[
+                ("CARVE_ENDPOINT", &self.endpoint),
+                ("CARVE_TOKEN", token),
+                (
+                    "XDG_CONFIG_HOME",
+                    &self.config_home.path().display().to_string(),
+                ),
+            ],
+        )
+    }
+
+    /// Starts `carve ARGS` as the `dev` tenant's user, without waiting for it.
+    fn spawn_carve(&self, arguments: &[&str]) -> Child {
+        Command::new(carve_binary())
+            .args(arguments)
+            .current_dir(repository_root())
+            .env_remove("CARVE_CLI_CONFIG")
+            .env_remove("CARVE_CA_CERT")
+            .env("CARVE_ENDPOINT", &self.endpoint)
+            .env("CARVE_TOKEN", &self.user_token)
+            .env("XDG_CONFIG_HOME", self.config_home.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    /// Runs `carve ARGS` as the `dev` tenant's user.
+    fn carve(&self, arguments: &[&str]) -> Outcome {
+        self.carve_with_token(&self.user_token, arguments)
+    }
+}
+
+impl Drop for DevCluster {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("carve dev stderr:\n{}", self.stderr.lock().unwrap());
+        }
+    }
+}
+
+/// What one `carve` process did.
+struct Outcome {
+    arguments: String,
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl Outcome {
+    fn context(&self) -> String {
+        format!(
+            "carve {}\nexit code: {:?}\nstdout:\n{}\nstderr:\n{}",
+            self.arguments, self.code, self.stdout, self.stderr
+        )
+    }
+
+    /// Asserts the exit code and returns the outcome for further checks.
+    fn expect_code(self, code: i32) -> Outcome {
+        assert_eq!(self.code, Some(code), "{}", self.context());
+        self
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|error| panic!("not json: {error}\n{}", self.context()))
+    }
+}
+
+fn run_carve(arguments: &[&str], environment: &[(&str, &str)]) -> Outcome {
+    let mut command = Command::new(carve_binary());
+    command
+        .args(arguments)
+        .current_dir(repository_root())
+        .env_remove("CARVE_ENDPOINT")
+        .env_remove("CARVE_TOKEN")
+        .env_remove("CARVE_CLI_CONFIG")
+        .env_remove("CARVE_CA_CERT")
+        .stdin(Stdio::null());
+    for (name, value) in environment {
+        command.env(name, value);
+    }
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = command.output().unwrap();
+    Outcome {
+        arguments: arguments.join(" "),
+        code: status.code(),
+        stdout: String::from_utf8_lossy(&stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&stderr).into_owned(),
+    }
+}
+
+/// Waits for a spawned `carve` to exit on its own; one still running after
+/// [`STARTUP_LIMIT`] is killed and the test fails (a hang, not a slow machine).
+fn wait_for(child: &mut Child, what: &str) -> Outcome {
+    let started = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > STARTUP_LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} did not exit within {}s", STARTUP_LIMIT.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut stdout = String::new();
+    let mut stderr = String::new();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    Outcome {
+        arguments: what.to_string(),
+        code: child.wait().unwrap().code(),
+        stdout,
+        stderr,
+    }
+}
+
+/// The job id in `submit`'s first line: "submitted job ID (NAME)".
+fn submitted_job_id(outcome: &Outcome) -> String {
+    outcome
+        .stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("submitted job "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no job id\n{}", outcome.context()))
+        .to_string()
+}
+
+fn listed_ids(list: &serde_json::Value) -> Vec<String> {
+    list["jobs"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no jobs array: {list}"))
+        .iter()
+        .map(|job| job["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The small mnist job, cut to a few steps of a small batch.
+const SMALL_JOB: &[&str] = &[
+    "submit",
+    "examples/mnist-cnn.toml",
+    "--set",
+    "training.steps=3",
+    "--set",
+    "training.batch_size=8",
+    "--set",
+    "name=\"mnist-small\"",
+];
+
+#[test]
+fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
+    let cluster = DevCluster::start();
+
+    // Submit: the id, state, estimate and config are printed.
+    let submitted = cluster.carve(SMALL_JOB).expect_code(0);
+    let job = submitted_job_id(&submitted);
+    assert!(
+        submitted.stdout.contains("estimate:"),
+        "{}",
+        submitted.context()
+    );
+    assert!(
+        submitted
+            .stdout
+            .contains("config:    batch 8, micro 8, fp32"),
+        "{}",
+        submitted.context()
+    );
+
+    // It is listed, as JSON and as YAML, with proto field names.
+    let list = cluster.carve(&["jobs", "-o", "json"]).expect_code(0).json();
+    assert!(listed_ids(&list).contains(&job), "{list}");
+    let yaml = cluster.carve(&["jobs", "-o", "yaml"]).expect_code(0);
+    let from_yaml: serde_json::Value = serde_norway::from_str(&yaml.stdout)
+        .unwrap_or_else(|error| panic!("not yaml: {error}\n{}", yaml.context()));
+    assert!(listed_ids(&from_yaml).contains(&job), "{from_yaml}");
+    let table = cluster.carve(&["jobs"]).expect_code(0);
+    assert!(table.stdout.starts_with("ID "), "{}", table.context());
+    assert!(table.stdout.contains(&job), "{}", table.context());
+    let filtered = cluster
+        .carve(&["jobs", "--state", "cancelled", "-o", "json"])
+        .expect_code(0)
+        .json();
+    assert!(!listed_ids(&filtered).contains(&job), "{filtered}");
+
+    // Watched to the end: exit 0.
+    let watched = cluster.carve(&["watch", &job]).expect_code(0);
+    assert!(
+        watched.stdout.contains("succeeded"),
+        "{}",
+        watched.context()
+    );
+
+    // Its details, for people and for scripts.
+    let details = cluster.carve(&["get", &job]).expect_code(0);
+    assert!(
+        details.stdout.contains("state:      succeeded"),
+        "{}",
+        details.context()
+    );
+    assert!(details.stdout.contains("ATTEMPT"), "{}", details.context());
+    let details = cluster
+        .carve(&["get", &job, "-o", "json"])
+        .expect_code(0)
+        .json();
+    assert_eq!(details["id"], job.as_str());
+    assert_eq!(details["state"], "JOB_STATE_SUCCEEDED");
+    assert_eq!(
+        details["attempts"][0]["outcome"],
+        "ATTEMPT_OUTCOME_SUCCEEDED"
+    );
+    assert!(
+        details["attempts"][0]["measured_peak_bytes"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{details}"
+    );
+    assert_eq!(details["current_config"]["batch_size"], 8);
+
+    // Its log: the scheduler's notes of what happened.
+    let logs = cluster.carve(&["logs", &job]).expect_code(0);
+    assert!(logs.stdout.contains("scheduler"), "{}", logs.context());
+    assert!(logs.stdout.contains("succeeded"), "{}", logs.context());
+    let tail = cluster.carve(&["logs", &job, "--tail", "1"]).expect_code(0);
+    assert_eq!(tail.stdout.lines().count(), 1, "{}", tail.context());
+
+    // A long job, cancelled: watching it exits 11.
+    let long = cluster
+        .carve(&[
+            "submit",
+            "examples/mnist-cnn.toml",
+            "--set",
+            "training.steps=100000",
+            "--set",
+            "training.batch_size=8",
+            "-q",
+        ])
+        .expect_code(0);
+    let long_job = long.stdout.trim().to_string();
+    assert!(
+        !long_job.is_empty() && !long_job.contains(' '),
+        "{}",
+        long.context()
+    );
+    // `logs --follow` keeps printing until the job ends, then exits 0.
+    let mut follow = cluster.spawn_carve(&["logs", &long_job, "--follow"]);
+    cluster
+        .carve(&["cancel", &long_job, "--reason", "not needed"])
+        .expect_code(0);
+    let followed = wait_for(&mut follow, "carve logs --follow").expect_code(0);
+    assert!(
+        followed.stdout.contains("cancelled: not needed"),
+        "{}",
+        followed.context()
+    );
+    let watched = cluster.carve(&["watch", &long_job]).expect_code(11);
+    assert!(
+        watched.stderr.contains("cancelled"),
+        "{}",
+        watched.context()
+    );
+    let cancelled = cluster
+        .carve(&["get", &long_job, "-o", "json"])
+        .expect_code(0)
+        .json();
+    assert_eq!(cancelled["state"], "JOB_STATE_CANCELLED");
+
+    // A bad field is rejected by the scheduler, naming it: exit 7.
+    let rejected = cluster
+        .carve(&[
+            "submit",
+            "examples/mnist-cnn.toml",
+            "--set",
+            "training.batch_size=0",
+        ])
+        .expect_code(7);
+    assert!(
+        rejected.stderr.contains("training.batch_size"),
+        "{}",
+        rejected.context()
+    );
+    // An override that cannot apply names its key: exit 7 too, nothing sent.
+    let rejected = cluster
+        .carve(&[
+            "submit",
+            "examples/mnist-cnn.toml",
+            "--set",
+            "model.layers[99].relu={}",
+        ])
+        .expect_code(7);
+    assert!(
+        rejected.stderr.contains("model.layers[99]"),
+        "{}",
+        rejected.context()
+    );
+
+    // A missing job: exit 6. A wrong token: exit 5, saying which setting to change.
+    let missing = cluster.carve(&["get", "job-does-not-exist"]).expect_code(6);
+    assert!(
+        missing.stderr.contains("not found"),
+        "{}",
+        missing.context()
+    );
+    let wrong = cluster
+        .carve_with_token("carve_not_a_real_token", &["jobs"])
+        .expect_code(5);
+    assert!(
+        wrong.stderr.contains("token rejected by"),
+        "{}",
+        wrong.context()
+    );
+    assert!(wrong.stderr.contains("CARVE_TOKEN"), "{}", wrong.context());
+
+    // The cluster: the simulated GPUs, with the memory bars.
+    let view = cluster.carve(&["cluster"]).expect_code(0);
+    assert!(view.stdout.contains("dev-node"), "{}", view.context());
+    assert_eq!(
+        view.stdout.matches("    [").count(),
+        2,
+        "{}",
+        view.context()
+    );
+    let workers = cluster
+        .carve(&["cluster", "-o", "json"])
+        .expect_code(0)
+        .json();
+    assert_eq!(
+        workers["workers"][0]["gpus"].as_array().unwrap().len(),
+        2,
+        "{workers}"
+    );
+    // Draining is for admins.
+    let worker_id = workers["workers"][0]["id"].as_str().unwrap().to_string();
+    cluster
+        .carve(&["cluster", "drain", &worker_id])
+        .expect_code(5);
+
+    // Tenant isolation: an admin creates tenant B and a user token for it.
+    let admin = &cluster.admin_token;
+    cluster
+        .carve_with_token(
+            admin,
+            &["admin", "tenants", "create", "team-b", "--weight", "2"],
+        )
+        .expect_code(0);
+    let created = cluster
+        .carve_with_token(
+            admin,
+            &[
+                "admin",
+                "tokens",
+                "create",
+                "--tenant",
+                "team-b",
+                "--role",
+                "user",
+                "--name",
+                "b's laptop",
+            ],
+        )
+        .expect_code(0);
+    // The secret is alone on stdout, so `$(carve admin tokens create ...)` captures it.
+    let token_b = created.stdout.trim().to_string();
+    assert_eq!(created.stdout.lines().count(), 1, "{}", created.context());
+    assert!(token_b.starts_with("carve_"), "{}", created.context());
+    let tenants = cluster
+        .carve_with_token(admin, &["admin", "tenants", "list", "-o", "json"])
+        .expect_code(0)
+        .json();
+    let names: Vec<&str> = tenants["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|tenant| tenant["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.contains(&"team-b") && names.contains(&"dev"),
+        "{tenants}"
+    );
+    let quota = cluster
+        .carve_with_token(
+            admin,
+            &[
+                "admin", "quota", "set", "team-b", "--vram", "1MiB", "-o", "json",
+            ],
+        )
+        .expect_code(0)
+        .json();
+    assert_eq!(quota["quota"]["vram_bytes"], 1u64 << 20, "{quota}");
+    assert_eq!(quota["quota"]["fair_share_weight"], 2.0, "{quota}");
+    // A user may not manage tenants.
+    cluster.carve(&["admin", "tenants", "list"]).expect_code(5);
+
+    // B sees none of A's jobs: A's job reads as missing, and B's list is empty.
+    let hidden = cluster
+        .carve_with_token(&token_b, &["get", &job])
+        .expect_code(6);
+    assert!(hidden.stderr.contains(&job), "{}", hidden.context());
+    let list_b = cluster
+        .carve_with_token(&token_b, &["jobs", "-o", "json"])
+        .expect_code(0)
+        .json();
+    assert!(listed_ids(&list_b).is_empty(), "{list_b}");
+    // B's 1 MiB quota can never hold the small job: exit 8, saying why.
+    let exhausted = cluster.carve_with_token(&token_b, SMALL_JOB).expect_code(8);
+    assert!(
+        exhausted.stderr.contains("quota"),
+        "{}",
+        exhausted.context()
+    );
+    cluster
+        .carve_with_token(&token_b, &["logs", &job])
+        .expect_code(6);
+    cluster
+        .carve_with_token(&token_b, &["cancel", &job])
+        .expect_code(6);
+
+    // Revoked, B's token stops working.
+    let tokens = cluster
+        .carve_with_token(
+            admin,
+            &[
+                "admin", "tokens", "list", "--tenant", "team-b", "-o", "json",
+            ],
+        )
+        .expect_code(0)
+        .json();
+    let listed = tokens["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|token| token["description"] == "b's laptop")
+        .unwrap_or_else(|| panic!("the new token is not listed: {tokens}"));
+    assert_eq!(listed["role"], "ROLE_USER", "{tokens}");
+    assert_eq!(listed["tenant"], "team-b", "{tokens}");
+    let token_id = listed["id"].as_str().unwrap().to_string();
+    cluster
+        .carve_with_token(admin, &["admin", "tokens", "revoke", &token_id])
+        .expect_code(0);
+    cluster.carve_with_token(&token_b, &["jobs"]).expect_code(5);
+}
+
+#[test]
+fn commands_without_a_scheduler_fail_with_the_codes_scripts_expect() {
+    // Nothing listens on a port that was just released.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let config_home = tempfile::tempdir().unwrap();
+    let config_home = config_home.path().display().to_string();
+    let unreachable = run_carve(
+        &["jobs"],
+        &[
+            ("CARVE_ENDPOINT", &endpoint),
+            ("CARVE_TOKEN", "carve_x"),
+            ("XDG_CONFIG_HOME", &config_home),
+        ],
+    )
+    .expect_code(4);
+    assert!(
+        unreachable.stderr.contains(&format!(
+            "cannot reach the scheduler at {endpoint}: connection refused"
+        )),
+        "{}",
+        unreachable.context()
+    );
+    assert!(
+        unreachable.stderr.contains("CARVE_ENDPOINT"),
+        "{}",
+        unreachable.context()
+    );
+
+    // No token anywhere: exit 5 before anything is sent.
+    let no_token = run_carve(
+        &["jobs", "--endpoint", &endpoint],
+        &[("XDG_CONFIG_HOME", &config_home)],
+    )
+    .expect_code(5);
+    assert!(
+        no_token.stderr.contains("no token"),
+        "{}",
+        no_token.context()
+    );
+
+    // A config file is read when no flag or variable says otherwise.
+    let config = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(config.path().join("carve")).unwrap();
+    std::fs::write(
+        config.path().join("carve/config.toml"),
+        format!("endpoint = \"{endpoint}\"\ntoken = \"carve_from_file\"\n"),
+    )
+    .unwrap();
+    let from_file = run_carve(
+        &["get", "job-x"],
+        &[("XDG_CONFIG_HOME", &config.path().display().to_string())],
+    )
+    .expect_code(4);
+    assert!(
+        from_file.stderr.contains(&endpoint),
+        "{}",
+        from_file.context()
+    );
+
+    // Usage errors are clap's: exit 2.
+    run_carve(&["jobs", "--state", "sleeping"], &[]).expect_code(2);
+
+    // The exit codes are documented in the long help.
+    let help = run_carve(&["--help"], &[]).expect_code(0);
+    assert!(help.stdout.contains("Exit codes:"), "{}", help.context());
+    assert!(
+        help.stdout.contains("11  the watched job was cancelled"),
+        "{}",
+        help.context()
+    );
+
+    for shell in ["bash", "zsh", "fish", "powershell", "elvish"] {
+        let completions = run_carve(&["completions", shell], &[]).expect_code(0);
+        assert!(
+            completions.stdout.contains("submit"),
+            "{}",
+            completions.context()
+        );
+    }
+}
+
+#[test]
+fn https_endpoints_are_verified_against_the_given_certificate_authority() {
+    // A scheduler serving TLS with a self-signed certificate for localhost, in this
+    // process: `carve dev` has no TLS, and the certificate is the point here.
+    let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    let directory = tempfile::tempdir().unwrap();
+    let ca_cert = directory.path().join("ca.pem");
+    std::fs::write(&ca_cert, certified.cert.pem()).unwrap();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let config = carve_scheduler::server::SchedulerConfig {
+        database_url: format!("sqlite://{}", directory.path().join("carve.db").display()),
+        settings: carve_scheduler::scheduler::SchedulerSettings::default(),
+        admin_token: Some("carve_tls_admin".into()),
+        metrics_address: None,
+        tls: Some(carve_scheduler::server::TlsIdentity {
+            certificate_chain_pem: certified.cert.pem().into_bytes(),
+            private_key_pem: certified.signing_key.serialize_pem().into_bytes(),
+        }),
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = runtime.spawn(carve_scheduler::server::run(config, listener, async {
+        let _ = stopped.await;
+    }));
+    let endpoint = format!("https://localhost:{port}");
+    let config_home = directory.path().display().to_string();
+    let environment = [
+        ("CARVE_ENDPOINT", endpoint.as_str()),
+        ("CARVE_TOKEN", "carve_tls_admin"),
+        ("XDG_CONFIG_HOME", config_home.as_str()),
+    ];
+    let ca_cert = ca_cert.display().to_string();
+    // The listener is bound already, so the first connection is served.
+    let tenants = run_carve(
+        &[
+            "admin",
+            "tenants",
+            "list",
+            "-o",
+            "json",
+            "--ca-cert",
+            &ca_cert,
+        ],
+        &environment,
+    )
+    .expect_code(0)
+    .json();
+    assert_eq!(tenants["tenants"][0]["name"], "default", "{tenants}");
+
+    // Without the authority, the self-signed certificate is not trusted: no connection.
+    let untrusted = run_carve(&["admin", "tenants", "list"], &environment).expect_code(4);
+    assert!(
+        untrusted
+            .stderr
+            .contains("cannot reach the scheduler at https://localhost")
+            && untrusted.stderr.contains("--ca-cert"),
+        "{}",
+        untrusted.context()
+    );
+    // A certificate authority for a plain-text endpoint is a mistake worth naming.
+    let plain = format!("http://localhost:{port}");
+    let mixed = run_carve(
+        &["jobs", "--endpoint", &plain, "--ca-cert", &ca_cert],
+        &environment,
+    )
+    .expect_code(7);
+    assert!(mixed.stderr.contains("ca_cert"), "{}", mixed.context());
+
+    let _ = stop.send(());
+    runtime.block_on(server).unwrap().unwrap();
+}

@@ -1,0 +1,170 @@
+//! Runs the real `carve` binary: `carve sim generate` writes a trace that `carve sim`
+//! replays under every policy, as JSON that parses and as an SVG chart; a trace with a
+//! bad row is refused with the row and column named.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn carve(arguments: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_carve"))
+        .args(arguments)
+        .output()
+        .expect("the carve binary runs")
+}
+
+fn succeeded(output: &Output) -> &[u8] {
+    assert!(
+        output.status.success(),
+        "exit {:?}: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    &output.stdout
+}
+
+#[test]
+fn a_generated_trace_simulates_to_json_and_an_svg_chart() {
+    let directory = tempfile::tempdir().unwrap();
+    let trace_path = directory.path().join("trace.csv");
+    let generated = carve(&[
+        "sim",
+        "generate",
+        "--jobs",
+        "80",
+        "--seed",
+        "3",
+        "--tenants",
+        "3",
+    ]);
+    std::fs::write(&trace_path, succeeded(&generated)).unwrap();
+    let again = carve(&[
+        "sim",
+        "generate",
+        "--jobs",
+        "80",
+        "--seed",
+        "3",
+        "--tenants",
+        "3",
+    ]);
+    assert_eq!(generated.stdout, again.stdout, "a seed gives one trace");
+
+    let plot_path = directory.path().join("utilisation.svg");
+    let output = carve(&[
+        "sim",
+        "--trace",
+        trace_path.to_str().unwrap(),
+        "--cluster",
+        "2x4x80GiB",
+        "--json",
+        "--plot",
+        plot_path.to_str().unwrap(),
+    ]);
+    let report: Value = serde_json::from_slice(succeeded(&output)).expect("stdout is JSON");
+    assert_eq!(report["jobs"], 80);
+    let policies = report["policies"].as_array().unwrap();
+    let names: Vec<&str> = policies
+        .iter()
+        .map(|policy| policy["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["whole-gpu", "declared", "carve"]);
+    for policy in policies {
+        let ended = ["succeeded_jobs", "failed_jobs", "rejected_jobs"]
+            .iter()
+            .map(|field| policy[field].as_u64().unwrap())
+            .sum::<u64>();
+        assert_eq!(ended, 80, "{policy}");
+        let allocated = policy["allocated_memory_utilisation"].as_f64().unwrap();
+        let used = policy["used_memory_utilisation"].as_f64().unwrap();
+        assert!(
+            used > 0.0 && used <= allocated && allocated <= 1.0,
+            "{policy}"
+        );
+        assert!(policy["completion_time_s"]["p99"].as_f64().unwrap() > 0.0);
+        assert!(
+            !policy["utilisation_over_time"]
+                .as_array()
+                .unwrap()
+                .is_empty()
+        );
+    }
+    // Whole GPUs hold one job each; Carve packs several on a GPU.
+    assert_eq!(policies[0]["jobs_per_busy_gpu"].as_f64().unwrap(), 1.0);
+    assert!(policies[2]["jobs_per_busy_gpu"].as_f64().unwrap() > 1.0);
+
+    let svg = std::fs::read_to_string(&plot_path).unwrap();
+    assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(80)]);
+    assert!(svg.trim_end().ends_with("</svg>"));
+    assert_eq!(
+        svg.matches("<polyline").count(),
+        6,
+        "used and allocated per policy"
+    );
+    assert!(svg.contains("carve used") && svg.contains("whole-gpu allocated"));
+
+    let table = carve(&[
+        "sim",
+        "--trace",
+        trace_path.to_str().unwrap(),
+        "--policy",
+        "carve",
+    ]);
+    let table = String::from_utf8(succeeded(&table).to_vec()).unwrap();
+    assert!(
+        table.contains("JCT p50/p95/p99") && table.contains("carve"),
+        "{table}"
+    );
+    assert!(!table.contains("whole-gpu"), "{table}");
+}
+
+#[test]
+fn bad_rows_and_flags_are_refused_with_what_to_fix() {
+    let directory = tempfile::tempdir().unwrap();
+    let trace_path = directory.path().join("bad.csv");
+    std::fs::write(
+        &trace_path,
+        "submit_time_s,duration_s,tenant,gpus,requested_bytes,spec\n0,60,alice,4,8GiB,job.toml\n",
+    )
+    .unwrap();
+    let output = carve(&["sim", "--trace", trace_path.to_str().unwrap()]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("bad.csv: row 2 column gpus: 4 GPUs"),
+        "{stderr}"
+    );
+
+    std::fs::write(
+        &trace_path,
+        "submit_time_s,duration_s,tenant,gpus,requested_bytes,spec\n0,60,alice,1,8GiB,missing.toml\n",
+    )
+    .unwrap();
+    let output = carve(&["sim", "--trace", trace_path.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("row 2 column spec: cannot read"),
+        "{stderr}"
+    );
+
+    let output = carve(&[
+        "sim",
+        "--trace",
+        trace_path.to_str().unwrap(),
+        "--cluster",
+        "8GiB",
+    ]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--cluster: `8GiB` is not"), "{stderr}");
+    let output = carve(&["sim", "generate", "--jobs", "0"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--jobs: 0 must be"), "{stderr}");
+
+    // A spec is found next to the trace, wherever carve runs from.
+    let example =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mnist-cnn.toml");
+    std::fs::copy(example, directory.path().join("missing.toml")).unwrap();
+    let output = carve(&["sim", "--trace", trace_path.to_str().unwrap(), "--json"]);
+    let report: Value = serde_json::from_slice(succeeded(&output)).unwrap();
+    assert_eq!(report["policies"][2]["succeeded_jobs"], 1);
+}
