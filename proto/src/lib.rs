@@ -80,6 +80,7 @@ mod tests {
                     "CancelJob",
                     "WatchJob",
                     "EstimateJob",
+                    "GetJobLogs",
                 ],
             ),
             (
