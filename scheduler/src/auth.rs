@@ -1,11 +1,14 @@
 //! Bearer tokens: generated here, shown once, stored only as SHA-256 hashes, and checked
-//! on every call against the store.
+//! on every call against the store (through a short-lived cache, see `authenticate`).
+
+use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 use tonic::metadata::MetadataMap;
 
+use crate::cache::ShortLivedCache;
 use crate::error::SchedulerError;
-use crate::store::Store;
+use crate::store::{Store, TokenRecord};
 
 /// Who is calling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -86,9 +89,17 @@ pub fn hash_secret(secret: &str) -> Vec<u8> {
     Sha256::digest(secret.as_bytes()).to_vec()
 }
 
-/// Reads `authorization: Bearer <secret>` and finds its token.
+/// Reads `authorization: Bearer <secret>` and finds its token: in `tokens` when it was
+/// read from the store less than [`crate::cache::LOOKUP_TIME_TO_LIVE`] ago, else in the store.
+///
+/// Revoked and expired tokens are judged on every call, cached or not. A token revoked
+/// through this scheduler is refused at once (the revoke invalidates its entry, see
+/// `Scheduler::revoke_token`); one revoked through another replica, within
+/// [`crate::cache::LOOKUP_TIME_TO_LIVE`]. Unknown secrets are never cached, so a token created anywhere
+/// works at once.
 pub async fn authenticate(
     store: &Store,
+    tokens: &ShortLivedCache<Vec<u8>, TokenRecord>,
     metadata: &MetadataMap,
     now_ms: i64,
 ) -> Result<Caller, SchedulerError> {
@@ -108,10 +119,25 @@ pub async fn authenticate(
             SchedulerError::Unauthenticated("authorization must be `Bearer <token>`".into())
         })?
         .trim();
-    let token = store
-        .find_token_by_hash(&hash_secret(secret))
-        .await?
-        .ok_or_else(|| SchedulerError::Unauthenticated("token rejected".into()))?;
+    let secret_hash = hash_secret(secret);
+    let token = match tokens.get(&secret_hash, Instant::now()) {
+        Some(token) => token,
+        None => {
+            let ticket = tokens.begin_fill();
+            let read_at = Instant::now();
+            let token = store
+                .find_token_by_hash(&secret_hash)
+                .await?
+                .ok_or_else(|| SchedulerError::Unauthenticated("token rejected".into()))?;
+            tokens.insert(ticket, secret_hash, token.clone(), read_at);
+            token
+        }
+    };
+    caller_of_token(token, now_ms)
+}
+
+/// The caller a stored token stands for, if it is still valid at `now_ms`.
+fn caller_of_token(token: TokenRecord, now_ms: i64) -> Result<Caller, SchedulerError> {
     if token.revoked {
         return Err(SchedulerError::Unauthenticated(
             "token rejected: revoked".into(),

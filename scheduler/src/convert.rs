@@ -1,7 +1,7 @@
 //! Between store records and the wire: run configs as JSON in the store, jobs and
 //! attempts as generated protobuf messages in the handlers.
 
-use carve_core::estimator::estimate_job;
+use carve_core::estimator::{MemoryEstimate, estimate_job};
 use carve_core::plan::RunConfig;
 use carve_core::spec::Precision;
 use carve_proto::v1;
@@ -135,6 +135,17 @@ pub fn job_to_proto(job: &JobRecord, attempts: &[AttemptRecord]) -> v1::Job {
         let validated = carve_proto::convert::validated_job_from_json(&job.spec_json).ok()?;
         estimate_job(&validated, &config).ok()
     });
+    job_proto_from_parts(job, attempts, config, estimate.as_ref())
+}
+
+/// A job whose current configuration and its estimate the caller already holds (admission
+/// just computed them), so nothing is parsed or estimated again.
+pub fn job_proto_from_parts(
+    job: &JobRecord,
+    attempts: &[AttemptRecord],
+    config: Option<RunConfig>,
+    estimate: Option<&MemoryEstimate>,
+) -> v1::Job {
     v1::Job {
         id: job.id.clone(),
         tenant: job.tenant.clone(),

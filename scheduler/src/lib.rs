@@ -5,13 +5,15 @@
 //! - `scheduler` holds the live state and makes every decision (admission, placement
 //!   through `carve_core::scheduling::solve`, OOM retries through the shrink planner,
 //!   leases, fencing, cancellation);
-//! - `services` are the tonic handlers; `auth` the bearer tokens; `store` the database;
-//!   `convert` turns records into messages.
+//! - `services` are the tonic handlers; `auth` the bearer tokens; `cache` the short-lived
+//!   copies that keep the submit path off the database; `store` the database; `convert`
+//!   turns records into messages.
 //!
 //! Architecture invariant: this crate never depends on carve-engine or on GPU crates; it
 //! sees GPUs only through what workers report and estimates through carve-core.
 
 pub mod auth;
+pub mod cache;
 pub mod convert;
 pub mod error;
 pub mod metrics;

@@ -7,13 +7,13 @@
 //! worker report and a scheduling pass never interleave on the same job.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use carve_core::admission::{AdmittedSlice, size_slice_at_admission};
 use carve_core::allocator::OutOfMemory;
-use carve_core::estimator::estimate_job;
+use carve_core::estimator::{MemoryEstimate, estimate_job};
 use carve_core::job_state::{JobEvent, JobState, next_state};
 use carve_core::plan::RunConfig;
 use carve_core::scheduling::{
@@ -27,15 +27,17 @@ use tokio::sync::{Notify, broadcast, mpsc};
 use tokio::time::Instant;
 use tonic::Status;
 
-use crate::auth::{Caller, Role, generate_id};
+use crate::auth::{Caller, Role, authenticate, generate_id};
+use crate::cache::{BoundedCache, LOOKUP_CAPACITY, LOOKUP_TIME_TO_LIVE, ShortLivedCache};
 use crate::convert::{
-    attempt_to_proto, config_from_json, config_to_json, job_state_to_proto, job_to_proto,
-    oom_to_json, timestamp,
+    attempt_to_proto, config_from_json, config_to_json, job_proto_from_parts, job_state_to_proto,
+    job_to_proto, oom_to_json, timestamp,
 };
 use crate::error::SchedulerError;
 use crate::metrics::{ClusterGauges, Metrics};
 use crate::store::{
-    AttemptRecord, JobRecord, QueueFingerprint, QueuedJob, Store, SubmitBatcher, WorkerRecord,
+    AttemptRecord, JobRecord, QueueFingerprint, QueuedJob, Store, SubmitBatcher, TenantRecord,
+    TokenRecord, WorkerRecord,
 };
 
 /// Timing of leases and passes.
@@ -129,6 +131,52 @@ pub struct Scheduler {
     /// Counts wake-ups, so a pass knows whether anything asked for one since the last.
     wake_generation: AtomicU64,
     last_pass_inputs: Mutex<Option<PassInputs>>,
+    /// What the submit path would otherwise read from the store or compute again on
+    /// every call; see `cache` for how stale each may be.
+    lookups: Lookups,
+}
+
+/// How many distinct spec texts keep their analysis; specs are resubmitted verbatim
+/// (sweeps, retries, scripts), and a miss only costs one validation and estimate.
+const ANALYSED_SPECS_CAPACITY: usize = 256;
+
+/// Specs longer than this are analysed every time rather than held as cache keys, so
+/// the spec cache stays under ANALYSED_SPECS_CAPACITY x this (16 MiB).
+const ANALYSED_SPEC_MAX_BYTES: usize = 64 * 1024;
+
+/// A spec as admission sees it before sizing: everything here depends on the spec's
+/// text alone (validation, the configuration it asks for, the estimate and the shape
+/// key are pure functions of it), so a spec submitted again reuses it.
+#[derive(Debug)]
+struct AnalysedSpec {
+    job: ValidatedJob,
+    config: RunConfig,
+    estimate: MemoryEstimate,
+    shape_key: String,
+}
+
+#[derive(Debug)]
+struct Lookups {
+    /// By secret hash: invalidated by `Scheduler::revoke_token`.
+    tokens: ShortLivedCache<Vec<u8>, TokenRecord>,
+    /// By name: invalidated by `Scheduler::set_quota`.
+    tenants: ShortLivedCache<String, TenantRecord>,
+    /// By shape key (`None`: nothing measured yet): invalidated when this scheduler
+    /// records a measured peak of that shape.
+    peak_corrections: ShortLivedCache<String, Option<f64>>,
+    /// By the spec's exact text.
+    specs: BoundedCache<String, Arc<AnalysedSpec>>,
+}
+
+impl Lookups {
+    fn new() -> Lookups {
+        Lookups {
+            tokens: ShortLivedCache::new(LOOKUP_TIME_TO_LIVE, LOOKUP_CAPACITY),
+            tenants: ShortLivedCache::new(LOOKUP_TIME_TO_LIVE, LOOKUP_CAPACITY),
+            peak_corrections: ShortLivedCache::new(LOOKUP_TIME_TO_LIVE, LOOKUP_CAPACITY),
+            specs: BoundedCache::new(ANALYSED_SPECS_CAPACITY),
+        }
+    }
 }
 
 /// What a scheduling pass decides from, as far as it can tell cheaply: a pass with the
@@ -216,6 +264,7 @@ impl Scheduler {
             stopping: tokio::sync::watch::Sender::new(false),
             wake_generation: AtomicU64::new(0),
             last_pass_inputs: Mutex::new(None),
+            lookups: Lookups::new(),
         }
     }
 
@@ -359,12 +408,14 @@ impl Scheduler {
 
     /// Admits a job: validates, estimates, fits it to its slice and the cluster (shrinking
     /// ahead of time when the job allows), checks the quota, and stores it durably.
+    /// Returns the job as the answer shows it, and whether it was created (false: the
+    /// idempotency key matched an earlier job).
     pub async fn submit(
         &self,
         caller: &Caller,
         spec_json: &str,
         idempotency_key: &str,
-    ) -> Result<(JobRecord, bool), SchedulerError> {
+    ) -> Result<(v1::Job, bool), SchedulerError> {
         caller.require(&[Role::User, Role::Admin])?;
         if idempotency_key.len() > 256 {
             return Err(SchedulerError::InvalidArgument {
@@ -375,32 +426,34 @@ impl Scheduler {
                 ),
             });
         }
-        let job = carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)?;
-        let tenant = self.store.get_tenant(&caller.tenant).await?;
-        let config = RunConfig::from_spec(&job.spec);
-        let estimate =
-            estimate_job(&job, &config).map_err(|error| SchedulerError::InvalidArgument {
-                field: format!("spec.{}", error.field),
-                reason: error.reason,
-            })?;
+        let analysed = self.analyse_spec(spec_json)?;
+        let job = &analysed.job;
+        let tenant = self.tenant(&caller.tenant).await?;
         let correction = self
-            .store
-            .peak_correction(&shape_key(&job, &config))
+            .peak_correction(&analysed.shape_key)
             .await?
             .unwrap_or(1.0);
+        // The estimate of the configuration admitted, for the answer: the spec's own
+        // unless admission shrank it, then the shrink planner's for the new one (the
+        // same `estimate_job` of that configuration).
+        let mut shrunk_estimate = None;
         let AdmittedSlice {
             config,
             slice_bytes,
             ..
         } = size_slice_at_admission(
             job.spec.resources.vram,
-            config,
-            estimate.required_bytes,
+            analysed.config,
+            analysed.estimate.required_bytes,
             correction,
             self.largest_usable_gpu(),
             |config, limit| {
-                plan_shrink(&job, config, None, limit)
-                    .map(|decision| (decision.config, decision.estimate.required_bytes))
+                plan_shrink(job, config, None, limit)
+                    .map(|decision| {
+                        let sized = (decision.config, decision.estimate.required_bytes);
+                        shrunk_estimate = Some(decision.estimate);
+                        sized
+                    })
                     .map_err(|error| {
                         SchedulerError::ResourceExhausted(format!(
                             "job {} cannot fit: {error}",
@@ -423,6 +476,7 @@ impl Scheduler {
                 job.spec.name
             )));
         }
+        let estimate = &analysed.estimate;
         let now = now_ms();
         let record = JobRecord {
             id: generate_id("job"),
@@ -444,11 +498,120 @@ impl Scheduler {
             attempts_count: 0,
         };
         let outcome = self.batcher.submit(record).await?;
-        if outcome.created {
-            self.emit_state(&outcome.job.id, "queued", "queued", "submitted");
-            self.wake();
+        if !outcome.created {
+            // The idempotency key matched an earlier job, which may have attempts and
+            // another configuration by now: answer with it as stored.
+            return Ok((self.job_proto(&outcome.job).await?, false));
         }
-        Ok((outcome.job, outcome.created))
+        self.emit_state(&outcome.job.id, "queued", "queued", "submitted");
+        self.wake();
+        // A job created just now has no attempts, and its configuration and estimate
+        // are the ones admission computed: no store read, no second estimate.
+        let answer = job_proto_from_parts(
+            &outcome.job,
+            &[],
+            Some(config),
+            Some(shrunk_estimate.as_ref().unwrap_or(estimate)),
+        );
+        Ok((answer, true))
+    }
+
+    /// Validates a spec and estimates it with the configuration it asks for, or reuses
+    /// that analysis from an earlier submit of the same text.
+    fn analyse_spec(&self, spec_json: &str) -> Result<Arc<AnalysedSpec>, SchedulerError> {
+        if let Some(analysed) = self.lookups.specs.get(spec_json) {
+            return Ok(analysed);
+        }
+        let job = carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)?;
+        let config = RunConfig::from_spec(&job.spec);
+        let estimate =
+            estimate_job(&job, &config).map_err(|error| SchedulerError::InvalidArgument {
+                field: format!("spec.{}", error.field),
+                reason: error.reason,
+            })?;
+        let shape_key = shape_key(&job, &config);
+        let analysed = Arc::new(AnalysedSpec {
+            job,
+            config,
+            estimate,
+            shape_key,
+        });
+        if spec_json.len() <= ANALYSED_SPEC_MAX_BYTES {
+            self.lookups
+                .specs
+                .insert(spec_json.to_string(), Arc::clone(&analysed));
+        }
+        Ok(analysed)
+    }
+
+    /// The caller a request's bearer token stands for (see `auth::authenticate` for how
+    /// long a revoke through another replica may take to apply).
+    pub async fn authenticate(
+        &self,
+        metadata: &tonic::metadata::MetadataMap,
+        now_ms: i64,
+    ) -> Result<Caller, SchedulerError> {
+        authenticate(&self.store, &self.lookups.tokens, metadata, now_ms).await
+    }
+
+    /// Revokes a token; this scheduler refuses it from the next call on.
+    pub async fn revoke_token(&self, token_id: &str) -> Result<TokenRecord, SchedulerError> {
+        let token = self.store.revoke_token(token_id).await?;
+        self.lookups.tokens.invalidate(&token.secret_hash);
+        Ok(token)
+    }
+
+    /// Replaces a tenant's quota; this scheduler's next admission uses the new one.
+    pub async fn set_quota(
+        &self,
+        tenant: &str,
+        vram_quota_bytes: Option<i64>,
+        max_running_jobs: Option<i64>,
+        fair_share_weight: i64,
+    ) -> Result<TenantRecord, SchedulerError> {
+        let record = self
+            .store
+            .set_quota(
+                tenant,
+                vram_quota_bytes,
+                max_running_jobs,
+                fair_share_weight,
+            )
+            .await?;
+        self.lookups.tenants.invalidate(&record.name);
+        self.wake();
+        Ok(record)
+    }
+
+    /// A tenant as admission checks it: read from the store at most
+    /// `LOOKUP_TIME_TO_LIVE` ago (a quota changed through this scheduler applies at once).
+    async fn tenant(&self, name: &str) -> Result<TenantRecord, SchedulerError> {
+        let key = name.to_string();
+        if let Some(tenant) = self.lookups.tenants.get(&key, std::time::Instant::now()) {
+            return Ok(tenant);
+        }
+        let ticket = self.lookups.tenants.begin_fill();
+        let read_at = std::time::Instant::now();
+        let tenant = self.store.get_tenant(name).await?;
+        self.lookups
+            .tenants
+            .insert(ticket, key, tenant.clone(), read_at);
+        Ok(tenant)
+    }
+
+    /// The measured-peak correction of a job shape, read from the store at most
+    /// `LOOKUP_TIME_TO_LIVE` ago (a peak recorded by this scheduler applies at once).
+    async fn peak_correction(&self, shape_key: &str) -> Result<Option<f64>, SchedulerError> {
+        let key = shape_key.to_string();
+        let cache = &self.lookups.peak_corrections;
+        if let Some(correction) = cache.get(&key, std::time::Instant::now()) {
+            return Ok(correction);
+        }
+        let ticket = cache.begin_fill();
+        let read_at = std::time::Instant::now();
+        let correction = self.store.peak_correction(shape_key).await?;
+        cache.insert(ticket, key, correction, read_at);
+        Ok(correction)
     }
 
     /// A job the caller may see, or NotFound (also for another tenant's job).
@@ -1006,14 +1169,11 @@ impl Scheduler {
         if let (Some(measured), "succeeded") = (measured, outcome) {
             let validated = stored_spec(&job)?;
             let config = config_from_json(&job.config_json)?;
+            let shape_key = shape_key(&validated, &config);
             self.store
-                .record_peak(
-                    &shape_key(&validated, &config),
-                    running.estimate_bytes as i64,
-                    measured,
-                    now,
-                )
+                .record_peak(&shape_key, running.estimate_bytes as i64, measured, now)
                 .await?;
+            self.lookups.peak_corrections.invalidate(&shape_key);
         }
         if !is_terminal(&job.state) {
             let event = match outcome {

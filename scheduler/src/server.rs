@@ -10,6 +10,7 @@ use carve_proto::v1::cluster_service_server::ClusterServiceServer;
 use carve_proto::v1::job_service_server::JobServiceServer;
 use carve_proto::v1::worker_service_server::WorkerServiceServer;
 use tokio::net::TcpListener;
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::auth::{generate_id, generate_secret, hash_secret};
@@ -158,6 +159,18 @@ pub async fn run(
                 reason: format!("the certificate or key is not usable: {error}"),
             })?;
     }
+    // Replies go out at once: without TCP_NODELAY (which tonic sets only on sockets it
+    // accepts itself, not on a given listener's), a small reply waits for the client's
+    // delayed ACK, and a client that sends its next call only after the answer (a
+    // closed loop, like `carve submit` in a script) waited ~40 ms per call: measured
+    // with carve-submit-bench, 16 closed-loop clients got 338 submits/s at p50 48 ms.
+    let incoming = TcpListenerStream::new(listener).map(|accepted| {
+        accepted.inspect(|stream| {
+            if let Err(error) = stream.set_nodelay(true) {
+                tracing::warn!(%error, "could not set tcp_nodelay on a connection");
+            }
+        })
+    });
     let result = builder
         .add_service(health_service)
         .add_service(reflection)
@@ -165,7 +178,7 @@ pub async fn run(
         .add_service(AdminServiceServer::new(services.clone()))
         .add_service(ClusterServiceServer::new(services.clone()))
         .add_service(WorkerServiceServer::new(services))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), {
+        .serve_with_incoming_shutdown(incoming, {
             let scheduler = scheduler.clone();
             async move {
                 shutdown.await;

@@ -19,7 +19,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::auth::{Caller, Role, authenticate, generate_id, generate_secret, hash_secret};
+use crate::auth::{Caller, Role, generate_id, generate_secret, hash_secret};
 use crate::convert::{job_state_from_proto, timestamp};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
@@ -49,7 +49,8 @@ type SchedulerMessageStream =
 
 impl Services {
     async fn caller<T>(&self, request: &Request<T>) -> Result<Caller, Status> {
-        authenticate(&self.scheduler.store, request.metadata(), now_ms())
+        self.scheduler
+            .authenticate(request.metadata(), now_ms())
             .await
             .map_err(status)
     }
@@ -198,7 +199,6 @@ impl JobService for Services {
                 return Err(status(error));
             }
         };
-        let job = self.scheduler.job_proto(&job).await.map_err(status)?;
         Ok(Response::new(v1::SubmitJobResponse {
             job: Some(job),
             created,
@@ -508,18 +508,11 @@ impl AdminService for Services {
             .map_err(status)?;
         let request = request.into_inner();
         let (vram, running, weight) = quota_fields(request.quota)?;
-        self.scheduler
-            .store
+        let tenant = self
+            .scheduler
             .set_quota(&request.tenant, vram, running, weight)
             .await
             .map_err(status)?;
-        let tenant = self
-            .scheduler
-            .store
-            .get_tenant(&request.tenant)
-            .await
-            .map_err(status)?;
-        self.scheduler.wake();
         Ok(Response::new(v1::SetQuotaResponse {
             tenant: Some(self.tenant_proto(&tenant).await),
         }))
@@ -613,25 +606,11 @@ impl AdminService for Services {
             .require(&[Role::Admin])
             .map_err(status)?;
         let token_id = request.into_inner().token_id;
-        self.scheduler
-            .store
+        let token = self
+            .scheduler
             .revoke_token(&token_id)
             .await
             .map_err(status)?;
-        let token = self
-            .scheduler
-            .store
-            .list_tokens(None)
-            .await
-            .map_err(status)?
-            .into_iter()
-            .find(|token| token.id == token_id)
-            .ok_or_else(|| {
-                status(SchedulerError::NotFound {
-                    what: "token",
-                    id: token_id.clone(),
-                })
-            })?;
         Ok(Response::new(v1::RevokeTokenResponse {
             token: Some(token_proto(&token)),
         }))

@@ -734,6 +734,162 @@ async fn a_retried_submit_returns_the_same_job() {
     assert!(other.created);
 }
 
+/// A user token of `tenant` created by the admin: (its id, its secret).
+async fn user_token(channel: &Channel, tenant: &str) -> (String, String) {
+    let created = AdminServiceClient::new(channel.clone())
+        .create_token(authorized(
+            v1::CreateTokenRequest {
+                tenant: tenant.into(),
+                role: v1::Role::User as i32,
+                description: "revoked in a test".into(),
+                time_to_live: None,
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    (created.token.unwrap().id, created.secret)
+}
+
+#[tokio::test]
+async fn a_revoked_token_is_refused_at_once_by_the_scheduler_that_revoked_it() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (other_user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (token_id, secret) = user_token(&channel, "alice").await;
+    // Used once first, so the scheduler holds it in its token cache when it is revoked.
+    submit(&channel, &secret, JOB, "before").await.unwrap();
+    AdminServiceClient::new(channel.clone())
+        .revoke_token(authorized(
+            v1::RevokeTokenRequest {
+                token_id: token_id.clone(),
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap();
+    let refused = submit(&channel, &secret, JOB, "after").await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    assert!(refused.message().contains("revoked"), "{refused:?}");
+    let listed = JobServiceClient::new(channel.clone())
+        .list_jobs(authorized(v1::ListJobsRequest::default(), &secret))
+        .await
+        .unwrap_err();
+    assert_eq!(listed.code(), Code::Unauthenticated);
+    // Only that token: the tenant's other token still works.
+    submit(&channel, &other_user, JOB, "other").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_quota_change_applies_to_the_next_submit() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    // Admitted once first, so the scheduler holds the tenant in its cache.
+    submit(&channel, &user, JOB, "first").await.unwrap();
+    let set_quota = |vram_bytes: Option<u64>| {
+        let mut admin = AdminServiceClient::new(channel.clone());
+        async move {
+            admin
+                .set_quota(authorized(
+                    v1::SetQuotaRequest {
+                        tenant: "alice".into(),
+                        quota: Some(v1::Quota {
+                            vram_bytes,
+                            max_running_jobs: None,
+                            fair_share_weight: 1.0,
+                        }),
+                    },
+                    ADMIN,
+                ))
+                .await
+                .unwrap()
+        }
+    };
+    set_quota(Some(1)).await;
+    let refused = submit(&channel, &user, JOB, "second").await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    set_quota(None).await;
+    assert!(submit(&channel, &user, JOB, "third").await.unwrap().created);
+}
+
+/// A job as read back, with the waiting reason it had when submitted (empty): a pass may
+/// have set one since, and that is not what the comparison is about.
+fn as_submitted(mut job: v1::Job) -> v1::Job {
+    job.waiting_reason.clear();
+    job
+}
+
+#[tokio::test]
+async fn the_submit_answer_is_the_job_as_stored_also_when_shrunk_at_admission() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let answered = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    let stored = get(&channel, &user, &answered.id).await.unwrap();
+    assert_eq!(as_submitted(stored), answered);
+    // A slice of half what the job needs makes admission shrink its configuration; the
+    // answer must carry the shrunk configuration and its estimate, as a read does.
+    let required = answered.estimate.as_ref().unwrap().required_bytes;
+    let smaller = JOB.replacen(
+        r#""data":"#,
+        &format!(r#""resources": {{ "vram": "{}B" }}, "data":"#, required / 2),
+        1,
+    );
+    let shrunk = submit(&channel, &user, &smaller, "")
+        .await
+        .unwrap()
+        .job
+        .unwrap();
+    assert_ne!(shrunk.current_config, answered.current_config);
+    assert!(shrunk.estimate.as_ref().unwrap().required_bytes <= required / 2);
+    let stored = get(&channel, &user, &shrunk.id).await.unwrap();
+    assert_eq!(as_submitted(stored), shrunk);
+    // The idempotent answer is the stored job too.
+    let keyed = submit(&channel, &user, JOB, "key").await.unwrap();
+    let again = submit(&channel, &user, JOB, "key").await.unwrap();
+    assert!(!again.created);
+    assert_eq!(again.job.map(as_submitted), keyed.job);
+}
+
+#[tokio::test]
+async fn a_measured_peak_raises_the_next_slice_of_the_same_shape_at_once() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    // The first submit caches "nothing measured yet" for this shape.
+    let first = submit(&channel, &user, JOB, "first").await.unwrap();
+    let assignment = worker.next_assignment().await;
+    let attempt = assignment.attempt.clone().unwrap();
+    assert_eq!(attempt.job_id, first.job.unwrap().id);
+    worker
+        .send(v1::worker_message::Body::AttemptStarted(
+            v1::worker_message::AttemptStarted {
+                attempt: Some(attempt.clone()),
+                reserved_bytes: assignment.slice_bytes,
+            },
+        ))
+        .await;
+    worker
+        .finish(
+            &attempt,
+            v1::AttemptOutcome::Succeeded,
+            assignment.slice_bytes * 4,
+        )
+        .await;
+    wait_for_state(&channel, &user, &attempt.job_id, v1::JobState::Succeeded).await;
+    submit(&channel, &user, JOB, "second").await.unwrap();
+    let second = worker.next_assignment().await;
+    assert!(
+        second.slice_bytes > assignment.slice_bytes,
+        "{} after a peak of 4x {}",
+        second.slice_bytes,
+        assignment.slice_bytes
+    );
+}
+
 #[tokio::test]
 async fn invalid_requests_get_the_right_status_naming_the_field() {
     let cluster = start(Duration::from_secs(30)).await;

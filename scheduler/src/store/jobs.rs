@@ -114,6 +114,152 @@ impl Store {
         for job in &jobs {
             check_one_of("state", &job.state, JOB_STATES)?;
         }
+        match self.submit_jobs_together(jobs.clone()).await {
+            // The group was rolled back, and a multi-row statement does not say which
+            // row broke it: the row-by-row path does the same work again in a new
+            // transaction and names the job or tenant (it fails the same way, or
+            // succeeds if what was in the way went meanwhile).
+            Ok(None) => self.submit_jobs_row_by_row(jobs).await,
+            Ok(Some(outcomes)) => Ok(outcomes),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// [`Store::submit_jobs`] with a constant number of statements per group: one
+    /// idempotency lookup and one multi-row insert per chunk, instead of two statements
+    /// per job. Each statement is a round trip (to sqlx-sqlite's connection thread or to
+    /// PostgreSQL), and the group holds the write lock throughout, so this is what
+    /// bounds how fast groups commit. `None` (rolled back) when a job id was taken or a
+    /// tenant did not exist: a multi-row statement does not say which.
+    async fn submit_jobs_together(
+        &self,
+        jobs: Vec<JobRecord>,
+    ) -> Result<Option<Vec<SubmitOutcome>>, SchedulerError> {
+        /// Keys per lookup statement (two parameters each).
+        const KEYS_PER_LOOKUP: usize = 200;
+        /// Rows per insert statement (17 parameters each; SQLite allows 32,766).
+        const ROWS_PER_INSERT: usize = 100;
+        let reserved = i64::try_from(jobs.len())
+            .map_err(|_| SchedulerError::invalid_argument("jobs", "too many jobs in one group"))?;
+        let mut jobs = jobs;
+        for job in &mut jobs {
+            if job.idempotency_key.as_deref() == Some("") {
+                job.idempotency_key = None;
+            }
+        }
+        let mut keys: Vec<(String, String)> = jobs
+            .iter()
+            .filter_map(|job| Some((job.tenant.clone(), job.idempotency_key.clone()?)))
+            .collect();
+        keys.sort();
+        keys.dedup();
+        let result: Result<Vec<SubmitOutcome>, sqlx::Error> = async {
+            Ok(with_write_tx!(self, tx => {
+                // As in the row-by-row path: the counter first, so the lookups below see
+                // every earlier group.
+                let reserved_end: i64 = sqlx::query_scalar(
+                    "UPDATE counters SET value = value + $1 WHERE name = 'submit_sequence' \
+                     RETURNING value",
+                )
+                .bind(reserved)
+                .fetch_one(&mut *tx)
+                .await?;
+                let mut existing: HashMap<(String, String), JobRecord> = HashMap::new();
+                for chunk in keys.chunks(KEYS_PER_LOOKUP) {
+                    let mut lookup =
+                        sqlx::QueryBuilder::new(format!("SELECT {JOB_COLUMNS} FROM jobs WHERE "));
+                    for (index, (tenant, key)) in chunk.iter().enumerate() {
+                        if index > 0 {
+                            lookup.push(" OR ");
+                        }
+                        lookup
+                            .push("(tenant = ")
+                            .push_bind(tenant.clone())
+                            .push(" AND idempotency_key = ")
+                            .push_bind(key.clone())
+                            .push(")");
+                    }
+                    let found: Vec<JobRecord> =
+                        lookup.build_query_as().fetch_all(&mut *tx).await?;
+                    for job in found {
+                        if let Some(key) = job.idempotency_key.clone() {
+                            existing.insert((job.tenant.clone(), key), job);
+                        }
+                    }
+                }
+                let mut last_sequence = reserved_end - reserved;
+                let mut outcomes: Vec<SubmitOutcome> = Vec::with_capacity(jobs.len());
+                let mut to_insert: Vec<JobRecord> = Vec::with_capacity(jobs.len());
+                let mut first_with_key: HashMap<(String, String), usize> = HashMap::new();
+                for mut job in jobs {
+                    if let Some(key) = &job.idempotency_key {
+                        let tenant_and_key = (job.tenant.clone(), key.clone());
+                        if let Some(found) = existing.get(&tenant_and_key) {
+                            outcomes.push(SubmitOutcome { job: found.clone(), created: false });
+                            continue;
+                        }
+                        if let Some(&earlier) = first_with_key.get(&tenant_and_key) {
+                            let job = outcomes[earlier].job.clone();
+                            outcomes.push(SubmitOutcome { job, created: false });
+                            continue;
+                        }
+                        first_with_key.insert(tenant_and_key, outcomes.len());
+                    }
+                    last_sequence += 1;
+                    job.submit_sequence = last_sequence;
+                    to_insert.push(job.clone());
+                    outcomes.push(SubmitOutcome { job, created: true });
+                }
+                for chunk in to_insert.chunks(ROWS_PER_INSERT) {
+                    let mut insert =
+                        sqlx::QueryBuilder::new(format!("INSERT INTO jobs ({JOB_COLUMNS}) "));
+                    insert.push_values(chunk, |mut row, job| {
+                        row.push_bind(job.id.clone())
+                            .push_bind(job.tenant.clone())
+                            .push_bind(job.name.clone())
+                            .push_bind(job.spec_json.clone())
+                            .push_bind(job.state.clone())
+                            .push_bind(job.priority)
+                            .push_bind(job.submit_sequence)
+                            .push_bind(job.idempotency_key.clone())
+                            .push_bind(job.config_json.clone())
+                            .push_bind(job.estimate_json.clone())
+                            .push_bind(job.required_bytes)
+                            .push_bind(job.waiting_reason.clone())
+                            .push_bind(job.message.clone())
+                            .push_bind(job.created_at_ms)
+                            .push_bind(job.finished_at_ms)
+                            .push_bind(job.checkpoint_location.clone())
+                            .push_bind(job.attempts_count);
+                    });
+                    insert.build().execute(&mut *tx).await?;
+                }
+                if last_sequence != reserved_end {
+                    // Give back the numbers reserved for jobs that matched a key.
+                    sqlx::query("UPDATE counters SET value = $1 WHERE name = 'submit_sequence'")
+                        .bind(last_sequence)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                outcomes
+            }))
+        }
+        .await;
+        match result {
+            Ok(outcomes) => Ok(Some(outcomes)),
+            Err(error) if is_unique_violation(&error) || is_foreign_key_violation(&error) => {
+                Ok(None)
+            }
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// [`Store::submit_jobs`] one statement per job, which can name the job whose id is
+    /// taken or whose tenant does not exist.
+    async fn submit_jobs_row_by_row(
+        &self,
+        jobs: Vec<JobRecord>,
+    ) -> Result<Vec<SubmitOutcome>, SchedulerError> {
         let reserved = i64::try_from(jobs.len())
             .map_err(|_| SchedulerError::invalid_argument("jobs", "too many jobs in one group"))?;
         let select_by_key =
