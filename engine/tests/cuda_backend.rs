@@ -14,10 +14,12 @@ use carve_core::plan::RunConfig;
 use carve_core::spec::Precision;
 use carve_core::validate::{ValidatedJob, load_job_spec_toml};
 use carve_engine::EngineError;
-use carve_engine::checkpoint::NamedTensor;
 use carve_engine::cuda::{CudaBackend, CudaOptions, train_on_cuda};
 use carve_engine::data::{DataSets, open_data_sets};
 use carve_engine::trainer::{TrainingOptions, train};
+
+mod support;
+use support::assert_close;
 
 fn job(text: &str) -> ValidatedJob {
     load_job_spec_toml(text).unwrap_or_else(|error| panic!("{error}\n{text}"))
@@ -49,36 +51,6 @@ fn cuda_skipped() -> Option<String> {
             println!("skipped: CUDA not available: {reason}");
             Some(reason)
         }
-    }
-}
-
-fn assert_close(label: &str, left: &[NamedTensor], right: &[NamedTensor], relative: f32) {
-    assert_eq!(left.len(), right.len(), "{label}: tensor count");
-    for (a, b) in left.iter().zip(right) {
-        assert_eq!(a.name, b.name, "{label}");
-        assert!(
-            a.values
-                .iter()
-                .chain(&b.values)
-                .all(|value| value.is_finite()),
-            "{label}: {} is not finite",
-            a.name
-        );
-        let magnitude = a
-            .values
-            .iter()
-            .chain(&b.values)
-            .fold(0f32, |largest, value| largest.max(value.abs()));
-        let difference = a
-            .values
-            .iter()
-            .zip(&b.values)
-            .fold(0f32, |largest, (x, y)| largest.max((x - y).abs()));
-        assert!(
-            difference <= relative * magnitude.max(1e-6),
-            "{label}: {}: cpu and cuda differ by {difference} against magnitude {magnitude}",
-            a.name
-        );
     }
 }
 

@@ -13,12 +13,14 @@ use carve_core::validate::{
 };
 use carve_engine::EngineError;
 use carve_engine::backend::OperationContext;
-use carve_engine::checkpoint::NamedTensor;
 use carve_engine::cpu::CpuBackend;
 use carve_engine::data::{DataSets, open_data_sets};
 use carve_engine::executor::Executor;
 use carve_engine::kernels::optimizer::LossScaler;
 use carve_engine::trainer::{TrainingOptions, TrainingReport, train};
+
+mod support;
+use support::assert_close;
 
 fn job(text: &str) -> ValidatedJob {
     load_job_spec_toml(text).unwrap_or_else(|error| panic!("{error}\n{text}"))
@@ -41,30 +43,6 @@ fn options(job: &ValidatedJob) -> TrainingOptions {
 
 fn run(job: &ValidatedJob, options: &TrainingOptions) -> Result<TrainingReport, EngineError> {
     train(job, &data(job), options, &mut |_| {})
-}
-
-/// Each tensor's largest difference relative to its largest magnitude: rounding in sums of
-/// a different order shows up on tiny elements, not on the tensor.
-fn assert_close(left: &[NamedTensor], right: &[NamedTensor], relative: f32) {
-    assert_eq!(left.len(), right.len());
-    for (a, b) in left.iter().zip(right) {
-        assert_eq!(a.name, b.name);
-        let magnitude = a
-            .values
-            .iter()
-            .chain(&b.values)
-            .fold(0f32, |largest, value| largest.max(value.abs()));
-        let difference = a
-            .values
-            .iter()
-            .zip(&b.values)
-            .fold(0f32, |largest, (x, y)| largest.max((x - y).abs()));
-        assert!(
-            difference <= relative * magnitude.max(1e-6),
-            "{}: largest difference {difference} against magnitude {magnitude}",
-            a.name
-        );
-    }
 }
 
 const SMALL_CNN: &str = r#"
@@ -98,7 +76,7 @@ fn accumulating_four_micro_batches_gives_the_same_weights_as_one_batch() {
     let mut split_options = options(&job);
     split_options.config.micro_batch_size = 16;
     let split = run(&job, &split_options).unwrap();
-    assert_close(&whole.parameters, &split.parameters, 1e-5);
+    assert_close("accumulation", &whole.parameters, &split.parameters, 1e-5);
     assert!(split.peak_bytes < whole.peak_bytes);
 }
 
@@ -112,7 +90,12 @@ fn recomputation_gives_the_same_weights() {
         .unwrap()
         .required_bytes;
     let recomputed = run(&job, &recompute_options).unwrap();
-    assert_close(&plain.parameters, &recomputed.parameters, 1e-6);
+    assert_close(
+        "recomputation",
+        &plain.parameters,
+        &recomputed.parameters,
+        1e-6,
+    );
 }
 
 #[test]
