@@ -194,6 +194,9 @@ fn to_int(value: usize, what: &str) -> Result<i32, CudaFailure> {
 }
 
 /// One device memory region from `cuMemAlloc`, freed on drop.
+/// The GPU driver's large page: the unit in which a slice is allocated.
+pub const DRIVER_PAGE_BYTES: u64 = 2 << 20;
+
 #[derive(Debug)]
 struct Region {
     address: u64,
@@ -310,7 +313,15 @@ impl Device {
         self.slice = None;
         let device_name = self.context.name().unwrap_or_else(|_| "unknown".into());
         let (free_before, total) = self.memory_info()?;
-        let size = usize::try_from(bytes.max(1)).map_err(|_| {
+        // The driver serves allocations under its 2 MiB page from pools it already holds,
+        // so free memory would not move and the reservation could not be verified (seen
+        // on an H200: a 0.5 MiB slice left `cuMemGetInfo` unchanged). Whole pages are
+        // always mapped fresh.
+        let allocated = bytes
+            .max(1)
+            .checked_next_multiple_of(DRIVER_PAGE_BYTES)
+            .unwrap_or(u64::MAX);
+        let size = usize::try_from(allocated).map_err(|_| {
             CudaFailure::new(
                 CudaLibrary::Driver,
                 2,
@@ -330,6 +341,7 @@ impl Device {
             device_ordinal: self.ordinal,
             device_name,
             reserved_bytes: bytes,
+            allocated_bytes: allocated,
             device_total_bytes: total,
             free_before_bytes: free_before,
             free_after_bytes: free_after,

@@ -21,8 +21,10 @@ use crate::cuda::error::SliceNumbers;
 pub struct SliceReservation {
     pub device_ordinal: usize,
     pub device_name: String,
-    /// The slice: bytes asked for in the one allocation.
+    /// The slice: the bytes its allocator hands out.
     pub reserved_bytes: u64,
+    /// The one allocation holding it: the slice rounded up to whole driver pages.
+    pub allocated_bytes: u64,
     pub device_total_bytes: u64,
     /// `cuMemGetInfo` free bytes just before and just after the reservation.
     pub free_before_bytes: u64,
@@ -40,8 +42,9 @@ impl std::fmt::Display for SliceReservation {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             formatter,
-            "reserved {} bytes on cuda:{} ({}): free memory went from {} to {} bytes of {}",
+            "reserved {} bytes ({} allocated) on cuda:{} ({}): free memory went from {} to {} bytes of {}",
             self.reserved_bytes,
+            self.allocated_bytes,
             self.device_ordinal,
             self.device_name,
             self.free_before_bytes,
@@ -252,6 +255,7 @@ mod tests {
             device_ordinal: 0,
             device_name: "test".into(),
             reserved_bytes: 1 << 30,
+            allocated_bytes: 1 << 30,
             device_total_bytes: 80 << 30,
             free_before_bytes: free_before,
             free_after_bytes: free_after,
