@@ -108,6 +108,62 @@ pub fn choose_algorithm(
     }
 }
 
+/// How a convolution with asymmetric padding (TF "same" with an odd total) runs through
+/// cuDNN, whose descriptors take one padding per dimension: a zero-padded copy of some
+/// samples' input goes at the start of the plan's workspace buffer, cuDNN convolves it
+/// without padding, and its own workspace is what is left of the buffer. No byte outside
+/// the buffer the estimator counts is used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PaddedConvolutionPlan {
+    /// Rows and columns of the padded images: every window fits inside.
+    pub padded_height: usize,
+    pub padded_width: usize,
+    /// Samples per chunk; the last chunk may hold fewer.
+    pub samples_per_chunk: usize,
+    /// Bytes of one chunk's padded copy, rounded up so cuDNN's workspace after it stays
+    /// aligned.
+    pub padded_chunk_bytes: u64,
+}
+
+/// The alignment of cuDNN's workspace after the padded copy.
+const PADDED_COPY_ALIGNMENT: u64 = 256;
+
+/// Plans a padded convolution of `batch` samples in a workspace of `workspace_bytes`:
+/// chunks as large as the batch when the padded batch takes at most half of it (the other
+/// half is cuDNN's), else as many samples as fill half; `None` when not one padded image
+/// fits, and the direct kernels run instead.
+pub fn plan_padded_convolution(
+    batch: usize,
+    output_size: [usize; 2],
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    channels: usize,
+    element_bytes: u64,
+    workspace_bytes: u64,
+) -> Option<PaddedConvolutionPlan> {
+    if batch == 0 || output_size.contains(&0) {
+        return None;
+    }
+    let padded_height = (output_size[0] - 1) * stride[0] + kernel[0];
+    let padded_width = (output_size[1] - 1) * stride[1] + kernel[1];
+    let sample_bytes = (padded_height as u64)
+        .checked_mul(padded_width as u64)?
+        .checked_mul(channels as u64)?
+        .checked_mul(element_bytes)?;
+    let aligned = |bytes: u64| bytes.checked_next_multiple_of(PADDED_COPY_ALIGNMENT);
+    if sample_bytes == 0 || aligned(sample_bytes)? > workspace_bytes {
+        return None;
+    }
+    let samples_in_half = usize::try_from(workspace_bytes / 2 / sample_bytes).unwrap_or(usize::MAX);
+    let samples_per_chunk = samples_in_half.clamp(1, batch);
+    Some(PaddedConvolutionPlan {
+        padded_height,
+        padded_width,
+        samples_per_chunk,
+        padded_chunk_bytes: aligned(sample_bytes * samples_per_chunk as u64)?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,5 +253,42 @@ mod tests {
         assert_eq!(workspace_budget(None, 1 << 30), 0);
         assert_eq!(workspace_budget(Some(4096), 1 << 30), 4096);
         assert_eq!(workspace_budget(Some(4096), 1024), 1024);
+    }
+
+    #[test]
+    fn a_padded_convolution_keeps_half_the_workspace_for_cudnn() {
+        // resnet-cifar's stride-2 layer: 32x32x64 in, 16x16 out, 3x3; fp32; 256 MiB.
+        let plan =
+            plan_padded_convolution(128, [16, 16], [3, 3], [2, 2], 64, 4, 256 << 20).unwrap();
+        assert_eq!((plan.padded_height, plan.padded_width), (33, 33));
+        assert_eq!(plan.samples_per_chunk, 128);
+        assert_eq!(plan.padded_chunk_bytes, 33 * 33 * 64 * 4 * 128);
+        // A workspace holding five padded images' worth in its half: chunks of five.
+        let sample = 33 * 33 * 64 * 4;
+        let plan =
+            plan_padded_convolution(128, [16, 16], [3, 3], [2, 2], 64, 4, 10 * sample + 7).unwrap();
+        assert_eq!(plan.samples_per_chunk, 5);
+        assert!(plan.padded_chunk_bytes <= 10 * sample + 7);
+        assert_eq!(plan.padded_chunk_bytes % 256, 0);
+    }
+
+    #[test]
+    fn a_padded_convolution_takes_one_sample_when_only_one_fits_and_none_when_none() {
+        let sample: u64 = 7 * 7 * 3 * 2;
+        let aligned = sample.next_multiple_of(256);
+        let plan = plan_padded_convolution(4, [3, 3], [3, 3], [2, 2], 3, 2, aligned).unwrap();
+        assert_eq!((plan.padded_height, plan.samples_per_chunk), (7, 1));
+        assert_eq!(
+            plan_padded_convolution(4, [3, 3], [3, 3], [2, 2], 3, 2, aligned - 1),
+            None
+        );
+        assert_eq!(
+            plan_padded_convolution(4, [3, 3], [3, 3], [2, 2], 3, 2, 0),
+            None
+        );
+        assert_eq!(
+            plan_padded_convolution(0, [3, 3], [3, 3], [2, 2], 3, 2, 1 << 20),
+            None
+        );
     }
 }

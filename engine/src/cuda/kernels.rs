@@ -27,6 +27,8 @@ pub fn element_type_code(element_type: ElementType) -> i32 {
 
 /// Threads per block of every 1-D launch; the reduction kernels assume exactly this.
 pub const THREADS_PER_BLOCK: u32 = 256;
+/// The columns one block of `column_sums` adds up (a warp's width).
+pub const COLUMNS_PER_SUM_BLOCK: u64 = 32;
 
 /// Words of the host-visible result area ("mailbox") the loss and overflow kernels write:
 /// loss sum (f64 bits), correct predictions, the first sample with a bad label (stored as
@@ -61,6 +63,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "conv_forward_direct",
     "conv_backward_data_direct",
     "conv_backward_filter_direct",
+    "pad_images",
+    "crop_images",
     "pool_forward_direct",
     "pool_backward_direct",
     "global_avg_pool_forward",
@@ -121,13 +125,22 @@ extern "C" __global__ void add_bias_rows(void* out, int out_t, const void* bias,
     }
 }
 
-// dst[c] (+)= sum over rows of src[r, c], summed in f32 in row order like the cpu kernels.
+// dst[c] (+)= sum over rows of src[r, c], in f32. A block takes 32 columns: a warp reads
+// 32 neighbouring columns of one row (coalesced) and the block's warps split the rows,
+// so a conv bias gradient over n*h*w rows is not one thread walking them all.
 extern "C" __global__ void column_sums(const void* src, int src_t, i64 rows, i64 columns, void* dst, int dst_t, int accumulate) {
-    GRID_STRIDE(c, columns) {
-        float sum = 0.0f;
-        for (i64 r = 0; r < rows; ++r) sum = sum + load_element(src, src_t, r * columns + c);
+    __shared__ float partial[32][33];
+    int column_lane = threadIdx.x % 32, row_lane = threadIdx.x / 32, row_lanes = blockDim.x / 32;
+    i64 c = (i64)blockIdx.x * 32 + column_lane;
+    float sum = 0.0f;
+    if (c < columns) for (i64 r = row_lane; r < rows; r += row_lanes) sum = sum + load_element(src, src_t, r * columns + c);
+    partial[row_lane][column_lane] = sum;
+    __syncthreads();
+    if (row_lane == 0 && c < columns) {
+        float total = 0.0f;
+        for (int lane = 0; lane < row_lanes; ++lane) total = total + partial[lane][column_lane];
         float before = accumulate ? load_element(dst, dst_t, c) : 0.0f;
-        store_element(dst, dst_t, c, before + sum);
+        store_element(dst, dst_t, c, before + total);
     }
 }
 
@@ -424,6 +437,26 @@ extern "C" __global__ void conv_backward_filter_direct(const void* x, const void
             }
         float before = accumulate ? load_element(dw, dw_t, i) : 0.0f;
         store_element(dw, dw_t, i, before + sum);
+    }
+}
+
+// The padded copies that let cuDNN run a convolution with asymmetric padding: images
+// [n][h][w][c] placed at row pt, column pl of [n][ph][pw][c] zeros (rows or columns past
+// ph, pw are never inside a window), and the gradient cropped back out of such a copy.
+extern "C" __global__ void pad_images(const void* src, void* dst, int t, i64 n, i64 h, i64 w, i64 c, i64 ph, i64 pw, i64 pt, i64 pl) {
+    GRID_STRIDE(i, n * ph * pw * c) {
+        i64 ch = i % c, px = (i / c) % pw, py = (i / (c * pw)) % ph, s = i / (c * pw * ph);
+        i64 iy = py - pt, ix = px - pl;
+        float v = (iy >= 0 && iy < h && ix >= 0 && ix < w) ? load_element(src, t, ((s * h + iy) * w + ix) * c + ch) : 0.0f;
+        store_element(dst, t, i, v);
+    }
+}
+extern "C" __global__ void crop_images(const void* src, void* dst, int t, i64 n, i64 h, i64 w, i64 c, i64 ph, i64 pw, i64 pt, i64 pl) {
+    GRID_STRIDE(i, n * h * w * c) {
+        i64 ch = i % c, ix = (i / c) % w, iy = (i / (c * w)) % h, s = i / (c * w * h);
+        i64 py = iy + pt, px = ix + pl;
+        float v = (py < ph && px < pw) ? load_element(src, t, ((s * ph + py) * pw + px) * c + ch) : 0.0f;
+        store_element(dst, t, i, v);
     }
 }
 

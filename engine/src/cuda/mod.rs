@@ -17,10 +17,16 @@
 //!   the overflow check. Batch norm is NVRTC rather than cuDNN because the plan keeps
 //!   gamma and beta in the compute precision, while cuDNN's batch norm wants fp32 scale
 //!   and bias for half data (a converted copy would be memory the estimate does not
-//!   count). Convolutions and pooling whose padding is asymmetric (TF "same" with an odd
-//!   total) run as direct NVRTC kernels, since cuDNN's descriptors take one padding per
-//!   dimension; average-pool backward is NVRTC too, as the plan keeps neither its input
-//!   nor its output.
+//!   count). cuDNN's descriptors take one padding per dimension, so a convolution whose
+//!   padding is asymmetric (TF "same" with an odd total, e.g. every stride-2 3x3 on an
+//!   even size) runs through cuDNN on a zero-padded copy of its input placed in its own
+//!   workspace buffer, in chunks of samples, with cuDNN's workspace after the copy
+//!   (`algorithms::plan_padded_convolution`); only when not one padded image fits there
+//!   does it fall back to direct NVRTC kernels, which are correct but one to two orders
+//!   of magnitude slower. Pooling with asymmetric padding and average-pool backward are
+//!   NVRTC kernels, as the plan keeps neither the pool's input nor its output.
+//! - The slice is allocated in whole 2 MiB driver pages: the driver serves smaller
+//!   allocations from pools it already holds, where `cuMemGetInfo` cannot see them.
 //! - Errors (`error.rs`): allocation failures of any CUDA library become the engine's
 //!   `OutOfMemory` with the slice's numbers; everything else is a backend error.
 //!
@@ -47,7 +53,8 @@ use carve_core::validate::ValidatedJob;
 use half::{bf16, f16};
 
 pub use algorithms::{
-    AlgorithmCandidate, AlgorithmChoiceError, choose_algorithm, workspace_budget,
+    AlgorithmCandidate, AlgorithmChoiceError, PaddedConvolutionPlan, choose_algorithm,
+    plan_padded_convolution, workspace_budget,
 };
 pub use error::{CudaFailure, CudaLibrary, SliceNumbers, classify_failure, is_allocation_failure};
 pub use slice::{
@@ -68,8 +75,8 @@ use cudnn_ops::{
 };
 use device::{Device, GemmCall, KernelArgument, KernelGeometry, LaunchShape};
 use kernels::{
-    MAILBOX_BAD_LABEL_SAMPLE, MAILBOX_CORRECT, MAILBOX_LOSS_SUM, MAILBOX_OVERFLOW,
-    element_type_code,
+    COLUMNS_PER_SUM_BLOCK, MAILBOX_BAD_LABEL_SAMPLE, MAILBOX_CORRECT, MAILBOX_LOSS_SUM,
+    MAILBOX_OVERFLOW, element_type_code,
 };
 
 /// Which GPU and how much of it.
@@ -304,6 +311,32 @@ fn kernel_geometry(layer: &LayerNode, batch: usize) -> Option<KernelGeometry> {
         padding_top: window.padding_top as i64,
         padding_left: window.padding_left as i64,
     })
+}
+
+/// How a convolution with asymmetric padding fits cuDNN in this workspace, if it does.
+fn padded_convolution_plan(
+    geometry: &KernelGeometry,
+    element_type: ElementType,
+    workspace_bytes: u64,
+) -> Option<PaddedConvolutionPlan> {
+    plan_padded_convolution(
+        geometry.batch as usize,
+        [
+            geometry.output_height as usize,
+            geometry.output_width as usize,
+        ],
+        [
+            geometry.kernel_height as usize,
+            geometry.kernel_width as usize,
+        ],
+        [
+            geometry.stride_height as usize,
+            geometry.stride_width as usize,
+        ],
+        geometry.input_channels as usize,
+        element_type.bytes(),
+        workspace_bytes,
+    )
 }
 
 /// Whether cuDNN's one-padding-per-dimension descriptors express this window.
@@ -642,6 +675,175 @@ impl CudaBackend {
         Ok(algorithm)
     }
 
+    /// Whether a convolution runs through cuDNN: always with symmetric padding, and with
+    /// asymmetric padding when a padded image fits its workspace; else the direct kernels.
+    fn convolution_runs_on_cudnn(
+        &self,
+        layer: &LayerNode,
+        geometry: &KernelGeometry,
+        element_type: ElementType,
+        workspace_bytes: u64,
+    ) -> bool {
+        has_symmetric_padding(layer)
+            || padded_convolution_plan(geometry, element_type, workspace_bytes).is_some()
+    }
+
+    /// One direction of a convolution that `convolution_runs_on_cudnn`.
+    #[allow(clippy::too_many_arguments)]
+    fn convolve(
+        &mut self,
+        layer: &LayerNode,
+        geometry: &KernelGeometry,
+        element_type: ElementType,
+        direction: ConvolutionDirection,
+        buffers: &ConvolutionBuffers,
+        may_overwrite_output: bool,
+        beta: f32,
+    ) -> Result<(), EngineError> {
+        let label = layer.label();
+        if has_symmetric_padding(layer) {
+            let shape = convolution_shape(geometry, element_type);
+            return self.run_convolution(
+                &shape,
+                direction,
+                buffers,
+                may_overwrite_output,
+                beta,
+                &label,
+            );
+        }
+        let plan = padded_convolution_plan(geometry, element_type, buffers.workspace_bytes)
+            .ok_or_else(|| {
+                EngineError::Backend(format!("{label}: no padded image fits the workspace"))
+            })?;
+        self.run_padded_convolution(
+            geometry,
+            &plan,
+            element_type,
+            direction,
+            buffers,
+            may_overwrite_output,
+            beta,
+            &label,
+        )
+    }
+
+    /// Chooses the algorithm for `shape` and `direction` (once) and runs it.
+    fn run_convolution(
+        &mut self,
+        shape: &ConvolutionShape,
+        direction: ConvolutionDirection,
+        buffers: &ConvolutionBuffers,
+        may_overwrite_output: bool,
+        beta: f32,
+        label: &str,
+    ) -> Result<(), EngineError> {
+        let algorithm =
+            self.convolution_algorithm(shape, direction, buffers, may_overwrite_output, label)?;
+        self.cudnn
+            .convolution(shape, algorithm, buffers, beta)
+            .map_err(|failure| self.fail(failure))
+    }
+
+    /// One direction of a convolution with asymmetric padding through cuDNN, on padded
+    /// copies in the workspace (`PaddedConvolutionPlan`), a chunk of samples at a time.
+    /// `buffers` are the whole batch's; for the filter gradient `beta` applies to the
+    /// first chunk and later chunks add to it.
+    #[allow(clippy::too_many_arguments)]
+    fn run_padded_convolution(
+        &mut self,
+        geometry: &KernelGeometry,
+        plan: &PaddedConvolutionPlan,
+        element_type: ElementType,
+        direction: ConvolutionDirection,
+        buffers: &ConvolutionBuffers,
+        may_overwrite_output: bool,
+        beta: f32,
+        label: &str,
+    ) -> Result<(), EngineError> {
+        let element_bytes = element_type.bytes();
+        let input_sample_bytes =
+            (geometry.input_height * geometry.input_width * geometry.input_channels) as u64
+                * element_bytes;
+        let output_sample_bytes =
+            (geometry.output_height * geometry.output_width * geometry.output_channels) as u64
+                * element_bytes;
+        let padded = buffers.workspace;
+        let batch = geometry.batch as usize;
+        let mut first = 0;
+        while first < batch {
+            let samples = plan.samples_per_chunk.min(batch - first);
+            let chunk_geometry = KernelGeometry {
+                batch: samples as i64,
+                input_height: plan.padded_height as i64,
+                input_width: plan.padded_width as i64,
+                padding_top: 0,
+                padding_left: 0,
+                ..*geometry
+            };
+            let shape = convolution_shape(&chunk_geometry, element_type);
+            let input = buffers.input + first as u64 * input_sample_bytes;
+            let chunk_buffers = ConvolutionBuffers {
+                input: padded,
+                filter: buffers.filter,
+                output: buffers.output + first as u64 * output_sample_bytes,
+                workspace: padded + plan.padded_chunk_bytes,
+                workspace_bytes: buffers.workspace_bytes - plan.padded_chunk_bytes,
+            };
+            let pad_arguments = |source: u64, destination: u64| {
+                [
+                    pointer(source),
+                    pointer(destination),
+                    type_code(element_type),
+                    KernelArgument::I64(samples as i64),
+                    KernelArgument::I64(geometry.input_height),
+                    KernelArgument::I64(geometry.input_width),
+                    KernelArgument::I64(geometry.input_channels),
+                    KernelArgument::I64(plan.padded_height as i64),
+                    KernelArgument::I64(plan.padded_width as i64),
+                    KernelArgument::I64(geometry.padding_top),
+                    KernelArgument::I64(geometry.padding_left),
+                ]
+            };
+            let padded_elements = (samples * plan.padded_height * plan.padded_width) as u64
+                * geometry.input_channels as u64;
+            match direction {
+                ConvolutionDirection::Forward | ConvolutionDirection::BackwardFilter => {
+                    self.launch(
+                        "pad_images",
+                        LaunchShape::Elements(padded_elements),
+                        &pad_arguments(input, padded),
+                    )?;
+                    let (chunk_beta, overwrite) = if first == 0 {
+                        (beta, may_overwrite_output)
+                    } else {
+                        (1.0, false)
+                    };
+                    self.run_convolution(
+                        &shape,
+                        direction,
+                        &chunk_buffers,
+                        overwrite,
+                        chunk_beta,
+                        label,
+                    )?;
+                }
+                ConvolutionDirection::BackwardData => {
+                    self.run_convolution(&shape, direction, &chunk_buffers, true, 0.0, label)?;
+                    self.launch(
+                        "crop_images",
+                        LaunchShape::Elements(
+                            (samples as u64) * input_sample_bytes / element_bytes,
+                        ),
+                        &pad_arguments(padded, input),
+                    )?;
+                }
+            }
+            first += samples;
+        }
+        Ok(())
+    }
+
     fn workspace_of(&self, roles: &Roles) -> Result<(u64, u64), EngineError> {
         match roles.workspace {
             Some(id) => {
@@ -692,9 +894,8 @@ impl CudaBackend {
                 let geometry = kernel_geometry(layer, batch).expect("conv has a window");
                 let kernel = parameter(0)?;
                 let bias = if use_bias { Some(parameter(1)?) } else { None };
-                if has_symmetric_padding(layer) {
-                    let shape = convolution_shape(&geometry, element_type);
-                    let (workspace, workspace_bytes) = self.workspace_of(&roles)?;
+                let (workspace, workspace_bytes) = self.workspace_of(&roles)?;
+                if self.convolution_runs_on_cudnn(layer, &geometry, element_type, workspace_bytes) {
                     let buffers = ConvolutionBuffers {
                         input: input.address,
                         filter: kernel.address,
@@ -702,17 +903,17 @@ impl CudaBackend {
                         workspace,
                         workspace_bytes,
                     };
-                    let algorithm = self.convolution_algorithm(
-                        &shape,
+                    self.convolve(
+                        layer,
+                        &geometry,
+                        element_type,
                         ConvolutionDirection::Forward,
                         &buffers,
                         true,
-                        &layer.label(),
+                        0.0,
                     )?;
-                    self.cudnn
-                        .convolution(&shape, algorithm, &buffers, 0.0)
-                        .map_err(|failure| self.fail(failure))?;
                     if let Some(bias) = bias {
+                        let shape = convolution_shape(&geometry, element_type);
                         self.cudnn
                             .add_bias(shape.output, element_type, bias.address, output.address)
                             .map_err(|failure| self.fail(failure))?;
@@ -1043,9 +1244,9 @@ impl CudaBackend {
                 } else {
                     None
                 };
-                if has_symmetric_padding(layer) {
+                let (workspace, workspace_bytes) = self.workspace_of(&roles)?;
+                if self.convolution_runs_on_cudnn(layer, &geometry, element_type, workspace_bytes) {
                     let shape = convolution_shape(&geometry, element_type);
-                    let (workspace, workspace_bytes) = self.workspace_of(&roles)?;
                     if let Some(dx) = input_gradient {
                         let buffers = ConvolutionBuffers {
                             input: dx.address,
@@ -1054,16 +1255,15 @@ impl CudaBackend {
                             workspace,
                             workspace_bytes,
                         };
-                        let algorithm = self.convolution_algorithm(
-                            &shape,
+                        self.convolve(
+                            layer,
+                            &geometry,
+                            element_type,
                             ConvolutionDirection::BackwardData,
                             &buffers,
                             true,
-                            &layer.label(),
+                            0.0,
                         )?;
-                        self.cudnn
-                            .convolution(&shape, algorithm, &buffers, 0.0)
-                            .map_err(|failure| self.fail(failure))?;
                     }
                     if kernel_target.element_type != element_type {
                         return Err(EngineError::Backend(format!(
@@ -1082,21 +1282,22 @@ impl CudaBackend {
                     };
                     // Measuring writes the filter gradient: only when it is the scratch,
                     // never the accumulated fp32 gradient.
-                    let algorithm = self.convolution_algorithm(
-                        &shape,
+                    self.convolve(
+                        layer,
+                        &geometry,
+                        element_type,
                         ConvolutionDirection::BackwardFilter,
                         &buffers,
                         !kernel_target.accumulate,
-                        &layer.label(),
+                        if kernel_target.accumulate { 1.0 } else { 0.0 },
                     )?;
-                    let beta = if kernel_target.accumulate { 1.0 } else { 0.0 };
-                    self.cudnn
-                        .convolution(&shape, algorithm, &buffers, beta)
-                        .map_err(|failure| self.fail(failure))?;
                     // In the half scratch the bias gradient follows the kernel's and may
                     // sit at any 2-byte offset; cuDNN is given only 16-byte aligned ones.
+                    // cuDNN 9 has no bf16 backward bias (CUDNN_STATUS_NOT_SUPPORTED on an
+                    // H200), so bf16 sums its columns too.
                     if let Some(bias_target) = bias_target
-                        && !bias_target.address.is_multiple_of(16)
+                        && (!bias_target.address.is_multiple_of(16)
+                            || element_type == ElementType::Bf16)
                     {
                         self.column_sums(
                             gradient_in,
@@ -1393,7 +1594,7 @@ impl CudaBackend {
     ) -> Result<(), EngineError> {
         self.launch(
             "column_sums",
-            LaunchShape::Elements(columns),
+            LaunchShape::Blocks(columns.div_ceil(COLUMNS_PER_SUM_BLOCK)),
             &[
                 pointer(source.address),
                 type_code(source.element_type),
