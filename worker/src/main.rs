@@ -46,7 +46,7 @@ struct Arguments {
     )]
     checkpoint_dir: PathBuf,
     /// What each attempt process takes outside its slice (CUDA context and handles), on
-    /// real and simulated GPUs (default 300MiB; the worker cannot measure it without CUDA).
+    /// real and simulated GPUs (default 640MiB, measured on an H200 with CUDA 13 and cuDNN 9).
     #[arg(long, env = "CARVE_CONTEXT_BYTES", value_parser = parse_byte_size_argument)]
     context_bytes: Option<u64>,
     /// The node name to register with; defaults to the host name.

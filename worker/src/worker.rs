@@ -62,12 +62,14 @@ pub struct WorkerConfig {
     pub scheduler_ca_certificate_pem: Option<Vec<u8>>,
 }
 
-/// The default context reservation, on real and simulated GPUs alike: what a CUDA
-/// context with cuDNN and cuBLAS handles typically takes. On a real GPU this should be
-/// measured (create a context, read NVML's per-process usage), but measuring needs
-/// CUDA, which the worker does not have yet; until then it is this estimate or what
-/// `--context-bytes` says.
-pub const DEFAULT_CONTEXT_BYTES: u64 = 300 << 20;
+/// The default context reservation, on real and simulated GPUs alike: what an attempt
+/// process takes outside its slice — the CUDA context, cuDNN and cuBLAS handles, the
+/// compiled kernels. Measured with NVML's per-process usage on an H200 (driver 580, CUDA
+/// 13.0, cuDNN 9.19, cuBLAS 13): 594-596 MiB beyond the slice's allocation, for a
+/// ResNet-style CNN and for an attempt that ran out of memory early; rounded up for
+/// cuBLAS' own workspace. It varies with the driver and libraries, so operators can set
+/// `--context-bytes` from their own reading (`nvidia-smi --query-compute-apps`).
+pub const DEFAULT_CONTEXT_BYTES: u64 = 640 << 20;
 
 impl WorkerConfig {
     /// A config with the defaults for everything but the scheduler and the GPUs.
