@@ -19,6 +19,7 @@ use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::SchedulerConfig;
 use carve_worker::gpus::{SimulatedGpu, parse_simulated_gpus};
+use carve_worker::nvml::discover_nvml_gpus;
 use carve_worker::{WorkerConfig, run_worker};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -54,6 +55,10 @@ pub struct DevArguments {
     /// The GPUs the worker simulates: `2x16GiB` or `16GiB,8GiB`.
     #[arg(long, default_value = "2x16GiB")]
     sim_gpus: String,
+    /// Offer this machine's GPUs (found through NVML) instead of simulated ones; the
+    /// attempts then train on them with the cuda backend.
+    #[arg(long, conflicts_with = "sim_gpus")]
+    real_gpus: bool,
 }
 
 /// One example the demo submits: its file, and the step count it is cut to.
@@ -82,8 +87,16 @@ const DEMO_EXAMPLES: &[DemoExample] = &[
 ];
 
 pub fn run(arguments: DevArguments) -> Result<ExitCode> {
-    // Check what was typed before starting anything.
-    let gpus = parse_simulated_gpus(&arguments.sim_gpus)?;
+    // Check what was typed, and that there are GPUs, before starting anything.
+    let gpus = if arguments.real_gpus {
+        let found = discover_nvml_gpus().map_err(|error| anyhow!("--real-gpus: {error}"))?;
+        if found.is_empty() {
+            bail!("--real-gpus: NVML found no GPU on this machine");
+        }
+        Vec::new()
+    } else {
+        parse_simulated_gpus(&arguments.sim_gpus)?
+    };
     let program = std::env::current_exe().context("cannot find the carve binary")?;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
@@ -169,10 +182,22 @@ async fn run_cluster(
         // The listener is bound already, so connecting succeeds at once.
         let channel = connect_channel(&endpoint, None).await?;
         let (user_token, worker_token) = create_tenant_and_tokens(&channel, &admin_token).await?;
-        let worker = start_worker(&endpoint, worker_token, gpus, program, &checkpoints);
+        let real_gpus = arguments.real_gpus;
+        let worker = start_worker(
+            &endpoint,
+            worker_token,
+            gpus,
+            real_gpus,
+            program,
+            &checkpoints,
+        );
         println!(
             "carve dev: a scheduler and a worker ({}) are running",
-            arguments.sim_gpus
+            if real_gpus {
+                "this machine's GPUs"
+            } else {
+                arguments.sim_gpus.as_str()
+            }
         );
         println!("  endpoint:  {endpoint}");
         println!("  token:     {user_token}   (tenant `{DEV_TENANT}`)");
@@ -242,10 +267,14 @@ fn start_worker(
     endpoint: &str,
     worker_token: String,
     gpus: Vec<SimulatedGpu>,
+    real_gpus: bool,
     program: PathBuf,
     checkpoints: &Path,
 ) -> Stoppable {
     let mut config = WorkerConfig::new(endpoint, worker_token, gpus, program);
+    // Simulated GPUs alone unless asked: a dev cluster on a GPU machine behaves the same
+    // as anywhere else.
+    config.discover_real_gpus = real_gpus;
     config.hostname = "dev-node".into();
     config.checkpoint_directory = checkpoints.to_path_buf();
     config.reconnect_backoff_initial = Duration::from_millis(50);

@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 /// The most the demo may take before the test kills it and fails.
 const LIMIT: Duration = Duration::from_secs(240);
 
-#[test]
-fn the_demo_trains_every_example_to_success_and_prints_a_summary() {
-    let data = tempfile::tempdir().unwrap();
+/// Runs `carve dev --demo` with `arguments` to its end (or kills it past `LIMIT`).
+fn run_demo(data: &std::path::Path, arguments: &[&str]) -> (Option<i32>, String, String) {
     let started = Instant::now();
     let mut child = Command::new(env!("CARGO_BIN_EXE_carve"))
         .args(["dev", "--demo", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(data.path())
+        .arg(data)
+        .args(arguments)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -49,14 +49,46 @@ fn the_demo_trains_every_example_to_success_and_prints_a_summary() {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    let stdout = stdout_reader.join().unwrap();
-    let stderr = stderr_reader.join().unwrap();
     eprintln!(
-        "carve dev --demo took {:.1}s",
+        "carve dev --demo {arguments:?} took {:.1}s",
         started.elapsed().as_secs_f64()
     );
+    (
+        status.code(),
+        stdout_reader.join().unwrap(),
+        stderr_reader.join().unwrap(),
+    )
+}
+
+#[test]
+fn real_gpus_run_the_demo_on_them_or_are_refused_with_the_reason() {
+    let data = tempfile::tempdir().unwrap();
+    let (code, stdout, stderr) = run_demo(data.path(), &["--real-gpus"]);
     let context = format!("stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert_eq!(status.code(), Some(0), "{context}");
+    match carve_worker::nvml::discover_nvml_gpus() {
+        Ok(gpus) if !gpus.is_empty() => {
+            assert_eq!(code, Some(0), "{context}");
+            assert!(stdout.contains("this machine's GPUs"), "{context}");
+        }
+        // No NVML, or none of its GPUs: refused before anything starts.
+        _ => {
+            assert_eq!(code, Some(1), "{context}");
+            assert!(stderr.contains("--real-gpus: "), "{context}");
+            assert!(!stdout.contains("endpoint:"), "{context}");
+        }
+    }
+    // Simulated and real GPUs are one choice or the other.
+    let (code, _, stderr) = run_demo(data.path(), &["--real-gpus", "--sim-gpus", "1x8GiB"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
+}
+
+#[test]
+fn the_demo_trains_every_example_to_success_and_prints_a_summary() {
+    let data = tempfile::tempdir().unwrap();
+    let (code, stdout, stderr) = run_demo(data.path(), &[]);
+    let context = format!("stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert_eq!(code, Some(0), "{context}");
 
     // It told where the cluster is and gave a token.
     assert!(stdout.contains("endpoint:  http://127.0.0.1:"), "{context}");
