@@ -34,13 +34,24 @@ pub fn check_libraries() -> Result<(), String> {
     if !driver {
         return Err("no CUDA driver (libcuda.so not found)".into());
     }
+    // The bindings are CUDA 12's and so are the names cudarc looks for; CUDA 13 builds
+    // (e.g. PyTorch's cu130 wheels) ship only `.so.13`, which works once linked under
+    // the plain name (seen on an H200 with driver 580).
     if !nvrtc_present() {
-        return Err("NVRTC not found (libnvrtc.so.12): set LD_LIBRARY_PATH".into());
+        return Err(
+            "NVRTC not found (libnvrtc.so.12 or libnvrtc.so): set LD_LIBRARY_PATH; \
+             with CUDA 13, link libnvrtc.so to libnvrtc.so.13"
+                .into(),
+        );
     }
     // SAFETY: as above, a dlopen probe.
     let cublas = unsafe { cublas_sys::is_culib_present() };
     if !cublas {
-        return Err("cuBLAS not found (libcublas.so.12): set LD_LIBRARY_PATH".into());
+        return Err(
+            "cuBLAS not found (libcublas.so.12 or libcublas.so): set LD_LIBRARY_PATH; \
+             with CUDA 13, link libcublas.so to libcublas.so.13"
+                .into(),
+        );
     }
     // SAFETY: as above, a dlopen probe.
     let cudnn = unsafe { cudarc::cudnn::sys::is_culib_present() };
