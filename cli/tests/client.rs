@@ -345,6 +345,20 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
     );
     assert_eq!(details["current_config"]["batch_size"], 8);
 
+    // Submitted and watched for a script: stdout is one document, the job as it ended;
+    // the watch's lines go to stderr.
+    let mut watched_json: Vec<&str> = SMALL_JOB.to_vec();
+    watched_json.extend(["--watch", "-o", "json"]);
+    let watched_json = cluster.carve(&watched_json).expect_code(0);
+    let ended = watched_json.json();
+    assert_eq!(ended["state"], "JOB_STATE_SUCCEEDED", "{ended}");
+    assert_ne!(ended["id"], job.as_str(), "{ended}");
+    assert!(
+        watched_json.stderr.contains("-> succeeded"),
+        "{}",
+        watched_json.context()
+    );
+
     // Its log: the scheduler's notes of what happened.
     let logs = cluster.carve(&["logs", &job]).expect_code(0);
     assert!(logs.stdout.contains("scheduler"), "{}", logs.context());

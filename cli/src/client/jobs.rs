@@ -15,7 +15,7 @@ use super::output::{
     print_message, print_structured, print_table, timestamp_text,
 };
 use super::overrides::{SpecOverride, apply_overrides, parse_override, toml_to_json};
-use super::watch::watch_job;
+use super::watch::{follow_job, job_exit, watch_job};
 
 /// The job states, as `--state` spells them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -51,6 +51,8 @@ pub struct SubmitArguments {
     #[arg(long = "set", value_name = "KEY=VALUE", value_parser = parse_override)]
     overrides: Vec<SpecOverride>,
     /// Watch the job after submitting it (as `carve watch`; the exit code is the job's).
+    /// With `-o json` or `-o yaml` the watch goes to stderr and stdout gets one document:
+    /// the job as it ended.
     #[arg(long)]
     watch: bool,
     /// Makes retrying safe: a second submit with the same key returns the first job.
@@ -147,12 +149,19 @@ pub async fn submit(arguments: SubmitArguments) -> Result<ExitCode> {
         .job
         .clone()
         .context("the scheduler answered a submit without the job")?;
+    let document = !arguments.quiet && arguments.output != OutputFormat::Table;
+    if arguments.watch && document {
+        eprintln!("submitted {}", job.id);
+        let ended = follow_job(&connection, &job.id, false, true).await?;
+        print_message(&ended, "carve.v1.Job", arguments.output)?;
+        return job_exit(&ended);
+    }
     if arguments.quiet {
         println!("{}", job.id);
-    } else if arguments.output == OutputFormat::Table {
-        print_submitted(&job, response.created);
-    } else {
+    } else if document {
         print_message(&response, "carve.v1.SubmitJobResponse", arguments.output)?;
+    } else {
+        print_submitted(&job, response.created);
     }
     if arguments.watch {
         return watch_job(&connection, &job.id, false).await;

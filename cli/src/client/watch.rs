@@ -46,15 +46,27 @@ enum Display {
         /// Whether the bar shows steps yet (it starts as a spinner).
         showing_steps: Cell<bool>,
     },
-    /// A pipe or a file: plain lines only.
-    Lines,
+    /// A pipe or a file: plain lines only, on stdout or stderr.
+    Lines { to_stderr: bool },
 }
 
 impl Display {
-    fn new() -> Display {
-        if std::io::stdout().is_terminal() {
+    /// On stdout, or on stderr when stdout carries a document (`submit --watch -o json`).
+    fn new(to_stderr: bool) -> Display {
+        let (is_terminal, target) = if to_stderr {
+            (
+                std::io::stderr().is_terminal(),
+                ProgressDrawTarget::stderr(),
+            )
+        } else {
+            (
+                std::io::stdout().is_terminal(),
+                ProgressDrawTarget::stdout(),
+            )
+        };
+        if is_terminal {
             // A spinner until the first progress report says how many steps there are.
-            let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stdout());
+            let bar = ProgressBar::with_draw_target(None, target);
             bar.set_style(
                 ProgressStyle::with_template("{spinner} {msg}")
                     .unwrap_or_else(|_| ProgressStyle::default_spinner()),
@@ -66,14 +78,15 @@ impl Display {
                 showing_steps: Cell::new(false),
             }
         } else {
-            Display::Lines
+            Display::Lines { to_stderr }
         }
     }
 
     fn line(&self, text: &str) {
         match self {
             Display::Terminal { bar, .. } => bar.println(text),
-            Display::Lines => println!("{text}"),
+            Display::Lines { to_stderr: false } => println!("{text}"),
+            Display::Lines { to_stderr: true } => eprintln!("{text}"),
         }
     }
 
@@ -111,10 +124,10 @@ impl Display {
                 bar.set_position(progress.step);
                 bar.set_message(message);
             }
-            Display::Lines => println!(
+            Display::Lines { .. } => self.line(&format!(
                 "attempt {attempt}: step {}/{}  {message}",
                 progress.step, progress.total_steps
-            ),
+            )),
         }
     }
 
@@ -132,8 +145,22 @@ pub async fn watch_job(
     job_id: &str,
     include_logs: bool,
 ) -> Result<ExitCode> {
+    let ended = follow_job(connection, job_id, include_logs, false).await?;
+    let code = job_exit(&ended)?;
+    println!("job {} ({}) succeeded", ended.id, ended.name);
+    Ok(code)
+}
+
+/// Shows `job_id`'s events as they come (on stderr when `to_stderr`) and returns the job
+/// as it ended.
+pub async fn follow_job(
+    connection: &Connection,
+    job_id: &str,
+    include_logs: bool,
+    to_stderr: bool,
+) -> Result<v1::Job> {
     let job = fetch_job(connection, job_id).await?;
-    let display = Display::new();
+    let display = Display::new(to_stderr);
     let mut slice_bytes = job
         .attempts
         .last()
@@ -179,7 +206,7 @@ pub async fn watch_job(
     }
     .await;
     display.finish();
-    job_exit(&result?)
+    result
 }
 
 fn show_event(display: &Display, job: &v1::Job, event: Event, slice_bytes: &mut Option<u64>) {
@@ -301,10 +328,7 @@ pub fn job_exit(job: &v1::Job) -> Result<ExitCode> {
         format!(": {}", job.message)
     };
     match v1::JobState::try_from(job.state) {
-        Ok(v1::JobState::Succeeded) => {
-            println!("job {} ({}) succeeded", job.id, job.name);
-            Ok(ExitCode::SUCCESS)
-        }
+        Ok(v1::JobState::Succeeded) => Ok(ExitCode::SUCCESS),
         Ok(v1::JobState::Failed) => {
             let out_of_memory = job
                 .attempts
