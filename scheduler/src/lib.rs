@@ -6,8 +6,8 @@
 //!   through `carve_core::scheduling::solve`, OOM retries through the shrink planner,
 //!   leases, fencing, cancellation);
 //! - `services` are the tonic handlers; `auth` the bearer tokens; `cache` the short-lived
-//!   copies that keep the submit path off the database; `store` the database; `convert`
-//!   turns records into messages.
+//!   copies that keep the submit path off the database; `queue` the pass's copy of the
+//!   queued jobs; `store` the database; `convert` turns records into messages.
 //!
 //! Architecture invariant: this crate never depends on carve-engine or on GPU crates; it
 //! sees GPUs only through what workers report and estimates through carve-core.
@@ -17,6 +17,7 @@ pub mod cache;
 pub mod convert;
 pub mod error;
 pub mod metrics;
+mod queue;
 pub mod scheduler;
 pub mod server;
 pub mod services;

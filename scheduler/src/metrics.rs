@@ -48,6 +48,9 @@ pub struct ClusterGauges {
     pub submit_groups_committed: u64,
     /// The submits those transactions answered (a counter, read at scrape time).
     pub submit_jobs_committed: u64,
+    /// Scheduling passes that read the whole queue instead of only its new jobs (a
+    /// counter, read at scrape time).
+    pub queue_full_reads: u64,
     /// Job log lines written to the store so far (a counter, read at scrape time).
     pub log_lines_stored: u64,
     /// Job log lines given up on so far: the writer was behind or the database refused
@@ -138,6 +141,11 @@ impl Metrics {
             text,
             "# HELP carve_submit_jobs_committed_total submits answered from committed groups\n# TYPE carve_submit_jobs_committed_total counter\ncarve_submit_jobs_committed_total {}",
             gauges.submit_jobs_committed
+        );
+        let _ = writeln!(
+            text,
+            "# HELP carve_queue_full_reads_total scheduling passes that read the whole queue (the first, and after the queue changed behind this scheduler)\n# TYPE carve_queue_full_reads_total counter\ncarve_queue_full_reads_total {}",
+            gauges.queue_full_reads
         );
         let _ = writeln!(
             text,

@@ -1,8 +1,9 @@
 //! The scheduler's state and its decisions: admission at submit, the scheduling pass
 //! (core's pure `solve`), worker sessions, leases, OOM retries and cancellation.
 //!
-//! The store is the truth for jobs and attempts; memory holds only what is live (worker
-//! sessions, heartbeats, attempts running now), rebuilt from the store at start. Every
+//! The store is the truth for jobs and attempts; memory holds what is live (worker
+//! sessions, heartbeats, attempts running now), rebuilt from the store at start, and the
+//! pass's copy of the queue (`queue`), read from the store by the first pass. Every
 //! change of a job's state happens under one async lock (`job_changes`), so a cancel, a
 //! worker report and a scheduling pass never interleave on the same job.
 
@@ -17,7 +18,7 @@ use carve_core::estimator::{MemoryEstimate, estimate_job};
 use carve_core::job_state::{JobEvent, JobState, next_state};
 use carve_core::plan::RunConfig;
 use carve_core::scheduling::{
-    GpuState, PendingJob, SchedulingProblem, TenantState, can_ever_fit, solve,
+    GpuState, SchedulingProblem, TenantState, WaitReason, can_ever_fit, solve,
 };
 use carve_core::shrink::{OomObservation, plan_shrink};
 use carve_core::validate::ValidatedJob;
@@ -35,9 +36,10 @@ use crate::convert::{
 };
 use crate::error::SchedulerError;
 use crate::metrics::{ClusterGauges, Metrics};
+use crate::queue::QueueMirror;
 use crate::store::{
-    AttemptRecord, JobRecord, QueueFingerprint, QueuedJob, Store, SubmitBatcher, TenantRecord,
-    TokenRecord, WorkerRecord,
+    AttemptRecord, JobRecord, QueueFingerprint, Store, SubmitBatcher, TenantRecord, TokenRecord,
+    WorkerRecord,
 };
 
 /// Timing of leases and passes.
@@ -131,6 +133,11 @@ pub struct Scheduler {
     /// Counts wake-ups, so a pass knows whether anything asked for one since the last.
     wake_generation: AtomicU64,
     last_pass_inputs: Mutex<Option<PassInputs>>,
+    /// The pass's copy of the queue (see `queue`): touched only under `job_changes`.
+    queue: Mutex<QueueMirror>,
+    /// Whole reads of the queue by passes (the first, and each time the copy disagreed
+    /// with the store's fingerprint).
+    queue_reloads: AtomicU64,
     /// What the submit path would otherwise read from the store or compute again on
     /// every call; see `cache` for how stale each may be.
     lookups: Lookups,
@@ -153,6 +160,10 @@ struct AnalysedSpec {
     config: RunConfig,
     estimate: MemoryEstimate,
     shape_key: String,
+    /// `config` and `estimate` as a job row stores them, used as they are when admission
+    /// keeps the spec's own configuration.
+    config_json: String,
+    estimate_json: String,
 }
 
 #[derive(Debug)]
@@ -217,6 +228,25 @@ fn stored_spec(job: &JobRecord) -> Result<ValidatedJob, SchedulerError> {
     carve_proto::convert::validated_job_from_json(&job.spec_json).map_err(spec_error)
 }
 
+/// The largest slice any GPU not lost could hold (after its CUDA context).
+fn largest_usable_gpu(gpus: &[GpuState]) -> Option<u64> {
+    gpus.iter()
+        .map(|gpu| gpu.total_bytes.saturating_sub(gpu.context_bytes))
+        .max()
+}
+
+/// The waiting reason a new job is stored with, in its own submit group: when no GPU is
+/// schedulable, every job of a known tenant waits for that reason (what `solve` says
+/// first, whatever the queue), so the pass has nothing to write for it; otherwise the
+/// reason depends on the queue, and the pass writes it.
+fn waiting_reason_at_submit(gpus: &[GpuState]) -> String {
+    if gpus.iter().any(|gpu| gpu.schedulable) {
+        String::new()
+    } else {
+        WaitReason::NoSchedulableGpu.to_string()
+    }
+}
+
 fn is_terminal(state: &str) -> bool {
     matches!(state, "succeeded" | "failed" | "cancelled")
 }
@@ -231,6 +261,15 @@ fn shape_key(job: &ValidatedJob, config: &RunConfig) -> String {
         .take(16)
         .map(|byte| format!("{byte:02x}"))
         .collect()
+}
+
+/// The estimate as a job row stores it (the spec's own configuration's estimate).
+fn estimate_to_json(estimate: &MemoryEstimate) -> String {
+    serde_json::json!({
+        "peak_bytes": estimate.peak_bytes,
+        "required_bytes": estimate.required_bytes,
+    })
+    .to_string()
 }
 
 fn spec_error(error: carve_proto::ApiError) -> SchedulerError {
@@ -264,8 +303,34 @@ impl Scheduler {
             stopping: tokio::sync::watch::Sender::new(false),
             wake_generation: AtomicU64::new(0),
             last_pass_inputs: Mutex::new(None),
+            queue: Mutex::new(QueueMirror::default()),
+            queue_reloads: AtomicU64::new(0),
             lookups: Lookups::new(),
         }
+    }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, QueueMirror> {
+        self.queue
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// How many times passes read the whole queue (the first pass, and each time the
+    /// copy disagreed with the store, e.g. after another replica moved jobs).
+    pub fn queue_reloads(&self) -> u64 {
+        self.queue_reloads.load(Ordering::Relaxed)
+    }
+
+    /// Stores a job's new state and tells the pass's copy of the queue (called under
+    /// `job_changes`, like every change of a job's state).
+    async fn update_job(&self, job: &JobRecord) -> Result<(), SchedulerError> {
+        let result = self.store.update_job(job).await;
+        match &result {
+            Ok(()) => self.queue().note(job),
+            // Whether the row changed is unknown: read the queue again next pass.
+            Err(_) => self.queue().invalidate(),
+        }
+        result
     }
 
     fn live(&self) -> std::sync::MutexGuard<'_, Live> {
@@ -433,6 +498,7 @@ impl Scheduler {
             .peak_correction(&analysed.shape_key)
             .await?
             .unwrap_or(1.0);
+        let gpus = self.gpu_states();
         // The estimate of the configuration admitted, for the answer: the spec's own
         // unless admission shrank it, then the shrink planner's for the new one (the
         // same `estimate_job` of that configuration).
@@ -446,7 +512,7 @@ impl Scheduler {
             analysed.config,
             analysed.estimate.required_bytes,
             correction,
-            self.largest_usable_gpu(),
+            largest_usable_gpu(&gpus),
             |config, limit| {
                 plan_shrink(job, config, None, limit)
                     .map(|decision| {
@@ -470,7 +536,7 @@ impl Scheduler {
             vram_in_use_bytes: 0,
             running_jobs: 0,
         };
-        if let Err(reason) = can_ever_fit(slice_bytes, &self.gpu_states(), &tenant_state) {
+        if let Err(reason) = can_ever_fit(slice_bytes, &gpus, &tenant_state) {
             return Err(SchedulerError::ResourceExhausted(format!(
                 "job {} can never run: {reason}",
                 job.spec.name
@@ -487,10 +553,14 @@ impl Scheduler {
             priority: i64::from(job.spec.priority),
             submit_sequence: 0,
             idempotency_key: (!idempotency_key.is_empty()).then(|| idempotency_key.to_string()),
-            config_json: config_to_json(&config),
-            estimate_json: serde_json::json!({ "peak_bytes": estimate.peak_bytes, "required_bytes": estimate.required_bytes }).to_string(),
+            config_json: if config == analysed.config {
+                analysed.config_json.clone()
+            } else {
+                config_to_json(&config)
+            },
+            estimate_json: analysed.estimate_json.clone(),
             required_bytes: slice_bytes as i64,
-            waiting_reason: String::new(),
+            waiting_reason: waiting_reason_at_submit(&gpus),
             message: String::new(),
             created_at_ms: now,
             finished_at_ms: None,
@@ -530,11 +600,15 @@ impl Scheduler {
                 reason: error.reason,
             })?;
         let shape_key = shape_key(&job, &config);
+        let config_json = config_to_json(&config);
+        let estimate_json = estimate_to_json(&estimate);
         let analysed = Arc::new(AnalysedSpec {
             job,
             config,
             estimate,
             shape_key,
+            config_json,
+            estimate_json,
         });
         if spec_json.len() <= ANALYSED_SPEC_MAX_BYTES {
             self.lookups
@@ -664,7 +738,7 @@ impl Scheduler {
         };
         job.finished_at_ms = Some(now_ms());
         job.waiting_reason.clear();
-        self.store.update_job(&job).await?;
+        self.update_job(&job).await?;
         // A running attempt keeps its slice until its worker confirms it stopped.
         let running = self.live().running.get(job_id).cloned();
         if let Some(running) = running {
@@ -690,13 +764,6 @@ impl Scheduler {
     }
 
     // ---- cluster ----
-
-    fn largest_usable_gpu(&self) -> Option<u64> {
-        self.gpu_states()
-            .iter()
-            .map(|gpu| gpu.total_bytes.saturating_sub(gpu.context_bytes))
-            .max()
-    }
 
     /// GPUs of workers that are not lost, with the slices running on them.
     fn gpu_states(&self) -> Vec<GpuState> {
@@ -944,7 +1011,7 @@ impl Scheduler {
                 let mut job = self.store.get_job(&attempt.job_id).await?;
                 if job.state == "placed" {
                     transition(&mut job, JobEvent::Started)?;
-                    self.store.update_job(&job).await?;
+                    self.update_job(&job).await?;
                     self.emit_state(&job.id, "placed", "running", "the attempt started");
                 }
                 Ok(())
@@ -994,7 +1061,7 @@ impl Scheduler {
                 if let Some(checkpoint) = written.checkpoint {
                     let mut job = self.store.get_job(&attempt.job_id).await?;
                     job.checkpoint_location = Some(checkpoint.location);
-                    self.store.update_job(&job).await?;
+                    self.update_job(&job).await?;
                 }
                 Ok(())
             }
@@ -1086,7 +1153,7 @@ impl Scheduler {
                     },
                 )?;
                 job.waiting_reason = String::new();
-                self.store.update_job(&job).await?;
+                self.update_job(&job).await?;
                 self.emit(
                     &job.id,
                     v1::job_event::Event::Shrink(carve_proto::convert::shrink_decision_to_proto(
@@ -1119,7 +1186,7 @@ impl Scheduler {
                 )?;
                 job.message = format!("out of memory ({report}); {why}");
                 job.finished_at_ms = Some(now);
-                self.store.update_job(&job).await?;
+                self.update_job(&job).await?;
                 Metrics::count(&self.metrics.jobs_failed);
                 self.emit_state(&job.id, &previous, "failed", &job.message);
             }
@@ -1189,7 +1256,7 @@ impl Scheduler {
                     attempt.attempt_number, finished.message
                 );
             }
-            self.store.update_job(&job).await?;
+            self.update_job(&job).await?;
             Metrics::count(match outcome {
                 "succeeded" => &self.metrics.jobs_succeeded,
                 "cancelled" => &self.metrics.jobs_cancelled,
@@ -1265,7 +1332,7 @@ impl Scheduler {
                 let mut job = self.store.get_job(&job_id).await?;
                 if !is_terminal(&job.state) {
                     let previous = transition(&mut job, JobEvent::AttemptLost)?;
-                    self.store.update_job(&job).await?;
+                    self.update_job(&job).await?;
                     self.emit_state(
                         &job_id,
                         &previous,
@@ -1285,18 +1352,34 @@ impl Scheduler {
 
     /// One pass: place what fits, record why the rest waits.
     ///
-    /// The pass reads only the solver's columns of the queued jobs ([`QueuedJob`]), loads
-    /// the whole record of the few it places, and writes only waiting reasons that
-    /// changed, in a few large transactions. It is skipped when nothing it decides from
-    /// changed since the last pass that finished (no wake-up, the same queue, GPUs and
-    /// tenants): `solve` is a pure function, so it would decide the same again, and with a
-    /// million queued jobs a pass costs about a second of CPU.
+    /// The pass solves over its copy of the queue (`queue::QueueMirror`), reading from the
+    /// store only the jobs queued since the last pass (one range of the
+    /// `(state, submit_sequence)` index) and the whole queue only when the copy
+    /// disagrees with the store's fingerprint; it loads the whole record of the few jobs
+    /// it places, and writes only waiting reasons that changed, grouped by reason. It is
+    /// skipped when nothing it decides from changed since the last pass that finished (no
+    /// wake-up, the same queue, GPUs and tenants): `solve` is a pure function, so it
+    /// would decide the same again.
     pub async fn schedule_once(&self) -> Result<usize, SchedulerError> {
         let _guard = self.job_changes.lock().await;
+        let result = self.schedule_once_locked().await;
+        if result.is_err() {
+            // Half a pass may have left the copy behind the store: read it whole again.
+            self.queue().invalidate();
+        }
+        result
+    }
+
+    async fn schedule_once_locked(&self) -> Result<usize, SchedulerError> {
         // Read before anything else, so that a wake-up during the pass causes another.
         let wake_generation = self.wake_generation.load(Ordering::Acquire);
         let queue = self.store.queue_fingerprint().await?;
         if queue.queued_jobs == 0 {
+            let mut mirror = self.queue();
+            if mirror.len() != 0 {
+                // Emptied by someone else (another replica): start again from the store.
+                mirror.invalidate();
+            }
             return Ok(0);
         }
         let tenants = self.store.list_tenants().await?;
@@ -1335,34 +1418,24 @@ impl Scheduler {
         if self.last_pass_inputs().as_ref() == Some(&inputs) {
             return Ok(0);
         }
-        let pending = self.store.queued_jobs_for_scheduling().await?;
+        self.refresh_queue(&queue).await?;
         let problem = SchedulingProblem {
             gpus,
             tenants: tenant_states,
-            pending: pending
-                .iter()
-                .map(|job| PendingJob {
-                    job_id: job.id.clone(),
-                    tenant: job.tenant.clone(),
-                    priority: job.priority as i32,
-                    submit_sequence: job.submit_sequence as u64,
-                    slice_bytes: job.required_bytes as u64,
-                })
-                .collect(),
+            pending: self.queue().pending_jobs(),
         };
         let decision = solve(&problem);
         drop(problem);
-        let by_id: HashMap<&str, &QueuedJob> =
-            pending.iter().map(|job| (job.id.as_str(), job)).collect();
         let now = now_ms();
         let mut placed = 0;
         for placement in &decision.placements {
-            if !by_id.contains_key(placement.job_id.as_str()) {
+            if !self.queue().contains(&placement.job_id) {
                 continue;
             }
             // Only placed jobs need their whole record (spec, config, checkpoint).
             let mut job = self.store.get_job(&placement.job_id).await?;
             if job.state != "queued" {
+                self.queue().remove(&job.id);
                 continue;
             }
             let attempt_number = job.attempts_count + 1;
@@ -1392,6 +1465,7 @@ impl Scheduler {
                 finished_at_ms: None,
             };
             self.store.record_job_and_attempt(&job, &attempt).await?;
+            self.queue().remove(&job.id);
             self.live().running.insert(
                 job.id.clone(),
                 RunningAttempt {
@@ -1441,21 +1515,60 @@ impl Scheduler {
             placed += 1;
             Metrics::count(&self.metrics.placements);
         }
-        let changed_reasons: Vec<(String, String)> = decision
-            .waiting
-            .iter()
-            .filter_map(|(job_id, reason)| {
-                let job = by_id.get(job_id.as_str())?;
-                let reason = reason.to_string();
-                (job.waiting_reason != reason).then(|| (job_id.clone(), reason))
-            })
-            .collect();
+        // Reasons are compared as values first: most are what the last pass said, and
+        // are not formatted again.
+        let changed_reasons: Vec<(String, String)> = {
+            let mut mirror = self.queue();
+            let mut changed = Vec::new();
+            for (job_id, reason) in decision.waiting {
+                let Some(job) = mirror.get_mut(&job_id) else {
+                    continue;
+                };
+                if job.decided.as_ref() == Some(&reason) {
+                    continue;
+                }
+                let text = reason.to_string();
+                if job.stored_reason != text {
+                    job.stored_reason.clone_from(&text);
+                    changed.push((job_id, text));
+                }
+                job.decided = Some(reason);
+            }
+            changed
+        };
         self.store.set_waiting_reasons(&changed_reasons).await?;
         *self
             .last_pass_inputs
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(inputs);
         Ok(placed)
+    }
+
+    /// Brings the pass's copy of the queue up to the store's, as `fingerprint` (read
+    /// just before, under `job_changes`) describes it: the jobs queued since the last
+    /// read, or the whole queue when the copy still disagrees.
+    async fn refresh_queue(&self, fingerprint: &QueueFingerprint) -> Result<(), SchedulerError> {
+        let through = fingerprint.highest_submit_sequence;
+        let (loaded, after) = {
+            let mirror = self.queue();
+            (mirror.is_loaded(), mirror.read_through())
+        };
+        if loaded && after < through {
+            let rows = self
+                .store
+                .queued_jobs_in_sequence_range(after, through)
+                .await?;
+            self.queue().add(rows, through);
+        }
+        if !self.queue().matches(fingerprint) {
+            let rows = self
+                .store
+                .queued_jobs_in_sequence_range(i64::MIN, through)
+                .await?;
+            self.queue().replace_all(rows, through);
+            self.queue_reloads.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     /// What the last pass that finished decided from.
@@ -1553,6 +1666,7 @@ impl Scheduler {
         let mut gauges = ClusterGauges {
             submit_groups_committed: self.batcher.groups_committed(),
             submit_jobs_committed: self.batcher.jobs_committed(),
+            queue_full_reads: self.queue_reloads(),
             log_lines_stored: self.logs.lines_stored(),
             log_lines_dropped: self.logs.lines_dropped(),
             ..ClusterGauges::default()

@@ -5,7 +5,8 @@
 mod support;
 
 use carve_scheduler::store::{
-    JobRecord, QueueFingerprint, Store, TenantRecord, WAITING_REASONS_PER_TRANSACTION,
+    JobRecord, QueueFingerprint, Store, TenantRecord, WAITING_REASON_IDS_PER_STATEMENT,
+    WAITING_REASONS_PER_TRANSACTION,
 };
 use support::TestDb;
 
@@ -34,6 +35,8 @@ on_both_databases!(
     queued_jobs_are_read_narrow_in_submit_order,
     the_fingerprint_changes_when_the_queue_does,
     waiting_reasons_are_written_in_groups_to_queued_jobs_only,
+    range_reads_return_the_queued_jobs_between_two_sequences,
+    jobs_waiting_for_the_same_reason_are_updated_together,
 );
 
 async fn store_with_tenants(db: &TestDb) -> Store {
@@ -173,4 +176,75 @@ async fn waiting_reasons_are_written_in_groups_to_queued_jobs_only(db: &TestDb) 
     }
     assert_eq!(store.get_job("job-0").await.unwrap().waiting_reason, "");
     assert_eq!(store.set_waiting_reasons(&[]).await.unwrap(), 0);
+}
+
+async fn range_reads_return_the_queued_jobs_between_two_sequences(db: &TestDb) {
+    let store = store_with_tenants(db).await;
+    store
+        .submit_jobs(
+            (1..=5)
+                .map(|n| job(&format!("job-{n}"), "alpha", 0, n))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    let mut placed = store.get_job("job-3").await.unwrap();
+    placed.state = "placed".into();
+    store.update_job(&placed).await.unwrap();
+    let ids = |jobs: Vec<carve_scheduler::store::QueuedJob>| -> Vec<String> {
+        jobs.into_iter().map(|job| job.id).collect()
+    };
+    assert_eq!(
+        ids(store.queued_jobs_in_sequence_range(1, 4).await.unwrap()),
+        vec!["job-2", "job-4"]
+    );
+    assert_eq!(
+        ids(store
+            .queued_jobs_in_sequence_range(i64::MIN, 5)
+            .await
+            .unwrap()),
+        ids(store.queued_jobs_for_scheduling().await.unwrap())
+    );
+    assert!(
+        store
+            .queued_jobs_in_sequence_range(5, 9)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+async fn jobs_waiting_for_the_same_reason_are_updated_together(db: &TestDb) {
+    let store = store_with_tenants(db).await;
+    let count = WAITING_REASON_IDS_PER_STATEMENT * 2 + 3;
+    store
+        .submit_jobs(
+            (0..count)
+                .map(|index| job(&format!("job-{index}"), "beta", 0, 1))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    let mut reasons: Vec<(String, String)> = (0..count)
+        .map(|index| {
+            let reason = if index % 2 == 0 { "even" } else { "odd" };
+            (format!("job-{index}"), reason.to_string())
+        })
+        .collect();
+    // Named twice: the last reason given wins; unknown ids are skipped.
+    reasons.push(("job-0".into(), "changed".into()));
+    reasons.push(("no-such-job".into(), "odd".into()));
+    assert_eq!(
+        store.set_waiting_reasons(&reasons).await.unwrap(),
+        count as u64
+    );
+    for index in [1, 2, count - 1] {
+        let expected = if index % 2 == 0 { "even" } else { "odd" };
+        let job = store.get_job(&format!("job-{index}")).await.unwrap();
+        assert_eq!(job.waiting_reason, expected);
+    }
+    assert_eq!(
+        store.get_job("job-0").await.unwrap().waiting_reason,
+        "changed"
+    );
 }

@@ -135,7 +135,7 @@ impl Store {
         &self,
         jobs: Vec<JobRecord>,
     ) -> Result<Option<Vec<SubmitOutcome>>, SchedulerError> {
-        /// Keys per lookup statement (two parameters each).
+        /// Keys per lookup statement (one parameter each, plus the tenant).
         const KEYS_PER_LOOKUP: usize = 200;
         /// Rows per insert statement (17 parameters each; SQLite allows 32,766).
         const ROWS_PER_INSERT: usize = 100;
@@ -165,25 +165,28 @@ impl Store {
                 .fetch_one(&mut *tx)
                 .await?;
                 let mut existing: HashMap<(String, String), JobRecord> = HashMap::new();
-                for chunk in keys.chunks(KEYS_PER_LOOKUP) {
-                    let mut lookup =
-                        sqlx::QueryBuilder::new(format!("SELECT {JOB_COLUMNS} FROM jobs WHERE "));
-                    for (index, (tenant, key)) in chunk.iter().enumerate() {
-                        if index > 0 {
-                            lookup.push(" OR ");
-                        }
+                // One tenant and a list of its keys per lookup: an index range per key
+                // (`= ANY` of the list on PostgreSQL), where an OR of (tenant, key) pairs
+                // made PostgreSQL recheck every pair against every candidate row.
+                for tenant_keys in keys.chunk_by(|left, right| left.0 == right.0) {
+                    for chunk in tenant_keys.chunks(KEYS_PER_LOOKUP) {
+                        let mut lookup = sqlx::QueryBuilder::new(format!(
+                            "SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = "
+                        ));
                         lookup
-                            .push("(tenant = ")
-                            .push_bind(tenant.clone())
-                            .push(" AND idempotency_key = ")
-                            .push_bind(key.clone())
-                            .push(")");
-                    }
-                    let found: Vec<JobRecord> =
-                        lookup.build_query_as().fetch_all(&mut *tx).await?;
-                    for job in found {
-                        if let Some(key) = job.idempotency_key.clone() {
-                            existing.insert((job.tenant.clone(), key), job);
+                            .push_bind(chunk[0].0.clone())
+                            .push(" AND idempotency_key IN (");
+                        let mut separated = lookup.separated(", ");
+                        for (_, key) in chunk {
+                            separated.push_bind(key.clone());
+                        }
+                        separated.push_unseparated(")");
+                        let found: Vec<JobRecord> =
+                            lookup.build_query_as().fetch_all(&mut *tx).await?;
+                        for job in found {
+                            if let Some(key) = job.idempotency_key.clone() {
+                                existing.insert((job.tenant.clone(), key), job);
+                            }
                         }
                     }
                 }
@@ -458,6 +461,23 @@ impl Store {
         }))
     }
 
+    /// The queued jobs with `after < submit_sequence <= through`, as the scheduling pass
+    /// needs them, oldest first: how the pass brings its copy of the queue up to date
+    /// (`after` is what it read up to before, `through` the highest sequence of the
+    /// queue's fingerprint), a range of the `(state, submit_sequence)` index.
+    pub async fn queued_jobs_in_sequence_range(
+        &self,
+        after: i64,
+        through: i64,
+    ) -> Result<Vec<QueuedJob>, SchedulerError> {
+        let sql = "SELECT id, tenant, priority, submit_sequence, required_bytes, \
+                   waiting_reason FROM jobs WHERE state = 'queued' \
+                   AND submit_sequence > $1 AND submit_sequence <= $2 ORDER BY submit_sequence";
+        Ok(with_pool!(self, pool => {
+            sqlx::query_as(sql).bind(after).bind(through).fetch_all(pool).await?
+        }))
+    }
+
     /// How many jobs are queued and the highest `submit_sequence` among them, from the
     /// `(state, submit_sequence)` index alone.
     pub async fn queue_fingerprint(&self) -> Result<QueueFingerprint, SchedulerError> {
@@ -484,24 +504,57 @@ impl Store {
     /// Sets the waiting reason of each `(job id, reason)` whose job is still queued, in
     /// transactions of up to [`WAITING_REASONS_PER_TRANSACTION`] updates: a pass that
     /// explains a million waiting jobs costs a few hundred flushes, not a million, and
-    /// does not hold the write lock (which submits need) for the whole of it. Returns how
-    /// many jobs were updated; ids that are unknown or no longer queued are skipped.
+    /// does not hold the write lock (which submits need) for the whole of it. Within a
+    /// transaction the jobs that get the same reason are updated together, one statement
+    /// per [`WAITING_REASON_IDS_PER_STATEMENT`] of them (many jobs wait for the same
+    /// reason), not one per job. Returns how many jobs were updated; ids that are unknown
+    /// or no longer queued are skipped.
     pub async fn set_waiting_reasons(
         &self,
         reasons: &[(String, String)],
     ) -> Result<u64, SchedulerError> {
-        let sql = "UPDATE jobs SET waiting_reason = $2 WHERE id = $1 AND state = 'queued'";
         let mut updated = 0;
         for chunk in reasons.chunks(WAITING_REASONS_PER_TRANSACTION) {
+            // By reason, in the order each reason first appears; a job named twice gets
+            // the last reason given for it, as with one update per pair.
+            let mut last_reason: HashMap<&str, &str> = HashMap::with_capacity(chunk.len());
+            for (job_id, reason) in chunk {
+                last_reason.insert(job_id.as_str(), reason.as_str());
+            }
+            let mut reason_order: Vec<&str> = Vec::new();
+            let mut ids_by_reason: HashMap<&str, Vec<&str>> = HashMap::new();
+            for (job_id, _) in chunk {
+                let Some(reason) = last_reason.remove(job_id.as_str()) else {
+                    continue;
+                };
+                let ids = ids_by_reason.entry(reason).or_insert_with(|| {
+                    reason_order.push(reason);
+                    Vec::new()
+                });
+                ids.push(job_id.as_str());
+            }
             updated += with_write_tx!(self, tx => {
                 let mut updated_in_chunk = 0;
-                for (job_id, reason) in chunk {
-                    updated_in_chunk += sqlx::query(sql)
-                        .bind(job_id)
-                        .bind(reason)
-                        .execute(&mut *tx)
-                        .await?
-                        .rows_affected();
+                for reason in &reason_order {
+                    let ids = &ids_by_reason[reason];
+                    for ids in ids.chunks(WAITING_REASON_IDS_PER_STATEMENT) {
+                        let mut update = sqlx::QueryBuilder::new(
+                            "UPDATE jobs SET waiting_reason = ",
+                        );
+                        // `state || ''` keeps SQLite's planner on the primary key: with
+                        // `state = 'queued'` and no statistics it chose the (state,
+                        // submit_sequence) index and scanned every queued job per
+                        // statement (a million of them in the queue-memory bench).
+                        update
+                            .push_bind(reason.to_string())
+                            .push(" WHERE id IN (");
+                        let mut separated = update.separated(", ");
+                        for id in ids {
+                            separated.push_bind(id.to_string());
+                        }
+                        separated.push_unseparated(") AND state || '' = 'queued'");
+                        updated_in_chunk += update.build().execute(&mut *tx).await?.rows_affected();
+                    }
                 }
                 updated_in_chunk
             });
@@ -509,6 +562,9 @@ impl Store {
         Ok(updated)
     }
 }
+
+/// The most job ids one waiting-reason `UPDATE` names (one parameter each).
+pub const WAITING_REASON_IDS_PER_STATEMENT: usize = 500;
 
 fn parse_page_token(token: &str) -> Result<i64, SchedulerError> {
     token
