@@ -7,7 +7,7 @@
 //! job's row in `job_log_sequences` first, which also serializes appenders of one job
 //! across scheduler replicas until the append commits.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -32,8 +32,8 @@ pub const LOG_LEVELS: &[&str] = &["error", "warn", "info", "debug"];
 /// The most bytes of one line's message the store accepts.
 pub const MAX_LOG_MESSAGE_BYTES: usize = 16 * 1024;
 
-/// Rows per INSERT statement: 6 parameters each stays far below SQLite's limit of 32766
-/// parameters per statement (and PostgreSQL's 65535).
+/// Rows per INSERT statement (lines: 6 parameters each; sequences: 2) stays far below
+/// SQLite's limit of 32766 parameters per statement (and PostgreSQL's 65535).
 const INSERT_CHUNK_ROWS: usize = 1_000;
 
 /// A line to append; the store gives it its sequence.
@@ -168,34 +168,61 @@ impl Store {
         }
         let result: Result<(), sqlx::Error> = async {
             with_write_tx!(self, tx => {
-                for (job_id, job_lines) in &by_job {
-                    let count = job_lines.len() as i64;
-                    let last_sequence: i64 = sqlx::query_scalar(
-                        "INSERT INTO job_log_sequences (job_id, last_sequence) VALUES ($1, $2) \
-                         ON CONFLICT (job_id) DO UPDATE SET \
+                // A constant number of statements per group, not two per job: each is a
+                // round trip (to sqlx-sqlite's connection thread, or to PostgreSQL) made
+                // while holding the write lock that submits need.
+                let jobs: Vec<(&str, i64)> = by_job
+                    .iter()
+                    .map(|(job_id, job_lines)| (*job_id, job_lines.len() as i64))
+                    .collect();
+                let mut last_sequences: HashMap<String, i64> = HashMap::with_capacity(jobs.len());
+                for chunk in jobs.chunks(INSERT_CHUNK_ROWS) {
+                    let mut upsert = sqlx::QueryBuilder::new(
+                        "INSERT INTO job_log_sequences (job_id, last_sequence) ",
+                    );
+                    upsert.push_values(chunk, |mut row, (job_id, count)| {
+                        row.push_bind(job_id.to_string()).push_bind(*count);
+                    });
+                    upsert.push(
+                        " ON CONFLICT (job_id) DO UPDATE SET \
                          last_sequence = job_log_sequences.last_sequence + excluded.last_sequence \
-                         RETURNING last_sequence",
-                    )
-                    .bind(*job_id)
-                    .bind(count)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                    let first_sequence = last_sequence - count + 1;
-                    for (chunk_index, chunk) in job_lines.chunks(INSERT_CHUNK_ROWS).enumerate() {
-                        let chunk_first = first_sequence + (chunk_index * INSERT_CHUNK_ROWS) as i64;
-                        let mut insert = sqlx::QueryBuilder::new(format!(
-                            "INSERT INTO job_log_lines ({LOG_COLUMNS}) "
-                        ));
-                        insert.push_values(chunk.iter().enumerate(), |mut row, (offset, line)| {
-                            row.push_bind(line.job_id.clone())
-                                .push_bind(chunk_first + offset as i64)
-                                .push_bind(line.time_ms)
-                                .push_bind(line.attempt_number)
-                                .push_bind(line.level.clone())
-                                .push_bind(line.message.clone());
-                        });
-                        insert.build().execute(&mut *tx).await?;
-                    }
+                         RETURNING job_id, last_sequence",
+                    );
+                    let rows: Vec<(String, i64)> =
+                        upsert.build_query_as().fetch_all(&mut *tx).await?;
+                    last_sequences.extend(rows);
+                }
+                let mut numbered: Vec<(&NewLogLine, i64)> = Vec::with_capacity(lines.len());
+                for (job_id, job_lines) in &by_job {
+                    let last_sequence = *last_sequences.get(*job_id).ok_or_else(|| {
+                        sqlx::Error::Protocol(format!(
+                            "the log sequence of job {job_id} was not returned"
+                        ))
+                    })?;
+                    let first_sequence = last_sequence - job_lines.len() as i64 + 1;
+                    numbered.extend(
+                        job_lines
+                            .iter()
+                            .enumerate()
+                            .map(|(offset, line)| (*line, first_sequence + offset as i64)),
+                    );
+                }
+                for chunk in numbered.chunks(INSERT_CHUNK_ROWS) {
+                    let mut insert = sqlx::QueryBuilder::new(format!(
+                        "INSERT INTO job_log_lines ({LOG_COLUMNS}) "
+                    ));
+                    insert.push_values(chunk, |mut row, (line, sequence)| {
+                        row.push_bind(line.job_id.clone())
+                            .push_bind(*sequence)
+                            .push_bind(line.time_ms)
+                            .push_bind(line.attempt_number)
+                            .push_bind(line.level.clone())
+                            .push_bind(line.message.clone());
+                    });
+                    insert.build().execute(&mut *tx).await?;
+                }
+                for (job_id, _) in &jobs {
+                    let last_sequence = last_sequences.get(*job_id).copied().unwrap_or(0);
                     if last_sequence > keep_per_job {
                         sqlx::query(
                             "DELETE FROM job_log_lines WHERE job_id = $1 AND sequence <= $2",
