@@ -203,12 +203,15 @@ const MIN_PASS_GAP: std::time::Duration = std::time::Duration::from_millis(10);
 /// After a pass that took `d`, the next starts no sooner than `PASS_GAP_FACTOR * d` after
 /// it started (but never later than the scheduling interval after it ended), so passes
 /// take at most 1/`PASS_GAP_FACTOR` of a core unless they are longer than the interval.
-const PASS_GAP_FACTOR: u32 = 4;
+/// (4 until passes read only new jobs: cheaper passes then came more often and still
+/// took a quarter of a core under a stream of submits, ~18 % of the scheduler's CPU in
+/// carve-submit-bench's saturation phase.)
+const PASS_GAP_FACTOR: u32 = 8;
 
 /// Passes on every wake-up (submit, report, drain) and at least every scheduling
 /// interval; lease checks ride along.
 ///
-/// A pass reads the whole queue, so its cost grows with the queue: with a long queue and
+/// A pass solves over the whole queue, so its cost grows with the queue: with a long queue and
 /// a stream of submits (each one a wake-up), passes back to back would take a core from
 /// admission and the submit path. Wake-ups that come during a pass are merged into the
 /// next one, and the next one waits for the gap above: a job waits a little longer to be
