@@ -7,25 +7,22 @@
 //! - A worker that does not come back loses its attempt when the lease (restarted from the
 //!   store) runs out: the job is placed again on another worker, from its checkpoint.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use carve_proto::v1;
 use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
-use carve_proto::v1::worker_service_client::WorkerServiceClient;
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::{SchedulerConfig, run};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tokio_stream::StreamExt;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::Request;
-use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
+
+#[path = "support/worker.rs"]
+mod test_worker;
+use test_worker::{TestWorker, authorized};
 
 const ADMIN: &str = "carve_restart_admin_secret";
 
@@ -112,15 +109,6 @@ impl RunningScheduler {
     }
 }
 
-fn authorized<T>(message: T, token: &str) -> Request<T> {
-    let mut request = Request::new(message);
-    request.metadata_mut().insert(
-        "authorization",
-        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
-    );
-    request
-}
-
 /// A tenant with a user token and a worker token, made through the admin API.
 async fn tenant_with_tokens(channel: &Channel, tenant: &str) -> (String, String) {
     let mut admin = AdminServiceClient::new(channel.clone());
@@ -157,204 +145,6 @@ async fn tenant_with_tokens(channel: &Channel, tenant: &str) -> (String, String)
     let user = token(v1::Role::User).await;
     let worker = token(v1::Role::Worker).await;
     (user, worker)
-}
-
-/// A worker that speaks the protocol by hand.
-struct TestWorker {
-    id: String,
-    heartbeating: Arc<AtomicBool>,
-    outgoing: mpsc::Sender<v1::WorkerMessage>,
-    incoming: tonic::Streaming<v1::SchedulerMessage>,
-    sequence: u64,
-}
-
-impl TestWorker {
-    /// Registers (as `previous_worker_id` when given) and opens a session whose hello
-    /// lists `running_attempts`.
-    async fn connect(
-        channel: &Channel,
-        token: &str,
-        gpu_uuid: &str,
-        previous_worker_id: &str,
-        running_attempts: Vec<v1::AttemptRef>,
-    ) -> TestWorker {
-        let total_bytes: u64 = 16 << 30;
-        let mut client = WorkerServiceClient::new(channel.clone());
-        let registered = client
-            .register(authorized(
-                v1::RegisterWorkerRequest {
-                    hostname: format!("host-{gpu_uuid}"),
-                    gpus: vec![v1::Gpu {
-                        uuid: gpu_uuid.into(),
-                        index: 0,
-                        model_name: "simulated".into(),
-                        total_bytes,
-                        context_bytes: 256 << 20,
-                        free_bytes: total_bytes - (256 << 20),
-                        simulated: true,
-                        slices: vec![],
-                        compute_capability: "9.0".into(),
-                    }],
-                    version: "test".into(),
-                    previous_worker_id: previous_worker_id.into(),
-                },
-                token,
-            ))
-            .await
-            .unwrap()
-            .into_inner();
-        let (outgoing, receiver) = mpsc::channel(64);
-        outgoing
-            .send(v1::WorkerMessage {
-                sequence: 0,
-                body: Some(v1::worker_message::Body::Hello(v1::worker_message::Hello {
-                    worker_id: registered.worker_id.clone(),
-                    running_attempts,
-                })),
-            })
-            .await
-            .unwrap();
-        let incoming = client
-            .session(authorized(ReceiverStream::new(receiver), token))
-            .await
-            .unwrap()
-            .into_inner();
-        let worker = TestWorker {
-            id: registered.worker_id,
-            heartbeating: Arc::new(AtomicBool::new(true)),
-            outgoing,
-            incoming,
-            sequence: 0,
-        };
-        worker.keep_alive();
-        worker
-    }
-
-    /// Heartbeats in the background until the worker disconnects.
-    fn keep_alive(&self) {
-        let outgoing = self.outgoing.clone();
-        let heartbeating = self.heartbeating.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                if !heartbeating.load(Ordering::Relaxed) {
-                    return;
-                }
-                let heartbeat = v1::WorkerMessage {
-                    sequence: 0,
-                    body: Some(v1::worker_message::Body::Heartbeat(
-                        v1::worker_message::Heartbeat { gpus: vec![] },
-                    )),
-                };
-                if outgoing.send(heartbeat).await.is_err() {
-                    return;
-                }
-            }
-        });
-    }
-
-    /// Ends the session as a worker process would when its scheduler went away: no more
-    /// heartbeats, both directions of the stream dropped.
-    fn disconnect(self) {
-        self.heartbeating.store(false, Ordering::Relaxed);
-    }
-
-    /// Sends one message and waits for its ack; returns every other message the scheduler
-    /// sent meanwhile.
-    async fn send(&mut self, body: v1::worker_message::Body) -> Vec<v1::scheduler_message::Body> {
-        self.sequence += 1;
-        let sequence = self.sequence;
-        self.outgoing
-            .send(v1::WorkerMessage {
-                sequence,
-                body: Some(body),
-            })
-            .await
-            .unwrap();
-        let mut others = Vec::new();
-        loop {
-            match self.receive(DEADLINE).await {
-                Some(v1::scheduler_message::Body::Ack(ack)) if ack.sequence == sequence => {
-                    return others;
-                }
-                Some(v1::scheduler_message::Body::Ack(_)) => {}
-                Some(other) => others.push(other),
-                None => panic!("no ack for message {sequence} within {DEADLINE:?}"),
-            }
-        }
-    }
-
-    /// The next message within `wait`, acks included; None when none came.
-    async fn receive(&mut self, wait: Duration) -> Option<v1::scheduler_message::Body> {
-        loop {
-            let message = tokio::time::timeout(wait, self.incoming.next())
-                .await
-                .ok()?
-                .expect("the session is open")
-                .expect("not an error");
-            if let Some(body) = message.body {
-                return Some(body);
-            }
-        }
-    }
-
-    /// Every message but acks that arrives within `window`.
-    async fn messages_within(&mut self, window: Duration) -> Vec<v1::scheduler_message::Body> {
-        let until = tokio::time::Instant::now() + window;
-        let mut messages = Vec::new();
-        loop {
-            let left = until.saturating_duration_since(tokio::time::Instant::now());
-            if left.is_zero() {
-                return messages;
-            }
-            match self.receive(left).await {
-                Some(v1::scheduler_message::Body::Ack(_)) => {}
-                Some(body) => messages.push(body),
-                None => return messages,
-            }
-        }
-    }
-
-    async fn next_assignment(&mut self) -> v1::scheduler_message::Assignment {
-        loop {
-            match self.receive(DEADLINE).await {
-                Some(v1::scheduler_message::Body::Ack(_)) => {}
-                Some(v1::scheduler_message::Body::Assignment(assignment)) => return assignment,
-                Some(other) => panic!("expected an assignment, got {other:?}"),
-                None => panic!("no assignment within {DEADLINE:?}"),
-            }
-        }
-    }
-
-    async fn started(&mut self, assignment: &v1::scheduler_message::Assignment) {
-        let others = self
-            .send(v1::worker_message::Body::AttemptStarted(
-                v1::worker_message::AttemptStarted {
-                    attempt: assignment.attempt.clone(),
-                    reserved_bytes: assignment.slice_bytes,
-                },
-            ))
-            .await;
-        assert!(others.is_empty(), "unexpected messages: {others:?}");
-    }
-
-    async fn finish(
-        &mut self,
-        attempt: &v1::AttemptRef,
-        peak: u64,
-    ) -> Vec<v1::scheduler_message::Body> {
-        self.send(v1::worker_message::Body::AttemptFinished(
-            v1::worker_message::AttemptFinished {
-                attempt: Some(attempt.clone()),
-                outcome: v1::AttemptOutcome::Succeeded as i32,
-                final_loss: Some(0.1),
-                test_accuracy: None,
-                measured_peak_bytes: peak,
-                message: String::new(),
-            },
-        ))
-        .await
-    }
 }
 
 async fn submit(channel: &Channel, token: &str) -> v1::Job {
@@ -432,7 +222,7 @@ async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
     let first = RunningScheduler::start(&database, lease).await;
     let channel = first.channel().await;
     let (user, worker_token) = tenant_with_tokens(&channel, "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", "", vec![]).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let job = submit(&channel, &user).await;
     let assignment = worker.next_assignment().await;
     let attempt = assignment.attempt.clone().unwrap();
@@ -467,10 +257,11 @@ async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
     assert_eq!(held[0].worker_id, worker_id);
 
     // The worker comes back under its old id, still running the attempt.
-    let mut worker = TestWorker::connect(
+    let mut worker = TestWorker::reconnect(
         &channel,
         &worker_token,
         "gpu-a",
+        16 << 30,
         &worker_id,
         vec![attempt.clone()],
     )
@@ -502,7 +293,9 @@ async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
     assert_eq!(after_progress.state, v1::JobState::Running as i32);
     assert_eq!(after_progress.attempts.len(), 1);
 
-    let finished = worker.finish(&attempt, 2 << 20).await;
+    let finished = worker
+        .finish(&attempt, v1::AttemptOutcome::Succeeded, 2 << 20)
+        .await;
     assert!(finished.is_empty(), "unexpected messages: {finished:?}");
     let done = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(done.attempts.len(), 1, "{:?}", done.attempts);
@@ -532,7 +325,7 @@ async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
     let first = RunningScheduler::start(&database, lease).await;
     let channel = first.channel().await;
     let (user, worker_token) = tenant_with_tokens(&channel, "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", "", vec![]).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let job = submit(&channel, &user).await;
     let assignment = worker.next_assignment().await;
     let attempt = assignment.attempt.clone().unwrap();
@@ -566,7 +359,7 @@ async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
         assert_eq!(recovered.state, v1::JobState::Running as i32);
         assert_eq!(recovered.attempts.len(), 1);
     }
-    let mut replacement = TestWorker::connect(&channel, &worker_token, "gpu-b", "", vec![]).await;
+    let mut replacement = TestWorker::connect(&channel, &worker_token, "gpu-b", 16 << 30).await;
     assert_ne!(replacement.id, lost_worker);
     let second_assignment = replacement.next_assignment().await;
     assert!(
@@ -595,7 +388,9 @@ async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
     );
 
     replacement.started(&second_assignment).await;
-    let finished = replacement.finish(&second_attempt, 1 << 20).await;
+    let finished = replacement
+        .finish(&second_attempt, v1::AttemptOutcome::Succeeded, 1 << 20)
+        .await;
     assert!(finished.is_empty(), "unexpected messages: {finished:?}");
     let done = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(done.attempts.len(), 2);
@@ -618,7 +413,7 @@ async fn the_scheduler_stops_while_a_worker_is_still_connected() {
     let channel = scheduler.channel().await;
     let (_, worker_token) = tenant_with_tokens(&channel, "alice").await;
     // The session stays open from the worker's side: the scheduler must end it to stop.
-    let _worker = TestWorker::connect(&channel, &worker_token, "gpu-a", "", vec![]).await;
+    let _worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     scheduler.stop().await;
 }
 
@@ -632,7 +427,7 @@ async fn job_logs_received_before_a_stop_are_read_after_the_restart() {
     let first = RunningScheduler::start(&database, lease).await;
     let channel = first.channel().await;
     let (user, worker_token) = tenant_with_tokens(&channel, "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", "", vec![]).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let job = submit(&channel, &user).await;
     let assignment = worker.next_assignment().await;
     let attempt = assignment.attempt.clone().unwrap();

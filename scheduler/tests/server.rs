@@ -3,23 +3,21 @@
 //! with the planner's config, lease expiry and fencing, cancel, tenancy, quotas,
 //! idempotency, and the status of every invalid request.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use carve_proto::v1;
 use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
-use carve_proto::v1::worker_service_client::WorkerServiceClient;
 use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::{SchedulerConfig, run};
-use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
 use tonic::{Code, Request};
+
+#[path = "support/worker.rs"]
+mod test_worker;
+use test_worker::{TestWorker, authorized};
 
 const ADMIN: &str = "carve_test_admin_secret";
 
@@ -65,15 +63,6 @@ async fn start(lease: Duration) -> Cluster {
         _directory: directory,
         _shutdown: shutdown,
     }
-}
-
-fn authorized<T>(message: T, token: &str) -> Request<T> {
-    let mut request = Request::new(message);
-    request.metadata_mut().insert(
-        "authorization",
-        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
-    );
-    request
 }
 
 async fn channel(cluster: &Cluster) -> Channel {
@@ -123,144 +112,6 @@ async fn tenant_with_tokens(channel: &Channel, tenant: &str, quota: v1::Quota) -
         }
     };
     (token(v1::Role::User).await, token(v1::Role::Worker).await)
-}
-
-/// A worker that speaks the protocol by hand.
-struct TestWorker {
-    id: String,
-    heartbeating: Arc<AtomicBool>,
-    outgoing: mpsc::Sender<v1::WorkerMessage>,
-    incoming: tonic::Streaming<v1::SchedulerMessage>,
-    sequence: u64,
-}
-
-impl TestWorker {
-    async fn connect(
-        channel: &Channel,
-        token: &str,
-        gpu_uuid: &str,
-        total_bytes: u64,
-    ) -> TestWorker {
-        let mut client = WorkerServiceClient::new(channel.clone());
-        let registered = client
-            .register(authorized(
-                v1::RegisterWorkerRequest {
-                    hostname: format!("host-{gpu_uuid}"),
-                    gpus: vec![v1::Gpu {
-                        uuid: gpu_uuid.into(),
-                        index: 0,
-                        model_name: "simulated".into(),
-                        total_bytes,
-                        context_bytes: 256 << 20,
-                        free_bytes: total_bytes - (256 << 20),
-                        simulated: true,
-                        slices: vec![],
-                        compute_capability: "9.0".into(),
-                    }],
-                    version: "test".into(),
-                    previous_worker_id: String::new(),
-                },
-                token,
-            ))
-            .await
-            .unwrap()
-            .into_inner();
-        let (outgoing, receiver) = mpsc::channel(64);
-        outgoing
-            .send(v1::WorkerMessage {
-                sequence: 0,
-                body: Some(v1::worker_message::Body::Hello(v1::worker_message::Hello {
-                    worker_id: registered.worker_id.clone(),
-                    running_attempts: vec![],
-                })),
-            })
-            .await
-            .unwrap();
-        let incoming = client
-            .session(authorized(ReceiverStream::new(receiver), token))
-            .await
-            .unwrap()
-            .into_inner();
-        let worker = TestWorker {
-            id: registered.worker_id,
-            heartbeating: Arc::new(AtomicBool::new(true)),
-            outgoing,
-            incoming,
-            sequence: 0,
-        };
-        worker.keep_alive();
-        worker
-    }
-
-    /// Heartbeats in the background until the worker is dropped.
-    fn keep_alive(&self) {
-        let outgoing = self.outgoing.clone();
-        let heartbeating = self.heartbeating.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                if !heartbeating.load(Ordering::Relaxed) {
-                    return;
-                }
-                let heartbeat = v1::WorkerMessage {
-                    sequence: 0,
-                    body: Some(v1::worker_message::Body::Heartbeat(
-                        v1::worker_message::Heartbeat { gpus: vec![] },
-                    )),
-                };
-                if outgoing.send(heartbeat).await.is_err() {
-                    return;
-                }
-            }
-        });
-    }
-
-    async fn send(&mut self, body: v1::worker_message::Body) {
-        self.sequence += 1;
-        self.outgoing
-            .send(v1::WorkerMessage {
-                sequence: self.sequence,
-                body: Some(body),
-            })
-            .await
-            .unwrap();
-    }
-
-    /// The next message that is not an ack.
-    async fn next(&mut self) -> v1::scheduler_message::Body {
-        loop {
-            let message = tokio::time::timeout(Duration::from_secs(10), self.incoming.next())
-                .await
-                .expect("a scheduler message within 10 s")
-                .expect("the session is open")
-                .expect("not an error");
-            match message.body {
-                Some(v1::scheduler_message::Body::Ack(_)) | None => continue,
-                Some(body) => return body,
-            }
-        }
-    }
-
-    async fn next_assignment(&mut self) -> v1::scheduler_message::Assignment {
-        match self.next().await {
-            v1::scheduler_message::Body::Assignment(assignment) => assignment,
-            other => panic!("expected an assignment, got {other:?}"),
-        }
-    }
-
-    async fn finish(&mut self, attempt: &v1::AttemptRef, outcome: v1::AttemptOutcome, peak: u64) {
-        self.send(v1::worker_message::Body::AttemptFinished(
-            v1::worker_message::AttemptFinished {
-                attempt: Some(attempt.clone()),
-                outcome: outcome as i32,
-                final_loss: Some(0.1),
-                test_accuracy: None,
-                measured_peak_bytes: peak,
-                message: String::new(),
-            },
-        ))
-        .await;
-    }
 }
 
 /// `GET /metrics` over a plain socket, as a scraper does.
@@ -510,17 +361,7 @@ async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
     let first = first_worker.next_assignment().await;
     let stale_attempt = first.attempt.clone().unwrap();
     // The first worker goes silent: its heartbeats stop (the session stays open).
-    first_worker.heartbeating.store(false, Ordering::Relaxed);
-    let TestWorker {
-        outgoing: stale_outgoing,
-        mut incoming,
-        ..
-    } = first_worker;
-    let silent = tokio::spawn(async move {
-        // Keep reading so the session is not closed, but send nothing.
-        while incoming.next().await.is_some() {}
-    });
-    drop(silent);
+    let stale_outgoing = first_worker.go_silent();
     let mut second_worker = TestWorker::connect(&channel, &worker_token, "gpu-b", 16 << 30).await;
     let second = second_worker.next_assignment().await;
     assert_eq!(second.attempt.as_ref().unwrap().attempt_number, 2);

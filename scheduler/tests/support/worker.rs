@@ -1,0 +1,281 @@
+//! A worker that speaks the worker protocol by hand, for the server and restart tests:
+//! it registers one simulated GPU, opens a session, heartbeats in the background and
+//! sends exactly the messages a test tells it to, so a test controls every step a real
+//! worker would take on its own. Included with `#[path]` by the test files that need it.
+
+#![allow(dead_code)]
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use carve_proto::v1;
+use carve_proto::v1::worker_service_client::WorkerServiceClient;
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Request;
+use tonic::metadata::MetadataValue;
+use tonic::transport::Channel;
+
+/// How long a test waits for a message the scheduler must send.
+pub const WORKER_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The CUDA context each simulated GPU reserves outside its slices.
+const CONTEXT_BYTES: u64 = 256 << 20;
+
+/// `message` with `token` as its bearer token.
+pub fn authorized<T>(message: T, token: &str) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
+    );
+    request
+}
+
+pub struct TestWorker {
+    pub id: String,
+    heartbeating: Arc<AtomicBool>,
+    outgoing: mpsc::Sender<v1::WorkerMessage>,
+    incoming: tonic::Streaming<v1::SchedulerMessage>,
+    /// Messages that arrived while `send` waited for its ack, not yet received.
+    pending: VecDeque<v1::scheduler_message::Body>,
+    sequence: u64,
+}
+
+impl TestWorker {
+    /// A new worker with one GPU of `total_bytes`.
+    pub async fn connect(
+        channel: &Channel,
+        token: &str,
+        gpu_uuid: &str,
+        total_bytes: u64,
+    ) -> TestWorker {
+        Self::reconnect(channel, token, gpu_uuid, total_bytes, "", vec![]).await
+    }
+
+    /// Registers (as `previous_worker_id` when not empty, as after a restart) and opens a
+    /// session whose hello lists `running_attempts`.
+    pub async fn reconnect(
+        channel: &Channel,
+        token: &str,
+        gpu_uuid: &str,
+        total_bytes: u64,
+        previous_worker_id: &str,
+        running_attempts: Vec<v1::AttemptRef>,
+    ) -> TestWorker {
+        let mut client = WorkerServiceClient::new(channel.clone());
+        let registered = client
+            .register(authorized(
+                v1::RegisterWorkerRequest {
+                    hostname: format!("host-{gpu_uuid}"),
+                    gpus: vec![v1::Gpu {
+                        uuid: gpu_uuid.into(),
+                        index: 0,
+                        model_name: "simulated".into(),
+                        total_bytes,
+                        context_bytes: CONTEXT_BYTES,
+                        free_bytes: total_bytes - CONTEXT_BYTES,
+                        simulated: true,
+                        slices: vec![],
+                        compute_capability: "9.0".into(),
+                    }],
+                    version: "test".into(),
+                    previous_worker_id: previous_worker_id.into(),
+                },
+                token,
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        let (outgoing, receiver) = mpsc::channel(64);
+        outgoing
+            .send(v1::WorkerMessage {
+                sequence: 0,
+                body: Some(v1::worker_message::Body::Hello(v1::worker_message::Hello {
+                    worker_id: registered.worker_id.clone(),
+                    running_attempts,
+                })),
+            })
+            .await
+            .unwrap();
+        let incoming = client
+            .session(authorized(ReceiverStream::new(receiver), token))
+            .await
+            .unwrap()
+            .into_inner();
+        let worker = TestWorker {
+            id: registered.worker_id,
+            heartbeating: Arc::new(AtomicBool::new(true)),
+            outgoing,
+            incoming,
+            pending: VecDeque::new(),
+            sequence: 0,
+        };
+        worker.keep_alive();
+        worker
+    }
+
+    /// Heartbeats in the background until the worker disconnects or is dropped.
+    fn keep_alive(&self) {
+        let outgoing = self.outgoing.clone();
+        let heartbeating = self.heartbeating.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if !heartbeating.load(Ordering::Relaxed) {
+                    return;
+                }
+                let heartbeat = v1::WorkerMessage {
+                    sequence: 0,
+                    body: Some(v1::worker_message::Body::Heartbeat(
+                        v1::worker_message::Heartbeat { gpus: vec![] },
+                    )),
+                };
+                if outgoing.send(heartbeat).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// Ends the session as a worker process would when its scheduler went away: no more
+    /// heartbeats, both directions of the stream dropped.
+    pub fn disconnect(self) {
+        self.heartbeating.store(false, Ordering::Relaxed);
+    }
+
+    /// Stops heartbeating but keeps the session open, reading and dropping what comes, as
+    /// a hung worker would; returns the raw sender, for a late report.
+    pub fn go_silent(self) -> mpsc::Sender<v1::WorkerMessage> {
+        self.heartbeating.store(false, Ordering::Relaxed);
+        let mut incoming = self.incoming;
+        tokio::spawn(async move { while incoming.next().await.is_some() {} });
+        self.outgoing
+    }
+
+    /// Sends one message and waits for its ack. Returns the other messages the scheduler
+    /// sent meanwhile, which `next` and `messages_within` still deliver afterwards.
+    pub async fn send(
+        &mut self,
+        body: v1::worker_message::Body,
+    ) -> Vec<v1::scheduler_message::Body> {
+        self.sequence += 1;
+        let sequence = self.sequence;
+        self.outgoing
+            .send(v1::WorkerMessage {
+                sequence,
+                body: Some(body),
+            })
+            .await
+            .unwrap();
+        let mut others = Vec::new();
+        loop {
+            match self.receive_from_stream(WORKER_DEADLINE).await {
+                Some(v1::scheduler_message::Body::Ack(ack)) if ack.sequence == sequence => {
+                    self.pending.extend(others.iter().cloned());
+                    return others;
+                }
+                Some(v1::scheduler_message::Body::Ack(_)) => {}
+                Some(other) => others.push(other),
+                None => panic!("no ack for message {sequence} within {WORKER_DEADLINE:?}"),
+            }
+        }
+    }
+
+    /// The next message from the session within `wait`, acks included; None when none
+    /// came.
+    async fn receive_from_stream(&mut self, wait: Duration) -> Option<v1::scheduler_message::Body> {
+        loop {
+            let message = tokio::time::timeout(wait, self.incoming.next())
+                .await
+                .ok()?
+                .expect("the session is open")
+                .expect("not an error");
+            if let Some(body) = message.body {
+                return Some(body);
+            }
+        }
+    }
+
+    /// The next message that is not an ack, within `wait`.
+    async fn receive(&mut self, wait: Duration) -> Option<v1::scheduler_message::Body> {
+        if let Some(body) = self.pending.pop_front() {
+            return Some(body);
+        }
+        let until = tokio::time::Instant::now() + wait;
+        loop {
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            match self.receive_from_stream(left).await? {
+                v1::scheduler_message::Body::Ack(_) => {}
+                body => return Some(body),
+            }
+        }
+    }
+
+    /// The next message that is not an ack.
+    pub async fn next(&mut self) -> v1::scheduler_message::Body {
+        self.receive(WORKER_DEADLINE)
+            .await
+            .unwrap_or_else(|| panic!("no scheduler message within {WORKER_DEADLINE:?}"))
+    }
+
+    /// Every message but acks that arrives within `window`.
+    pub async fn messages_within(&mut self, window: Duration) -> Vec<v1::scheduler_message::Body> {
+        let until = tokio::time::Instant::now() + window;
+        let mut messages = Vec::new();
+        loop {
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() && self.pending.is_empty() {
+                return messages;
+            }
+            match self.receive(left).await {
+                Some(body) => messages.push(body),
+                None => return messages,
+            }
+        }
+    }
+
+    pub async fn next_assignment(&mut self) -> v1::scheduler_message::Assignment {
+        match self.next().await {
+            v1::scheduler_message::Body::Assignment(assignment) => assignment,
+            other => panic!("expected an assignment, got {other:?}"),
+        }
+    }
+
+    /// Reports `assignment` started in its slice; the scheduler must send nothing else.
+    pub async fn started(&mut self, assignment: &v1::scheduler_message::Assignment) {
+        let others = self
+            .send(v1::worker_message::Body::AttemptStarted(
+                v1::worker_message::AttemptStarted {
+                    attempt: assignment.attempt.clone(),
+                    reserved_bytes: assignment.slice_bytes,
+                },
+            ))
+            .await;
+        assert!(others.is_empty(), "unexpected messages: {others:?}");
+    }
+
+    /// Reports `attempt` ended with `outcome` and a measured `peak`; returns what else the
+    /// scheduler sent meanwhile.
+    pub async fn finish(
+        &mut self,
+        attempt: &v1::AttemptRef,
+        outcome: v1::AttemptOutcome,
+        peak: u64,
+    ) -> Vec<v1::scheduler_message::Body> {
+        self.send(v1::worker_message::Body::AttemptFinished(
+            v1::worker_message::AttemptFinished {
+                attempt: Some(attempt.clone()),
+                outcome: outcome as i32,
+                final_loss: Some(0.1),
+                test_accuracy: None,
+                measured_peak_bytes: peak,
+                message: String::new(),
+            },
+        ))
+        .await
+    }
+}
