@@ -313,6 +313,29 @@ fn kernel_geometry(layer: &LayerNode, batch: usize) -> Option<KernelGeometry> {
     })
 }
 
+/// How a convolution runs through cuDNN, when it does.
+#[derive(Debug, Clone, Copy)]
+enum CudnnRoute {
+    /// Symmetric padding: cuDNN's descriptors say it as written.
+    AsWritten,
+    /// Asymmetric padding, on padded copies in the workspace.
+    Padded(PaddedConvolutionPlan),
+}
+
+/// cuDNN's route for this convolution: always with symmetric padding, and with asymmetric
+/// padding when a padded image fits its workspace; `None` for the direct kernels.
+fn cudnn_route(
+    layer: &LayerNode,
+    geometry: &KernelGeometry,
+    element_type: ElementType,
+    workspace_bytes: u64,
+) -> Option<CudnnRoute> {
+    if has_symmetric_padding(layer) {
+        return Some(CudnnRoute::AsWritten);
+    }
+    padded_convolution_plan(geometry, element_type, workspace_bytes).map(CudnnRoute::Padded)
+}
+
 /// How a convolution with asymmetric padding fits cuDNN in this workspace, if it does.
 fn padded_convolution_plan(
     geometry: &KernelGeometry,
@@ -675,23 +698,11 @@ impl CudaBackend {
         Ok(algorithm)
     }
 
-    /// Whether a convolution runs through cuDNN: always with symmetric padding, and with
-    /// asymmetric padding when a padded image fits its workspace; else the direct kernels.
-    fn convolution_runs_on_cudnn(
-        &self,
-        layer: &LayerNode,
-        geometry: &KernelGeometry,
-        element_type: ElementType,
-        workspace_bytes: u64,
-    ) -> bool {
-        has_symmetric_padding(layer)
-            || padded_convolution_plan(geometry, element_type, workspace_bytes).is_some()
-    }
-
-    /// One direction of a convolution that `convolution_runs_on_cudnn`.
+    /// One direction of a convolution along its cuDNN `route`.
     #[allow(clippy::too_many_arguments)]
     fn convolve(
         &mut self,
+        route: CudnnRoute,
         layer: &LayerNode,
         geometry: &KernelGeometry,
         element_type: ElementType,
@@ -701,31 +712,26 @@ impl CudaBackend {
         beta: f32,
     ) -> Result<(), EngineError> {
         let label = layer.label();
-        if has_symmetric_padding(layer) {
-            let shape = convolution_shape(geometry, element_type);
-            return self.run_convolution(
-                &shape,
+        match route {
+            CudnnRoute::AsWritten => self.run_convolution(
+                &convolution_shape(geometry, element_type),
                 direction,
                 buffers,
                 may_overwrite_output,
                 beta,
                 &label,
-            );
+            ),
+            CudnnRoute::Padded(plan) => self.run_padded_convolution(
+                geometry,
+                &plan,
+                element_type,
+                direction,
+                buffers,
+                may_overwrite_output,
+                beta,
+                &label,
+            ),
         }
-        let plan = padded_convolution_plan(geometry, element_type, buffers.workspace_bytes)
-            .ok_or_else(|| {
-                EngineError::Backend(format!("{label}: no padded image fits the workspace"))
-            })?;
-        self.run_padded_convolution(
-            geometry,
-            &plan,
-            element_type,
-            direction,
-            buffers,
-            may_overwrite_output,
-            beta,
-            &label,
-        )
     }
 
     /// Chooses the algorithm for `shape` and `direction` (once) and runs it.
@@ -895,7 +901,7 @@ impl CudaBackend {
                 let kernel = parameter(0)?;
                 let bias = if use_bias { Some(parameter(1)?) } else { None };
                 let (workspace, workspace_bytes) = self.workspace_of(&roles)?;
-                if self.convolution_runs_on_cudnn(layer, &geometry, element_type, workspace_bytes) {
+                if let Some(route) = cudnn_route(layer, &geometry, element_type, workspace_bytes) {
                     let buffers = ConvolutionBuffers {
                         input: input.address,
                         filter: kernel.address,
@@ -904,6 +910,7 @@ impl CudaBackend {
                         workspace_bytes,
                     };
                     self.convolve(
+                        route,
                         layer,
                         &geometry,
                         element_type,
@@ -1245,7 +1252,7 @@ impl CudaBackend {
                     None
                 };
                 let (workspace, workspace_bytes) = self.workspace_of(&roles)?;
-                if self.convolution_runs_on_cudnn(layer, &geometry, element_type, workspace_bytes) {
+                if let Some(route) = cudnn_route(layer, &geometry, element_type, workspace_bytes) {
                     let shape = convolution_shape(&geometry, element_type);
                     if let Some(dx) = input_gradient {
                         let buffers = ConvolutionBuffers {
@@ -1256,6 +1263,7 @@ impl CudaBackend {
                             workspace_bytes,
                         };
                         self.convolve(
+                            route,
                             layer,
                             &geometry,
                             element_type,
@@ -1283,6 +1291,7 @@ impl CudaBackend {
                     // Measuring writes the filter gradient: only when it is the scratch,
                     // never the accumulated fp32 gradient.
                     self.convolve(
+                        route,
                         layer,
                         &geometry,
                         element_type,
