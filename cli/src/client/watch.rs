@@ -209,6 +209,19 @@ pub async fn follow_job(
     result
 }
 
+/// "attempt 2 started on WORKER GPU in a 6 GiB slice: CONFIG (estimate E)".
+fn attempt_placement(verb: &str, attempt: &v1::Attempt) -> String {
+    format!(
+        "attempt {} {verb} on {} {} in a {} slice: {} (estimate {})",
+        attempt.number,
+        attempt.worker_id,
+        attempt.gpu_uuid,
+        bytes_text(Some(attempt.slice_bytes)),
+        config_text(attempt.config.as_ref()),
+        bytes_text(Some(attempt.estimate_bytes))
+    )
+}
+
 fn show_event(display: &Display, job: &v1::Job, event: Event, slice_bytes: &mut Option<u64>) {
     match event {
         Event::StateChanged(changed) => {
@@ -223,15 +236,7 @@ fn show_event(display: &Display, job: &v1::Job, event: Event, slice_bytes: &mut 
                     attempt.outcome == v1::AttemptOutcome::Running as i32
                         && !is_terminal_state(changed.state)
                 }) {
-                    display.line(&format!(
-                        "attempt {} running on {} {} in a {} slice: {} (estimate {})",
-                        attempt.number,
-                        attempt.worker_id,
-                        attempt.gpu_uuid,
-                        bytes_text(Some(attempt.slice_bytes)),
-                        config_text(attempt.config.as_ref()),
-                        bytes_text(Some(attempt.estimate_bytes))
-                    ));
+                    display.line(&attempt_placement("running", attempt));
                 }
             } else {
                 // Reasons often start with the state itself ("cancelled: not needed").
@@ -285,15 +290,7 @@ fn show_event(display: &Display, job: &v1::Job, event: Event, slice_bytes: &mut 
         }
         Event::AttemptStarted(attempt) => {
             *slice_bytes = Some(attempt.slice_bytes);
-            display.line(&format!(
-                "attempt {} started on {} {} in a {} slice: {} (estimate {})",
-                attempt.number,
-                attempt.worker_id,
-                attempt.gpu_uuid,
-                bytes_text(Some(attempt.slice_bytes)),
-                config_text(attempt.config.as_ref()),
-                bytes_text(Some(attempt.estimate_bytes))
-            ));
+            display.line(&attempt_placement("started", &attempt));
         }
         Event::AttemptFinished(attempt) => {
             let note = attempt_note(&attempt);
