@@ -180,19 +180,22 @@ fn mib(bytes: u64) -> String {
     format!("{:.0} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
-/// The report as plain-text tables.
-pub fn render_submit_report(report: &SubmitReport) -> String {
-    let mut text = String::new();
-    let machine = &report.machine;
-    let _ = writeln!(
-        text,
+/// The machine a run measured, with its load before and after.
+fn machine_line(machine: &MachineInfo) -> String {
+    format!(
         "machine: {} cpus, {}, {} RAM; load average {:.2} at start, {:.2} at end",
         machine.cpus,
         machine.cpu_model,
         mib(machine.memory_bytes),
         machine.load_average_at_start,
         machine.load_average_at_end
-    );
+    )
+}
+
+/// The report as plain-text tables.
+pub fn render_submit_report(report: &SubmitReport) -> String {
+    let mut text = String::new();
+    let _ = writeln!(text, "{}", machine_line(&report.machine));
     let _ = writeln!(
         text,
         "each phase: {:.1} s on a fresh scheduler and database, {} gRPC connections\n",
@@ -290,16 +293,7 @@ pub fn render_submit_report(report: &SubmitReport) -> String {
 pub fn render_queue_memory(run: &QueueMemoryRun) -> String {
     let result = &run.result;
     let mut text = String::new();
-    let machine = &run.machine;
-    let _ = writeln!(
-        text,
-        "machine: {} cpus, {}, {} RAM; load average {:.2} at start, {:.2} at end",
-        machine.cpus,
-        machine.cpu_model,
-        mib(machine.memory_bytes),
-        machine.load_average_at_start,
-        machine.load_average_at_end
-    );
+    let _ = writeln!(text, "{}", machine_line(&run.machine));
     let _ = writeln!(
         text,
         "{} queued jobs on {} (filled in {:.1} s)",
