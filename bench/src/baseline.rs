@@ -131,34 +131,27 @@ pub async fn measure_store_limit(
     let mut connection = DatabaseConnection::open(kind, url).await?;
     let start = Instant::now();
     let mut sequence: i64 = 0;
+    // One commit of `rows_per_transaction` rows; a macro because the two connection
+    // types share no trait that `insert_job!` could be written against.
+    macro_rules! commit_rows {
+        ($connection:expr) => {
+            if rows_per_transaction == 1 {
+                sequence += 1;
+                insert_job!(&mut *$connection, sample, sequence)?;
+            } else {
+                let mut transaction = $connection.begin().await?;
+                for _ in 0..rows_per_transaction {
+                    sequence += 1;
+                    insert_job!(&mut *transaction, sample, sequence)?;
+                }
+                transaction.commit().await?;
+            }
+        };
+    }
     while start.elapsed() < duration {
         match &mut connection {
-            DatabaseConnection::Sqlite(connection) => {
-                if rows_per_transaction == 1 {
-                    sequence += 1;
-                    insert_job!(&mut *connection, sample, sequence)?;
-                } else {
-                    let mut transaction = connection.begin().await?;
-                    for _ in 0..rows_per_transaction {
-                        sequence += 1;
-                        insert_job!(&mut *transaction, sample, sequence)?;
-                    }
-                    transaction.commit().await?;
-                }
-            }
-            DatabaseConnection::Postgres(connection) => {
-                if rows_per_transaction == 1 {
-                    sequence += 1;
-                    insert_job!(&mut *connection, sample, sequence)?;
-                } else {
-                    let mut transaction = connection.begin().await?;
-                    for _ in 0..rows_per_transaction {
-                        sequence += 1;
-                        insert_job!(&mut *transaction, sample, sequence)?;
-                    }
-                    transaction.commit().await?;
-                }
-            }
+            DatabaseConnection::Sqlite(connection) => commit_rows!(connection),
+            DatabaseConnection::Postgres(connection) => commit_rows!(connection),
         }
     }
     let seconds = start.elapsed().as_secs_f64();
