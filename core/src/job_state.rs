@@ -85,17 +85,21 @@ pub enum AttemptOutcome {
     Cancelled,
     /// The worker stopped heartbeating and lost its lease; the attempt's fate is unknown.
     Lost,
+    /// The attempt process died of something outside the program (a signal the worker
+    /// did not send, or it vanished): an infrastructure failure, retried like `Lost`.
+    Interrupted,
 }
 
 impl AttemptOutcome {
     /// Every outcome.
-    pub const ALL: [AttemptOutcome; 6] = [
+    pub const ALL: [AttemptOutcome; 7] = [
         AttemptOutcome::Running,
         AttemptOutcome::Succeeded,
         AttemptOutcome::OutOfMemory,
         AttemptOutcome::Failed,
         AttemptOutcome::Cancelled,
         AttemptOutcome::Lost,
+        AttemptOutcome::Interrupted,
     ];
 
     /// The lowercase name used in messages, logs and the store.
@@ -107,6 +111,7 @@ impl AttemptOutcome {
             AttemptOutcome::Failed => "failed",
             AttemptOutcome::Cancelled => "cancelled",
             AttemptOutcome::Lost => "lost",
+            AttemptOutcome::Interrupted => "interrupted",
         }
     }
 

@@ -82,6 +82,7 @@ pub fn outcome_to_proto(outcome: &str) -> v1::AttemptOutcome {
         "failed" => v1::AttemptOutcome::Failed,
         "cancelled" => v1::AttemptOutcome::Cancelled,
         "lost" => v1::AttemptOutcome::Lost,
+        "interrupted" => v1::AttemptOutcome::Interrupted,
         _ => v1::AttemptOutcome::Unspecified,
     }
 }

@@ -37,6 +37,7 @@ pub const ATTEMPT_OUTCOMES: &[&str] = &[
     "failed",
     "cancelled",
     "lost",
+    "interrupted",
 ];
 
 /// States a worker may be in (`WorkerRecord::state`).
