@@ -1,10 +1,16 @@
-//! Between store records and the wire: run configs as JSON in the store, jobs and
-//! attempts as generated protobuf messages in the handlers.
+//! Between store records and the wire: run configs and estimates as JSON in the store,
+//! jobs and attempts as generated protobuf messages in the handlers.
+//!
+//! A job is read far more often than it is submitted (listings, watches, every poll of
+//! `carve status`), so reads show the estimate stored with the job at submit (and at
+//! each shrink) and never validate or estimate its spec again: for large specs that
+//! cost seconds per job.
 
-use carve_core::estimator::{MemoryEstimate, estimate_job};
+use carve_core::estimator::MemoryEstimate;
 use carve_core::plan::RunConfig;
 use carve_core::spec::Precision;
 use carve_proto::v1;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::error::SchedulerError;
@@ -111,10 +117,10 @@ pub fn attempt_to_proto(attempt: &AttemptRecord) -> v1::Attempt {
         failure_message: attempt.message.clone(),
         started_at: Some(timestamp(attempt.started_at_ms)),
         finished_at: attempt.finished_at_ms.map(timestamp),
-        resumed_from: attempt
-            .resumed_from
-            .clone()
-            .map(|location| v1::Checkpoint { step: 0, location }),
+        resumed_from: attempt.resumed_from.clone().map(|location| v1::Checkpoint {
+            step: attempt.resumed_from_step.max(0) as u64,
+            location,
+        }),
     }
 }
 
@@ -129,14 +135,125 @@ pub fn oom_to_json(report: &carve_core::allocator::OutOfMemory) -> String {
     .to_string()
 }
 
-/// A job with its attempts and its estimate (recomputed: the estimator is pure and fast).
-pub fn job_to_proto(job: &JobRecord, attempts: &[AttemptRecord]) -> v1::Job {
-    let config = config_from_json(&job.config_json).ok();
-    let estimate = config.and_then(|config| {
-        let validated = carve_proto::convert::validated_job_from_json(&job.spec_json).ok()?;
-        estimate_job(&validated, &config).ok()
-    });
-    job_proto_from_parts(job, attempts, config, estimate.as_ref())
+/// A job's estimate as its row stores it: everything the API shows of an estimate but
+/// the configuration, which is the row's `config_json`. Rows written before the
+/// breakdowns were stored hold only `peak_bytes` and `required_bytes`; the other fields
+/// read as empty. The two byte counts are required, so a corrupt row is an error rather
+/// than an estimate of zero bytes.
+#[derive(Debug, Serialize, Deserialize)]
+struct StoredEstimate {
+    peak_bytes: u64,
+    required_bytes: u64,
+    #[serde(default)]
+    persistent_bytes: u64,
+    #[serde(default)]
+    fragmentation_bytes_at_peak: u64,
+    #[serde(default)]
+    fragmentation_at_peak: f64,
+    #[serde(default)]
+    by_category: Vec<StoredCategoryBytes>,
+    #[serde(default)]
+    by_layer: Vec<StoredLayerBytes>,
+    #[serde(default)]
+    peak_during: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct StoredCategoryBytes {
+    category: String,
+    bytes: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct StoredLayerBytes {
+    layer: String,
+    bytes: u64,
+}
+
+/// An estimate as a job row stores it (`JobRecord::estimate_json`).
+pub fn estimate_to_json(estimate: &MemoryEstimate) -> String {
+    let stored = StoredEstimate {
+        peak_bytes: estimate.peak_bytes,
+        required_bytes: estimate.required_bytes,
+        persistent_bytes: estimate.persistent_bytes,
+        fragmentation_bytes_at_peak: estimate.fragmentation_bytes_at_peak,
+        fragmentation_at_peak: estimate.fragmentation_at_peak,
+        by_category: estimate
+            .by_category
+            .iter()
+            .map(|(category, bytes)| StoredCategoryBytes {
+                category: category.name().to_string(),
+                bytes: *bytes,
+            })
+            .collect(),
+        by_layer: estimate
+            .by_layer
+            .iter()
+            .map(|layer| StoredLayerBytes {
+                layer: layer.label.clone(),
+                bytes: layer.bytes,
+            })
+            .collect(),
+        peak_during: estimate.peak_during.clone(),
+    };
+    // Plain numbers, strings and lists: serializing them cannot fail (a NaN share, which
+    // JSON cannot hold, becomes null and reads back as an error, not as a number).
+    serde_json::to_string(&stored).unwrap_or_default()
+}
+
+/// The estimate a job row stores, for the configuration `config` (the row's own), as
+/// the API shows it. `Internal` when the stored text is not an estimate.
+pub fn estimate_from_json(
+    text: &str,
+    config: Option<RunConfig>,
+) -> Result<v1::MemoryEstimate, SchedulerError> {
+    let stored: StoredEstimate = serde_json::from_str(text)
+        .map_err(|error| SchedulerError::Internal(format!("stored estimate: {error}")))?;
+    Ok(v1::MemoryEstimate {
+        config: config.map(Into::into),
+        peak_bytes: stored.peak_bytes,
+        required_bytes: stored.required_bytes,
+        persistent_bytes: stored.persistent_bytes,
+        fragmentation_at_peak: stored.fragmentation_at_peak,
+        by_category: stored
+            .by_category
+            .into_iter()
+            .map(|entry| v1::CategoryBytes {
+                category: entry.category,
+                bytes: entry.bytes,
+            })
+            .collect(),
+        by_layer: stored
+            .by_layer
+            .into_iter()
+            .map(|entry| v1::LayerBytes {
+                layer: entry.layer,
+                bytes: entry.bytes,
+            })
+            .collect(),
+        fragmentation_bytes_at_peak: stored.fragmentation_bytes_at_peak,
+        peak_during: stored.peak_during,
+    })
+}
+
+/// A job with its attempts and the estimate stored with it: nothing is validated or
+/// estimated, whatever the spec's size. `Internal` when the stored configuration or
+/// estimate cannot be read (a corrupt row must not read as a job that needs no memory).
+pub fn job_to_proto(
+    job: &JobRecord,
+    attempts: &[AttemptRecord],
+) -> Result<v1::Job, SchedulerError> {
+    let within_job = |error: SchedulerError| match error {
+        SchedulerError::Internal(message) => {
+            SchedulerError::Internal(format!("job {}: {message}", job.id))
+        }
+        other => other,
+    };
+    let config = config_from_json(&job.config_json).map_err(within_job)?;
+    let estimate = estimate_from_json(&job.estimate_json, Some(config)).map_err(within_job)?;
+    let mut message = job_proto_from_parts(job, attempts, Some(config), None);
+    message.estimate = Some(estimate);
+    Ok(message)
 }
 
 /// A job whose current configuration and its estimate the caller already holds (admission

@@ -201,6 +201,7 @@ mod tests {
             created_at_ms: 1,
             finished_at_ms: None,
             checkpoint_location: None,
+            checkpoint_step: 0,
             attempts_count: 1,
         }
     }

@@ -31,8 +31,8 @@ use tonic::Status;
 use crate::auth::{Caller, Role, authenticate, generate_id};
 use crate::cache::{BoundedCache, LOOKUP_CAPACITY, LOOKUP_TIME_TO_LIVE, ShortLivedCache};
 use crate::convert::{
-    attempt_to_proto, config_from_json, config_to_json, job_proto_from_parts, job_state_to_proto,
-    job_to_proto, oom_to_json, timestamp,
+    attempt_to_proto, config_from_json, config_to_json, estimate_to_json, job_proto_from_parts,
+    job_state_to_proto, job_to_proto, oom_to_json, timestamp,
 };
 use crate::error::SchedulerError;
 use crate::metrics::{ClusterGauges, Metrics};
@@ -261,15 +261,6 @@ fn shape_key(job: &ValidatedJob, config: &RunConfig) -> String {
         .take(16)
         .map(|byte| format!("{byte:02x}"))
         .collect()
-}
-
-/// The estimate as a job row stores it (the spec's own configuration's estimate).
-fn estimate_to_json(estimate: &MemoryEstimate) -> String {
-    serde_json::json!({
-        "peak_bytes": estimate.peak_bytes,
-        "required_bytes": estimate.required_bytes,
-    })
-    .to_string()
 }
 
 fn spec_error(error: carve_proto::ApiError) -> SchedulerError {
@@ -558,13 +549,17 @@ impl Scheduler {
             } else {
                 config_to_json(&config)
             },
-            estimate_json: analysed.estimate_json.clone(),
+            // The estimate of the configuration stored: reads show it as it is.
+            estimate_json: shrunk_estimate
+                .as_ref()
+                .map_or_else(|| analysed.estimate_json.clone(), estimate_to_json),
             required_bytes: slice_bytes as i64,
             waiting_reason: waiting_reason_at_submit(&gpus),
             message: String::new(),
             created_at_ms: now,
             finished_at_ms: None,
             checkpoint_location: None,
+            checkpoint_step: 0,
             attempts_count: 0,
         };
         let outcome = self.batcher.submit(record).await?;
@@ -713,7 +708,7 @@ impl Scheduler {
 
     pub async fn job_proto(&self, job: &JobRecord) -> Result<v1::Job, SchedulerError> {
         let attempts = self.store.list_attempts(&job.id).await?;
-        Ok(job_to_proto(job, &attempts))
+        job_to_proto(job, &attempts)
     }
 
     pub async fn cancel(
@@ -1061,6 +1056,7 @@ impl Scheduler {
                 if let Some(checkpoint) = written.checkpoint {
                     let mut job = self.store.get_job(&attempt.job_id).await?;
                     job.checkpoint_location = Some(checkpoint.location);
+                    job.checkpoint_step = checkpoint.step as i64;
                     self.update_job(&job).await?;
                 }
                 Ok(())
@@ -1109,6 +1105,7 @@ impl Scheduler {
             .filter(|checkpoint| !checkpoint.location.is_empty())
         {
             job.checkpoint_location = Some(checkpoint.location);
+            job.checkpoint_step = checkpoint.step as i64;
         }
         let old_config = config_from_json(&job.config_json)?;
         self.emit(
@@ -1144,6 +1141,7 @@ impl Scheduler {
         ) {
             Ok(decision) if retries_left && decision.config != old_config => {
                 job.config_json = config_to_json(&decision.config);
+                job.estimate_json = estimate_to_json(&decision.estimate);
                 job.required_bytes =
                     running.slice_bytes.max(decision.estimate.required_bytes) as i64;
                 transition(
@@ -1461,6 +1459,7 @@ impl Scheduler {
                 oom_json: None,
                 message: String::new(),
                 resumed_from: job.checkpoint_location.clone(),
+                resumed_from_step: job.checkpoint_step,
                 started_at_ms: now,
                 finished_at_ms: None,
             };
@@ -1494,7 +1493,7 @@ impl Scheduler {
                     gpu_uuid: placement.gpu_id.clone(),
                     slice_bytes: placement.slice_bytes,
                     resume_from: Some(v1::Checkpoint {
-                        step: 0,
+                        step: job.checkpoint_step.max(0) as u64,
                         location: job
                             .checkpoint_location
                             .clone()

@@ -74,6 +74,7 @@ fn job(id: &str, tenant: &str, priority: i64, required_bytes: i64) -> JobRecord 
         created_at_ms: 1,
         finished_at_ms: None,
         checkpoint_location: None,
+        checkpoint_step: 0,
         attempts_count: 0,
     }
 }

@@ -6,6 +6,7 @@ mod support;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
+use carve_scheduler::convert::{attempt_to_proto, job_to_proto};
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::store::{
     AttemptRecord, Backend, JobFilter, JobRecord, LogBatcher, LogBatcherSettings, LogLineRecord,
@@ -54,6 +55,8 @@ contract_tests!(
     attempts_are_listed_by_number,
     finishing_an_attempt_is_fenced_by_its_lease_epoch,
     record_job_and_attempt_is_atomic,
+    job_reads_show_the_stored_estimate_without_validating_the_spec,
+    checkpoint_steps_are_stored_with_jobs_and_attempts,
     workers_upsert_and_state,
     peak_correction_is_the_largest_ratio,
     data_survives_reopening,
@@ -94,6 +97,7 @@ fn job(id: &str, tenant: &str, name: &str) -> JobRecord {
         created_at_ms: T0,
         finished_at_ms: None,
         checkpoint_location: None,
+        checkpoint_step: 0,
         attempts_count: 0,
     }
 }
@@ -118,6 +122,7 @@ fn attempt(job_id: &str, number: i64, lease_epoch: i64) -> AttemptRecord {
         oom_json: None,
         message: String::new(),
         resumed_from: None,
+        resumed_from_step: 0,
         started_at_ms: T0 + number,
         finished_at_ms: None,
     }
@@ -867,6 +872,7 @@ async fn update_job_rewrites_all_but_the_identity(db: &TestDb) {
         message: "out of memory with no retry left".into(),
         finished_at_ms: Some(T0 + 1000),
         checkpoint_location: Some("/ckpt/j-1/step-40".into()),
+        checkpoint_step: 40,
         attempts_count: 3,
         ..stored.clone()
     };
@@ -968,6 +974,7 @@ async fn attempts_are_listed_by_number(db: &TestDb) {
         oom_json: Some(r#"{"requested_bytes":1024}"#.into()),
         message: "oom".into(),
         resumed_from: Some("/ckpt/j/10".into()),
+        resumed_from_step: 10,
         finished_at_ms: Some(T0 + 99),
         ..attempt("j", 3, 5)
     };
@@ -1093,6 +1100,133 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
         .await
         .unwrap();
     assert_eq!(store.list_attempts("j").await.unwrap()[0].outcome, "lost");
+}
+
+/// A stored estimate with its breakdowns, as admission writes it.
+const FULL_ESTIMATE_JSON: &str = r#"{"peak_bytes":3000,"required_bytes":4096,"persistent_bytes":1000,"fragmentation_bytes_at_peak":96,"fragmentation_at_peak":0.03,"by_category":[{"category":"weights","bytes":1000},{"category":"activations","bytes":2000}],"by_layer":[{"layer":"layers[0].dense","bytes":3000}],"peak_during":"backward layers[0].dense"}"#;
+
+/// Job reads (get, list, through `job_to_proto`) show the estimate stored with the job
+/// and never validate or estimate the spec again: the spec here would not even
+/// validate, so a read that re-estimated could not show these numbers.
+async fn job_reads_show_the_stored_estimate_without_validating_the_spec(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    let config_json = r#"{"batch_size":32,"micro_batch_size":8,"precision":"fp16","recompute_segment_layers":null,"workspace_limit_bytes":0,"prefetch_batches":2}"#;
+    let stored = JobRecord {
+        spec_json: r#"{"name":"no model, no training: never valid"}"#.into(),
+        config_json: config_json.into(),
+        estimate_json: FULL_ESTIMATE_JSON.into(),
+        ..job("full", "acme", "full")
+    };
+    // Rows written before the breakdowns were stored hold the two byte counts only.
+    let legacy = JobRecord {
+        config_json: config_json.into(),
+        estimate_json: r#"{"peak_bytes":3000,"required_bytes":4096}"#.into(),
+        ..job("legacy", "acme", "legacy")
+    };
+    let corrupt = JobRecord {
+        config_json: config_json.into(),
+        estimate_json: r#"{"required_bytes":4096}"#.into(),
+        ..job("corrupt", "acme", "corrupt")
+    };
+    let not_json = JobRecord {
+        config_json: config_json.into(),
+        estimate_json: "peak=3000".into(),
+        ..job("not-json", "acme", "not-json")
+    };
+    store
+        .submit_jobs(vec![stored, legacy, corrupt, not_json])
+        .await
+        .unwrap();
+
+    let (page, _) = store
+        .list_jobs(&JobFilter {
+            name_prefix: Some("full".into()),
+            ..JobFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(page.len(), 1);
+    let message = job_to_proto(&page[0], &[]).unwrap();
+    let estimate = message.estimate.expect("the stored estimate");
+    assert_eq!(estimate.peak_bytes, 3000);
+    assert_eq!(estimate.required_bytes, 4096);
+    assert_eq!(estimate.persistent_bytes, 1000);
+    assert_eq!(estimate.fragmentation_bytes_at_peak, 96);
+    assert_eq!(estimate.fragmentation_at_peak, 0.03);
+    assert_eq!(
+        estimate
+            .by_category
+            .iter()
+            .map(|entry| (entry.category.as_str(), entry.bytes))
+            .collect::<Vec<_>>(),
+        [("weights", 1000), ("activations", 2000)]
+    );
+    assert_eq!(estimate.by_layer.len(), 1);
+    assert_eq!(estimate.by_layer[0].layer, "layers[0].dense");
+    assert_eq!(estimate.peak_during, "backward layers[0].dense");
+    // The estimate's configuration is the job's current one.
+    assert_eq!(estimate.config, message.current_config);
+    assert_eq!(estimate.config.unwrap().micro_batch_size, 8);
+
+    let legacy = job_to_proto(&store.get_job("legacy").await.unwrap(), &[]).unwrap();
+    let legacy_estimate = legacy.estimate.expect("what the old row holds");
+    assert_eq!(
+        (legacy_estimate.peak_bytes, legacy_estimate.required_bytes),
+        (3000, 4096)
+    );
+    assert!(legacy_estimate.by_category.is_empty() && legacy_estimate.peak_during.is_empty());
+
+    // A corrupt estimate is an error naming the job, never an estimate of zero bytes.
+    for id in ["corrupt", "not-json"] {
+        let error = job_to_proto(&store.get_job(id).await.unwrap(), &[]).unwrap_err();
+        assert!(
+            matches!(&error, SchedulerError::Internal(message) if message.contains(id) && message.contains("stored estimate")),
+            "{id}: {error:?}"
+        );
+    }
+}
+
+/// The step of a job's checkpoint is stored next to its location, and an attempt keeps
+/// the step it resumed from; the API shows it.
+async fn checkpoint_steps_are_stored_with_jobs_and_attempts(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    let submitted = store
+        .submit_jobs(vec![job("j", "acme", "x")])
+        .await
+        .unwrap()
+        .remove(0)
+        .job;
+    let checkpointed = JobRecord {
+        checkpoint_location: Some("/ckpt/j.ckpt".into()),
+        checkpoint_step: 1234,
+        ..submitted
+    };
+    store.update_job(&checkpointed).await.unwrap();
+    let read = store.get_job("j").await.unwrap();
+    assert_eq!(read.checkpoint_step, 1234);
+    let placed = JobRecord {
+        state: "placed".into(),
+        attempts_count: 1,
+        ..read.clone()
+    };
+    let resumed = AttemptRecord {
+        resumed_from: read.checkpoint_location.clone(),
+        resumed_from_step: read.checkpoint_step,
+        ..attempt("j", 1, 1)
+    };
+    store
+        .record_job_and_attempt(&placed, &resumed)
+        .await
+        .unwrap();
+    let attempts = store.list_attempts("j").await.unwrap();
+    assert_eq!(attempts, vec![resumed]);
+    let shown = attempt_to_proto(&attempts[0]).resumed_from.unwrap();
+    assert_eq!(
+        (shown.step, shown.location.as_str()),
+        (1234, "/ckpt/j.ckpt")
+    );
 }
 
 async fn record_job_and_attempt_is_atomic(db: &TestDb) {

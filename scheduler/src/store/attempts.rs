@@ -10,14 +10,15 @@ use crate::error::SchedulerError;
 
 const ATTEMPT_COLUMNS: &str = "job_id, attempt_number, config_json, estimate_bytes, \
      slice_bytes, worker_id, gpu_id, lease_epoch, outcome, measured_peak_bytes, oom_json, \
-     message, resumed_from, started_at_ms, finished_at_ms";
+     message, resumed_from, started_at_ms, finished_at_ms, resumed_from_step";
 
 const INSERT_ATTEMPT_SQL: &str = "INSERT INTO attempts (job_id, attempt_number, config_json, \
      estimate_bytes, slice_bytes, worker_id, gpu_id, lease_epoch, outcome, \
-     measured_peak_bytes, oom_json, message, resumed_from, started_at_ms, finished_at_ms) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
+     measured_peak_bytes, oom_json, message, resumed_from, started_at_ms, finished_at_ms, \
+     resumed_from_step) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)";
 
-/// Binds an attempt's columns in the order of [`ATTEMPT_COLUMNS`] ($1 to $15).
+/// Binds an attempt's columns in the order of [`ATTEMPT_COLUMNS`] ($1 to $16).
 macro_rules! bind_attempt_columns {
     ($query:expr, $attempt:expr) => {
         $query
@@ -36,6 +37,7 @@ macro_rules! bind_attempt_columns {
             .bind(&$attempt.resumed_from)
             .bind($attempt.started_at_ms)
             .bind($attempt.finished_at_ms)
+            .bind($attempt.resumed_from_step)
     };
 }
 
@@ -170,7 +172,8 @@ impl Store {
              outcome = excluded.outcome, measured_peak_bytes = excluded.measured_peak_bytes, \
              oom_json = excluded.oom_json, message = excluded.message, \
              resumed_from = excluded.resumed_from, started_at_ms = excluded.started_at_ms, \
-             finished_at_ms = excluded.finished_at_ms \
+             finished_at_ms = excluded.finished_at_ms, \
+             resumed_from_step = excluded.resumed_from_step \
              WHERE attempts.lease_epoch < excluded.lease_epoch"
         );
         with_write_tx!(self, tx => {

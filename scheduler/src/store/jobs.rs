@@ -14,9 +14,9 @@ use crate::error::SchedulerError;
 pub(super) const JOB_COLUMNS: &str = "id, tenant, name, spec_json, state, priority, \
      submit_sequence, idempotency_key, config_json, estimate_json, required_bytes, \
      waiting_reason, message, created_at_ms, finished_at_ms, checkpoint_location, \
-     attempts_count";
+     attempts_count, checkpoint_step";
 
-/// Binds a job's columns in the order of [`JOB_COLUMNS`] ($1 to $17).
+/// Binds a job's columns in the order of [`JOB_COLUMNS`] ($1 to $18).
 macro_rules! bind_job_columns {
     ($query:expr, $job:expr) => {
         $query
@@ -37,6 +37,7 @@ macro_rules! bind_job_columns {
             .bind($job.finished_at_ms)
             .bind(&$job.checkpoint_location)
             .bind($job.attempts_count)
+            .bind($job.checkpoint_step)
     };
 }
 
@@ -45,7 +46,7 @@ macro_rules! bind_job_columns {
 pub(super) const UPDATE_JOB_SQL: &str = "UPDATE jobs SET name = $2, spec_json = $3, \
      state = $4, priority = $5, config_json = $6, estimate_json = $7, required_bytes = $8, \
      waiting_reason = $9, message = $10, finished_at_ms = $11, checkpoint_location = $12, \
-     attempts_count = $13 WHERE id = $1";
+     attempts_count = $13, checkpoint_step = $14 WHERE id = $1";
 
 /// Binds the parameters of [`UPDATE_JOB_SQL`].
 macro_rules! bind_job_update {
@@ -64,6 +65,7 @@ macro_rules! bind_job_update {
             .bind($job.finished_at_ms)
             .bind(&$job.checkpoint_location)
             .bind($job.attempts_count)
+            .bind($job.checkpoint_step)
     };
 }
 pub(super) use bind_job_update;
@@ -137,7 +139,7 @@ impl Store {
     ) -> Result<Option<Vec<SubmitOutcome>>, SchedulerError> {
         /// Keys per lookup statement (one parameter each, plus the tenant).
         const KEYS_PER_LOOKUP: usize = 200;
-        /// Rows per insert statement (17 parameters each; SQLite allows 32,766).
+        /// Rows per insert statement (18 parameters each; SQLite allows 32,766).
         const ROWS_PER_INSERT: usize = 100;
         let reserved = i64::try_from(jobs.len())
             .map_err(|_| SchedulerError::invalid_argument("jobs", "too many jobs in one group"))?;
@@ -233,7 +235,8 @@ impl Store {
                             .push_bind(job.created_at_ms)
                             .push_bind(job.finished_at_ms)
                             .push_bind(job.checkpoint_location.clone())
-                            .push_bind(job.attempts_count);
+                            .push_bind(job.attempts_count)
+                            .push_bind(job.checkpoint_step);
                     });
                     insert.build().execute(&mut *tx).await?;
                 }
@@ -269,7 +272,7 @@ impl Store {
             format!("SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = $1 AND idempotency_key = $2");
         let insert = format!(
             "INSERT INTO jobs ({JOB_COLUMNS}) VALUES \
-             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)"
         );
         let outcomes = with_write_tx!(self, tx => {
             // Bumping the counter first takes the write lock (SQLite) or the counter's row

@@ -89,7 +89,8 @@ pub struct JobRecord {
     pub idempotency_key: Option<String>,
     /// The run config the next (or the running) attempt uses, as JSON.
     pub config_json: String,
-    /// The estimate of `config_json`, as JSON.
+    /// The estimate of `config_json`, as JSON (`convert::estimate_to_json`): job reads
+    /// show it as stored, never estimating again.
     pub estimate_json: String,
     /// The slice size `estimate_json` needs.
     pub required_bytes: i64,
@@ -98,6 +99,9 @@ pub struct JobRecord {
     pub created_at_ms: i64,
     pub finished_at_ms: Option<i64>,
     pub checkpoint_location: Option<String>,
+    /// The training step `checkpoint_location` holds (0 when unknown: rows from before
+    /// steps were stored).
+    pub checkpoint_step: i64,
     pub attempts_count: i64,
 }
 
@@ -171,6 +175,8 @@ pub struct AttemptRecord {
     pub message: String,
     /// The checkpoint it resumed from, if any.
     pub resumed_from: Option<String>,
+    /// The training step of `resumed_from` (0 when unknown).
+    pub resumed_from_step: i64,
     pub started_at_ms: i64,
     pub finished_at_ms: Option<i64>,
 }
