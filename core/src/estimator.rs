@@ -51,25 +51,36 @@ struct Replay {
     fragmentation_bytes_at_peak: u64,
     extent_at_peak: u64,
     category_bytes_at_peak: [u64; 8],
-    owner_bytes_at_peak: Vec<u64>,
-    peak_during: String,
+    /// Where the peak was first reached: the phase and the position of the allocation
+    /// in it. `None` when nothing was allocated.
+    peak_at: Option<(usize, usize)>,
+    /// The rounded size each buffer took when it was allocated (0 if never): the
+    /// breakdown by owner at the peak is rebuilt from these after the replay.
+    allocated_sizes: Vec<u64>,
+}
+
+/// The phases in the order a step runs them (setup once, then one of each).
+fn phases(plan: &StepPlan) -> [&Vec<PlanStep>; 4] {
+    [
+        &plan.setup,
+        &plan.micro_batch,
+        &plan.update,
+        &plan.evaluation,
+    ]
 }
 
 /// Runs setup, one micro-batch, the update and an evaluation batch through an allocator of `limit` bytes.
 /// One micro-batch stands for all of them: each phase frees all it allocates and the
 /// allocator coalesces fully, so every repetition starts from the same state.
+///
+/// Each step costs O(log n) in the allocator and O(1) here: the per-owner breakdown and
+/// the description of the operation at the peak are not copied at every new peak (that
+/// made a replay quadratic in the number of layers) but rebuilt once afterwards from
+/// where the peak was (`owner_bytes_at_peak`, `describe_next_operation`).
 fn replay_plan(plan: &StepPlan, limit: u64) -> Result<Replay, OutOfMemory> {
-    let layer_count = plan.layer_labels.len();
-    // Owner slots: layers, then input, then loss.
-    let owner_slot = |owner: BufferOwner| match owner {
-        BufferOwner::Layer(index) => index,
-        BufferOwner::Data => layer_count,
-        BufferOwner::Loss => layer_count + 1,
-    };
     let mut allocator = SliceAllocator::new(limit);
     let mut offsets: Vec<Option<u64>> = vec![None; plan.buffers.len()];
     let mut category_bytes = [0u64; 8];
-    let mut owner_bytes = vec![0u64; layer_count + 2];
     let mut replay = Replay {
         peak_bytes: 0,
         high_water_mark: 0,
@@ -77,34 +88,25 @@ fn replay_plan(plan: &StepPlan, limit: u64) -> Result<Replay, OutOfMemory> {
         fragmentation_bytes_at_peak: 0,
         extent_at_peak: 0,
         category_bytes_at_peak: [0; 8],
-        owner_bytes_at_peak: vec![0; layer_count + 2],
-        peak_during: String::from("setup"),
+        peak_at: None,
+        allocated_sizes: vec![0; plan.buffers.len()],
     };
-    let phases = [
-        &plan.setup,
-        &plan.micro_batch,
-        &plan.update,
-        &plan.evaluation,
-    ];
-    for (phase_index, phase) in phases.into_iter().enumerate() {
-        // Where an allocation happens, the operation that follows is what needs it.
+    for (phase_index, phase) in phases(plan).into_iter().enumerate() {
         for (position, step) in phase.iter().enumerate() {
             match step {
                 PlanStep::Allocate(id) => {
                     let buffer = plan.buffer(*id);
                     let allocation = allocator.allocate(buffer.bytes)?;
                     offsets[id.0] = Some(allocation.offset);
+                    replay.allocated_sizes[id.0] = allocation.size;
                     category_bytes[buffer.category.index()] += allocation.size;
-                    owner_bytes[owner_slot(buffer.owner)] += allocation.size;
                     if allocator.in_use() > replay.peak_bytes {
                         replay.peak_bytes = allocator.in_use();
                         replay.extent_at_peak = allocator.live_extent();
                         replay.fragmentation_bytes_at_peak =
                             allocator.live_extent() - allocator.in_use();
                         replay.category_bytes_at_peak = category_bytes;
-                        replay.owner_bytes_at_peak.clone_from(&owner_bytes);
-                        replay.peak_during =
-                            describe_next_operation(plan, phase_index, &phase[position..]);
+                        replay.peak_at = Some((phase_index, position));
                     }
                 }
                 PlanStep::Free(id) => {
@@ -116,7 +118,6 @@ fn replay_plan(plan: &StepPlan, limit: u64) -> Result<Replay, OutOfMemory> {
                         .free(offset)
                         .expect("the offset came from this allocator and was freed once");
                     category_bytes[buffer.category.index()] -= size;
-                    owner_bytes[owner_slot(buffer.owner)] -= size;
                 }
                 PlanStep::Run(_) => {}
             }
@@ -127,6 +128,41 @@ fn replay_plan(plan: &StepPlan, limit: u64) -> Result<Replay, OutOfMemory> {
     }
     replay.high_water_mark = allocator.high_water_mark();
     Ok(replay)
+}
+
+/// Bytes per owner slot (layers, then the input, then the loss) live just after the
+/// allocation at `peak_at`: the replay's steps up to there, counted again with the sizes
+/// the allocator gave each buffer.
+fn owner_bytes_at_peak(plan: &StepPlan, replay: &Replay) -> Vec<u64> {
+    let layer_count = plan.layer_labels.len();
+    let owner_slot = |owner: BufferOwner| match owner {
+        BufferOwner::Layer(index) => index,
+        BufferOwner::Data => layer_count,
+        BufferOwner::Loss => layer_count + 1,
+    };
+    let mut owner_bytes = vec![0u64; layer_count + 2];
+    let Some((peak_phase, peak_position)) = replay.peak_at else {
+        return owner_bytes;
+    };
+    for (phase_index, phase) in phases(plan).into_iter().enumerate().take(peak_phase + 1) {
+        let steps_counted = if phase_index == peak_phase {
+            peak_position + 1
+        } else {
+            phase.len()
+        };
+        for step in &phase[..steps_counted] {
+            match step {
+                PlanStep::Allocate(id) => {
+                    owner_bytes[owner_slot(plan.buffer(*id).owner)] += replay.allocated_sizes[id.0];
+                }
+                PlanStep::Free(id) => {
+                    owner_bytes[owner_slot(plan.buffer(*id).owner)] -= replay.allocated_sizes[id.0];
+                }
+                PlanStep::Run(_) => {}
+            }
+        }
+    }
+    owner_bytes
 }
 
 fn describe_next_operation(plan: &StepPlan, phase_index: usize, rest: &[PlanStep]) -> String {
@@ -170,6 +206,7 @@ pub fn estimate_plan(plan: &StepPlan) -> MemoryEstimate {
             .saturating_add((required_bytes / 64).max(crate::allocator::ALLOCATION_ALIGNMENT));
     }
     let layer_count = plan.layer_labels.len();
+    let owner_bytes = owner_bytes_at_peak(plan, &unbounded);
     let mut by_layer = Vec::new();
     let mut push_owner = |label: &str, bytes: u64| {
         if bytes > 0 {
@@ -179,11 +216,17 @@ pub fn estimate_plan(plan: &StepPlan) -> MemoryEstimate {
             });
         }
     };
-    push_owner("input", unbounded.owner_bytes_at_peak[layer_count]);
+    push_owner("input", owner_bytes[layer_count]);
     for (index, label) in plan.layer_labels.iter().enumerate() {
-        push_owner(label, unbounded.owner_bytes_at_peak[index]);
+        push_owner(label, owner_bytes[index]);
     }
-    push_owner("loss", unbounded.owner_bytes_at_peak[layer_count + 1]);
+    push_owner("loss", owner_bytes[layer_count + 1]);
+    let peak_during = match unbounded.peak_at {
+        Some((phase_index, position)) => {
+            describe_next_operation(plan, phase_index, &phases(plan)[phase_index][position..])
+        }
+        None => String::from("setup"),
+    };
     MemoryEstimate {
         config: plan.config,
         peak_bytes: unbounded.peak_bytes,
@@ -205,7 +248,7 @@ pub fn estimate_plan(plan: &StepPlan) -> MemoryEstimate {
             })
             .collect(),
         by_layer,
-        peak_during: unbounded.peak_during,
+        peak_during,
     }
 }
 

@@ -1,0 +1,105 @@
+//! `cargo bench -p carve-core --bench admission_cost [-- N N ...]`: what admitting one job
+//! costs as its model grows, since the scheduler validates and estimates every submitted
+//! spec and a user chooses the layer count.
+//!
+//! The model is N dense layers of 64 units (the shape of the issue-13 report: deep, cheap
+//! layers, so the cost is the plan's length, not its tensors). For each N it times, in one
+//! call each (the best of up to 3 within a second): parsing + validating the JSON spec,
+//! compiling the step plan, estimating it, and the shrink planner in a 1 MiB slice (nothing
+//! fits, so every strategy and level is tried). N defaults to 500, 1000, 2000, 4000; a
+//! model over the validation limit is reported as refused.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use carve_core::estimator::estimate_plan;
+use carve_core::plan::{RunConfig, compile_step_plan};
+use carve_core::shrink::plan_shrink;
+use carve_core::validate::parse_job_spec_json;
+use carve_core::validate::validate_job_spec;
+
+fn dense_spec_json(layers: usize) -> String {
+    let mut layer_list = Vec::with_capacity(layers);
+    for _ in 0..layers - 1 {
+        layer_list.push(r#"{"dense": {"units": 64}}"#.to_string());
+    }
+    layer_list.push(r#"{"dense": {"units": 10}}"#.to_string());
+    format!(
+        r#"{{"name": "deep-dense", "model": {{"input_shape": [64], "loss": "softmax_cross_entropy", "layers": [{}]}},
+"training": {{"batch_size": 32, "steps": 1, "optimizer": {{"adam": {{"learning_rate": 0.001}}}}}},
+"data": {{"format": "synthetic", "samples": 64}}}}"#,
+        layer_list.join(",")
+    )
+}
+
+/// The best of up to three calls that fit in about a second (at least one call).
+fn best_time<T>(mut work: impl FnMut() -> T) -> (Duration, T) {
+    let started = Instant::now();
+    let mut best = Duration::MAX;
+    let mut result;
+    let mut calls = 0;
+    loop {
+        let call_started = Instant::now();
+        result = black_box(work());
+        best = best.min(call_started.elapsed());
+        calls += 1;
+        if calls == 3 || started.elapsed() > Duration::from_secs(1) {
+            return (best, result);
+        }
+    }
+}
+
+fn milliseconds(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1e3
+}
+
+fn main() {
+    let sizes: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|argument| argument.parse().ok())
+        .collect();
+    let sizes = if sizes.is_empty() {
+        vec![500, 1000, 2000, 4000]
+    } else {
+        sizes
+    };
+    println!(
+        "{:>7} {:>11} {:>15} {:>13} {:>14} {:>20}  shrink answer",
+        "layers",
+        "plan steps",
+        "validate (ms)",
+        "compile (ms)",
+        "estimate (ms)",
+        "shrink 1 MiB (ms)"
+    );
+    for layers in sizes {
+        let text = dense_spec_json(layers);
+        let (validate_time, job) = best_time(|| {
+            validate_job_spec(parse_job_spec_json(&text).expect("the bench spec parses"))
+        });
+        let job = match job {
+            Ok(job) => job,
+            Err(error) => {
+                println!("{layers:>7} refused: {error}");
+                continue;
+            }
+        };
+        let config = RunConfig::from_spec(&job.spec);
+        let (compile_time, plan) =
+            best_time(|| compile_step_plan(&job, &config).expect("the bench plan compiles"));
+        let steps = plan.setup.len() + plan.micro_batch.len() + plan.update.len();
+        let (estimate_time, _) = best_time(|| estimate_plan(&plan));
+        let (shrink_time, answer) = best_time(|| plan_shrink(&job, &config, None, 1 << 20));
+        let answer = match answer {
+            Ok(decision) => format!("fits: {}", decision.config),
+            Err(error) => error.to_string(),
+        };
+        println!(
+            "{layers:>7} {steps:>11} {:>15.1} {:>13.1} {:>14.1} {:>20.1}  {answer}",
+            milliseconds(validate_time),
+            milliseconds(compile_time),
+            milliseconds(estimate_time),
+            milliseconds(shrink_time),
+        );
+    }
+}
