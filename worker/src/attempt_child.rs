@@ -4,11 +4,17 @@
 //! `CARVE_ATTEMPT_CUDA_DEVICE=N` in its environment it trains on GPU N with the cuda
 //! backend (reserving and verifying the slice first); without it, on the cpu backend.
 //!
-//! Exit codes: 0 trained, 3 out of memory in the slice, 1 anything else (the reason on
-//! stderr, which the worker forwards as the failure message).
+//! Exit codes: 0 trained, 3 out of memory in the slice, 4 the worker is gone, 1 anything
+//! else (the reason on stderr, which the worker forwards as the failure message).
+//!
+//! The process never outlives its worker: the worker arms the parent-death signal when
+//! it starts it, and the process itself stops (exit code 4) as soon as a protocol line
+//! cannot be written, its stdout pipe has no reader left, or its parent changes. An
+//! orphan would otherwise train on unsupervised, holding its slice.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use carve_engine::EngineError;
 use carve_engine::checkpoint::read_checkpoint;
@@ -17,7 +23,9 @@ use carve_engine::data::open_data_sets;
 use carve_engine::trainer::{Progress, TrainingOptions, train};
 use carve_proto::v1;
 
-use crate::child_protocol::{CheckpointLine, ChildLine, ConfigArgument, OUT_OF_MEMORY_EXIT_CODE};
+use crate::child_protocol::{
+    CheckpointLine, ChildLine, ConfigArgument, OUT_OF_MEMORY_EXIT_CODE, WORKER_GONE_EXIT_CODE,
+};
 use crate::error::WorkerError;
 
 /// What the worker hands an attempt process.
@@ -36,15 +44,85 @@ pub struct AttemptArguments {
 
 fn emit(line: &ChildLine) {
     // One object a line, flushed at once: the worker reads progress as it comes.
+    let Ok(text) = serde_json::to_string(line) else {
+        return;
+    };
     let mut stdout = std::io::stdout().lock();
-    if let Ok(text) = serde_json::to_string(line) {
-        let _ = writeln!(stdout, "{text}");
-        let _ = stdout.flush();
+    let written = writeln!(stdout, "{text}").and_then(|()| stdout.flush());
+    if let Err(error) = written {
+        stop_because_the_worker_is_gone(&format!("cannot write to stdout ({error})"));
+    }
+}
+
+/// Exits with [`WORKER_GONE_EXIT_CODE`]: nobody reads this attempt's reports any more,
+/// and its scheduler has (or will have) handed the job to another attempt.
+fn stop_because_the_worker_is_gone(why: &str) -> ! {
+    // stderr may be as broken as stdout; eprintln! would panic.
+    let _ = writeln!(
+        std::io::stderr(),
+        "carve-worker attempt: the worker is gone: {why}; stopping"
+    );
+    std::process::exit(WORKER_GONE_EXIT_CODE)
+}
+
+/// How often the watch over the worker looks.
+const WORKER_WATCH_INTERVAL: Duration = Duration::from_millis(200);
+
+/// Starts a thread that stops the process once its parent changes (the worker died and
+/// the process was reparented) or its stdout pipe has no reader: between two protocol
+/// lines (minutes apart for a long step) nothing else would notice.
+fn watch_the_worker() {
+    let worker = std::os::unix::process::parent_id();
+    let started = std::thread::Builder::new()
+        .name("worker-watch".into())
+        .spawn(move || {
+            loop {
+                if let Some(why) = worker_gone(worker) {
+                    stop_because_the_worker_is_gone(&why);
+                }
+                std::thread::sleep(WORKER_WATCH_INTERVAL);
+            }
+        });
+    if let Err(error) = started {
+        let _ = writeln!(
+            std::io::stderr(),
+            "carve-worker attempt: cannot watch the worker: {error}"
+        );
+    }
+}
+
+/// Why the worker is gone, if it is: `worker` is the parent this process started with.
+fn worker_gone(worker: u32) -> Option<String> {
+    let parent = std::os::unix::process::parent_id();
+    if parent != worker {
+        return Some(format!(
+            "the parent process changed from {worker} to {parent}"
+        ));
+    }
+    stdout_has_no_reader().then(|| "its stdout pipe has no reader".to_string())
+}
+
+/// Whether stdout is a pipe whose read end is closed: poll reports POLLERR on such a
+/// write end without anything being written. A terminal or a file never does.
+fn stdout_has_no_reader() -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let stdout = std::io::stdout();
+    let mut descriptors = [PollFd::new(&stdout, PollFlags::OUT)];
+    let no_wait = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match poll(&mut descriptors, Some(&no_wait)) {
+        Ok(_) => descriptors[0]
+            .revents()
+            .intersects(PollFlags::ERR | PollFlags::HUP),
+        Err(_) => false,
     }
 }
 
 /// Runs one attempt and returns the process exit code.
 pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
+    watch_the_worker();
     let spec_json = std::fs::read_to_string(&arguments.spec_file).map_err(|error| {
         WorkerError::io(
             format!("cannot read {}", arguments.spec_file.display()),

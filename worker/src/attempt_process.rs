@@ -1,23 +1,27 @@
-//! The worker's side of one attempt: starts the attempt process, turns its stdout lines
-//! into worker messages, stops it on cancel (SIGTERM, then SIGKILL after the grace
-//! period) and reports how it ended. A process that ends without its final line crashed:
-//! that is a failed attempt with its exit status and the last lines of its stderr,
-//! never an out-of-memory.
+//! The worker's side of one attempt: starts the attempt process (leading its own process
+//! group, armed to die with the worker), turns its stdout lines into worker messages,
+//! stops it on cancel (SIGTERM to its group, then SIGKILL after the grace period) and
+//! reports how it ended. A process that ends without its final line is never an
+//! out-of-memory: killed by a signal the worker did not send, or gone without a status,
+//! it was INTERRUPTED (an infrastructure failure the scheduler retries from the
+//! checkpoint); an exit code or a fault signal of its own makes it FAILED. Both quote the
+//! last lines of its stderr.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use carve_proto::v1;
 use carve_proto::v1::worker_message::Body;
+use rustix::process::Signal;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::child_protocol::{ChildLine, OUT_OF_MEMORY_EXIT_CODE};
+use crate::child_protocol::{ChildLine, OUT_OF_MEMORY_EXIT_CODE, WORKER_GONE_EXIT_CODE};
 use crate::error::WorkerError;
 
 /// How many stderr lines a failure message quotes.
@@ -49,8 +53,10 @@ pub enum AttemptControl {
 }
 
 /// Starts the attempt process. Its stdout and stderr are piped; it dies with the
-/// worker's handle if the worker drops it (`kill_on_drop`).
-pub fn spawn_attempt_process(launch: &AttemptLaunch) -> Result<Child, WorkerError> {
+/// worker's handle if the worker drops it (`kill_on_drop`), and with the worker process
+/// itself (the parent-death signal). It leads its own process group, so a cancel reaches
+/// whatever it starts too.
+pub async fn spawn_attempt_process(launch: &AttemptLaunch) -> Result<Child, WorkerError> {
     let mut command = Command::new(&launch.program);
     command
         .arg("attempt")
@@ -77,29 +83,99 @@ pub fn spawn_attempt_process(launch: &AttemptLaunch) -> Result<Child, WorkerErro
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    command.spawn().map_err(|error| {
-        WorkerError::AttemptProcess(format!(
-            "cannot start {}: {error}",
-            launch.program.display()
-        ))
-    })
+        .kill_on_drop(true)
+        .process_group(0);
+    die_with_this_process(&mut command);
+    spawn_from_long_lived_thread(command)
+        .await
+        .map_err(|error| {
+            WorkerError::AttemptProcess(format!(
+                "cannot start {}: {error}",
+                launch.program.display()
+            ))
+        })
 }
 
-/// Sends SIGTERM through `kill(1)`: std has no portable way short of `unsafe` libc,
-/// which this workspace denies.
-async fn terminate(process_id: u32) {
-    let result = Command::new("kill")
-        .arg("-TERM")
-        .arg(process_id.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .await;
-    if let Err(error) = result {
-        tracing::warn!(process_id, %error, "cannot send sigterm");
+/// Asks the kernel to SIGKILL the child when the worker dies, whatever kills the worker
+/// (kill -9 included): an attempt that outlives its worker trains on unsupervised, keeps
+/// its slice's memory and writes checkpoints next to its replacement.
+#[allow(unsafe_code)]
+fn die_with_this_process(command: &mut Command) {
+    let worker = rustix::process::getpid();
+    // SAFETY: the hook runs in the forked child before exec, where only
+    // async-signal-safe calls are allowed: it makes two raw system calls (prctl,
+    // getppid) through rustix, and allocates nothing (the error is a plain errno).
+    unsafe {
+        command.pre_exec(move || {
+            rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+            // The worker may have died between fork and prctl, before the signal was
+            // armed: then the child has been reparented already and must not run.
+            if rustix::process::getppid() != Some(worker) {
+                return Err(rustix::io::Errno::SRCH.into());
+            }
+            Ok(())
+        });
     }
+}
+
+/// A spawn request for [`spawn_from_long_lived_thread`].
+struct SpawnRequest {
+    command: Command,
+    runtime: tokio::runtime::Handle,
+    reply: oneshot::Sender<std::io::Result<Child>>,
+}
+
+/// Spawns `command` from one thread that lives as long as the process. The parent-death
+/// signal fires when the *thread* that forked the child exits, not the process: a child
+/// forked from a runtime thread that tokio retires (blocking-pool threads end after
+/// idling) would be killed with it.
+async fn spawn_from_long_lived_thread(command: Command) -> std::io::Result<Child> {
+    static SPAWNER: OnceLock<Mutex<std::sync::mpsc::Sender<SpawnRequest>>> = OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (requests, incoming) = std::sync::mpsc::channel::<SpawnRequest>();
+        let started = std::thread::Builder::new()
+            .name("attempt-spawner".into())
+            .spawn(move || {
+                for request in incoming {
+                    // tokio's Child registers with the runtime's process driver.
+                    let _runtime = request.runtime.enter();
+                    let mut command = request.command;
+                    let _ = request.reply.send(command.spawn());
+                }
+            });
+        if let Err(error) = started {
+            tracing::error!(%error, "cannot start the attempt spawner thread");
+        }
+        Mutex::new(requests)
+    });
+    let (reply, replied) = oneshot::channel();
+    let request = SpawnRequest {
+        command,
+        runtime: tokio::runtime::Handle::current(),
+        reply,
+    };
+    spawner
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .send(request)
+        .map_err(|_| std::io::Error::other("the attempt spawner thread is not running"))?;
+    replied
+        .await
+        .map_err(|_| std::io::Error::other("the attempt spawner thread ended"))?
+}
+
+/// Sends `signal` to the attempt's process group (the process and anything it
+/// started). Never to a group id of 0 or 1, which would mean this worker's own group
+/// or every process it may signal.
+pub fn signal_process_group(process_group: u32, signal: Signal) -> std::io::Result<()> {
+    let group = i32::try_from(process_group)
+        .ok()
+        .filter(|group| *group > 1)
+        .and_then(rustix::process::Pid::from_raw)
+        .ok_or_else(|| {
+            std::io::Error::other(format!("{process_group} is not a process group to signal"))
+        })?;
+    rustix::process::kill_process_group(group, signal).map_err(std::io::Error::from)
 }
 
 /// Watches a started attempt process until it exits and sends every report about it
@@ -183,10 +259,12 @@ pub async fn watch_attempt_process(
                 tracing::info!(job = %attempt.job_id, process_id, ?grace_period, %reason, "stopping an attempt");
                 cancel_reason = Some(reason);
                 if grace_period.is_zero() {
-                    let _ = child.start_kill();
+                    kill_group(&mut child, process_id);
                     killed = true;
                 } else {
-                    terminate(process_id).await;
+                    if let Err(error) = signal_process_group(process_id, Signal::TERM) {
+                        tracing::warn!(process_id, %error, "cannot send sigterm");
+                    }
                     kill_at = Some(Instant::now() + grace_period);
                 }
             }
@@ -197,7 +275,7 @@ pub async fn watch_attempt_process(
                 }
             }, if kill_at.is_some() && !killed => {
                 tracing::info!(job = %attempt.job_id, process_id, "grace period over: killing the attempt");
-                let _ = child.start_kill();
+                kill_group(&mut child, process_id);
                 killed = true;
             }
         }
@@ -223,6 +301,16 @@ pub async fn watch_attempt_process(
         &stderr_tail,
     ) {
         send(body);
+    }
+}
+
+/// SIGKILL to the attempt's process group, and to the process itself should the group
+/// signal fail. Only ever called before the process is reaped, so the group id still
+/// names its group.
+fn kill_group(child: &mut Child, process_group: u32) {
+    if let Err(error) = signal_process_group(process_group, Signal::KILL) {
+        tracing::warn!(process_group, %error, "cannot kill the attempt's process group");
+        let _ = child.start_kill();
     }
 }
 
@@ -353,24 +441,110 @@ pub fn final_reports(
             ),
         ],
         (None, _, _) => {
-            let status = match &exit_status {
-                Ok(status) => status.to_string(),
-                Err(error) => format!("cannot be waited for: {error}"),
-            };
-            let mut message = format!("the attempt process ended without a result ({status})");
+            let (outcome, mut message) = classify_unreported_end(&exit_status);
             if !stderr_tail.is_empty() {
                 message.push_str("; last lines of its stderr:\n");
                 message.push_str(&stderr_tail.join("\n"));
             }
-            vec![finished(
-                v1::AttemptOutcome::Failed,
-                None,
-                None,
-                measured_peak_bytes,
-                message,
-            )]
+            vec![finished(outcome, None, None, measured_peak_bytes, message)]
         }
     }
+}
+
+/// Why an attempt process the worker did not stop ended without its final line, and
+/// whose fault that was. Killed by a signal from outside (the kernel's OOM killer, an
+/// operator, a node agent) or gone without an exit status is INTERRUPTED: the program
+/// did nothing wrong, and the scheduler retries it from its checkpoint. A fault signal
+/// the program raised on itself (a segfault, an abort, an illegal instruction) and any
+/// exit code are the program's own FAILED: retrying would repeat them.
+fn classify_unreported_end(
+    exit_status: &std::io::Result<ExitStatus>,
+) -> (v1::AttemptOutcome, String) {
+    use std::os::unix::process::ExitStatusExt;
+    let status = match exit_status {
+        Ok(status) => status,
+        Err(error) => {
+            return (
+                v1::AttemptOutcome::Interrupted,
+                format!("the attempt process vanished: it cannot be waited for ({error})"),
+            );
+        }
+    };
+    if let Some(signal) = status.signal() {
+        let name = signal_name(signal);
+        return if is_fault_signal(signal) {
+            (
+                v1::AttemptOutcome::Failed,
+                format!(
+                    "the attempt process ended without a result: it crashed with signal \
+                     {signal} ({name})"
+                ),
+            )
+        } else {
+            (
+                v1::AttemptOutcome::Interrupted,
+                format!(
+                    "the attempt process was killed by signal {signal} ({name}), which the \
+                     worker did not send"
+                ),
+            )
+        };
+    }
+    if status.code() == Some(WORKER_GONE_EXIT_CODE) {
+        return (
+            v1::AttemptOutcome::Interrupted,
+            format!(
+                "the attempt process lost its worker (its stdout closed or its parent \
+                 changed) and stopped ({status})"
+            ),
+        );
+    }
+    (
+        v1::AttemptOutcome::Failed,
+        format!("the attempt process ended without a result ({status})"),
+    )
+}
+
+/// Signals the kernel raises on a process for its own fault.
+fn is_fault_signal(signal: i32) -> bool {
+    [
+        Signal::SEGV,
+        Signal::BUS,
+        Signal::ILL,
+        Signal::FPE,
+        Signal::ABORT,
+        Signal::SYS,
+        Signal::TRAP,
+    ]
+    .iter()
+    .any(|fault| fault.as_raw() == signal)
+}
+
+/// The usual name of a signal number, for failure messages.
+fn signal_name(signal: i32) -> &'static str {
+    const NAMES: [(Signal, &str); 17] = [
+        (Signal::HUP, "SIGHUP"),
+        (Signal::INT, "SIGINT"),
+        (Signal::QUIT, "SIGQUIT"),
+        (Signal::ILL, "SIGILL"),
+        (Signal::TRAP, "SIGTRAP"),
+        (Signal::ABORT, "SIGABRT"),
+        (Signal::BUS, "SIGBUS"),
+        (Signal::FPE, "SIGFPE"),
+        (Signal::KILL, "SIGKILL"),
+        (Signal::USR1, "SIGUSR1"),
+        (Signal::SEGV, "SIGSEGV"),
+        (Signal::USR2, "SIGUSR2"),
+        (Signal::PIPE, "SIGPIPE"),
+        (Signal::ALARM, "SIGALRM"),
+        (Signal::TERM, "SIGTERM"),
+        (Signal::XCPU, "SIGXCPU"),
+        (Signal::SYS, "SIGSYS"),
+    ];
+    NAMES
+        .iter()
+        .find(|(known, _)| known.as_raw() == signal)
+        .map_or("an unnamed signal", |(_, name)| name)
 }
 
 #[cfg(test)]
@@ -405,7 +579,7 @@ mod tests {
             peak_bytes: 5,
             checkpoint: None,
         };
-        let crashed = final_reports(
+        let killed = final_reports(
             &attempt(),
             Ok(ExitStatus::from_raw(9)),
             Some(oom.clone()),
@@ -413,13 +587,15 @@ mod tests {
             0,
             &["boom".into()],
         );
-        assert_eq!(crashed.len(), 1);
-        assert_eq!(outcome(&crashed[0]), v1::AttemptOutcome::Failed);
-        let Body::AttemptFinished(finished) = &crashed[0] else {
+        assert_eq!(killed.len(), 1);
+        assert_eq!(outcome(&killed[0]), v1::AttemptOutcome::Interrupted);
+        let Body::AttemptFinished(finished) = &killed[0] else {
             unreachable!()
         };
         assert!(
-            finished.message.contains("signal: 9"),
+            finished
+                .message
+                .contains("killed by signal 9 (SIGKILL), which the worker did not send"),
             "{}",
             finished.message
         );
@@ -435,6 +611,93 @@ mod tests {
         );
         assert!(matches!(out_of_memory[0], Body::Oom(_)));
         assert_eq!(outcome(&out_of_memory[1]), v1::AttemptOutcome::OutOfMemory);
+    }
+
+    fn finish_message(body: &Body) -> &str {
+        match body {
+            Body::AttemptFinished(finished) => &finished.message,
+            other => panic!("not a finish: {other:?}"),
+        }
+    }
+
+    /// The one report for a process that ended with `status` and no final line.
+    fn unreported_end(status: std::io::Result<ExitStatus>) -> (v1::AttemptOutcome, String) {
+        let reports = final_reports(&attempt(), status, None, None, 7, &["last words".into()]);
+        assert_eq!(reports.len(), 1);
+        let message = finish_message(&reports[0]).to_string();
+        assert!(
+            message.ends_with("last lines of its stderr:\nlast words"),
+            "{message}"
+        );
+        (outcome(&reports[0]), message)
+    }
+
+    #[test]
+    fn a_signal_from_outside_interrupts_and_the_program_s_own_end_fails() {
+        for (signal, name) in [
+            (9, "SIGKILL"),
+            (15, "SIGTERM"),
+            (1, "SIGHUP"),
+            (13, "SIGPIPE"),
+        ] {
+            let (outcome, message) = unreported_end(Ok(ExitStatus::from_raw(signal)));
+            assert_eq!(outcome, v1::AttemptOutcome::Interrupted, "{message}");
+            assert!(
+                message.contains(&format!("killed by signal {signal} ({name})")),
+                "{message}"
+            );
+        }
+        // Faults the program raised on itself would repeat on every retry.
+        for (signal, name) in [
+            (11, "SIGSEGV"),
+            (6, "SIGABRT"),
+            (4, "SIGILL"),
+            (7, "SIGBUS"),
+        ] {
+            let (outcome, message) = unreported_end(Ok(ExitStatus::from_raw(signal)));
+            assert_eq!(outcome, v1::AttemptOutcome::Failed, "{message}");
+            assert!(
+                message.contains(&format!("crashed with signal {signal} ({name})")),
+                "{message}"
+            );
+        }
+        // An exit code is the program's own word: failed, even 0 without its result.
+        for code in [1, 0, 101] {
+            let (outcome, message) = unreported_end(Ok(ExitStatus::from_raw(code << 8)));
+            assert_eq!(outcome, v1::AttemptOutcome::Failed, "{message}");
+            assert!(message.contains("ended without a result"), "{message}");
+        }
+        let (outcome, message) =
+            unreported_end(Ok(ExitStatus::from_raw(WORKER_GONE_EXIT_CODE << 8)));
+        assert_eq!(outcome, v1::AttemptOutcome::Interrupted, "{message}");
+        assert!(message.contains("lost its worker"), "{message}");
+        // Reaped by someone else: the process vanished.
+        let (outcome, message) = unreported_end(Err(std::io::Error::from_raw_os_error(10)));
+        assert_eq!(outcome, v1::AttemptOutcome::Interrupted, "{message}");
+        assert!(message.contains("vanished"), "{message}");
+    }
+
+    #[test]
+    fn a_signal_the_worker_sent_is_a_cancel_not_an_interruption() {
+        let reports = final_reports(
+            &attempt(),
+            Ok(ExitStatus::from_raw(9)),
+            None,
+            Some("the worker is shutting down".into()),
+            0,
+            &[],
+        );
+        assert_eq!(outcome(&reports[0]), v1::AttemptOutcome::Cancelled);
+    }
+
+    #[test]
+    fn group_ids_that_would_reach_other_processes_are_never_signalled() {
+        for group in [0, 1, u32::MAX] {
+            assert!(
+                signal_process_group(group, Signal::KILL).is_err(),
+                "{group}"
+            );
+        }
     }
 
     #[test]

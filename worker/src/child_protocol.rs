@@ -48,6 +48,10 @@ pub struct CheckpointLine {
 /// The exit code of an attempt process that ran out of memory in its slice.
 pub const OUT_OF_MEMORY_EXIT_CODE: i32 = 3;
 
+/// The exit code of an attempt process that stopped because its worker is gone: a
+/// protocol line could not be written (stdout closed) or its parent process changed.
+pub const WORKER_GONE_EXIT_CODE: i32 = 4;
+
 /// The run config on the attempt process's command line (`--config-json`): the wire
 /// config's fields, with the precision as its protobuf number, so the child checks it
 /// with the same conversion the scheduler uses.

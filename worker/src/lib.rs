@@ -6,17 +6,21 @@
 //! - `attempt_process`: the worker's side of one attempt process (start, watch, stop);
 //! - `attempt_child`: the attempt process itself (`carve-worker attempt ...`);
 //! - `child_protocol`: the JSON lines between the two;
+//! - `leftover_processes`: records of running attempt processes, and killing those a
+//!   crashed worker left behind when it starts again;
 //! - `gpus`: the GPUs offered (real and simulated), `--sim-gpus` parsing, the slice book;
 //! - `nvml`: real GPUs through NVML: discovery and the per-process memory watch.
 //!
-//! Architecture invariant: the worker never admits a slice its GPU cannot hold, and an
-//! attempt process that ends without its final line is a failed attempt, never an OOM.
+//! Architecture invariants: the worker never admits a slice its GPU cannot hold; an
+//! attempt process that ends without its final line is a failed or an interrupted
+//! attempt, never an OOM; and no attempt process outlives its worker.
 
 pub mod attempt_child;
 pub mod attempt_process;
 pub mod child_protocol;
 pub mod error;
 pub mod gpus;
+pub mod leftover_processes;
 pub mod nvml;
 pub mod worker;
 

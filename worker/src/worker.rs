@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -26,6 +26,9 @@ use crate::attempt_process::{
 use crate::child_protocol::ConfigArgument;
 use crate::error::WorkerError;
 use crate::gpus::{SimulatedGpu, SliceBook, WorkerGpu, discover_gpus};
+use crate::leftover_processes::{
+    LeftoverOutcome, kill_leftover_processes, record_directory, record_for, write_record,
+};
 use crate::nvml::{
     DiscoveredGpu, NvmlHandle, WatchedAttempt, find_slice_overruns, open_nvml,
     read_compute_processes,
@@ -47,7 +50,9 @@ pub struct WorkerConfig {
     pub discover_real_gpus: bool,
     /// What each attempt process takes outside its slice, on real and simulated GPUs.
     pub context_bytes: u64,
-    /// Where attempts write checkpoints (`{job id}.ckpt`) and their spec files.
+    /// Where attempts write checkpoints (`{job id}.attempt-{N}.ckpt`) and their spec
+    /// files, and where the worker records the attempt processes it runs
+    /// (`attempt-processes/{hostname}/`).
     pub checkpoint_directory: PathBuf,
     /// The program to run for an attempt (`PROGRAM attempt ...`): this binary, normally
     /// `std::env::current_exe()`.
@@ -128,6 +133,11 @@ struct SharedState {
 
 type Shared = Arc<Mutex<SharedState>>;
 
+/// The checkpoint file of one attempt, in the checkpoint directory.
+pub fn checkpoint_file_name(attempt: &v1::AttemptRef) -> String {
+    format!("{}.attempt-{}.ckpt", attempt.job_id, attempt.attempt_number)
+}
+
 /// `job/attempt`: names one attempt in the worker's tables.
 fn attempt_key(attempt: &v1::AttemptRef) -> String {
     format!("{}/{}", attempt.job_id, attempt.attempt_number)
@@ -165,6 +175,8 @@ struct Worker {
     /// they are sent again (renumbered) ahead of anything new.
     unacknowledged: VecDeque<PendingReport>,
     worker_id: String,
+    /// Where this worker records the attempt processes it runs.
+    process_records: PathBuf,
     /// Set by a drain: the scheduler places nothing new here.
     draining: bool,
     /// NVML, when this node has it: the per-process memory watch reads through it.
@@ -202,8 +214,11 @@ pub async fn run_worker(
                 error,
             )
         })?;
+    let process_records = record_directory(&config.checkpoint_directory, &config.hostname);
+    kill_leftovers_of_a_previous_life(&process_records);
     let (reports, mut incoming_reports) = mpsc::unbounded_channel();
     let mut worker = Worker {
+        process_records,
         config,
         gpus,
         shared: Arc::default(),
@@ -242,6 +257,36 @@ pub async fn run_worker(
     }
     tracing::info!("worker stopped");
     Ok(())
+}
+
+/// SIGKILLs the attempt processes a previous run of this worker left running (see
+/// [`crate::leftover_processes`]) before anything new starts: each holds its slice's
+/// memory and writes checkpoints nobody reads.
+fn kill_leftovers_of_a_previous_life(process_records: &Path) {
+    for outcome in kill_leftover_processes(process_records) {
+        match outcome {
+            LeftoverOutcome::Killed(record) => tracing::warn!(
+                job = %record.job_id,
+                attempt = record.attempt_number,
+                process_id = record.process_id,
+                "killed an attempt process left over from this worker's previous run"
+            ),
+            LeftoverOutcome::AlreadyGone(_) => {}
+            LeftoverOutcome::OwnedByALiveWorker(record) => tracing::warn!(
+                job = %record.job_id,
+                process_id = record.process_id,
+                worker_process_id = record.worker_process_id,
+                directory = %process_records.display(),
+                "another live worker records its attempts in this directory: left alone; \
+                 give each worker its own --checkpoint-dir or --hostname"
+            ),
+            LeftoverOutcome::Unreadable { file, reason } => tracing::warn!(
+                file = %file.display(),
+                %reason,
+                "an unreadable attempt process record: removed"
+            ),
+        }
+    }
 }
 
 /// NVML and the real GPUs it sees, or why there are none. Without NVML the worker goes
@@ -664,7 +709,11 @@ impl Worker {
             spec_file: spec_file.clone(),
             config_json,
             slice_bytes: assignment.slice_bytes,
-            checkpoint: directory.join(format!("{}.ckpt", attempt.job_id)),
+            // Each attempt writes its own file: a stale attempt (one whose worker lost
+            // its session) must never rewrite what the next attempt resumes from. The
+            // scheduler keeps only the locations reported by the attempt holding the
+            // lease, which is what promotes a file to "the job's checkpoint".
+            checkpoint: directory.join(checkpoint_file_name(attempt)),
             resume: assignment
                 .resume_from
                 .as_ref()
@@ -673,8 +722,19 @@ impl Worker {
             // A simulated GPU's attempt trains on the cpu backend.
             cuda_gpu_uuid: (!gpu.simulated).then(|| gpu.uuid.clone()),
         };
-        let child = spawn_attempt_process(&launch)?;
+        let child = spawn_attempt_process(&launch).await?;
         let process_id = child.id().unwrap_or(0);
+        // Without a record a worker that crashes and comes back could not find this
+        // process; the parent-death signal still covers it, so go on.
+        let record_file = record_for(&attempt.job_id, attempt.attempt_number, process_id)
+            .ok_or_else(|| {
+                WorkerError::AttemptProcess(format!("process {process_id} ended at once"))
+            })
+            .and_then(|record| write_record(&self.process_records, &record))
+            .inspect_err(|error| {
+                tracing::warn!(job = %attempt.job_id, %error, "cannot record the attempt process");
+            })
+            .ok();
         tracing::info!(
             job = %attempt.job_id,
             attempt = attempt.attempt_number,
@@ -714,8 +774,11 @@ impl Worker {
                 shared.running.remove(&key);
                 shared.memory_warnings.remove(&key);
                 shared.slices.release(&gpu_uuid, &key);
-                // The spec file was only for the process.
+                // The spec file and the record were only for the process.
                 let _ = std::fs::remove_file(&spec_file);
+                if let Some(record_file) = &record_file {
+                    let _ = std::fs::remove_file(record_file);
+                }
             },
         ));
         Ok(())
