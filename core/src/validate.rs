@@ -19,6 +19,14 @@ use crate::spec::{
 /// far beyond any GPU, and keeping a bound leaves room for batch and byte multiplication.
 pub const MAX_ELEMENTS_PER_SAMPLE: u64 = 1 << 40;
 
+/// Models with more layers than this are refused at `model.layers`. Validating,
+/// estimating and shrink-planning a job cost time in proportion to its layer count, and a
+/// submit pays for them, so the count is bounded. Real models fit with room: ResNet-152 is
+/// about 500 layers here (every conv, batch norm and activation counts), large graph
+/// models a few thousand. The scheduler may refuse a larger spec early with this same
+/// number.
+pub const MAX_MODEL_LAYERS: usize = 4096;
+
 /// A spec that passed every check, with its model's shapes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidatedJob {
@@ -140,6 +148,15 @@ fn infer_model_graph(spec: &JobSpec) -> Result<ModelGraph, FieldError> {
         return Err(FieldError::new(
             "model.layers",
             "must have at least one layer",
+        ));
+    }
+    if model.layers.len() > MAX_MODEL_LAYERS {
+        return Err(FieldError::new(
+            "model.layers",
+            format!(
+                "has {} layers; the limit is {MAX_MODEL_LAYERS}",
+                model.layers.len()
+            ),
         ));
     }
     let mut layers = Vec::with_capacity(model.layers.len());

@@ -11,8 +11,8 @@ use carve_core::spec::{
     Precision, ShrinkStrategy, VramRequest,
 };
 use carve_core::validate::{
-    MAX_ELEMENTS_PER_SAMPLE, ValidatedJob, load_job_spec_toml, parse_job_spec_json,
-    parse_job_spec_toml, validate_job_spec,
+    MAX_ELEMENTS_PER_SAMPLE, MAX_MODEL_LAYERS, ValidatedJob, load_job_spec_toml,
+    parse_job_spec_json, parse_job_spec_toml, validate_job_spec,
 };
 use proptest::prelude::*;
 
@@ -1499,6 +1499,38 @@ fn input_shape_rank_and_size() {
     assert_rejected(&text, "model.input_shape", &["at least 1"]);
     let text = spec_with("[28, 28, 1]", "mse", &[]);
     assert_rejected(&text, "model.layers", &["at least one layer"]);
+}
+
+/// `count` dense layers of 8 units on 8 features, an MSE model (any layer count is valid).
+fn deep_dense_spec(count: usize) -> String {
+    let layers = vec!["{ dense = { units = 8 } }"; count];
+    spec_with("[8]", "mse", &layers)
+}
+
+#[test]
+fn a_model_at_the_layer_limit_is_accepted_and_one_more_layer_is_refused() {
+    let job = load(&deep_dense_spec(MAX_MODEL_LAYERS));
+    assert_eq!(job.graph.layers.len(), MAX_MODEL_LAYERS);
+    let error = assert_rejected(
+        &deep_dense_spec(MAX_MODEL_LAYERS + 1),
+        "model.layers",
+        &[
+            &format!("has {} layers", MAX_MODEL_LAYERS + 1),
+            &format!("the limit is {MAX_MODEL_LAYERS}"),
+        ],
+    );
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "model.layers: has {} layers; the limit is {MAX_MODEL_LAYERS}",
+            MAX_MODEL_LAYERS + 1
+        )
+    );
+    // The same limit over the API's JSON.
+    let too_deep = parse_job_spec_toml(&deep_dense_spec(MAX_MODEL_LAYERS + 1)).unwrap();
+    let json = serde_json::to_string(&too_deep).unwrap();
+    let error = validate_job_spec(parse_job_spec_json(&json).unwrap()).unwrap_err();
+    assert_eq!(error.field, "model.layers");
 }
 
 // ---------------------------------------------------------------------------------------
