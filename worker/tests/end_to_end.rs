@@ -2,7 +2,10 @@
 //! in-process (`run_worker` with simulated GPUs), whose attempt processes are the real
 //! `carve-worker` binary training tiny jobs on synthetic data: a job to success with
 //! its measured peak, a batch that does not fit its slice, two slices side by side on
-//! one GPU (and cancelling them), and an attempt process killed from outside.
+//! one GPU (and cancelling them), an attempt process killed from outside (interrupted,
+//! resumed) or failing by itself (failed). With the worker binary as its own process:
+//! killing it takes its attempt down, and a restarted one kills recorded leftovers; an
+//! attempt process alone stops when its stdout closes or its parent dies.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -13,14 +16,22 @@ use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::{SchedulerConfig, TlsIdentity};
+use carve_worker::child_protocol::WORKER_GONE_EXIT_CODE;
 use carve_worker::gpus::SimulatedGpu;
+use carve_worker::leftover_processes::{
+    AttemptProcessRecord, process_start_time, record_directory, write_record,
+};
 use carve_worker::{StartedAttemptProcess, WorkerConfig, run_worker};
+use std::os::unix::process::CommandExt;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Request;
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
 const ADMIN: &str = "carve_worker_test_admin_secret";
+
+/// The run config of [`job_spec`]'s jobs, as an attempt process takes it.
+const CONFIG_JSON: &str = r#"{"batch_size":64,"micro_batch_size":64,"precision":1,"recompute_segment_layers":null,"workspace_limit_bytes":67108864,"prefetch_batches":1}"#;
 
 /// How long any one wait in these tests may take before the test fails.
 const WAIT: Duration = Duration::from_secs(60);
@@ -109,6 +120,7 @@ async fn start_scheduler_with_tls(
             heartbeat_interval: Duration::from_millis(200),
             scheduling_interval: Duration::from_millis(50),
             checkpoint_directory: checkpoints.display().to_string(),
+            infrastructure_retry_backoff: Duration::from_millis(100),
         },
         admin_token: Some(ADMIN.into()),
         metrics_address: None,
@@ -344,11 +356,12 @@ async fn a_small_job_trains_to_success_with_its_measured_peak_equal_to_the_estim
     let estimate = finished.estimate.as_ref().unwrap();
     assert_eq!(attempt.measured_peak_bytes, Some(estimate.peak_bytes));
     assert!(attempt.slice_bytes >= estimate.peak_bytes);
-    // The final checkpoint is where the scheduler said, and the spec file is gone.
+    // The final checkpoint is the attempt's own file; its spec file and its process
+    // record are gone.
     assert!(
         cluster
             .checkpoints
-            .join(format!("{}.ckpt", job.id))
+            .join(format!("{}.attempt-1.ckpt", job.id))
             .is_file()
     );
     let leftovers: Vec<_> = std::fs::read_dir(&cluster.checkpoints)
@@ -357,6 +370,15 @@ async fn a_small_job_trains_to_success_with_its_measured_peak_equal_to_the_estim
         .filter(|name| name.ends_with(".spec.json"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+    let records = record_directory(&cluster.checkpoints, "test-node");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while std::fs::read_dir(&records).unwrap().next().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the process record is removed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -526,29 +548,317 @@ async fn two_jobs_share_one_gpu_in_two_slices_and_cancel_stops_both() {
     }
 }
 
+/// Waits until `file` exists, then a moment for the report that names it to reach the
+/// scheduler.
+async fn wait_for_checkpoint(file: &Path) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !file.is_file() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} is written",
+            file.display()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killing_an_attempt_process_fails_the_attempt_with_the_reason() {
+async fn an_attempt_process_killed_from_outside_is_interrupted_and_resumes_from_its_checkpoint() {
     let cluster = start_cluster().await;
     let mut worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
-    let job = submit(&cluster, &job_spec("doomed", 1_000_000, None)).await;
+    let job = submit(&cluster, &job_spec("interrupted", 400, None)).await;
     let process = next_process(&mut worker).await;
     wait_for_state(&cluster, &job.id, v1::JobState::Running).await;
-    let killed = std::process::Command::new("kill")
-        .arg("-KILL")
-        .arg(process.process_id.to_string())
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    let checkpoint = cluster
+        .checkpoints
+        .join(format!("{}.attempt-1.ckpt", job.id));
+    wait_for_checkpoint(&checkpoint).await;
+    send_signal("-KILL", process.process_id);
+    // An infrastructure failure, not the program's: the job goes back to the queue and
+    // its next attempt resumes from the first one's checkpoint.
+    let second = next_process(&mut worker).await;
+    assert_eq!(second.attempt_number, 2);
+    let finished = wait_for_state(&cluster, &job.id, v1::JobState::Succeeded).await;
+    assert_eq!(finished.attempts.len(), 2, "{finished:#?}");
+    let first = &finished.attempts[0];
+    assert_eq!(outcome(first), v1::AttemptOutcome::Interrupted);
+    assert!(
+        first
+            .failure_message
+            .contains("killed by signal 9 (SIGKILL), which the worker did not send"),
+        "{}",
+        first.failure_message
+    );
+    let resumed = &finished.attempts[1];
+    assert_eq!(outcome(resumed), v1::AttemptOutcome::Succeeded);
+    let resumed_from = resumed
+        .resumed_from
+        .as_ref()
+        .expect("resumed from a checkpoint");
+    assert_eq!(resumed_from.location, checkpoint.display().to_string());
+    // The second attempt wrote its own file; the first one's is as it left it.
+    assert!(
+        cluster
+            .checkpoints
+            .join(format!("{}.attempt-2.ckpt", job.id))
+            .is_file()
+    );
+}
+
+/// A program that fails by itself: exit code 1 with a reason on stderr.
+fn failing_program(directory: &Path) -> PathBuf {
+    let script = directory.join("fails.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/bash\necho 'the data set is unreadable' >&2\nexit 1\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    script
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_process_that_fails_by_itself_fails_the_job_without_a_retry() {
+    let cluster = start_cluster().await;
+    let program = failing_program(cluster.directory.path());
+    let _worker = start_worker(&cluster, one_gpu(1 << 30), &program);
+    let job = submit(&cluster, &job_spec("broken", 10, None)).await;
     let failed = wait_for_state(&cluster, &job.id, v1::JobState::Failed).await;
+    assert_eq!(failed.attempts.len(), 1, "{failed:#?}");
     let attempt = &failed.attempts[0];
     assert_eq!(outcome(attempt), v1::AttemptOutcome::Failed);
     assert!(
-        attempt.failure_message.contains("signal: 9"),
+        attempt.failure_message.contains("exit status: 1")
+            && attempt
+                .failure_message
+                .contains("the data set is unreadable"),
         "{}",
         attempt.failure_message
     );
-    assert!(attempt.failure_message.contains("without a result"));
-    assert!(failed.message.contains("signal: 9"), "{}", failed.message);
+}
+
+/// The pids of the attempt processes whose command line names `directory` (their
+/// checkpoint directory), that are still running (not zombies).
+fn attempt_processes_in(directory: &Path) -> Vec<u32> {
+    let needle = directory.display().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|process_id| {
+            std::fs::read(format!("/proc/{process_id}/cmdline")).is_ok_and(|cmdline| {
+                let arguments: Vec<String> = cmdline
+                    .split(|byte| *byte == 0)
+                    .map(|argument| String::from_utf8_lossy(argument).into_owned())
+                    .collect();
+                arguments.iter().any(|argument| argument == "attempt")
+                    && arguments.iter().any(|argument| argument.contains(&needle))
+            })
+        })
+        .filter(|process_id| process_start_time(*process_id).is_some())
+        .collect()
+}
+
+/// The real `carve-worker` binary as its own process, with one simulated GPU.
+fn start_worker_process(cluster: &Cluster, hostname: &str) -> std::process::Child {
+    std::process::Command::new(worker_binary())
+        .arg("--scheduler")
+        .arg(&cluster.address)
+        .arg("--token")
+        .arg(&cluster.worker_token)
+        .arg("--sim-gpus")
+        .arg("1GiB")
+        .arg("--context-bytes")
+        .arg("64MiB")
+        .arg("--checkpoint-dir")
+        .arg(&cluster.checkpoints)
+        .arg("--hostname")
+        .arg(hostname)
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits until none of `processes` runs any more; fails the test after `limit`.
+async fn wait_until_gone(processes: &[u32], limit: Duration, what: &str) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while processes
+        .iter()
+        .any(|process_id| process_start_time(*process_id).is_some())
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: {processes:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_worker_process_takes_its_attempt_process_down_with_it() {
+    let cluster = start_cluster().await;
+    let mut worker = start_worker_process(&cluster, "doomed-node");
+    let job = submit(&cluster, &job_spec("orphan", 1_000_000, None)).await;
+    wait_for_state(&cluster, &job.id, v1::JobState::Running).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let attempts = loop {
+        let attempts = attempt_processes_in(&cluster.checkpoints);
+        if !attempts.is_empty() {
+            break attempts;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the attempt process runs"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(attempts.len(), 1);
+    let checkpoint = cluster
+        .checkpoints
+        .join(format!("{}.attempt-1.ckpt", job.id));
+    wait_for_checkpoint(&checkpoint).await;
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+    wait_until_gone(
+        &attempts,
+        Duration::from_secs(3),
+        "the attempt process dies with its worker",
+    )
+    .await;
+    // Nothing rewrites the checkpoint any more.
+    let written = std::fs::metadata(&checkpoint).unwrap().modified().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        std::fs::metadata(&checkpoint).unwrap().modified().unwrap(),
+        written
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_kills_the_attempt_processes_its_previous_life_left() {
+    let cluster = start_cluster().await;
+    // A leftover: a process in its own group, recorded by a worker that is gone (this
+    // process's pid with another start time is not this process).
+    let mut leftover = std::process::Command::new("sleep")
+        .arg("600")
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let record = AttemptProcessRecord {
+        job_id: "job-left-over".into(),
+        attempt_number: 1,
+        process_id: leftover.id(),
+        process_group: leftover.id(),
+        start_time_ticks: process_start_time(leftover.id()).unwrap(),
+        worker_process_id: std::process::id(),
+        worker_start_time_ticks: 0,
+    };
+    let file = write_record(
+        &record_directory(&cluster.checkpoints, "restarted-node"),
+        &record,
+    )
+    .unwrap();
+    let mut worker = start_worker_process(&cluster, "restarted-node");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let status = loop {
+        if let Some(status) = leftover.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the leftover is killed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(9));
+    assert!(!file.exists());
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_process_whose_stdout_closes_stops() {
+    let directory = tempfile::tempdir().unwrap();
+    let spec_file = directory.path().join("spec.json");
+    // No checkpoints and rare progress lines: only the watch over stdout notices.
+    std::fs::write(
+        &spec_file,
+        job_spec("unread", 1_000_000, None).replace(
+            r#""checkpoint_every_steps": 50"#,
+            r#""checkpoint_every_steps": 0"#,
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(worker_binary())
+        .arg("attempt")
+        .arg("--spec-file")
+        .arg(&spec_file)
+        .arg("--config-json")
+        .arg(CONFIG_JSON)
+        .arg("--slice-bytes")
+        .arg((1u64 << 30).to_string())
+        .arg("--checkpoint")
+        .arg(directory.path().join("unread.ckpt"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut started = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut started).unwrap();
+    assert!(started.contains(r#""type":"started""#), "{started}");
+    drop(stdout);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(std::time::Instant::now() < deadline, "the attempt stops");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(WORKER_GONE_EXIT_CODE), "{stderr}");
+    assert!(stderr.contains("the worker is gone"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_process_whose_parent_dies_stops() {
+    // Started by a shell that exits a second later, without the parent-death signal the
+    // worker arms: the process's own watch notices its new parent.
+    let directory = tempfile::tempdir().unwrap();
+    let spec_file = directory.path().join("spec.json");
+    std::fs::write(&spec_file, job_spec("reparented", 1_000_000, None)).unwrap();
+    let stderr_file = directory.path().join("stderr");
+    let output = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "'{program}' attempt --spec-file '{spec}' --config-json '{CONFIG_JSON}' \
+             --slice-bytes 1073741824 --checkpoint '{checkpoint}' >/dev/null 2>'{stderr}' & \
+             echo $!; sleep 1",
+            program = worker_binary().display(),
+            spec = spec_file.display(),
+            checkpoint = directory.path().join("reparented.ckpt").display(),
+            stderr = stderr_file.display(),
+        ))
+        .output()
+        .unwrap();
+    let process_id: u32 = String::from_utf8_lossy(&output.stdout)
+        .trim()
+        .parse()
+        .unwrap();
+    wait_until_gone(
+        &[process_id],
+        Duration::from_secs(5),
+        "the reparented attempt stops",
+    )
+    .await;
+    let stderr = std::fs::read_to_string(&stderr_file).unwrap();
+    assert!(stderr.contains("the parent process changed"), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -557,13 +867,12 @@ async fn the_attempt_process_alone_reports_an_oom_and_exits_with_3() {
     let directory = tempfile::tempdir().unwrap();
     let spec_file = directory.path().join("spec.json");
     std::fs::write(&spec_file, job_spec("alone", 5, None)).unwrap();
-    let config = r#"{"batch_size":64,"micro_batch_size":64,"precision":1,"recompute_segment_layers":null,"workspace_limit_bytes":67108864,"prefetch_batches":1}"#;
     let output = tokio::process::Command::new(worker_binary())
         .arg("attempt")
         .arg("--spec-file")
         .arg(&spec_file)
         .arg("--config-json")
-        .arg(config)
+        .arg(CONFIG_JSON)
         .arg("--slice-bytes")
         .arg("4096")
         .arg("--checkpoint")
@@ -670,16 +979,10 @@ async fn a_lost_worker_s_attempt_resumes_from_its_checkpoint_on_another_worker()
     wait_for_state(&cluster, &job.id, v1::JobState::Running).await;
     // A checkpoint every 50 steps: wait for the first one on disk, then a moment for
     // its report to reach the scheduler.
-    let checkpoint = cluster.checkpoints.join(format!("{}.ckpt", job.id));
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !checkpoint.is_file() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "a checkpoint is written"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let checkpoint = cluster
+        .checkpoints
+        .join(format!("{}.attempt-1.ckpt", job.id));
+    wait_for_checkpoint(&checkpoint).await;
     // The first worker dies with its attempt; its lease runs out.
     drop(first_worker);
     let mut second_worker =
