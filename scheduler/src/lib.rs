@@ -14,6 +14,7 @@
 
 pub mod auth;
 pub mod cache;
+mod compute_pool;
 pub mod convert;
 pub mod error;
 pub mod metrics;
@@ -22,3 +23,4 @@ pub mod scheduler;
 pub mod server;
 pub mod services;
 pub mod store;
+mod worker_session;

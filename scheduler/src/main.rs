@@ -1,6 +1,7 @@
 //! `carve-scheduler`: the scheduler binary. Settings come from flags, then environment
 //! variables (`CARVE_*`), then a TOML file (`--config`), then defaults.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -26,7 +27,8 @@ struct Arguments {
     /// A TOML file with the same settings (listen, database, lease_seconds, ...).
     #[arg(long, env = "CARVE_CONFIG")]
     config: Option<PathBuf>,
-    /// A file holding the admin token to accept (instead of generating one on first start).
+    /// A file holding the admin token to accept. Without one (or CARVE_ADMIN_TOKEN), a first
+    /// start on SQLite generates one into `admin-token` next to the database (mode 0600).
     #[arg(long, env = "CARVE_ADMIN_TOKEN_FILE")]
     admin_token_file: Option<PathBuf>,
     /// Seconds without a heartbeat after which a worker loses its attempts.
@@ -71,6 +73,11 @@ fn default_database() -> Result<String> {
     let directory = base.join("carve");
     std::fs::create_dir_all(&directory)
         .with_context(|| format!("cannot create {}", directory.display()))?;
+    // Its database holds every tenant's jobs and the token hashes, and a first start
+    // writes the admin token here: this user's alone, also when an older version
+    // created it with the umask's mode.
+    std::fs::set_permissions(&directory, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("cannot make {} private (0700)", directory.display()))?;
     Ok(format!("sqlite://{}", directory.join("carve.db").display()))
 }
 
@@ -120,6 +127,7 @@ async fn main() -> Result<()> {
             .or(file.heartbeat_seconds)
             .map_or(defaults.heartbeat_interval, Duration::from_secs),
         scheduling_interval: defaults.scheduling_interval,
+        infrastructure_retry_backoff: defaults.infrastructure_retry_backoff,
         checkpoint_directory: arguments
             .checkpoint_dir
             .or(file.checkpoint_dir)

@@ -20,7 +20,7 @@ use carve_core::plan::RunConfig;
 use carve_core::scheduling::{
     GpuState, SchedulingProblem, TenantState, WaitReason, can_ever_fit, solve,
 };
-use carve_core::shrink::{OomObservation, plan_shrink};
+use carve_core::shrink::{OomObservation, ShrinkDecision, plan_shrink};
 use carve_core::validate::ValidatedJob;
 use carve_proto::v1;
 use sha2::{Digest, Sha256};
@@ -30,6 +30,7 @@ use tonic::Status;
 
 use crate::auth::{Caller, Role, authenticate, generate_id};
 use crate::cache::{BoundedCache, LOOKUP_CAPACITY, LOOKUP_TIME_TO_LIVE, ShortLivedCache};
+use crate::compute_pool::{ComputeLimits, ComputePool};
 use crate::convert::{
     attempt_to_proto, config_from_json, config_to_json, estimate_to_json, job_proto_from_parts,
     job_state_to_proto, job_to_proto, oom_to_json, timestamp,
@@ -41,6 +42,7 @@ use crate::store::{
     AttemptRecord, JobRecord, QueueFingerprint, Store, SubmitBatcher, TenantRecord, TokenRecord,
     WorkerRecord,
 };
+use crate::worker_session::{LiveSession, SessionHandle};
 
 /// Timing of leases and passes.
 #[derive(Debug, Clone)]
@@ -52,6 +54,10 @@ pub struct SchedulerSettings {
     pub scheduling_interval: Duration,
     /// Where attempts write checkpoints: `{checkpoint_directory}/{job id}.ckpt` on the worker.
     pub checkpoint_directory: String,
+    /// The wait before a job whose attempt died of an infrastructure failure (a lost
+    /// worker, an interrupted process) is placed again; it doubles with each such failure
+    /// of the job.
+    pub infrastructure_retry_backoff: Duration,
 }
 
 impl Default for SchedulerSettings {
@@ -61,6 +67,7 @@ impl Default for SchedulerSettings {
             heartbeat_interval: Duration::from_secs(5),
             scheduling_interval: Duration::from_secs(2),
             checkpoint_directory: "checkpoints".to_string(),
+            infrastructure_retry_backoff: Duration::from_secs(2),
         }
     }
 }
@@ -90,7 +97,7 @@ struct LiveWorker {
     gpus: Vec<v1::Gpu>,
     state: WorkerLiveness,
     last_heartbeat: Instant,
-    session: Option<SessionSender>,
+    session: Option<LiveSession>,
 }
 
 /// An attempt that holds a slice now.
@@ -112,7 +119,14 @@ struct Live {
     workers: HashMap<String, LiveWorker>,
     /// By job id: a job has at most one attempt running.
     running: HashMap<String, RunningAttempt>,
+    /// Queued jobs backing off after an infrastructure failure, by job id: passes leave
+    /// them out until then. Not stored: a restarted scheduler retries them at once.
+    backing_off: HashMap<String, Instant>,
 }
+
+/// Infrastructure failures (lost worker, interrupted process) a job is retried after;
+/// one more fails it.
+pub const INFRASTRUCTURE_RETRIES: usize = 3;
 
 /// The scheduler: shared by every service handler and the background loops.
 #[derive(Debug)]
@@ -141,6 +155,14 @@ pub struct Scheduler {
     /// What the submit path would otherwise read from the store or compute again on
     /// every call; see `cache` for how stale each may be.
     lookups: Lookups,
+    /// Hands out worker session ids (see `worker_session`).
+    session_ids: AtomicU64,
+    /// Ids of tokens revoked through this scheduler, for the streams opened with them.
+    revoked_tokens: broadcast::Sender<String>,
+    /// Validation, estimation and shrink planning of requests, off the async runtime.
+    compute: ComputePool,
+    /// When `expire_leases` last ran.
+    last_lease_check: Mutex<Option<Instant>>,
 }
 
 /// How many distinct spec texts keep their analysis; specs are resubmitted verbatim
@@ -200,6 +222,9 @@ struct PassInputs {
     gpus: Vec<GpuState>,
     /// Sorted by tenant.
     tenants: Vec<TenantState>,
+    /// Queued jobs left out because they are backing off: when one's backoff ends, the
+    /// inputs change and the next pass runs.
+    backing_off: Vec<String>,
 }
 
 pub fn now_ms() -> i64 {
@@ -263,6 +288,54 @@ fn shape_key(job: &ValidatedJob, config: &RunConfig) -> String {
         .collect()
 }
 
+/// Validation, the configuration the spec asks for, its estimate and shape key: what
+/// admission needs of a spec's text alone.
+fn analyse_spec_text(spec_json: &str) -> Result<AnalysedSpec, SchedulerError> {
+    let job = carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)?;
+    let config = RunConfig::from_spec(&job.spec);
+    let estimate =
+        estimate_job(&job, &config).map_err(|error| SchedulerError::InvalidArgument {
+            field: format!("spec.{}", error.field),
+            reason: error.reason,
+        })?;
+    let shape_key = shape_key(&job, &config);
+    let config_json = config_to_json(&config);
+    let estimate_json = estimate_to_json(&estimate);
+    Ok(AnalysedSpec {
+        job,
+        config,
+        estimate,
+        shape_key,
+        config_json,
+        estimate_json,
+    })
+}
+
+/// The longest spec text the scheduler accepts: a spec at the layer limit with long
+/// names stays well under it, and a larger one would only cost time to parse.
+pub const SPEC_MAX_BYTES: usize = 1 << 20;
+
+/// Refuses a spec text over [`SPEC_MAX_BYTES`] before it is parsed.
+pub fn check_spec_size(spec_json: &str) -> Result<(), SchedulerError> {
+    if spec_json.len() > SPEC_MAX_BYTES {
+        return Err(SchedulerError::InvalidArgument {
+            field: "spec_json".into(),
+            reason: format!(
+                "is {} bytes; the limit is {SPEC_MAX_BYTES} bytes (1 MiB)",
+                spec_json.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Why sizing at admission stopped before it was done.
+enum AdmissionSizing {
+    /// The job does not fit as written: the shrink planner must find a configuration
+    /// within `limit` bytes.
+    NeedsShrink { limit: u64 },
+}
+
 fn spec_error(error: carve_proto::ApiError) -> SchedulerError {
     match error {
         carve_proto::ApiError::InvalidArgument { field, reason } => {
@@ -297,6 +370,10 @@ impl Scheduler {
             queue: Mutex::new(QueueMirror::default()),
             queue_reloads: AtomicU64::new(0),
             lookups: Lookups::new(),
+            session_ids: AtomicU64::new(1),
+            revoked_tokens: broadcast::channel(64).0,
+            compute: ComputePool::new(ComputeLimits::default()),
+            last_lease_check: Mutex::new(None),
         }
     }
 
@@ -336,7 +413,11 @@ impl Scheduler {
     pub fn begin_shutdown(&self) {
         self.stopping.send_replace(true);
         for worker in self.live().workers.values_mut() {
-            worker.session = None;
+            if let Some(session) = worker.session.take() {
+                session.end(SchedulerError::Unavailable(
+                    "the scheduler is stopping; reconnect to another".into(),
+                ));
+            }
         }
     }
 
@@ -355,6 +436,12 @@ impl Scheduler {
 
     pub fn subscribe(&self) -> broadcast::Receiver<v1::JobEvent> {
         self.events.subscribe()
+    }
+
+    /// Ids of tokens as they are revoked through this scheduler: a stream opened with
+    /// one ends.
+    pub fn subscribe_revocations(&self) -> broadcast::Receiver<String> {
+        self.revoked_tokens.subscribe()
     }
 
     /// Sends an event to watchers, and stores the job log line it makes (worker lines,
@@ -482,7 +569,7 @@ impl Scheduler {
                 ),
             });
         }
-        let analysed = self.analyse_spec(spec_json)?;
+        let analysed = self.analyse_spec(&caller.tenant, spec_json).await?;
         let job = &analysed.job;
         let tenant = self.tenant(&caller.tenant).await?;
         let correction = self
@@ -490,6 +577,21 @@ impl Scheduler {
             .await?
             .unwrap_or(1.0);
         let gpus = self.gpu_states();
+        // Sizing asks for a shrink only when the job does not fit as written; the shrink
+        // planner then runs on the compute pool, and sizing is done again with its answer.
+        let size = |shrink: Option<&ShrinkDecision>| {
+            size_slice_at_admission(
+                job.spec.resources.vram,
+                analysed.config,
+                analysed.estimate.required_bytes,
+                correction,
+                largest_usable_gpu(&gpus),
+                |_, limit| match shrink {
+                    Some(decision) => Ok((decision.config, decision.estimate.required_bytes)),
+                    None => Err(AdmissionSizing::NeedsShrink { limit }),
+                },
+            )
+        };
         // The estimate of the configuration admitted, for the answer: the spec's own
         // unless admission shrank it, then the shrink planner's for the new one (the
         // same `estimate_job` of that configuration).
@@ -498,27 +600,29 @@ impl Scheduler {
             config,
             slice_bytes,
             ..
-        } = size_slice_at_admission(
-            job.spec.resources.vram,
-            analysed.config,
-            analysed.estimate.required_bytes,
-            correction,
-            largest_usable_gpu(&gpus),
-            |config, limit| {
-                plan_shrink(job, config, None, limit)
-                    .map(|decision| {
-                        let sized = (decision.config, decision.estimate.required_bytes);
-                        shrunk_estimate = Some(decision.estimate);
-                        sized
+        } = match size(None) {
+            Ok(admitted) => admitted,
+            Err(AdmissionSizing::NeedsShrink { limit }) => {
+                let shrinking = Arc::clone(&analysed);
+                let decision = self
+                    .compute
+                    .run(&caller.tenant, move || {
+                        plan_shrink(&shrinking.job, &shrinking.config, None, limit)
                     })
+                    .await?
                     .map_err(|error| {
                         SchedulerError::ResourceExhausted(format!(
                             "job {} cannot fit: {error}",
                             job.spec.name
                         ))
-                    })
-            },
-        )?;
+                    })?;
+                let admitted = size(Some(&decision)).map_err(|_| {
+                    SchedulerError::Internal("sizing asked for a second shrink".into())
+                })?;
+                shrunk_estimate = Some(decision.estimate);
+                admitted
+            }
+        };
         let tenant_state = TenantState {
             tenant: tenant.name.clone(),
             weight: tenant.fair_share_weight.max(1) as u32,
@@ -581,36 +685,40 @@ impl Scheduler {
         Ok((answer, true))
     }
 
-    /// Validates a spec and estimates it with the configuration it asks for, or reuses
-    /// that analysis from an earlier submit of the same text.
-    fn analyse_spec(&self, spec_json: &str) -> Result<Arc<AnalysedSpec>, SchedulerError> {
+    /// Validates a spec and estimates it with the configuration it asks for (on the
+    /// compute pool, charged to `tenant`), or reuses that analysis from an earlier submit
+    /// of the same text.
+    async fn analyse_spec(
+        &self,
+        tenant: &str,
+        spec_json: &str,
+    ) -> Result<Arc<AnalysedSpec>, SchedulerError> {
         if let Some(analysed) = self.lookups.specs.get(spec_json) {
             return Ok(analysed);
         }
-        let job = carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)?;
-        let config = RunConfig::from_spec(&job.spec);
-        let estimate =
-            estimate_job(&job, &config).map_err(|error| SchedulerError::InvalidArgument {
-                field: format!("spec.{}", error.field),
-                reason: error.reason,
-            })?;
-        let shape_key = shape_key(&job, &config);
-        let config_json = config_to_json(&config);
-        let estimate_json = estimate_to_json(&estimate);
-        let analysed = Arc::new(AnalysedSpec {
-            job,
-            config,
-            estimate,
-            shape_key,
-            config_json,
-            estimate_json,
-        });
+        check_spec_size(spec_json)?;
+        let text = spec_json.to_string();
+        let analysed = Arc::new(
+            self.compute
+                .run(tenant, move || analyse_spec_text(&text))
+                .await??,
+        );
         if spec_json.len() <= ANALYSED_SPEC_MAX_BYTES {
             self.lookups
                 .specs
                 .insert(spec_json.to_string(), Arc::clone(&analysed));
         }
         Ok(analysed)
+    }
+
+    /// Runs CPU-heavy work of a request for `tenant` off the async runtime (see
+    /// `compute_pool`).
+    pub async fn compute<T, Work>(&self, tenant: &str, work: Work) -> Result<T, SchedulerError>
+    where
+        T: Send + 'static,
+        Work: FnOnce() -> T + Send + 'static,
+    {
+        self.compute.run(tenant, work).await
     }
 
     /// The caller a request's bearer token stands for (see `auth::authenticate` for how
@@ -623,10 +731,13 @@ impl Scheduler {
         authenticate(&self.store, &self.lookups.tokens, metadata, now_ms).await
     }
 
-    /// Revokes a token; this scheduler refuses it from the next call on.
+    /// Revokes a token; this scheduler refuses it from the next call on, and ends the
+    /// worker sessions and job watches opened with it.
     pub async fn revoke_token(&self, token_id: &str) -> Result<TokenRecord, SchedulerError> {
         let token = self.store.revoke_token(token_id).await?;
         self.lookups.tokens.invalidate(&token.secret_hash);
+        self.end_sessions_of_token(&token.id);
+        let _ = self.revoked_tokens.send(token.id.clone());
         Ok(token)
     }
 
@@ -789,11 +900,12 @@ impl Scheduler {
     }
 
     fn send_to_worker(&self, worker_id: &str, body: v1::scheduler_message::Body) -> bool {
-        let session = self
-            .live()
-            .workers
-            .get(worker_id)
-            .and_then(|worker| worker.session.clone());
+        let session = self.live().workers.get(worker_id).and_then(|worker| {
+            worker
+                .session
+                .as_ref()
+                .map(|session| session.sender.clone())
+        });
         match session {
             Some(session) => session
                 .try_send(Ok(v1::SchedulerMessage { body: Some(body) }))
@@ -831,11 +943,17 @@ impl Scheduler {
                 });
             }
         }
+        // A token resumes only a worker it registered (or one registered before workers
+        // were bound to tokens); any other id it names gets it a new identity, so a
+        // worker token cannot take over another node's attempts.
         let known = !request.previous_worker_id.is_empty()
             && self
                 .live()
                 .workers
-                .contains_key(&request.previous_worker_id);
+                .get(&request.previous_worker_id)
+                .is_some_and(|worker| {
+                    worker.record.token_id.is_empty() || worker.record.token_id == caller.token_id
+                });
         let worker_id = if known {
             request.previous_worker_id.clone()
         } else {
@@ -857,6 +975,7 @@ impl Scheduler {
             last_heartbeat_ms: now,
             registered_at_ms: now,
             version: request.version.clone(),
+            token_id: caller.token_id.clone(),
         };
         self.store.upsert_worker(&record).await?;
         {
@@ -888,13 +1007,17 @@ impl Scheduler {
     }
 
     /// Binds a session stream to a registered worker and reconciles what it still runs.
+    /// Only the token that registered the worker may open its session; a worker has one
+    /// session at a time, so a newer one ends the one before.
     pub async fn open_session(
         &self,
+        caller: &Caller,
         worker_id: &str,
         running_attempts: &[v1::AttemptRef],
-        session: SessionSender,
-    ) -> Result<(), SchedulerError> {
-        {
+        sender: SessionSender,
+    ) -> Result<SessionHandle, SchedulerError> {
+        caller.require(&[Role::Worker, Role::Admin])?;
+        let handle = {
             let mut live = self.live();
             let worker =
                 live.workers
@@ -903,12 +1026,22 @@ impl Scheduler {
                         what: "worker",
                         id: worker_id.to_string(),
                     })?;
+            if worker.record.token_id != caller.token_id {
+                return Err(SchedulerError::PermissionDenied(format!(
+                    "worker {worker_id} was registered with another token; a worker speaks \
+                     only with the token it registered with"
+                )));
+            }
             if worker.state == WorkerLiveness::Lost {
                 worker.state = WorkerLiveness::Ready;
             }
+            let id = self.session_ids.fetch_add(1, Ordering::Relaxed);
+            let (session, handle) = LiveSession::open(id, caller.token_id.clone(), sender);
+            // The session before, if any, ends here (dropped: "replaced").
             worker.session = Some(session);
             worker.last_heartbeat = Instant::now();
-        }
+            handle
+        };
         // Attempts the worker runs that were reassigned meanwhile are stopped.
         for attempt in running_attempts {
             let current = self.live().running.get(&attempt.job_id).cloned();
@@ -930,24 +1063,58 @@ impl Scheduler {
             }
         }
         self.wake();
-        Ok(())
+        Ok(handle)
+    }
+
+    /// Whether `session_id` is the session `worker_id` holds now.
+    fn is_current_session(&self, worker_id: &str, session_id: u64) -> bool {
+        self.live()
+            .workers
+            .get(worker_id)
+            .and_then(|worker| worker.session.as_ref())
+            .is_some_and(|session| session.id == session_id)
     }
 
     /// Forgets a session that ended, unless the worker has opened a newer one since.
-    pub fn close_session(&self, worker_id: &str, session: &SessionSender) {
+    pub fn close_session(&self, worker_id: &str, session_id: u64) {
         if let Some(worker) = self.live().workers.get_mut(worker_id)
             && worker
                 .session
                 .as_ref()
-                .is_some_and(|current| current.same_channel(session))
+                .is_some_and(|current| current.id == session_id)
         {
             worker.session = None;
         }
     }
 
-    pub fn heartbeat(&self, worker_id: &str, gpus: &[v1::GpuMemory]) {
+    /// Ends the sessions opened with a token (it was revoked): their workers are
+    /// unschedulable until they come back with a valid token, and lose their attempts
+    /// when their lease runs out.
+    fn end_sessions_of_token(&self, token_id: &str) {
+        for worker in self.live().workers.values_mut() {
+            if worker
+                .session
+                .as_ref()
+                .is_some_and(|session| session.token_id == token_id)
+                && let Some(session) = worker.session.take()
+            {
+                session.end(SchedulerError::Unauthenticated(
+                    "token rejected: revoked".into(),
+                ));
+            }
+        }
+    }
+
+    /// A heartbeat on the worker's current session; one on a session that was replaced
+    /// or ended says nothing about the worker.
+    pub fn heartbeat(&self, worker_id: &str, session_id: u64, gpus: &[v1::GpuMemory]) {
         let mut live = self.live();
-        if let Some(worker) = live.workers.get_mut(worker_id) {
+        if let Some(worker) = live.workers.get_mut(worker_id)
+            && worker
+                .session
+                .as_ref()
+                .is_some_and(|session| session.id == session_id)
+        {
             worker.last_heartbeat = Instant::now();
             worker.record.last_heartbeat_ms = now_ms();
             for reported in gpus {
@@ -976,12 +1143,21 @@ impl Scheduler {
     }
 
     /// Handles one message of a worker's session.
+    /// Handles one message of a worker's session; only the session the worker holds now
+    /// may report.
     pub async fn handle_worker_message(
         &self,
         worker_id: &str,
+        session_id: u64,
         message: v1::WorkerMessage,
     ) -> Result<(), SchedulerError> {
         use v1::worker_message::Body;
+        if !self.is_current_session(worker_id, session_id) {
+            return Err(SchedulerError::FailedPrecondition(format!(
+                "this session of worker {worker_id} was replaced or ended; reports go on \
+                 the worker's current session"
+            )));
+        }
         let Some(body) = message.body else {
             return Err(SchedulerError::InvalidArgument {
                 field: "body".into(),
@@ -994,7 +1170,7 @@ impl Scheduler {
                 reason: "hello is only the first message of a session".into(),
             }),
             Body::Heartbeat(heartbeat) => {
-                self.heartbeat(worker_id, &heartbeat.gpus);
+                self.heartbeat(worker_id, session_id, &heartbeat.gpus);
                 Ok(())
             }
             Body::AttemptStarted(started) => {
@@ -1207,10 +1383,11 @@ impl Scheduler {
             Ok(v1::AttemptOutcome::Succeeded) => "succeeded",
             Ok(v1::AttemptOutcome::Cancelled) => "cancelled",
             Ok(v1::AttemptOutcome::Failed) => "failed",
+            Ok(v1::AttemptOutcome::Interrupted) => "interrupted",
             _ => {
                 return Err(SchedulerError::InvalidArgument {
                     field: "attempt_finished.outcome".into(),
-                    reason: "must be succeeded, failed or cancelled (out-of-memory goes in an oom report)".into(),
+                    reason: "must be succeeded, failed, cancelled or interrupted (out-of-memory goes in an oom report)".into(),
                 });
             }
         };
@@ -1240,7 +1417,20 @@ impl Scheduler {
                 .await?;
             self.lookups.peak_corrections.invalidate(&shape_key);
         }
-        if !is_terminal(&job.state) {
+        if outcome == "interrupted" {
+            if !is_terminal(&job.state) {
+                self.retry_after_infrastructure_failure(
+                    &mut job,
+                    attempt.attempt_number,
+                    &format!(
+                        "attempt {} was interrupted: {}",
+                        attempt.attempt_number, finished.message
+                    ),
+                    now,
+                )
+                .await?;
+            }
+        } else if !is_terminal(&job.state) {
             let event = match outcome {
                 "succeeded" => JobEvent::AttemptSucceeded,
                 "cancelled" => JobEvent::CancelRequested,
@@ -1268,8 +1458,28 @@ impl Scheduler {
 
     /// Workers silent for longer than the lease lose their attempts, which go back to
     /// the queue and resume from their last checkpoint.
+    ///
+    /// A scheduler that could not run this check for half a lease (its host stalled, or
+    /// it was starved) cannot tell silent workers from heartbeats it did not get to
+    /// read: it gives every worker a fresh lease instead of declaring any lost.
     pub async fn expire_leases(&self) -> Result<(), SchedulerError> {
         let lease = self.settings.lease_duration;
+        let checked_at = Instant::now();
+        let previous_check = self
+            .last_lease_check
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .replace(checked_at);
+        if previous_check.is_some_and(|previous| checked_at - previous > lease / 2) {
+            tracing::warn!(
+                since_last_check = ?previous_check.map(|previous| checked_at - previous),
+                "the lease check was late: every worker gets a fresh lease"
+            );
+            for worker in self.live().workers.values_mut() {
+                worker.last_heartbeat = worker.last_heartbeat.max(checked_at);
+            }
+            return Ok(());
+        }
         let expired: Vec<String> = {
             let live = self.live();
             live.workers
@@ -1290,7 +1500,12 @@ impl Scheduler {
                 let mut live = self.live();
                 if let Some(worker) = live.workers.get_mut(&worker_id) {
                     worker.state = WorkerLiveness::Lost;
-                    worker.session = None;
+                    if let Some(session) = worker.session.take() {
+                        session.end(SchedulerError::Unavailable(format!(
+                            "no heartbeat for longer than the lease ({lease:?}): this \
+                             worker's attempts were requeued; register again"
+                        )));
+                    }
                 }
                 let lost: Vec<String> = live
                     .running
@@ -1329,22 +1544,77 @@ impl Scheduler {
                 }
                 let mut job = self.store.get_job(&job_id).await?;
                 if !is_terminal(&job.state) {
-                    let previous = transition(&mut job, JobEvent::AttemptLost)?;
-                    self.update_job(&job).await?;
-                    self.emit_state(
-                        &job_id,
-                        &previous,
-                        "queued",
+                    self.retry_after_infrastructure_failure(
+                        &mut job,
+                        running.attempt_number,
                         &format!(
-                            "lease lost: worker {worker_id} stopped heartbeating during attempt {}; \
-                             it resumes from its checkpoint",
+                            "lease lost: worker {worker_id} stopped heartbeating during \
+                             attempt {}",
                             running.attempt_number
                         ),
-                    );
+                        now,
+                    )
+                    .await?;
                 }
             }
         }
         self.wake();
+        Ok(())
+    }
+
+    /// After an attempt died of an infrastructure failure (its outcome, `lost` or
+    /// `interrupted`, already stored): the job goes back to the queue to resume from its
+    /// checkpoint after a backoff that doubles with each such failure, or fails once it
+    /// has had [`INFRASTRUCTURE_RETRIES`] retries. Called under `job_changes`.
+    async fn retry_after_infrastructure_failure(
+        &self,
+        job: &mut JobRecord,
+        attempt_number: u32,
+        what_happened: &str,
+        now: i64,
+    ) -> Result<(), SchedulerError> {
+        let failures = self
+            .store
+            .list_attempts(&job.id)
+            .await?
+            .iter()
+            .filter(|attempt| matches!(attempt.outcome.as_str(), "lost" | "interrupted"))
+            .count()
+            .max(1);
+        if failures > INFRASTRUCTURE_RETRIES {
+            let previous = transition(job, JobEvent::AttemptFailed)?;
+            job.message = format!(
+                "{what_happened}; it was the job's {failures}th infrastructure failure, and \
+                 it is retried only {INFRASTRUCTURE_RETRIES} times"
+            );
+            job.finished_at_ms = Some(now);
+            self.update_job(job).await?;
+            Metrics::count(&self.metrics.jobs_failed);
+            self.emit_state(&job.id, &previous, "failed", &job.message);
+            return Ok(());
+        }
+        let backoff = self
+            .settings
+            .infrastructure_retry_backoff
+            .saturating_mul(1 << (failures - 1));
+        let previous = transition(job, JobEvent::AttemptLost)?;
+        job.waiting_reason = format!(
+            "backing off for {backoff:?} after an infrastructure failure ({failures} of \
+             {INFRASTRUCTURE_RETRIES} retries)"
+        );
+        self.live()
+            .backing_off
+            .insert(job.id.clone(), Instant::now() + backoff);
+        self.update_job(job).await?;
+        self.emit_state(
+            &job.id,
+            &previous,
+            "queued",
+            &format!(
+                "{what_happened}; attempt {} resumes from the checkpoint after {backoff:?}",
+                attempt_number + 1
+            ),
+        );
         Ok(())
     }
 
@@ -1407,11 +1677,20 @@ impl Scheduler {
             })
             .collect();
         tenant_states.sort_by(|left, right| left.tenant.cmp(&right.tenant));
+        let backing_off: Vec<String> = {
+            let mut live = self.live();
+            let now = Instant::now();
+            live.backing_off.retain(|_, until| *until > now);
+            let mut jobs: Vec<String> = live.backing_off.keys().cloned().collect();
+            jobs.sort();
+            jobs
+        };
         let inputs = PassInputs {
             wake_generation,
             queue,
             gpus: gpus.clone(),
             tenants: tenant_states.clone(),
+            backing_off: backing_off.clone(),
         };
         if self.last_pass_inputs().as_ref() == Some(&inputs) {
             return Ok(0);
@@ -1420,7 +1699,12 @@ impl Scheduler {
         let problem = SchedulingProblem {
             gpus,
             tenants: tenant_states,
-            pending: self.queue().pending_jobs(),
+            pending: self
+                .queue()
+                .pending_jobs()
+                .into_iter()
+                .filter(|job| backing_off.binary_search(&job.job_id).is_err())
+                .collect(),
         };
         let decision = solve(&problem);
         drop(problem);

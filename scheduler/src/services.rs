@@ -154,19 +154,91 @@ fn quota_fields(quota: Option<v1::Quota>) -> Result<(Option<i64>, Option<i64>, i
     Ok((vram, quota.max_running_jobs.map(i64::from), weight))
 }
 
-fn tenant_name_check(name: &str) -> Result<(), Status> {
-    if name.is_empty()
-        || name.len() > 64
-        || !name.chars().all(|character| {
-            character.is_ascii_alphanumeric() || matches!(character, '-' | '_' | '.')
-        })
-    {
+/// A worker as `caller` may see it: every slice keeps its size (so a GPU's memory still
+/// adds up), but a slice of a tenant the caller may not access is anonymous, with no
+/// tenant, job or attempt: which jobs other tenants run is theirs to know.
+fn worker_seen_by(caller: &Caller, mut worker: v1::Worker) -> v1::Worker {
+    for gpu in &mut worker.gpus {
+        for slice in &mut gpu.slices {
+            if !caller.may_access_tenant(&slice.tenant) {
+                *slice = v1::Slice {
+                    gpu_uuid: std::mem::take(&mut slice.gpu_uuid),
+                    bytes: slice.bytes,
+                    worker_id: std::mem::take(&mut slice.worker_id),
+                    ..v1::Slice::default()
+                };
+            }
+        }
+    }
+    worker
+}
+
+/// A token's time to live in whole milliseconds (expiry times are milliseconds), rounded
+/// up so that any positive duration, sub-second ones included, is accepted and never
+/// expires at once. `InvalidArgument` for zero, negative or malformed durations.
+fn time_to_live_ms(ttl: &prost_types::Duration) -> Result<i64, Status> {
+    const NANOS_PER_SECOND: i32 = 1_000_000_000;
+    let signs_agree = (ttl.seconds >= 0 && ttl.nanos >= 0) || (ttl.seconds <= 0 && ttl.nanos <= 0);
+    if ttl.nanos.abs() >= NANOS_PER_SECOND || !signs_agree {
         return Err(invalid(
-            "name",
-            format!("{name:?} must be 1 to 64 letters, digits, '-', '_' or '.'"),
+            "time_to_live.nanos",
+            format!(
+                "{} is not a valid nanosecond part for {} seconds (between -999999999 and \
+                 999999999, with the sign of the seconds)",
+                ttl.nanos, ttl.seconds
+            ),
         ));
     }
-    Ok(())
+    if ttl.seconds < 0 || (ttl.seconds == 0 && ttl.nanos <= 0) {
+        return Err(invalid(
+            "time_to_live",
+            format!(
+                "{}s {}ns must be positive (more than 0)",
+                ttl.seconds, ttl.nanos
+            ),
+        ));
+    }
+    Ok(ttl
+        .seconds
+        .saturating_mul(1000)
+        .saturating_add((i64::from(ttl.nanos) + 999_999) / 1_000_000))
+}
+
+/// Checked here too, though the store checks every tenant it creates, so a bad name is
+/// refused before the quota's fields are looked at.
+/// EstimateJob's answer for a spec (with the request's overrides applied): validation,
+/// the estimate, and the shrink plan when a slice is given and the job does not fit it.
+fn estimate_answer(
+    spec: carve_core::spec::JobSpec,
+    slice_bytes: Option<u64>,
+) -> Result<v1::EstimateJobResponse, Status> {
+    let job = carve_core::validate::validate_job_spec(spec)
+        .map_err(|error| invalid(&format!("spec.{}", error.field), error.reason))?;
+    let config = RunConfig::from_spec(&job.spec);
+    let estimate = estimate_job(&job, &config)
+        .map_err(|error| invalid(&format!("spec.{}", error.field), error.reason))?;
+    let (fits, shrink_plan) = match slice_bytes {
+        Some(slice) if estimate.required_bytes > slice => {
+            let decision = plan_shrink(&job, &config, None, slice)
+                .map_err(|error| Status::from(ApiError::from(error)))?;
+            (
+                false,
+                Some(carve_proto::convert::shrink_decision_to_proto(
+                    &config, &decision,
+                )),
+            )
+        }
+        _ => (true, None),
+    };
+    Ok(v1::EstimateJobResponse {
+        estimate: Some(estimate.into()),
+        fits,
+        shrink_plan,
+    })
+}
+
+fn tenant_name_check(name: &str) -> Result<(), Status> {
+    crate::store::check_tenant_name("name", name).map_err(status)
 }
 
 #[tonic::async_trait]
@@ -305,6 +377,8 @@ impl JobService for Services {
         let request = request.into_inner();
         // Subscribe before reading the state, so nothing falls between the two.
         let mut events = self.scheduler.subscribe();
+        let mut revocations = self.scheduler.subscribe_revocations();
+        let token_id = caller.token_id.clone();
         let job = self
             .scheduler
             .visible_job(&caller, &request.job_id)
@@ -335,7 +409,22 @@ impl JobService for Services {
                 return;
             }
             loop {
-                match events.recv().await {
+                let received = tokio::select! {
+                    received = events.recv() => received,
+                    revoked = revocations.recv() => match revoked {
+                        Ok(revoked) if revoked == token_id => {
+                            let _ = sender
+                                .send(Err(status(SchedulerError::Unauthenticated(
+                                    "token rejected: revoked".into(),
+                                ))))
+                                .await;
+                            return;
+                        }
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                        _ => continue,
+                    },
+                };
+                match received {
                     Ok(event) if event.job_id == job_id => {
                         if !include_logs
                             && matches!(event.event, Some(v1::job_event::Event::Log(_)))
@@ -367,8 +456,13 @@ impl JobService for Services {
         &self,
         request: Request<v1::EstimateJobRequest>,
     ) -> Result<Response<v1::EstimateJobResponse>, Status> {
-        self.caller(&request).await?;
+        let caller = self.caller(&request).await?;
+        caller.require(&[Role::User, Role::Admin]).map_err(status)?;
         let request = request.into_inner();
+        crate::scheduler::check_spec_size(&request.spec_json).map_err(status)?;
+        if request.slice_bytes == Some(0) {
+            return Err(invalid("slice_bytes", "must be larger than 0"));
+        }
         let mut spec =
             carve_proto::convert::job_spec_from_json(&request.spec_json).map_err(Status::from)?;
         if let Some(batch_size) = request.batch_size {
@@ -379,31 +473,16 @@ impl JobService for Services {
                 carve_proto::convert::precision_from_proto(precision, "precision")
                     .map_err(Status::from)?;
         }
-        let job = carve_core::validate::validate_job_spec(spec)
-            .map_err(|error| invalid(&format!("spec.{}", error.field), error.reason))?;
-        let config = RunConfig::from_spec(&job.spec);
-        let estimate = estimate_job(&job, &config)
-            .map_err(|error| invalid(&format!("spec.{}", error.field), error.reason))?;
-        let (fits, shrink_plan) = match request.slice_bytes {
-            None => (true, None),
-            Some(0) => return Err(invalid("slice_bytes", "must be larger than 0")),
-            Some(slice) if estimate.required_bytes <= slice => (true, None),
-            Some(slice) => {
-                let decision = plan_shrink(&job, &config, None, slice)
-                    .map_err(|error| Status::from(ApiError::from(error)))?;
-                (
-                    false,
-                    Some(carve_proto::convert::shrink_decision_to_proto(
-                        &config, &decision,
-                    )),
-                )
-            }
-        };
-        Ok(Response::new(v1::EstimateJobResponse {
-            estimate: Some(estimate.into()),
-            fits,
-            shrink_plan,
-        }))
+        // Validation, the estimate and the shrink plan grow with the model: they run on
+        // the compute pool, charged to the caller's tenant.
+        let answer = self
+            .scheduler
+            .compute(&caller.tenant, move || {
+                estimate_answer(spec, request.slice_bytes)
+            })
+            .await
+            .map_err(status)??;
+        Ok(Response::new(answer))
     }
 
     async fn get_job_logs(
@@ -545,10 +624,7 @@ impl AdminService for Services {
             .map_err(status)?;
         let now = now_ms();
         let expires_at_ms = match request.time_to_live {
-            Some(ttl) if ttl.seconds <= 0 => {
-                return Err(invalid("time_to_live", "must be positive"));
-            }
-            Some(ttl) => Some(now.saturating_add(ttl.seconds.saturating_mul(1000))),
+            Some(ttl) => Some(now.saturating_add(time_to_live_ms(&ttl)?)),
             None => None,
         };
         let secret = generate_secret();
@@ -623,13 +699,14 @@ impl ClusterService for Services {
         &self,
         request: Request<v1::ListWorkersRequest>,
     ) -> Result<Response<v1::ListWorkersResponse>, Status> {
-        self.caller(&request).await?;
+        let caller = self.caller(&request).await?;
         let states = request.into_inner().states;
         let workers = self
             .scheduler
             .workers_proto()
             .into_iter()
             .filter(|worker| states.is_empty() || states.contains(&worker.state))
+            .map(|worker| worker_seen_by(&caller, worker))
             .collect();
         Ok(Response::new(v1::ListWorkersResponse { workers }))
     }
@@ -638,13 +715,14 @@ impl ClusterService for Services {
         &self,
         request: Request<v1::GetWorkerRequest>,
     ) -> Result<Response<v1::GetWorkerResponse>, Status> {
-        self.caller(&request).await?;
+        let caller = self.caller(&request).await?;
         let worker_id = request.into_inner().worker_id;
         let worker = self
             .scheduler
             .workers_proto()
             .into_iter()
             .find(|worker| worker.id == worker_id)
+            .map(|worker| worker_seen_by(&caller, worker))
             .ok_or_else(|| {
                 status(SchedulerError::NotFound {
                     what: "worker",
@@ -732,52 +810,23 @@ impl WorkerService for Services {
             _ => return Err(invalid("body.hello", "a session starts with hello")),
         };
         let (sender, receiver) = mpsc::channel(1024);
-        self.scheduler
-            .open_session(&hello.worker_id, &hello.running_attempts, sender.clone())
+        let session = self
+            .scheduler
+            .open_session(
+                &caller,
+                &hello.worker_id,
+                &hello.running_attempts,
+                sender.clone(),
+            )
             .await
             .map_err(status)?;
-        let scheduler = self.scheduler.clone();
-        let worker_id = hello.worker_id;
-        let mut shutting_down = self.scheduler.shutting_down();
-        tokio::spawn(async move {
-            loop {
-                // A stopping scheduler ends its sessions, so the server can finish.
-                let message = tokio::select! {
-                    message = incoming.next() => message,
-                    _ = shutting_down.wait_for(|stopping| *stopping) => break,
-                };
-                let Some(Ok(message)) = message else { break };
-                let sequence = message.sequence;
-                match scheduler.handle_worker_message(&worker_id, message).await {
-                    Ok(()) => {
-                        let _ = sender
-                            .send(Ok(v1::SchedulerMessage {
-                                body: Some(v1::scheduler_message::Body::Ack(
-                                    v1::scheduler_message::Ack { sequence },
-                                )),
-                            }))
-                            .await;
-                    }
-                    // A fenced report is answered, not fatal: the worker learns its attempt is gone.
-                    Err(error @ SchedulerError::Conflict(_)) => {
-                        tracing::info!(worker = %worker_id, %error, "fenced report");
-                        let _ = sender
-                            .send(Ok(v1::SchedulerMessage {
-                                body: Some(v1::scheduler_message::Body::Ack(
-                                    v1::scheduler_message::Ack { sequence },
-                                )),
-                            }))
-                            .await;
-                    }
-                    Err(error) => {
-                        tracing::warn!(worker = %worker_id, %error, "worker message rejected");
-                        let _ = sender.send(Err(status(error))).await;
-                        break;
-                    }
-                }
-            }
-            scheduler.close_session(&worker_id, &sender);
-        });
+        crate::worker_session::serve_session(
+            self.scheduler.clone(),
+            hello.worker_id,
+            session,
+            incoming,
+            sender,
+        );
         Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
     }
 }

@@ -64,6 +64,7 @@ impl RunningScheduler {
                 heartbeat_interval: Duration::from_millis(100),
                 scheduling_interval: Duration::from_millis(50),
                 checkpoint_directory: "/checkpoints".into(),
+                infrastructure_retry_backoff: Duration::from_millis(100),
             },
             admin_token: Some(ADMIN.into()),
             metrics_address: None,
@@ -374,6 +375,8 @@ async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
         second_assignment.resume_from.as_ref().unwrap().location,
         checkpoint
     );
+    // The step of that checkpoint, as the worker reported it, not 0.
+    assert_eq!(second_assignment.resume_from.as_ref().unwrap().step, 4);
     let requeued = get(&channel, &user, &job.id).await;
     assert_eq!(requeued.attempts.len(), 2);
     assert_eq!(
@@ -386,6 +389,7 @@ async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
         requeued.attempts[1].resumed_from.as_ref().unwrap().location,
         checkpoint
     );
+    assert_eq!(requeued.attempts[1].resumed_from.as_ref().unwrap().step, 4);
 
     replacement.started(&second_assignment).await;
     let finished = replacement

@@ -45,6 +45,7 @@ async fn start(lease: Duration) -> Cluster {
             heartbeat_interval: Duration::from_millis(100),
             scheduling_interval: Duration::from_millis(50),
             checkpoint_directory: "/checkpoints".into(),
+            infrastructure_retry_backoff: Duration::from_millis(100),
         },
         admin_token: Some(ADMIN.into()),
         metrics_address: Some(metrics_address),

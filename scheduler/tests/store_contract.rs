@@ -137,6 +137,7 @@ fn worker(id: &str, hostname: &str) -> WorkerRecord {
         last_heartbeat_ms: T0,
         registered_at_ms: T0,
         version: "0.1.0".to_string(),
+        token_id: "token-node".to_string(),
     }
 }
 
@@ -1347,6 +1348,7 @@ async fn workers_upsert_and_state(db: &TestDb) {
         last_heartbeat_ms: T0 + 500,
         registered_at_ms: T0 + 500,
         version: "0.2.0".into(),
+        token_id: "token-node-2".into(),
         ..node_b.clone()
     };
     let expected = WorkerRecord {

@@ -204,6 +204,8 @@ pub struct WorkerRecord {
     /// When it first registered; kept when it registers again.
     pub registered_at_ms: i64,
     pub version: String,
+    /// The token that registered it (its id): the only one that may speak for it.
+    pub token_id: String,
 }
 
 /// `Ok` when `value` is one of `allowed`, otherwise an `InvalidArgument` naming `field`.

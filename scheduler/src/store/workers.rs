@@ -5,7 +5,7 @@ use super::{Store, WORKER_STATES, WorkerRecord};
 use crate::error::SchedulerError;
 
 const WORKER_COLUMNS: &str =
-    "id, hostname, gpus_json, state, last_heartbeat_ms, registered_at_ms, version";
+    "id, hostname, gpus_json, state, last_heartbeat_ms, registered_at_ms, version, token_id";
 
 impl Store {
     /// Inserts a worker, or replaces the stored one with the same id (a worker that
@@ -17,10 +17,11 @@ impl Store {
     ) -> Result<WorkerRecord, SchedulerError> {
         check_one_of("state", &worker.state, WORKER_STATES)?;
         let sql = format!(
-            "INSERT INTO workers ({WORKER_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7) \
+            "INSERT INTO workers ({WORKER_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
              ON CONFLICT (id) DO UPDATE SET hostname = excluded.hostname, \
              gpus_json = excluded.gpus_json, state = excluded.state, \
-             last_heartbeat_ms = excluded.last_heartbeat_ms, version = excluded.version \
+             last_heartbeat_ms = excluded.last_heartbeat_ms, version = excluded.version, \
+             token_id = excluded.token_id \
              RETURNING {WORKER_COLUMNS}"
         );
         Ok(with_pool!(self, pool => {
@@ -32,6 +33,7 @@ impl Store {
                 .bind(worker.last_heartbeat_ms)
                 .bind(worker.registered_at_ms)
                 .bind(&worker.version)
+                .bind(&worker.token_id)
                 .fetch_one(pool)
                 .await?
         }))

@@ -1,0 +1,155 @@
+//! One worker's session stream: who may hold it, how it ends, and how its messages are
+//! read so that heartbeats are never stuck behind reports.
+//!
+//! A session belongs to the token that registered its worker (see
+//! `Scheduler::open_session`), and a worker has one live session at a time: opening a
+//! new one, revoking the token, or the worker's lease running out ends the old one, and
+//! the scheduler accepts reports only from the session it holds now.
+//!
+//! The stream is read by two tasks. The reader handles heartbeats at once (they touch
+//! only memory) and hands every other message, in order, to the report task, which may
+//! wait for the job lock behind a long scheduling pass. A worker's liveness therefore
+//! depends only on its messages arriving, never on how busy the scheduler's job
+//! changes are.
+
+use std::sync::Arc;
+
+use carve_proto::v1;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::StreamExt;
+use tonic::{Status, Streaming};
+
+use crate::error::SchedulerError;
+use crate::scheduler::{Scheduler, SessionSender};
+
+/// Reports a session may have waiting for the report task; past this the reader waits
+/// too, which slows the worker's stream (HTTP/2 flow control), not the scheduler.
+const REPORTS_IN_FLIGHT: usize = 1024;
+
+/// The scheduler's side of a worker's live session.
+#[derive(Debug)]
+pub(crate) struct LiveSession {
+    pub id: u64,
+    /// The token the session was opened with: revoking it ends the session.
+    pub token_id: String,
+    pub sender: SessionSender,
+    /// Dropping it ends the session as replaced; `end` ends it with a reason.
+    ender: Option<oneshot::Sender<Status>>,
+}
+
+impl LiveSession {
+    /// The live half of a new session and the handle its stream's tasks keep.
+    pub fn open(id: u64, token_id: String, sender: SessionSender) -> (LiveSession, SessionHandle) {
+        let (ender, ended) = oneshot::channel();
+        (
+            LiveSession {
+                id,
+                token_id,
+                sender,
+                ender: Some(ender),
+            },
+            SessionHandle { id, ended },
+        )
+    }
+
+    /// Ends the session; the worker receives `why` as the stream's final status.
+    pub fn end(mut self, why: SchedulerError) {
+        if let Some(ender) = self.ender.take() {
+            let _ = ender.send(carve_proto::ApiError::from(why).into());
+        }
+    }
+}
+
+/// What the stream's tasks hold: the session's id, and word of its end.
+#[derive(Debug)]
+pub struct SessionHandle {
+    pub id: u64,
+    ended: oneshot::Receiver<Status>,
+}
+
+/// Serves an opened session until the worker closes it, the scheduler ends it or stops.
+pub fn serve_session(
+    scheduler: Arc<Scheduler>,
+    worker_id: String,
+    session: SessionHandle,
+    mut incoming: Streaming<v1::WorkerMessage>,
+    sender: SessionSender,
+) {
+    let (reports, mut queued_reports) = mpsc::channel::<v1::WorkerMessage>(REPORTS_IN_FLIGHT);
+    let report_scheduler = Arc::clone(&scheduler);
+    let report_worker = worker_id.clone();
+    let report_sender = sender.clone();
+    let session_id = session.id;
+    let report_task = tokio::spawn(async move {
+        while let Some(message) = queued_reports.recv().await {
+            let sequence = message.sequence;
+            let acknowledged = match report_scheduler
+                .handle_worker_message(&report_worker, session_id, message)
+                .await
+            {
+                Ok(()) => true,
+                // A fenced report is answered, not fatal: the worker learns its attempt is gone.
+                Err(error @ SchedulerError::Conflict(_)) => {
+                    tracing::info!(worker = %report_worker, %error, "fenced report");
+                    true
+                }
+                Err(error) => {
+                    tracing::warn!(worker = %report_worker, %error, "worker message rejected");
+                    let _ = report_sender
+                        .send(Err(carve_proto::ApiError::from(error).into()))
+                        .await;
+                    false
+                }
+            };
+            if !acknowledged {
+                break;
+            }
+            let _ = report_sender
+                .send(Ok(v1::SchedulerMessage {
+                    body: Some(v1::scheduler_message::Body::Ack(
+                        v1::scheduler_message::Ack { sequence },
+                    )),
+                }))
+                .await;
+        }
+    });
+    let mut shutting_down = scheduler.shutting_down();
+    let mut ended = session.ended;
+    tokio::spawn(async move {
+        let mut ended_by_scheduler = None;
+        loop {
+            // A stopping scheduler ends its sessions, so the server can finish.
+            let message = tokio::select! {
+                message = incoming.next() => message,
+                _ = shutting_down.wait_for(|stopping| *stopping) => break,
+                why = &mut ended => {
+                    ended_by_scheduler = Some(why.unwrap_or_else(|_| {
+                        Status::aborted(format!(
+                            "a newer session of worker {worker_id} replaced this one"
+                        ))
+                    }));
+                    break;
+                }
+            };
+            let Some(Ok(message)) = message else { break };
+            if let Some(v1::worker_message::Body::Heartbeat(heartbeat)) = &message.body {
+                // Not acknowledged: the worker reads an ack as "every report up to this
+                // sequence", and reports before this heartbeat may still be in the queue.
+                scheduler.heartbeat(&worker_id, session_id, &heartbeat.gpus);
+                continue;
+            }
+            if reports.send(message).await.is_err() {
+                // The report task stopped on a rejected message and said why.
+                break;
+            }
+        }
+        // Reports the worker sent before it closed are still handled (on a session the
+        // scheduler ended, they are refused one by one).
+        drop(reports);
+        let _ = report_task.await;
+        if let Some(status) = ended_by_scheduler {
+            let _ = sender.send(Err(status)).await;
+        }
+        scheduler.close_session(&worker_id, session_id);
+    });
+}
