@@ -14,7 +14,9 @@ pub enum ChildLine {
     Progress {
         step: u64,
         total_steps: u64,
+        #[serde(deserialize_with = "number_or_nan")]
         loss: f64,
+        #[serde(deserialize_with = "number_or_nan")]
         samples_per_second: f64,
         memory_in_use_bytes: u64,
         memory_peak_bytes: u64,
@@ -23,6 +25,7 @@ pub enum ChildLine {
     Checkpoint { step: u64, location: String },
     /// Training completed; exit code 0 follows.
     Finished {
+        #[serde(deserialize_with = "number_or_nan")]
         final_loss: f64,
         test_accuracy: Option<f64>,
         peak_bytes: u64,
@@ -36,6 +39,17 @@ pub enum ChildLine {
         peak_bytes: u64,
         checkpoint: Option<CheckpointLine>,
     },
+}
+
+/// Reads a float that may be `null`: JSON has no NaN or infinity, so serde_json writes
+/// them as `null`, and a diverged run's loss is NaN. Read back as NaN, the line still
+/// says what happened; refused, the worker would take a finished attempt's last line for
+/// a library's output and fail the attempt for ending without a result.
+fn number_or_nan<'de, D>(deserializer: D) -> Result<f64, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    Ok(Option::<f64>::deserialize(deserializer)?.unwrap_or(f64::NAN))
 }
 
 /// A checkpoint as an OOM line names it.
@@ -112,5 +126,49 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(oom, ChildLine::Oom { limit_bytes: 3, .. }));
+    }
+
+    /// Found by the child_line fuzz target: a diverged run's NaN loss is written as
+    /// `null`, which the worker could not read back, so a finished attempt failed.
+    #[test]
+    fn a_nan_loss_is_written_and_read_back_as_nan() {
+        let finished = ChildLine::Finished {
+            final_loss: f64::NAN,
+            test_accuracy: Some(f64::INFINITY),
+            peak_bytes: 7,
+        };
+        let text = serde_json::to_string(&finished).unwrap();
+        assert_eq!(
+            text,
+            r#"{"type":"finished","final_loss":null,"test_accuracy":null,"peak_bytes":7}"#
+        );
+        let ChildLine::Finished {
+            final_loss,
+            test_accuracy,
+            peak_bytes,
+        } = serde_json::from_str(&text).unwrap()
+        else {
+            panic!("{text} is not read back as a finished line");
+        };
+        assert!(final_loss.is_nan());
+        assert_eq!((test_accuracy, peak_bytes), (None, 7));
+        let progress = ChildLine::Progress {
+            step: 1,
+            total_steps: 2,
+            loss: f64::NEG_INFINITY,
+            samples_per_second: f64::NAN,
+            memory_in_use_bytes: 3,
+            memory_peak_bytes: 4,
+        };
+        let text = serde_json::to_string(&progress).unwrap();
+        let ChildLine::Progress {
+            loss,
+            samples_per_second,
+            ..
+        } = serde_json::from_str(&text).unwrap()
+        else {
+            panic!("{text} is not read back as a progress line");
+        };
+        assert!(loss.is_nan() && samples_per_second.is_nan());
     }
 }

@@ -1,0 +1,699 @@
+//! The request target: every request message of the four services, decoded from the
+//! input with prost and handed to its real handler (`carve_scheduler::services`) on one
+//! in-process scheduler over a temporary SQLite store, with an admin token in the
+//! metadata, so every check past authentication is reached.
+//!
+//! Input: the first byte picks the method (modulo [`METHODS`]); the rest is that method's
+//! request message. For `Session`, the rest is a sequence of length-delimited
+//! `WorkerMessage`s, sent as the session's stream. An input that does not decode is not
+//! a call (that is tonic's layer, before any handler).
+//!
+//! The string `registered` in a worker id, `submitted` in a job id and `spare` in a token
+//! id stand for the worker, job and token the harness made at start, so mutations reach
+//! the checks that need one to exist.
+//!
+//! A finding: a panic, an `INTERNAL` or `UNKNOWN` status (bad input must get a status a
+//! client can act on), or a handler that does not answer within [`ANSWER_TIMEOUT`].
+//!
+//! The scheduler is made once per process and keeps what earlier inputs did (tenants,
+//! tokens, jobs): cheap enough for a campaign, but an input that failed may need the ones
+//! before it. The CI run is deterministic in any case (a fixed order on a fresh process).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use carve_proto::v1;
+use carve_proto::v1::admin_service_server::AdminService;
+use carve_proto::v1::cluster_service_server::ClusterService;
+use carve_proto::v1::job_service_server::JobService;
+use carve_proto::v1::worker_service_server::WorkerService;
+use carve_scheduler::auth::hash_secret;
+use carve_scheduler::scheduler::{Scheduler, SchedulerSettings, now_ms};
+use carve_scheduler::services::Services;
+use carve_scheduler::store::{Store, TenantRecord, TokenRecord};
+use http_body_util::Full;
+use prost::Message;
+use tokio_stream::StreamExt;
+use tonic::codec::{Codec, Streaming};
+use tonic::metadata::MetadataValue;
+use tonic::{Code, Request, Status};
+
+use crate::MAX_INPUT_BYTES;
+
+/// How long a handler may take before the run counts it as stalled. Generous, since the
+/// CI machine is small and shared; a stall the issue describes takes tens of seconds.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The methods, in the order the input's first byte picks them.
+pub const METHODS: [&str; 20] = [
+    "SubmitJob",
+    "GetJob",
+    "ListJobs",
+    "CancelJob",
+    "WatchJob",
+    "EstimateJob",
+    "GetJobLogs",
+    "CreateTenant",
+    "ListTenants",
+    "SetQuota",
+    "CreateToken",
+    "ListTokens",
+    "RevokeToken",
+    "ListWorkers",
+    "GetWorker",
+    "DrainWorker",
+    "UndrainWorker",
+    "ListSlices",
+    "Register",
+    "Session",
+];
+
+/// Words of the API for the CI mutator.
+pub const REQUEST_DICTIONARY: &[&[u8]] = &[
+    b"registered",
+    b"submitted",
+    b"spare",
+    b"default",
+    b"{}",
+    b"\"layers\"",
+    b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+    b"\x80\x80\x80\x80\x10",
+    b"\x08\x00",
+    b"\x10\x00",
+];
+
+const SECRET: &str = "carve-fuzz-admin-secret";
+const ADMIN_TOKEN_ID: &str = "token-fuzz-admin";
+const SPARE_TOKEN_ID: &str = "token-fuzz-spare";
+
+/// The scheduler every input is sent to, with what the placeholders stand for.
+struct Harness {
+    runtime: tokio::runtime::Runtime,
+    services: Services,
+    worker_id: String,
+    job_id: String,
+    _directory: tempfile::TempDir,
+}
+
+fn harness() -> &'static Harness {
+    static HARNESS: OnceLock<Harness> = OnceLock::new();
+    HARNESS.get_or_init(|| {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("a tokio runtime");
+        let directory = tempfile::tempdir().expect("a temp dir for the fuzz store");
+        let path = directory.path().join("carve.db");
+        let services = runtime.block_on(async {
+            let store = Store::open(path.to_str().expect("temp paths are utf-8"))
+                .await
+                .expect("open the fuzz store");
+            store
+                .create_tenant(&TenantRecord {
+                    name: "default".into(),
+                    vram_quota_bytes: None,
+                    max_running_jobs: None,
+                    fair_share_weight: 1,
+                    created_at_ms: now_ms(),
+                })
+                .await
+                .expect("create the default tenant");
+            for (id, role, secret) in [
+                (ADMIN_TOKEN_ID, "admin", SECRET.to_string()),
+                (SPARE_TOKEN_ID, "user", format!("{SECRET}-spare")),
+            ] {
+                store
+                    .create_token(&TokenRecord {
+                        id: id.into(),
+                        tenant: "default".into(),
+                        role: role.into(),
+                        secret_hash: hash_secret(&secret),
+                        description: "carve-fuzz".into(),
+                        created_at_ms: now_ms(),
+                        expires_at_ms: None,
+                        revoked: false,
+                    })
+                    .await
+                    .expect("create the fuzz tokens");
+            }
+            let scheduler = Arc::new(Scheduler::new(store, SchedulerSettings::default()));
+            scheduler.recover().await.expect("recover the empty store");
+            Services { scheduler }
+        });
+        let (job_id, worker_id) = runtime.block_on(async {
+            let job_id = services
+                .submit_job(authorized(seed_submit()))
+                .await
+                .map(|response| response.into_inner().job.unwrap_or_default().id)
+                .unwrap_or_else(|status| {
+                    eprintln!("carve-fuzz: the seed job was not submitted: {status:?}");
+                    String::new()
+                });
+            let worker_id = services
+                .register(authorized(seed_register()))
+                .await
+                .map(|response| response.into_inner().worker_id)
+                .unwrap_or_else(|status| {
+                    eprintln!("carve-fuzz: the seed worker was not registered: {status:?}");
+                    String::new()
+                });
+            (job_id, worker_id)
+        });
+        Harness {
+            runtime,
+            services,
+            worker_id,
+            job_id,
+            _directory: directory,
+        }
+    })
+}
+
+/// How many inputs reached a handler, and how many of those it accepted: what a run
+/// reports so a corpus that never gets past decoding or validation shows.
+static HANDLED: AtomicU64 = AtomicU64::new(0);
+static ACCEPTED: AtomicU64 = AtomicU64::new(0);
+
+/// (inputs that reached a handler, inputs it accepted) in this process so far.
+pub fn statistics() -> (u64, u64) {
+    (
+        HANDLED.load(Ordering::Relaxed),
+        ACCEPTED.load(Ordering::Relaxed),
+    )
+}
+
+fn authorized<T>(message: T) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        MetadataValue::try_from(format!("Bearer {SECRET}")).expect("an ascii header"),
+    );
+    request
+}
+
+pub fn fuzz_request(data: &[u8]) {
+    if data.len() > MAX_INPUT_BYTES {
+        return;
+    }
+    let Some((&selector, body)) = data.split_first() else {
+        return;
+    };
+    let method = METHODS[usize::from(selector) % METHODS.len()];
+    let harness = harness();
+    let outcome = harness.runtime.block_on(async {
+        tokio::time::timeout(ANSWER_TIMEOUT, call(harness, method, body)).await
+    });
+    match outcome {
+        Ok(Ok(())) => {}
+        Ok(Err(status)) => panic!(
+            "{method} answered {:?} for bad input: {}",
+            status.code(),
+            status.message()
+        ),
+        Err(_) => panic!("{method} did not answer within {ANSWER_TIMEOUT:?}"),
+    }
+}
+
+/// Fails with the status when it is one a client cannot act on.
+fn check<T>(result: Result<T, Status>) -> Result<Option<T>, Status> {
+    HANDLED.fetch_add(1, Ordering::Relaxed);
+    match result {
+        Ok(value) => {
+            ACCEPTED.fetch_add(1, Ordering::Relaxed);
+            Ok(Some(value))
+        }
+        Err(status) if matches!(status.code(), Code::Internal | Code::Unknown) => Err(status),
+        Err(_) => Ok(None),
+    }
+}
+
+fn replace(field: &mut String, placeholder: &str, value: &str) {
+    if field.contains(placeholder) {
+        *field = field.replace(placeholder, value);
+    }
+}
+
+/// Decodes `body` as the request, or ends the call: an undecodable body never reaches a
+/// handler.
+macro_rules! decode {
+    ($type:ty, $body:expr) => {
+        match <$type>::decode($body) {
+            Ok(message) => message,
+            Err(_) => return Ok(()),
+        }
+    };
+}
+
+async fn call(harness: &Harness, method: &str, body: &[u8]) -> Result<(), Status> {
+    let services = &harness.services;
+    let worker = harness.worker_id.as_str();
+    let job = harness.job_id.as_str();
+    match method {
+        "SubmitJob" => {
+            let request = decode!(v1::SubmitJobRequest, body);
+            check(services.submit_job(authorized(request)).await)?;
+        }
+        "GetJob" => {
+            let mut request = decode!(v1::GetJobRequest, body);
+            replace(&mut request.job_id, "submitted", job);
+            check(services.get_job(authorized(request)).await)?;
+        }
+        "ListJobs" => {
+            let request = decode!(v1::ListJobsRequest, body);
+            check(services.list_jobs(authorized(request)).await)?;
+        }
+        "CancelJob" => {
+            let mut request = decode!(v1::CancelJobRequest, body);
+            replace(&mut request.job_id, "submitted", job);
+            check(services.cancel_job(authorized(request)).await)?;
+        }
+        "WatchJob" => {
+            let mut request = decode!(v1::WatchJobRequest, body);
+            replace(&mut request.job_id, "submitted", job);
+            if let Some(response) = check(services.watch_job(authorized(request)).await)? {
+                let mut events = response.into_inner();
+                // The first event is the current state; then the stream waits for changes.
+                if let Ok(Some(event)) =
+                    tokio::time::timeout(Duration::from_secs(1), events.next()).await
+                {
+                    check(event)?;
+                }
+            }
+        }
+        "EstimateJob" => {
+            let request = decode!(v1::EstimateJobRequest, body);
+            check(services.estimate_job(authorized(request)).await)?;
+        }
+        "GetJobLogs" => {
+            let mut request = decode!(v1::GetJobLogsRequest, body);
+            replace(&mut request.job_id, "submitted", job);
+            check(services.get_job_logs(authorized(request)).await)?;
+        }
+        "CreateTenant" => {
+            let request = decode!(v1::CreateTenantRequest, body);
+            check(services.create_tenant(authorized(request)).await)?;
+        }
+        "ListTenants" => {
+            let request = decode!(v1::ListTenantsRequest, body);
+            check(services.list_tenants(authorized(request)).await)?;
+        }
+        "SetQuota" => {
+            let request = decode!(v1::SetQuotaRequest, body);
+            check(services.set_quota(authorized(request)).await)?;
+        }
+        "CreateToken" => {
+            let request = decode!(v1::CreateTokenRequest, body);
+            check(services.create_token(authorized(request)).await)?;
+        }
+        "ListTokens" => {
+            let request = decode!(v1::ListTokensRequest, body);
+            check(services.list_tokens(authorized(request)).await)?;
+        }
+        "RevokeToken" => {
+            let mut request = decode!(v1::RevokeTokenRequest, body);
+            replace(&mut request.token_id, "spare", SPARE_TOKEN_ID);
+            // Revoking the harness's own token would end every later call at
+            // authentication, which says nothing about the handlers.
+            if request.token_id == ADMIN_TOKEN_ID {
+                return Ok(());
+            }
+            check(services.revoke_token(authorized(request)).await)?;
+        }
+        "ListWorkers" => {
+            let request = decode!(v1::ListWorkersRequest, body);
+            check(services.list_workers(authorized(request)).await)?;
+        }
+        "GetWorker" => {
+            let mut request = decode!(v1::GetWorkerRequest, body);
+            replace(&mut request.worker_id, "registered", worker);
+            check(services.get_worker(authorized(request)).await)?;
+        }
+        "DrainWorker" => {
+            let mut request = decode!(v1::DrainWorkerRequest, body);
+            replace(&mut request.worker_id, "registered", worker);
+            check(services.drain_worker(authorized(request)).await)?;
+        }
+        "UndrainWorker" => {
+            let mut request = decode!(v1::UndrainWorkerRequest, body);
+            replace(&mut request.worker_id, "registered", worker);
+            check(services.undrain_worker(authorized(request)).await)?;
+        }
+        "ListSlices" => {
+            let mut request = decode!(v1::ListSlicesRequest, body);
+            replace(&mut request.worker_id, "registered", worker);
+            replace(&mut request.job_id, "submitted", job);
+            check(services.list_slices(authorized(request)).await)?;
+        }
+        "Register" => {
+            let mut request = decode!(v1::RegisterWorkerRequest, body);
+            replace(&mut request.previous_worker_id, "registered", worker);
+            check(services.register(authorized(request)).await)?;
+        }
+        "Session" => session(harness, body).await?,
+        other => unreachable!("{other} is not in METHODS"),
+    }
+    Ok(())
+}
+
+/// Sends the messages of `body` as one session's stream and reads what the scheduler
+/// answers until the session ends.
+async fn session(harness: &Harness, mut body: &[u8]) -> Result<(), Status> {
+    let mut frames = Vec::new();
+    while !body.is_empty() {
+        let Ok(mut message) = v1::WorkerMessage::decode_length_delimited(&mut body) else {
+            return Ok(());
+        };
+        if let Some(v1::worker_message::Body::Hello(hello)) = &mut message.body {
+            replace(&mut hello.worker_id, "registered", &harness.worker_id);
+            for attempt in &mut hello.running_attempts {
+                replace(&mut attempt.job_id, "submitted", &harness.job_id);
+            }
+        }
+        // gRPC's framing: not compressed, the length as a big-endian u32, the message.
+        let encoded = message.encode_to_vec();
+        frames.push(0u8);
+        frames.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
+        frames.extend_from_slice(&encoded);
+    }
+    let mut codec = tonic_prost::ProstCodec::<v1::SchedulerMessage, v1::WorkerMessage>::default();
+    let incoming =
+        Streaming::new_request(codec.decoder(), Full::new(Bytes::from(frames)), None, None);
+    let Some(response) = check(harness.services.session(authorized(incoming)).await)? else {
+        return Ok(());
+    };
+    let mut answers = response.into_inner();
+    // The session ends when its stream has been read; an answer that takes longer than
+    // this is left (the scheduler may push assignments at any time).
+    while let Ok(Some(answer)) = tokio::time::timeout(Duration::from_secs(2), answers.next()).await
+    {
+        check(answer)?;
+    }
+    Ok(())
+}
+
+/// The example job as `carve submit` sends it.
+pub fn example_spec_json() -> String {
+    let job =
+        carve_core::validate::load_job_spec_toml(include_str!("../../examples/mnist-cnn.toml"))
+            .expect("the example job is valid");
+    carve_proto::convert::job_spec_to_json(&job.spec).expect("the example job writes as JSON")
+}
+
+fn seed_submit() -> v1::SubmitJobRequest {
+    v1::SubmitJobRequest {
+        spec_json: example_spec_json(),
+        idempotency_key: "carve-fuzz-seed".into(),
+    }
+}
+
+fn seed_register() -> v1::RegisterWorkerRequest {
+    v1::RegisterWorkerRequest {
+        hostname: "fuzz-node".into(),
+        gpus: vec![v1::Gpu {
+            uuid: "SIM-fuzz-0".into(),
+            index: 0,
+            model_name: "simulated".into(),
+            total_bytes: 80 << 30,
+            context_bytes: 640 << 20,
+            ..Default::default()
+        }],
+        version: "fuzz".into(),
+        previous_worker_id: String::new(),
+    }
+}
+
+fn attempt() -> Option<v1::AttemptRef> {
+    Some(v1::AttemptRef {
+        job_id: "submitted".into(),
+        attempt_number: 1,
+        lease_epoch: 1,
+    })
+}
+
+/// One valid request per method (named `<Method>[-<variant>]`), the seed corpus of the
+/// target: each is the selector byte and the encoded message.
+pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
+    use v1::worker_message::Body;
+    let selector = |method: &str| {
+        METHODS
+            .iter()
+            .position(|name| *name == method)
+            .expect("a method of METHODS") as u8
+    };
+    let mut seeds: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut add = |name: &str, method: &str, message: Vec<u8>| {
+        let mut input = vec![selector(method)];
+        input.extend(message);
+        seeds.push((name.to_string(), input));
+    };
+    let spec_json = example_spec_json();
+    add("SubmitJob", "SubmitJob", seed_submit().encode_to_vec());
+    let job_id = || "submitted".to_string();
+    add(
+        "GetJob",
+        "GetJob",
+        v1::GetJobRequest { job_id: job_id() }.encode_to_vec(),
+    );
+    add(
+        "ListJobs",
+        "ListJobs",
+        v1::ListJobsRequest {
+            tenant: "default".into(),
+            states: vec![v1::JobState::Queued as i32],
+            name_prefix: "mnist".into(),
+            page_size: 10,
+            page_token: String::new(),
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "CancelJob",
+        "CancelJob",
+        v1::CancelJobRequest {
+            job_id: job_id(),
+            reason: "fuzz".into(),
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "WatchJob",
+        "WatchJob",
+        v1::WatchJobRequest {
+            job_id: job_id(),
+            include_logs: true,
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "EstimateJob",
+        "EstimateJob",
+        v1::EstimateJobRequest {
+            spec_json: spec_json.clone(),
+            batch_size: Some(32),
+            precision: Some(v1::Precision::Fp16 as i32),
+            slice_bytes: None,
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "EstimateJob-shrink",
+        "EstimateJob",
+        v1::EstimateJobRequest {
+            spec_json,
+            batch_size: None,
+            precision: None,
+            slice_bytes: Some(8 << 20),
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "GetJobLogs",
+        "GetJobLogs",
+        v1::GetJobLogsRequest {
+            job_id: job_id(),
+            attempt_number: 0,
+            after_sequence: 0,
+            page_size: 10,
+            tail: 5,
+        }
+        .encode_to_vec(),
+    );
+    let quota = Some(v1::Quota {
+        vram_bytes: Some(40 << 30),
+        max_running_jobs: Some(4),
+        fair_share_weight: 2.0,
+    });
+    add(
+        "CreateTenant",
+        "CreateTenant",
+        v1::CreateTenantRequest {
+            name: "team-a".into(),
+            quota,
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "ListTenants",
+        "ListTenants",
+        v1::ListTenantsRequest {}.encode_to_vec(),
+    );
+    add(
+        "SetQuota",
+        "SetQuota",
+        v1::SetQuotaRequest {
+            tenant: "default".into(),
+            quota,
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "CreateToken",
+        "CreateToken",
+        v1::CreateTokenRequest {
+            tenant: "default".into(),
+            role: v1::Role::User as i32,
+            description: "fuzz".into(),
+            time_to_live: Some(prost_types::Duration {
+                seconds: 3600,
+                nanos: 0,
+            }),
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "ListTokens",
+        "ListTokens",
+        v1::ListTokensRequest {
+            tenant: "default".into(),
+            include_inactive: true,
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "RevokeToken",
+        "RevokeToken",
+        v1::RevokeTokenRequest {
+            token_id: "spare".into(),
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "ListWorkers",
+        "ListWorkers",
+        v1::ListWorkersRequest {
+            states: vec![v1::WorkerState::Ready as i32],
+        }
+        .encode_to_vec(),
+    );
+    let worker_id = || "registered".to_string();
+    add(
+        "GetWorker",
+        "GetWorker",
+        v1::GetWorkerRequest {
+            worker_id: worker_id(),
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "DrainWorker",
+        "DrainWorker",
+        v1::DrainWorkerRequest {
+            worker_id: worker_id(),
+            reason: "fuzz".into(),
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "UndrainWorker",
+        "UndrainWorker",
+        v1::UndrainWorkerRequest {
+            worker_id: worker_id(),
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "ListSlices",
+        "ListSlices",
+        v1::ListSlicesRequest {
+            worker_id: worker_id(),
+            gpu_uuid: "SIM-fuzz-0".into(),
+            job_id: job_id(),
+        }
+        .encode_to_vec(),
+    );
+    let mut register = seed_register();
+    register.previous_worker_id = worker_id();
+    add("Register", "Register", register.encode_to_vec());
+    let messages = [
+        Body::Hello(v1::worker_message::Hello {
+            worker_id: worker_id(),
+            running_attempts: attempt().into_iter().collect(),
+        }),
+        Body::Heartbeat(v1::worker_message::Heartbeat {
+            gpus: vec![v1::GpuMemory {
+                gpu_uuid: "SIM-fuzz-0".into(),
+                free_bytes: 70 << 30,
+            }],
+        }),
+        Body::AttemptStarted(v1::worker_message::AttemptStarted {
+            attempt: attempt(),
+            reserved_bytes: 1 << 30,
+        }),
+        Body::Progress(v1::worker_message::Progress {
+            attempt: attempt(),
+            progress: Some(v1::TrainingProgress {
+                step: 10,
+                total_steps: 200,
+                loss: 0.5,
+                samples_per_second: 1000.0,
+                memory_in_use_bytes: 1 << 29,
+                memory_peak_bytes: 1 << 29,
+            }),
+        }),
+        Body::CheckpointWritten(v1::worker_message::CheckpointWritten {
+            attempt: attempt(),
+            checkpoint: Some(v1::Checkpoint {
+                step: 10,
+                location: "/checkpoints/job.ckpt".into(),
+            }),
+        }),
+        Body::Log(v1::worker_message::LogLine {
+            attempt: attempt(),
+            level: "info".into(),
+            message: "step 10".into(),
+        }),
+        Body::Oom(v1::worker_message::OomReport {
+            attempt: attempt(),
+            report: Some(v1::OutOfMemoryReport {
+                requested_bytes: 1 << 20,
+                in_use_bytes: 1 << 29,
+                limit_bytes: 1 << 30,
+                largest_free_bytes: 1 << 19,
+                peak_bytes: 1 << 29,
+            }),
+            checkpoint: None,
+        }),
+        Body::AttemptFinished(v1::worker_message::AttemptFinished {
+            attempt: attempt(),
+            outcome: v1::AttemptOutcome::Succeeded as i32,
+            final_loss: Some(0.1),
+            test_accuracy: Some(0.9),
+            measured_peak_bytes: 1 << 29,
+            message: String::new(),
+        }),
+    ];
+    let mut session = Vec::new();
+    for (sequence, body) in messages.into_iter().enumerate() {
+        v1::WorkerMessage {
+            sequence: sequence as u64 + 1,
+            body: Some(body),
+        }
+        .encode_length_delimited(&mut session)
+        .expect("a Vec grows");
+    }
+    add("Session", "Session", session);
+    seeds
+}

@@ -1,0 +1,160 @@
+//! The job spec targets: a job file (TOML) and the API's `spec_json`, through the parser,
+//! the validator, the estimate of the spec's own configuration and the shrink planner into
+//! half of that; and the path a submit takes (TOML read by `carve`, sent as JSON, read
+//! back by the scheduler), which must give back the same spec and the same estimate.
+
+use carve_core::estimator::{estimate_job, try_plan_in_slice};
+use carve_core::plan::{RunConfig, compile_step_plan};
+use carve_core::shrink::plan_shrink;
+use carve_core::validate::{ValidatedJob, load_job_spec_toml};
+use carve_proto::ApiError;
+use carve_proto::convert::{job_spec_to_json, validated_job_from_json};
+
+use crate::MAX_INPUT_BYTES;
+
+/// Keys and values of the spec format, for the CI mutator.
+pub const SPEC_DICTIONARY: &[&[u8]] = &[
+    b"layers",
+    b"input_shape",
+    b"conv2d",
+    b"dense",
+    b"max_pool",
+    b"avg_pool",
+    b"global_avg_pool",
+    b"batch_norm",
+    b"dropout",
+    b"flatten",
+    b"filters",
+    b"kernel",
+    b"stride",
+    b"padding",
+    b"units",
+    b"batch_size",
+    b"accumulation_steps",
+    b"precision",
+    b"\"fp16\"",
+    b"\"bf16\"",
+    b"recompute",
+    b"workspace_limit",
+    b"oom",
+    b"strategies",
+    b"0",
+    b"-1",
+    b"4294967296",
+    b"18446744073709551615",
+    b"9223372036854775807",
+    b"1e308",
+    b"nan",
+    b"inf",
+    b"-0.0",
+    b"\"1TiB\"",
+    b"\"0B\"",
+    b"[]",
+    b"{}",
+    b",",
+    b"=",
+    b"\"",
+];
+
+/// A job file as `carve` reads it.
+pub fn fuzz_spec_toml(data: &[u8]) {
+    let Some(text) = text_of(data) else { return };
+    match load_job_spec_toml(text) {
+        Ok(job) => {
+            check_valid_job(&job);
+            // `carve submit` sends the file as JSON: the scheduler must read the same spec.
+            let json = job_spec_to_json(&job.spec)
+                .unwrap_or_else(|error| panic!("a valid spec does not write as JSON: {error}"));
+            let again = validated_job_from_json(&json).unwrap_or_else(|error| {
+                panic!("a valid job file is refused once sent as JSON: {error}\nJSON: {json}")
+            });
+            assert_eq!(
+                again.spec, job.spec,
+                "the spec changed on its way through JSON"
+            );
+            assert_eq!(
+                estimate_summary(&again),
+                estimate_summary(&job),
+                "the estimate changed on the spec's way through JSON"
+            );
+        }
+        Err(error) => assert!(
+            !error.reason.trim().is_empty(),
+            "a rejection without a reason (field {:?})",
+            error.field
+        ),
+    }
+}
+
+/// The API's `spec_json`, as SubmitJob and EstimateJob read it.
+pub fn fuzz_spec_json(data: &[u8]) {
+    let Some(text) = text_of(data) else { return };
+    match validated_job_from_json(text) {
+        Ok(job) => {
+            check_valid_job(&job);
+            let json = job_spec_to_json(&job.spec)
+                .unwrap_or_else(|error| panic!("a valid spec does not write as JSON: {error}"));
+            let again = validated_job_from_json(&json).unwrap_or_else(|error| {
+                panic!("a valid spec_json is refused once written again: {error}\nJSON: {json}")
+            });
+            assert_eq!(again.spec, job.spec, "the spec changed when written again");
+        }
+        Err(ApiError::InvalidArgument { field, reason }) => {
+            assert!(
+                field.starts_with("spec"),
+                "a spec rejection names {field:?}, not a spec field"
+            );
+            assert!(
+                !reason.trim().is_empty(),
+                "a rejection without a reason (field {field:?})"
+            );
+        }
+        Err(other) => panic!("bad spec_json is not an invalid argument: {other:?}"),
+    }
+}
+
+/// The checks every valid spec must pass: its estimate, and a shrink into half of it
+/// that, when it answers with a config, answers one that really fits its budget.
+fn check_valid_job(job: &ValidatedJob) {
+    let config = RunConfig::from_spec(&job.spec);
+    let Ok(estimate) = estimate_job(job, &config) else {
+        return;
+    };
+    assert!(
+        estimate.peak_bytes <= estimate.required_bytes,
+        "the peak ({}) is above the slice the step needs ({})",
+        estimate.peak_bytes,
+        estimate.required_bytes
+    );
+    let half = estimate.required_bytes / 2;
+    if half == 0 {
+        return;
+    }
+    if let Ok(decision) = plan_shrink(job, &config, None, half) {
+        let plan = compile_step_plan(job, &decision.config).unwrap_or_else(|error| {
+            panic!(
+                "the shrink planner chose a config that does not compile: {error:?}\n{:?}",
+                decision.config
+            )
+        });
+        assert!(
+            try_plan_in_slice(&plan, decision.budget_bytes).is_ok(),
+            "the shrink planner chose a config that does not fit its budget of {} bytes: {:?}",
+            decision.budget_bytes,
+            decision.config
+        );
+    }
+}
+
+fn estimate_summary(job: &ValidatedJob) -> Option<(u64, u64)> {
+    estimate_job(job, &RunConfig::from_spec(&job.spec))
+        .ok()
+        .map(|estimate| (estimate.peak_bytes, estimate.required_bytes))
+}
+
+pub(crate) fn text_of(data: &[u8]) -> Option<&str> {
+    if data.len() > MAX_INPUT_BYTES {
+        return None;
+    }
+    std::str::from_utf8(data).ok()
+}
