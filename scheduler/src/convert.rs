@@ -280,3 +280,42 @@ pub fn job_proto_from_parts(
         message: job.message.clone(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use carve_core::estimator::estimate_job;
+    use carve_core::validate::load_job_spec_toml;
+
+    use super::*;
+
+    /// What a read shows is exactly what the estimator said at submit, breakdowns
+    /// included: the stored form loses nothing the API carries.
+    #[test]
+    fn a_stored_estimate_reads_back_as_the_estimate_it_was() {
+        let job = load_job_spec_toml(include_str!("../../examples/resnet-cifar.toml")).unwrap();
+        let config = RunConfig::from_spec(&job.spec);
+        let estimate = estimate_job(&job, &config).unwrap();
+        assert!(!estimate.by_layer.is_empty() && estimate.persistent_bytes > 0);
+        let read = estimate_from_json(&estimate_to_json(&estimate), Some(config)).unwrap();
+        assert_eq!(read, v1::MemoryEstimate::from(&estimate));
+    }
+
+    #[test]
+    fn a_corrupt_stored_estimate_is_an_error() {
+        for text in [
+            "",
+            "{}",
+            r#"{"peak_bytes":1}"#,
+            r#"{"peak_bytes":-1,"required_bytes":2}"#,
+            r#"{"peak_bytes":1,"required_bytes":2,"by_layer":"x"}"#,
+        ] {
+            assert!(
+                matches!(
+                    estimate_from_json(text, None),
+                    Err(SchedulerError::Internal(_))
+                ),
+                "{text:?}"
+            );
+        }
+    }
+}

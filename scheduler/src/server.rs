@@ -2,8 +2,11 @@
 //! the shutdown future completes — so tests run the real server in-process on
 //! `127.0.0.1:0` (mini-redis's shape).
 
+use std::convert::Infallible;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use carve_proto::v1::admin_service_server::AdminServiceServer;
 use carve_proto::v1::cluster_service_server::ClusterServiceServer;
@@ -12,6 +15,8 @@ use carve_proto::v1::worker_service_server::WorkerServiceServer;
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::codegen::{Service, http};
+use tonic::server::NamedService;
 
 use crate::auth::{generate_id, generate_secret, hash_secret};
 use crate::error::SchedulerError;
@@ -26,7 +31,9 @@ pub struct SchedulerConfig {
     pub database_url: String,
     pub settings: SchedulerSettings,
     /// An admin secret to accept (stored hashed). Without one, a first start creates an
-    /// admin token and prints it once.
+    /// admin token and writes it to [`GENERATED_ADMIN_TOKEN_FILE`] next to the SQLite
+    /// database (mode 0600), logging only that file's path; on PostgreSQL (no data
+    /// directory) a first start without one is an error.
     pub admin_token: Option<String>,
     /// Where to serve Prometheus metrics (`GET /metrics`), if anywhere.
     pub metrics_address: Option<std::net::SocketAddr>,
@@ -57,12 +64,71 @@ impl std::fmt::Debug for TlsIdentity {
 /// The tenant the first admin token belongs to.
 pub const DEFAULT_TENANT: &str = "default";
 
-/// Creates the default tenant and the admin token on a first start; returns a secret
-/// when one was generated (to be shown once).
+/// The file, next to the SQLite database, a first start writes the admin token it
+/// generates to. Never printed: stderr is the log stream under systemd and Kubernetes,
+/// kept and shipped where the token does not belong.
+pub const GENERATED_ADMIN_TOKEN_FILE: &str = "admin-token";
+
+/// Where a first start of the store at `database_url` writes a generated admin token:
+/// next to a SQLite file; `None` for PostgreSQL and in-memory SQLite.
+pub fn generated_admin_token_path(database_url: &str) -> Option<std::path::PathBuf> {
+    if database_url.starts_with("postgres://")
+        || database_url.starts_with("postgresql://")
+        || database_url.contains(":memory:")
+        || database_url.contains("mode=memory")
+    {
+        return None;
+    }
+    let file = match database_url.strip_prefix("sqlite:") {
+        Some(rest) => rest.strip_prefix("//").unwrap_or(rest),
+        None => database_url,
+    };
+    let file = file.split('?').next().unwrap_or(file);
+    if file.is_empty() {
+        return None;
+    }
+    let directory = std::path::Path::new(file)
+        .parent()
+        .unwrap_or(std::path::Path::new(""));
+    Some(directory.join(GENERATED_ADMIN_TOKEN_FILE))
+}
+
+/// Writes a generated admin token to `path`, readable by its owner alone (0600),
+/// replacing a file left from an earlier database: a new file is created rather than
+/// an existing one opened, so neither its old mode nor a link planted there is used.
+fn write_admin_token_file(path: &std::path::Path, secret: &str) -> Result<(), SchedulerError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let failed = |error: std::io::Error| {
+        SchedulerError::Unavailable(format!(
+            "cannot write the generated admin token to {}: {error}",
+            path.display()
+        ))
+    };
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => return Err(failed(error)),
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(failed)?;
+    file.write_all(format!("{secret}\n").as_bytes())
+        .and_then(|()| file.sync_all())
+        .map_err(failed)
+}
+
+/// Creates the default tenant and the admin token on a first start. A generated token
+/// is written to `generated_token_path` before its hash is stored (so a token is never
+/// stored that nobody holds); returns that path when it did.
 async fn bootstrap(
     store: &Store,
     admin_token: Option<&str>,
-) -> Result<Option<String>, SchedulerError> {
+    generated_token_path: Option<&std::path::Path>,
+) -> Result<Option<std::path::PathBuf>, SchedulerError> {
     let now = now_ms();
     if store.list_tenants().await?.is_empty() {
         store
@@ -85,7 +151,19 @@ async fn bootstrap(
         {
             return Ok(None);
         }
-        None => (generate_secret(), true),
+        None => {
+            let Some(path) = generated_token_path else {
+                return Err(SchedulerError::invalid_argument(
+                    "admin_token",
+                    "a first start on this database must be given an admin token \
+                     (--admin-token-file or CARVE_ADMIN_TOKEN): it has no data directory \
+                     to write a generated one to",
+                ));
+            };
+            let secret = generate_secret();
+            write_admin_token_file(path, &secret)?;
+            (secret, true)
+        }
     };
     let hash = hash_secret(&secret);
     if store.find_token_by_hash(&hash).await?.is_none() {
@@ -102,7 +180,9 @@ async fn bootstrap(
             })
             .await?;
     }
-    Ok(generated.then_some(secret))
+    Ok(generated_token_path
+        .filter(|_| generated)
+        .map(std::path::Path::to_path_buf))
 }
 
 /// Runs the scheduler until `shutdown` completes.
@@ -112,9 +192,19 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), SchedulerError> {
     let store = Store::open(&config.database_url).await?;
-    if let Some(secret) = bootstrap(&store, config.admin_token.as_deref()).await? {
-        // Shown once: only its hash is stored.
-        eprintln!("admin token (shown once, store it now): {secret}");
+    let generated_token_path = generated_admin_token_path(&config.database_url);
+    if let Some(path) = bootstrap(
+        &store,
+        config.admin_token.as_deref(),
+        generated_token_path.as_deref(),
+    )
+    .await?
+    {
+        // Only its hash is stored, so the file is the one copy.
+        eprintln!(
+            "admin token created and written to {} (readable by this user alone)",
+            path.display()
+        );
     }
     let scheduler = Arc::new(Scheduler::new(store, config.settings.clone()));
     scheduler.recover().await?;
@@ -174,10 +264,18 @@ pub async fn run(
     let result = builder
         .add_service(health_service)
         .add_service(reflection)
-        .add_service(JobServiceServer::new(services.clone()))
-        .add_service(AdminServiceServer::new(services.clone()))
-        .add_service(ClusterServiceServer::new(services.clone()))
-        .add_service(WorkerServiceServer::new(services))
+        .add_service(UndecodableRequestsAreInvalid(JobServiceServer::new(
+            services.clone(),
+        )))
+        .add_service(UndecodableRequestsAreInvalid(AdminServiceServer::new(
+            services.clone(),
+        )))
+        .add_service(UndecodableRequestsAreInvalid(ClusterServiceServer::new(
+            services.clone(),
+        )))
+        .add_service(UndecodableRequestsAreInvalid(WorkerServiceServer::new(
+            services,
+        )))
         .serve_with_incoming_shutdown(incoming, {
             let scheduler = scheduler.clone();
             async move {
@@ -195,6 +293,85 @@ pub async fn run(
     // (A crash loses that group: log lines are best effort, acknowledged jobs are not.)
     scheduler.flush_logs().await;
     result
+}
+
+/// What prost's decode errors start with, in the INTERNAL status tonic answers them with.
+const PROST_DECODE_ERROR_PREFIX: &str = "failed to decode Protobuf message";
+
+/// One of the API's services, whose answers to requests that do not decode are
+/// INVALID_ARGUMENT rather than INTERNAL.
+///
+/// tonic's prost codec turns a request body that is not the method's message into
+/// `Status::internal` (gRPC's status-code guide files parse errors there), so a client
+/// that sent garbage is told the server is broken. A request that never decoded never
+/// reached a handler, so the codec is the only source of such a status: it is rewritten,
+/// through `ApiError` like every other status, into the client's fault. Unary and
+/// server-streaming calls decode their request before any handler runs, and tonic
+/// answers a failure there with the status in the response headers, which is where
+/// this looks; a bad message inside a client stream (the worker session) reaches its
+/// handler as an error from the stream instead.
+#[derive(Debug, Clone)]
+pub struct UndecodableRequestsAreInvalid<S>(pub S);
+
+impl<S: NamedService> NamedService for UndecodableRequestsAreInvalid<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S, RequestBody, ResponseBody> Service<http::Request<RequestBody>>
+    for UndecodableRequestsAreInvalid<S>
+where
+    S: Service<
+            http::Request<RequestBody>,
+            Response = http::Response<ResponseBody>,
+            Error = Infallible,
+        >,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<ResponseBody>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, context: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.0.poll_ready(context)
+    }
+
+    fn call(&mut self, request: http::Request<RequestBody>) -> Self::Future {
+        let method = request.uri().path().to_string();
+        let answer = self.0.call(request);
+        Box::pin(async move {
+            let mut response = answer.await?;
+            invalid_argument_for_decode_errors(&method, response.headers_mut());
+            Ok(response)
+        })
+    }
+}
+
+/// Rewrites a decode error's INTERNAL status in `headers` as INVALID_ARGUMENT.
+fn invalid_argument_for_decode_errors(method: &str, headers: &mut http::HeaderMap) {
+    let Some(status) = tonic::Status::from_header_map(headers) else {
+        return;
+    };
+    if status.code() != tonic::Code::Internal {
+        return;
+    }
+    let Some(detail) = status.message().strip_prefix(PROST_DECODE_ERROR_PREFIX) else {
+        return;
+    };
+    let detail = detail.trim_start_matches(':').trim();
+    let error: tonic::Status = carve_proto::ApiError::invalid_argument(
+        "",
+        format!("the request body is not a valid {method} request: {detail}"),
+    )
+    .into();
+    let mut replacement = http::HeaderMap::new();
+    if let Err(error) = error.add_header(&mut replacement) {
+        tracing::warn!(%error, "could not rewrite a decode error's status");
+        return;
+    }
+    for name in ["grpc-status", "grpc-message", "grpc-status-details-bin"] {
+        headers.remove(name);
+    }
+    headers.extend(replacement);
 }
 
 /// A pass never starts sooner than this after the previous one started.

@@ -103,6 +103,7 @@ pub use records::{
     JobRecord, MAX_PAGE_SIZE, QueueFingerprint, QueuedJob, SubmitOutcome, TERMINAL_JOB_STATES,
     TOKEN_ROLES, TenantRecord, TokenRecord, WORKER_STATES, WorkerRecord,
 };
+pub use tenants::{MAX_TENANT_NAME_LENGTH, check_tenant_name};
 
 static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
@@ -191,6 +192,9 @@ impl Store {
                 // disk. They are not part of durability: the WAL is.
                 .pragma("temp_store", "memory");
             let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+            if !in_memory {
+                create_private_database_file(connect_options.get_filename())?;
+            }
             // No ping before each acquire: a connection to a local file cannot go stale,
             // and with sqlx-sqlite a ping is a round trip to the connection's thread,
             // as costly as a small query (about a tenth of a submit's CPU, measured by
@@ -272,6 +276,27 @@ impl Store {
                 Ok(rows)
             }
         }
+    }
+}
+
+/// Creates a missing SQLite database file readable and writable by its owner alone
+/// (0600; SQLite gives its `-wal` and `-shm` files the same mode). It holds token
+/// hashes and every tenant's jobs, and SQLite would create it with the umask's mode,
+/// usually 0644. An existing file is left as it is: whoever made it chose its mode.
+fn create_private_database_file(path: &std::path::Path) -> Result<(), SchedulerError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+    {
+        Ok(_) => Ok(()),
+        Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(error) => Err(SchedulerError::Unavailable(format!(
+            "cannot create the database file {}: {error}",
+            path.display()
+        ))),
     }
 }
 

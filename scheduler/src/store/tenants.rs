@@ -6,9 +6,37 @@ use crate::error::SchedulerError;
 const TENANT_COLUMNS: &str =
     "name, vram_quota_bytes, max_running_jobs, fair_share_weight, created_at_ms";
 
+/// The longest tenant name: a DNS label's limit, so a name can go wherever one can
+/// (Kubernetes namespaces and labels, host names, metric labels).
+pub const MAX_TENANT_NAME_LENGTH: usize = 63;
+
+/// The one rule for tenant names, the API's documented one: 1 to 63 lowercase ASCII
+/// letters, digits and '-'. `InvalidArgument` naming `field` otherwise. Every tenant is
+/// created through [`Store::create_tenant`], which applies it.
+pub fn check_tenant_name(field: &str, name: &str) -> Result<(), SchedulerError> {
+    let allowed = |character: char| {
+        character.is_ascii_lowercase() || character.is_ascii_digit() || character == '-'
+    };
+    let reason = if name.is_empty() {
+        "must not be empty".to_string()
+    } else if name.len() > MAX_TENANT_NAME_LENGTH {
+        format!(
+            "is {} characters long; the limit is {MAX_TENANT_NAME_LENGTH}",
+            name.chars().count()
+        )
+    } else if let Some(bad) = name.chars().find(|character| !allowed(*character)) {
+        format!("{name:?} contains {bad:?}; use lowercase letters, digits and '-'")
+    } else {
+        return Ok(());
+    };
+    Err(SchedulerError::invalid_argument(field, reason))
+}
+
 impl Store {
-    /// Creates a tenant. `AlreadyExists` when the name is taken.
+    /// Creates a tenant. `InvalidArgument` when its name breaks [`check_tenant_name`];
+    /// `AlreadyExists` when the name is taken.
     pub async fn create_tenant(&self, tenant: &TenantRecord) -> Result<(), SchedulerError> {
+        check_tenant_name("name", &tenant.name)?;
         let result = with_pool!(self, pool => {
             sqlx::query(
                 "INSERT INTO tenants \
