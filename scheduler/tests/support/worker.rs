@@ -156,6 +156,20 @@ impl TestWorker {
         self.outgoing
     }
 
+    /// How the scheduler ended this session, within `wait`: the stream's error status,
+    /// `None` when it is still open then (messages before the end are dropped).
+    pub async fn session_end(&mut self, wait: Duration) -> Option<tonic::Status> {
+        let until = tokio::time::Instant::now() + wait;
+        loop {
+            match tokio::time::timeout_at(until, self.incoming.next()).await {
+                Err(_) => return None,
+                Ok(Some(Ok(_))) => {}
+                Ok(Some(Err(status))) => return Some(status),
+                Ok(None) => return Some(tonic::Status::ok("the stream ended")),
+            }
+        }
+    }
+
     /// Sends one message and waits for its ack. Returns the other messages the scheduler
     /// sent meanwhile, which `next` and `messages_within` still deliver afterwards.
     pub async fn send(

@@ -1,0 +1,193 @@
+//! The real scheduler in-process on 127.0.0.1:0 over a real SQLite file, and the calls
+//! the server tests make through real gRPC clients: start a cluster, a tenant with its
+//! user and worker tokens, submit, get, wait for a state. Included with `#[path]` by the
+//! test files that need it, next to `worker.rs`.
+
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use carve_proto::v1;
+use carve_proto::v1::admin_service_client::AdminServiceClient;
+use carve_proto::v1::job_service_client::JobServiceClient;
+use carve_scheduler::scheduler::SchedulerSettings;
+use carve_scheduler::server::{SchedulerConfig, run};
+use tonic::transport::Channel;
+
+use super::test_worker::authorized;
+
+pub const ADMIN: &str = "carve_test_admin_secret";
+
+pub struct Cluster {
+    pub address: String,
+    pub metrics_address: std::net::SocketAddr,
+    pub _directory: tempfile::TempDir,
+    _shutdown: tokio::sync::oneshot::Sender<()>,
+}
+
+pub async fn start(lease: Duration) -> Cluster {
+    let directory = tempfile::tempdir().unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    let (shutdown, shutdown_signal) = tokio::sync::oneshot::channel::<()>();
+    // A free port for the metrics page (bound and released: a small race, fine in tests).
+    let metrics_address = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let config = SchedulerConfig {
+        database_url: format!("sqlite://{}", directory.path().join("carve.db").display()),
+        settings: SchedulerSettings {
+            lease_duration: lease,
+            heartbeat_interval: Duration::from_millis(100),
+            scheduling_interval: Duration::from_millis(50),
+            checkpoint_directory: "/checkpoints".into(),
+            infrastructure_retry_backoff: Duration::from_millis(100),
+        },
+        admin_token: Some(ADMIN.into()),
+        metrics_address: Some(metrics_address),
+        tls: None,
+    };
+    tokio::spawn(async move {
+        run(config, listener, async {
+            let _ = shutdown_signal.await;
+        })
+        .await
+        .unwrap();
+    });
+    Cluster {
+        address,
+        metrics_address,
+        _directory: directory,
+        _shutdown: shutdown,
+    }
+}
+
+pub async fn channel(cluster: &Cluster) -> Channel {
+    for _ in 0..100 {
+        if let Ok(channel) = Channel::from_shared(cluster.address.clone())
+            .unwrap()
+            .connect()
+            .await
+        {
+            return channel;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the scheduler did not come up at {}", cluster.address);
+}
+
+pub async fn tenant_with_tokens(
+    channel: &Channel,
+    tenant: &str,
+    quota: v1::Quota,
+) -> (String, String) {
+    let mut admin = AdminServiceClient::new(channel.clone());
+    admin
+        .create_tenant(authorized(
+            v1::CreateTenantRequest {
+                name: tenant.into(),
+                quota: Some(quota),
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap();
+    let token = |role: v1::Role| {
+        let mut admin = admin.clone();
+        let tenant = tenant.to_string();
+        async move {
+            admin
+                .create_token(authorized(
+                    v1::CreateTokenRequest {
+                        tenant,
+                        role: role as i32,
+                        description: "test".into(),
+                        time_to_live: None,
+                    },
+                    ADMIN,
+                ))
+                .await
+                .unwrap()
+                .into_inner()
+                .secret
+        }
+    };
+    (token(v1::Role::User).await, token(v1::Role::Worker).await)
+}
+
+/// `GET /metrics` over a plain socket, as a scraper does.
+pub async fn scrape(address: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut connection = tokio::net::TcpStream::connect(address).await.unwrap();
+    connection
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = String::new();
+    connection.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+    response.split_once("\r\n\r\n").unwrap().1.to_string()
+}
+
+pub const JOB: &str = r#"{
+  "name": "small",
+  "model": {
+    "input_shape": [8, 8, 1],
+    "loss": "softmax_cross_entropy",
+    "layers": [
+      { "conv2d": { "filters": 8, "kernel": 3, "padding": "same" } },
+      { "relu": {} },
+      { "flatten": {} },
+      { "dense": { "units": 4 } }
+    ]
+  },
+  "training": { "batch_size": 64, "steps": 10, "optimizer": { "adam": { "learning_rate": 0.001 } } },
+  "data": { "format": "synthetic", "samples": 256 }
+}"#;
+
+pub async fn submit(
+    channel: &Channel,
+    token: &str,
+    spec: &str,
+    key: &str,
+) -> Result<v1::SubmitJobResponse, tonic::Status> {
+    JobServiceClient::new(channel.clone())
+        .submit_job(authorized(
+            v1::SubmitJobRequest {
+                spec_json: spec.into(),
+                idempotency_key: key.into(),
+            },
+            token,
+        ))
+        .await
+        .map(|response| response.into_inner())
+}
+
+pub async fn get(channel: &Channel, token: &str, job_id: &str) -> Result<v1::Job, tonic::Status> {
+    JobServiceClient::new(channel.clone())
+        .get_job(authorized(
+            v1::GetJobRequest {
+                job_id: job_id.into(),
+            },
+            token,
+        ))
+        .await
+        .map(|response| response.into_inner().job.unwrap())
+}
+
+pub async fn wait_for_state(
+    channel: &Channel,
+    token: &str,
+    job_id: &str,
+    state: v1::JobState,
+) -> v1::Job {
+    for _ in 0..200 {
+        let job = get(channel, token, job_id).await.unwrap();
+        if job.state == state as i32 {
+            return job;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("job {job_id} never reached {state:?}");
+}

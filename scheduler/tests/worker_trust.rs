@@ -1,0 +1,399 @@
+//! Regression tests for issue 13's defects in how the scheduler trusts workers and keeps
+//! its own time, each against the real server on 127.0.0.1:0:
+//! - a worker token could speak for any worker (its id was not bound to the token);
+//! - a worker could hold several sessions, and revoking a token left its streams open;
+//! - a killed attempt process failed its job for good; infrastructure failures are
+//!   retried from the checkpoint, a bounded number of times, with backoff;
+//! - two heavy EstimateJob calls froze health checks and got a heartbeating worker
+//!   declared lost.
+
+use std::time::{Duration, Instant};
+
+use carve_proto::v1;
+use carve_proto::v1::admin_service_client::AdminServiceClient;
+use carve_proto::v1::cluster_service_client::ClusterServiceClient;
+use carve_proto::v1::job_service_client::JobServiceClient;
+use carve_proto::v1::worker_service_client::WorkerServiceClient;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Code;
+use tonic::transport::Channel;
+
+#[path = "support/worker.rs"]
+mod test_worker;
+use test_worker::{TestWorker, authorized};
+
+#[path = "support/cluster.rs"]
+mod cluster;
+use cluster::{ADMIN, JOB, channel, get, start, submit, tenant_with_tokens, wait_for_state};
+
+/// A new token of `role` for `tenant`: its id (to revoke it) and its secret.
+async fn token(channel: &Channel, tenant: &str, role: v1::Role) -> (String, String) {
+    let created = AdminServiceClient::new(channel.clone())
+        .create_token(authorized(
+            v1::CreateTokenRequest {
+                tenant: tenant.into(),
+                role: role as i32,
+                description: "test".into(),
+                time_to_live: None,
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    (created.token.unwrap().id, created.secret)
+}
+
+async fn revoke(channel: &Channel, token_id: &str) {
+    AdminServiceClient::new(channel.clone())
+        .revoke_token(authorized(
+            v1::RevokeTokenRequest {
+                token_id: token_id.into(),
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap();
+}
+
+/// Opens a session whose hello names `worker_id`, with `token`.
+async fn hello_as(
+    channel: &Channel,
+    token: &str,
+    worker_id: &str,
+) -> Result<tonic::Streaming<v1::SchedulerMessage>, tonic::Status> {
+    let (outgoing, receiver) = tokio::sync::mpsc::channel(4);
+    outgoing
+        .send(v1::WorkerMessage {
+            sequence: 0,
+            body: Some(v1::worker_message::Body::Hello(v1::worker_message::Hello {
+                worker_id: worker_id.into(),
+                running_attempts: vec![],
+            })),
+        })
+        .await
+        .unwrap();
+    // The sender must outlive the call, or the stream ends before the hello is read.
+    let session = WorkerServiceClient::new(channel.clone())
+        .session(authorized(ReceiverStream::new(receiver), token))
+        .await
+        .map(|response| response.into_inner());
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        drop(outgoing);
+    });
+    session
+}
+
+#[tokio::test]
+async fn a_worker_token_cannot_speak_for_another_worker() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_, impostor_token) = token(&channel, "alice", v1::Role::Worker).await;
+    let mut real = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    let assignment = real.next_assignment().await;
+    real.started(&assignment).await;
+
+    // Registering under the real worker's id with another token gives a new identity.
+    let impostor = TestWorker::reconnect(
+        &channel,
+        &impostor_token,
+        "gpu-b",
+        16 << 30,
+        &real.id,
+        vec![assignment.attempt.clone().unwrap()],
+    )
+    .await;
+    assert_ne!(impostor.id, real.id);
+
+    // A session that says hello as the real worker with another token is refused.
+    let refused = hello_as(&channel, &impostor_token, &real.id)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains(&real.id), "{refused:?}");
+
+    // The real worker still holds its attempt and ends it.
+    real.finish(
+        assignment.attempt.as_ref().unwrap(),
+        v1::AttemptOutcome::Succeeded,
+        1 << 20,
+    )
+    .await;
+    let finished = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
+    assert_eq!(finished.attempts.len(), 1);
+}
+
+#[tokio::test]
+async fn a_newer_session_of_a_worker_ends_the_older_one() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let mut first = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let mut second = TestWorker::reconnect(
+        &channel,
+        &worker_token,
+        "gpu-a",
+        16 << 30,
+        &first.id,
+        vec![],
+    )
+    .await;
+    assert_eq!(second.id, first.id, "the same token resumes its worker");
+    let ended = first
+        .session_end(Duration::from_secs(5))
+        .await
+        .expect("the older session ends");
+    assert_eq!(ended.code(), Code::Aborted, "{ended:?}");
+    assert!(ended.message().contains("replaced"), "{ended:?}");
+
+    // Work goes to the session that is live now.
+    submit(&channel, &user, JOB, "").await.unwrap();
+    let assignment = second.next_assignment().await;
+    second.started(&assignment).await;
+}
+
+#[tokio::test]
+async fn revoking_a_token_ends_the_worker_sessions_and_watches_opened_with_it() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (worker_token_id, worker_token) = token(&channel, "alice", v1::Role::Worker).await;
+    let (user_token_id, user) = token(&channel, "alice", v1::Role::User).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    let mut watch = JobServiceClient::new(channel.clone())
+        .watch_job(authorized(
+            v1::WatchJobRequest {
+                job_id: job.id.clone(),
+                include_logs: false,
+            },
+            &user,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    // The first event is the job's current state.
+    watch.next().await.unwrap().unwrap();
+
+    let revoked_at = Instant::now();
+    revoke(&channel, &worker_token_id).await;
+    let ended = worker
+        .session_end(Duration::from_secs(5))
+        .await
+        .expect("the session ends");
+    assert_eq!(ended.code(), Code::Unauthenticated, "{ended:?}");
+    assert!(revoked_at.elapsed() < Duration::from_secs(2));
+    // Its worker takes nothing new: the job stays queued.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let queued = get(&channel, &user, &job.id).await.unwrap();
+    assert_eq!(queued.state, v1::JobState::Queued as i32);
+
+    revoke(&channel, &user_token_id).await;
+    let watch_end = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match watch.next().await {
+                Some(Ok(_)) => {}
+                Some(Err(status)) => return status,
+                None => panic!("the watch ended without a status"),
+            }
+        }
+    })
+    .await
+    .expect("the watch ends");
+    assert_eq!(watch_end.code(), Code::Unauthenticated, "{watch_end:?}");
+}
+
+#[tokio::test]
+async fn an_interrupted_attempt_resumes_from_its_checkpoint_with_backoff_a_bounded_number_of_times()
+{
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    // The tests' backoff is 100 ms, doubling with each failure.
+    let backoffs = [100, 200, 400];
+    let mut assignment = worker.next_assignment().await;
+    for (failure, backoff_ms) in backoffs.iter().enumerate() {
+        let attempt = assignment.attempt.clone().unwrap();
+        assert_eq!(attempt.attempt_number as usize, failure + 1);
+        worker.started(&assignment).await;
+        worker
+            .send(v1::worker_message::Body::CheckpointWritten(
+                v1::worker_message::CheckpointWritten {
+                    attempt: Some(attempt.clone()),
+                    checkpoint: Some(v1::Checkpoint {
+                        step: 4,
+                        location: format!("/checkpoints/{}.attempt-{}.ckpt", job.id, failure + 1),
+                    }),
+                },
+            ))
+            .await;
+        let interrupted_at = Instant::now();
+        worker
+            .send(v1::worker_message::Body::AttemptFinished(
+                v1::worker_message::AttemptFinished {
+                    attempt: Some(attempt),
+                    outcome: v1::AttemptOutcome::Interrupted as i32,
+                    final_loss: None,
+                    test_accuracy: None,
+                    measured_peak_bytes: 0,
+                    message: "killed by signal 9 (SIGKILL), not sent by the worker".into(),
+                },
+            ))
+            .await;
+        assignment = worker.next_assignment().await;
+        assert!(
+            interrupted_at.elapsed() >= Duration::from_millis(*backoff_ms),
+            "placed again after {:?}, before the backoff of {backoff_ms} ms",
+            interrupted_at.elapsed()
+        );
+        let resume = assignment.resume_from.clone().unwrap();
+        assert!(
+            resume
+                .location
+                .ends_with(&format!("attempt-{}.ckpt", failure + 1)),
+            "{resume:?}"
+        );
+    }
+    // The fourth infrastructure failure fails the job.
+    worker.started(&assignment).await;
+    worker
+        .send(v1::worker_message::Body::AttemptFinished(
+            v1::worker_message::AttemptFinished {
+                attempt: assignment.attempt.clone(),
+                outcome: v1::AttemptOutcome::Interrupted as i32,
+                final_loss: None,
+                test_accuracy: None,
+                measured_peak_bytes: 0,
+                message: "killed by signal 9 (SIGKILL), not sent by the worker".into(),
+            },
+        ))
+        .await;
+    let failed = wait_for_state(&channel, &user, &job.id, v1::JobState::Failed).await;
+    assert_eq!(failed.attempts.len(), 4);
+    assert!(
+        failed
+            .attempts
+            .iter()
+            .all(|attempt| attempt.outcome == v1::AttemptOutcome::Interrupted as i32)
+    );
+    assert!(
+        failed.message.contains("retried only 3 times"),
+        "{}",
+        failed.message
+    );
+}
+
+/// A spec of `layers` dense layers: validation, the estimate and the shrink plan all grow
+/// with it.
+fn deep_dense_spec(layers: usize) -> String {
+    let layer = r#"{ "dense": { "units": 64 } }, { "relu": {} }"#;
+    let body = vec![layer; layers / 2].join(",\n");
+    format!(
+        r#"{{
+  "name": "deep",
+  "model": {{ "input_shape": [64], "loss": "mse", "layers": [{body}, {{ "dense": {{ "units": 1 }} }}] }},
+  "training": {{ "batch_size": 256, "steps": 10, "optimizer": {{ "sgd": {{ "learning_rate": 0.01 }} }} }},
+  "data": {{ "format": "synthetic", "samples": 1024 }}
+}}"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_estimates_leave_health_checks_and_heartbeats_answered() {
+    // A short lease: a worker whose heartbeats went unread for a second would be lost.
+    let lease = Duration::from_secs(1);
+    let cluster = start(lease).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (bob, _) = tenant_with_tokens(&channel, "bob", v1::Quota::default()).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    let assignment = worker.next_assignment().await;
+    worker.started(&assignment).await;
+
+    // Several heavy estimates from one user at once, each asked to shrink into 1 MiB.
+    let spec = deep_dense_spec(4000);
+    let heavy: Vec<_> = (0..6)
+        .map(|_| {
+            let mut client = JobServiceClient::new(channel.clone());
+            let request = authorized(
+                v1::EstimateJobRequest {
+                    spec_json: spec.clone(),
+                    slice_bytes: Some(1 << 20),
+                    ..Default::default()
+                },
+                &bob,
+            );
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let answer = client.estimate_job(request).await;
+                (
+                    started.elapsed(),
+                    answer.map(|_| ()).map_err(|status| status.code()),
+                )
+            })
+        })
+        .collect();
+
+    // While they run, health checks answer within a second.
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    let mut slowest = Duration::ZERO;
+    let mut checks = 0;
+    while heavy.iter().any(|call| !call.is_finished()) || checks < 5 {
+        let started = Instant::now();
+        health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .unwrap();
+        slowest = slowest.max(started.elapsed());
+        checks += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut outcomes = Vec::new();
+    for call in heavy {
+        outcomes.push(call.await.unwrap());
+    }
+    eprintln!("heavy estimates: {outcomes:?}; {checks} health checks, slowest {slowest:?}");
+    assert!(
+        slowest < Duration::from_secs(1),
+        "a health check took {slowest:?} while heavy estimates ran"
+    );
+    // Each heavy call ended with an answer: a result, the planner's refusal, or the
+    // tenant's budget, never a timeout or an internal error.
+    for (_, outcome) in &outcomes {
+        assert!(
+            matches!(
+                outcome,
+                Ok(())
+                    | Err(Code::ResourceExhausted
+                        | Code::InvalidArgument
+                        | Code::FailedPrecondition)
+            ),
+            "{outcomes:?}"
+        );
+    }
+
+    // The worker kept its lease and its attempt all along.
+    let workers = ClusterServiceClient::new(channel.clone())
+        .list_workers(authorized(v1::ListWorkersRequest::default(), ADMIN))
+        .await
+        .unwrap()
+        .into_inner()
+        .workers;
+    assert_eq!(
+        workers[0].state,
+        v1::WorkerState::Ready as i32,
+        "{workers:?}"
+    );
+    let running = get(&channel, &user, &job.id).await.unwrap();
+    assert_eq!(running.state, v1::JobState::Running as i32);
+    assert_eq!(running.attempts.len(), 1);
+}
