@@ -24,7 +24,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 carve \
  && useradd --system --uid 10001 --gid carve --home-dir /var/lib/carve --shell /usr/sbin/nologin carve \
- && install -d -o carve -g carve -m 0750 /var/lib/carve
+ && install -d -o carve -g carve -m 0700 /var/lib/carve
 COPY --from=builder /out/carve-scheduler /out/carve /usr/local/bin/
 # Defaults as a config file (named by CMD) rather than CARVE_* variables, so a mounted
 # config file still wins over them: flags > CARVE_* environment > config file > built-in.
