@@ -574,7 +574,11 @@ async fn chaos(seed: u64) {
         watch.overlaps
     );
     assert!(
-        outcomes.get(v1::JobState::Succeeded.as_str_name()).copied().unwrap_or(0) > 0,
+        outcomes
+            .get(v1::JobState::Succeeded.as_str_name())
+            .copied()
+            .unwrap_or(0)
+            > 0,
         "seed {seed}: no job succeeded: {outcomes:?}\nactions: {actions:#?}"
     );
     println!(
