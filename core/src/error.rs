@@ -57,6 +57,25 @@ pub enum CoreError {
         smallest_config: String,
         strategies: String,
     },
+    /// The shrink planner stopped before its search was done: trying every configuration
+    /// the job allows would replay more plan steps than its budget
+    /// ([`crate::shrink::SHRINK_BUDGET_PLAN_STEPS`]), which only very deep models with
+    /// many candidate levels reach.
+    #[error(
+        "the shrink planner gave up after {candidate_replays} candidate replays ({plan_steps_replayed} plan steps; the budget is {budget_plan_steps}) without finding a configuration that fits in {}; the one it had reached needs {} ({smallest_config}); give the job more memory or a smaller model",
+        HumanBytes(*available_bytes),
+        HumanBytes(*smallest_required_bytes)
+    )]
+    ShrinkBudgetExhausted {
+        /// Candidate configurations compiled and estimated before giving up.
+        candidate_replays: u64,
+        /// Plan steps compiled and replayed, the unit of the budget.
+        plan_steps_replayed: u64,
+        budget_plan_steps: u64,
+        available_bytes: u64,
+        smallest_required_bytes: u64,
+        smallest_config: String,
+    },
     /// A replay ran out of the slice's memory.
     #[error(transparent)]
     OutOfMemory(#[from] OutOfMemory),

@@ -452,15 +452,8 @@ impl PlanBuilder<'_> {
     /// algorithm without workspace when not even one sample fits.
     fn workspace(&mut self, layer: &LayerNode) -> Result<Option<BufferId>, FieldError> {
         let owner = BufferOwner::Layer(layer.index);
-        let per_sample_bytes = layer
-            .workspace_elements_per_sample()
-            .checked_mul(self.activation_type().bytes())
-            .ok_or_else(|| self.too_large(owner))?;
-        if per_sample_bytes == 0 {
-            return Ok(None);
-        }
-        let samples = (self.config.workspace_limit_bytes / per_sample_bytes)
-            .min(self.config.micro_batch_size);
+        let samples =
+            workspace_samples(layer, &self.config).ok_or_else(|| self.too_large(owner))?;
         if samples == 0 {
             return Ok(None);
         }
@@ -474,6 +467,21 @@ impl PlanBuilder<'_> {
         )
         .map(Some)
     }
+}
+
+/// How many samples' im2col a layer's workspace holds under `config`: as many whole
+/// samples as `workspace_limit_bytes` allows, at most a micro-batch; 0 for no workspace
+/// (a layer that needs none, or not even one sample fits). `None` when one sample's
+/// workspace overflows u64 bytes. Two configs that differ only in their workspace limit
+/// compile to the same plan exactly when this agrees on every layer.
+pub fn workspace_samples(layer: &LayerNode, config: &RunConfig) -> Option<u64> {
+    let per_sample_bytes = layer
+        .workspace_elements_per_sample()
+        .checked_mul(ElementType::for_compute(config.precision).bytes())?;
+    if per_sample_bytes == 0 {
+        return Some(0);
+    }
+    Some((config.workspace_limit_bytes / per_sample_bytes).min(config.micro_batch_size))
 }
 
 /// The persistent buffers of each layer's parameters.
@@ -835,7 +843,7 @@ pub fn compile_step_plan(job: &ValidatedJob, config: &RunConfig) -> Result<StepP
             gradient = input_gradient;
         }
     }
-    let micro_batch = place_by_liveness(&operations, persistent_count);
+    let micro_batch = place_by_liveness(operations, persistent_count);
 
     // Update: loss-scale overflow check (fp16), then the optimizer per parameter tensor.
     let mut update_operations = Vec::new();
@@ -877,7 +885,7 @@ pub fn compile_step_plan(job: &ValidatedJob, config: &RunConfig) -> Result<StepP
             });
         }
     }
-    let update = place_by_liveness(&update_operations, persistent_count);
+    let update = place_by_liveness(update_operations, persistent_count);
 
     // Evaluation: each layer's output lives only until the next layer has read it.
     let mut evaluation_operations = Vec::new();
@@ -924,7 +932,7 @@ pub fn compile_step_plan(job: &ValidatedJob, config: &RunConfig) -> Result<StepP
         writes: evaluation_writes,
         scratch: Vec::new(),
     });
-    let evaluation = place_by_liveness(&evaluation_operations, persistent_count);
+    let evaluation = place_by_liveness(evaluation_operations, persistent_count);
 
     Ok(StepPlan {
         config: *config,
@@ -972,9 +980,23 @@ fn layer_side_outputs(
 /// Turns a list of operations into plan steps: each phase-local buffer is allocated just
 /// before the first operation that touches it and freed just after the last. Buffers
 /// with ids below `persistent_count` belong to setup and are never freed here.
-fn place_by_liveness(operations: &[Operation], persistent_count: usize) -> Vec<PlanStep> {
-    use std::collections::HashMap;
-    let mut last_use: HashMap<BufferId, usize> = HashMap::new();
+///
+/// Linear in the operations' buffer references: buffer ids are dense indices into the
+/// plan's buffer table, so the first and last uses live in vectors indexed by id.
+fn place_by_liveness(operations: Vec<Operation>, persistent_count: usize) -> Vec<PlanStep> {
+    let buffer_count = operations
+        .iter()
+        .flat_map(|operation| {
+            operation
+                .reads
+                .iter()
+                .chain(&operation.writes)
+                .chain(&operation.scratch)
+        })
+        .map(|id| id.0 + 1)
+        .max()
+        .unwrap_or(0);
+    let mut last_use: Vec<Option<usize>> = vec![None; buffer_count];
     for (position, operation) in operations.iter().enumerate() {
         for id in operation
             .reads
@@ -983,13 +1005,15 @@ fn place_by_liveness(operations: &[Operation], persistent_count: usize) -> Vec<P
             .chain(&operation.scratch)
         {
             if id.0 >= persistent_count {
-                last_use.insert(*id, position);
+                last_use[id.0] = Some(position);
             }
         }
     }
-    let mut allocated = std::collections::HashSet::new();
+    let mut allocated = vec![false; buffer_count];
+    // A buffer listed twice in its last operation is freed once.
+    let mut freed = vec![false; buffer_count];
     let mut steps = Vec::with_capacity(operations.len() * 3);
-    for (position, operation) in operations.iter().enumerate() {
+    for (position, operation) in operations.into_iter().enumerate() {
         // Outputs before scratch: the workspace goes on top, where freeing it right after
         // leaves one hole that the next buffer of similar size fills.
         for id in operation
@@ -998,23 +1022,25 @@ fn place_by_liveness(operations: &[Operation], persistent_count: usize) -> Vec<P
             .chain(&operation.writes)
             .chain(&operation.scratch)
         {
-            if id.0 >= persistent_count && allocated.insert(*id) {
+            if id.0 >= persistent_count && !allocated[id.0] {
+                allocated[id.0] = true;
                 steps.push(PlanStep::Allocate(*id));
             }
         }
-        steps.push(PlanStep::Run(operation.clone()));
-        let mut freed = std::collections::HashSet::new();
+        let mut frees = Vec::new();
         for id in operation
             .scratch
             .iter()
             .chain(&operation.reads)
             .chain(&operation.writes)
         {
-            if id.0 >= persistent_count && last_use.get(id) == Some(&position) && freed.insert(*id)
-            {
-                steps.push(PlanStep::Free(*id));
+            if id.0 >= persistent_count && last_use[id.0] == Some(position) && !freed[id.0] {
+                freed[id.0] = true;
+                frees.push(PlanStep::Free(*id));
             }
         }
+        steps.push(PlanStep::Run(operation));
+        steps.extend(frees);
     }
     steps
 }

@@ -9,7 +9,14 @@
 //! Strategies are tried in the job's order. Within a strategy the gentlest level that fits
 //! wins; if no level of it fits alone, its strongest level is kept and the next strategy
 //! is tried on top, so the result combines as few changes as possible.
+//!
+//! The search is bounded: each configuration is compiled and estimated at most once per
+//! call, and the compiles and replays are counted in plan steps against
+//! [`SHRINK_BUDGET_PLAN_STEPS`]. A model deep enough to exhaust it (thousands of layers
+//! with many candidate levels) gets [`CoreError::ShrinkBudgetExhausted`] instead of
+//! holding a scheduler thread for seconds.
 
+use std::collections::HashMap;
 use std::fmt;
 
 use crate::allocator::OutOfMemory;
@@ -17,7 +24,7 @@ use crate::bytes::HumanBytes;
 use crate::error::CoreError;
 use crate::estimator::{MemoryEstimate, estimate_plan, try_plan_in_slice};
 use crate::model::LayerOp;
-use crate::plan::{RunConfig, compile_step_plan};
+use crate::plan::{RunConfig, StepPlan, compile_step_plan, workspace_samples};
 use crate::spec::{Precision, ShrinkStrategy};
 use crate::validate::ValidatedJob;
 
@@ -68,6 +75,19 @@ pub struct ShrinkDecision {
     pub budget_bytes: u64,
 }
 
+/// The most plan steps one [`plan_shrink`] call compiles and replays before it gives up
+/// with [`CoreError::ShrinkBudgetExhausted`]. A compile and each replay of a plan count
+/// its steps (allocate, run, free) once; estimating a candidate is about three of those
+/// (compile, the replay, the replay that confirms the slice size).
+///
+/// Sized so that the whole default search (mixed precision, every micro-batch size of a
+/// power-of-two batch, every recompute segment length, every workspace level) fits for a
+/// model at the layer limit, [`crate::validate::MAX_MODEL_LAYERS`], and so that the
+/// planner answers within about a second on one core (BENCHMARKS.md, "Admission cost by
+/// model size"). Real models are far below it: their plans have thousands of steps, not
+/// tens of thousands.
+pub const SHRINK_BUDGET_PLAN_STEPS: u64 = 25_000_000;
+
 /// Picks the next config for `job` after `current` ran out of memory (or before a first
 /// attempt, with no observation) in a slice of `slice_bytes`.
 pub fn plan_shrink(
@@ -75,6 +95,24 @@ pub fn plan_shrink(
     current: &RunConfig,
     observation: Option<&OomObservation>,
     slice_bytes: u64,
+) -> Result<ShrinkDecision, CoreError> {
+    plan_shrink_with_budget(
+        job,
+        current,
+        observation,
+        slice_bytes,
+        SHRINK_BUDGET_PLAN_STEPS,
+    )
+}
+
+/// [`plan_shrink`] with its work budget given in plan steps, so that tests can reach the
+/// limit with a small model.
+pub fn plan_shrink_with_budget(
+    job: &ValidatedJob,
+    current: &RunConfig,
+    observation: Option<&OomObservation>,
+    slice_bytes: u64,
+    budget_plan_steps: u64,
 ) -> Result<ShrinkDecision, CoreError> {
     let margin = observation.map_or(0, OomObservation::unaccounted_bytes);
     // The attempt may have had less than the slice it was given (a reservation that came
@@ -84,9 +122,17 @@ pub fn plan_shrink(
     });
     let budget_bytes = usable_bytes.saturating_sub(margin);
     let policy = &job.spec.oom;
+    let mut search = CandidateSearch {
+        job,
+        budget_bytes,
+        budget_plan_steps,
+        estimates: HashMap::new(),
+        candidate_replays: 0,
+        plan_steps_replayed: 0,
+    };
     let mut config = *current;
     let mut steps = Vec::new();
-    let (fits, mut estimate) = judge(job, &config, budget_bytes)?;
+    let (fits, mut estimate) = search.judge(&config, None)?;
     if fits {
         return Ok(ShrinkDecision {
             config,
@@ -96,10 +142,10 @@ pub fn plan_shrink(
         });
     }
     for strategy in &policy.strategies {
-        let candidates = candidate_configs(job, &config, *strategy);
+        let candidates = candidate_configs(&mut search, &config, *strategy, &estimate)?;
         let mut strongest: Option<(RunConfig, MemoryEstimate)> = None;
         for candidate in candidates {
-            let (fits, candidate_estimate) = judge(job, &candidate, budget_bytes)?;
+            let (fits, candidate_estimate) = search.judge(&candidate, Some(&estimate))?;
             if fits {
                 steps.push(describe_step(job, *strategy, &config, &candidate));
                 return Ok(ShrinkDecision {
@@ -141,27 +187,95 @@ pub fn plan_shrink(
     })
 }
 
-/// Estimates `config` and checks it in a slice of exactly `budget_bytes`.
-fn judge(
-    job: &ValidatedJob,
-    config: &RunConfig,
+/// The planner's candidates, each compiled and estimated at most once, with the work
+/// counted against the budget.
+struct CandidateSearch<'a> {
+    job: &'a ValidatedJob,
     budget_bytes: u64,
-) -> Result<(bool, MemoryEstimate), CoreError> {
-    let plan = compile_step_plan(job, config)?;
-    let estimate = estimate_plan(&plan);
-    let fits =
-        estimate.peak_bytes <= budget_bytes && try_plan_in_slice(&plan, budget_bytes).is_ok();
-    Ok((fits, estimate))
+    budget_plan_steps: u64,
+    /// Estimates by config: the recompute strategy estimates its levels to order them and
+    /// then judges them, and a config can come up again under another strategy.
+    estimates: HashMap<RunConfig, MemoryEstimate>,
+    candidate_replays: u64,
+    plan_steps_replayed: u64,
+}
+
+impl CandidateSearch<'_> {
+    /// Compiles `config`, charging the compile to the budget.
+    fn compile(&mut self, config: &RunConfig) -> Result<StepPlan, CoreError> {
+        let plan = compile_step_plan(self.job, config)?;
+        self.plan_steps_replayed = self.plan_steps_replayed.saturating_add(plan_steps(&plan));
+        Ok(plan)
+    }
+
+    /// The estimate of `config`, from the cache or compiled and replayed now. A new
+    /// config is refused once the budget is spent; `smallest_so_far` is the config the
+    /// search had reached, which the error reports (with `None`, for the first config
+    /// judged, nothing is refused).
+    fn estimate(
+        &mut self,
+        config: &RunConfig,
+        smallest_so_far: Option<&MemoryEstimate>,
+    ) -> Result<MemoryEstimate, CoreError> {
+        if let Some(estimate) = self.estimates.get(config) {
+            return Ok(estimate.clone());
+        }
+        if self.plan_steps_replayed >= self.budget_plan_steps
+            && let Some(smallest) = smallest_so_far
+        {
+            return Err(CoreError::ShrinkBudgetExhausted {
+                candidate_replays: self.candidate_replays,
+                plan_steps_replayed: self.plan_steps_replayed,
+                budget_plan_steps: self.budget_plan_steps,
+                available_bytes: self.budget_bytes,
+                smallest_required_bytes: smallest.required_bytes,
+                smallest_config: smallest.config.to_string(),
+            });
+        }
+        let plan = self.compile(config)?;
+        let estimate = estimate_plan(&plan);
+        // The replay and the one confirming the slice size.
+        self.plan_steps_replayed = self
+            .plan_steps_replayed
+            .saturating_add(plan_steps(&plan).saturating_mul(2));
+        self.candidate_replays += 1;
+        self.estimates.insert(*config, estimate.clone());
+        Ok(estimate)
+    }
+
+    /// Estimates `config` and checks it in a slice of exactly the budget.
+    fn judge(
+        &mut self,
+        config: &RunConfig,
+        smallest_so_far: Option<&MemoryEstimate>,
+    ) -> Result<(bool, MemoryEstimate), CoreError> {
+        let estimate = self.estimate(config, smallest_so_far)?;
+        if estimate.peak_bytes > self.budget_bytes {
+            return Ok((false, estimate));
+        }
+        // Best fit in a region of exactly the budget can place differently from the
+        // estimate's region, so a config whose peak fits is confirmed by a replay there.
+        let plan = self.compile(config)?;
+        let fits = try_plan_in_slice(&plan, self.budget_bytes).is_ok();
+        self.plan_steps_replayed = self.plan_steps_replayed.saturating_add(plan_steps(&plan));
+        Ok((fits, estimate))
+    }
+}
+
+fn plan_steps(plan: &StepPlan) -> u64 {
+    (plan.setup.len() + plan.micro_batch.len() + plan.update.len() + plan.evaluation.len()) as u64
 }
 
 /// The levels of one strategy applied to `config`, gentlest first.
 fn candidate_configs(
-    job: &ValidatedJob,
+    search: &mut CandidateSearch<'_>,
     config: &RunConfig,
     strategy: ShrinkStrategy,
-) -> Vec<RunConfig> {
+    smallest_so_far: &MemoryEstimate,
+) -> Result<Vec<RunConfig>, CoreError> {
+    let job = search.job;
     let policy = &job.spec.oom;
-    match strategy {
+    Ok(match strategy {
         ShrinkStrategy::MixedPrecision => {
             if config.precision == Precision::Fp32 {
                 vec![RunConfig {
@@ -185,18 +299,22 @@ fn candidate_configs(
             let current_segment = config.recompute_segment_layers.unwrap_or(1);
             // Every segment length costs about one extra forward pass, so the order that
             // matters is memory: the estimator sorts them.
-            let mut candidates: Vec<(u64, RunConfig)> = segment_lengths(layer_count)
-                .into_iter()
-                .filter(|segment| *segment != current_segment)
-                .filter_map(|segment| {
-                    let candidate = RunConfig {
-                        recompute_segment_layers: Some(segment),
-                        ..*config
-                    };
-                    let plan = compile_step_plan(job, &candidate).ok()?;
-                    Some((estimate_plan(&plan).required_bytes, candidate))
-                })
-                .collect();
+            let mut candidates: Vec<(u64, RunConfig)> = Vec::new();
+            for segment in segment_lengths(layer_count) {
+                if segment == current_segment {
+                    continue;
+                }
+                let candidate = RunConfig {
+                    recompute_segment_layers: Some(segment),
+                    ..*config
+                };
+                match search.estimate(&candidate, Some(smallest_so_far)) {
+                    Ok(estimate) => candidates.push((estimate.required_bytes, candidate)),
+                    // A level the model cannot compile is not a candidate.
+                    Err(CoreError::InvalidSpec(_)) => {}
+                    Err(other) => return Err(other),
+                }
+            }
             candidates.sort_by_key(|(required_bytes, _)| std::cmp::Reverse(*required_bytes));
             candidates
                 .into_iter()
@@ -213,11 +331,23 @@ fn candidate_configs(
             if config.workspace_limit_bytes > 0 {
                 caps.push(0);
             }
+            // A cap that leaves every layer's workspace as it is compiles to the current
+            // plan, which did not fit and is not smaller, so it is not worth a replay (a
+            // model without convolutions has no workspace to cap at all).
+            let samples_by_layer = |config: &RunConfig| -> Vec<Option<u64>> {
+                job.graph
+                    .layers
+                    .iter()
+                    .map(|layer| workspace_samples(layer, config))
+                    .collect()
+            };
+            let current_samples = samples_by_layer(config);
             caps.into_iter()
                 .map(|workspace_limit_bytes| RunConfig {
                     workspace_limit_bytes,
                     ..*config
                 })
+                .filter(|candidate| samples_by_layer(candidate) != current_samples)
                 .collect()
         }
         ShrinkStrategy::ShrinkBatch => {
@@ -237,7 +367,7 @@ fn candidate_configs(
             }
             candidates
         }
-    }
+    })
 }
 
 /// Segment lengths worth trying: all of them for small models, a spread for deep ones.

@@ -161,6 +161,11 @@ impl From<CoreError> for ApiError {
             does_not_fit @ CoreError::DoesNotFit { .. } => {
                 ApiError::ResourceExhausted(does_not_fit.to_string())
             }
+            // Too costly to search: like not fitting, more memory (or a smaller model) is
+            // what the caller can change.
+            gave_up @ CoreError::ShrinkBudgetExhausted { .. } => {
+                ApiError::ResourceExhausted(gave_up.to_string())
+            }
             CoreError::OutOfMemory(out_of_memory) => {
                 ApiError::ResourceExhausted(out_of_memory.to_string())
             }
@@ -322,6 +327,28 @@ mod tests {
                 status.message()
             );
         }
+    }
+
+    #[test]
+    fn a_shrink_search_that_gave_up_is_resource_exhausted_with_its_numbers() {
+        let error = ApiError::from(CoreError::ShrinkBudgetExhausted {
+            candidate_replays: 93,
+            plan_steps_replayed: 25_000_123,
+            budget_plan_steps: 25_000_000,
+            available_bytes: 1 << 20,
+            smallest_required_bytes: 6 << 30,
+            smallest_config: "batch 32, fp16".into(),
+        });
+        let status = tonic::Status::from(error);
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert!(
+            status
+                .message()
+                .starts_with("the shrink planner gave up after 93 candidate replays"),
+            "{}",
+            status.message()
+        );
+        assert!(status.message().contains("batch 32, fp16"));
     }
 
     #[test]
