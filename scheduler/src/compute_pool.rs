@@ -101,6 +101,27 @@ impl ComputePool {
         })
     }
 
+    /// Runs the scheduler's own `work` (an OOM's shrink plan) on the pool: it waits for a
+    /// permit like any request's work, but no tenant's budget can refuse it.
+    pub async fn run_for_scheduler<T, Work>(&self, work: Work) -> Result<T, SchedulerError>
+    where
+        T: Send + 'static,
+        Work: FnOnce() -> T + Send + 'static,
+    {
+        let pool_permit = Arc::clone(&self.permits)
+            .acquire_owned()
+            .await
+            .map_err(|_| SchedulerError::Unavailable("the scheduler is stopping".into()))?;
+        tokio::task::spawn_blocking(move || {
+            let _pool_permit = pool_permit;
+            work()
+        })
+        .await
+        .map_err(|error| {
+            SchedulerError::Internal(format!("the computation stopped unexpectedly: {error}"))
+        })
+    }
+
     /// The tenant's permits, if its budget is not spent.
     fn admit(&self, tenant: &str, now: Instant) -> Result<Arc<Semaphore>, SchedulerError> {
         let mut tenants = self

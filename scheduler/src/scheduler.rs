@@ -32,8 +32,8 @@ use crate::auth::{Caller, Role, authenticate, generate_id};
 use crate::cache::{BoundedCache, LOOKUP_CAPACITY, LOOKUP_TIME_TO_LIVE, ShortLivedCache};
 use crate::compute_pool::{ComputeLimits, ComputePool};
 use crate::convert::{
-    attempt_to_proto, config_from_json, config_to_json, estimate_to_json, job_proto_from_parts,
-    job_state_to_proto, job_to_proto, oom_to_json, timestamp,
+    attempt_to_proto, config_from_json, config_to_json, estimate_from_json, estimate_to_json,
+    job_proto_from_parts, job_state_to_proto, job_to_proto, oom_to_json, timestamp,
 };
 use crate::error::SchedulerError;
 use crate::metrics::{ClusterGauges, Metrics};
@@ -249,8 +249,8 @@ fn transition(job: &mut JobRecord, event: JobEvent) -> Result<String, SchedulerE
 
 /// The spec of a stored job, validated again: it was valid at submit, so an error here
 /// means the store holds something this build cannot read.
-fn stored_spec(job: &JobRecord) -> Result<ValidatedJob, SchedulerError> {
-    carve_proto::convert::validated_job_from_json(&job.spec_json).map_err(spec_error)
+fn stored_spec_text(spec_json: &str) -> Result<ValidatedJob, SchedulerError> {
+    carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)
 }
 
 /// The largest slice any GPU not lost could hold (after its CUDA context).
@@ -278,8 +278,8 @@ fn is_terminal(state: &str) -> bool {
 
 /// The key under which measured peaks of "the same job shape" are remembered: the model
 /// and the run config.
-fn shape_key(job: &ValidatedJob, config: &RunConfig) -> String {
-    let model = serde_json::to_string(&job.spec.model).unwrap_or_default();
+fn shape_key(model: &carve_core::spec::ModelSpec, config: &RunConfig) -> String {
+    let model = serde_json::to_string(model).unwrap_or_default();
     let digest = Sha256::digest(format!("{model}|{}", config_to_json(config)).as_bytes());
     digest
         .iter()
@@ -298,7 +298,7 @@ fn analyse_spec_text(spec_json: &str) -> Result<AnalysedSpec, SchedulerError> {
             field: format!("spec.{}", error.field),
             reason: error.reason,
         })?;
-    let shape_key = shape_key(&job, &config);
+    let shape_key = shape_key(&job.spec.model, &config);
     let config_json = config_to_json(&config);
     let estimate_json = estimate_to_json(&estimate);
     Ok(AnalysedSpec {
@@ -1297,24 +1297,30 @@ impl Scheduler {
             self.wake();
             return Ok(());
         }
-        let validated = stored_spec(&job)?;
         let attempts = self.store.list_attempts(&job.id).await?;
         let out_of_memory_attempts = attempts
             .iter()
             .filter(|attempt| attempt.outcome == "out_of_memory")
             .count();
         let previous = job.state.clone();
-        let retries_left = out_of_memory_attempts <= validated.spec.oom.max_retries as usize;
         let observation = OomObservation {
             report,
             estimated_required_bytes: running.estimate_bytes,
         };
-        match plan_shrink(
-            &validated,
-            &old_config,
-            Some(&observation),
-            running.slice_bytes,
-        ) {
+        // Validation and the shrink planner grow with the model: the compute pool runs
+        // them (the scheduler's own work, charged to no tenant's budget).
+        let spec_json = job.spec_json.clone();
+        let slice_bytes = running.slice_bytes;
+        let (validated, planned) = self
+            .compute
+            .run_for_scheduler(move || {
+                let validated = stored_spec_text(&spec_json)?;
+                let planned = plan_shrink(&validated, &old_config, Some(&observation), slice_bytes);
+                Ok::<_, SchedulerError>((validated, planned))
+            })
+            .await??;
+        let retries_left = out_of_memory_attempts <= validated.spec.oom.max_retries as usize;
+        match planned {
             Ok(decision) if retries_left && decision.config != old_config => {
                 job.config_json = config_to_json(&decision.config);
                 job.estimate_json = estimate_to_json(&decision.estimate);
@@ -1409,9 +1415,11 @@ impl Scheduler {
         self.live().running.remove(&attempt.job_id);
         let mut job = self.store.get_job(&attempt.job_id).await?;
         if let (Some(measured), "succeeded") = (measured, outcome) {
-            let validated = stored_spec(&job)?;
+            // The model as written is all the key needs: parsed, not validated again.
+            let spec =
+                carve_proto::convert::job_spec_from_json(&job.spec_json).map_err(spec_error)?;
             let config = config_from_json(&job.config_json)?;
-            let shape_key = shape_key(&validated, &config);
+            let shape_key = shape_key(&spec.model, &config);
             self.store
                 .record_peak(&shape_key, running.estimate_bytes as i64, measured, now)
                 .await?;
@@ -1722,10 +1730,9 @@ impl Scheduler {
             }
             let attempt_number = job.attempts_count + 1;
             let config = config_from_json(&job.config_json)?;
-            let validated = stored_spec(&job)?;
-            let estimate_bytes = estimate_job(&validated, &config)
-                .map(|estimate| estimate.required_bytes)
-                .unwrap_or(placement.slice_bytes);
+            // The estimate of the job's configuration is stored with it (admission and
+            // OOM shrinks keep it current): nothing is validated or estimated here.
+            let estimate_bytes = estimate_from_json(&job.estimate_json, None)?.required_bytes;
             transition(&mut job, JobEvent::Placed)?;
             job.attempts_count = attempt_number;
             job.waiting_reason.clear();
