@@ -163,6 +163,8 @@ pub struct Scheduler {
     compute: ComputePool,
     /// When `expire_leases` last ran.
     last_lease_check: Mutex<Option<Instant>>,
+    /// When `recheck_session_tokens` last read the sessions' tokens.
+    last_session_token_check: Mutex<Option<Instant>>,
 }
 
 /// How many distinct spec texts keep their analysis; specs are resubmitted verbatim
@@ -374,6 +376,7 @@ impl Scheduler {
             revoked_tokens: broadcast::channel(64).0,
             compute: ComputePool::new(ComputeLimits::default()),
             last_lease_check: Mutex::new(None),
+            last_session_token_check: Mutex::new(None),
         }
     }
 
@@ -736,7 +739,7 @@ impl Scheduler {
     pub async fn revoke_token(&self, token_id: &str) -> Result<TokenRecord, SchedulerError> {
         let token = self.store.revoke_token(token_id).await?;
         self.lookups.tokens.invalidate(&token.secret_hash);
-        self.end_sessions_of_token(&token.id);
+        self.end_sessions_of_token(&token.id, "token rejected: revoked");
         let _ = self.revoked_tokens.send(token.id.clone());
         Ok(token)
     }
@@ -1090,7 +1093,7 @@ impl Scheduler {
     /// Ends the sessions opened with a token (it was revoked): their workers are
     /// unschedulable until they come back with a valid token, and lose their attempts
     /// when their lease runs out.
-    fn end_sessions_of_token(&self, token_id: &str) {
+    fn end_sessions_of_token(&self, token_id: &str, why: &str) {
         for worker in self.live().workers.values_mut() {
             if worker
                 .session
@@ -1098,11 +1101,48 @@ impl Scheduler {
                 .is_some_and(|session| session.token_id == token_id)
                 && let Some(session) = worker.session.take()
             {
-                session.end(SchedulerError::Unauthenticated(
-                    "token rejected: revoked".into(),
-                ));
+                session.end(SchedulerError::Unauthenticated(why.to_string()));
             }
         }
+    }
+
+    /// Ends the sessions whose token was revoked through another replica, or expired,
+    /// since they opened: the token is read again from the store at most every
+    /// [`LOOKUP_TIME_TO_LIVE`], as a call's authentication would. A revoke through this
+    /// scheduler ends them at once (`revoke_token`).
+    pub async fn recheck_session_tokens(&self) -> Result<(), SchedulerError> {
+        {
+            let mut last = self
+                .last_session_token_check
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if last.is_some_and(|last| last.elapsed() < LOOKUP_TIME_TO_LIVE) {
+                return Ok(());
+            }
+            *last = Some(Instant::now());
+        }
+        let mut token_ids: Vec<String> = self
+            .live()
+            .workers
+            .values()
+            .filter_map(|worker| worker.session.as_ref())
+            .map(|session| session.token_id.clone())
+            .collect();
+        token_ids.sort();
+        token_ids.dedup();
+        let now = now_ms();
+        for token_id in token_ids {
+            let token = self.store.get_token(&token_id).await?;
+            let why = if token.revoked {
+                "token rejected: revoked"
+            } else if token.expires_at_ms.is_some_and(|expires| expires <= now) {
+                "token rejected: expired"
+            } else {
+                continue;
+            };
+            self.end_sessions_of_token(&token_id, why);
+        }
+        Ok(())
     }
 
     /// A heartbeat on the worker's current session; one on a session that was replaced

@@ -399,6 +399,9 @@ async fn background_loop(scheduler: Arc<Scheduler>) {
         if let Err(error) = scheduler.expire_leases().await {
             tracing::warn!(%error, "lease check failed");
         }
+        if let Err(error) = scheduler.recheck_session_tokens().await {
+            tracing::warn!(%error, "session token check failed");
+        }
         if let Err(error) = scheduler.schedule_once().await {
             tracing::warn!(%error, "scheduling pass failed");
         }

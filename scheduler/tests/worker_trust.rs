@@ -208,6 +208,35 @@ async fn revoking_a_token_ends_the_worker_sessions_and_watches_opened_with_it() 
 }
 
 #[tokio::test]
+async fn a_token_revoked_through_another_replica_ends_its_sessions_within_seconds() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (worker_token_id, worker_token) = token(&channel, "alice", v1::Role::Worker).await;
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let other_replica = carve_scheduler::store::Store::open(&format!(
+        "sqlite://{}",
+        cluster._directory.path().join("carve.db").display()
+    ))
+    .await
+    .unwrap();
+    let revoked_at = Instant::now();
+    other_replica.revoke_token(&worker_token_id).await.unwrap();
+    let ended = worker
+        .session_end(Duration::from_secs(10))
+        .await
+        .expect("the session ends");
+    assert_eq!(ended.code(), Code::Unauthenticated, "{ended:?}");
+    assert!(ended.message().contains("revoked"), "{ended:?}");
+    // Tokens are read again at most every 2 s (the lookups' time to live).
+    assert!(
+        revoked_at.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        revoked_at.elapsed()
+    );
+}
+
+#[tokio::test]
 async fn an_interrupted_attempt_resumes_from_its_checkpoint_with_backoff_a_bounded_number_of_times()
 {
     let cluster = start(Duration::from_secs(30)).await;

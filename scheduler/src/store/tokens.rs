@@ -57,6 +57,15 @@ impl Store {
         }))
     }
 
+    /// The token with this id, revoked or expired included; `NotFound` when there is none.
+    pub async fn get_token(&self, id: &str) -> Result<TokenRecord, SchedulerError> {
+        let sql = format!("SELECT {TOKEN_COLUMNS} FROM tokens WHERE id = $1");
+        let token: Option<TokenRecord> = with_pool!(self, pool => {
+            sqlx::query_as(&sql).bind(id).fetch_optional(pool).await?
+        });
+        token.ok_or_else(|| SchedulerError::not_found("token", id))
+    }
+
     /// Tokens of `tenant` (every token when `None`), newest first, revoked ones included.
     pub async fn list_tokens(
         &self,
