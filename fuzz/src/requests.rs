@@ -19,6 +19,7 @@
 //! tokens, jobs): cheap enough for a campaign, but an input that failed may need the ones
 //! before it. The CI run is deterministic in any case (a fixed order on a fresh process).
 
+use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -33,9 +34,11 @@ use carve_scheduler::auth::hash_secret;
 use carve_scheduler::scheduler::{Scheduler, SchedulerSettings, now_ms};
 use carve_scheduler::services::Services;
 use carve_scheduler::store::{Store, TenantRecord, TokenRecord};
-use http_body_util::Full;
+use http_body::Frame;
+use http_body_util::StreamBody;
 use prost::Message;
 use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::codec::{Codec, Streaming};
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Status};
@@ -172,16 +175,20 @@ fn harness() -> &'static Harness {
     })
 }
 
-/// How many inputs reached a handler, and how many of those it accepted: what a run
-/// reports so a corpus that never gets past decoding or validation shows.
+/// How many inputs reached a handler, how many of those it accepted, and how many jobs
+/// sessions were assigned: what a run reports, so a corpus that never gets past decoding,
+/// validation or fencing shows.
 static HANDLED: AtomicU64 = AtomicU64::new(0);
 static ACCEPTED: AtomicU64 = AtomicU64::new(0);
+static ASSIGNMENTS: AtomicU64 = AtomicU64::new(0);
 
-/// (inputs that reached a handler, inputs it accepted) in this process so far.
-pub fn statistics() -> (u64, u64) {
+/// (calls that reached a handler, calls it accepted, assignments sessions received) in
+/// this process so far.
+pub fn statistics() -> (u64, u64, u64) {
     (
         HANDLED.load(Ordering::Relaxed),
         ACCEPTED.load(Ordering::Relaxed),
+        ASSIGNMENTS.load(Ordering::Relaxed),
     )
 }
 
@@ -359,7 +366,9 @@ async fn call(harness: &Harness, method: &str, body: &[u8]) -> Result<(), Status
 }
 
 /// Sends the messages of `body` as one session's stream and reads what the scheduler
-/// answers until the session ends.
+/// answers until the session ends. Between the first message (hello) and the rest, a
+/// scheduling pass runs, so the queued jobs are placed on the open session's worker and
+/// its reports about them reach the checks behind the fencing.
 async fn session(harness: &Harness, mut body: &[u8]) -> Result<(), Status> {
     let mut frames = Vec::new();
     while !body.is_empty() {
@@ -374,22 +383,57 @@ async fn session(harness: &Harness, mut body: &[u8]) -> Result<(), Status> {
         }
         // gRPC's framing: not compressed, the length as a big-endian u32, the message.
         let encoded = message.encode_to_vec();
-        frames.push(0u8);
-        frames.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
-        frames.extend_from_slice(&encoded);
+        let mut frame = Vec::with_capacity(encoded.len() + 5);
+        frame.push(0u8);
+        frame.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
+        frame.extend_from_slice(&encoded);
+        frames.push(Bytes::from(frame));
     }
+    let (sender, receiver) =
+        tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(frames.len().max(1));
+    let mut frames = frames.into_iter();
+    // The handler waits for the first message: without one, the stream must end.
+    let sender = match frames.next() {
+        Some(first) => {
+            let _ = sender.send(Ok(Frame::data(first))).await;
+            Some(sender)
+        }
+        None => {
+            drop(sender);
+            None
+        }
+    };
     let mut codec = tonic_prost::ProstCodec::<v1::SchedulerMessage, v1::WorkerMessage>::default();
-    let incoming =
-        Streaming::new_request(codec.decoder(), Full::new(Bytes::from(frames)), None, None);
-    let Some(response) = check(harness.services.session(authorized(incoming)).await)? else {
+    let incoming = Streaming::new_request(
+        codec.decoder(),
+        StreamBody::new(ReceiverStream::new(receiver)),
+        None,
+        None,
+    );
+    let opened = check(harness.services.session(authorized(incoming)).await);
+    let Some(response) = opened? else {
         return Ok(());
     };
+    // A pass's own failure is the store's business, not the session's input's.
+    let _ = harness.services.scheduler.schedule_once().await;
+    if let Some(sender) = sender {
+        for frame in frames {
+            if sender.send(Ok(Frame::data(frame))).await.is_err() {
+                break;
+            }
+        }
+    }
     let mut answers = response.into_inner();
     // The session ends when its stream has been read; an answer that takes longer than
     // this is left (the scheduler may push assignments at any time).
     while let Ok(Some(answer)) = tokio::time::timeout(Duration::from_secs(2), answers.next()).await
     {
-        check(answer)?;
+        if let Some(v1::SchedulerMessage {
+            body: Some(v1::scheduler_message::Body::Assignment(_)),
+        }) = check(answer)?
+        {
+            ASSIGNMENTS.fetch_add(1, Ordering::Relaxed);
+        }
     }
     Ok(())
 }

@@ -114,8 +114,15 @@ fn bounded_run(name: &str) {
         started.elapsed()
     );
     if name == "request" {
-        let (handled, accepted) = carve_fuzz::requests::statistics();
-        eprintln!("request: {handled} calls reached a handler, {accepted} were accepted");
+        let (handled, accepted, assignments) = carve_fuzz::requests::statistics();
+        eprintln!(
+            "request: {handled} calls reached a handler, {accepted} were accepted, \
+             sessions received {assignments} assignments"
+        );
+        assert!(
+            assignments > 0,
+            "no session was assigned a job, so no attempt report was checked past fencing"
+        );
         assert!(
             accepted >= 21,
             "the valid seed requests were not all accepted ({accepted} of {handled} calls)"
