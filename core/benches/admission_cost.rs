@@ -3,10 +3,11 @@
 //! spec and a user chooses the layer count.
 //!
 //! The model is N dense layers of 64 units (the shape of the issue-13 report: deep, cheap
-//! layers, so the cost is the plan's length, not its tensors). For each N it times, in one
-//! call each (the best of up to 3 within a second): parsing + validating the JSON spec,
-//! compiling the step plan, estimating it, and the shrink planner in a 1 MiB slice (nothing
-//! fits, so every strategy and level is tried). N defaults to 500, 1000, 2000, 4000; a
+//! layers, so the cost is the plan's length, not its tensors). For each N it times
+//! parsing + validating the JSON spec, compiling the step plan, estimating it, and the
+//! shrink planner in a 1 MiB slice (nothing fits, so every strategy and level is tried):
+//! the mean over calls adding up to 200 ms or more, in the thread's CPU time so that other
+//! load on a shared machine does not count. N defaults to 500, 1000, 2000, 4000; a
 //! model over the validation limit is reported as refused.
 
 use std::hint::black_box;
@@ -32,19 +33,32 @@ fn dense_spec_json(layers: usize) -> String {
     )
 }
 
-/// The best of up to three calls that fit in about a second (at least one call).
-fn best_time<T>(mut work: impl FnMut() -> T) -> (Duration, T) {
-    let started = Instant::now();
-    let mut best = Duration::MAX;
-    let mut result;
-    let mut calls = 0;
+/// CPU time this thread has run, from the kernel's scheduler statistics: unlike wall time
+/// it does not count the time other work on a shared machine held the core. `None` where
+/// the file is missing (not Linux).
+fn thread_cpu_time() -> Option<Duration> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let nanoseconds = text.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(nanoseconds))
+}
+
+/// The mean time per call of `work`, called until about 200 ms of thread CPU time have
+/// passed (the kernel updates that count at scheduler ticks, so one short call cannot be
+/// timed alone; at least one call), with the last call's result. Wall time where the CPU
+/// time cannot be read.
+fn time_per_call<T>(mut work: impl FnMut() -> T) -> (Duration, T) {
+    let cpu_started = thread_cpu_time();
+    let wall_started = Instant::now();
+    let mut calls = 0u32;
     loop {
-        let call_started = Instant::now();
-        result = black_box(work());
-        best = best.min(call_started.elapsed());
+        let result = black_box(work());
         calls += 1;
-        if calls == 3 || started.elapsed() > Duration::from_secs(1) {
-            return (best, result);
+        let elapsed = match (cpu_started, thread_cpu_time()) {
+            (Some(started), Some(now)) => now.saturating_sub(started),
+            _ => wall_started.elapsed(),
+        };
+        if elapsed >= Duration::from_millis(200) {
+            return (elapsed / calls, result);
         }
     }
 }
@@ -74,7 +88,7 @@ fn main() {
     );
     for layers in sizes {
         let text = dense_spec_json(layers);
-        let (validate_time, job) = best_time(|| {
+        let (validate_time, job) = time_per_call(|| {
             validate_job_spec(parse_job_spec_json(&text).expect("the bench spec parses"))
         });
         let job = match job {
@@ -86,10 +100,10 @@ fn main() {
         };
         let config = RunConfig::from_spec(&job.spec);
         let (compile_time, plan) =
-            best_time(|| compile_step_plan(&job, &config).expect("the bench plan compiles"));
+            time_per_call(|| compile_step_plan(&job, &config).expect("the bench plan compiles"));
         let steps = plan.setup.len() + plan.micro_batch.len() + plan.update.len();
-        let (estimate_time, _) = best_time(|| estimate_plan(&plan));
-        let (shrink_time, answer) = best_time(|| plan_shrink(&job, &config, None, 1 << 20));
+        let (estimate_time, _) = time_per_call(|| estimate_plan(&plan));
+        let (shrink_time, answer) = time_per_call(|| plan_shrink(&job, &config, None, 1 << 20));
         let answer = match answer {
             Ok(decision) => format!("fits: {}", decision.config),
             Err(error) => error.to_string(),
