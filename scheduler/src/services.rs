@@ -766,7 +766,9 @@ impl ClusterService for Services {
             .scheduler
             .slices_proto()
             .into_iter()
-            .filter(|slice| caller.may_access_tenant(&slice.tenant) || caller.role == Role::Worker)
+            // The same rule as the worker views: only admins see other tenants' jobs (a
+            // worker token included: a worker process never needs this list).
+            .filter(|slice| caller.may_access_tenant(&slice.tenant))
             .filter(|slice| request.worker_id.is_empty() || slice.worker_id == request.worker_id)
             .filter(|slice| request.gpu_uuid.is_empty() || slice.gpu_uuid == request.gpu_uuid)
             .filter(|slice| request.job_id.is_empty() || slice.job_id == request.job_id)

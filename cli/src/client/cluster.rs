@@ -258,6 +258,15 @@ fn gpu_lines(gpu: &v1::Gpu, names: &HashMap<String, String>) -> Vec<String> {
         gpu.uuid
     ));
     for (index, slice) in gpu.slices.iter().enumerate() {
+        // The scheduler leaves out which job of another tenant holds a slice.
+        if slice.job_id.is_empty() {
+            lines.push(format!(
+                "     {}: {}  (another tenant's job)",
+                index + 1,
+                bytes_text(Some(slice.bytes))
+            ));
+            continue;
+        }
         let name = names
             .get(&slice.job_id)
             .map_or_else(String::new, |name| format!("{name} "));
@@ -303,23 +312,34 @@ mod tests {
                     attempt_number: 2,
                     ..v1::Slice::default()
                 },
+                // Another tenant's, as a user sees it: only its size.
+                v1::Slice {
+                    bytes: GIB,
+                    ..v1::Slice::default()
+                },
             ],
             ..v1::Gpu::default()
         };
         let names = HashMap::from([("job-a".to_string(), "mnist-cnn".to_string())]);
         let lines = gpu_lines(&gpu, &names);
-        assert!(lines[0].contains("8 GiB free"), "{lines:?}");
+        assert!(lines[0].contains("7 GiB free"), "{lines:?}");
         let bar = &lines[1];
         let inside = bar.trim().trim_start_matches('[').trim_end_matches(']');
         assert_eq!(inside.chars().count(), BAR_WIDTH, "{bar}");
         // 1 of 16 GiB is context: 4 characters of 64.
         assert!(inside.starts_with("####|1:mnist-cnn"), "{bar}");
-        assert_eq!(inside.chars().filter(|c| *c == '.').count(), 32, "{bar}");
+        assert_eq!(inside.chars().filter(|c| *c == '.').count(), 28, "{bar}");
         assert!(inside.contains("|2:job-b"), "{bar}");
         assert!(
             lines
                 .iter()
                 .any(|line| line.contains("2: 3 GiB  (job-b, tenant other, attempt 2)"))
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|line| line.contains("3: 1 GiB  (another tenant's job)")),
+            "{lines:?}"
         );
     }
 
