@@ -8,7 +8,9 @@
 //! shrink planner in a 1 MiB slice (nothing fits, so every strategy and level is tried):
 //! the mean over calls adding up to 200 ms or more, in the thread's CPU time so that other
 //! load on a shared machine does not count. N defaults to 500, 1000, 2000, 4000; a
-//! model over the validation limit is reported as refused.
+//! model over the validation limit is reported as refused. A last line times the longest
+//! search the shrink planner's budget allows: a model at the layer limit whose batch has
+//! 240 divisors, every strategy allowed.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -16,10 +18,14 @@ use std::time::{Duration, Instant};
 use carve_core::estimator::estimate_plan;
 use carve_core::plan::{RunConfig, compile_step_plan};
 use carve_core::shrink::plan_shrink;
-use carve_core::validate::parse_job_spec_json;
-use carve_core::validate::validate_job_spec;
+use carve_core::validate::{MAX_MODEL_LAYERS, parse_job_spec_json, validate_job_spec};
 
 fn dense_spec_json(layers: usize) -> String {
+    dense_spec_json_with(layers, 32, "")
+}
+
+/// The same model with another batch size and, when `oom` is not empty, an `oom` table.
+fn dense_spec_json_with(layers: usize, batch_size: u64, oom: &str) -> String {
     let mut layer_list = Vec::with_capacity(layers);
     for _ in 0..layers - 1 {
         layer_list.push(r#"{"dense": {"units": 64}}"#.to_string());
@@ -27,8 +33,8 @@ fn dense_spec_json(layers: usize) -> String {
     layer_list.push(r#"{"dense": {"units": 10}}"#.to_string());
     format!(
         r#"{{"name": "deep-dense", "model": {{"input_shape": [64], "loss": "softmax_cross_entropy", "layers": [{}]}},
-"training": {{"batch_size": 32, "steps": 1, "optimizer": {{"adam": {{"learning_rate": 0.001}}}}}},
-"data": {{"format": "synthetic", "samples": 64}}}}"#,
+"training": {{"batch_size": {batch_size}, "steps": 1, "optimizer": {{"adam": {{"learning_rate": 0.001}}}}}},
+"data": {{"format": "synthetic", "samples": 64}}{oom}}}"#,
         layer_list.join(",")
     )
 }
@@ -116,4 +122,24 @@ fn main() {
             milliseconds(shrink_time),
         );
     }
+
+    // The longest search the budget allows: a model at the layer limit whose batch has 240
+    // divisors, every strategy allowed, in a slice nothing fits.
+    let text = dense_spec_json_with(
+        MAX_MODEL_LAYERS,
+        720_720,
+        r#", "oom": {"strategies": ["mixed_precision", "accumulate", "recompute", "workspace", "shrink_batch"]}"#,
+    );
+    let job = validate_job_spec(parse_job_spec_json(&text).expect("the bench spec parses"))
+        .expect("the bench spec is valid");
+    let config = RunConfig::from_spec(&job.spec);
+    let (shrink_time, answer) = time_per_call(|| plan_shrink(&job, &config, None, 1 << 20));
+    let answer = match answer {
+        Ok(decision) => format!("fits: {}", decision.config),
+        Err(error) => error.to_string(),
+    };
+    println!(
+        "\nshrink of {MAX_MODEL_LAYERS} layers at batch 720720, every strategy, 1 MiB: {:.1} ms: {answer}",
+        milliseconds(shrink_time)
+    );
 }
