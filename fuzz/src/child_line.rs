@@ -21,6 +21,7 @@ use carve_proto::v1;
 use carve_worker::attempt_process::final_reports;
 use carve_worker::child_protocol::{CheckpointLine, ChildLine, ConfigArgument};
 
+use crate::floats_close;
 use crate::spec::text_of;
 
 /// The protocol's keys and values, for the CI mutator.
@@ -192,8 +193,7 @@ fn write_line(data: &[u8]) {
 
 /// Whether two lines say the same, as the protocol promises to carry a line: every
 /// non-finite float as NaN, a non-finite accuracy as none, and finite floats to within
-/// two units in the last place (serde_json's reader without `float_roundtrip` may be off
-/// in the last bit, which nobody reading a loss can see).
+/// two units in the last place ([`floats_close`]).
 fn same_line(left: &ChildLine, right: &ChildLine) -> bool {
     let (left_floats, left_rest) = parts(left);
     let (right_floats, right_rest) = parts(right);
@@ -202,16 +202,7 @@ fn same_line(left: &ChildLine, right: &ChildLine) -> bool {
         && left_floats
             .iter()
             .zip(&right_floats)
-            .all(|(left, right)| close(*left, *right))
-}
-
-fn close(left: f64, right: f64) -> bool {
-    if !left.is_finite() || !right.is_finite() {
-        return !left.is_finite() && !right.is_finite();
-    }
-    left == right
-        || (left.is_sign_negative() == right.is_sign_negative()
-            && left.to_bits().abs_diff(right.to_bits()) <= 2)
+            .all(|(left, right)| floats_close(*left, *right))
 }
 
 /// The line's floats, and everything else as text.

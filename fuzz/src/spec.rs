@@ -10,7 +10,10 @@ use carve_core::validate::{ValidatedJob, load_job_spec_toml};
 use carve_proto::ApiError;
 use carve_proto::convert::{job_spec_to_json, validated_job_from_json};
 
-use crate::MAX_INPUT_BYTES;
+use carve_core::spec::JobSpec;
+use serde_json::Value;
+
+use crate::{MAX_INPUT_BYTES, floats_close};
 
 /// Keys and values of the spec format, for the CI mutator.
 pub const SPEC_DICTIONARY: &[&[u8]] = &[
@@ -68,10 +71,7 @@ pub fn fuzz_spec_toml(data: &[u8]) {
             let again = validated_job_from_json(&json).unwrap_or_else(|error| {
                 panic!("a valid job file is refused once sent as JSON: {error}\nJSON: {json}")
             });
-            assert_eq!(
-                again.spec, job.spec,
-                "the spec changed on its way through JSON"
-            );
+            assert_same_spec(&again.spec, &job.spec, "on its way through JSON");
             assert_eq!(
                 estimate_summary(&again),
                 estimate_summary(&job),
@@ -97,7 +97,7 @@ pub fn fuzz_spec_json(data: &[u8]) {
             let again = validated_job_from_json(&json).unwrap_or_else(|error| {
                 panic!("a valid spec_json is refused once written again: {error}\nJSON: {json}")
             });
-            assert_eq!(again.spec, job.spec, "the spec changed when written again");
+            assert_same_spec(&again.spec, &job.spec, "when written again");
         }
         Err(ApiError::InvalidArgument { field, reason }) => {
             assert!(
@@ -143,6 +143,44 @@ fn check_valid_job(job: &ValidatedJob) {
             decision.budget_bytes,
             decision.config
         );
+    }
+}
+
+/// Specs are the same when their JSON values are, floats within [`floats_close`].
+fn assert_same_spec(left: &JobSpec, right: &JobSpec, when: &str) {
+    let as_value = |spec: &JobSpec| {
+        serde_json::to_value(spec)
+            .unwrap_or_else(|error| panic!("a valid spec does not write as JSON: {error}"))
+    };
+    let (left_value, right_value) = (as_value(left), as_value(right));
+    assert!(
+        same_value(&left_value, &right_value),
+        "the spec changed {when}:\n{left_value}\n{right_value}"
+    );
+}
+
+fn same_value(left: &Value, right: &Value) -> bool {
+    match (left, right) {
+        (Value::Number(left), Value::Number(right)) if left.is_f64() || right.is_f64() => {
+            match (left.as_f64(), right.as_f64()) {
+                (Some(left), Some(right)) => floats_close(left, right),
+                _ => false,
+            }
+        }
+        (Value::Array(left), Value::Array(right)) => {
+            left.len() == right.len()
+                && left
+                    .iter()
+                    .zip(right)
+                    .all(|(left, right)| same_value(left, right))
+        }
+        (Value::Object(left), Value::Object(right)) => {
+            left.len() == right.len()
+                && left
+                    .iter()
+                    .all(|(key, left)| right.get(key).is_some_and(|right| same_value(left, right)))
+        }
+        _ => left == right,
     }
 }
 
