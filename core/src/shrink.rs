@@ -80,12 +80,12 @@ pub struct ShrinkDecision {
 /// its steps (allocate, run, free) once; estimating a candidate is about three of those
 /// (compile, the replay, the replay that confirms the slice size).
 ///
-/// Sized so that the whole default search (mixed precision, every micro-batch size of a
-/// power-of-two batch, every recompute segment length, every workspace level) fits for a
-/// model at the layer limit, [`crate::validate::MAX_MODEL_LAYERS`], and so that the
-/// planner answers within about a second on one core (BENCHMARKS.md, "Admission cost by
-/// model size"). Real models are far below it: their plans have thousands of steps, not
-/// tens of thousands.
+/// Sized at about twice the whole default search (mixed precision, every micro-batch size
+/// of a batch of 32, every recompute segment length, every workspace level) of a dense
+/// model at the layer limit, [`crate::validate::MAX_MODEL_LAYERS`], which takes 12.5M
+/// steps and 0.8 s; a search that spends it all takes 1.7 s of one core (BENCHMARKS.md,
+/// "Admission cost by model size"). Real models are far below it: their plans have
+/// thousands of steps, not tens of thousands.
 pub const SHRINK_BUDGET_PLAN_STEPS: u64 = 25_000_000;
 
 /// Picks the next config for `job` after `current` ran out of memory (or before a first
