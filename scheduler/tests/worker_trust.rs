@@ -5,7 +5,7 @@
 //! - a killed attempt process failed its job for good; infrastructure failures are
 //!   retried from the checkpoint, a bounded number of times, with backoff;
 //! - two heavy EstimateJob calls froze health checks and got a heartbeating worker
-//!   declared lost.
+//!   declared lost; worker tokens could call EstimateJob.
 
 use std::time::{Duration, Instant};
 
@@ -125,6 +125,31 @@ async fn a_worker_token_cannot_speak_for_another_worker() {
     .await;
     let finished = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(finished.attempts.len(), 1);
+}
+
+#[tokio::test]
+async fn worker_tokens_cannot_estimate_jobs() {
+    let cluster = start(Duration::from_secs(30)).await;
+    let channel = channel(&cluster).await;
+    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let estimate = |token: String| {
+        let mut client = JobServiceClient::new(channel.clone());
+        async move {
+            client
+                .estimate_job(authorized(
+                    v1::EstimateJobRequest {
+                        spec_json: JOB.into(),
+                        ..Default::default()
+                    },
+                    &token,
+                ))
+                .await
+        }
+    };
+    let refused = estimate(worker_token).await.unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains("worker token"), "{refused:?}");
+    assert!(estimate(user).await.is_ok());
 }
 
 #[tokio::test]
