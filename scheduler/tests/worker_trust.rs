@@ -189,7 +189,21 @@ async fn revoking_a_token_ends_the_worker_sessions_and_watches_opened_with_it() 
     let (worker_token_id, worker_token) = token(&channel, "alice", v1::Role::Worker).await;
     let (user_token_id, user) = token(&channel, "alice", v1::Role::User).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+
+    let revoked_at = Instant::now();
+    revoke(&channel, &worker_token_id).await;
+    let ended = worker
+        .session_end(Duration::from_secs(5))
+        .await
+        .expect("the session ends");
+    assert_eq!(ended.code(), Code::Unauthenticated, "{ended:?}");
+    assert!(revoked_at.elapsed() < Duration::from_secs(2));
+    // Its worker takes nothing new: a job submitted now stays queued.
     let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let queued = get(&channel, &user, &job.id).await.unwrap();
+    assert_eq!(queued.state, v1::JobState::Queued as i32);
+
     let mut watch = JobServiceClient::new(channel.clone())
         .watch_job(authorized(
             v1::WatchJobRequest {
@@ -203,20 +217,6 @@ async fn revoking_a_token_ends_the_worker_sessions_and_watches_opened_with_it() 
         .into_inner();
     // The first event is the job's current state.
     watch.next().await.unwrap().unwrap();
-
-    let revoked_at = Instant::now();
-    revoke(&channel, &worker_token_id).await;
-    let ended = worker
-        .session_end(Duration::from_secs(5))
-        .await
-        .expect("the session ends");
-    assert_eq!(ended.code(), Code::Unauthenticated, "{ended:?}");
-    assert!(revoked_at.elapsed() < Duration::from_secs(2));
-    // Its worker takes nothing new: the job stays queued.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let queued = get(&channel, &user, &job.id).await.unwrap();
-    assert_eq!(queued.state, v1::JobState::Queued as i32);
-
     revoke(&channel, &user_token_id).await;
     let watch_end = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
