@@ -27,23 +27,9 @@ use tonic::{Code, Status};
 mod test_worker;
 use test_worker::{TestWorker, authorized};
 
-const ADMIN: &str = "carve_hardening_admin_secret";
-
-const JOB: &str = r#"{
-  "name": "small",
-  "model": {
-    "input_shape": [8, 8, 1],
-    "loss": "softmax_cross_entropy",
-    "layers": [
-      { "conv2d": { "filters": 8, "kernel": 3, "padding": "same" } },
-      { "relu": {} },
-      { "flatten": {} },
-      { "dense": { "units": 4 } }
-    ]
-  },
-  "training": { "batch_size": 64, "steps": 10, "optimizer": { "adam": { "learning_rate": 0.001 } } },
-  "data": { "format": "synthetic", "samples": 256 }
-}"#;
+#[path = "support/cluster.rs"]
+mod cluster;
+use cluster::{ADMIN, JOB, connect, create_token};
 
 /// A scheduler running in-process until `shutdown` is dropped.
 struct Server {
@@ -80,17 +66,7 @@ impl Server {
     }
 
     async fn channel(&self) -> Channel {
-        for _ in 0..250 {
-            if let Ok(channel) = Channel::from_shared(self.address.clone())
-                .unwrap()
-                .connect()
-                .await
-            {
-                return channel;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!("the scheduler did not come up at {}", self.address);
+        connect(&self.address).await
     }
 
     async fn stop(mut self) -> Result<(), SchedulerError> {
@@ -118,26 +94,6 @@ async fn create_tenant(channel: &Channel, name: &str) -> Result<v1::Tenant, Stat
         ))
         .await
         .map(|response| response.into_inner().tenant.unwrap())
-}
-
-async fn create_token(
-    channel: &Channel,
-    tenant: &str,
-    role: v1::Role,
-    time_to_live: Option<prost_types::Duration>,
-) -> Result<v1::CreateTokenResponse, Status> {
-    AdminServiceClient::new(channel.clone())
-        .create_token(authorized(
-            v1::CreateTokenRequest {
-                tenant: tenant.into(),
-                role: role as i32,
-                description: "hardening test".into(),
-                time_to_live,
-            },
-            ADMIN,
-        ))
-        .await
-        .map(tonic::Response::into_inner)
 }
 
 async fn user_token(channel: &Channel, tenant: &str) -> String {

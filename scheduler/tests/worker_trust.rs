@@ -25,23 +25,13 @@ use test_worker::{TestWorker, authorized};
 
 #[path = "support/cluster.rs"]
 mod cluster;
-use cluster::{ADMIN, JOB, channel, get, start, submit, tenant_with_tokens, wait_for_state};
+use cluster::{
+    ADMIN, JOB, channel, create_token, get, start, submit, tenant_with_tokens, wait_for_state,
+};
 
 /// A new token of `role` for `tenant`: its id (to revoke it) and its secret.
 async fn token(channel: &Channel, tenant: &str, role: v1::Role) -> (String, String) {
-    let created = AdminServiceClient::new(channel.clone())
-        .create_token(authorized(
-            v1::CreateTokenRequest {
-                tenant: tenant.into(),
-                role: role as i32,
-                description: "test".into(),
-                time_to_live: None,
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let created = create_token(channel, tenant, role, None).await.unwrap();
     (created.token.unwrap().id, created.secret)
 }
 

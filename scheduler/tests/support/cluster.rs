@@ -64,8 +64,13 @@ pub async fn start(lease: Duration) -> Cluster {
 }
 
 pub async fn channel(cluster: &Cluster) -> Channel {
-    for _ in 0..100 {
-        if let Ok(channel) = Channel::from_shared(cluster.address.clone())
+    connect(&cluster.address).await
+}
+
+/// A channel to the scheduler at `address`, once it accepts connections.
+pub async fn connect(address: &str) -> Channel {
+    for _ in 0..250 {
+        if let Ok(channel) = Channel::from_shared(address.to_string())
             .unwrap()
             .connect()
             .await
@@ -74,16 +79,37 @@ pub async fn channel(cluster: &Cluster) -> Channel {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    panic!("the scheduler did not come up at {}", cluster.address);
+    panic!("the scheduler did not come up at {address}");
 }
 
+/// A new token of `role` for `tenant`, made with the admin token.
+pub async fn create_token(
+    channel: &Channel,
+    tenant: &str,
+    role: v1::Role,
+    time_to_live: Option<prost_types::Duration>,
+) -> Result<v1::CreateTokenResponse, tonic::Status> {
+    AdminServiceClient::new(channel.clone())
+        .create_token(authorized(
+            v1::CreateTokenRequest {
+                tenant: tenant.into(),
+                role: role as i32,
+                description: "test".into(),
+                time_to_live,
+            },
+            ADMIN,
+        ))
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+/// A tenant with `quota`, and the secrets of a user token and a worker token of it.
 pub async fn tenant_with_tokens(
     channel: &Channel,
     tenant: &str,
     quota: v1::Quota,
 ) -> (String, String) {
-    let mut admin = AdminServiceClient::new(channel.clone());
-    admin
+    AdminServiceClient::new(channel.clone())
         .create_tenant(authorized(
             v1::CreateTenantRequest {
                 name: tenant.into(),
@@ -93,27 +119,13 @@ pub async fn tenant_with_tokens(
         ))
         .await
         .unwrap();
-    let token = |role: v1::Role| {
-        let mut admin = admin.clone();
-        let tenant = tenant.to_string();
-        async move {
-            admin
-                .create_token(authorized(
-                    v1::CreateTokenRequest {
-                        tenant,
-                        role: role as i32,
-                        description: "test".into(),
-                        time_to_live: None,
-                    },
-                    ADMIN,
-                ))
-                .await
-                .unwrap()
-                .into_inner()
-                .secret
-        }
+    let secret = |role| async move {
+        create_token(channel, tenant, role, None)
+            .await
+            .unwrap()
+            .secret
     };
-    (token(v1::Role::User).await, token(v1::Role::Worker).await)
+    (secret(v1::Role::User).await, secret(v1::Role::Worker).await)
 }
 
 /// `GET /metrics` over a plain socket, as a scraper does.
