@@ -5,7 +5,7 @@
 //! to put each real buffer, and the estimator replays a step plan through the very same
 //! bookkeeping with no data at all, so the estimate *is* this allocator's peak and
 //! high-water mark, fragmentation included, and there is no second copy of the
-//! allocation logic to drift (see "The memory model" in DESIGN.md).
+//! allocation logic to drift (see "The memory model" in docs/design.md).
 //!
 //! The policy is the idea of TensorFlow's BFC allocator:
 //!

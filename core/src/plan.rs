@@ -5,7 +5,7 @@
 //! This is the single description of a step's memory behaviour. The engine executes it on
 //! a backend and the estimator replays it through the slice allocator bookkeeping without
 //! data or math, so the estimate is the allocator's real peak and there is no second copy
-//! of the allocation logic to drift (DESIGN.md, "the memory model").
+//! of the allocation logic to drift (docs/design.md, "The memory model").
 //!
 //! A plan has three phases:
 //! - `setup`, run once per attempt: weights, fp32 masters (mixed precision), gradients,

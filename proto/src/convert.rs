@@ -1,6 +1,6 @@
 //! Conversions between the generated `carve.v1` types and carve-core's.
 //!
-//! Core types carry no prost or serde derives for the wire (DESIGN.md: generated types
+//! Core types carry no prost or serde derives for the wire (docs/design.md: generated types
 //! stop at the service handlers), so every translation lives here, in one place, with the
 //! checks a value from the network needs. Reading a value from the wire can fail and
 //! names the field it is about (an [`ApiError::InvalidArgument`]); writing one cannot.
