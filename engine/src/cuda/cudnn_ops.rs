@@ -68,14 +68,14 @@ impl Descriptors {
         [n, h, w, c]: [usize; 4],
     ) -> Result<sys::cudnnTensorDescriptor_t, CudaFailure> {
         let mut descriptor: sys::cudnnTensorDescriptor_t = std::ptr::null_mut();
-        // SAFETY: `descriptor` is a valid out-pointer.
         check(
+            // SAFETY: `descriptor` is a valid out-pointer.
             unsafe { sys::cudnnCreateTensorDescriptor(&mut descriptor) },
             "creating a tensor descriptor",
         )?;
         self.tensors.push(descriptor);
-        // SAFETY: the descriptor was just created and is owned by `self`.
         check(
+            // SAFETY: the descriptor was just created and is owned by `self`.
             unsafe {
                 sys::cudnnSetTensor4dDescriptor(
                     descriptor,
@@ -99,14 +99,14 @@ impl Descriptors {
         [k, r, s, c]: [usize; 4],
     ) -> Result<sys::cudnnFilterDescriptor_t, CudaFailure> {
         let mut descriptor: sys::cudnnFilterDescriptor_t = std::ptr::null_mut();
-        // SAFETY: `descriptor` is a valid out-pointer.
         check(
+            // SAFETY: `descriptor` is a valid out-pointer.
             unsafe { sys::cudnnCreateFilterDescriptor(&mut descriptor) },
             "creating a filter descriptor",
         )?;
         self.filters.push(descriptor);
-        // SAFETY: the descriptor was just created and is owned by `self`.
         check(
+            // SAFETY: the descriptor was just created and is owned by `self`.
             unsafe {
                 sys::cudnnSetFilter4dDescriptor(
                     descriptor,
@@ -128,8 +128,8 @@ impl Descriptors {
         shape: &ConvolutionShape,
     ) -> Result<sys::cudnnConvolutionDescriptor_t, CudaFailure> {
         let mut descriptor: sys::cudnnConvolutionDescriptor_t = std::ptr::null_mut();
-        // SAFETY: `descriptor` is a valid out-pointer.
         check(
+            // SAFETY: `descriptor` is a valid out-pointer.
             unsafe { sys::cudnnCreateConvolutionDescriptor(&mut descriptor) },
             "creating a convolution descriptor",
         )?;
@@ -141,8 +141,8 @@ impl Descriptors {
         } else {
             sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH
         };
-        // SAFETY: the descriptor was just created and is owned by `self`.
         check(
+            // SAFETY: the descriptor was just created and is owned by `self`.
             unsafe {
                 sys::cudnnSetConvolution2dDescriptor(
                     descriptor,
@@ -158,8 +158,8 @@ impl Descriptors {
             },
             "describing a convolution",
         )?;
-        // SAFETY: as above.
         check(
+            // SAFETY: as above.
             unsafe { sys::cudnnSetConvolutionMathType(descriptor, math) },
             "setting the convolution math type",
         )?;
@@ -171,8 +171,8 @@ impl Descriptors {
         shape: &PoolingShape,
     ) -> Result<sys::cudnnPoolingDescriptor_t, CudaFailure> {
         let mut descriptor: sys::cudnnPoolingDescriptor_t = std::ptr::null_mut();
-        // SAFETY: `descriptor` is a valid out-pointer.
         check(
+            // SAFETY: `descriptor` is a valid out-pointer.
             unsafe { sys::cudnnCreatePoolingDescriptor(&mut descriptor) },
             "creating a pooling descriptor",
         )?;
@@ -183,8 +183,8 @@ impl Descriptors {
             // Padding never counts, as in the cpu kernels and TF.
             sys::cudnnPoolingMode_t::CUDNN_POOLING_AVERAGE_COUNT_EXCLUDE_PADDING
         };
-        // SAFETY: the descriptor was just created and is owned by `self`.
         check(
+            // SAFETY: the descriptor was just created and is owned by `self`.
             unsafe {
                 sys::cudnnSetPooling2dDescriptor(
                     descriptor,
@@ -208,8 +208,8 @@ impl Descriptors {
         kind: CudnnActivation,
     ) -> Result<sys::cudnnActivationDescriptor_t, CudaFailure> {
         let mut descriptor: sys::cudnnActivationDescriptor_t = std::ptr::null_mut();
-        // SAFETY: `descriptor` is a valid out-pointer.
         check(
+            // SAFETY: `descriptor` is a valid out-pointer.
             unsafe { sys::cudnnCreateActivationDescriptor(&mut descriptor) },
             "creating an activation descriptor",
         )?;
@@ -219,8 +219,8 @@ impl Descriptors {
             CudnnActivation::Sigmoid => sys::cudnnActivationMode_t::CUDNN_ACTIVATION_SIGMOID,
             CudnnActivation::Tanh => sys::cudnnActivationMode_t::CUDNN_ACTIVATION_TANH,
         };
-        // SAFETY: the descriptor was just created and is owned by `self`.
         check(
+            // SAFETY: the descriptor was just created and is owned by `self`.
             unsafe {
                 sys::cudnnSetActivationDescriptor(
                     descriptor,
@@ -375,15 +375,15 @@ impl Cudnn {
     /// Creates a handle on `stream` (the context must be current).
     pub fn new(stream: driver_sys::CUstream) -> Result<Cudnn, CudaFailure> {
         let mut handle: sys::cudnnHandle_t = std::ptr::null_mut();
-        // SAFETY: `handle` is a valid out-pointer; the caller made the context current.
         check(
+            // SAFETY: `handle` is a valid out-pointer; the caller made the context current.
             unsafe { sys::cudnnCreate(&mut handle) },
             "creating the cudnn handle",
         )?;
         let cudnn = Cudnn { handle };
-        // SAFETY: the handle is live; the stream belongs to the current context and
-        // outlives the handle (the backend drops the handle first).
         check(
+            // SAFETY: the handle is live; the stream belongs to the current context and
+            // outlives the handle (the backend drops the handle first).
             unsafe { sys::cudnnSetStream(cudnn.handle, stream as sys::cudaStream_t) },
             "binding cudnn to the stream",
         )?;

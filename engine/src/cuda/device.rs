@@ -272,14 +272,14 @@ impl Device {
             functions.insert(*name, function);
         }
         let mut cublas: cublas_sys::cublasHandle_t = std::ptr::null_mut();
-        // SAFETY: `cublas` is a valid out-pointer for the new handle.
         cublas_check(
+            // SAFETY: `cublas` is a valid out-pointer for the new handle.
             unsafe { cublas_sys::cublasCreate_v2(&mut cublas) },
             "creating the cublas handle",
         )?;
-        // SAFETY: the handle was just created; the stream belongs to this context and
-        // outlives the handle (both are dropped with the `Device`, the handle first).
         cublas_check(
+            // SAFETY: the handle was just created; the stream belongs to this context and
+            // outlives the handle (both are dropped with the `Device`, the handle first).
             unsafe { cublas_sys::cublasSetStream_v2(cublas, stream.cu_stream() as _) },
             "binding cublas to the stream",
         )?;
