@@ -1,0 +1,386 @@
+//! Admission: what `submit` checks and computes before a job is stored (validation,
+//! estimate, sizing to a slice and the cluster, shrinking ahead of time, quota), and the
+//! short-lived lookups the submit path reads instead of the store (tokens, tenants,
+//! measured-peak corrections, analysed specs), with the calls that invalidate them.
+
+use std::sync::Arc;
+
+use carve_core::admission::{AdmittedSlice, size_slice_at_admission};
+use carve_core::estimator::{MemoryEstimate, estimate_job};
+use carve_core::plan::RunConfig;
+use carve_core::scheduling::{GpuState, TenantState, WaitReason, can_ever_fit};
+use carve_core::shrink::{ShrinkDecision, plan_shrink};
+use carve_core::validate::ValidatedJob;
+use carve_proto::v1;
+use sha2::{Digest, Sha256};
+
+use crate::auth::{Caller, Role, authenticate, generate_id};
+use crate::cache::{BoundedCache, LOOKUP_CAPACITY, LOOKUP_TIME_TO_LIVE, ShortLivedCache};
+use crate::convert::{config_to_json, estimate_to_json, job_proto_from_parts};
+use crate::error::SchedulerError;
+use crate::store::{JobRecord, TenantRecord, TokenRecord};
+
+use super::{Scheduler, now_ms, spec_error};
+
+/// How many distinct spec texts keep their analysis; specs are resubmitted verbatim
+/// (sweeps, retries, scripts), and a miss only costs one validation and estimate.
+const ANALYSED_SPECS_CAPACITY: usize = 256;
+
+/// Specs longer than this are analysed every time rather than held as cache keys, so
+/// the spec cache stays under ANALYSED_SPECS_CAPACITY x this (16 MiB).
+const ANALYSED_SPEC_MAX_BYTES: usize = 64 * 1024;
+
+/// A spec as admission sees it before sizing: everything here depends on the spec's
+/// text alone (validation, the configuration it asks for, the estimate and the shape
+/// key are pure functions of it), so a spec submitted again reuses it.
+#[derive(Debug)]
+pub(super) struct AnalysedSpec {
+    job: ValidatedJob,
+    config: RunConfig,
+    estimate: MemoryEstimate,
+    shape_key: String,
+    /// `config` and `estimate` as a job row stores them, used as they are when admission
+    /// keeps the spec's own configuration.
+    config_json: String,
+    estimate_json: String,
+}
+
+#[derive(Debug)]
+pub(super) struct Lookups {
+    /// By secret hash: invalidated by `Scheduler::revoke_token`.
+    pub(super) tokens: ShortLivedCache<Vec<u8>, TokenRecord>,
+    /// By name: invalidated by `Scheduler::set_quota`.
+    pub(super) tenants: ShortLivedCache<String, TenantRecord>,
+    /// By shape key (`None`: nothing measured yet): invalidated when this scheduler
+    /// records a measured peak of that shape.
+    pub(super) peak_corrections: ShortLivedCache<String, Option<f64>>,
+    /// By the spec's exact text.
+    pub(super) specs: BoundedCache<String, Arc<AnalysedSpec>>,
+}
+
+impl Lookups {
+    pub(super) fn new() -> Lookups {
+        Lookups {
+            tokens: ShortLivedCache::new(LOOKUP_TIME_TO_LIVE, LOOKUP_CAPACITY),
+            tenants: ShortLivedCache::new(LOOKUP_TIME_TO_LIVE, LOOKUP_CAPACITY),
+            peak_corrections: ShortLivedCache::new(LOOKUP_TIME_TO_LIVE, LOOKUP_CAPACITY),
+            specs: BoundedCache::new(ANALYSED_SPECS_CAPACITY),
+        }
+    }
+}
+
+/// The largest slice any GPU not lost could hold (after its CUDA context).
+fn largest_usable_gpu(gpus: &[GpuState]) -> Option<u64> {
+    gpus.iter()
+        .map(|gpu| gpu.total_bytes.saturating_sub(gpu.context_bytes))
+        .max()
+}
+
+/// The waiting reason a new job is stored with, in its own submit group: when no GPU is
+/// schedulable, every job of a known tenant waits for that reason (what `solve` says
+/// first, whatever the queue), so the pass has nothing to write for it; otherwise the
+/// reason depends on the queue, and the pass writes it.
+fn waiting_reason_at_submit(gpus: &[GpuState]) -> String {
+    if gpus.iter().any(|gpu| gpu.schedulable) {
+        String::new()
+    } else {
+        WaitReason::NoSchedulableGpu.to_string()
+    }
+}
+
+/// The key under which measured peaks of "the same job shape" are remembered: the model
+/// and the run config.
+pub(super) fn shape_key(model: &carve_core::spec::ModelSpec, config: &RunConfig) -> String {
+    let model = serde_json::to_string(model).unwrap_or_default();
+    let digest = Sha256::digest(format!("{model}|{}", config_to_json(config)).as_bytes());
+    digest
+        .iter()
+        .take(16)
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
+/// Validation, the configuration the spec asks for, its estimate and shape key: what
+/// admission needs of a spec's text alone.
+fn analyse_spec_text(spec_json: &str) -> Result<AnalysedSpec, SchedulerError> {
+    let job = carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)?;
+    let config = RunConfig::from_spec(&job.spec);
+    let estimate =
+        estimate_job(&job, &config).map_err(|error| SchedulerError::InvalidArgument {
+            field: format!("spec.{}", error.field),
+            reason: error.reason,
+        })?;
+    let shape_key = shape_key(&job.spec.model, &config);
+    let config_json = config_to_json(&config);
+    let estimate_json = estimate_to_json(&estimate);
+    Ok(AnalysedSpec {
+        job,
+        config,
+        estimate,
+        shape_key,
+        config_json,
+        estimate_json,
+    })
+}
+
+/// The longest spec text the scheduler accepts: a spec at the layer limit with long
+/// names stays well under it, and a larger one would only cost time to parse.
+pub const SPEC_MAX_BYTES: usize = 1 << 20;
+
+/// Refuses a spec text over [`SPEC_MAX_BYTES`] before it is parsed.
+pub fn check_spec_size(spec_json: &str) -> Result<(), SchedulerError> {
+    if spec_json.len() > SPEC_MAX_BYTES {
+        return Err(SchedulerError::InvalidArgument {
+            field: "spec_json".into(),
+            reason: format!(
+                "is {} bytes; the limit is {SPEC_MAX_BYTES} bytes (1 MiB)",
+                spec_json.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Why sizing at admission stopped before it was done.
+enum AdmissionSizing {
+    /// The job does not fit as written: the shrink planner must find a configuration
+    /// within `limit` bytes.
+    NeedsShrink { limit: u64 },
+}
+
+impl Scheduler {
+    /// Admits a job: validates, estimates, fits it to its slice and the cluster (shrinking
+    /// ahead of time when the job allows), checks the quota, and stores it durably.
+    /// Returns the job as the answer shows it, and whether it was created (false: the
+    /// idempotency key matched an earlier job).
+    pub async fn submit(
+        &self,
+        caller: &Caller,
+        spec_json: &str,
+        idempotency_key: &str,
+    ) -> Result<(v1::Job, bool), SchedulerError> {
+        caller.require(&[Role::User, Role::Admin])?;
+        if idempotency_key.len() > 256 {
+            return Err(SchedulerError::InvalidArgument {
+                field: "idempotency_key".into(),
+                reason: format!(
+                    "is {} characters long; the limit is 256",
+                    idempotency_key.len()
+                ),
+            });
+        }
+        let analysed = self.analyse_spec(&caller.tenant, spec_json).await?;
+        let job = &analysed.job;
+        let tenant = self.tenant(&caller.tenant).await?;
+        let correction = self
+            .peak_correction(&analysed.shape_key)
+            .await?
+            .unwrap_or(1.0);
+        let gpus = self.gpu_states();
+        // Sizing asks for a shrink only when the job does not fit as written; the shrink
+        // planner then runs on the compute pool, and sizing is done again with its answer.
+        let size = |shrink: Option<&ShrinkDecision>| {
+            size_slice_at_admission(
+                job.spec.resources.vram,
+                analysed.config,
+                analysed.estimate.required_bytes,
+                correction,
+                largest_usable_gpu(&gpus),
+                |_, limit| match shrink {
+                    Some(decision) => Ok((decision.config, decision.estimate.required_bytes)),
+                    None => Err(AdmissionSizing::NeedsShrink { limit }),
+                },
+            )
+        };
+        // The estimate of the configuration admitted, for the answer: the spec's own
+        // unless admission shrank it, then the shrink planner's for the new one (the
+        // same `estimate_job` of that configuration).
+        let mut shrunk_estimate = None;
+        let AdmittedSlice {
+            config,
+            slice_bytes,
+            ..
+        } = match size(None) {
+            Ok(admitted) => admitted,
+            Err(AdmissionSizing::NeedsShrink { limit }) => {
+                let shrinking = Arc::clone(&analysed);
+                let decision = self
+                    .compute
+                    .run(&caller.tenant, move || {
+                        plan_shrink(&shrinking.job, &shrinking.config, None, limit)
+                    })
+                    .await?
+                    .map_err(|error| {
+                        SchedulerError::ResourceExhausted(format!(
+                            "job {} cannot fit: {error}",
+                            job.spec.name
+                        ))
+                    })?;
+                let admitted = size(Some(&decision)).map_err(|_| {
+                    SchedulerError::Internal("sizing asked for a second shrink".into())
+                })?;
+                shrunk_estimate = Some(decision.estimate);
+                admitted
+            }
+        };
+        let tenant_state = TenantState {
+            tenant: tenant.name.clone(),
+            weight: tenant.fair_share_weight.max(1) as u32,
+            vram_quota_bytes: tenant.vram_quota_bytes.map(|bytes| bytes as u64),
+            running_jobs_quota: tenant.max_running_jobs.map(|count| count as u32),
+            vram_in_use_bytes: 0,
+            running_jobs: 0,
+        };
+        if let Err(reason) = can_ever_fit(slice_bytes, &gpus, &tenant_state) {
+            return Err(SchedulerError::ResourceExhausted(format!(
+                "job {} can never run: {reason}",
+                job.spec.name
+            )));
+        }
+        let estimate = &analysed.estimate;
+        let now = now_ms();
+        let record = JobRecord {
+            id: generate_id("job"),
+            tenant: caller.tenant.clone(),
+            name: job.spec.name.clone(),
+            spec_json: spec_json.to_string(),
+            state: "queued".into(),
+            priority: i64::from(job.spec.priority),
+            submit_sequence: 0,
+            idempotency_key: (!idempotency_key.is_empty()).then(|| idempotency_key.to_string()),
+            config_json: if config == analysed.config {
+                analysed.config_json.clone()
+            } else {
+                config_to_json(&config)
+            },
+            // The estimate of the configuration stored: reads show it as it is.
+            estimate_json: shrunk_estimate
+                .as_ref()
+                .map_or_else(|| analysed.estimate_json.clone(), estimate_to_json),
+            required_bytes: slice_bytes as i64,
+            waiting_reason: waiting_reason_at_submit(&gpus),
+            message: String::new(),
+            created_at_ms: now,
+            finished_at_ms: None,
+            checkpoint_location: None,
+            checkpoint_step: 0,
+            attempts_count: 0,
+        };
+        let outcome = self.batcher.submit(record).await?;
+        if !outcome.created {
+            // The idempotency key matched an earlier job, which may have attempts and
+            // another configuration by now: answer with it as stored.
+            return Ok((self.job_proto(&outcome.job).await?, false));
+        }
+        self.emit_state(&outcome.job.id, "queued", "queued", "submitted");
+        self.wake();
+        // A job created just now has no attempts, and its configuration and estimate
+        // are the ones admission computed: no store read, no second estimate.
+        let answer = job_proto_from_parts(
+            &outcome.job,
+            &[],
+            Some(config),
+            Some(shrunk_estimate.as_ref().unwrap_or(estimate)),
+        );
+        Ok((answer, true))
+    }
+
+    /// Validates a spec and estimates it with the configuration it asks for (on the
+    /// compute pool, charged to `tenant`), or reuses that analysis from an earlier submit
+    /// of the same text.
+    async fn analyse_spec(
+        &self,
+        tenant: &str,
+        spec_json: &str,
+    ) -> Result<Arc<AnalysedSpec>, SchedulerError> {
+        if let Some(analysed) = self.lookups.specs.get(spec_json) {
+            return Ok(analysed);
+        }
+        check_spec_size(spec_json)?;
+        let text = spec_json.to_string();
+        let analysed = Arc::new(
+            self.compute
+                .run(tenant, move || analyse_spec_text(&text))
+                .await??,
+        );
+        if spec_json.len() <= ANALYSED_SPEC_MAX_BYTES {
+            self.lookups
+                .specs
+                .insert(spec_json.to_string(), Arc::clone(&analysed));
+        }
+        Ok(analysed)
+    }
+
+    /// The caller a request's bearer token stands for (see `auth::authenticate` for how
+    /// long a revoke through another replica may take to apply).
+    pub async fn authenticate(
+        &self,
+        metadata: &tonic::metadata::MetadataMap,
+        now_ms: i64,
+    ) -> Result<Caller, SchedulerError> {
+        authenticate(&self.store, &self.lookups.tokens, metadata, now_ms).await
+    }
+
+    /// Revokes a token; this scheduler refuses it from the next call on, and ends the
+    /// worker sessions and job watches opened with it.
+    pub async fn revoke_token(&self, token_id: &str) -> Result<TokenRecord, SchedulerError> {
+        let token = self.store.revoke_token(token_id).await?;
+        self.lookups.tokens.invalidate(&token.secret_hash);
+        self.end_sessions_of_token(&token.id, "token rejected: revoked");
+        let _ = self.revoked_tokens.send(token.id.clone());
+        Ok(token)
+    }
+
+    /// Replaces a tenant's quota; this scheduler's next admission uses the new one.
+    pub async fn set_quota(
+        &self,
+        tenant: &str,
+        vram_quota_bytes: Option<i64>,
+        max_running_jobs: Option<i64>,
+        fair_share_weight: i64,
+    ) -> Result<TenantRecord, SchedulerError> {
+        let record = self
+            .store
+            .set_quota(
+                tenant,
+                vram_quota_bytes,
+                max_running_jobs,
+                fair_share_weight,
+            )
+            .await?;
+        self.lookups.tenants.invalidate(&record.name);
+        self.wake();
+        Ok(record)
+    }
+
+    /// A tenant as admission checks it: read from the store at most
+    /// `LOOKUP_TIME_TO_LIVE` ago (a quota changed through this scheduler applies at once).
+    async fn tenant(&self, name: &str) -> Result<TenantRecord, SchedulerError> {
+        let key = name.to_string();
+        if let Some(tenant) = self.lookups.tenants.get(&key, std::time::Instant::now()) {
+            return Ok(tenant);
+        }
+        let ticket = self.lookups.tenants.begin_fill();
+        let read_at = std::time::Instant::now();
+        let tenant = self.store.get_tenant(name).await?;
+        self.lookups
+            .tenants
+            .insert(ticket, key, tenant.clone(), read_at);
+        Ok(tenant)
+    }
+
+    /// The measured-peak correction of a job shape, read from the store at most
+    /// `LOOKUP_TIME_TO_LIVE` ago (a peak recorded by this scheduler applies at once).
+    async fn peak_correction(&self, shape_key: &str) -> Result<Option<f64>, SchedulerError> {
+        let key = shape_key.to_string();
+        let cache = &self.lookups.peak_corrections;
+        if let Some(correction) = cache.get(&key, std::time::Instant::now()) {
+            return Ok(correction);
+        }
+        let ticket = cache.begin_fill();
+        let read_at = std::time::Instant::now();
+        let correction = self.store.peak_correction(shape_key).await?;
+        cache.insert(ticket, key, correction, read_at);
+        Ok(correction)
+    }
+}

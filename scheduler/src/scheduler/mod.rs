@@ -1,0 +1,362 @@
+//! The scheduler's state and its decisions: admission at submit, the scheduling pass
+//! (core's pure `solve`), worker sessions, leases, OOM retries and cancellation.
+//!
+//! The store is the truth for jobs and attempts; memory holds what is live (worker
+//! sessions, heartbeats, attempts running now), rebuilt from the store at start, and the
+//! pass's copy of the queue (`queue`), read from the store by the first pass. Every
+//! change of a job's state happens under one async lock (`job_changes`), so a cancel, a
+//! worker report and a scheduling pass never interleave on the same job.
+//!
+//! One file per concern, each adding to `impl Scheduler`: `admission` (submit and its
+//! lookups), `sessions` (workers and their reports), `outcomes` (how attempts and jobs
+//! end), `placement` (the scheduling pass), `views` (what reads show), `logs` (events and
+//! job logs) and `recovery` (the live state rebuilt at start). This file holds the state
+//! they share and the small helpers they all use.
+
+mod admission;
+mod logs;
+mod outcomes;
+mod placement;
+mod recovery;
+mod sessions;
+mod views;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use carve_core::job_state::{JobEvent, JobState, next_state};
+use carve_core::scheduling::GpuState;
+use carve_core::validate::ValidatedJob;
+use carve_proto::v1;
+use tokio::sync::{Notify, broadcast, mpsc};
+use tokio::time::Instant;
+use tonic::Status;
+
+use crate::compute_pool::{ComputeLimits, ComputePool};
+use crate::error::SchedulerError;
+use crate::metrics::Metrics;
+use crate::queue::QueueMirror;
+use crate::store::{JobRecord, Store, SubmitBatcher, WorkerRecord};
+use crate::worker_session::LiveSession;
+
+use admission::Lookups;
+pub use admission::{SPEC_MAX_BYTES, check_spec_size};
+use placement::PassInputs;
+
+/// Timing of leases and passes.
+#[derive(Debug, Clone)]
+pub struct SchedulerSettings {
+    /// A worker silent for longer loses its attempts.
+    pub lease_duration: Duration,
+    pub heartbeat_interval: Duration,
+    /// A pass also runs at least this often, besides every submit and report.
+    pub scheduling_interval: Duration,
+    /// Where attempts write checkpoints: `{checkpoint_directory}/{job id}.ckpt` on the worker.
+    pub checkpoint_directory: String,
+    /// The wait before a job whose attempt died of an infrastructure failure (a lost
+    /// worker, an interrupted process) is placed again; it doubles with each such failure
+    /// of the job.
+    pub infrastructure_retry_backoff: Duration,
+}
+
+impl Default for SchedulerSettings {
+    fn default() -> Self {
+        SchedulerSettings {
+            lease_duration: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(5),
+            scheduling_interval: Duration::from_secs(2),
+            checkpoint_directory: "checkpoints".to_string(),
+            infrastructure_retry_backoff: Duration::from_secs(2),
+        }
+    }
+}
+
+pub type SessionSender = mpsc::Sender<Result<v1::SchedulerMessage, Status>>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerLiveness {
+    Ready,
+    Draining,
+    Lost,
+}
+
+impl WorkerLiveness {
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkerLiveness::Ready => "ready",
+            WorkerLiveness::Draining => "draining",
+            WorkerLiveness::Lost => "lost",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LiveWorker {
+    record: WorkerRecord,
+    gpus: Vec<v1::Gpu>,
+    state: WorkerLiveness,
+    last_heartbeat: Instant,
+    session: Option<LiveSession>,
+}
+
+/// An attempt that holds a slice now.
+#[derive(Debug, Clone)]
+struct RunningAttempt {
+    attempt_number: u32,
+    lease_epoch: u64,
+    worker_id: String,
+    gpu_id: String,
+    slice_bytes: u64,
+    tenant: String,
+    estimate_bytes: u64,
+    /// The peak the attempt last reported in its progress.
+    measured_peak_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Live {
+    workers: HashMap<String, LiveWorker>,
+    /// By job id: a job has at most one attempt running.
+    running: HashMap<String, RunningAttempt>,
+    /// Queued jobs backing off after an infrastructure failure, by job id: passes leave
+    /// them out until then. Not stored: a restarted scheduler retries them at once.
+    backing_off: HashMap<String, Instant>,
+}
+
+/// Infrastructure failures (lost worker, interrupted process) a job is retried after;
+/// one more fails it.
+pub const INFRASTRUCTURE_RETRIES: usize = 3;
+
+/// The scheduler: shared by every service handler and the background loops.
+#[derive(Debug)]
+pub struct Scheduler {
+    pub store: Store,
+    batcher: SubmitBatcher,
+    /// Job log lines (worker lines of current attempts, the scheduler's notes), written
+    /// in groups; best effort, see `LogBatcher`.
+    logs: crate::store::LogBatcher,
+    pub settings: SchedulerSettings,
+    live: Mutex<Live>,
+    job_changes: tokio::sync::Mutex<()>,
+    wake: Notify,
+    events: broadcast::Sender<v1::JobEvent>,
+    event_sequence: AtomicU64,
+    pub metrics: Metrics,
+    stopping: tokio::sync::watch::Sender<bool>,
+    /// Counts wake-ups, so a pass knows whether anything asked for one since the last.
+    wake_generation: AtomicU64,
+    last_pass_inputs: Mutex<Option<PassInputs>>,
+    /// The pass's copy of the queue (see `queue`): touched only under `job_changes`.
+    queue: Mutex<QueueMirror>,
+    /// Whole reads of the queue by passes (the first, and each time the copy disagreed
+    /// with the store's fingerprint).
+    queue_reloads: AtomicU64,
+    /// What the submit path would otherwise read from the store or compute again on
+    /// every call; see `cache` for how stale each may be.
+    lookups: Lookups,
+    /// Hands out worker session ids (see `worker_session`).
+    session_ids: AtomicU64,
+    /// Ids of tokens revoked through this scheduler, for the streams opened with them.
+    revoked_tokens: broadcast::Sender<String>,
+    /// Validation, estimation and shrink planning of requests, off the async runtime.
+    compute: ComputePool,
+    /// When `expire_leases` last ran.
+    last_lease_check: Mutex<Option<Instant>>,
+    /// When `recheck_session_tokens` last read the sessions' tokens.
+    last_session_token_check: Mutex<Option<Instant>>,
+}
+
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_millis() as i64)
+}
+
+/// Moves a job to its next state through core's state machine, the one place that says
+/// which transitions exist; returns the previous state's name.
+fn transition(job: &mut JobRecord, event: JobEvent) -> Result<String, SchedulerError> {
+    let current = JobState::from_name(&job.state).ok_or_else(|| {
+        SchedulerError::Internal(format!(
+            "job {} has an unknown state {:?}",
+            job.id, job.state
+        ))
+    })?;
+    let next = next_state(current, event)
+        .map_err(|error| SchedulerError::FailedPrecondition(error.to_string()))?;
+    Ok(std::mem::replace(&mut job.state, next.name().to_string()))
+}
+
+/// The spec of a stored job, validated again: it was valid at submit, so an error here
+/// means the store holds something this build cannot read.
+fn stored_spec_text(spec_json: &str) -> Result<ValidatedJob, SchedulerError> {
+    carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)
+}
+
+fn is_terminal(state: &str) -> bool {
+    matches!(state, "succeeded" | "failed" | "cancelled")
+}
+
+fn spec_error(error: carve_proto::ApiError) -> SchedulerError {
+    match error {
+        carve_proto::ApiError::InvalidArgument { field, reason } => {
+            SchedulerError::InvalidArgument { field, reason }
+        }
+        other => SchedulerError::InvalidArgument {
+            field: "spec_json".into(),
+            reason: other.to_string(),
+        },
+    }
+}
+
+impl Scheduler {
+    pub fn new(store: Store, settings: SchedulerSettings) -> Scheduler {
+        let batcher = SubmitBatcher::spawn(store.clone());
+        let logs = crate::store::LogBatcher::spawn(store.clone());
+        let (events, _) = broadcast::channel(4096);
+        Scheduler {
+            store,
+            batcher,
+            logs,
+            settings,
+            live: Mutex::new(Live::default()),
+            job_changes: tokio::sync::Mutex::new(()),
+            wake: Notify::new(),
+            events,
+            event_sequence: AtomicU64::new(1),
+            metrics: Metrics::default(),
+            stopping: tokio::sync::watch::Sender::new(false),
+            wake_generation: AtomicU64::new(0),
+            last_pass_inputs: Mutex::new(None),
+            queue: Mutex::new(QueueMirror::default()),
+            queue_reloads: AtomicU64::new(0),
+            lookups: Lookups::new(),
+            session_ids: AtomicU64::new(1),
+            revoked_tokens: broadcast::channel(64).0,
+            compute: ComputePool::new(ComputeLimits::default()),
+            last_lease_check: Mutex::new(None),
+            last_session_token_check: Mutex::new(None),
+        }
+    }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, QueueMirror> {
+        self.queue
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// How many times passes read the whole queue (the first pass, and each time the
+    /// copy disagreed with the store, e.g. after another replica moved jobs).
+    pub fn queue_reloads(&self) -> u64 {
+        self.queue_reloads.load(Ordering::Relaxed)
+    }
+
+    /// Stores a job's new state and tells the pass's copy of the queue (called under
+    /// `job_changes`, like every change of a job's state).
+    async fn update_job(&self, job: &JobRecord) -> Result<(), SchedulerError> {
+        let result = self.store.update_job(job).await;
+        match &result {
+            Ok(()) => self.queue().note(job),
+            // Whether the row changed is unknown: read the queue again next pass.
+            Err(_) => self.queue().invalidate(),
+        }
+        result
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, Live> {
+        // A panic while holding it would be a bug; the state is still usable.
+        self.live
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Ends every worker session (the workers reconnect to the next scheduler) so that a
+    /// graceful shutdown does not wait on streams that never end by themselves.
+    pub fn begin_shutdown(&self) {
+        self.stopping.send_replace(true);
+        for worker in self.live().workers.values_mut() {
+            if let Some(session) = worker.session.take() {
+                session.end(SchedulerError::Unavailable(
+                    "the scheduler is stopping; reconnect to another".into(),
+                ));
+            }
+        }
+    }
+
+    pub fn shutting_down(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.stopping.subscribe()
+    }
+
+    pub fn wake(&self) {
+        self.wake_generation.fetch_add(1, Ordering::AcqRel);
+        self.wake.notify_one();
+    }
+
+    pub async fn wait_for_wake(&self, timeout: Duration) {
+        let _ = tokio::time::timeout(timeout, self.wake.notified()).await;
+    }
+
+    pub fn subscribe(&self) -> broadcast::Receiver<v1::JobEvent> {
+        self.events.subscribe()
+    }
+
+    /// Ids of tokens as they are revoked through this scheduler: a stream opened with
+    /// one ends.
+    pub fn subscribe_revocations(&self) -> broadcast::Receiver<String> {
+        self.revoked_tokens.subscribe()
+    }
+
+    /// Runs CPU-heavy work of a request for `tenant` off the async runtime (see
+    /// `compute_pool`).
+    pub async fn compute<T, Work>(&self, tenant: &str, work: Work) -> Result<T, SchedulerError>
+    where
+        T: Send + 'static,
+        Work: FnOnce() -> T + Send + 'static,
+    {
+        self.compute.run(tenant, work).await
+    }
+
+    /// GPUs of workers that are not lost, with the slices running on them.
+    fn gpu_states(&self) -> Vec<GpuState> {
+        let live = self.live();
+        let mut gpus = Vec::new();
+        for (worker_id, worker) in &live.workers {
+            if worker.state == WorkerLiveness::Lost {
+                continue;
+            }
+            for gpu in &worker.gpus {
+                let allocated: u64 = live
+                    .running
+                    .values()
+                    .filter(|running| running.worker_id == *worker_id && running.gpu_id == gpu.uuid)
+                    .map(|running| running.slice_bytes)
+                    .sum();
+                gpus.push(GpuState {
+                    gpu_id: gpu.uuid.clone(),
+                    worker_id: worker_id.clone(),
+                    total_bytes: gpu.total_bytes,
+                    context_bytes: gpu.context_bytes,
+                    allocated_bytes: allocated,
+                    schedulable: worker.state == WorkerLiveness::Ready && worker.session.is_some(),
+                });
+            }
+        }
+        gpus
+    }
+
+    fn send_to_worker(&self, worker_id: &str, body: v1::scheduler_message::Body) -> bool {
+        let session = self.live().workers.get(worker_id).and_then(|worker| {
+            worker
+                .session
+                .as_ref()
+                .map(|session| session.sender.clone())
+        });
+        match session {
+            Some(session) => session
+                .try_send(Ok(v1::SchedulerMessage { body: Some(body) }))
+                .is_ok(),
+            None => false,
+        }
+    }
+}

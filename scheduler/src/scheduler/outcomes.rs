@@ -1,0 +1,447 @@
+//! How attempts and jobs end: a cancel, an attempt's finish, an out-of-memory report and
+//! its retry through the shrink planner, a lost lease, and the retries after
+//! infrastructure failures with their backoff.
+
+use carve_core::allocator::OutOfMemory;
+use carve_core::job_state::JobEvent;
+use carve_core::shrink::{OomObservation, plan_shrink};
+use carve_proto::v1;
+use tokio::time::Instant;
+
+use crate::auth::Caller;
+use crate::convert::{config_from_json, config_to_json, estimate_to_json, oom_to_json};
+use crate::error::SchedulerError;
+use crate::metrics::Metrics;
+use crate::store::JobRecord;
+
+use super::admission::shape_key;
+use super::{
+    INFRASTRUCTURE_RETRIES, RunningAttempt, Scheduler, WorkerLiveness, is_terminal, now_ms,
+    spec_error, stored_spec_text, transition,
+};
+
+impl Scheduler {
+    pub async fn cancel(
+        &self,
+        caller: &Caller,
+        job_id: &str,
+        reason: &str,
+    ) -> Result<JobRecord, SchedulerError> {
+        let _guard = self.job_changes.lock().await;
+        let mut job = self.visible_job(caller, job_id).await?;
+        if is_terminal(&job.state) {
+            return Err(SchedulerError::FailedPrecondition(format!(
+                "job {job_id} already {}",
+                job.state
+            )));
+        }
+        let previous = transition(&mut job, JobEvent::CancelRequested)?;
+        job.message = if reason.is_empty() {
+            format!("cancelled by {}", caller.token_id)
+        } else {
+            format!("cancelled: {reason}")
+        };
+        job.finished_at_ms = Some(now_ms());
+        job.waiting_reason.clear();
+        self.update_job(&job).await?;
+        // A running attempt keeps its slice until its worker confirms it stopped.
+        let running = self.live().running.get(job_id).cloned();
+        if let Some(running) = running {
+            self.send_to_worker(
+                &running.worker_id,
+                v1::scheduler_message::Body::Cancel(v1::scheduler_message::Cancel {
+                    attempt: Some(v1::AttemptRef {
+                        job_id: job_id.to_string(),
+                        attempt_number: running.attempt_number,
+                        lease_epoch: running.lease_epoch,
+                    }),
+                    grace_period: Some(prost_types::Duration {
+                        seconds: 10,
+                        nanos: 0,
+                    }),
+                    reason: job.message.clone(),
+                }),
+            );
+        }
+        self.emit_state(job_id, &previous, "cancelled", &job.message);
+        Metrics::count(&self.metrics.jobs_cancelled);
+        Ok(job)
+    }
+
+    pub(super) async fn handle_oom(
+        &self,
+        worker_id: &str,
+        oom: v1::worker_message::OomReport,
+    ) -> Result<(), SchedulerError> {
+        let attempt = oom.attempt.unwrap_or_default();
+        let _guard = self.job_changes.lock().await;
+        let running = self
+            .current_attempt(worker_id, &attempt)
+            .ok_or_else(|| self.fenced(&attempt))?;
+        let report: OutOfMemory = oom.report.unwrap_or_default().into();
+        let now = now_ms();
+        self.store
+            .finish_attempt(
+                &attempt.job_id,
+                i64::from(attempt.attempt_number),
+                attempt.lease_epoch as i64,
+                "out_of_memory",
+                Some(report.peak as i64),
+                Some(oom_to_json(&report).as_str()),
+                &report.to_string(),
+                now,
+            )
+            .await?;
+        self.live().running.remove(&attempt.job_id);
+        Metrics::count(&self.metrics.out_of_memory_reports);
+        let mut job = self.store.get_job(&attempt.job_id).await?;
+        if let Some(checkpoint) = oom
+            .checkpoint
+            .filter(|checkpoint| !checkpoint.location.is_empty())
+        {
+            job.checkpoint_location = Some(checkpoint.location);
+            job.checkpoint_step = checkpoint.step as i64;
+        }
+        let old_config = config_from_json(&job.config_json)?;
+        self.emit(
+            &job.id,
+            v1::job_event::Event::Oom(v1::job_event::OutOfMemory {
+                attempt_number: attempt.attempt_number,
+                config: Some(old_config.into()),
+                report: Some(report.into()),
+            }),
+        );
+        if is_terminal(&job.state) {
+            // Cancelled meanwhile: the slice is free, nothing to retry.
+            self.wake();
+            return Ok(());
+        }
+        let attempts = self.store.list_attempts(&job.id).await?;
+        let out_of_memory_attempts = attempts
+            .iter()
+            .filter(|attempt| attempt.outcome == "out_of_memory")
+            .count();
+        let previous = job.state.clone();
+        let observation = OomObservation {
+            report,
+            estimated_required_bytes: running.estimate_bytes,
+        };
+        // Validation and the shrink planner grow with the model: the compute pool runs
+        // them (the scheduler's own work, charged to no tenant's budget).
+        let spec_json = job.spec_json.clone();
+        let slice_bytes = running.slice_bytes;
+        let (validated, planned) = self
+            .compute
+            .run_for_scheduler(move || {
+                let validated = stored_spec_text(&spec_json)?;
+                let planned = plan_shrink(&validated, &old_config, Some(&observation), slice_bytes);
+                Ok::<_, SchedulerError>((validated, planned))
+            })
+            .await??;
+        let retries_left = out_of_memory_attempts <= validated.spec.oom.max_retries as usize;
+        match planned {
+            Ok(decision) if retries_left && decision.config != old_config => {
+                job.config_json = config_to_json(&decision.config);
+                job.estimate_json = estimate_to_json(&decision.estimate);
+                job.required_bytes =
+                    running.slice_bytes.max(decision.estimate.required_bytes) as i64;
+                transition(
+                    &mut job,
+                    JobEvent::AttemptOutOfMemory {
+                        retry_allowed: true,
+                    },
+                )?;
+                job.waiting_reason = String::new();
+                self.update_job(&job).await?;
+                self.emit(
+                    &job.id,
+                    v1::job_event::Event::Shrink(carve_proto::convert::shrink_decision_to_proto(
+                        &old_config,
+                        &decision,
+                    )),
+                );
+                self.emit_state(
+                    &job.id,
+                    &previous,
+                    "queued",
+                    "out of memory: retrying with a smaller configuration",
+                );
+                Metrics::count(&self.metrics.retries);
+            }
+            outcome => {
+                let why = match outcome {
+                    Err(error) => error.to_string(),
+                    Ok(_) if !retries_left => format!(
+                        "the retry limit of {} is reached",
+                        validated.spec.oom.max_retries
+                    ),
+                    Ok(_) => "the shrink planner found nothing smaller that fits".to_string(),
+                };
+                transition(
+                    &mut job,
+                    JobEvent::AttemptOutOfMemory {
+                        retry_allowed: false,
+                    },
+                )?;
+                job.message = format!("out of memory ({report}); {why}");
+                job.finished_at_ms = Some(now);
+                self.update_job(&job).await?;
+                Metrics::count(&self.metrics.jobs_failed);
+                self.emit_state(&job.id, &previous, "failed", &job.message);
+            }
+        }
+        self.wake();
+        Ok(())
+    }
+
+    pub(super) async fn handle_finished(
+        &self,
+        worker_id: &str,
+        finished: v1::worker_message::AttemptFinished,
+    ) -> Result<(), SchedulerError> {
+        let attempt = finished.attempt.unwrap_or_default();
+        let _guard = self.job_changes.lock().await;
+        let running = self
+            .current_attempt(worker_id, &attempt)
+            .ok_or_else(|| self.fenced(&attempt))?;
+        let outcome = match v1::AttemptOutcome::try_from(finished.outcome) {
+            Ok(v1::AttemptOutcome::Succeeded) => "succeeded",
+            Ok(v1::AttemptOutcome::Cancelled) => "cancelled",
+            Ok(v1::AttemptOutcome::Failed) => "failed",
+            Ok(v1::AttemptOutcome::Interrupted) => "interrupted",
+            _ => {
+                return Err(SchedulerError::InvalidArgument {
+                    field: "attempt_finished.outcome".into(),
+                    reason: "must be succeeded, failed, cancelled or interrupted (out-of-memory goes in an oom report)".into(),
+                });
+            }
+        };
+        let now = now_ms();
+        let measured =
+            (finished.measured_peak_bytes > 0).then_some(finished.measured_peak_bytes as i64);
+        self.store
+            .finish_attempt(
+                &attempt.job_id,
+                i64::from(attempt.attempt_number),
+                attempt.lease_epoch as i64,
+                outcome,
+                measured,
+                None,
+                &finished.message,
+                now,
+            )
+            .await?;
+        self.live().running.remove(&attempt.job_id);
+        let mut job = self.store.get_job(&attempt.job_id).await?;
+        if let (Some(measured), "succeeded") = (measured, outcome) {
+            // The model as written is all the key needs: parsed, not validated again.
+            let spec =
+                carve_proto::convert::job_spec_from_json(&job.spec_json).map_err(spec_error)?;
+            let config = config_from_json(&job.config_json)?;
+            let shape_key = shape_key(&spec.model, &config);
+            self.store
+                .record_peak(&shape_key, running.estimate_bytes as i64, measured, now)
+                .await?;
+            self.lookups.peak_corrections.invalidate(&shape_key);
+        }
+        if outcome == "interrupted" {
+            if !is_terminal(&job.state) {
+                self.retry_after_infrastructure_failure(
+                    &mut job,
+                    attempt.attempt_number,
+                    &format!(
+                        "attempt {} was interrupted: {}",
+                        attempt.attempt_number, finished.message
+                    ),
+                    now,
+                )
+                .await?;
+            }
+        } else if !is_terminal(&job.state) {
+            let event = match outcome {
+                "succeeded" => JobEvent::AttemptSucceeded,
+                "cancelled" => JobEvent::CancelRequested,
+                _ => JobEvent::AttemptFailed,
+            };
+            let previous = transition(&mut job, event)?;
+            job.finished_at_ms = Some(now);
+            if outcome == "failed" {
+                job.message = format!(
+                    "attempt {} failed: {}",
+                    attempt.attempt_number, finished.message
+                );
+            }
+            self.update_job(&job).await?;
+            Metrics::count(match outcome {
+                "succeeded" => &self.metrics.jobs_succeeded,
+                "cancelled" => &self.metrics.jobs_cancelled,
+                _ => &self.metrics.jobs_failed,
+            });
+            self.emit_state(&job.id, &previous, outcome, &finished.message);
+        }
+        self.wake();
+        Ok(())
+    }
+
+    /// Workers silent for longer than the lease lose their attempts, which go back to
+    /// the queue and resume from their last checkpoint.
+    ///
+    /// A scheduler that could not run this check for half a lease (its host stalled, or
+    /// it was starved) cannot tell silent workers from heartbeats it did not get to
+    /// read: it gives every worker a fresh lease instead of declaring any lost.
+    pub async fn expire_leases(&self) -> Result<(), SchedulerError> {
+        let lease = self.settings.lease_duration;
+        let checked_at = Instant::now();
+        let previous_check = self
+            .last_lease_check
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .replace(checked_at);
+        if previous_check.is_some_and(|previous| checked_at - previous > lease / 2) {
+            tracing::warn!(
+                since_last_check = ?previous_check.map(|previous| checked_at - previous),
+                "the lease check was late: every worker gets a fresh lease"
+            );
+            for worker in self.live().workers.values_mut() {
+                worker.last_heartbeat = worker.last_heartbeat.max(checked_at);
+            }
+            return Ok(());
+        }
+        let expired: Vec<String> = {
+            let live = self.live();
+            live.workers
+                .iter()
+                .filter(|(_, worker)| {
+                    worker.state != WorkerLiveness::Lost && worker.last_heartbeat.elapsed() > lease
+                })
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        if expired.is_empty() {
+            return Ok(());
+        }
+        let _guard = self.job_changes.lock().await;
+        let now = now_ms();
+        for worker_id in expired {
+            let lost_attempts: Vec<(String, RunningAttempt)> = {
+                let mut live = self.live();
+                if let Some(worker) = live.workers.get_mut(&worker_id) {
+                    worker.state = WorkerLiveness::Lost;
+                    if let Some(session) = worker.session.take() {
+                        session.end(SchedulerError::Unavailable(format!(
+                            "no heartbeat for longer than the lease ({lease:?}): this \
+                             worker's attempts were requeued; register again"
+                        )));
+                    }
+                }
+                let lost: Vec<String> = live
+                    .running
+                    .iter()
+                    .filter(|(_, running)| running.worker_id == worker_id)
+                    .map(|(job_id, _)| job_id.clone())
+                    .collect();
+                lost.into_iter()
+                    .filter_map(|job_id| {
+                        live.running
+                            .remove(&job_id)
+                            .map(|running| (job_id, running))
+                    })
+                    .collect()
+            };
+            self.store.set_worker_state(&worker_id, "lost").await?;
+            for (job_id, running) in lost_attempts {
+                Metrics::count(&self.metrics.attempts_lost);
+                let fenced = self
+                    .store
+                    .finish_attempt(
+                        &job_id,
+                        i64::from(running.attempt_number),
+                        running.lease_epoch as i64,
+                        "lost",
+                        None,
+                        None,
+                        &format!("worker {worker_id} stopped heartbeating"),
+                        now,
+                    )
+                    .await;
+                if let Err(error) = fenced
+                    && !matches!(error, SchedulerError::Conflict(_))
+                {
+                    return Err(error);
+                }
+                let mut job = self.store.get_job(&job_id).await?;
+                if !is_terminal(&job.state) {
+                    self.retry_after_infrastructure_failure(
+                        &mut job,
+                        running.attempt_number,
+                        &format!(
+                            "lease lost: worker {worker_id} stopped heartbeating during \
+                             attempt {}",
+                            running.attempt_number
+                        ),
+                        now,
+                    )
+                    .await?;
+                }
+            }
+        }
+        self.wake();
+        Ok(())
+    }
+
+    /// After an attempt died of an infrastructure failure (its outcome, `lost` or
+    /// `interrupted`, already stored): the job goes back to the queue to resume from its
+    /// checkpoint after a backoff that doubles with each such failure, or fails once it
+    /// has had [`INFRASTRUCTURE_RETRIES`] retries. Called under `job_changes`.
+    async fn retry_after_infrastructure_failure(
+        &self,
+        job: &mut JobRecord,
+        attempt_number: u32,
+        what_happened: &str,
+        now: i64,
+    ) -> Result<(), SchedulerError> {
+        let failures = self
+            .store
+            .list_attempts(&job.id)
+            .await?
+            .iter()
+            .filter(|attempt| matches!(attempt.outcome.as_str(), "lost" | "interrupted"))
+            .count()
+            .max(1);
+        if failures > INFRASTRUCTURE_RETRIES {
+            let previous = transition(job, JobEvent::AttemptFailed)?;
+            job.message = format!(
+                "{what_happened}; it was the job's {failures}th infrastructure failure, and \
+                 it is retried only {INFRASTRUCTURE_RETRIES} times"
+            );
+            job.finished_at_ms = Some(now);
+            self.update_job(job).await?;
+            Metrics::count(&self.metrics.jobs_failed);
+            self.emit_state(&job.id, &previous, "failed", &job.message);
+            return Ok(());
+        }
+        let backoff = self
+            .settings
+            .infrastructure_retry_backoff
+            .saturating_mul(1 << (failures - 1));
+        let previous = transition(job, JobEvent::AttemptLost)?;
+        job.waiting_reason = format!(
+            "backing off for {backoff:?} after an infrastructure failure ({failures} of \
+             {INFRASTRUCTURE_RETRIES} retries)"
+        );
+        self.live()
+            .backing_off
+            .insert(job.id.clone(), Instant::now() + backoff);
+        self.update_job(job).await?;
+        self.emit_state(
+            &job.id,
+            &previous,
+            "queued",
+            &format!(
+                "{what_happened}; attempt {} resumes from the checkpoint after {backoff:?}",
+                attempt_number + 1
+            ),
+        );
+        Ok(())
+    }
+}

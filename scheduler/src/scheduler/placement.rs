@@ -1,0 +1,278 @@
+//! The scheduling pass: its inputs (and the skip when they did not change), core's pure
+//! `solve` over the pass's copy of the queue, the placement of each decision, and the
+//! waiting reasons of the jobs left in the queue.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use carve_core::job_state::JobEvent;
+use carve_core::scheduling::{GpuState, SchedulingProblem, TenantState, solve};
+use carve_proto::v1;
+use tokio::time::Instant;
+
+use crate::convert::{attempt_to_proto, config_from_json, estimate_from_json};
+use crate::error::SchedulerError;
+use crate::metrics::Metrics;
+use crate::store::{AttemptRecord, QueueFingerprint};
+
+use super::{RunningAttempt, Scheduler, now_ms, transition};
+
+/// What a scheduling pass decides from, as far as it can tell cheaply: a pass with the
+/// same inputs as the last one that finished is skipped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct PassInputs {
+    wake_generation: u64,
+    queue: QueueFingerprint,
+    /// Sorted by worker, then GPU.
+    gpus: Vec<GpuState>,
+    /// Sorted by tenant.
+    tenants: Vec<TenantState>,
+    /// Queued jobs left out because they are backing off: when one's backoff ends, the
+    /// inputs change and the next pass runs.
+    backing_off: Vec<String>,
+}
+
+impl Scheduler {
+    /// One pass: place what fits, record why the rest waits.
+    ///
+    /// The pass solves over its copy of the queue (`queue::QueueMirror`), reading from the
+    /// store only the jobs queued since the last pass (one range of the
+    /// `(state, submit_sequence)` index) and the whole queue only when the copy
+    /// disagrees with the store's fingerprint; it loads the whole record of the few jobs
+    /// it places, and writes only waiting reasons that changed, grouped by reason. It is
+    /// skipped when nothing it decides from changed since the last pass that finished (no
+    /// wake-up, the same queue, GPUs and tenants): `solve` is a pure function, so it
+    /// would decide the same again.
+    pub async fn schedule_once(&self) -> Result<usize, SchedulerError> {
+        let _guard = self.job_changes.lock().await;
+        let result = self.schedule_once_locked().await;
+        if result.is_err() {
+            // Half a pass may have left the copy behind the store: read it whole again.
+            self.queue().invalidate();
+        }
+        result
+    }
+
+    async fn schedule_once_locked(&self) -> Result<usize, SchedulerError> {
+        // Read before anything else, so that a wake-up during the pass causes another.
+        let wake_generation = self.wake_generation.load(Ordering::Acquire);
+        let queue = self.store.queue_fingerprint().await?;
+        if queue.queued_jobs == 0 {
+            let mut mirror = self.queue();
+            if mirror.len() != 0 {
+                // Emptied by someone else (another replica): start again from the store.
+                mirror.invalidate();
+            }
+            return Ok(0);
+        }
+        let tenants = self.store.list_tenants().await?;
+        let mut gpus = self.gpu_states();
+        gpus.sort_by(|left, right| {
+            (&left.worker_id, &left.gpu_id).cmp(&(&right.worker_id, &right.gpu_id))
+        });
+        let (usage, running_counts) = {
+            let live = self.live();
+            let mut usage: HashMap<String, u64> = HashMap::new();
+            let mut counts: HashMap<String, u32> = HashMap::new();
+            for running in live.running.values() {
+                *usage.entry(running.tenant.clone()).or_default() += running.slice_bytes;
+                *counts.entry(running.tenant.clone()).or_default() += 1;
+            }
+            (usage, counts)
+        };
+        let mut tenant_states: Vec<TenantState> = tenants
+            .iter()
+            .map(|tenant| TenantState {
+                tenant: tenant.name.clone(),
+                weight: tenant.fair_share_weight.max(1) as u32,
+                vram_quota_bytes: tenant.vram_quota_bytes.map(|bytes| bytes as u64),
+                running_jobs_quota: tenant.max_running_jobs.map(|count| count as u32),
+                vram_in_use_bytes: usage.get(&tenant.name).copied().unwrap_or(0),
+                running_jobs: running_counts.get(&tenant.name).copied().unwrap_or(0),
+            })
+            .collect();
+        tenant_states.sort_by(|left, right| left.tenant.cmp(&right.tenant));
+        let backing_off: Vec<String> = {
+            let mut live = self.live();
+            let now = Instant::now();
+            live.backing_off.retain(|_, until| *until > now);
+            let mut jobs: Vec<String> = live.backing_off.keys().cloned().collect();
+            jobs.sort();
+            jobs
+        };
+        let inputs = PassInputs {
+            wake_generation,
+            queue,
+            gpus: gpus.clone(),
+            tenants: tenant_states.clone(),
+            backing_off: backing_off.clone(),
+        };
+        if self.last_pass_inputs().as_ref() == Some(&inputs) {
+            return Ok(0);
+        }
+        self.refresh_queue(&queue).await?;
+        let problem = SchedulingProblem {
+            gpus,
+            tenants: tenant_states,
+            pending: self
+                .queue()
+                .pending_jobs()
+                .into_iter()
+                .filter(|job| backing_off.binary_search(&job.job_id).is_err())
+                .collect(),
+        };
+        let decision = solve(&problem);
+        drop(problem);
+        let now = now_ms();
+        let mut placed = 0;
+        for placement in &decision.placements {
+            if !self.queue().contains(&placement.job_id) {
+                continue;
+            }
+            // Only placed jobs need their whole record (spec, config, checkpoint).
+            let mut job = self.store.get_job(&placement.job_id).await?;
+            if job.state != "queued" {
+                self.queue().remove(&job.id);
+                continue;
+            }
+            let attempt_number = job.attempts_count + 1;
+            let config = config_from_json(&job.config_json)?;
+            // The estimate of the job's configuration is stored with it (admission and
+            // OOM shrinks keep it current): nothing is validated or estimated here.
+            let estimate_bytes = estimate_from_json(&job.estimate_json, None)?.required_bytes;
+            transition(&mut job, JobEvent::Placed)?;
+            job.attempts_count = attempt_number;
+            job.waiting_reason.clear();
+            let attempt = AttemptRecord {
+                job_id: job.id.clone(),
+                attempt_number,
+                config_json: job.config_json.clone(),
+                estimate_bytes: estimate_bytes as i64,
+                slice_bytes: placement.slice_bytes as i64,
+                worker_id: placement.worker_id.clone(),
+                gpu_id: placement.gpu_id.clone(),
+                lease_epoch: attempt_number,
+                outcome: "running".into(),
+                measured_peak_bytes: None,
+                oom_json: None,
+                message: String::new(),
+                resumed_from: job.checkpoint_location.clone(),
+                resumed_from_step: job.checkpoint_step,
+                started_at_ms: now,
+                finished_at_ms: None,
+            };
+            self.store.record_job_and_attempt(&job, &attempt).await?;
+            self.queue().remove(&job.id);
+            self.live().running.insert(
+                job.id.clone(),
+                RunningAttempt {
+                    attempt_number: attempt_number as u32,
+                    lease_epoch: attempt_number as u64,
+                    worker_id: placement.worker_id.clone(),
+                    gpu_id: placement.gpu_id.clone(),
+                    slice_bytes: placement.slice_bytes,
+                    tenant: job.tenant.clone(),
+                    estimate_bytes,
+                    measured_peak_bytes: 0,
+                },
+            );
+            let checkpoint_location =
+                format!("{}/{}.ckpt", self.settings.checkpoint_directory, job.id);
+            self.send_to_worker(
+                &placement.worker_id,
+                v1::scheduler_message::Body::Assignment(v1::scheduler_message::Assignment {
+                    attempt: Some(v1::AttemptRef {
+                        job_id: job.id.clone(),
+                        attempt_number: attempt_number as u32,
+                        lease_epoch: attempt_number as u64,
+                    }),
+                    spec_json: job.spec_json.clone(),
+                    config: Some(config.into()),
+                    gpu_uuid: placement.gpu_id.clone(),
+                    slice_bytes: placement.slice_bytes,
+                    resume_from: Some(v1::Checkpoint {
+                        step: job.checkpoint_step.max(0) as u64,
+                        location: job
+                            .checkpoint_location
+                            .clone()
+                            .unwrap_or(checkpoint_location),
+                    }),
+                }),
+            );
+            self.emit_state(
+                &job.id,
+                "queued",
+                "placed",
+                &format!("placed on {} ({})", placement.gpu_id, placement.worker_id),
+            );
+            self.emit(
+                &job.id,
+                v1::job_event::Event::AttemptStarted(attempt_to_proto(&attempt)),
+            );
+            placed += 1;
+            Metrics::count(&self.metrics.placements);
+        }
+        // Reasons are compared as values first: most are what the last pass said, and
+        // are not formatted again.
+        let changed_reasons: Vec<(String, String)> = {
+            let mut mirror = self.queue();
+            let mut changed = Vec::new();
+            for (job_id, reason) in decision.waiting {
+                let Some(job) = mirror.get_mut(&job_id) else {
+                    continue;
+                };
+                if job.decided.as_ref() == Some(&reason) {
+                    continue;
+                }
+                let text = reason.to_string();
+                if job.stored_reason != text {
+                    job.stored_reason.clone_from(&text);
+                    changed.push((job_id, text));
+                }
+                job.decided = Some(reason);
+            }
+            changed
+        };
+        self.store.set_waiting_reasons(&changed_reasons).await?;
+        *self
+            .last_pass_inputs
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(inputs);
+        Ok(placed)
+    }
+
+    /// Brings the pass's copy of the queue up to the store's, as `fingerprint` (read
+    /// just before, under `job_changes`) describes it: the jobs queued since the last
+    /// read, or the whole queue when the copy still disagrees.
+    async fn refresh_queue(&self, fingerprint: &QueueFingerprint) -> Result<(), SchedulerError> {
+        let through = fingerprint.highest_submit_sequence;
+        let (loaded, after) = {
+            let mirror = self.queue();
+            (mirror.is_loaded(), mirror.read_through())
+        };
+        if loaded && after < through {
+            let rows = self
+                .store
+                .queued_jobs_in_sequence_range(after, through)
+                .await?;
+            self.queue().add(rows, through);
+        }
+        if !self.queue().matches(fingerprint) {
+            let rows = self
+                .store
+                .queued_jobs_in_sequence_range(i64::MIN, through)
+                .await?;
+            self.queue().replace_all(rows, through);
+            self.queue_reloads.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// What the last pass that finished decided from.
+    fn last_pass_inputs(&self) -> Option<PassInputs> {
+        self.last_pass_inputs
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+}

@@ -1,0 +1,71 @@
+//! Recovery after a start: the live state rebuilt from the store.
+
+use std::collections::HashMap;
+
+use carve_proto::v1;
+use tokio::time::Instant;
+
+use crate::error::SchedulerError;
+
+use super::sessions::GpuJson;
+use super::{LiveWorker, RunningAttempt, Scheduler, WorkerLiveness};
+
+impl Scheduler {
+    /// Rebuilds the live state from the store after a start: attempts still running keep
+    /// their slices, and their workers get one lease to come back.
+    pub async fn recover(&self) -> Result<(), SchedulerError> {
+        let workers = self.store.list_workers().await?;
+        let active = self.store.jobs_in_states(&["placed", "running"]).await?;
+        let mut running = HashMap::new();
+        for job in active {
+            let attempts = self.store.list_attempts(&job.id).await?;
+            if let Some(attempt) = attempts
+                .iter()
+                .rev()
+                .find(|attempt| attempt.outcome == "running")
+            {
+                running.insert(
+                    job.id.clone(),
+                    RunningAttempt {
+                        attempt_number: attempt.attempt_number as u32,
+                        lease_epoch: attempt.lease_epoch as u64,
+                        worker_id: attempt.worker_id.clone(),
+                        gpu_id: attempt.gpu_id.clone(),
+                        slice_bytes: attempt.slice_bytes as u64,
+                        tenant: job.tenant.clone(),
+                        estimate_bytes: attempt.estimate_bytes as u64,
+                        measured_peak_bytes: 0,
+                    },
+                );
+            }
+        }
+        let mut live = self.live();
+        for worker in workers {
+            if worker.state == "lost" {
+                continue;
+            }
+            let gpus: Vec<v1::Gpu> = serde_json::from_str::<Vec<GpuJson>>(&worker.gpus_json)
+                .unwrap_or_default()
+                .into_iter()
+                .map(GpuJson::into_proto)
+                .collect();
+            let state = if worker.state == "draining" {
+                WorkerLiveness::Draining
+            } else {
+                WorkerLiveness::Ready
+            };
+            live.workers.insert(
+                worker.id.clone(),
+                LiveWorker {
+                    record: worker,
+                    gpus,
+                    state,
+                    last_heartbeat: Instant::now(),
+                    session: None,
+                },
+            );
+        }
+        live.running = running;
+        Ok(())
+    }
+}

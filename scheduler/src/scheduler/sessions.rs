@@ -1,0 +1,470 @@
+//! Worker sessions: registration, the one session stream a worker holds at a time,
+//! heartbeats, the recheck of the sessions' tokens, fencing of reports by lease epoch
+//! (`current_attempt`), draining, and the dispatch of each message a worker sends.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use carve_core::job_state::JobEvent;
+use carve_proto::v1;
+use tokio::time::Instant;
+
+use crate::auth::{Caller, Role, generate_id};
+use crate::cache::LOOKUP_TIME_TO_LIVE;
+use crate::error::SchedulerError;
+use crate::store::WorkerRecord;
+use crate::worker_session::{LiveSession, SessionHandle};
+
+use super::{
+    LiveWorker, RunningAttempt, Scheduler, SessionSender, WorkerLiveness, now_ms, transition,
+};
+
+impl Scheduler {
+    pub async fn register_worker(
+        &self,
+        caller: &Caller,
+        request: v1::RegisterWorkerRequest,
+    ) -> Result<v1::RegisterWorkerResponse, SchedulerError> {
+        caller.require(&[Role::Worker, Role::Admin])?;
+        if request.hostname.is_empty() {
+            return Err(SchedulerError::InvalidArgument {
+                field: "hostname".into(),
+                reason: "must not be empty".into(),
+            });
+        }
+        for (index, gpu) in request.gpus.iter().enumerate() {
+            if gpu.uuid.is_empty() {
+                return Err(SchedulerError::InvalidArgument {
+                    field: format!("gpus[{index}].uuid"),
+                    reason: "must not be empty".into(),
+                });
+            }
+            if gpu.total_bytes == 0 || gpu.context_bytes >= gpu.total_bytes {
+                return Err(SchedulerError::InvalidArgument {
+                    field: format!("gpus[{index}].total_bytes"),
+                    reason: format!(
+                        "{} total with {} taken by the context leaves nothing for slices",
+                        gpu.total_bytes, gpu.context_bytes
+                    ),
+                });
+            }
+        }
+        // A token resumes only a worker it registered (or one registered before workers
+        // were bound to tokens); any other id it names gets it a new identity, so a
+        // worker token cannot take over another node's attempts.
+        let known = !request.previous_worker_id.is_empty()
+            && self
+                .live()
+                .workers
+                .get(&request.previous_worker_id)
+                .is_some_and(|worker| {
+                    worker.record.token_id.is_empty() || worker.record.token_id == caller.token_id
+                });
+        let worker_id = if known {
+            request.previous_worker_id.clone()
+        } else {
+            generate_id("worker")
+        };
+        let now = now_ms();
+        let record = WorkerRecord {
+            id: worker_id.clone(),
+            hostname: request.hostname.clone(),
+            gpus_json: serde_json::to_string(
+                &request
+                    .gpus
+                    .iter()
+                    .map(GpuJson::from_proto)
+                    .collect::<Vec<_>>(),
+            )
+            .unwrap_or_else(|_| "[]".into()),
+            state: "ready".into(),
+            last_heartbeat_ms: now,
+            registered_at_ms: now,
+            version: request.version.clone(),
+            token_id: caller.token_id.clone(),
+        };
+        self.store.upsert_worker(&record).await?;
+        {
+            let mut live = self.live();
+            let session = live
+                .workers
+                .get_mut(&worker_id)
+                .and_then(|worker| worker.session.take());
+            live.workers.insert(
+                worker_id.clone(),
+                LiveWorker {
+                    record,
+                    gpus: request.gpus,
+                    state: WorkerLiveness::Ready,
+                    last_heartbeat: Instant::now(),
+                    session,
+                },
+            );
+        }
+        let duration = |duration: Duration| prost_types::Duration {
+            seconds: duration.as_secs() as i64,
+            nanos: duration.subsec_nanos() as i32,
+        };
+        Ok(v1::RegisterWorkerResponse {
+            worker_id,
+            heartbeat_interval: Some(duration(self.settings.heartbeat_interval)),
+            lease_duration: Some(duration(self.settings.lease_duration)),
+        })
+    }
+
+    /// Binds a session stream to a registered worker and reconciles what it still runs.
+    /// Only the token that registered the worker may open its session; a worker has one
+    /// session at a time, so a newer one ends the one before.
+    pub async fn open_session(
+        &self,
+        caller: &Caller,
+        worker_id: &str,
+        running_attempts: &[v1::AttemptRef],
+        sender: SessionSender,
+    ) -> Result<SessionHandle, SchedulerError> {
+        caller.require(&[Role::Worker, Role::Admin])?;
+        let handle = {
+            let mut live = self.live();
+            let worker =
+                live.workers
+                    .get_mut(worker_id)
+                    .ok_or_else(|| SchedulerError::NotFound {
+                        what: "worker",
+                        id: worker_id.to_string(),
+                    })?;
+            if worker.record.token_id != caller.token_id {
+                return Err(SchedulerError::PermissionDenied(format!(
+                    "worker {worker_id} was registered with another token; a worker speaks \
+                     only with the token it registered with"
+                )));
+            }
+            if worker.state == WorkerLiveness::Lost {
+                worker.state = WorkerLiveness::Ready;
+            }
+            let id = self.session_ids.fetch_add(1, Ordering::Relaxed);
+            let (session, handle) = LiveSession::open(id, caller.token_id.clone(), sender);
+            // The session before, if any, ends here (dropped: "replaced").
+            worker.session = Some(session);
+            worker.last_heartbeat = Instant::now();
+            handle
+        };
+        // Attempts the worker runs that were reassigned meanwhile are stopped.
+        for attempt in running_attempts {
+            let current = self.live().running.get(&attempt.job_id).cloned();
+            let still_ours = current.is_some_and(|current| {
+                current.worker_id == worker_id && current.lease_epoch == attempt.lease_epoch
+            });
+            if !still_ours {
+                self.send_to_worker(
+                    worker_id,
+                    v1::scheduler_message::Body::Cancel(v1::scheduler_message::Cancel {
+                        attempt: Some(attempt.clone()),
+                        grace_period: Some(prost_types::Duration {
+                            seconds: 0,
+                            nanos: 0,
+                        }),
+                        reason: "the attempt was reassigned while the worker was away".into(),
+                    }),
+                );
+            }
+        }
+        self.wake();
+        Ok(handle)
+    }
+
+    /// Whether `session_id` is the session `worker_id` holds now.
+    fn is_current_session(&self, worker_id: &str, session_id: u64) -> bool {
+        self.live()
+            .workers
+            .get(worker_id)
+            .and_then(|worker| worker.session.as_ref())
+            .is_some_and(|session| session.id == session_id)
+    }
+
+    /// Forgets a session that ended, unless the worker has opened a newer one since.
+    pub fn close_session(&self, worker_id: &str, session_id: u64) {
+        if let Some(worker) = self.live().workers.get_mut(worker_id)
+            && worker
+                .session
+                .as_ref()
+                .is_some_and(|current| current.id == session_id)
+        {
+            worker.session = None;
+        }
+    }
+
+    /// Ends the sessions opened with a token (it was revoked): their workers are
+    /// unschedulable until they come back with a valid token, and lose their attempts
+    /// when their lease runs out.
+    pub(super) fn end_sessions_of_token(&self, token_id: &str, why: &str) {
+        for worker in self.live().workers.values_mut() {
+            if worker
+                .session
+                .as_ref()
+                .is_some_and(|session| session.token_id == token_id)
+                && let Some(session) = worker.session.take()
+            {
+                session.end(SchedulerError::Unauthenticated(why.to_string()));
+            }
+        }
+    }
+
+    /// Ends the sessions whose token was revoked through another replica, or expired,
+    /// since they opened: the token is read again from the store at most every
+    /// [`LOOKUP_TIME_TO_LIVE`], as a call's authentication would. A revoke through this
+    /// scheduler ends them at once (`revoke_token`).
+    pub async fn recheck_session_tokens(&self) -> Result<(), SchedulerError> {
+        {
+            let mut last = self
+                .last_session_token_check
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if last.is_some_and(|last| last.elapsed() < LOOKUP_TIME_TO_LIVE) {
+                return Ok(());
+            }
+            *last = Some(Instant::now());
+        }
+        let mut token_ids: Vec<String> = self
+            .live()
+            .workers
+            .values()
+            .filter_map(|worker| worker.session.as_ref())
+            .map(|session| session.token_id.clone())
+            .collect();
+        token_ids.sort();
+        token_ids.dedup();
+        let now = now_ms();
+        for token_id in token_ids {
+            let token = self.store.get_token(&token_id).await?;
+            let why = if token.revoked {
+                "token rejected: revoked"
+            } else if token.expires_at_ms.is_some_and(|expires| expires <= now) {
+                "token rejected: expired"
+            } else {
+                continue;
+            };
+            self.end_sessions_of_token(&token_id, why);
+        }
+        Ok(())
+    }
+
+    /// A heartbeat on the worker's current session; one on a session that was replaced
+    /// or ended says nothing about the worker.
+    pub fn heartbeat(&self, worker_id: &str, session_id: u64, gpus: &[v1::GpuMemory]) {
+        let mut live = self.live();
+        if let Some(worker) = live.workers.get_mut(worker_id)
+            && worker
+                .session
+                .as_ref()
+                .is_some_and(|session| session.id == session_id)
+        {
+            worker.last_heartbeat = Instant::now();
+            worker.record.last_heartbeat_ms = now_ms();
+            for reported in gpus {
+                if let Some(gpu) = worker
+                    .gpus
+                    .iter_mut()
+                    .find(|gpu| gpu.uuid == reported.gpu_uuid)
+                {
+                    gpu.free_bytes = reported.free_bytes;
+                }
+            }
+        }
+    }
+
+    /// Whether a report about `attempt` comes from the worker that holds it now.
+    pub(super) fn current_attempt(
+        &self,
+        worker_id: &str,
+        attempt: &v1::AttemptRef,
+    ) -> Option<RunningAttempt> {
+        self.live()
+            .running
+            .get(&attempt.job_id)
+            .filter(|running| {
+                running.worker_id == worker_id
+                    && running.attempt_number == attempt.attempt_number
+                    && running.lease_epoch == attempt.lease_epoch
+            })
+            .cloned()
+    }
+
+    /// Handles one message of a worker's session.
+    /// Handles one message of a worker's session; only the session the worker holds now
+    /// may report.
+    pub async fn handle_worker_message(
+        &self,
+        worker_id: &str,
+        session_id: u64,
+        message: v1::WorkerMessage,
+    ) -> Result<(), SchedulerError> {
+        use v1::worker_message::Body;
+        if !self.is_current_session(worker_id, session_id) {
+            return Err(SchedulerError::FailedPrecondition(format!(
+                "this session of worker {worker_id} was replaced or ended; reports go on \
+                 the worker's current session"
+            )));
+        }
+        let Some(body) = message.body else {
+            return Err(SchedulerError::InvalidArgument {
+                field: "body".into(),
+                reason: "a worker message needs a body".into(),
+            });
+        };
+        match body {
+            Body::Hello(_) => Err(SchedulerError::InvalidArgument {
+                field: "body.hello".into(),
+                reason: "hello is only the first message of a session".into(),
+            }),
+            Body::Heartbeat(heartbeat) => {
+                self.heartbeat(worker_id, session_id, &heartbeat.gpus);
+                Ok(())
+            }
+            Body::AttemptStarted(started) => {
+                let attempt = started.attempt.unwrap_or_default();
+                let _guard = self.job_changes.lock().await;
+                if self.current_attempt(worker_id, &attempt).is_none() {
+                    return Err(self.fenced(&attempt));
+                }
+                let mut job = self.store.get_job(&attempt.job_id).await?;
+                if job.state == "placed" {
+                    transition(&mut job, JobEvent::Started)?;
+                    self.update_job(&job).await?;
+                    self.emit_state(&job.id, "placed", "running", "the attempt started");
+                }
+                Ok(())
+            }
+            Body::Progress(progress) => {
+                let attempt = progress.attempt.unwrap_or_default();
+                if self.current_attempt(worker_id, &attempt).is_none() {
+                    return Err(self.fenced(&attempt));
+                }
+                if let Some(peak) = progress
+                    .progress
+                    .as_ref()
+                    .map(|progress| progress.memory_peak_bytes)
+                    && let Some(running) = self.live().running.get_mut(&attempt.job_id)
+                {
+                    running.measured_peak_bytes = running.measured_peak_bytes.max(peak);
+                }
+                self.emit(
+                    &attempt.job_id,
+                    v1::job_event::Event::Progress(v1::job_event::Progress {
+                        attempt_number: attempt.attempt_number,
+                        progress: progress.progress,
+                    }),
+                );
+                Ok(())
+            }
+            Body::Log(line) => {
+                let attempt = line.attempt.unwrap_or_default();
+                if self.current_attempt(worker_id, &attempt).is_some() {
+                    self.emit(
+                        &attempt.job_id,
+                        v1::job_event::Event::Log(v1::job_event::LogLine {
+                            attempt_number: attempt.attempt_number,
+                            level: line.level,
+                            message: line.message,
+                        }),
+                    );
+                }
+                Ok(())
+            }
+            Body::CheckpointWritten(written) => {
+                let attempt = written.attempt.unwrap_or_default();
+                let _guard = self.job_changes.lock().await;
+                if self.current_attempt(worker_id, &attempt).is_none() {
+                    return Err(self.fenced(&attempt));
+                }
+                if let Some(checkpoint) = written.checkpoint {
+                    let mut job = self.store.get_job(&attempt.job_id).await?;
+                    job.checkpoint_location = Some(checkpoint.location);
+                    job.checkpoint_step = checkpoint.step as i64;
+                    self.update_job(&job).await?;
+                }
+                Ok(())
+            }
+            Body::Oom(oom) => self.handle_oom(worker_id, oom).await,
+            Body::AttemptFinished(finished) => self.handle_finished(worker_id, finished).await,
+        }
+    }
+
+    pub(super) fn fenced(&self, attempt: &v1::AttemptRef) -> SchedulerError {
+        SchedulerError::Conflict(format!(
+            "attempt {}/{} (lease epoch {}) is not this worker's any more",
+            attempt.job_id, attempt.attempt_number, attempt.lease_epoch
+        ))
+    }
+
+    pub async fn set_draining(
+        &self,
+        worker_id: &str,
+        draining: bool,
+    ) -> Result<(), SchedulerError> {
+        let state = {
+            let mut live = self.live();
+            let worker =
+                live.workers
+                    .get_mut(worker_id)
+                    .ok_or_else(|| SchedulerError::NotFound {
+                        what: "worker",
+                        id: worker_id.to_string(),
+                    })?;
+            worker.state = if draining {
+                WorkerLiveness::Draining
+            } else {
+                WorkerLiveness::Ready
+            };
+            worker.state
+        };
+        self.store.set_worker_state(worker_id, state.name()).await?;
+        if draining {
+            self.send_to_worker(
+                worker_id,
+                v1::scheduler_message::Body::Drain(v1::scheduler_message::Drain {}),
+            );
+        }
+        self.wake();
+        Ok(())
+    }
+}
+
+/// How a worker's GPUs are kept in the store (JSON, not the wire format).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub(super) struct GpuJson {
+    uuid: String,
+    index: u32,
+    model_name: String,
+    total_bytes: u64,
+    context_bytes: u64,
+    simulated: bool,
+    compute_capability: String,
+}
+
+impl GpuJson {
+    pub(super) fn from_proto(gpu: &v1::Gpu) -> GpuJson {
+        GpuJson {
+            uuid: gpu.uuid.clone(),
+            index: gpu.index,
+            model_name: gpu.model_name.clone(),
+            total_bytes: gpu.total_bytes,
+            context_bytes: gpu.context_bytes,
+            simulated: gpu.simulated,
+            compute_capability: gpu.compute_capability.clone(),
+        }
+    }
+
+    pub(super) fn into_proto(self) -> v1::Gpu {
+        v1::Gpu {
+            uuid: self.uuid,
+            index: self.index,
+            model_name: self.model_name,
+            total_bytes: self.total_bytes,
+            context_bytes: self.context_bytes,
+            free_bytes: self.total_bytes.saturating_sub(self.context_bytes),
+            simulated: self.simulated,
+            slices: Vec::new(),
+            compute_capability: self.compute_capability,
+        }
+    }
+}
