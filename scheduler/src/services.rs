@@ -803,9 +803,17 @@ impl WorkerService for Services {
             .require(&[Role::Worker, Role::Admin])
             .map_err(status)?;
         let mut incoming = request.into_inner();
-        let first = incoming
-            .next()
+        // A worker says hello as soon as the stream is open; one that does not within
+        // the lease would hold a stream, and a handler, open for ever.
+        let lease = self.scheduler.settings.lease_duration;
+        let first = tokio::time::timeout(lease, incoming.next())
             .await
+            .map_err(|_| {
+                invalid(
+                    "body.hello",
+                    format!("a session starts with hello, and none came within {lease:?}"),
+                )
+            })?
             .ok_or_else(|| invalid("body.hello", "a session starts with hello"))??;
         let hello = match first.body {
             Some(v1::worker_message::Body::Hello(hello)) => hello,

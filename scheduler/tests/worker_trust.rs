@@ -118,6 +118,28 @@ async fn a_worker_token_cannot_speak_for_another_worker() {
 }
 
 #[tokio::test]
+async fn a_session_without_hello_is_closed_after_the_lease() {
+    let lease = Duration::from_secs(1);
+    let cluster = start(lease).await;
+    let channel = channel(&cluster).await;
+    let (_, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (outgoing, receiver) = tokio::sync::mpsc::channel::<v1::WorkerMessage>(1);
+    let opened_at = Instant::now();
+    let refused = tokio::time::timeout(
+        Duration::from_secs(10),
+        WorkerServiceClient::new(channel.clone())
+            .session(authorized(ReceiverStream::new(receiver), &worker_token)),
+    )
+    .await
+    .expect("the scheduler answers")
+    .unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert!(refused.message().contains("hello"), "{refused:?}");
+    assert!(opened_at.elapsed() >= lease);
+    drop(outgoing);
+}
+
+#[tokio::test]
 async fn worker_tokens_cannot_estimate_jobs() {
     let cluster = start(Duration::from_secs(30)).await;
     let channel = channel(&cluster).await;
