@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use carve_core::admission::{AdmittedSlice, size_slice_at_admission};
 use carve_core::estimator::{MemoryEstimate, estimate_job};
+use carve_core::job_state::JobState;
 use carve_core::plan::RunConfig;
 use carve_core::scheduling::{GpuState, TenantState, WaitReason, can_ever_fit};
 use carve_core::shrink::{ShrinkDecision, plan_shrink};
@@ -20,7 +21,7 @@ use crate::convert::{config_to_json, estimate_to_json, job_proto_from_parts};
 use crate::error::SchedulerError;
 use crate::store::{JobRecord, TenantRecord, TokenRecord};
 
-use super::{Scheduler, now_ms, spec_error};
+use super::{Scheduler, StateChange, now_ms, spec_error};
 
 /// How many distinct spec texts keep their analysis; specs are resubmitted verbatim
 /// (sweeps, retries, scripts), and a miss only costs one validation and estimate.
@@ -244,7 +245,7 @@ impl Scheduler {
             tenant: caller.tenant.clone(),
             name: job.spec.name.clone(),
             spec_json: spec_json.to_string(),
-            state: "queued".into(),
+            state: JobState::Queued.name().into(),
             priority: i64::from(job.spec.priority),
             submit_sequence: 0,
             idempotency_key: (!idempotency_key.is_empty()).then(|| idempotency_key.to_string()),
@@ -272,7 +273,12 @@ impl Scheduler {
             // another configuration by now: answer with it as stored.
             return Ok((self.job_proto(&outcome.job).await?, false));
         }
-        self.emit_state(&outcome.job.id, "queued", "queued", "submitted");
+        // A new job has no state before: its event goes from queued to queued.
+        let submitted = StateChange {
+            previous: JobState::Queued,
+            next: JobState::Queued,
+        };
+        self.emit_state(&outcome.job.id, submitted, "submitted");
         self.wake();
         // A job created just now has no attempts, and its configuration and estimate
         // are the ones admission computed: no store read, no second estimate.

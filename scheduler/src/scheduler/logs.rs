@@ -10,7 +10,7 @@ use crate::auth::Caller;
 use crate::convert::{job_state_to_proto, timestamp};
 use crate::error::SchedulerError;
 
-use super::{Scheduler, now_ms};
+use super::{Scheduler, StateChange, now_ms};
 
 impl Scheduler {
     /// Sends an event to watchers, and stores the job log line it makes (worker lines,
@@ -47,12 +47,12 @@ impl Scheduler {
         self.logs.flush().await;
     }
 
-    pub(super) fn emit_state(&self, job_id: &str, previous: &str, state: &str, reason: &str) {
+    pub(super) fn emit_state(&self, job_id: &str, change: StateChange, reason: &str) {
         self.emit(
             job_id,
             v1::job_event::Event::StateChanged(v1::job_event::StateChanged {
-                previous_state: job_state_to_proto(previous) as i32,
-                state: job_state_to_proto(state) as i32,
+                previous_state: job_state_to_proto(change.previous.name()) as i32,
+                state: job_state_to_proto(change.next.name()) as i32,
                 reason: reason.to_string(),
             }),
         );

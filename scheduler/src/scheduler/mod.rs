@@ -174,18 +174,27 @@ pub fn now_ms() -> i64 {
         .map_or(0, |elapsed| elapsed.as_millis() as i64)
 }
 
+/// A job's change of state, as its StateChanged event tells it.
+#[derive(Debug, Clone, Copy)]
+struct StateChange {
+    previous: JobState,
+    next: JobState,
+}
+
 /// Moves a job to its next state through core's state machine, the one place that says
-/// which transitions exist; returns the previous state's name.
-fn transition(job: &mut JobRecord, event: JobEvent) -> Result<String, SchedulerError> {
-    let current = JobState::from_name(&job.state).ok_or_else(|| {
+/// which transitions exist. Only the record in memory changes: `Scheduler::move_job`
+/// also stores it and announces it.
+fn transition(job: &mut JobRecord, event: JobEvent) -> Result<StateChange, SchedulerError> {
+    let previous = JobState::from_name(&job.state).ok_or_else(|| {
         SchedulerError::Internal(format!(
             "job {} has an unknown state {:?}",
             job.id, job.state
         ))
     })?;
-    let next = next_state(current, event)
+    let next = next_state(previous, event)
         .map_err(|error| SchedulerError::FailedPrecondition(error.to_string()))?;
-    Ok(std::mem::replace(&mut job.state, next.name().to_string()))
+    job.state = next.name().to_string();
+    Ok(StateChange { previous, next })
 }
 
 /// The spec of a stored job, validated again: it was valid at submit, so an error here
@@ -262,6 +271,22 @@ impl Scheduler {
             Err(_) => self.queue().invalidate(),
         }
         result
+    }
+
+    /// Makes a job's change of state: its transition through core's state machine on
+    /// `event`, the store update (with whatever else the caller changed in `job`), and
+    /// the StateChanged event with `reason`. Called under `job_changes`; nothing is stored
+    /// or sent when the transition does not exist.
+    async fn move_job(
+        &self,
+        job: &mut JobRecord,
+        event: JobEvent,
+        reason: &str,
+    ) -> Result<StateChange, SchedulerError> {
+        let change = transition(job, event)?;
+        self.update_job(job).await?;
+        self.emit_state(&job.id, change, reason);
+        Ok(change)
     }
 
     fn live(&self) -> std::sync::MutexGuard<'_, Live> {

@@ -3,7 +3,7 @@
 //! infrastructure failures with their backoff.
 
 use carve_core::allocator::OutOfMemory;
-use carve_core::job_state::JobEvent;
+use carve_core::job_state::{JobEvent, JobState};
 use carve_core::shrink::{OomObservation, plan_shrink};
 use carve_proto::v1;
 use tokio::time::Instant;
@@ -17,7 +17,7 @@ use crate::store::JobRecord;
 use super::admission::shape_key;
 use super::{
     INFRASTRUCTURE_RETRIES, RunningAttempt, Scheduler, WorkerLiveness, is_terminal, now_ms,
-    spec_error, stored_spec_text, transition,
+    spec_error, stored_spec_text,
 };
 
 impl Scheduler {
@@ -35,15 +35,16 @@ impl Scheduler {
                 job.state
             )));
         }
-        let previous = transition(&mut job, JobEvent::CancelRequested)?;
-        job.message = if reason.is_empty() {
+        let message = if reason.is_empty() {
             format!("cancelled by {}", caller.token_id)
         } else {
             format!("cancelled: {reason}")
         };
+        job.message.clone_from(&message);
         job.finished_at_ms = Some(now_ms());
         job.waiting_reason.clear();
-        self.update_job(&job).await?;
+        self.move_job(&mut job, JobEvent::CancelRequested, &message)
+            .await?;
         // A running attempt keeps its slice until its worker confirms it stopped.
         let running = self.live().running.get(job_id).cloned();
         if let Some(running) = running {
@@ -63,7 +64,6 @@ impl Scheduler {
                 }),
             );
         }
-        self.emit_state(job_id, &previous, "cancelled", &job.message);
         Metrics::count(&self.metrics.jobs_cancelled);
         Ok(job)
     }
@@ -121,7 +121,6 @@ impl Scheduler {
             .iter()
             .filter(|attempt| attempt.outcome == "out_of_memory")
             .count();
-        let previous = job.state.clone();
         let observation = OomObservation {
             report,
             estimated_required_bytes: running.estimate_bytes,
@@ -145,14 +144,9 @@ impl Scheduler {
                 job.estimate_json = estimate_to_json(&decision.estimate);
                 job.required_bytes =
                     running.slice_bytes.max(decision.estimate.required_bytes) as i64;
-                transition(
-                    &mut job,
-                    JobEvent::AttemptOutOfMemory {
-                        retry_allowed: true,
-                    },
-                )?;
                 job.waiting_reason = String::new();
-                self.update_job(&job).await?;
+                // The decision's event comes first: the log tells the shrink, then the
+                // job's return to the queue with it.
                 self.emit(
                     &job.id,
                     v1::job_event::Event::Shrink(carve_proto::convert::shrink_decision_to_proto(
@@ -160,12 +154,14 @@ impl Scheduler {
                         &decision,
                     )),
                 );
-                self.emit_state(
-                    &job.id,
-                    &previous,
-                    "queued",
+                self.move_job(
+                    &mut job,
+                    JobEvent::AttemptOutOfMemory {
+                        retry_allowed: true,
+                    },
                     "out of memory: retrying with a smaller configuration",
-                );
+                )
+                .await?;
                 Metrics::count(&self.metrics.retries);
             }
             outcome => {
@@ -177,17 +173,18 @@ impl Scheduler {
                     ),
                     Ok(_) => "the shrink planner found nothing smaller that fits".to_string(),
                 };
-                transition(
+                let message = format!("out of memory ({report}); {why}");
+                job.message.clone_from(&message);
+                job.finished_at_ms = Some(now);
+                self.move_job(
                     &mut job,
                     JobEvent::AttemptOutOfMemory {
                         retry_allowed: false,
                     },
-                )?;
-                job.message = format!("out of memory ({report}); {why}");
-                job.finished_at_ms = Some(now);
-                self.update_job(&job).await?;
+                    &message,
+                )
+                .await?;
                 Metrics::count(&self.metrics.jobs_failed);
-                self.emit_state(&job.id, &previous, "failed", &job.message);
             }
         }
         self.wake();
@@ -263,7 +260,6 @@ impl Scheduler {
                 "cancelled" => JobEvent::CancelRequested,
                 _ => JobEvent::AttemptFailed,
             };
-            let previous = transition(&mut job, event)?;
             job.finished_at_ms = Some(now);
             if outcome == "failed" {
                 job.message = format!(
@@ -271,13 +267,12 @@ impl Scheduler {
                     attempt.attempt_number, finished.message
                 );
             }
-            self.update_job(&job).await?;
-            Metrics::count(match outcome {
-                "succeeded" => &self.metrics.jobs_succeeded,
-                "cancelled" => &self.metrics.jobs_cancelled,
+            let change = self.move_job(&mut job, event, &finished.message).await?;
+            Metrics::count(match change.next {
+                JobState::Succeeded => &self.metrics.jobs_succeeded,
+                JobState::Cancelled => &self.metrics.jobs_cancelled,
                 _ => &self.metrics.jobs_failed,
             });
-            self.emit_state(&job.id, &previous, outcome, &finished.message);
         }
         self.wake();
         Ok(())
@@ -409,39 +404,38 @@ impl Scheduler {
             .count()
             .max(1);
         if failures > INFRASTRUCTURE_RETRIES {
-            let previous = transition(job, JobEvent::AttemptFailed)?;
-            job.message = format!(
+            let message = format!(
                 "{what_happened}; it was the job's {failures}th infrastructure failure, and \
                  it is retried only {INFRASTRUCTURE_RETRIES} times"
             );
+            job.message.clone_from(&message);
             job.finished_at_ms = Some(now);
-            self.update_job(job).await?;
+            self.move_job(job, JobEvent::AttemptFailed, &message)
+                .await?;
             Metrics::count(&self.metrics.jobs_failed);
-            self.emit_state(&job.id, &previous, "failed", &job.message);
             return Ok(());
         }
         let backoff = self
             .settings
             .infrastructure_retry_backoff
             .saturating_mul(1 << (failures - 1));
-        let previous = transition(job, JobEvent::AttemptLost)?;
         job.waiting_reason = format!(
             "backing off for {backoff:?} after an infrastructure failure ({failures} of \
              {INFRASTRUCTURE_RETRIES} retries)"
         );
-        self.live()
-            .backing_off
-            .insert(job.id.clone(), Instant::now() + backoff);
-        self.update_job(job).await?;
-        self.emit_state(
-            &job.id,
-            &previous,
-            "queued",
+        self.move_job(
+            job,
+            JobEvent::AttemptLost,
             &format!(
                 "{what_happened}; attempt {} resumes from the checkpoint after {backoff:?}",
                 attempt_number + 1
             ),
-        );
+        )
+        .await?;
+        // Under `job_changes`, like every pass: none reads the queue before this is set.
+        self.live()
+            .backing_off
+            .insert(job.id.clone(), Instant::now() + backoff);
         Ok(())
     }
 }

@@ -140,7 +140,8 @@ impl Scheduler {
             // The estimate of the job's configuration is stored with it (admission and
             // OOM shrinks keep it current): nothing is validated or estimated here.
             let estimate_bytes = estimate_from_json(&job.estimate_json, None)?.required_bytes;
-            transition(&mut job, JobEvent::Placed)?;
+            // Not `move_job`: the placed job is stored with its attempt, in one transaction.
+            let change = transition(&mut job, JobEvent::Placed)?;
             job.attempts_count = attempt_number;
             job.waiting_reason.clear();
             let attempt = AttemptRecord {
@@ -201,8 +202,7 @@ impl Scheduler {
             );
             self.emit_state(
                 &job.id,
-                "queued",
-                "placed",
+                change,
                 &format!("placed on {} ({})", placement.gpu_id, placement.worker_id),
             );
             self.emit(

@@ -15,9 +15,7 @@ use crate::error::SchedulerError;
 use crate::store::WorkerRecord;
 use crate::worker_session::{LiveSession, SessionHandle};
 
-use super::{
-    LiveWorker, RunningAttempt, Scheduler, SessionSender, WorkerLiveness, now_ms, transition,
-};
+use super::{LiveWorker, RunningAttempt, Scheduler, SessionSender, WorkerLiveness, now_ms};
 
 impl Scheduler {
     pub async fn register_worker(
@@ -328,9 +326,8 @@ impl Scheduler {
                 }
                 let mut job = self.store.get_job(&attempt.job_id).await?;
                 if job.state == "placed" {
-                    transition(&mut job, JobEvent::Started)?;
-                    self.update_job(&job).await?;
-                    self.emit_state(&job.id, "placed", "running", "the attempt started");
+                    self.move_job(&mut job, JobEvent::Started, "the attempt started")
+                        .await?;
                 }
                 Ok(())
             }
