@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use carve_proto::client::BearerToken;
 use carve_proto::v1;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use hdrhistogram::Histogram;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::BenchError;
@@ -23,7 +23,7 @@ use crate::pacing::PacedSchedule;
 #[derive(Debug)]
 pub struct Submitter {
     clients: Vec<JobServiceClient<Channel>>,
-    authorization: MetadataValue<Ascii>,
+    admin_token: BearerToken,
     next_client: AtomicUsize,
     spec_json: String,
 }
@@ -38,8 +38,7 @@ impl Submitter {
         connections: usize,
         ready_within: Duration,
     ) -> Result<Submitter, BenchError> {
-        let authorization: MetadataValue<Ascii> = format!("Bearer {admin_token}")
-            .parse()
+        let admin_token = BearerToken::new(admin_token)
             .map_err(|_| BenchError::invalid_argument("admin token", "is not ascii"))?;
         let deadline = Instant::now() + ready_within;
         let endpoint = Endpoint::from_shared(format!("http://{address}"))
@@ -62,20 +61,17 @@ impl Submitter {
         }
         let submitter = Submitter {
             clients,
-            authorization,
+            admin_token,
             next_client: AtomicUsize::new(0),
             spec_json: spec_json.to_string(),
         };
         // The listener is bound before the store is opened and recovered; a call is
         // answered only once the services run.
         loop {
-            let mut request = tonic::Request::new(v1::ListJobsRequest {
+            let request = submitter.admin_token.request(v1::ListJobsRequest {
                 page_size: 1,
                 ..Default::default()
             });
-            request
-                .metadata_mut()
-                .insert("authorization", submitter.authorization.clone());
             let remaining = deadline.saturating_duration_since(Instant::now());
             let mut client = submitter.clients[0].clone();
             match tokio::time::timeout(remaining, client.list_jobs(request)).await {
@@ -99,13 +95,10 @@ impl Submitter {
     pub async fn submit(&self, idempotency_key: String) -> Result<v1::Job, String> {
         let index = self.next_client.fetch_add(1, Ordering::Relaxed) % self.clients.len();
         let mut client = self.clients[index].clone();
-        let mut request = tonic::Request::new(v1::SubmitJobRequest {
+        let request = self.admin_token.request(v1::SubmitJobRequest {
             spec_json: self.spec_json.clone(),
             idempotency_key,
         });
-        request
-            .metadata_mut()
-            .insert("authorization", self.authorization.clone());
         match client.submit_job(request).await {
             Ok(response) => response
                 .into_inner()

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use carve_core::validate::parse_job_spec_toml;
+use carve_proto::client::shutdown_signal;
 use carve_proto::v1;
 use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
@@ -107,22 +108,6 @@ pub fn run(arguments: DevArguments) -> Result<ExitCode> {
         .try_init();
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(run_cluster(arguments, gpus, program))
-}
-
-/// SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let mut terminate =
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(signal) => signal,
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            }
-        };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate.recv() => {}
-    }
 }
 
 /// A task running until its stop sender fires.

@@ -40,7 +40,6 @@ use prost::Message;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codec::{Codec, Streaming};
-use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Status};
 
 use crate::MAX_INPUT_BYTES;
@@ -193,12 +192,7 @@ pub fn statistics() -> (u64, u64, u64) {
 }
 
 fn authorized<T>(message: T) -> Request<T> {
-    let mut request = Request::new(message);
-    request.metadata_mut().insert(
-        "authorization",
-        MetadataValue::try_from(format!("Bearer {SECRET}")).expect("an ascii header"),
-    );
-    request
+    carve_proto::client::authorized_request(message, SECRET).expect("a valid token")
 }
 
 pub fn fuzz_request(data: &[u8]) {

@@ -11,7 +11,10 @@
 //! - [`convert`]: conversions between the generated types and carve-core's. Generated
 //!   types stop at the service handlers: core types carry no wire derives, and every
 //!   translation (with its field-named errors) lives here.
+//! - [`client`]: what the programs around the API share: [`client::BearerToken`] (the
+//!   `authorization` metadata, also as an interceptor) and [`client::shutdown_signal`].
 
+pub mod client;
 pub mod convert;
 pub mod status;
 

@@ -152,15 +152,8 @@ async fn main() -> Result<()> {
         .with_context(|| format!("cannot listen on {listen}"))?;
     // The address line is for people and for scripts that started it on port 0.
     eprintln!("carve-scheduler listening on {}", listener.local_addr()?);
-    // SIGTERM is what systemd, Docker and Kubernetes send; both signals drain cleanly.
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("cannot listen for SIGTERM")?;
-    let shutdown = async move {
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = terminate.recv() => {}
-        }
-    };
+    // SIGINT and SIGTERM (what systemd, Docker and Kubernetes send) both drain cleanly.
+    let shutdown = carve_proto::client::shutdown_signal();
     run(
         SchedulerConfig {
             database_url: database,

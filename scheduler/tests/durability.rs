@@ -10,7 +10,6 @@ use std::time::Duration;
 use carve_proto::v1;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use tonic::Request;
-use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
 
 const ADMIN: &str = "carve_durability_admin";
@@ -66,12 +65,7 @@ async fn connect(address: &str) -> Channel {
 }
 
 fn authorized<T>(message: T) -> Request<T> {
-    let mut request = Request::new(message);
-    request.metadata_mut().insert(
-        "authorization",
-        MetadataValue::try_from(format!("Bearer {ADMIN}")).unwrap(),
-    );
-    request
+    carve_proto::client::authorized_request(message, ADMIN).expect("a valid token")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

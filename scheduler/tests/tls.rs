@@ -8,7 +8,6 @@ use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::{SchedulerConfig, TlsIdentity, run};
 use tonic::Request;
-use tonic::metadata::MetadataValue;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
 const ADMIN: &str = "carve_tls_admin";
@@ -51,11 +50,8 @@ async fn clients_that_trust_the_certificate_are_served_over_tls() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut admin = AdminServiceClient::new(channel.expect("a TLS connection"));
-    let mut request = Request::new(v1::ListTenantsRequest {});
-    request.metadata_mut().insert(
-        "authorization",
-        MetadataValue::try_from(format!("Bearer {ADMIN}")).unwrap(),
-    );
+    let request = carve_proto::client::authorized_request(v1::ListTenantsRequest {}, ADMIN)
+        .expect("a valid token");
     let tenants = admin
         .list_tenants(request)
         .await

@@ -153,24 +153,12 @@ fn run(arguments: Arguments) -> Result<()> {
     config.scheduler_ca_certificate_pem = scheduler_ca_certificate_pem;
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
-        run_worker(config, shutdown_signal()).await?;
+        let shutdown = carve_proto::client::shutdown_signal();
+        run_worker(config, async move {
+            shutdown.await;
+            tracing::info!("shutting down");
+        })
+        .await?;
         Ok(())
     })
-}
-
-/// SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let mut terminate =
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(signal) => signal,
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            }
-        };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate.recv() => {}
-    }
-    tracing::info!("shutting down");
 }

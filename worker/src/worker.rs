@@ -17,7 +17,6 @@ use carve_proto::v1::worker_service_client::WorkerServiceClient;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Request;
-use tonic::metadata::MetadataValue;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::attempt_process::{
@@ -334,11 +333,8 @@ async fn find_real_gpus(
 }
 
 fn authorized<T>(message: T, token: &str) -> Result<Request<T>, WorkerError> {
-    let mut request = Request::new(message);
-    let value = MetadataValue::try_from(format!("Bearer {token}"))
-        .map_err(|_| WorkerError::invalid_setting("--token", "is not a valid header value"))?;
-    request.metadata_mut().insert("authorization", value);
-    Ok(request)
+    carve_proto::client::authorized_request(message, token)
+        .map_err(|_| WorkerError::invalid_setting("--token", "is not a valid header value"))
 }
 
 fn proto_duration(duration: Option<prost_types::Duration>) -> Option<Duration> {

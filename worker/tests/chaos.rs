@@ -21,7 +21,6 @@ use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::SchedulerConfig;
 use carve_worker::leftover_processes::process_start_time;
 use tonic::Request;
-use tonic::metadata::MetadataValue;
 use tonic::transport::{Channel, Endpoint};
 
 const ADMIN: &str = "carve_chaos_test_admin_secret";
@@ -288,12 +287,7 @@ fn watch_processes(
 }
 
 fn authorized<T>(message: T, token: &str) -> Request<T> {
-    let mut request = Request::new(message);
-    request.metadata_mut().insert(
-        "authorization",
-        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
-    );
-    request
+    carve_proto::client::authorized_request(message, token).expect("a valid token")
 }
 
 fn job_spec(name: &str, steps: u64) -> String {

@@ -25,7 +25,6 @@ use carve_worker::{StartedAttemptProcess, WorkerConfig, run_worker};
 use std::os::unix::process::CommandExt;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Request;
-use tonic::metadata::MetadataValue;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
 const ADMIN: &str = "carve_worker_test_admin_secret";
@@ -75,12 +74,7 @@ struct Cluster {
 }
 
 fn authorized<T>(message: T, token: &str) -> Request<T> {
-    let mut request = Request::new(message);
-    request.metadata_mut().insert(
-        "authorization",
-        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
-    );
-    request
+    carve_proto::client::authorized_request(message, token).expect("a valid token")
 }
 
 /// Starts the real scheduler on `listener` with its database in `directory`.

@@ -15,7 +15,6 @@ use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use serde::Deserialize;
 use tonic::Request;
-use tonic::metadata::MetadataValue;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use super::failure::{ClientFailure, FailureKind, lower_os_error, status_failure};
@@ -238,17 +237,11 @@ fn deepest_cause(error: &(dyn std::error::Error + 'static)) -> String {
     lower_os_error(&deepest)
 }
 
-/// `message` with `authorization: Bearer <token>` metadata.
+/// `message` with `authorization: Bearer <token>` metadata; a token that cannot be a
+/// header is an authentication failure (its exit code), naming the token.
 pub fn authorized<T>(message: T, token: &str) -> Result<Request<T>> {
-    let mut request = Request::new(message);
-    let value = MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| {
-        ClientFailure::new(
-            FailureKind::Authentication,
-            "token: must be printable ascii without spaces",
-        )
-    })?;
-    request.metadata_mut().insert("authorization", value);
-    Ok(request)
+    carve_proto::client::authorized_request(message, token)
+        .map_err(|error| ClientFailure::new(FailureKind::Authentication, error.to_string()).into())
 }
 
 /// An open, authenticated connection to a scheduler.

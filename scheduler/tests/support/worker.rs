@@ -16,7 +16,6 @@ use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Request;
-use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
 
 /// How long a test waits for a message the scheduler must send.
@@ -27,12 +26,7 @@ const CONTEXT_BYTES: u64 = 256 << 20;
 
 /// `message` with `token` as its bearer token.
 pub fn authorized<T>(message: T, token: &str) -> Request<T> {
-    let mut request = Request::new(message);
-    request.metadata_mut().insert(
-        "authorization",
-        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
-    );
-    request
+    carve_proto::client::authorized_request(message, token).expect("a valid token")
 }
 
 pub struct TestWorker {
