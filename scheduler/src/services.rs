@@ -6,6 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use carve_core::estimator::estimate_job;
+use carve_core::job_state::JobState;
 use carve_core::plan::RunConfig;
 use carve_core::shrink::plan_shrink;
 use carve_proto::ApiError;
@@ -60,15 +61,9 @@ impl Services {
         let queued_jobs = self
             .scheduler
             .store
-            .list_jobs(&JobFilter {
-                tenant: Some(tenant.name.clone()),
-                states: vec!["queued".into()],
-                name_prefix: None,
-                page_size: 1000,
-                page_token: None,
-            })
+            .count_jobs(&tenant.name, JobState::Queued)
             .await
-            .map(|(jobs, _)| jobs.len() as u32)
+            .map(|count| u32::try_from(count).unwrap_or(u32::MAX))
             .unwrap_or(0);
         v1::Tenant {
             name: tenant.name.clone(),

@@ -6,6 +6,7 @@ mod support;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
+use carve_core::job_state::JobState;
 use carve_scheduler::convert::{attempt_to_proto, job_to_proto};
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::store::{
@@ -52,6 +53,7 @@ contract_tests!(
     list_jobs_pages_are_stable_while_jobs_arrive,
     update_job_rewrites_all_but_the_identity,
     jobs_in_states_are_oldest_first,
+    count_jobs_counts_one_tenants_jobs_in_one_state,
     attempts_are_listed_by_number,
     finishing_an_attempt_is_fenced_by_its_lease_epoch,
     record_job_and_attempt_is_atomic,
@@ -960,6 +962,54 @@ async fn jobs_in_states_are_oldest_first(db: &TestDb) {
         store.jobs_in_states(&["queued", "asleep"]).await,
         Err(SchedulerError::InvalidArgument { field, .. }) if field == "states[1]"
     ));
+}
+
+async fn count_jobs_counts_one_tenants_jobs_in_one_state(db: &TestDb) {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    store.create_tenant(&tenant("globex")).await.unwrap();
+    assert_eq!(store.count_jobs("acme", JobState::Queued).await.unwrap(), 0);
+    // More than a listing's largest page, so a count that pages would come up short.
+    let queued: Vec<JobRecord> = (0..1_005)
+        .map(|i| job(&format!("q-{i}"), "acme", "x"))
+        .collect();
+    store.submit_jobs(queued).await.unwrap();
+    let mut others = Vec::new();
+    for (i, (tenant_name, state)) in [
+        ("acme", "running"),
+        ("acme", "succeeded"),
+        ("globex", "queued"),
+        ("globex", "queued"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        others.push(JobRecord {
+            state: state.to_string(),
+            ..job(&format!("o-{i}"), tenant_name, "x")
+        });
+    }
+    store.submit_jobs(others).await.unwrap();
+    assert_eq!(
+        store.count_jobs("acme", JobState::Queued).await.unwrap(),
+        1_005
+    );
+    assert_eq!(
+        store.count_jobs("acme", JobState::Running).await.unwrap(),
+        1
+    );
+    assert_eq!(
+        store.count_jobs("acme", JobState::Cancelled).await.unwrap(),
+        0
+    );
+    assert_eq!(
+        store.count_jobs("globex", JobState::Queued).await.unwrap(),
+        2
+    );
+    assert_eq!(
+        store.count_jobs("nobody", JobState::Queued).await.unwrap(),
+        0
+    );
 }
 
 async fn attempts_are_listed_by_number(db: &TestDb) {

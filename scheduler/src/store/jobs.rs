@@ -4,6 +4,8 @@
 
 use std::collections::HashMap;
 
+use carve_core::job_state::JobState;
+
 use super::records::check_one_of;
 use super::{
     DEFAULT_PAGE_SIZE, JOB_STATES, JobFilter, JobRecord, MAX_PAGE_SIZE, QueueFingerprint,
@@ -502,6 +504,16 @@ impl Store {
         Ok(with_pool!(self, pool => {
             sqlx::query_as(sql).fetch_all(pool).await?
         }))
+    }
+
+    /// How many of `tenant`'s jobs are in `state`, counted by the database (a tenant's
+    /// view shows its queued jobs, which may be far more than a page).
+    pub async fn count_jobs(&self, tenant: &str, state: JobState) -> Result<i64, SchedulerError> {
+        let sql = "SELECT count(*) FROM jobs WHERE tenant = $1 AND state = $2";
+        let (count,): (i64,) = with_pool!(self, pool => {
+            sqlx::query_as(sql).bind(tenant).bind(state.name()).fetch_one(pool).await?
+        });
+        Ok(count)
     }
 
     /// Sets the waiting reason of each `(job id, reason)` whose job is still queued, in
