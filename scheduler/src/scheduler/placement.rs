@@ -6,14 +6,16 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
 use carve_core::job_state::JobEvent;
-use carve_core::scheduling::{GpuState, SchedulingProblem, TenantState, solve};
+use carve_core::scheduling::{
+    GpuState, Placement, SchedulingProblem, TenantState, WaitReason, solve,
+};
 use carve_proto::v1;
 use tokio::time::Instant;
 
 use crate::convert::{attempt_to_proto, config_from_json, estimate_from_json};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
-use crate::store::{AttemptRecord, QueueFingerprint};
+use crate::store::{AttemptRecord, QueueFingerprint, TenantRecord};
 
 use super::{RunningAttempt, Scheduler, now_ms, transition};
 
@@ -53,7 +55,37 @@ impl Scheduler {
         result
     }
 
+    /// The pass itself, under `job_changes`: gather its inputs (skipped when they are the
+    /// last finished pass's), bring the queue's copy up to date, solve, place each
+    /// decision, and write the waiting reasons of the rest.
     async fn schedule_once_locked(&self) -> Result<usize, SchedulerError> {
+        let Some(inputs) = self.pass_inputs().await? else {
+            return Ok(0);
+        };
+        if self.last_pass_inputs().as_ref() == Some(&inputs) {
+            return Ok(0);
+        }
+        self.refresh_queue(&inputs.queue).await?;
+        let decision = solve(&self.scheduling_problem(&inputs));
+        let now = now_ms();
+        let mut placed = 0;
+        for placement in &decision.placements {
+            if self.place(placement, now).await? {
+                placed += 1;
+                Metrics::count(&self.metrics.placements);
+            }
+        }
+        self.write_waiting_reasons(decision.waiting).await?;
+        *self
+            .last_pass_inputs
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(inputs);
+        Ok(placed)
+    }
+
+    /// What this pass would decide from: the queue's fingerprint, the GPUs, the tenants
+    /// with their usage, and the jobs backing off; `None` when nothing is queued.
+    async fn pass_inputs(&self) -> Result<Option<PassInputs>, SchedulerError> {
         // Read before anything else, so that a wake-up during the pass causes another.
         let wake_generation = self.wake_generation.load(Ordering::Acquire);
         let queue = self.store.queue_fingerprint().await?;
@@ -63,13 +95,25 @@ impl Scheduler {
                 // Emptied by someone else (another replica): start again from the store.
                 mirror.invalidate();
             }
-            return Ok(0);
+            return Ok(None);
         }
         let tenants = self.store.list_tenants().await?;
         let mut gpus = self.gpu_states();
         gpus.sort_by(|left, right| {
             (&left.worker_id, &left.gpu_id).cmp(&(&right.worker_id, &right.gpu_id))
         });
+        Ok(Some(PassInputs {
+            wake_generation,
+            queue,
+            gpus,
+            tenants: self.tenant_states(&tenants),
+            backing_off: self.jobs_backing_off(),
+        }))
+    }
+
+    /// Tenants as `solve` sees them, sorted by name: their quotas and weights, and what
+    /// their running attempts hold now.
+    fn tenant_states(&self, tenants: &[TenantRecord]) -> Vec<TenantState> {
         let (usage, running_counts) = {
             let live = self.live();
             let mut usage: HashMap<String, u64> = HashMap::new();
@@ -92,132 +136,135 @@ impl Scheduler {
             })
             .collect();
         tenant_states.sort_by(|left, right| left.tenant.cmp(&right.tenant));
-        let backing_off: Vec<String> = {
-            let mut live = self.live();
-            let now = Instant::now();
-            live.backing_off.retain(|_, until| *until > now);
-            let mut jobs: Vec<String> = live.backing_off.keys().cloned().collect();
-            jobs.sort();
-            jobs
-        };
-        let inputs = PassInputs {
-            wake_generation,
-            queue,
-            gpus: gpus.clone(),
-            tenants: tenant_states.clone(),
-            backing_off: backing_off.clone(),
-        };
-        if self.last_pass_inputs().as_ref() == Some(&inputs) {
-            return Ok(0);
-        }
-        self.refresh_queue(&queue).await?;
-        let problem = SchedulingProblem {
-            gpus,
-            tenants: tenant_states,
+        tenant_states
+    }
+
+    /// Queued jobs still backing off after an infrastructure failure, sorted; those whose
+    /// backoff ended are forgotten here.
+    fn jobs_backing_off(&self) -> Vec<String> {
+        let mut live = self.live();
+        let now = Instant::now();
+        live.backing_off.retain(|_, until| *until > now);
+        let mut jobs: Vec<String> = live.backing_off.keys().cloned().collect();
+        jobs.sort();
+        jobs
+    }
+
+    /// The problem `solve` is given: the pass's inputs and the queued jobs of its copy of
+    /// the queue, less those backing off.
+    fn scheduling_problem(&self, inputs: &PassInputs) -> SchedulingProblem {
+        SchedulingProblem {
+            gpus: inputs.gpus.clone(),
+            tenants: inputs.tenants.clone(),
             pending: self
                 .queue()
                 .pending_jobs()
                 .into_iter()
-                .filter(|job| backing_off.binary_search(&job.job_id).is_err())
+                .filter(|job| inputs.backing_off.binary_search(&job.job_id).is_err())
                 .collect(),
+        }
+    }
+
+    /// Places one of the pass's decisions: the job becomes placed with its new attempt
+    /// (stored together), its slice is held, and its worker is sent the assignment.
+    /// False when the job left the queue since the pass's copy was read.
+    async fn place(&self, placement: &Placement, now: i64) -> Result<bool, SchedulerError> {
+        if !self.queue().contains(&placement.job_id) {
+            return Ok(false);
+        }
+        // Only placed jobs need their whole record (spec, config, checkpoint).
+        let mut job = self.store.get_job(&placement.job_id).await?;
+        if job.state != "queued" {
+            self.queue().remove(&job.id);
+            return Ok(false);
+        }
+        let attempt_number = job.attempts_count + 1;
+        let config = config_from_json(&job.config_json)?;
+        // The estimate of the job's configuration is stored with it (admission and
+        // OOM shrinks keep it current): nothing is validated or estimated here.
+        let estimate_bytes = estimate_from_json(&job.estimate_json, None)?.required_bytes;
+        // Not `move_job`: the placed job is stored with its attempt, in one transaction.
+        let change = transition(&mut job, JobEvent::Placed)?;
+        job.attempts_count = attempt_number;
+        job.waiting_reason.clear();
+        let attempt = AttemptRecord {
+            job_id: job.id.clone(),
+            attempt_number,
+            config_json: job.config_json.clone(),
+            estimate_bytes: estimate_bytes as i64,
+            slice_bytes: placement.slice_bytes as i64,
+            worker_id: placement.worker_id.clone(),
+            gpu_id: placement.gpu_id.clone(),
+            lease_epoch: attempt_number,
+            outcome: "running".into(),
+            measured_peak_bytes: None,
+            oom_json: None,
+            message: String::new(),
+            resumed_from: job.checkpoint_location.clone(),
+            resumed_from_step: job.checkpoint_step,
+            started_at_ms: now,
+            finished_at_ms: None,
         };
-        let decision = solve(&problem);
-        drop(problem);
-        let now = now_ms();
-        let mut placed = 0;
-        for placement in &decision.placements {
-            if !self.queue().contains(&placement.job_id) {
-                continue;
-            }
-            // Only placed jobs need their whole record (spec, config, checkpoint).
-            let mut job = self.store.get_job(&placement.job_id).await?;
-            if job.state != "queued" {
-                self.queue().remove(&job.id);
-                continue;
-            }
-            let attempt_number = job.attempts_count + 1;
-            let config = config_from_json(&job.config_json)?;
-            // The estimate of the job's configuration is stored with it (admission and
-            // OOM shrinks keep it current): nothing is validated or estimated here.
-            let estimate_bytes = estimate_from_json(&job.estimate_json, None)?.required_bytes;
-            // Not `move_job`: the placed job is stored with its attempt, in one transaction.
-            let change = transition(&mut job, JobEvent::Placed)?;
-            job.attempts_count = attempt_number;
-            job.waiting_reason.clear();
-            let attempt = AttemptRecord {
-                job_id: job.id.clone(),
-                attempt_number,
-                config_json: job.config_json.clone(),
-                estimate_bytes: estimate_bytes as i64,
-                slice_bytes: placement.slice_bytes as i64,
+        self.store.record_job_and_attempt(&job, &attempt).await?;
+        self.queue().remove(&job.id);
+        self.live().running.insert(
+            job.id.clone(),
+            RunningAttempt {
+                attempt_number: attempt_number as u32,
+                lease_epoch: attempt_number as u64,
                 worker_id: placement.worker_id.clone(),
                 gpu_id: placement.gpu_id.clone(),
-                lease_epoch: attempt_number,
-                outcome: "running".into(),
-                measured_peak_bytes: None,
-                oom_json: None,
-                message: String::new(),
-                resumed_from: job.checkpoint_location.clone(),
-                resumed_from_step: job.checkpoint_step,
-                started_at_ms: now,
-                finished_at_ms: None,
-            };
-            self.store.record_job_and_attempt(&job, &attempt).await?;
-            self.queue().remove(&job.id);
-            self.live().running.insert(
-                job.id.clone(),
-                RunningAttempt {
+                slice_bytes: placement.slice_bytes,
+                tenant: job.tenant.clone(),
+                estimate_bytes,
+                measured_peak_bytes: 0,
+            },
+        );
+        let checkpoint_location = format!("{}/{}.ckpt", self.settings.checkpoint_directory, job.id);
+        self.send_to_worker(
+            &placement.worker_id,
+            v1::scheduler_message::Body::Assignment(v1::scheduler_message::Assignment {
+                attempt: Some(v1::AttemptRef {
+                    job_id: job.id.clone(),
                     attempt_number: attempt_number as u32,
                     lease_epoch: attempt_number as u64,
-                    worker_id: placement.worker_id.clone(),
-                    gpu_id: placement.gpu_id.clone(),
-                    slice_bytes: placement.slice_bytes,
-                    tenant: job.tenant.clone(),
-                    estimate_bytes,
-                    measured_peak_bytes: 0,
-                },
-            );
-            let checkpoint_location =
-                format!("{}/{}.ckpt", self.settings.checkpoint_directory, job.id);
-            self.send_to_worker(
-                &placement.worker_id,
-                v1::scheduler_message::Body::Assignment(v1::scheduler_message::Assignment {
-                    attempt: Some(v1::AttemptRef {
-                        job_id: job.id.clone(),
-                        attempt_number: attempt_number as u32,
-                        lease_epoch: attempt_number as u64,
-                    }),
-                    spec_json: job.spec_json.clone(),
-                    config: Some(config.into()),
-                    gpu_uuid: placement.gpu_id.clone(),
-                    slice_bytes: placement.slice_bytes,
-                    resume_from: Some(v1::Checkpoint {
-                        step: job.checkpoint_step.max(0) as u64,
-                        location: job
-                            .checkpoint_location
-                            .clone()
-                            .unwrap_or(checkpoint_location),
-                    }),
                 }),
-            );
-            self.emit_state(
-                &job.id,
-                change,
-                &format!("placed on {} ({})", placement.gpu_id, placement.worker_id),
-            );
-            self.emit(
-                &job.id,
-                v1::job_event::Event::AttemptStarted(attempt_to_proto(&attempt)),
-            );
-            placed += 1;
-            Metrics::count(&self.metrics.placements);
-        }
+                spec_json: job.spec_json.clone(),
+                config: Some(config.into()),
+                gpu_uuid: placement.gpu_id.clone(),
+                slice_bytes: placement.slice_bytes,
+                resume_from: Some(v1::Checkpoint {
+                    step: job.checkpoint_step.max(0) as u64,
+                    location: job
+                        .checkpoint_location
+                        .clone()
+                        .unwrap_or(checkpoint_location),
+                }),
+            }),
+        );
+        self.emit_state(
+            &job.id,
+            change,
+            &format!("placed on {} ({})", placement.gpu_id, placement.worker_id),
+        );
+        self.emit(
+            &job.id,
+            v1::job_event::Event::AttemptStarted(attempt_to_proto(&attempt)),
+        );
+        Ok(true)
+    }
+
+    /// Stores the waiting reasons that changed since the last pass, grouped by reason.
+    async fn write_waiting_reasons(
+        &self,
+        waiting: Vec<(String, WaitReason)>,
+    ) -> Result<(), SchedulerError> {
         // Reasons are compared as values first: most are what the last pass said, and
         // are not formatted again.
         let changed_reasons: Vec<(String, String)> = {
             let mut mirror = self.queue();
             let mut changed = Vec::new();
-            for (job_id, reason) in decision.waiting {
+            for (job_id, reason) in waiting {
                 let Some(job) = mirror.get_mut(&job_id) else {
                     continue;
                 };
@@ -234,11 +281,7 @@ impl Scheduler {
             changed
         };
         self.store.set_waiting_reasons(&changed_reasons).await?;
-        *self
-            .last_pass_inputs
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(inputs);
-        Ok(placed)
+        Ok(())
     }
 
     /// Brings the pass's copy of the queue up to the store's, as `fingerprint` (read
