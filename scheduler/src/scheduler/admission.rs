@@ -35,7 +35,7 @@ const ANALYSED_SPEC_MAX_BYTES: usize = 64 * 1024;
 /// text alone (validation, the configuration it asks for, the estimate and the shape
 /// key are pure functions of it), so a spec submitted again reuses it.
 #[derive(Debug)]
-pub(super) struct AnalysedSpec {
+struct AnalysedSpec {
     job: ValidatedJob,
     config: RunConfig,
     estimate: MemoryEstimate,
@@ -49,14 +49,14 @@ pub(super) struct AnalysedSpec {
 #[derive(Debug)]
 pub(super) struct Lookups {
     /// By secret hash: invalidated by `Scheduler::revoke_token`.
-    pub(super) tokens: ShortLivedCache<Vec<u8>, TokenRecord>,
+    tokens: ShortLivedCache<Vec<u8>, TokenRecord>,
     /// By name: invalidated by `Scheduler::set_quota`.
-    pub(super) tenants: ShortLivedCache<String, TenantRecord>,
+    tenants: ShortLivedCache<String, TenantRecord>,
     /// By shape key (`None`: nothing measured yet): invalidated when this scheduler
     /// records a measured peak of that shape.
     pub(super) peak_corrections: ShortLivedCache<String, Option<f64>>,
     /// By the spec's exact text.
-    pub(super) specs: BoundedCache<String, Arc<AnalysedSpec>>,
+    specs: BoundedCache<String, Arc<AnalysedSpec>>,
 }
 
 impl Lookups {

@@ -5,7 +5,9 @@
 //! sessions, heartbeats, attempts running now), rebuilt from the store at start, and the
 //! pass's copy of the queue (`queue`), read from the store by the first pass. Every
 //! change of a job's state happens under one async lock (`job_changes`), so a cancel, a
-//! worker report and a scheduling pass never interleave on the same job.
+//! worker report and a scheduling pass never interleave on the same job, and goes
+//! through `move_job` (core's state machine, the store update and the event together;
+//! placement alone stores the job with its new attempt and announces it itself).
 //!
 //! One file per concern, each adding to `impl Scheduler`: `admission` (submit and its
 //! lookups), `sessions` (workers and their reports), `outcomes` (how attempts and jobs

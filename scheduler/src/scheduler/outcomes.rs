@@ -21,6 +21,8 @@ use super::{
 };
 
 impl Scheduler {
+    /// Cancels a job the caller may see that has not ended: it is cancelled at once, and
+    /// a running attempt is asked to stop (its slice is freed when its worker confirms).
     pub async fn cancel(
         &self,
         caller: &Caller,

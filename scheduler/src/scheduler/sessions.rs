@@ -287,7 +287,6 @@ impl Scheduler {
             .cloned()
     }
 
-    /// Handles one message of a worker's session.
     /// Handles one message of a worker's session; only the session the worker holds now
     /// may report.
     pub async fn handle_worker_message(
@@ -439,7 +438,7 @@ pub(super) struct GpuJson {
 }
 
 impl GpuJson {
-    pub(super) fn from_proto(gpu: &v1::Gpu) -> GpuJson {
+    fn from_proto(gpu: &v1::Gpu) -> GpuJson {
         GpuJson {
             uuid: gpu.uuid.clone(),
             index: gpu.index,
