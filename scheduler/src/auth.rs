@@ -104,7 +104,7 @@ pub async fn authenticate(
     now_ms: i64,
 ) -> Result<Caller, SchedulerError> {
     let header = metadata
-        .get("authorization")
+        .get(carve_proto::client::AUTHORIZATION_METADATA_KEY)
         .ok_or_else(|| {
             SchedulerError::Unauthenticated("missing authorization metadata (bearer token)".into())
         })?
