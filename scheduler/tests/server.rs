@@ -20,7 +20,7 @@ use test_worker::{TestWorker, authorized};
 #[path = "support/cluster.rs"]
 mod cluster;
 use cluster::{
-    ADMIN, JOB, channel, get, scrape, start, submit, tenant_with_tokens, wait_for_state,
+    ADMIN, JOB, channel, get, scrape, start, submit, tenant_with_tokens, wait_for_state, watch,
 };
 
 #[tokio::test]
@@ -33,17 +33,7 @@ async fn a_job_goes_from_submit_to_success_and_watch_sees_every_state() {
     assert!(submitted.created);
     let job = submitted.job.unwrap();
     assert!(job.estimate.as_ref().unwrap().peak_bytes > 0);
-    let mut watch = JobServiceClient::new(channel.clone())
-        .watch_job(authorized(
-            v1::WatchJobRequest {
-                job_id: job.id.clone(),
-                include_logs: false,
-            },
-            &user,
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = watch(&channel, &user, &job.id).await;
 
     let assignment = worker.next_assignment().await;
     let attempt = assignment.attempt.clone().unwrap();
@@ -804,17 +794,7 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
     let (other_user, _) = tenant_with_tokens(&channel, "bob", v1::Quota::default()).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let mut watch = JobServiceClient::new(channel.clone())
-        .watch_job(authorized(
-            v1::WatchJobRequest {
-                job_id: job.id.clone(),
-                include_logs: false,
-            },
-            &user,
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = watch(&channel, &user, &job.id).await;
     let assignment = worker.next_assignment().await;
     let attempt = assignment.attempt.clone().unwrap();
     worker

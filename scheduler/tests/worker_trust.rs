@@ -27,6 +27,7 @@ use test_worker::{TestWorker, authorized};
 mod cluster;
 use cluster::{
     ADMIN, JOB, channel, create_token, get, start, submit, tenant_with_tokens, wait_for_state,
+    watch,
 };
 
 /// A new token of `role` for `tenant`: its id (to revoke it) and its secret.
@@ -216,17 +217,7 @@ async fn revoking_a_token_ends_the_worker_sessions_and_watches_opened_with_it() 
     let queued = get(&channel, &user, &job.id).await.unwrap();
     assert_eq!(queued.state, v1::JobState::Queued as i32);
 
-    let mut watch = JobServiceClient::new(channel.clone())
-        .watch_job(authorized(
-            v1::WatchJobRequest {
-                job_id: job.id.clone(),
-                include_logs: false,
-            },
-            &user,
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = watch(&channel, &user, &job.id).await;
     // The first event is the job's current state.
     watch.next().await.unwrap().unwrap();
     revoke(&channel, &user_token_id).await;

@@ -127,6 +127,15 @@ struct Live {
     backing_off: HashMap<String, Instant>,
 }
 
+impl Live {
+    /// The live worker with this id, or `NotFound`.
+    fn worker_mut(&mut self, worker_id: &str) -> Result<&mut LiveWorker, SchedulerError> {
+        self.workers
+            .get_mut(worker_id)
+            .ok_or_else(|| SchedulerError::not_found("worker", worker_id))
+    }
+}
+
 /// Infrastructure failures (lost worker, interrupted process) a job is retried after;
 /// one more fails it.
 pub const INFRASTRUCTURE_RETRIES: usize = 3;

@@ -123,13 +123,7 @@ impl Scheduler {
         caller.require(&[Role::Worker, Role::Admin])?;
         let handle = {
             let mut live = self.live();
-            let worker =
-                live.workers
-                    .get_mut(worker_id)
-                    .ok_or_else(|| SchedulerError::NotFound {
-                        what: "worker",
-                        id: worker_id.to_string(),
-                    })?;
+            let worker = live.worker_mut(worker_id)?;
             if worker.record.token_id != caller.token_id {
                 return Err(SchedulerError::PermissionDenied(format!(
                     "worker {worker_id} was registered with another token; a worker speaks \
@@ -399,13 +393,7 @@ impl Scheduler {
     ) -> Result<(), SchedulerError> {
         let state = {
             let mut live = self.live();
-            let worker =
-                live.workers
-                    .get_mut(worker_id)
-                    .ok_or_else(|| SchedulerError::NotFound {
-                        what: "worker",
-                        id: worker_id.to_string(),
-                    })?;
+            let worker = live.worker_mut(worker_id)?;
             worker.state = if draining {
                 WorkerLiveness::Draining
             } else {

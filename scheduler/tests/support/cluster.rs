@@ -203,3 +203,18 @@ pub async fn wait_for_state(
     }
     panic!("job {job_id} never reached {state:?}");
 }
+
+/// The events of a job, its current state first, as `token` watches it (without logs).
+pub async fn watch(channel: &Channel, token: &str, job_id: &str) -> tonic::Streaming<v1::JobEvent> {
+    JobServiceClient::new(channel.clone())
+        .watch_job(authorized(
+            v1::WatchJobRequest {
+                job_id: job_id.into(),
+                include_logs: false,
+            },
+            token,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+}
