@@ -16,11 +16,16 @@
 //! | `actual_peak_bytes` | no       | the job's true need when the estimator does not see all of it |
 //!
 //! A row names its model with `spec` or `model` (not both) or with neither, and then it
-//! must give `actual_peak_bytes`. Values cannot contain commas (no quoting). Errors name
-//! the row (the line number in the text, the header being row 1) and the column.
+//! must give `actual_peak_bytes`. A value may be quoted as a spreadsheet writes it
+//! (`"team a, west"`, a quote inside doubled), so it can hold a comma; it cannot span
+//! lines. The `csv` crate splits the fields; this module keeps the trace's own line
+//! rules (comments, blank lines, surrounding spaces). Errors name the row (the line
+//! number in the text, the header being row 1) and the column.
 
 use std::collections::BTreeSet;
 use std::fmt;
+
+use csv::StringRecord;
 
 use crate::bytes::parse_byte_size;
 use crate::error::{CoreError, FieldError};
@@ -102,19 +107,22 @@ pub(crate) fn cell_error(row: usize, column: &str, reason: impl Into<String>) ->
 
 /// Parses a trace. Rows need not be sorted by submit time.
 pub fn parse_trace(text: &str) -> Result<Trace, CoreError> {
-    let mut lines = text
-        .lines()
-        .enumerate()
-        .map(|(index, line)| (index + 1, line.trim()))
-        .filter(|(_, line)| !line.is_empty() && !line.starts_with('#'));
-    let Some((header_row, header)) = lines.next() else {
+    let mut records = read_records(text)?.into_iter();
+    let Some((header_row, header)) = records.next() else {
         return Err(cell_error(
             1,
             "",
             "the trace is empty: expected a header row",
         ));
     };
-    let columns: Vec<&str> = header.split(',').map(str::trim).collect();
+    if header.iter().any(|column| column.contains('\n')) {
+        return Err(cell_error(
+            header_row,
+            "",
+            "a column name cannot span lines (a line break inside quotes)",
+        ));
+    }
+    let columns: Vec<&str> = header.iter().map(str::trim).collect();
     let mut seen = BTreeSet::new();
     for column in &columns {
         if !TRACE_COLUMNS.contains(column) {
@@ -146,8 +154,8 @@ pub fn parse_trace(text: &str) -> Result<Trace, CoreError> {
         ));
     }
     let mut rows = Vec::new();
-    for (row, line) in lines {
-        let cells: Vec<&str> = line.split(',').map(str::trim).collect();
+    for (row, record) in records {
+        let cells: Vec<&str> = record.iter().map(str::trim).collect();
         if cells.len() != columns.len() {
             return Err(cell_error(
                 row,
@@ -157,6 +165,14 @@ pub fn parse_trace(text: &str) -> Result<Trace, CoreError> {
                     cells.len(),
                     columns.len()
                 ),
+            ));
+        }
+        // Checked before trimming, which would hide a line break at either end.
+        if let Some(index) = record.iter().position(|value| value.contains('\n')) {
+            return Err(cell_error(
+                row,
+                columns[index],
+                "a value cannot span lines (a line break inside quotes)",
             ));
         }
         let cell = |name: &str| -> Option<&str> {
@@ -227,6 +243,66 @@ pub fn parse_trace(text: &str) -> Result<Trace, CoreError> {
         });
     }
     Ok(Trace { rows })
+}
+
+/// The trace's records with the line each starts on, header first, comment and blank
+/// lines left out.
+///
+/// The trace's own rule is by line: a line that is empty or starts with `#` once its
+/// spaces are trimmed is skipped. The `csv` crate only skips a `#` in the first column
+/// and lines with nothing on them, so such lines are emptied first (keeping their line
+/// breaks, so the line numbers stay those of the text). A quoted value that spans lines
+/// is refused by the caller, so emptying a line never changes a row that is accepted.
+/// Only `\n` ends a record, as for [`str::lines`]: a `\r` before it is trimmed with the
+/// value.
+fn read_records(text: &str) -> Result<Vec<(usize, StringRecord)>, CoreError> {
+    let csv_text: String = text
+        .split_inclusive('\n')
+        .map(|line| {
+            let content = line.trim();
+            if content.is_empty() || content.starts_with('#') {
+                if line.ends_with('\n') { "\n" } else { "" }
+            } else {
+                line
+            }
+        })
+        .collect();
+    let mut reader = csv::ReaderBuilder::new()
+        .has_headers(false)
+        .flexible(true)
+        .terminator(csv::Terminator::Any(b'\n'))
+        .from_reader(csv_text.as_bytes());
+    let line_of = |position: Option<&csv::Position>| {
+        position.map_or(1, |position| first_line_of_record(&csv_text, position))
+    };
+    reader
+        .records()
+        .map(|record| match record {
+            Ok(record) => Ok((line_of(record.position()), record)),
+            // Unreachable from a `&str` with `flexible` (the fields are cut at ASCII
+            // bytes, so they stay UTF-8), but named like every other error if it comes.
+            Err(error) => Err(cell_error(
+                line_of(error.position()),
+                "",
+                format!("is not valid CSV: {error}"),
+            )),
+        })
+        .collect()
+}
+
+/// The line a record starts on. The reader gives the position where it began to read the
+/// record, which is before the empty lines it skipped on the way.
+fn first_line_of_record(csv_text: &str, position: &csv::Position) -> usize {
+    let skipped_lines = csv_text
+        .as_bytes()
+        .get(usize::try_from(position.byte()).unwrap_or(usize::MAX)..)
+        .unwrap_or_default()
+        .iter()
+        .take_while(|byte| **byte == b'\n')
+        .count();
+    usize::try_from(position.line())
+        .unwrap_or(usize::MAX)
+        .saturating_add(skipped_lines)
 }
 
 fn parse_seconds(row: usize, column: &str, text: &str) -> Result<f64, CoreError> {
@@ -440,6 +516,18 @@ mod tests {
             ),
             (format!("{HEADER}\n0,5,a,1,1GiB"), "row 2: has 5 values"),
             (
+                format!("{HEADER}\n0,5,\"a\nb\",1,1GiB,,1GiB"),
+                "row 2 column tenant: a value cannot span lines",
+            ),
+            (
+                format!("{HEADER}\n# a comment\n0,5,a,1,1GiB,,\"1GiB\n\""),
+                "row 3 column actual_peak_bytes: a value cannot span lines",
+            ),
+            (
+                "submit_time_s,\"duration_s\n\",tenant\n".to_string(),
+                "row 1: a column name cannot span lines",
+            ),
+            (
                 format!("{HEADER},spec\n0,5,a,1,1GiB,cnn:width=1:depth=1:batch=1:image=1,,x.toml"),
                 "row 2 column model: a row names",
             ),
@@ -460,6 +548,52 @@ mod tests {
                 "{message:?} should start with {expected:?}"
             );
         }
+    }
+
+    #[test]
+    fn reads_quoted_values_as_a_spreadsheet_writes_them() {
+        // What a spreadsheet saves: CRLF line ends, a value with a comma in quotes, a
+        // quote inside a quoted value doubled, and quotes around a value that needs none.
+        let trace = format!(
+            "{HEADER}\r\n0,60,\"team a, west\",1,16GiB,,2GiB\r\n1,30,\"say \"\"hi\"\"\",\"1\",\"4GiB\",\"cnn:width=8:depth=2:batch=4:image=8\",\r\n"
+        );
+        let parsed = parse_trace(&trace).unwrap();
+        assert_eq!(parsed.rows.len(), 2);
+        assert_eq!(parsed.rows[0].row, 2);
+        assert_eq!(parsed.rows[0].tenant, "team a, west");
+        assert_eq!(parsed.rows[0].actual_peak_bytes, Some(2 << 30));
+        assert_eq!(parsed.rows[1].row, 3);
+        assert_eq!(parsed.rows[1].tenant, "say \"hi\"");
+        assert_eq!(parsed.rows[1].requested_bytes, 4 << 30);
+        assert!(matches!(parsed.rows[1].model, ModelSource::Family(_)));
+        // A quoted comma is one value: the row has as many values as the header.
+        let unquoted = format!("{HEADER}\n0,60,team a, west,1,16GiB,,2GiB\n");
+        assert!(error_text(&unquoted).starts_with("row 2: has 8 values"));
+    }
+
+    #[test]
+    fn comments_and_blank_lines_keep_the_row_numbers_of_the_text() {
+        // Indented comments, lines of spaces and a comment with an unmatched quote are
+        // skipped as lines, before any quote could join them to the rows below.
+        let trace = format!(
+            "\n  # an indented comment\n{HEADER}\n   \n# a comment, \"with an open quote\n\t# tab, \"too\n0,60,a,1,1GiB,,1GiB\n\n\n5,60,\"b\",1,1GiB,,1GiB"
+        );
+        let parsed = parse_trace(&trace).unwrap();
+        let rows: Vec<(usize, &str)> = parsed
+            .rows
+            .iter()
+            .map(|row| (row.row, row.tenant.as_str()))
+            .collect();
+        assert_eq!(rows, vec![(7, "a"), (10, "b")]);
+        let error = error_text(&format!(
+            "\n\n# c\n{HEADER}\n\n0,60,a,1,1GiB,,1GiB\n\n0,60,a,3,1GiB,,1GiB\n"
+        ));
+        assert!(error.starts_with("row 8 column gpus: 3 GPUs"), "{error}");
+        let error = error_text("\n# only comments\n  \n\"submit_time_s\",colour\n");
+        assert!(
+            error.starts_with("row 4 column colour: unknown column"),
+            "{error}"
+        );
     }
 
     #[test]
