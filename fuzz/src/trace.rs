@@ -37,7 +37,10 @@ pub const TRACE_DICTIONARY: &[&[u8]] = &[
     b"mnist-cnn.toml",
     b",",
     b"\n",
+    b"\r\n",
     b"#",
+    b"\"",
+    b"\"\"",
 ];
 
 /// The job file every `spec` cell is given (the CLI would read the named file).
