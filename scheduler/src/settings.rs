@@ -1,0 +1,533 @@
+//! The `carve-scheduler` binary's settings (a module of `main.rs`, not of the library):
+//! every setting has a flag, a `CARVE_*` environment variable (both read by clap, so
+//! `--help` lists them) and a key of the `--config` TOML file, and takes the first of
+//! flag, variable, file and default that gives it. [`resolve`] is that rule, written
+//! once; [`Settings::load`] then reads the files the settings name.
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use carve_scheduler::scheduler::SchedulerSettings;
+use carve_scheduler::server::{SchedulerConfig, TlsIdentity};
+use clap::Parser;
+use serde::Deserialize;
+
+/// Where the scheduler listens when nothing says otherwise.
+const DEFAULT_LISTEN: &str = "127.0.0.1:7470";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "carve-scheduler",
+    version,
+    about = "The Carve scheduler (gRPC)",
+    after_help = "Each setting comes from its flag, else its environment variable, else the \
+                  --config file's key of the same name (listen, lease_seconds, ...), else \
+                  its default."
+)]
+pub struct Arguments {
+    /// A TOML file with the same settings, keyed by the flags' names with underscores
+    /// (listen, database, lease_seconds, scheduling_interval_ms, ...).
+    #[arg(long, env = "CARVE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// The admin token to accept (the secret itself). Prefer the environment variable or
+    /// --admin-token-file: other users of the machine can read a command line. An admin
+    /// token file, given any way, wins over this.
+    #[arg(long, env = "CARVE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    #[command(flatten)]
+    pub given: GivenSettings,
+}
+
+/// The settings as one source gives them: the flags and environment (clap merges those
+/// two, the flag first) or the config file. `None` where that source is silent.
+#[derive(Debug, Default, Clone, PartialEq, clap::Args, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GivenSettings {
+    /// Address to listen on [default: 127.0.0.1:7470].
+    #[arg(long, env = "CARVE_LISTEN")]
+    pub listen: Option<String>,
+    /// Database: sqlite:///path/carve.db (default: in the user's data directory) or postgres://...
+    #[arg(long, env = "CARVE_DATABASE_URL", hide_env_values = true)]
+    pub database: Option<String>,
+    /// A file holding the admin token to accept. Without one (or --admin-token), a first
+    /// start on SQLite generates one into `admin-token` next to the database (mode 0600).
+    #[arg(long, env = "CARVE_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+    /// Seconds without a heartbeat after which a worker loses its attempts [default: 30].
+    #[arg(long, env = "CARVE_LEASE_SECONDS")]
+    pub lease_seconds: Option<u64>,
+    /// Seconds between worker heartbeats [default: 5].
+    #[arg(long, env = "CARVE_HEARTBEAT_SECONDS")]
+    pub heartbeat_seconds: Option<u64>,
+    /// Milliseconds between scheduling passes when nothing (a submit, a report) starts one
+    /// sooner, and at most the heartbeat interval; at least 1 [default: 2000].
+    #[arg(long, env = "CARVE_SCHEDULING_INTERVAL_MS")]
+    pub scheduling_interval_ms: Option<u64>,
+    /// Directory (on the workers) for checkpoints [default: checkpoints].
+    #[arg(long, env = "CARVE_CHECKPOINT_DIR")]
+    pub checkpoint_dir: Option<String>,
+    /// Serve Prometheus metrics at http://ADDRESS/metrics.
+    #[arg(long, env = "CARVE_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Serve gRPC over TLS with this certificate chain (PEM); needs --tls-key.
+    #[arg(long, env = "CARVE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "CARVE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl GivenSettings {
+    /// The settings of a `--config` file; an unknown key or a bad value is an error that
+    /// names the file and the key.
+    pub fn from_file(path: &Path) -> Result<GivenSettings> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("{}", path.display()))
+    }
+}
+
+/// Where the admin token comes from.
+#[derive(Clone, PartialEq)]
+pub enum AdminTokenSource {
+    /// A file to read it from (its contents, trimmed).
+    File(PathBuf),
+    /// The secret itself.
+    Secret(String),
+}
+
+impl std::fmt::Debug for AdminTokenSource {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AdminTokenSource::File(path) => formatter.debug_tuple("File").field(path).finish(),
+            // Settings are logged and printed by failing tests; the secret is not.
+            AdminTokenSource::Secret(_) => formatter.write_str("Secret(..)"),
+        }
+    }
+}
+
+/// Every setting decided: what [`resolve`] makes of the sources.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub listen: String,
+    /// `None`: the default database in the user's data directory, made by [`Settings::load`].
+    pub database: Option<String>,
+    pub admin_token: Option<AdminTokenSource>,
+    pub scheduler: SchedulerSettings,
+    pub metrics_listen: Option<SocketAddr>,
+    /// The certificate chain and key files, when serving TLS.
+    pub tls: Option<(PathBuf, PathBuf)>,
+}
+
+/// Each setting from `given` (flags, then environment), else from `file`, else its
+/// default; `admin_token` is `--admin-token` / `CARVE_ADMIN_TOKEN`, which an admin token
+/// file from any source overrides (as it always has).
+pub fn resolve(
+    given: GivenSettings,
+    file: GivenSettings,
+    admin_token: Option<String>,
+) -> Result<Settings> {
+    let defaults = SchedulerSettings::default();
+    let scheduling_interval = match given.scheduling_interval_ms.or(file.scheduling_interval_ms) {
+        Some(0) => bail!(
+            "the scheduling interval (--scheduling-interval-ms, CARVE_SCHEDULING_INTERVAL_MS, \
+             scheduling_interval_ms) is 0: it must be at least 1 millisecond"
+        ),
+        Some(milliseconds) => Duration::from_millis(milliseconds),
+        None => defaults.scheduling_interval,
+    };
+    let tls = match (
+        given.tls_cert.or(file.tls_cert),
+        given.tls_key.or(file.tls_key),
+    ) {
+        (Some(certificate), Some(key)) => Some((certificate, key)),
+        (None, None) => None,
+        _ => bail!("TLS needs both a certificate and a key (tls_cert and tls_key)"),
+    };
+    let admin_token = match given.admin_token_file.or(file.admin_token_file) {
+        Some(path) => Some(AdminTokenSource::File(path)),
+        None => admin_token.map(AdminTokenSource::Secret),
+    };
+    Ok(Settings {
+        listen: given
+            .listen
+            .or(file.listen)
+            .unwrap_or_else(|| DEFAULT_LISTEN.to_string()),
+        database: given.database.or(file.database),
+        admin_token,
+        scheduler: SchedulerSettings {
+            lease_duration: given
+                .lease_seconds
+                .or(file.lease_seconds)
+                .map_or(defaults.lease_duration, Duration::from_secs),
+            heartbeat_interval: given
+                .heartbeat_seconds
+                .or(file.heartbeat_seconds)
+                .map_or(defaults.heartbeat_interval, Duration::from_secs),
+            scheduling_interval,
+            infrastructure_retry_backoff: defaults.infrastructure_retry_backoff,
+            checkpoint_directory: given
+                .checkpoint_dir
+                .or(file.checkpoint_dir)
+                .unwrap_or(defaults.checkpoint_directory),
+        },
+        metrics_listen: given.metrics_listen.or(file.metrics_listen),
+        tls,
+    })
+}
+
+impl Arguments {
+    /// The settings these arguments (with the environment clap read) and their config
+    /// file give.
+    pub fn settings(self) -> Result<Settings> {
+        let file = match &self.config {
+            Some(path) => GivenSettings::from_file(path)?,
+            None => GivenSettings::default(),
+        };
+        resolve(self.given, file, self.admin_token)
+    }
+}
+
+impl Settings {
+    /// The address to listen on and the server's configuration, reading the files the
+    /// settings name and making the default database's directory.
+    pub fn load(self) -> Result<(String, SchedulerConfig)> {
+        let database_url = match self.database {
+            Some(database) => database,
+            None => default_database()?,
+        };
+        let admin_token = match self.admin_token {
+            Some(AdminTokenSource::File(path)) => Some(
+                std::fs::read_to_string(&path)
+                    .with_context(|| {
+                        format!("cannot read the admin token file {}", path.display())
+                    })?
+                    .trim()
+                    .to_string(),
+            ),
+            Some(AdminTokenSource::Secret(secret)) => Some(secret),
+            None => None,
+        };
+        let tls = match self.tls {
+            Some((certificate, key)) => Some(TlsIdentity {
+                certificate_chain_pem: std::fs::read(&certificate).with_context(|| {
+                    format!("cannot read the TLS certificate {}", certificate.display())
+                })?,
+                private_key_pem: std::fs::read(&key)
+                    .with_context(|| format!("cannot read the TLS key {}", key.display()))?,
+            }),
+            None => None,
+        };
+        let config = SchedulerConfig {
+            database_url,
+            settings: self.scheduler,
+            admin_token,
+            metrics_address: self.metrics_listen,
+            tls,
+        };
+        Ok((self.listen, config))
+    }
+}
+
+fn default_database() -> Result<String> {
+    let base = std::env::var_os("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".local/share")))
+        .context("cannot find a data directory: set --database or HOME")?;
+    let directory = base.join("carve");
+    std::fs::create_dir_all(&directory)
+        .with_context(|| format!("cannot create {}", directory.display()))?;
+    // Its database holds every tenant's jobs and the token hashes, and a first start
+    // writes the admin token here: this user's alone, also when an older version
+    // created it with the umask's mode.
+    std::fs::set_permissions(&directory, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("cannot make {} private (0700)", directory.display()))?;
+    Ok(format!("sqlite://{}", directory.join("carve.db").display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Set in the copy of this test binary that [`run_with_environment`] starts.
+    const CHILD_MARKER: &str = "CARVE_SETTINGS_TEST_CHILD";
+
+    /// Runs `test` (this module's, by name) again in a child copy of this test binary
+    /// with `environment` and no other `CARVE_*` variable: clap reads the process
+    /// environment, which the 2024 edition only lets a test change with `unsafe`.
+    fn run_with_environment(test: &str, environment: &[(&str, &str)]) {
+        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+        command.args([
+            &format!("settings::tests::{test}"),
+            "--exact",
+            "--nocapture",
+        ]);
+        for (name, _) in std::env::vars_os() {
+            if name.to_string_lossy().starts_with("CARVE_") {
+                command.env_remove(name);
+            }
+        }
+        command
+            .env(CHILD_MARKER, "1")
+            .envs(environment.iter().copied());
+        let output = command.output().unwrap();
+        let printed = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success(),
+            "{test} failed with {environment:?}:\n{printed}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        // libtest exits 0 when the filter matches nothing: make sure the test ran.
+        assert!(
+            printed.contains("1 passed"),
+            "{test} did not run:\n{printed}"
+        );
+    }
+
+    fn in_child() -> bool {
+        std::env::var_os(CHILD_MARKER).is_some()
+    }
+
+    fn parse(arguments: &[&str]) -> Result<Arguments, clap::Error> {
+        Arguments::try_parse_from(
+            std::iter::once("carve-scheduler").chain(arguments.iter().copied()),
+        )
+    }
+
+    #[test]
+    fn nothing_given_means_the_defaults() {
+        let settings = resolve(GivenSettings::default(), GivenSettings::default(), None).unwrap();
+        // The defaults --help states.
+        assert_eq!(settings.listen, "127.0.0.1:7470");
+        assert_eq!(settings.database, None);
+        assert_eq!(settings.admin_token, None);
+        assert_eq!(settings.scheduler.lease_duration, Duration::from_secs(30));
+        assert_eq!(
+            settings.scheduler.heartbeat_interval,
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            settings.scheduler.scheduling_interval,
+            Duration::from_secs(2)
+        );
+        assert_eq!(settings.scheduler.checkpoint_directory, "checkpoints");
+        assert_eq!(settings.metrics_listen, None);
+        assert_eq!(settings.tls, None);
+    }
+
+    #[test]
+    fn flags_beat_the_file_and_the_file_beats_the_defaults() {
+        let flags = parse(&[
+            "--listen",
+            "127.0.0.1:1",
+            "--lease-seconds",
+            "11",
+            "--scheduling-interval-ms",
+            "250",
+        ])
+        .unwrap();
+        let file: GivenSettings = toml::from_str(
+            r#"
+            listen = "127.0.0.1:2"
+            lease_seconds = 22
+            heartbeat_seconds = 3
+            scheduling_interval_ms = 900
+            checkpoint_dir = "/shared/checkpoints"
+            metrics_listen = "127.0.0.1:9100"
+            "#,
+        )
+        .unwrap();
+        let settings = resolve(flags.given, file, None).unwrap();
+        assert_eq!(settings.listen, "127.0.0.1:1");
+        assert_eq!(settings.scheduler.lease_duration, Duration::from_secs(11));
+        assert_eq!(
+            settings.scheduler.scheduling_interval,
+            Duration::from_millis(250)
+        );
+        assert_eq!(
+            settings.scheduler.heartbeat_interval,
+            Duration::from_secs(3)
+        );
+        assert_eq!(
+            settings.scheduler.checkpoint_directory,
+            "/shared/checkpoints"
+        );
+        assert_eq!(
+            settings.metrics_listen,
+            Some("127.0.0.1:9100".parse().unwrap())
+        );
+        assert_eq!(settings.database, None);
+    }
+
+    /// The whole order: flag, then environment, then file, then default.
+    #[test]
+    fn the_environment_sits_between_the_flags_and_the_file() {
+        if !in_child() {
+            return run_with_environment(
+                "the_environment_sits_between_the_flags_and_the_file",
+                &[
+                    ("CARVE_LISTEN", "127.0.0.1:2"),
+                    ("CARVE_LEASE_SECONDS", "12"),
+                    ("CARVE_SCHEDULING_INTERVAL_MS", "120"),
+                    ("CARVE_ADMIN_TOKEN", "secret-from-the-environment"),
+                ],
+            );
+        }
+        let arguments = parse(&["--listen", "127.0.0.1:1"]).unwrap();
+        assert_eq!(
+            arguments.admin_token.as_deref(),
+            Some("secret-from-the-environment")
+        );
+        let file: GivenSettings = toml::from_str(
+            "listen = \"127.0.0.1:3\"\nlease_seconds = 13\nscheduling_interval_ms = 130\nheartbeat_seconds = 4",
+        )
+        .unwrap();
+        let settings = resolve(arguments.given, file, arguments.admin_token).unwrap();
+        assert_eq!(
+            settings.listen, "127.0.0.1:1",
+            "the flag beats the environment"
+        );
+        assert_eq!(settings.scheduler.lease_duration, Duration::from_secs(12));
+        assert_eq!(
+            settings.scheduler.scheduling_interval,
+            Duration::from_millis(120)
+        );
+        assert_eq!(
+            settings.scheduler.heartbeat_interval,
+            Duration::from_secs(4)
+        );
+        assert_eq!(settings.scheduler.checkpoint_directory, "checkpoints");
+        assert_eq!(
+            settings.admin_token,
+            Some(AdminTokenSource::Secret(
+                "secret-from-the-environment".into()
+            ))
+        );
+    }
+
+    #[test]
+    fn a_bad_value_in_the_environment_names_the_flag() {
+        if !in_child() {
+            return run_with_environment(
+                "a_bad_value_in_the_environment_names_the_flag",
+                &[("CARVE_HEARTBEAT_SECONDS", "soon")],
+            );
+        }
+        let error = parse(&[]).unwrap_err().to_string();
+        assert!(error.contains("--heartbeat-seconds"), "{error}");
+        assert!(error.contains("soon"), "{error}");
+    }
+
+    #[test]
+    fn a_bad_flag_value_names_the_flag() {
+        let error = parse(&["--lease-seconds", "thirty"])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("--lease-seconds"), "{error}");
+        assert!(error.contains("thirty"), "{error}");
+        let error = parse(&["--metrics-listen", "everywhere"])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("--metrics-listen"), "{error}");
+    }
+
+    #[test]
+    fn a_bad_file_names_the_file_and_the_key() {
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("scheduler.toml");
+        std::fs::write(&path, "lease_seconds = \"thirty\"\n").unwrap();
+        let error = format!("{:#}", GivenSettings::from_file(&path).unwrap_err());
+        assert!(error.contains("scheduler.toml"), "{error}");
+        assert!(error.contains("lease_seconds"), "{error}");
+        std::fs::write(&path, "lease_second = 30\n").unwrap();
+        let error = format!("{:#}", GivenSettings::from_file(&path).unwrap_err());
+        assert!(error.contains("unknown field `lease_second`"), "{error}");
+    }
+
+    #[test]
+    fn a_zero_scheduling_interval_is_refused_by_name() {
+        let given = GivenSettings {
+            scheduling_interval_ms: Some(0),
+            ..GivenSettings::default()
+        };
+        let error = resolve(given, GivenSettings::default(), None)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("--scheduling-interval-ms"), "{error}");
+    }
+
+    #[test]
+    fn a_certificate_without_a_key_is_refused() {
+        assert!(parse(&["--tls-cert", "chain.pem"]).is_err());
+        let file = GivenSettings {
+            tls_cert: Some("chain.pem".into()),
+            ..GivenSettings::default()
+        };
+        let error = resolve(GivenSettings::default(), file, None)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("tls_key"), "{error}");
+    }
+
+    /// As before this type existed: a token file, from any source, wins over the secret.
+    #[test]
+    fn an_admin_token_file_wins_over_the_secret() {
+        let file = GivenSettings {
+            admin_token_file: Some("/etc/carve/admin-token".into()),
+            ..GivenSettings::default()
+        };
+        let settings = resolve(GivenSettings::default(), file, Some("secret".to_string())).unwrap();
+        assert_eq!(
+            settings.admin_token,
+            Some(AdminTokenSource::File("/etc/carve/admin-token".into()))
+        );
+        assert!(!format!("{settings:?}").contains("secret\""));
+        let settings = resolve(
+            GivenSettings::default(),
+            GivenSettings::default(),
+            Some("secret".to_string()),
+        )
+        .unwrap();
+        assert!(!format!("{settings:?}").contains("secret"), "{settings:?}");
+    }
+
+    #[test]
+    fn help_names_every_environment_variable_and_hides_secrets() {
+        if !in_child() {
+            return run_with_environment(
+                "help_names_every_environment_variable_and_hides_secrets",
+                &[
+                    ("CARVE_ADMIN_TOKEN", "do-not-print-me"),
+                    ("CARVE_DATABASE_URL", "postgres://carve:password@db/carve"),
+                ],
+            );
+        }
+        let help = <Arguments as clap::CommandFactory>::command()
+            .render_long_help()
+            .to_string();
+        for variable in [
+            "CARVE_CONFIG",
+            "CARVE_ADMIN_TOKEN",
+            "CARVE_LISTEN",
+            "CARVE_DATABASE_URL",
+            "CARVE_ADMIN_TOKEN_FILE",
+            "CARVE_LEASE_SECONDS",
+            "CARVE_HEARTBEAT_SECONDS",
+            "CARVE_SCHEDULING_INTERVAL_MS",
+            "CARVE_CHECKPOINT_DIR",
+            "CARVE_METRICS_LISTEN",
+            "CARVE_TLS_CERT",
+            "CARVE_TLS_KEY",
+        ] {
+            assert!(
+                help.contains(&format!("[env: {variable}")),
+                "{variable} missing:\n{help}"
+            );
+        }
+        assert!(!help.contains("do-not-print-me"), "{help}");
+        assert!(!help.contains("password"), "{help}");
+    }
+}
