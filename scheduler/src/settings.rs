@@ -86,7 +86,7 @@ impl GivenSettings {
     pub fn from_file(path: &Path) -> Result<GivenSettings> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
-        toml::from_str(&text).with_context(|| format!("{}", path.display()))
+        toml::from_str(&text).with_context(|| format!("bad config file {}", path.display()))
     }
 }
 
