@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use carve_proto::ApiError;
 use sha2::{Digest, Sha256};
 use tonic::metadata::MetadataMap;
 
@@ -50,7 +51,7 @@ impl Caller {
         if allowed.contains(&self.role) {
             Ok(())
         } else {
-            Err(SchedulerError::PermissionDenied(format!(
+            Err(SchedulerError::Api(ApiError::PermissionDenied(format!(
                 "a {} token cannot do this (needs {})",
                 self.role.name(),
                 allowed
@@ -58,7 +59,7 @@ impl Caller {
                     .map(|role| role.name())
                     .collect::<Vec<_>>()
                     .join(" or ")
-            )))
+            ))))
         }
     }
 
@@ -106,18 +107,14 @@ pub async fn authenticate(
     let header = metadata
         .get(carve_proto::client::AUTHORIZATION_METADATA_KEY)
         .ok_or_else(|| {
-            SchedulerError::Unauthenticated("missing authorization metadata (bearer token)".into())
+            ApiError::Unauthenticated("missing authorization metadata (bearer token)".into())
         })?
         .to_str()
-        .map_err(|_| {
-            SchedulerError::Unauthenticated("authorization metadata is not text".into())
-        })?;
+        .map_err(|_| ApiError::Unauthenticated("authorization metadata is not text".into()))?;
     let secret = header
         .strip_prefix("Bearer ")
         .or_else(|| header.strip_prefix("bearer "))
-        .ok_or_else(|| {
-            SchedulerError::Unauthenticated("authorization must be `Bearer <token>`".into())
-        })?
+        .ok_or_else(|| ApiError::Unauthenticated("authorization must be `Bearer <token>`".into()))?
         .trim();
     let secret_hash = hash_secret(secret);
     let token = match tokens.get(&secret_hash, Instant::now()) {
@@ -128,7 +125,7 @@ pub async fn authenticate(
             let token = store
                 .find_token_by_hash(&secret_hash)
                 .await?
-                .ok_or_else(|| SchedulerError::Unauthenticated("token rejected".into()))?;
+                .ok_or_else(|| ApiError::Unauthenticated("token rejected".into()))?;
             tokens.insert(ticket, secret_hash, token.clone(), read_at);
             token
         }
@@ -139,18 +136,13 @@ pub async fn authenticate(
 /// The caller a stored token stands for, if it is still valid at `now_ms`.
 fn caller_of_token(token: TokenRecord, now_ms: i64) -> Result<Caller, SchedulerError> {
     if token.revoked {
-        return Err(SchedulerError::Unauthenticated(
-            "token rejected: revoked".into(),
-        ));
+        return Err(ApiError::Unauthenticated("token rejected: revoked".into()).into());
     }
     if token.expires_at_ms.is_some_and(|expires| expires <= now_ms) {
-        return Err(SchedulerError::Unauthenticated(
-            "token rejected: expired".into(),
-        ));
+        return Err(ApiError::Unauthenticated("token rejected: expired".into()).into());
     }
-    let role = Role::from_name(&token.role).ok_or_else(|| {
-        SchedulerError::Internal(format!("token {} has an unknown role", token.id))
-    })?;
+    let role = Role::from_name(&token.role)
+        .ok_or_else(|| ApiError::Internal(format!("token {} has an unknown role", token.id)))?;
     Ok(Caller {
         tenant: token.tenant,
         role,

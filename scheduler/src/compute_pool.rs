@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use carve_proto::ApiError;
 use tokio::sync::Semaphore;
 
 use crate::error::SchedulerError;
@@ -84,11 +85,11 @@ impl ComputePool {
         let _tenant_permit = tenant_permits
             .acquire_owned()
             .await
-            .map_err(|_| SchedulerError::Unavailable("the scheduler is stopping".into()))?;
+            .map_err(|_| ApiError::Unavailable("the scheduler is stopping".into()))?;
         let pool_permit = Arc::clone(&self.permits)
             .acquire_owned()
             .await
-            .map_err(|_| SchedulerError::Unavailable("the scheduler is stopping".into()))?;
+            .map_err(|_| ApiError::Unavailable("the scheduler is stopping".into()))?;
         let started = Instant::now();
         let result = tokio::task::spawn_blocking(move || {
             let _pool_permit = pool_permit;
@@ -97,7 +98,9 @@ impl ComputePool {
         .await;
         self.charge(tenant, started.elapsed(), Instant::now());
         result.map_err(|error| {
-            SchedulerError::Internal(format!("the computation stopped unexpectedly: {error}"))
+            SchedulerError::Api(ApiError::Internal(format!(
+                "the computation stopped unexpectedly: {error}"
+            )))
         })
     }
 
@@ -111,14 +114,16 @@ impl ComputePool {
         let pool_permit = Arc::clone(&self.permits)
             .acquire_owned()
             .await
-            .map_err(|_| SchedulerError::Unavailable("the scheduler is stopping".into()))?;
+            .map_err(|_| ApiError::Unavailable("the scheduler is stopping".into()))?;
         tokio::task::spawn_blocking(move || {
             let _pool_permit = pool_permit;
             work()
         })
         .await
         .map_err(|error| {
-            SchedulerError::Internal(format!("the computation stopped unexpectedly: {error}"))
+            SchedulerError::Api(ApiError::Internal(format!(
+                "the computation stopped unexpectedly: {error}"
+            )))
         })
     }
 
@@ -138,13 +143,14 @@ impl ComputePool {
         self.refill(share, now);
         if share.seconds_left <= 0.0 {
             let wait = -share.seconds_left / self.limits.refill_per_second.max(f64::MIN_POSITIVE);
-            return Err(SchedulerError::ResourceExhausted(format!(
+            return Err(ApiError::ResourceExhausted(format!(
                 "tenant {tenant} has used its budget of {:.0} s of validation and estimation \
                  compute (it refills at {} s per second); retry in {:.1} s",
                 self.limits.burst_seconds,
                 self.limits.refill_per_second,
                 wait.max(0.1)
-            )));
+            ))
+            .into());
         }
         Ok(Arc::clone(&share.permits))
     }
@@ -189,7 +195,7 @@ mod tests {
         pool.charge("alice", Duration::from_secs(3), start);
         let refused = pool.admit("alice", start).unwrap_err();
         assert!(
-            matches!(&refused, SchedulerError::ResourceExhausted(message)
+            matches!(&refused, SchedulerError::Api(ApiError::ResourceExhausted(message))
                 if message.contains("tenant alice") && message.contains("retry in 1.0 s")),
             "{refused:?}"
         );

@@ -9,6 +9,7 @@
 use carve_core::estimator::MemoryEstimate;
 use carve_core::plan::RunConfig;
 use carve_core::spec::Precision;
+use carve_proto::ApiError;
 use carve_proto::v1;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -30,11 +31,13 @@ pub fn config_to_json(config: &RunConfig) -> String {
 
 pub fn config_from_json(text: &str) -> Result<RunConfig, SchedulerError> {
     let value: Value = serde_json::from_str(text)
-        .map_err(|error| SchedulerError::Internal(format!("stored run config: {error}")))?;
+        .map_err(|error| ApiError::Internal(format!("stored run config: {error}")))?;
     let number = |field: &str| {
-        value[field]
-            .as_u64()
-            .ok_or_else(|| SchedulerError::Internal(format!("stored run config has no {field}")))
+        value[field].as_u64().ok_or_else(|| {
+            SchedulerError::Api(ApiError::Internal(format!(
+                "stored run config has no {field}"
+            )))
+        })
     };
     Ok(RunConfig {
         batch_size: number("batch_size")?,
@@ -42,7 +45,7 @@ pub fn config_from_json(text: &str) -> Result<RunConfig, SchedulerError> {
         precision: value["precision"]
             .as_str()
             .and_then(Precision::from_name)
-            .ok_or_else(|| SchedulerError::Internal("stored run config has no precision".into()))?,
+            .ok_or_else(|| ApiError::Internal("stored run config has no precision".into()))?,
         recompute_segment_layers: value["recompute_segment_layers"].as_u64(),
         workspace_limit_bytes: number("workspace_limit_bytes")?,
         prefetch_batches: number("prefetch_batches")?,
@@ -208,7 +211,7 @@ pub fn estimate_from_json(
     config: Option<RunConfig>,
 ) -> Result<v1::MemoryEstimate, SchedulerError> {
     let stored: StoredEstimate = serde_json::from_str(text)
-        .map_err(|error| SchedulerError::Internal(format!("stored estimate: {error}")))?;
+        .map_err(|error| ApiError::Internal(format!("stored estimate: {error}")))?;
     Ok(v1::MemoryEstimate {
         config: config.map(Into::into),
         peak_bytes: stored.peak_bytes,
@@ -244,8 +247,8 @@ pub fn job_to_proto(
     attempts: &[AttemptRecord],
 ) -> Result<v1::Job, SchedulerError> {
     let within_job = |error: SchedulerError| match error {
-        SchedulerError::Internal(message) => {
-            SchedulerError::Internal(format!("job {}: {message}", job.id))
+        SchedulerError::Api(ApiError::Internal(message)) => {
+            SchedulerError::Api(ApiError::Internal(format!("job {}: {message}", job.id)))
         }
         other => other,
     };
@@ -312,7 +315,7 @@ mod tests {
             assert!(
                 matches!(
                     estimate_from_json(text, None),
-                    Err(SchedulerError::Internal(_))
+                    Err(SchedulerError::Api(ApiError::Internal(_)))
                 ),
                 "{text:?}"
             );

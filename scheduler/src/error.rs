@@ -1,17 +1,13 @@
-//! The scheduler's one error type, and its mapping into `carve_proto::ApiError` (which
-//! alone chooses gRPC status codes). Messages are lowercase.
+//! The scheduler's one error type and its way into a `tonic::Status`. The kinds of failure
+//! a caller can see are `carve_proto::ApiError`'s (which alone chooses gRPC codes), held
+//! here as [`SchedulerError::Api`]; only what is the scheduler's own (a write that lost a
+//! race, the database) has a variant of its own. Messages are lowercase.
 
 use carve_proto::ApiError;
 
 /// Everything the scheduler (its store, auth, services) can fail with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SchedulerError {
-    /// No such thing (`what` is a kind of thing: "job", "tenant", "attempt").
-    #[error("{what} {id} not found")]
-    NotFound { what: &'static str, id: String },
-    /// Creating something whose id or name is taken.
-    #[error("{what} {id} already exists")]
-    AlreadyExists { what: &'static str, id: String },
     /// A write lost to a newer one: a fenced update quoting a stale lease epoch, an
     /// attempt finished twice.
     #[error("{0}")]
@@ -19,60 +15,26 @@ pub enum SchedulerError {
     /// The database failed; the message is sqlx's, starting lowercase.
     #[error("database error: {0}")]
     Database(String),
-    /// A value is malformed; `field` names it (empty when the whole request is at fault).
-    #[error("{}", field_and_reason(field, reason))]
-    InvalidArgument { field: String, reason: String },
-    /// No token, or one that is unknown, expired or revoked.
-    #[error("{0}")]
-    Unauthenticated(String),
-    /// The token is valid but may not do this.
-    #[error("{0}")]
-    PermissionDenied(String),
-    /// Out of quota, or nothing fits.
-    #[error("{0}")]
-    ResourceExhausted(String),
-    /// The thing is in the wrong state for the request.
-    #[error("{0}")]
-    FailedPrecondition(String),
-    /// Something the scheduler needs is down for now; retrying may help.
-    #[error("{0}")]
-    Unavailable(String),
-    /// A bug or a broken invariant.
-    #[error("internal error: {0}")]
-    Internal(String),
+    /// A failure that is already one of the API's kinds: bad input naming its field, no
+    /// such thing, no token, no permission, out of quota, wrong state, down, or a bug.
+    #[error(transparent)]
+    Api(#[from] ApiError),
 }
 
 impl SchedulerError {
-    /// A [`SchedulerError::NotFound`] for the `what` named `id`.
+    /// An [`ApiError::NotFound`] for the `what` named `id`.
     pub fn not_found(what: &'static str, id: impl Into<String>) -> Self {
-        SchedulerError::NotFound {
-            what,
-            id: id.into(),
-        }
+        SchedulerError::Api(ApiError::not_found(what, id))
     }
 
-    /// A [`SchedulerError::AlreadyExists`] for the `what` named `id`.
+    /// An [`ApiError::AlreadyExists`] for the `what` named `id`.
     pub fn already_exists(what: &'static str, id: impl Into<String>) -> Self {
-        SchedulerError::AlreadyExists {
-            what,
-            id: id.into(),
-        }
+        SchedulerError::Api(ApiError::already_exists(what, id))
     }
 
-    /// A [`SchedulerError::InvalidArgument`] about `field`.
+    /// An [`ApiError::InvalidArgument`] about `field`.
     pub fn invalid_argument(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        SchedulerError::InvalidArgument {
-            field: field.into(),
-            reason: reason.into(),
-        }
-    }
-}
-
-fn field_and_reason(field: &str, reason: &str) -> String {
-    if field.is_empty() {
-        reason.to_string()
-    } else {
-        format!("{field}: {reason}")
+        SchedulerError::Api(ApiError::invalid_argument(field, reason))
     }
 }
 
@@ -102,30 +64,30 @@ fn lowercase_first(message: &str) -> String {
 impl From<SchedulerError> for ApiError {
     fn from(error: SchedulerError) -> Self {
         match error {
-            SchedulerError::NotFound { what, id } => ApiError::NotFound { what, id },
-            SchedulerError::AlreadyExists { what, id } => ApiError::AlreadyExists { what, id },
             // gRPC's ABORTED is not in ApiError; a stale write is a request that no longer
             // applies to the state of the thing, which is what FAILED_PRECONDITION says.
             SchedulerError::Conflict(message) => ApiError::FailedPrecondition(message),
             // Connection loss, pool timeouts and locked databases are what a database
             // error usually is: retrying may help.
             database @ SchedulerError::Database(_) => ApiError::Unavailable(database.to_string()),
-            SchedulerError::InvalidArgument { field, reason } => {
-                ApiError::InvalidArgument { field, reason }
-            }
-            SchedulerError::Unauthenticated(message) => ApiError::Unauthenticated(message),
-            SchedulerError::PermissionDenied(message) => ApiError::PermissionDenied(message),
-            SchedulerError::ResourceExhausted(message) => ApiError::ResourceExhausted(message),
-            SchedulerError::FailedPrecondition(message) => ApiError::FailedPrecondition(message),
-            SchedulerError::Unavailable(message) => ApiError::Unavailable(message),
-            SchedulerError::Internal(message) => ApiError::Internal(message),
+            SchedulerError::Api(api_error) => api_error,
         }
+    }
+}
+
+/// So a handler returning `Result<_, Status>` can use `?` on the scheduler's results; the
+/// code is still chosen by `ApiError` alone.
+impl From<SchedulerError> for tonic::Status {
+    fn from(error: SchedulerError) -> Self {
+        ApiError::from(error).into()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use carve_proto::ApiError;
+    use carve_proto::status::status_field;
+    use tonic::Code;
 
     use super::SchedulerError;
 
@@ -162,55 +124,71 @@ mod tests {
     }
 
     #[test]
-    fn every_variant_maps_to_an_api_error() {
+    fn the_scheduler_own_variants_map_to_an_api_error() {
+        assert_eq!(
+            ApiError::from(SchedulerError::Conflict(
+                "attempt j/2 was reassigned".into()
+            )),
+            ApiError::FailedPrecondition("attempt j/2 was reassigned".into())
+        );
+        assert_eq!(
+            ApiError::from(SchedulerError::Database("pool timed out".into())),
+            ApiError::Unavailable("database error: pool timed out".into())
+        );
+    }
+
+    #[test]
+    fn an_api_error_passes_through_unchanged() {
+        let api_errors = [
+            ApiError::not_found("job", "j-1"),
+            ApiError::already_exists("tenant", "acme"),
+            ApiError::invalid_argument("states[0]", "bad"),
+            ApiError::Unauthenticated("no token".into()),
+            ApiError::PermissionDenied("admins only".into()),
+            ApiError::ResourceExhausted("quota".into()),
+            ApiError::FailedPrecondition("ended".into()),
+            ApiError::Unavailable("down".into()),
+            ApiError::Internal("bug".into()),
+        ];
+        for api_error in api_errors {
+            let error = SchedulerError::from(api_error.clone());
+            assert_eq!(error.to_string(), api_error.to_string());
+            assert_eq!(ApiError::from(error), api_error);
+        }
+    }
+
+    #[test]
+    fn a_status_is_the_one_its_api_error_makes() {
         let cases = [
             (
-                SchedulerError::not_found("job", "j-1"),
-                ApiError::not_found("job", "j-1"),
+                SchedulerError::invalid_argument("page_token", "not a page token"),
+                Code::InvalidArgument,
+                "page_token: not a page token",
             ),
             (
-                SchedulerError::already_exists("tenant", "acme"),
-                ApiError::already_exists("tenant", "acme"),
+                SchedulerError::not_found("job", "j-1"),
+                Code::NotFound,
+                "job j-1 not found",
             ),
             (
                 SchedulerError::Conflict("attempt j/2 was reassigned".into()),
-                ApiError::FailedPrecondition("attempt j/2 was reassigned".into()),
+                Code::FailedPrecondition,
+                "attempt j/2 was reassigned",
             ),
             (
                 SchedulerError::Database("pool timed out".into()),
-                ApiError::Unavailable("database error: pool timed out".into()),
-            ),
-            (
-                SchedulerError::invalid_argument("states[0]", "bad"),
-                ApiError::invalid_argument("states[0]", "bad"),
-            ),
-            (
-                SchedulerError::Unauthenticated("no token".into()),
-                ApiError::Unauthenticated("no token".into()),
-            ),
-            (
-                SchedulerError::PermissionDenied("admins only".into()),
-                ApiError::PermissionDenied("admins only".into()),
-            ),
-            (
-                SchedulerError::ResourceExhausted("quota".into()),
-                ApiError::ResourceExhausted("quota".into()),
-            ),
-            (
-                SchedulerError::FailedPrecondition("ended".into()),
-                ApiError::FailedPrecondition("ended".into()),
-            ),
-            (
-                SchedulerError::Unavailable("down".into()),
-                ApiError::Unavailable("down".into()),
-            ),
-            (
-                SchedulerError::Internal("bug".into()),
-                ApiError::Internal("bug".into()),
+                Code::Unavailable,
+                "database error: pool timed out",
             ),
         ];
-        for (error, expected) in cases {
-            assert_eq!(ApiError::from(error), expected);
+        for (error, code, message) in cases {
+            let expected = tonic::Status::from(ApiError::from(error.clone()));
+            let status = tonic::Status::from(error);
+            assert_eq!(status.code(), code, "{message}");
+            assert_eq!(status.message(), message);
+            assert_eq!(status_field(&status), status_field(&expected));
         }
+        let status = tonic::Status::from(SchedulerError::invalid_argument("page_token", "bad"));
+        assert_eq!(status_field(&status), Some("page_token"));
     }
 }

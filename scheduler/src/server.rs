@@ -8,6 +8,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use carve_proto::ApiError;
 use carve_proto::v1::admin_service_server::AdminServiceServer;
 use carve_proto::v1::cluster_service_server::ClusterServiceServer;
 use carve_proto::v1::job_service_server::JobServiceServer;
@@ -100,10 +101,10 @@ fn write_admin_token_file(path: &std::path::Path, secret: &str) -> Result<(), Sc
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let failed = |error: std::io::Error| {
-        SchedulerError::Unavailable(format!(
+        SchedulerError::Api(ApiError::Unavailable(format!(
             "cannot write the generated admin token to {}: {error}",
             path.display()
-        ))
+        )))
     };
     match std::fs::remove_file(path) {
         Ok(()) => {}
@@ -212,7 +213,7 @@ pub async fn run(
     let metrics = match config.metrics_address {
         Some(address) => {
             let listener = TcpListener::bind(address).await.map_err(|error| {
-                SchedulerError::Unavailable(format!("cannot serve metrics on {address}: {error}"))
+                ApiError::Unavailable(format!("cannot serve metrics on {address}: {error}"))
             })?;
             tracing::info!(address = ?listener.local_addr().ok(), "metrics at /metrics");
             Some(tokio::spawn(crate::metrics::serve_metrics(
@@ -232,7 +233,7 @@ pub async fn run(
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(carve_proto::FILE_DESCRIPTOR_SET)
         .build_v1()
-        .map_err(|error| SchedulerError::Internal(format!("reflection: {error}")))?;
+        .map_err(|error| ApiError::Internal(format!("reflection: {error}")))?;
     let address = listener.local_addr().ok();
     tracing::info!(?address, "scheduler listening");
     let mut builder = tonic::transport::Server::builder();
@@ -244,7 +245,7 @@ pub async fn run(
                     &tls.private_key_pem,
                 ),
             ))
-            .map_err(|error| SchedulerError::InvalidArgument {
+            .map_err(|error| ApiError::InvalidArgument {
                 field: "tls".into(),
                 reason: format!("the certificate or key is not usable: {error}"),
             })?;
@@ -284,7 +285,7 @@ pub async fn run(
             }
         })
         .await
-        .map_err(|error| SchedulerError::Unavailable(format!("server: {error}")));
+        .map_err(|error| SchedulerError::Api(ApiError::Unavailable(format!("server: {error}"))));
     background.abort();
     if let Some(metrics) = metrics {
         metrics.abort();
@@ -358,7 +359,7 @@ fn invalid_argument_for_decode_errors(method: &str, headers: &mut http::HeaderMa
         return;
     };
     let detail = detail.trim_start_matches(':').trim();
-    let error: tonic::Status = carve_proto::ApiError::invalid_argument(
+    let error: tonic::Status = ApiError::invalid_argument(
         "",
         format!("the request body is not a valid {method} request: {detail}"),
     )

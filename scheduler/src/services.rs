@@ -22,7 +22,6 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{Caller, Role, generate_id, generate_secret, hash_secret};
 use crate::convert::{job_state_from_proto, timestamp};
-use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use crate::scheduler::{Scheduler, now_ms};
 use crate::store::{JobFilter, LogLineRecord, LogQuery, TenantRecord, TokenRecord};
@@ -33,15 +32,8 @@ pub struct Services {
     pub scheduler: Arc<Scheduler>,
 }
 
-fn status(error: SchedulerError) -> Status {
-    ApiError::from(error).into()
-}
-
 fn invalid(field: &str, reason: impl Into<String>) -> Status {
-    status(SchedulerError::InvalidArgument {
-        field: field.into(),
-        reason: reason.into(),
-    })
+    ApiError::invalid_argument(field, reason).into()
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<v1::JobEvent, Status>> + Send>>;
@@ -53,7 +45,7 @@ impl Services {
         self.scheduler
             .authenticate(request.metadata(), now_ms())
             .await
-            .map_err(status)
+            .map_err(Status::from)
     }
 
     async fn tenant_proto(&self, tenant: &TenantRecord) -> v1::Tenant {
@@ -88,11 +80,8 @@ impl Services {
         worker_id: &str,
         draining: bool,
     ) -> Result<Option<v1::Worker>, Status> {
-        caller.require(&[Role::Admin]).map_err(status)?;
-        self.scheduler
-            .set_draining(worker_id, draining)
-            .await
-            .map_err(status)?;
+        caller.require(&[Role::Admin])?;
+        self.scheduler.set_draining(worker_id, draining).await?;
         Ok(self
             .scheduler
             .workers_proto()
@@ -214,8 +203,7 @@ fn estimate_answer(
         .map_err(|error| invalid(&format!("spec.{}", error.field), error.reason))?;
     let (fits, shrink_plan) = match slice_bytes {
         Some(slice) if estimate.required_bytes > slice => {
-            let decision = plan_shrink(&job, &config, None, slice)
-                .map_err(|error| Status::from(ApiError::from(error)))?;
+            let decision = plan_shrink(&job, &config, None, slice).map_err(ApiError::from)?;
             (
                 false,
                 Some(carve_proto::convert::shrink_decision_to_proto(
@@ -233,7 +221,7 @@ fn estimate_answer(
 }
 
 fn tenant_name_check(name: &str) -> Result<(), Status> {
-    crate::store::check_tenant_name("name", name).map_err(status)
+    crate::store::check_tenant_name("name", name).map_err(Status::from)
 }
 
 #[tonic::async_trait]
@@ -263,7 +251,7 @@ impl JobService for Services {
             }
             Err(error) => {
                 Metrics::count(&metrics.submits_rejected);
-                return Err(status(error));
+                return Err(error.into());
             }
         };
         Ok(Response::new(v1::SubmitJobResponse {
@@ -280,9 +268,8 @@ impl JobService for Services {
         let job = self
             .scheduler
             .visible_job(&caller, &request.get_ref().job_id)
-            .await
-            .map_err(status)?;
-        let job = self.scheduler.job_proto(&job).await.map_err(status)?;
+            .await?;
+        let job = self.scheduler.job_proto(&job).await?;
         Ok(Response::new(v1::GetJobResponse { job: Some(job) }))
     }
 
@@ -291,14 +278,14 @@ impl JobService for Services {
         request: Request<v1::ListJobsRequest>,
     ) -> Result<Response<v1::ListJobsResponse>, Status> {
         let caller = self.caller(&request).await?;
-        caller.require(&[Role::User, Role::Admin]).map_err(status)?;
+        caller.require(&[Role::User, Role::Admin])?;
         let request = request.into_inner();
         let tenant = if request.tenant.is_empty() {
             (caller.role != Role::Admin).then(|| caller.tenant.clone())
         } else if caller.may_access_tenant(&request.tenant) {
             Some(request.tenant.clone())
         } else {
-            return Err(status(SchedulerError::PermissionDenied(
+            return Err(Status::from(ApiError::PermissionDenied(
                 "only admins list other tenants' jobs".into(),
             )));
         };
@@ -335,11 +322,10 @@ impl JobService for Services {
                 },
                 page_token: (!request.page_token.is_empty()).then_some(request.page_token),
             })
-            .await
-            .map_err(status)?;
+            .await?;
         let mut messages = Vec::with_capacity(jobs.len());
         for job in &jobs {
-            messages.push(self.scheduler.job_proto(job).await.map_err(status)?);
+            messages.push(self.scheduler.job_proto(job).await?);
         }
         Ok(Response::new(v1::ListJobsResponse {
             jobs: messages,
@@ -356,9 +342,8 @@ impl JobService for Services {
         let job = self
             .scheduler
             .cancel(&caller, &request.job_id, &request.reason)
-            .await
-            .map_err(status)?;
-        let job = self.scheduler.job_proto(&job).await.map_err(status)?;
+            .await?;
+        let job = self.scheduler.job_proto(&job).await?;
         Ok(Response::new(v1::CancelJobResponse { job: Some(job) }))
     }
 
@@ -374,11 +359,7 @@ impl JobService for Services {
         let mut events = self.scheduler.subscribe();
         let mut revocations = self.scheduler.subscribe_revocations();
         let token_id = caller.token_id.clone();
-        let job = self
-            .scheduler
-            .visible_job(&caller, &request.job_id)
-            .await
-            .map_err(status)?;
+        let job = self.scheduler.visible_job(&caller, &request.job_id).await?;
         let (sender, receiver) = mpsc::channel(256);
         let job_id = job.id.clone();
         let include_logs = request.include_logs;
@@ -409,7 +390,7 @@ impl JobService for Services {
                     revoked = revocations.recv() => match revoked {
                         Ok(revoked) if revoked == token_id => {
                             let _ = sender
-                                .send(Err(status(SchedulerError::Unauthenticated(
+                                .send(Err(Status::from(ApiError::Unauthenticated(
                                     "token rejected: revoked".into(),
                                 ))))
                                 .await;
@@ -452,9 +433,9 @@ impl JobService for Services {
         request: Request<v1::EstimateJobRequest>,
     ) -> Result<Response<v1::EstimateJobResponse>, Status> {
         let caller = self.caller(&request).await?;
-        caller.require(&[Role::User, Role::Admin]).map_err(status)?;
+        caller.require(&[Role::User, Role::Admin])?;
         let request = request.into_inner();
-        crate::scheduler::check_spec_size(&request.spec_json).map_err(status)?;
+        crate::scheduler::check_spec_size(&request.spec_json)?;
         if request.slice_bytes == Some(0) {
             return Err(invalid("slice_bytes", "must be larger than 0"));
         }
@@ -475,8 +456,7 @@ impl JobService for Services {
             .compute(&caller.tenant, move || {
                 estimate_answer(spec, request.slice_bytes)
             })
-            .await
-            .map_err(status)??;
+            .await??;
         Ok(Response::new(answer))
     }
 
@@ -512,8 +492,7 @@ impl JobService for Services {
                     tail: (request.tail != 0).then_some(request.tail),
                 },
             )
-            .await
-            .map_err(status)?;
+            .await?;
         let last_sequence = page
             .lines
             .last()
@@ -532,10 +511,7 @@ impl AdminService for Services {
         &self,
         request: Request<v1::CreateTenantRequest>,
     ) -> Result<Response<v1::CreateTenantResponse>, Status> {
-        self.caller(&request)
-            .await?
-            .require(&[Role::Admin])
-            .map_err(status)?;
+        self.caller(&request).await?.require(&[Role::Admin])?;
         let request = request.into_inner();
         tenant_name_check(&request.name)?;
         let (vram_quota_bytes, max_running_jobs, fair_share_weight) = quota_fields(request.quota)?;
@@ -546,11 +522,7 @@ impl AdminService for Services {
             fair_share_weight,
             created_at_ms: now_ms(),
         };
-        self.scheduler
-            .store
-            .create_tenant(&tenant)
-            .await
-            .map_err(status)?;
+        self.scheduler.store.create_tenant(&tenant).await?;
         Ok(Response::new(v1::CreateTenantResponse {
             tenant: Some(self.tenant_proto(&tenant).await),
         }))
@@ -560,11 +532,8 @@ impl AdminService for Services {
         &self,
         request: Request<v1::ListTenantsRequest>,
     ) -> Result<Response<v1::ListTenantsResponse>, Status> {
-        self.caller(&request)
-            .await?
-            .require(&[Role::Admin])
-            .map_err(status)?;
-        let tenants = self.scheduler.store.list_tenants().await.map_err(status)?;
+        self.caller(&request).await?.require(&[Role::Admin])?;
+        let tenants = self.scheduler.store.list_tenants().await?;
         let mut messages = Vec::new();
         for tenant in &tenants {
             messages.push(self.tenant_proto(tenant).await);
@@ -576,17 +545,13 @@ impl AdminService for Services {
         &self,
         request: Request<v1::SetQuotaRequest>,
     ) -> Result<Response<v1::SetQuotaResponse>, Status> {
-        self.caller(&request)
-            .await?
-            .require(&[Role::Admin])
-            .map_err(status)?;
+        self.caller(&request).await?.require(&[Role::Admin])?;
         let request = request.into_inner();
         let (vram, running, weight) = quota_fields(request.quota)?;
         let tenant = self
             .scheduler
             .set_quota(&request.tenant, vram, running, weight)
-            .await
-            .map_err(status)?;
+            .await?;
         Ok(Response::new(v1::SetQuotaResponse {
             tenant: Some(self.tenant_proto(&tenant).await),
         }))
@@ -596,10 +561,7 @@ impl AdminService for Services {
         &self,
         request: Request<v1::CreateTokenRequest>,
     ) -> Result<Response<v1::CreateTokenResponse>, Status> {
-        self.caller(&request)
-            .await?
-            .require(&[Role::Admin])
-            .map_err(status)?;
+        self.caller(&request).await?.require(&[Role::Admin])?;
         let request = request.into_inner();
         let role = match v1::Role::try_from(request.role) {
             Ok(v1::Role::User) => Role::User,
@@ -612,11 +574,7 @@ impl AdminService for Services {
                 ));
             }
         };
-        self.scheduler
-            .store
-            .get_tenant(&request.tenant)
-            .await
-            .map_err(status)?;
+        self.scheduler.store.get_tenant(&request.tenant).await?;
         let now = now_ms();
         let expires_at_ms = match request.time_to_live {
             Some(ttl) => Some(now.saturating_add(time_to_live_ms(&ttl)?)),
@@ -633,11 +591,7 @@ impl AdminService for Services {
             expires_at_ms,
             revoked: false,
         };
-        self.scheduler
-            .store
-            .create_token(&token)
-            .await
-            .map_err(status)?;
+        self.scheduler.store.create_token(&token).await?;
         Ok(Response::new(v1::CreateTokenResponse {
             token: Some(token_proto(&token)),
             secret,
@@ -648,17 +602,13 @@ impl AdminService for Services {
         &self,
         request: Request<v1::ListTokensRequest>,
     ) -> Result<Response<v1::ListTokensResponse>, Status> {
-        self.caller(&request)
-            .await?
-            .require(&[Role::Admin])
-            .map_err(status)?;
+        self.caller(&request).await?.require(&[Role::Admin])?;
         let request = request.into_inner();
         let tokens = self
             .scheduler
             .store
             .list_tokens((!request.tenant.is_empty()).then_some(request.tenant.as_str()))
-            .await
-            .map_err(status)?;
+            .await?;
         Ok(Response::new(v1::ListTokensResponse {
             tokens: tokens
                 .iter()
@@ -672,16 +622,9 @@ impl AdminService for Services {
         &self,
         request: Request<v1::RevokeTokenRequest>,
     ) -> Result<Response<v1::RevokeTokenResponse>, Status> {
-        self.caller(&request)
-            .await?
-            .require(&[Role::Admin])
-            .map_err(status)?;
+        self.caller(&request).await?.require(&[Role::Admin])?;
         let token_id = request.into_inner().token_id;
-        let token = self
-            .scheduler
-            .revoke_token(&token_id)
-            .await
-            .map_err(status)?;
+        let token = self.scheduler.revoke_token(&token_id).await?;
         Ok(Response::new(v1::RevokeTokenResponse {
             token: Some(token_proto(&token)),
         }))
@@ -719,7 +662,7 @@ impl ClusterService for Services {
             .find(|worker| worker.id == worker_id)
             .map(|worker| worker_seen_by(&caller, worker))
             .ok_or_else(|| {
-                status(SchedulerError::NotFound {
+                Status::from(ApiError::NotFound {
                     what: "worker",
                     id: worker_id,
                 })
@@ -782,8 +725,7 @@ impl WorkerService for Services {
         let response = self
             .scheduler
             .register_worker(&caller, request.into_inner())
-            .await
-            .map_err(status)?;
+            .await?;
         Ok(Response::new(response))
     }
 
@@ -794,9 +736,7 @@ impl WorkerService for Services {
         request: Request<Streaming<v1::WorkerMessage>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         let caller = self.caller(&request).await?;
-        caller
-            .require(&[Role::Worker, Role::Admin])
-            .map_err(status)?;
+        caller.require(&[Role::Worker, Role::Admin])?;
         let mut incoming = request.into_inner();
         // A worker says hello as soon as the stream is open; one that does not within
         // the lease would hold a stream, and a handler, open for ever.
@@ -823,8 +763,7 @@ impl WorkerService for Services {
                 &hello.running_attempts,
                 sender.clone(),
             )
-            .await
-            .map_err(status)?;
+            .await?;
         crate::worker_session::serve_session(
             self.scheduler.clone(),
             hello.worker_id,

@@ -55,7 +55,7 @@ impl LiveSession {
     /// Ends the session; the worker receives `why` as the stream's final status.
     pub fn end(mut self, why: SchedulerError) {
         if let Some(ender) = self.ender.take() {
-            let _ = ender.send(carve_proto::ApiError::from(why).into());
+            let _ = ender.send(Status::from(why));
         }
     }
 }
@@ -95,9 +95,7 @@ pub fn serve_session(
                 }
                 Err(error) => {
                     tracing::warn!(worker = %report_worker, %error, "worker message rejected");
-                    let _ = report_sender
-                        .send(Err(carve_proto::ApiError::from(error).into()))
-                        .await;
+                    let _ = report_sender.send(Err(error.into())).await;
                     false
                 }
             };

@@ -10,6 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut};
+use carve_proto::ApiError;
 use carve_proto::v1;
 use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
@@ -239,7 +240,7 @@ async fn tenant_names_follow_the_documented_rule_everywhere() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&error, SchedulerError::InvalidArgument { field, reason }
+        matches!(&error, SchedulerError::Api(ApiError::InvalidArgument { field, reason })
             if field == "name" && reason.contains("lowercase letters, digits and '-'")),
         "{error:?}"
     );
@@ -505,7 +506,7 @@ async fn a_first_start_writes_the_admin_token_to_a_private_file() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&error, SchedulerError::InvalidArgument { field, .. } if field == "admin_token"),
+        matches!(&error, SchedulerError::Api(ApiError::InvalidArgument { field, .. }) if field == "admin_token"),
         "{error:?}"
     );
 }

@@ -7,6 +7,7 @@ mod support;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use carve_core::job_state::JobState;
+use carve_proto::ApiError;
 use carve_scheduler::convert::{attempt_to_proto, job_to_proto};
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::store::{
@@ -342,7 +343,7 @@ async fn tokens_are_found_by_hash_and_revoked(db: &TestDb) {
     };
     assert!(matches!(
         store.create_token(&bad_role).await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "role"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "role"
     ));
 
     let revoked = store.revoke_token("tok-alice").await.unwrap();
@@ -458,7 +459,7 @@ async fn a_failing_group_commits_nothing(db: &TestDb) {
         .await;
     assert!(matches!(
         bad_state,
-        Err(SchedulerError::InvalidArgument { .. })
+        Err(SchedulerError::Api(ApiError::InvalidArgument { .. }))
     ));
 
     for id in ["g1-a", "g1-b", "g1-c", "g2-a", "g3-a"] {
@@ -802,7 +803,7 @@ async fn list_jobs_filters_and_pages(db: &TestDb) {
         })
         .await;
     assert!(
-        matches!(&bad_token, Err(SchedulerError::InvalidArgument { field, .. }) if field == "page_token"),
+        matches!(&bad_token, Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "page_token"),
         "{bad_token:?}"
     );
     let bad_state = store
@@ -812,7 +813,7 @@ async fn list_jobs_filters_and_pages(db: &TestDb) {
         })
         .await;
     assert!(
-        matches!(&bad_state, Err(SchedulerError::InvalidArgument { field, .. }) if field == "states[1]"),
+        matches!(&bad_state, Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "states[1]"),
         "{bad_state:?}"
     );
 }
@@ -920,7 +921,7 @@ async fn update_job_rewrites_all_but_the_identity(db: &TestDb) {
     };
     assert!(matches!(
         store.update_job(&bad_state).await,
-        Err(SchedulerError::InvalidArgument { .. })
+        Err(SchedulerError::Api(ApiError::InvalidArgument { .. }))
     ));
     assert_eq!(store.get_job("j-1").await.unwrap().state, "failed");
 }
@@ -960,7 +961,7 @@ async fn jobs_in_states_are_oldest_first(db: &TestDb) {
     assert_eq!(store.jobs_in_states(&["cancelled"]).await.unwrap(), vec![]);
     assert!(matches!(
         store.jobs_in_states(&["queued", "asleep"]).await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "states[1]"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "states[1]"
     ));
 }
 
@@ -1058,7 +1059,7 @@ async fn attempts_are_listed_by_number(db: &TestDb) {
     };
     assert!(matches!(
         store.create_attempt(&bad_outcome).await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "outcome"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "outcome"
     ));
     assert_eq!(store.list_attempts("j").await.unwrap().len(), 3);
 }
@@ -1135,7 +1136,7 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
         store
             .finish_attempt("j", 1, 1, "running", None, None, "", T0)
             .await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "outcome"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "outcome"
     ));
     store
         .finish_attempt(
@@ -1232,7 +1233,7 @@ async fn job_reads_show_the_stored_estimate_without_validating_the_spec(db: &Tes
     for id in ["corrupt", "not-json"] {
         let error = job_to_proto(&store.get_job(id).await.unwrap(), &[]).unwrap_err();
         assert!(
-            matches!(&error, SchedulerError::Internal(message) if message.contains(id) && message.contains("stored estimate")),
+            matches!(&error, SchedulerError::Api(ApiError::Internal(message)) if message.contains(id) && message.contains("stored estimate")),
             "{id}: {error:?}"
         );
     }
@@ -1373,7 +1374,7 @@ async fn record_job_and_attempt_is_atomic(db: &TestDb) {
         store
             .record_job_and_attempt(&running, &attempt("other", 2, 1))
             .await,
-        Err(SchedulerError::InvalidArgument { .. })
+        Err(SchedulerError::Api(ApiError::InvalidArgument { .. }))
     ));
     assert_eq!(store.get_job("j").await.unwrap(), replaced);
 }
@@ -1422,7 +1423,7 @@ async fn workers_upsert_and_state(db: &TestDb) {
 
     assert!(matches!(
         store.set_worker_state("w-1", "asleep").await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "state"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "state"
     ));
     assert_eq!(store.get_worker("w-1").await.unwrap().state, "lost");
     assert_eq!(
@@ -1467,11 +1468,11 @@ async fn peak_correction_is_the_largest_ratio(db: &TestDb) {
     assert_eq!(store.peak_correction("other").await.unwrap(), None);
     assert!(matches!(
         store.record_peak("mlp", 0, 10, T0).await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "estimated_bytes"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "estimated_bytes"
     ));
     assert!(matches!(
         store.record_peak("mlp", 10, -1, T0).await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "measured_bytes"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "measured_bytes"
     ));
     assert_eq!(store.peak_correction("mlp").await.unwrap(), Some(0.75));
 }
@@ -1973,7 +1974,7 @@ async fn appending_log_lines_is_all_or_nothing(db: &TestDb) {
         store
             .append_log_lines(&[log_line("j-1", 1, "kept?"), log_line("missing", 1, "x")])
             .await,
-        Err(SchedulerError::NotFound { what: "job", .. })
+        Err(SchedulerError::Api(ApiError::NotFound { what: "job", .. }))
     ));
     let invalid_level = NewLogLine {
         level: "loud".into(),
@@ -1981,21 +1982,21 @@ async fn appending_log_lines_is_all_or_nothing(db: &TestDb) {
     };
     assert!(matches!(
         store.append_log_lines(&[log_line("j-1", 1, "kept?"), invalid_level]).await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "lines[1].level"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "lines[1].level"
     ));
     let negative_attempt = log_line("j-1", -1, "x");
     assert!(matches!(
         store.append_log_lines(&[negative_attempt]).await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "lines[0].attempt_number"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "lines[0].attempt_number"
     ));
     let too_long = log_line("j-1", 1, &"x".repeat(MAX_LOG_MESSAGE_BYTES + 1));
     assert!(matches!(
         store.append_log_lines(&[too_long]).await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "lines[0].message"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "lines[0].message"
     ));
     assert!(matches!(
         store.append_log_lines_keeping(&[log_line("j-1", 1, "x")], 0).await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "keep_per_job"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "keep_per_job"
     ));
     // Nothing of the refused appends was written, not even their sequences.
     assert_eq!(
@@ -2017,7 +2018,7 @@ async fn appending_log_lines_is_all_or_nothing(db: &TestDb) {
                 ..log_query("j-1")
             })
             .await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "after_sequence"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "after_sequence"
     ));
     assert!(matches!(
         store
@@ -2026,7 +2027,7 @@ async fn appending_log_lines_is_all_or_nothing(db: &TestDb) {
                 ..log_query("j-1")
             })
             .await,
-        Err(SchedulerError::InvalidArgument { field, .. }) if field == "attempt_number"
+        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "attempt_number"
     ));
 }
 

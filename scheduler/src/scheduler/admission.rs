@@ -12,6 +12,7 @@ use carve_core::plan::RunConfig;
 use carve_core::scheduling::{GpuState, TenantState, WaitReason, can_ever_fit};
 use carve_core::shrink::{ShrinkDecision, plan_shrink};
 use carve_core::validate::ValidatedJob;
+use carve_proto::ApiError;
 use carve_proto::v1;
 use sha2::{Digest, Sha256};
 
@@ -106,11 +107,10 @@ pub(super) fn shape_key(model: &carve_core::spec::ModelSpec, config: &RunConfig)
 fn analyse_spec_text(spec_json: &str) -> Result<AnalysedSpec, SchedulerError> {
     let job = carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)?;
     let config = RunConfig::from_spec(&job.spec);
-    let estimate =
-        estimate_job(&job, &config).map_err(|error| SchedulerError::InvalidArgument {
-            field: format!("spec.{}", error.field),
-            reason: error.reason,
-        })?;
+    let estimate = estimate_job(&job, &config).map_err(|error| ApiError::InvalidArgument {
+        field: format!("spec.{}", error.field),
+        reason: error.reason,
+    })?;
     let shape_key = shape_key(&job.spec.model, &config);
     let config_json = config_to_json(&config);
     let estimate_json = estimate_to_json(&estimate);
@@ -131,13 +131,14 @@ pub const SPEC_MAX_BYTES: usize = 1 << 20;
 /// Refuses a spec text over [`SPEC_MAX_BYTES`] before it is parsed.
 pub fn check_spec_size(spec_json: &str) -> Result<(), SchedulerError> {
     if spec_json.len() > SPEC_MAX_BYTES {
-        return Err(SchedulerError::InvalidArgument {
+        return Err(ApiError::InvalidArgument {
             field: "spec_json".into(),
             reason: format!(
                 "is {} bytes; the limit is {SPEC_MAX_BYTES} bytes (1 MiB)",
                 spec_json.len()
             ),
-        });
+        }
+        .into());
     }
     Ok(())
 }
@@ -162,13 +163,14 @@ impl Scheduler {
     ) -> Result<(v1::Job, bool), SchedulerError> {
         caller.require(&[Role::User, Role::Admin])?;
         if idempotency_key.len() > 256 {
-            return Err(SchedulerError::InvalidArgument {
+            return Err(ApiError::InvalidArgument {
                 field: "idempotency_key".into(),
                 reason: format!(
                     "is {} characters long; the limit is 256",
                     idempotency_key.len()
                 ),
-            });
+            }
+            .into());
         }
         let analysed = self.analyse_spec(&caller.tenant, spec_json).await?;
         let job = &analysed.job;
@@ -212,14 +214,13 @@ impl Scheduler {
                     })
                     .await?
                     .map_err(|error| {
-                        SchedulerError::ResourceExhausted(format!(
+                        ApiError::ResourceExhausted(format!(
                             "job {} cannot fit: {error}",
                             job.spec.name
                         ))
                     })?;
-                let admitted = size(Some(&decision)).map_err(|_| {
-                    SchedulerError::Internal("sizing asked for a second shrink".into())
-                })?;
+                let admitted = size(Some(&decision))
+                    .map_err(|_| ApiError::Internal("sizing asked for a second shrink".into()))?;
                 shrunk_estimate = Some(decision.estimate);
                 admitted
             }
@@ -233,10 +234,11 @@ impl Scheduler {
             running_jobs: 0,
         };
         if let Err(reason) = can_ever_fit(slice_bytes, &gpus, &tenant_state) {
-            return Err(SchedulerError::ResourceExhausted(format!(
+            return Err(ApiError::ResourceExhausted(format!(
                 "job {} can never run: {reason}",
                 job.spec.name
-            )));
+            ))
+            .into());
         }
         let estimate = &analysed.estimate;
         let now = now_ms();

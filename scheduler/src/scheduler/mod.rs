@@ -31,6 +31,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use carve_core::job_state::{JobEvent, JobState, next_state};
 use carve_core::scheduling::GpuState;
 use carve_core::validate::ValidatedJob;
+use carve_proto::ApiError;
 use carve_proto::v1;
 use tokio::sync::{Notify, broadcast, mpsc};
 use tokio::time::Instant;
@@ -197,13 +198,13 @@ struct StateChange {
 /// also stores it and announces it.
 fn transition(job: &mut JobRecord, event: JobEvent) -> Result<StateChange, SchedulerError> {
     let previous = JobState::from_name(&job.state).ok_or_else(|| {
-        SchedulerError::Internal(format!(
+        ApiError::Internal(format!(
             "job {} has an unknown state {:?}",
             job.id, job.state
         ))
     })?;
     let next = next_state(previous, event)
-        .map_err(|error| SchedulerError::FailedPrecondition(error.to_string()))?;
+        .map_err(|error| ApiError::FailedPrecondition(error.to_string()))?;
     job.state = next.name().to_string();
     Ok(StateChange { previous, next })
 }
@@ -218,15 +219,10 @@ fn is_terminal(state: &str) -> bool {
     matches!(state, "succeeded" | "failed" | "cancelled")
 }
 
-fn spec_error(error: carve_proto::ApiError) -> SchedulerError {
+fn spec_error(error: ApiError) -> SchedulerError {
     match error {
-        carve_proto::ApiError::InvalidArgument { field, reason } => {
-            SchedulerError::InvalidArgument { field, reason }
-        }
-        other => SchedulerError::InvalidArgument {
-            field: "spec_json".into(),
-            reason: other.to_string(),
-        },
+        invalid @ ApiError::InvalidArgument { .. } => SchedulerError::Api(invalid),
+        other => SchedulerError::invalid_argument("spec_json", other.to_string()),
     }
 }
 
@@ -313,9 +309,9 @@ impl Scheduler {
         self.stopping.send_replace(true);
         for worker in self.live().workers.values_mut() {
             if let Some(session) = worker.session.take() {
-                session.end(SchedulerError::Unavailable(
+                session.end(SchedulerError::Api(ApiError::Unavailable(
                     "the scheduler is stopping; reconnect to another".into(),
-                ));
+                )));
             }
         }
     }

@@ -5,6 +5,7 @@
 use carve_core::allocator::OutOfMemory;
 use carve_core::job_state::{JobEvent, JobState};
 use carve_core::shrink::{OomObservation, plan_shrink};
+use carve_proto::ApiError;
 use carve_proto::v1;
 use tokio::time::Instant;
 
@@ -32,10 +33,11 @@ impl Scheduler {
         let _guard = self.job_changes.lock().await;
         let mut job = self.visible_job(caller, job_id).await?;
         if is_terminal(&job.state) {
-            return Err(SchedulerError::FailedPrecondition(format!(
+            return Err(ApiError::FailedPrecondition(format!(
                 "job {job_id} already {}",
                 job.state
-            )));
+            ))
+            .into());
         }
         let message = if reason.is_empty() {
             format!("cancelled by {}", caller.token_id)
@@ -209,10 +211,10 @@ impl Scheduler {
             Ok(v1::AttemptOutcome::Failed) => "failed",
             Ok(v1::AttemptOutcome::Interrupted) => "interrupted",
             _ => {
-                return Err(SchedulerError::InvalidArgument {
+                return Err(ApiError::InvalidArgument {
                     field: "attempt_finished.outcome".into(),
                     reason: "must be succeeded, failed, cancelled or interrupted (out-of-memory goes in an oom report)".into(),
-                });
+                }.into());
             }
         };
         let now = now_ms();
@@ -325,10 +327,10 @@ impl Scheduler {
                 if let Some(worker) = live.workers.get_mut(&worker_id) {
                     worker.state = WorkerLiveness::Lost;
                     if let Some(session) = worker.session.take() {
-                        session.end(SchedulerError::Unavailable(format!(
+                        session.end(SchedulerError::Api(ApiError::Unavailable(format!(
                             "no heartbeat for longer than the lease ({lease:?}): this \
                              worker's attempts were requeued; register again"
-                        )));
+                        ))));
                     }
                 }
                 let lost: Vec<String> = live

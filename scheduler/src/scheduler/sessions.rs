@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use carve_core::job_state::JobEvent;
+use carve_proto::ApiError;
 use carve_proto::v1;
 use tokio::time::Instant;
 
@@ -25,26 +26,29 @@ impl Scheduler {
     ) -> Result<v1::RegisterWorkerResponse, SchedulerError> {
         caller.require(&[Role::Worker, Role::Admin])?;
         if request.hostname.is_empty() {
-            return Err(SchedulerError::InvalidArgument {
+            return Err(ApiError::InvalidArgument {
                 field: "hostname".into(),
                 reason: "must not be empty".into(),
-            });
+            }
+            .into());
         }
         for (index, gpu) in request.gpus.iter().enumerate() {
             if gpu.uuid.is_empty() {
-                return Err(SchedulerError::InvalidArgument {
+                return Err(ApiError::InvalidArgument {
                     field: format!("gpus[{index}].uuid"),
                     reason: "must not be empty".into(),
-                });
+                }
+                .into());
             }
             if gpu.total_bytes == 0 || gpu.context_bytes >= gpu.total_bytes {
-                return Err(SchedulerError::InvalidArgument {
+                return Err(ApiError::InvalidArgument {
                     field: format!("gpus[{index}].total_bytes"),
                     reason: format!(
                         "{} total with {} taken by the context leaves nothing for slices",
                         gpu.total_bytes, gpu.context_bytes
                     ),
-                });
+                }
+                .into());
             }
         }
         // A token resumes only a worker it registered (or one registered before workers
@@ -125,10 +129,11 @@ impl Scheduler {
             let mut live = self.live();
             let worker = live.worker_mut(worker_id)?;
             if worker.record.token_id != caller.token_id {
-                return Err(SchedulerError::PermissionDenied(format!(
+                return Err(ApiError::PermissionDenied(format!(
                     "worker {worker_id} was registered with another token; a worker speaks \
                      only with the token it registered with"
-                )));
+                ))
+                .into());
             }
             if worker.state == WorkerLiveness::Lost {
                 worker.state = WorkerLiveness::Ready;
@@ -196,7 +201,9 @@ impl Scheduler {
                 .is_some_and(|session| session.token_id == token_id)
                 && let Some(session) = worker.session.take()
             {
-                session.end(SchedulerError::Unauthenticated(why.to_string()));
+                session.end(SchedulerError::Api(ApiError::Unauthenticated(
+                    why.to_string(),
+                )));
             }
         }
     }
@@ -291,22 +298,24 @@ impl Scheduler {
     ) -> Result<(), SchedulerError> {
         use v1::worker_message::Body;
         if !self.is_current_session(worker_id, session_id) {
-            return Err(SchedulerError::FailedPrecondition(format!(
+            return Err(ApiError::FailedPrecondition(format!(
                 "this session of worker {worker_id} was replaced or ended; reports go on \
                  the worker's current session"
-            )));
+            ))
+            .into());
         }
         let Some(body) = message.body else {
-            return Err(SchedulerError::InvalidArgument {
+            return Err(ApiError::InvalidArgument {
                 field: "body".into(),
                 reason: "a worker message needs a body".into(),
-            });
+            }
+            .into());
         };
         match body {
-            Body::Hello(_) => Err(SchedulerError::InvalidArgument {
+            Body::Hello(_) => Err(SchedulerError::Api(ApiError::InvalidArgument {
                 field: "body.hello".into(),
                 reason: "hello is only the first message of a session".into(),
-            }),
+            })),
             Body::Heartbeat(heartbeat) => {
                 self.heartbeat(worker_id, session_id, &heartbeat.gpus);
                 Ok(())

@@ -1,6 +1,7 @@
 //! Read views of the live state and of jobs, as the job and cluster services and the
 //! metrics page show them.
 
+use carve_proto::ApiError;
 use carve_proto::v1;
 
 use crate::auth::{Caller, Role};
@@ -20,17 +21,19 @@ impl Scheduler {
     ) -> Result<JobRecord, SchedulerError> {
         caller.require(&[Role::User, Role::Admin])?;
         if job_id.is_empty() {
-            return Err(SchedulerError::InvalidArgument {
+            return Err(ApiError::InvalidArgument {
                 field: "job_id".into(),
                 reason: "must not be empty".into(),
-            });
+            }
+            .into());
         }
         let job = self.store.get_job(job_id).await?;
         if !caller.may_access_tenant(&job.tenant) {
-            return Err(SchedulerError::NotFound {
+            return Err(ApiError::NotFound {
                 what: "job",
                 id: job_id.to_string(),
-            });
+            }
+            .into());
         }
         Ok(job)
     }

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use carve_proto::ApiError;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{JobRecord, Store, SubmitOutcome};
@@ -60,9 +61,9 @@ impl SubmitBatcher {
         self.sender
             .send((job, reply))
             .await
-            .map_err(|_| SchedulerError::Unavailable("the submit batcher has stopped".into()))?;
+            .map_err(|_| ApiError::Unavailable("the submit batcher has stopped".into()))?;
         answer.await.map_err(|_| {
-            SchedulerError::Unavailable("the submit batcher stopped before answering".into())
+            ApiError::Unavailable("the submit batcher stopped before answering".into())
         })?
     }
 
@@ -107,7 +108,9 @@ async fn run(
                 for (job, reply) in jobs.into_iter().zip(replies) {
                     let answer = store.submit_jobs(vec![job]).await.and_then(|outcomes| {
                         outcomes.into_iter().next().ok_or_else(|| {
-                            SchedulerError::Internal("a submit of one job answered nothing".into())
+                            SchedulerError::Api(ApiError::Internal(
+                                "a submit of one job answered nothing".into(),
+                            ))
                         })
                     });
                     if answer.is_ok() {

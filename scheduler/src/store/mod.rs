@@ -40,6 +40,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
+use carve_proto::ApiError;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
@@ -293,10 +294,10 @@ fn create_private_database_file(path: &std::path::Path) -> Result<(), SchedulerE
     {
         Ok(_) => Ok(()),
         Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
-        Err(error) => Err(SchedulerError::Unavailable(format!(
+        Err(error) => Err(SchedulerError::Api(ApiError::Unavailable(format!(
             "cannot create the database file {}: {error}",
             path.display()
-        ))),
+        )))),
     }
 }
 
