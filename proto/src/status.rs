@@ -45,6 +45,14 @@ pub enum ApiError {
     /// A dependency (the store, a worker) is down for now; retrying may help.
     #[error("{0}")]
     Unavailable(String),
+    /// The call was cut short by a newer one that took its place (a worker's session
+    /// replaced by a newer session of the same worker); the newer one carries on.
+    #[error("{0}")]
+    Aborted(String),
+    /// The server dropped part of what the call was owed (a watcher that fell too far
+    /// behind the events); calling again starts from what is current.
+    #[error("{0}")]
+    DataLoss(String),
     /// A bug or an invariant broken on the server side.
     #[error("internal error: {0}")]
     Internal(String),
@@ -99,6 +107,8 @@ impl ApiError {
             ApiError::ResourceExhausted(_) => tonic::Code::ResourceExhausted,
             ApiError::FailedPrecondition(_) => tonic::Code::FailedPrecondition,
             ApiError::Unavailable(_) => tonic::Code::Unavailable,
+            ApiError::Aborted(_) => tonic::Code::Aborted,
+            ApiError::DataLoss(_) => tonic::Code::DataLoss,
             ApiError::Internal(_) => tonic::Code::Internal,
         }
     }
@@ -218,6 +228,14 @@ mod tests {
             (
                 ApiError::Unavailable("store is down".into()),
                 Code::Unavailable,
+            ),
+            (
+                ApiError::Aborted("a newer session replaced this one".into()),
+                Code::Aborted,
+            ),
+            (
+                ApiError::DataLoss("the watcher fell 3 events behind".into()),
+                Code::DataLoss,
             ),
             (ApiError::Internal("bug".into()), Code::Internal),
         ];

@@ -64,8 +64,9 @@ fn lowercase_first(message: &str) -> String {
 impl From<SchedulerError> for ApiError {
     fn from(error: SchedulerError) -> Self {
         match error {
-            // gRPC's ABORTED is not in ApiError; a stale write is a request that no longer
-            // applies to the state of the thing, which is what FAILED_PRECONDITION says.
+            // A stale write is a request that no longer applies to the state of the thing,
+            // which is what FAILED_PRECONDITION says (ABORTED is kept for a call that a
+            // newer one took over, like a replaced worker session).
             SchedulerError::Conflict(message) => ApiError::FailedPrecondition(message),
             // Connection loss, pool timeouts and locked databases are what a database
             // error usually is: retrying may help.

@@ -415,9 +415,9 @@ impl JobService for Services {
                     Ok(_) => {}
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
                         let _ = sender
-                            .send(Err(Status::data_loss(format!(
+                            .send(Err(Status::from(ApiError::DataLoss(format!(
                                 "the watcher fell {missed} events behind; watch again"
-                            ))))
+                            )))))
                             .await;
                         return;
                     }

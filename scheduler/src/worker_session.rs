@@ -14,6 +14,7 @@
 
 use std::sync::Arc;
 
+use carve_proto::ApiError;
 use carve_proto::v1;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::StreamExt;
@@ -122,9 +123,9 @@ pub fn serve_session(
                 _ = shutting_down.wait_for(|stopping| *stopping) => break,
                 why = &mut ended => {
                     ended_by_scheduler = Some(why.unwrap_or_else(|_| {
-                        Status::aborted(format!(
+                        Status::from(ApiError::Aborted(format!(
                             "a newer session of worker {worker_id} replaced this one"
-                        ))
+                        )))
                     }));
                     break;
                 }
