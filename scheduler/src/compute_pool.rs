@@ -86,6 +86,8 @@ impl ComputePool {
             .acquire_owned()
             .await
             .map_err(|_| ApiError::Unavailable("the scheduler is stopping".into()))?;
+        // The calls queued behind the tenant's own may have spent its budget meanwhile.
+        self.admit(tenant, Instant::now())?;
         let pool_permit = Arc::clone(&self.permits)
             .acquire_owned()
             .await
@@ -215,6 +217,32 @@ mod tests {
         let later = start + Duration::from_secs(3600);
         pool.charge("alice", Duration::from_millis(2100), later);
         assert!(pool.admit("alice", later).is_err());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_queued_behind_a_tenants_own_are_refused_once_its_budget_is_spent() {
+        let pool = std::sync::Arc::new(ComputePool::new(ComputeLimits {
+            refill_per_second: 0.001,
+            ..limits(0.2)
+        }));
+        // Four calls of 150 ms each, sent at once: all are admitted on arrival, run one at
+        // a time (one permit per tenant), and the budget of 0.2 s is spent by the second.
+        let calls: Vec<_> = (0..4)
+            .map(|_| {
+                let pool = std::sync::Arc::clone(&pool);
+                tokio::spawn(async move {
+                    pool.run("alice", || std::thread::sleep(Duration::from_millis(150)))
+                        .await
+                })
+            })
+            .collect();
+        let mut refused = 0;
+        for call in calls {
+            if call.await.unwrap().is_err() {
+                refused += 1;
+            }
+        }
+        assert_eq!(refused, 2);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
