@@ -122,6 +122,14 @@ pub struct Settings {
     pub tls: Option<(PathBuf, PathBuf)>,
 }
 
+/// `value`, refused when it is 0; `setting` names it (flag, variable, key).
+fn not_zero(value: Option<u64>, setting: &str, unit: &str) -> Result<Option<u64>> {
+    if value == Some(0) {
+        bail!("{setting} is 0: it must be at least 1 {unit}");
+    }
+    Ok(value)
+}
+
 /// Each setting from `given` (flags, then environment), else from `file`, else its
 /// default; `admin_token` is `--admin-token` / `CARVE_ADMIN_TOKEN`, which an admin token
 /// file from any source overrides (as it always has).
@@ -131,14 +139,28 @@ pub fn resolve(
     admin_token: Option<String>,
 ) -> Result<Settings> {
     let defaults = SchedulerSettings::default();
-    let scheduling_interval = match given.scheduling_interval_ms.or(file.scheduling_interval_ms) {
-        Some(0) => bail!(
-            "the scheduling interval (--scheduling-interval-ms, CARVE_SCHEDULING_INTERVAL_MS, \
-             scheduling_interval_ms) is 0: it must be at least 1 millisecond"
-        ),
-        Some(milliseconds) => Duration::from_millis(milliseconds),
-        None => defaults.scheduling_interval,
-    };
+    // A zero interval would keep a loop running with no pause (and a worker's heartbeat
+    // timer refuses a zero period).
+    let scheduling_interval = not_zero(
+        given.scheduling_interval_ms.or(file.scheduling_interval_ms),
+        "the scheduling interval (--scheduling-interval-ms, CARVE_SCHEDULING_INTERVAL_MS, \
+         scheduling_interval_ms)",
+        "millisecond",
+    )?
+    .map_or(defaults.scheduling_interval, Duration::from_millis);
+    let heartbeat_interval = not_zero(
+        given.heartbeat_seconds.or(file.heartbeat_seconds),
+        "the heartbeat interval (--heartbeat-seconds, CARVE_HEARTBEAT_SECONDS, \
+         heartbeat_seconds)",
+        "second",
+    )?
+    .map_or(defaults.heartbeat_interval, Duration::from_secs);
+    let lease_duration = not_zero(
+        given.lease_seconds.or(file.lease_seconds),
+        "the lease (--lease-seconds, CARVE_LEASE_SECONDS, lease_seconds)",
+        "second",
+    )?
+    .map_or(defaults.lease_duration, Duration::from_secs);
     let tls = match (
         given.tls_cert.or(file.tls_cert),
         given.tls_key.or(file.tls_key),
@@ -159,14 +181,8 @@ pub fn resolve(
         database: given.database.or(file.database),
         admin_token,
         scheduler: SchedulerSettings {
-            lease_duration: given
-                .lease_seconds
-                .or(file.lease_seconds)
-                .map_or(defaults.lease_duration, Duration::from_secs),
-            heartbeat_interval: given
-                .heartbeat_seconds
-                .or(file.heartbeat_seconds)
-                .map_or(defaults.heartbeat_interval, Duration::from_secs),
+            lease_duration,
+            heartbeat_interval,
             scheduling_interval,
             infrastructure_retry_backoff: defaults.infrastructure_retry_backoff,
             checkpoint_directory: given
@@ -457,6 +473,20 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("--scheduling-interval-ms"), "{error}");
+    }
+
+    #[test]
+    fn a_zero_heartbeat_or_lease_is_refused_by_name() {
+        for (file, flag) in [
+            ("heartbeat_seconds = 0", "--heartbeat-seconds"),
+            ("lease_seconds = 0", "--lease-seconds"),
+        ] {
+            let file: GivenSettings = toml::from_str(file).unwrap();
+            let error = resolve(GivenSettings::default(), file, None)
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(flag), "{error}");
+        }
     }
 
     #[test]
