@@ -292,16 +292,7 @@ async fn an_interrupted_attempt_resumes_from_its_checkpoint_with_backoff_a_bound
             .await;
         let interrupted_at = Instant::now();
         worker
-            .send(v1::worker_message::Body::AttemptFinished(
-                v1::worker_message::AttemptFinished {
-                    attempt: Some(attempt),
-                    outcome: v1::AttemptOutcome::Interrupted as i32,
-                    final_loss: None,
-                    test_accuracy: None,
-                    measured_peak_bytes: 0,
-                    message: "killed by signal 9 (SIGKILL), not sent by the worker".into(),
-                },
-            ))
+            .finish(&attempt, v1::AttemptOutcome::Interrupted, 0)
             .await;
         assignment = worker.next_assignment().await;
         assert!(
@@ -320,16 +311,11 @@ async fn an_interrupted_attempt_resumes_from_its_checkpoint_with_backoff_a_bound
     // The fourth infrastructure failure fails the job.
     worker.started(&assignment).await;
     worker
-        .send(v1::worker_message::Body::AttemptFinished(
-            v1::worker_message::AttemptFinished {
-                attempt: assignment.attempt.clone(),
-                outcome: v1::AttemptOutcome::Interrupted as i32,
-                final_loss: None,
-                test_accuracy: None,
-                measured_peak_bytes: 0,
-                message: "killed by signal 9 (SIGKILL), not sent by the worker".into(),
-            },
-        ))
+        .finish(
+            assignment.attempt.as_ref().unwrap(),
+            v1::AttemptOutcome::Interrupted,
+            0,
+        )
         .await;
     let failed = wait_for_state(&channel, &user, &job.id, v1::JobState::Failed).await;
     assert_eq!(failed.attempts.len(), 4);
