@@ -10,7 +10,6 @@
 use std::time::Duration;
 
 use carve_proto::v1;
-use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::error::SchedulerError;
@@ -112,39 +111,16 @@ impl RunningScheduler {
 
 /// A tenant with a user token and a worker token, made through the admin API.
 async fn tenant_with_tokens(channel: &Channel, tenant: &str) -> (String, String) {
-    let mut admin = AdminServiceClient::new(channel.clone());
-    admin
-        .create_tenant(authorized(
-            v1::CreateTenantRequest {
-                name: tenant.into(),
-                quota: Some(v1::Quota::default()),
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap();
-    let token = |role: v1::Role| {
-        let mut admin = admin.clone();
-        let tenant = tenant.to_string();
-        async move {
-            admin
-                .create_token(authorized(
-                    v1::CreateTokenRequest {
-                        tenant,
-                        role: role as i32,
-                        description: "restart test".into(),
-                        time_to_live: None,
-                    },
-                    ADMIN,
-                ))
-                .await
-                .unwrap()
-                .into_inner()
-                .secret
-        }
-    };
-    let user = token(v1::Role::User).await;
-    let worker = token(v1::Role::Worker).await;
+    let [user, worker] = carve_testing::cluster::tenant_with_tokens(
+        channel,
+        ADMIN,
+        tenant,
+        v1::Quota::default(),
+        &[v1::Role::User, v1::Role::Worker],
+    )
+    .await
+    .try_into()
+    .expect("two tokens");
     (user, worker)
 }
 

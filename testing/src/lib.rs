@@ -23,6 +23,10 @@
 //!   a server kept in a `static` is never dropped, but the kernel closes the pipe when the
 //!   process exits for any reason (success, panic, abort, kill), so the server never
 //!   outlives the process that started it.
+//!
+//! # A tenant on a running scheduler
+//!
+//! [`cluster::tenant_with_tokens`] creates a tenant and its tokens through the admin API.
 
 use std::fs;
 use std::io::Write;
@@ -35,6 +39,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use sqlx::Connection;
+
+pub mod cluster;
 
 /// Why a [`PgServer`] could not start or serve: the message says what failed and, where
 /// it can, what to do about it.

@@ -15,7 +15,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use carve_proto::v1;
-use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::SchedulerConfig;
@@ -320,36 +319,20 @@ async fn bounded<T>(call: impl Future<Output = Result<T, tonic::Status>>) -> Opt
 
 /// Creates the tenant and the tokens (one worker token per node) on the first start.
 async fn set_up_tenant(channel: &Channel, processes: &mut Processes) -> String {
-    let mut admin = AdminServiceClient::new(channel.clone());
-    admin
-        .create_tenant(authorized(
-            v1::CreateTenantRequest {
-                name: "chaos".into(),
-                quota: Some(v1::Quota::default()),
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap();
-    let mut token = async |role: v1::Role| {
-        admin
-            .create_token(authorized(
-                v1::CreateTokenRequest {
-                    tenant: "chaos".into(),
-                    role: role as i32,
-                    description: "chaos test".into(),
-                    time_to_live: None,
-                },
-                ADMIN,
-            ))
-            .await
-            .unwrap()
-            .into_inner()
-            .secret
-    };
-    let user = token(v1::Role::User).await;
-    for hostname in WORKERS {
-        let secret = token(v1::Role::Worker).await;
+    let roles: Vec<v1::Role> = std::iter::once(v1::Role::User)
+        .chain(WORKERS.iter().map(|_| v1::Role::Worker))
+        .collect();
+    let mut secrets = carve_testing::cluster::tenant_with_tokens(
+        channel,
+        ADMIN,
+        "chaos",
+        v1::Quota::default(),
+        &roles,
+    )
+    .await
+    .into_iter();
+    let user = secrets.next().expect("a user token");
+    for (hostname, secret) in WORKERS.into_iter().zip(secrets) {
         processes.worker_tokens.insert(hostname, secret);
     }
     user

@@ -11,7 +11,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use carve_proto::v1;
-use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::scheduler::SchedulerSettings;
@@ -164,35 +163,16 @@ async fn start_cluster_with(lease: Duration, serve_tls: bool) -> Cluster {
     let address = format!("{scheme}://{}", listener.local_addr().unwrap());
     let (channel, shutdown, server) =
         start_scheduler_with_tls(directory.path(), listener, lease, tls).await;
-    let mut admin = AdminServiceClient::new(channel.clone());
-    admin
-        .create_tenant(authorized(
-            v1::CreateTenantRequest {
-                name: "alice".into(),
-                quota: Some(v1::Quota::default()),
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap();
-    let mut token = async |role: v1::Role| {
-        admin
-            .create_token(authorized(
-                v1::CreateTokenRequest {
-                    tenant: "alice".into(),
-                    role: role as i32,
-                    description: "test".into(),
-                    time_to_live: None,
-                },
-                ADMIN,
-            ))
-            .await
-            .unwrap()
-            .into_inner()
-            .secret
-    };
-    let user = token(v1::Role::User).await;
-    let worker_token = token(v1::Role::Worker).await;
+    let [user, worker_token] = carve_testing::cluster::tenant_with_tokens(
+        &channel,
+        ADMIN,
+        "alice",
+        v1::Quota::default(),
+        &[v1::Role::User, v1::Role::Worker],
+    )
+    .await
+    .try_into()
+    .expect("two tokens");
     Cluster {
         channel,
         address,

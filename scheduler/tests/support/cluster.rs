@@ -109,23 +109,17 @@ pub async fn tenant_with_tokens(
     tenant: &str,
     quota: v1::Quota,
 ) -> (String, String) {
-    AdminServiceClient::new(channel.clone())
-        .create_tenant(authorized(
-            v1::CreateTenantRequest {
-                name: tenant.into(),
-                quota: Some(quota),
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap();
-    let secret = |role| async move {
-        create_token(channel, tenant, role, None)
-            .await
-            .unwrap()
-            .secret
-    };
-    (secret(v1::Role::User).await, secret(v1::Role::Worker).await)
+    let [user, worker] = carve_testing::cluster::tenant_with_tokens(
+        channel,
+        ADMIN,
+        tenant,
+        quota,
+        &[v1::Role::User, v1::Role::Worker],
+    )
+    .await
+    .try_into()
+    .expect("two tokens");
+    (user, worker)
 }
 
 /// `GET /metrics` over a plain socket, as a scraper does.
