@@ -25,6 +25,12 @@ impl FieldError {
             reason: reason.into(),
         }
     }
+
+    /// A name that is none of `names`, without a field (the caller knows which column or
+    /// field held it): `"sleeping" is not a job state (queued, placed, ...)`.
+    pub fn not_one_of(name: &str, what: &str, names: &[&str]) -> Self {
+        FieldError::new("", format!("{name:?} is not {what} ({})", names.join(", ")))
+    }
 }
 
 impl fmt::Display for FieldError {

@@ -11,6 +11,8 @@
 
 use std::fmt;
 
+use crate::error::FieldError;
+
 /// Where a job is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum JobState {
@@ -68,6 +70,17 @@ impl JobState {
     }
 }
 
+/// By [`JobState::name`]: how a stored state is read back.
+impl TryFrom<&str> for JobState {
+    type Error = FieldError;
+
+    fn try_from(name: &str) -> Result<Self, FieldError> {
+        JobState::from_name(name).ok_or_else(|| {
+            FieldError::not_one_of(name, "a job state", &JobState::ALL.map(JobState::name))
+        })
+    }
+}
+
 impl fmt::Display for JobState {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.write_str(self.name())
@@ -120,6 +133,18 @@ impl AttemptOutcome {
         AttemptOutcome::ALL
             .into_iter()
             .find(|outcome| outcome.name() == name)
+    }
+}
+
+/// By [`AttemptOutcome::name`]: how a stored outcome is read back.
+impl TryFrom<&str> for AttemptOutcome {
+    type Error = FieldError;
+
+    fn try_from(name: &str) -> Result<Self, FieldError> {
+        AttemptOutcome::from_name(name).ok_or_else(|| {
+            let names = AttemptOutcome::ALL.map(AttemptOutcome::name);
+            FieldError::not_one_of(name, "an attempt outcome", &names)
+        })
     }
 }
 
@@ -364,6 +389,17 @@ mod tests {
         }
         assert_eq!(AttemptOutcome::OutOfMemory.name(), "out_of_memory");
         assert_eq!(JobState::from_name("Queued"), None);
+        assert_eq!(JobState::try_from("placed"), Ok(JobState::Placed));
+        assert_eq!(
+            JobState::try_from("sleeping").unwrap_err().to_string(),
+            "\"sleeping\" is not a job state \
+             (queued, placed, running, succeeded, failed, cancelled)"
+        );
+        assert_eq!(
+            AttemptOutcome::try_from("out_of_memory"),
+            Ok(AttemptOutcome::OutOfMemory)
+        );
+        assert!(AttemptOutcome::try_from("oom").is_err());
         assert!(!JobState::Running.is_terminal());
         assert!(JobState::Running.holds_slice() && !JobState::Queued.holds_slice());
     }

@@ -33,7 +33,7 @@ use carve_proto::v1::worker_service_server::WorkerService;
 use carve_scheduler::auth::hash_secret;
 use carve_scheduler::scheduler::{Scheduler, SchedulerSettings, now_ms};
 use carve_scheduler::services::Services;
-use carve_scheduler::store::{Store, TenantRecord, TokenRecord};
+use carve_scheduler::store::{Role, Store, TenantRecord, TokenRecord};
 use http_body::Frame;
 use http_body_util::StreamBody;
 use prost::Message;
@@ -124,14 +124,14 @@ fn harness() -> &'static Harness {
                 .await
                 .expect("create the default tenant");
             for (id, role, secret) in [
-                (ADMIN_TOKEN_ID, "admin", SECRET.to_string()),
-                (SPARE_TOKEN_ID, "user", format!("{SECRET}-spare")),
+                (ADMIN_TOKEN_ID, Role::Admin, SECRET.to_string()),
+                (SPARE_TOKEN_ID, Role::User, format!("{SECRET}-spare")),
             ] {
                 store
                     .create_token(&TokenRecord {
                         id: id.into(),
                         tenant: "default".into(),
-                        role: role.into(),
+                        role,
                         secret_hash: hash_secret(&secret),
                         description: "carve-fuzz".into(),
                         created_at_ms: now_ms(),

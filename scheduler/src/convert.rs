@@ -6,49 +6,61 @@
 //! each shrink) and never validate or estimate its spec again: for large specs that
 //! cost seconds per job.
 
+use carve_core::allocator::OutOfMemory;
 use carve_core::estimator::MemoryEstimate;
+use carve_core::job_state::{AttemptOutcome, JobState};
 use carve_core::plan::RunConfig;
 use carve_core::spec::Precision;
 use carve_proto::ApiError;
 use carve_proto::v1;
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
 
 use crate::error::SchedulerError;
 use crate::store::{AttemptRecord, JobRecord};
 
-pub fn config_to_json(config: &RunConfig) -> String {
-    json!({
-        "batch_size": config.batch_size,
-        "micro_batch_size": config.micro_batch_size,
-        "precision": config.precision.name(),
-        "recompute_segment_layers": config.recompute_segment_layers,
-        "workspace_limit_bytes": config.workspace_limit_bytes,
-        "prefetch_batches": config.prefetch_batches,
-    })
-    .to_string()
+/// A run config as job and attempt rows store it (`config_json`). The keys are in
+/// alphabetical order, as the text has always been written (the admission cache keys
+/// hash it).
+#[derive(Debug, Serialize, Deserialize)]
+struct StoredRunConfig {
+    batch_size: u64,
+    micro_batch_size: u64,
+    precision: String,
+    prefetch_batches: u64,
+    recompute_segment_layers: Option<u64>,
+    workspace_limit_bytes: u64,
 }
 
-pub fn config_from_json(text: &str) -> Result<RunConfig, SchedulerError> {
-    let value: Value = serde_json::from_str(text)
-        .map_err(|error| ApiError::Internal(format!("stored run config: {error}")))?;
-    let number = |field: &str| {
-        value[field].as_u64().ok_or_else(|| {
-            SchedulerError::Api(ApiError::Internal(format!(
-                "stored run config has no {field}"
-            )))
-        })
+pub fn config_to_json(config: &RunConfig) -> String {
+    let stored = StoredRunConfig {
+        batch_size: config.batch_size,
+        micro_batch_size: config.micro_batch_size,
+        precision: config.precision.name().to_string(),
+        prefetch_batches: config.prefetch_batches,
+        recompute_segment_layers: config.recompute_segment_layers,
+        workspace_limit_bytes: config.workspace_limit_bytes,
     };
+    // Numbers and a string: serializing them cannot fail.
+    serde_json::to_string(&stored).unwrap_or_default()
+}
+
+/// The run config a row stores. `Internal` when the text is not one (a corrupt row must
+/// not read as some other configuration).
+pub fn config_from_json(text: &str) -> Result<RunConfig, SchedulerError> {
+    let stored: StoredRunConfig = serde_json::from_str(text)
+        .map_err(|error| ApiError::Internal(format!("stored run config: {error}")))?;
     Ok(RunConfig {
-        batch_size: number("batch_size")?,
-        micro_batch_size: number("micro_batch_size")?,
-        precision: value["precision"]
-            .as_str()
-            .and_then(Precision::from_name)
-            .ok_or_else(|| ApiError::Internal("stored run config has no precision".into()))?,
-        recompute_segment_layers: value["recompute_segment_layers"].as_u64(),
-        workspace_limit_bytes: number("workspace_limit_bytes")?,
-        prefetch_batches: number("prefetch_batches")?,
+        batch_size: stored.batch_size,
+        micro_batch_size: stored.micro_batch_size,
+        precision: Precision::from_name(&stored.precision).ok_or_else(|| {
+            ApiError::Internal(format!(
+                "stored run config: {:?} is not a precision",
+                stored.precision
+            ))
+        })?,
+        recompute_segment_layers: stored.recompute_segment_layers,
+        workspace_limit_bytes: stored.workspace_limit_bytes,
+        prefetch_batches: stored.prefetch_batches,
     })
 }
 
@@ -59,40 +71,61 @@ pub fn timestamp(milliseconds: i64) -> prost_types::Timestamp {
     }
 }
 
-pub fn job_state_to_proto(state: &str) -> v1::JobState {
+pub fn job_state_to_proto(state: JobState) -> v1::JobState {
     match state {
-        "queued" => v1::JobState::Queued,
-        "placed" => v1::JobState::Placed,
-        "running" => v1::JobState::Running,
-        "succeeded" => v1::JobState::Succeeded,
-        "failed" => v1::JobState::Failed,
-        "cancelled" => v1::JobState::Cancelled,
-        _ => v1::JobState::Unspecified,
+        JobState::Queued => v1::JobState::Queued,
+        JobState::Placed => v1::JobState::Placed,
+        JobState::Running => v1::JobState::Running,
+        JobState::Succeeded => v1::JobState::Succeeded,
+        JobState::Failed => v1::JobState::Failed,
+        JobState::Cancelled => v1::JobState::Cancelled,
     }
 }
 
-pub fn job_state_from_proto(state: v1::JobState) -> Option<&'static str> {
+pub fn job_state_from_proto(state: v1::JobState) -> Option<JobState> {
     match state {
-        v1::JobState::Queued => Some("queued"),
-        v1::JobState::Placed => Some("placed"),
-        v1::JobState::Running => Some("running"),
-        v1::JobState::Succeeded => Some("succeeded"),
-        v1::JobState::Failed => Some("failed"),
-        v1::JobState::Cancelled => Some("cancelled"),
+        v1::JobState::Queued => Some(JobState::Queued),
+        v1::JobState::Placed => Some(JobState::Placed),
+        v1::JobState::Running => Some(JobState::Running),
+        v1::JobState::Succeeded => Some(JobState::Succeeded),
+        v1::JobState::Failed => Some(JobState::Failed),
+        v1::JobState::Cancelled => Some(JobState::Cancelled),
         v1::JobState::Unspecified => None,
     }
 }
 
-pub fn outcome_to_proto(outcome: &str) -> v1::AttemptOutcome {
+pub fn outcome_to_proto(outcome: AttemptOutcome) -> v1::AttemptOutcome {
     match outcome {
-        "running" => v1::AttemptOutcome::Running,
-        "succeeded" => v1::AttemptOutcome::Succeeded,
-        "out_of_memory" => v1::AttemptOutcome::OutOfMemory,
-        "failed" => v1::AttemptOutcome::Failed,
-        "cancelled" => v1::AttemptOutcome::Cancelled,
-        "lost" => v1::AttemptOutcome::Lost,
-        "interrupted" => v1::AttemptOutcome::Interrupted,
-        _ => v1::AttemptOutcome::Unspecified,
+        AttemptOutcome::Running => v1::AttemptOutcome::Running,
+        AttemptOutcome::Succeeded => v1::AttemptOutcome::Succeeded,
+        AttemptOutcome::OutOfMemory => v1::AttemptOutcome::OutOfMemory,
+        AttemptOutcome::Failed => v1::AttemptOutcome::Failed,
+        AttemptOutcome::Cancelled => v1::AttemptOutcome::Cancelled,
+        AttemptOutcome::Lost => v1::AttemptOutcome::Lost,
+        AttemptOutcome::Interrupted => v1::AttemptOutcome::Interrupted,
+    }
+}
+
+/// The outcome a worker reports: only those that end an attempt are reports.
+pub fn outcome_from_proto(outcome: v1::AttemptOutcome) -> Option<AttemptOutcome> {
+    match outcome {
+        v1::AttemptOutcome::Succeeded => Some(AttemptOutcome::Succeeded),
+        v1::AttemptOutcome::OutOfMemory => Some(AttemptOutcome::OutOfMemory),
+        v1::AttemptOutcome::Failed => Some(AttemptOutcome::Failed),
+        v1::AttemptOutcome::Cancelled => Some(AttemptOutcome::Cancelled),
+        v1::AttemptOutcome::Lost => Some(AttemptOutcome::Lost),
+        v1::AttemptOutcome::Interrupted => Some(AttemptOutcome::Interrupted),
+        v1::AttemptOutcome::Running | v1::AttemptOutcome::Unspecified => None,
+    }
+}
+
+fn oom_to_proto(report: &OutOfMemory) -> v1::OutOfMemoryReport {
+    v1::OutOfMemoryReport {
+        requested_bytes: report.requested,
+        in_use_bytes: report.in_use,
+        limit_bytes: report.limit,
+        largest_free_bytes: report.largest_free,
+        peak_bytes: report.peak,
     }
 }
 
@@ -105,18 +138,8 @@ pub fn attempt_to_proto(attempt: &AttemptRecord) -> v1::Attempt {
         measured_peak_bytes: attempt.measured_peak_bytes.map(|bytes| bytes as u64),
         worker_id: attempt.worker_id.clone(),
         gpu_uuid: attempt.gpu_id.clone(),
-        outcome: outcome_to_proto(&attempt.outcome) as i32,
-        oom: attempt
-            .oom_json
-            .as_deref()
-            .and_then(|text| serde_json::from_str::<Value>(text).ok())
-            .map(|value| v1::OutOfMemoryReport {
-                requested_bytes: value["requested_bytes"].as_u64().unwrap_or(0),
-                in_use_bytes: value["in_use_bytes"].as_u64().unwrap_or(0),
-                limit_bytes: value["limit_bytes"].as_u64().unwrap_or(0),
-                largest_free_bytes: value["largest_free_bytes"].as_u64().unwrap_or(0),
-                peak_bytes: value["peak_bytes"].as_u64().unwrap_or(0),
-            }),
+        outcome: outcome_to_proto(attempt.outcome) as i32,
+        oom: attempt.oom.as_ref().map(oom_to_proto),
         failure_message: attempt.message.clone(),
         started_at: Some(timestamp(attempt.started_at_ms)),
         finished_at: attempt.finished_at_ms.map(timestamp),
@@ -125,17 +148,6 @@ pub fn attempt_to_proto(attempt: &AttemptRecord) -> v1::Attempt {
             location,
         }),
     }
-}
-
-pub fn oom_to_json(report: &carve_core::allocator::OutOfMemory) -> String {
-    json!({
-        "requested_bytes": report.requested,
-        "in_use_bytes": report.in_use,
-        "limit_bytes": report.limit,
-        "largest_free_bytes": report.largest_free,
-        "peak_bytes": report.peak,
-    })
-    .to_string()
 }
 
 /// A job's estimate as its row stores it: everything the API shows of an estimate but
@@ -272,7 +284,7 @@ pub fn job_proto_from_parts(
         tenant: job.tenant.clone(),
         name: job.name.clone(),
         spec_json: job.spec_json.clone(),
-        state: job_state_to_proto(&job.state) as i32,
+        state: job_state_to_proto(job.state) as i32,
         priority: job.priority as i32,
         created_at: Some(timestamp(job.created_at_ms)),
         estimate: estimate.map(Into::into),

@@ -40,7 +40,14 @@ impl SchedulerError {
 
 impl From<sqlx::Error> for SchedulerError {
     fn from(error: sqlx::Error) -> Self {
-        SchedulerError::Database(lowercase_first(&error.to_string()))
+        match error {
+            // A value this build cannot read (a state it does not know, a broken JSON
+            // report): retrying will not help, and no default may stand in for it.
+            sqlx::Error::ColumnDecode { index, source } => SchedulerError::Api(ApiError::Internal(
+                format!("corrupt row: column {index}: {source}"),
+            )),
+            other => SchedulerError::Database(lowercase_first(&other.to_string())),
+        }
     }
 }
 

@@ -18,6 +18,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use carve_core::job_state::JobState;
 use carve_core::scheduling::{PendingJob, WaitReason};
 
 use crate::store::{JobRecord, QueueFingerprint, QueuedJob};
@@ -99,7 +100,7 @@ impl QueueMirror {
     /// Records a job as the scheduler just stored it: queued jobs are added (or replaced),
     /// others removed. A queued job above `read_through` is left to the next range read.
     pub fn note(&mut self, job: &JobRecord) {
-        if job.state != "queued" {
+        if job.state != JobState::Queued {
             self.remove(&job.id);
             return;
         }
@@ -170,7 +171,7 @@ impl QueueMirror {
 #[cfg(test)]
 mod tests {
     use super::QueueMirror;
-    use crate::store::{JobRecord, QueueFingerprint, QueuedJob};
+    use crate::store::{JobRecord, JobState, QueueFingerprint, QueuedJob};
 
     fn row(id: &str, sequence: i64) -> QueuedJob {
         QueuedJob {
@@ -183,13 +184,13 @@ mod tests {
         }
     }
 
-    fn record(id: &str, sequence: i64, state: &str) -> JobRecord {
+    fn record(id: &str, sequence: i64, state: JobState) -> JobRecord {
         JobRecord {
             id: id.into(),
             tenant: "alpha".into(),
             name: id.into(),
             spec_json: "{}".into(),
-            state: state.into(),
+            state,
             priority: 0,
             submit_sequence: sequence,
             idempotency_key: None,
@@ -223,8 +224,8 @@ mod tests {
         assert_eq!(mirror.read_through(), 4);
         assert!(mirror.matches(&fingerprint(3, 3)));
 
-        mirror.note(&record("job-3", 3, "placed"));
-        mirror.note(&record("job-1", 1, "cancelled"));
+        mirror.note(&record("job-3", 3, JobState::Placed));
+        mirror.note(&record("job-1", 1, JobState::Cancelled));
         assert!(mirror.matches(&fingerprint(1, 2)));
         let pending = mirror.pending_jobs();
         assert_eq!(pending.len(), 1);
@@ -232,14 +233,14 @@ mod tests {
         assert_eq!(pending[0].job_id, "job-2");
 
         // A retry puts the job back with its old sequence and its new size.
-        mirror.note(&record("job-3", 3, "queued"));
+        mirror.note(&record("job-3", 3, JobState::Queued));
         assert!(mirror.matches(&fingerprint(2, 3)));
         let retried = mirror.get_mut("job-3").unwrap();
         assert_eq!(retried.pending.slice_bytes, 200);
         assert_eq!(retried.stored_reason, "retrying");
 
         // Above what was read: left to the next range read.
-        mirror.note(&record("job-9", 9, "queued"));
+        mirror.note(&record("job-9", 9, JobState::Queued));
         assert!(!mirror.contains("job-9"));
     }
 

@@ -19,7 +19,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::codegen::{Service, http};
 use tonic::server::NamedService;
 
-use crate::auth::{generate_id, generate_secret, hash_secret};
+use crate::auth::{Role, generate_id, generate_secret, hash_secret};
 use crate::error::SchedulerError;
 use crate::scheduler::{Scheduler, SchedulerSettings, now_ms};
 use crate::services::Services;
@@ -148,7 +148,7 @@ async fn bootstrap(
             .list_tokens(None)
             .await?
             .iter()
-            .any(|token| token.role == "admin" && !token.revoked) =>
+            .any(|token| token.role == Role::Admin && !token.revoked) =>
         {
             return Ok(None);
         }
@@ -172,7 +172,7 @@ async fn bootstrap(
             .create_token(&TokenRecord {
                 id: generate_id("token"),
                 tenant: DEFAULT_TENANT.into(),
-                role: "admin".into(),
+                role: Role::Admin,
                 secret_hash: hash,
                 description: "bootstrap admin token".into(),
                 created_at_ms: now,

@@ -94,11 +94,10 @@ fn token_proto(token: &TokenRecord) -> v1::Token {
     v1::Token {
         id: token.id.clone(),
         tenant: token.tenant.clone(),
-        role: match Role::from_name(&token.role) {
-            Some(Role::User) => v1::Role::User,
-            Some(Role::Admin) => v1::Role::Admin,
-            Some(Role::Worker) => v1::Role::Worker,
-            None => v1::Role::Unspecified,
+        role: match token.role {
+            Role::User => v1::Role::User,
+            Role::Admin => v1::Role::Admin,
+            Role::Worker => v1::Role::Worker,
         } as i32,
         description: token.description.clone(),
         created_at: Some(timestamp(token.created_at_ms)),
@@ -300,7 +299,7 @@ impl JobService for Services {
                         format!("{state} is not a job state"),
                     )
                 })?;
-            states.push(state.to_string());
+            states.push(state);
         }
         if request.page_size > 1000 {
             return Err(invalid(
@@ -369,8 +368,8 @@ impl JobService for Services {
             time: Some(timestamp(now_ms())),
             event: Some(v1::job_event::Event::StateChanged(
                 v1::job_event::StateChanged {
-                    previous_state: crate::convert::job_state_to_proto(&job.state) as i32,
-                    state: crate::convert::job_state_to_proto(&job.state) as i32,
+                    previous_state: crate::convert::job_state_to_proto(job.state) as i32,
+                    state: crate::convert::job_state_to_proto(job.state) as i32,
                     reason: "current state".into(),
                 },
             )),
@@ -584,7 +583,7 @@ impl AdminService for Services {
         let token = TokenRecord {
             id: generate_id("token"),
             tenant: request.tenant,
-            role: role.name().into(),
+            role,
             secret_hash: hash_secret(&secret),
             description: request.description,
             created_at_ms: now,

@@ -5,7 +5,7 @@
 mod support;
 
 use carve_scheduler::store::{
-    JobRecord, QueueFingerprint, Store, TenantRecord, WAITING_REASON_IDS_PER_STATEMENT,
+    JobRecord, JobState, QueueFingerprint, Store, TenantRecord, WAITING_REASON_IDS_PER_STATEMENT,
     WAITING_REASONS_PER_TRANSACTION,
 };
 use support::TestDb;
@@ -62,7 +62,7 @@ fn job(id: &str, tenant: &str, priority: i64, required_bytes: i64) -> JobRecord 
         tenant: tenant.into(),
         name: id.into(),
         spec_json: r#"{"name":"a spec the pass never reads"}"#.into(),
-        state: "queued".into(),
+        state: JobState::Queued,
         priority,
         submit_sequence: 0,
         idempotency_key: None,
@@ -90,7 +90,7 @@ async fn queued_jobs_are_read_narrow_in_submit_order(db: &TestDb) {
         .await
         .unwrap();
     let mut finished = store.get_job("job-2").await.unwrap();
-    finished.state = "cancelled".into();
+    finished.state = JobState::Cancelled;
     store.update_job(&finished).await.unwrap();
 
     let queued = store.queued_jobs_for_scheduling().await.unwrap();
@@ -139,7 +139,7 @@ async fn the_fingerprint_changes_when_the_queue_does(db: &TestDb) {
     );
 
     let mut placed = store.get_job("job-2").await.unwrap();
-    placed.state = "placed".into();
+    placed.state = JobState::Placed;
     store.update_job(&placed).await.unwrap();
     let one = store.queue_fingerprint().await.unwrap();
     assert_eq!(one.queued_jobs, 1);
@@ -155,7 +155,7 @@ async fn waiting_reasons_are_written_in_groups_to_queued_jobs_only(db: &TestDb) 
         .collect();
     store.submit_jobs(jobs).await.unwrap();
     let mut running = store.get_job("job-0").await.unwrap();
-    running.state = "running".into();
+    running.state = JobState::Running;
     store.update_job(&running).await.unwrap();
 
     let mut reasons: Vec<(String, String)> = (0..count)
@@ -190,7 +190,7 @@ async fn range_reads_return_the_queued_jobs_between_two_sequences(db: &TestDb) {
         .await
         .unwrap();
     let mut placed = store.get_job("job-3").await.unwrap();
-    placed.state = "placed".into();
+    placed.state = JobState::Placed;
     store.update_job(&placed).await.unwrap();
     let ids = |jobs: Vec<carve_scheduler::store::QueuedJob>| -> Vec<String> {
         jobs.into_iter().map(|job| job.id).collect()

@@ -315,7 +315,7 @@ async fn jobs_queued_by_another_replica_are_placed() {
     .await
     .unwrap();
     let mut back = other_replica.get_job(&requeued.id).await.unwrap();
-    back.state = "queued".into();
+    back.state = carve_scheduler::store::JobState::Queued;
     back.finished_at_ms = None;
     back.message.clear();
     other_replica.update_job(&back).await.unwrap();

@@ -6,14 +6,15 @@ mod support;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
-use carve_core::job_state::JobState;
+use carve_core::allocator::OutOfMemory;
 use carve_proto::ApiError;
 use carve_scheduler::convert::{attempt_to_proto, job_to_proto};
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::store::{
-    AttemptRecord, Backend, JobFilter, JobRecord, LogBatcher, LogBatcherSettings, LogLineRecord,
-    LogPage, LogQuery, MAX_LOG_LINES_PER_JOB, MAX_LOG_MESSAGE_BYTES, NewLogLine, Store,
-    SubmitBatcher, TenantRecord, TokenRecord, WorkerRecord,
+    AttemptOutcome, AttemptRecord, Backend, JobFilter, JobRecord, JobState, LogBatcher,
+    LogBatcherSettings, LogLineRecord, LogPage, LogQuery, MAX_LOG_LINES_PER_JOB,
+    MAX_LOG_MESSAGE_BYTES, NewLogLine, Role, Store, SubmitBatcher, TenantRecord, TokenRecord,
+    WorkerRecord, WorkerState,
 };
 use support::TestDb;
 
@@ -88,7 +89,7 @@ fn job(id: &str, tenant: &str, name: &str) -> JobRecord {
         tenant: tenant.to_string(),
         name: name.to_string(),
         spec_json: format!(r#"{{"name":"{name}"}}"#),
-        state: "queued".to_string(),
+        state: JobState::Queued,
         priority: 0,
         submit_sequence: 0,
         idempotency_key: None,
@@ -120,9 +121,9 @@ fn attempt(job_id: &str, number: i64, lease_epoch: i64) -> AttemptRecord {
         worker_id: "w-1".to_string(),
         gpu_id: "GPU-0".to_string(),
         lease_epoch,
-        outcome: "running".to_string(),
+        outcome: AttemptOutcome::Running,
         measured_peak_bytes: None,
-        oom_json: None,
+        oom: None,
         message: String::new(),
         resumed_from: None,
         resumed_from_step: 0,
@@ -136,7 +137,7 @@ fn worker(id: &str, hostname: &str) -> WorkerRecord {
         id: id.to_string(),
         hostname: hostname.to_string(),
         gpus_json: r#"[{"uuid":"GPU-0","total_bytes":17179869184}]"#.to_string(),
-        state: "ready".to_string(),
+        state: WorkerState::Ready,
         last_heartbeat_ms: T0,
         registered_at_ms: T0,
         version: "0.1.0".to_string(),
@@ -266,7 +267,7 @@ async fn tokens_are_found_by_hash_and_revoked(db: &TestDb) {
     let alice = TokenRecord {
         id: "tok-alice".into(),
         tenant: "acme".into(),
-        role: "user".into(),
+        role: Role::User,
         secret_hash: vec![1, 2, 3, 4, 0, 255],
         description: "alice's laptop".into(),
         created_at_ms: T0,
@@ -284,7 +285,7 @@ async fn tokens_are_found_by_hash_and_revoked(db: &TestDb) {
     let admin = TokenRecord {
         id: "tok-admin".into(),
         tenant: String::new(),
-        role: "admin".into(),
+        role: Role::Admin,
         secret_hash: vec![7; 32],
         description: "operator".into(),
         created_at_ms: T0 + 20,
@@ -335,16 +336,6 @@ async fn tokens_are_found_by_hash_and_revoked(db: &TestDb) {
         store.create_token(&duplicate_hash).await,
         Err(SchedulerError::already_exists("token", "tok-other"))
     );
-    let bad_role = TokenRecord {
-        id: "tok-root".into(),
-        role: "root".into(),
-        secret_hash: vec![6],
-        ..alice.clone()
-    };
-    assert!(matches!(
-        store.create_token(&bad_role).await,
-        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "role"
-    ));
 
     let revoked = store.revoke_token("tok-alice").await.unwrap();
     let expected = TokenRecord {
@@ -451,18 +442,7 @@ async fn a_failing_group_commits_nothing(db: &TestDb) {
         taken_id,
         Err(SchedulerError::already_exists("job", "taken"))
     );
-    let bad_state = store
-        .submit_jobs(vec![JobRecord {
-            state: "sleeping".into(),
-            ..job("g3-a", "acme", "x")
-        }])
-        .await;
-    assert!(matches!(
-        bad_state,
-        Err(SchedulerError::Api(ApiError::InvalidArgument { .. }))
-    ));
-
-    for id in ["g1-a", "g1-b", "g1-c", "g2-a", "g3-a"] {
+    for id in ["g1-a", "g1-b", "g1-c", "g2-a"] {
         assert_eq!(
             store.get_job(id).await,
             Err(SchedulerError::not_found("job", id)),
@@ -663,7 +643,12 @@ async fn list_jobs_filters_and_pages(db: &TestDb) {
     let store = db.open().await;
     store.create_tenant(&tenant("acme")).await.unwrap();
     store.create_tenant(&tenant("beta")).await.unwrap();
-    let states = ["queued", "running", "succeeded", "failed"];
+    let states = [
+        JobState::Queued,
+        JobState::Running,
+        JobState::Succeeded,
+        JobState::Failed,
+    ];
     let mut submitted = Vec::new();
     for i in 0..30 {
         let tenant = if i % 3 == 0 { "beta" } else { "acme" };
@@ -674,7 +659,7 @@ async fn list_jobs_filters_and_pages(db: &TestDb) {
             i => format!("eval-{i}"),
         };
         submitted.push(JobRecord {
-            state: states[i % states.len()].to_string(),
+            state: states[i % states.len()],
             ..job(&format!("j-{i:02}"), tenant, &name)
         });
     }
@@ -727,11 +712,11 @@ async fn list_jobs_filters_and_pages(db: &TestDb) {
     .await;
     check(
         JobFilter {
-            states: vec!["queued".into(), "failed".into()],
+            states: vec![JobState::Queued, JobState::Failed],
             ..JobFilter::default()
         },
         all.iter()
-            .filter(|j| j.state == "queued" || j.state == "failed")
+            .filter(|j| j.state == JobState::Queued || j.state == JobState::Failed)
             .cloned()
             .collect(),
     )
@@ -773,14 +758,14 @@ async fn list_jobs_filters_and_pages(db: &TestDb) {
     check(
         JobFilter {
             tenant: Some("acme".into()),
-            states: vec!["queued".into(), "succeeded".into()],
+            states: vec![JobState::Queued, JobState::Succeeded],
             name_prefix: Some("train".into()),
             ..JobFilter::default()
         },
         all.iter()
             .filter(|j| {
                 j.tenant == "acme"
-                    && (j.state == "queued" || j.state == "succeeded")
+                    && (j.state == JobState::Queued || j.state == JobState::Succeeded)
                     && j.name.starts_with("train")
             })
             .cloned()
@@ -805,16 +790,6 @@ async fn list_jobs_filters_and_pages(db: &TestDb) {
     assert!(
         matches!(&bad_token, Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "page_token"),
         "{bad_token:?}"
-    );
-    let bad_state = store
-        .list_jobs(&JobFilter {
-            states: vec!["queued".into(), "napping".into()],
-            ..JobFilter::default()
-        })
-        .await;
-    assert!(
-        matches!(&bad_state, Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "states[1]"),
-        "{bad_state:?}"
     );
 }
 
@@ -867,7 +842,7 @@ async fn update_job_rewrites_all_but_the_identity(db: &TestDb) {
     let changed = JobRecord {
         name: "one-renamed".into(),
         spec_json: r#"{"name":"one-renamed"}"#.into(),
-        state: "failed".into(),
+        state: JobState::Failed,
         priority: 7,
         config_json: r#"{"batch_size":32,"micro_batch_size":8}"#.into(),
         estimate_json: r#"{"required_bytes":524288}"#.into(),
@@ -915,28 +890,26 @@ async fn update_job_rewrites_all_but_the_identity(db: &TestDb) {
         store.update_job(&job("j-nope", "acme", "x")).await,
         Err(SchedulerError::not_found("job", "j-nope"))
     );
-    let bad_state = JobRecord {
-        state: "done".into(),
-        ..changed.clone()
-    };
-    assert!(matches!(
-        store.update_job(&bad_state).await,
-        Err(SchedulerError::Api(ApiError::InvalidArgument { .. }))
-    ));
-    assert_eq!(store.get_job("j-1").await.unwrap().state, "failed");
+    assert_eq!(store.get_job("j-1").await.unwrap().state, JobState::Failed);
 }
 
 async fn jobs_in_states_are_oldest_first(db: &TestDb) {
     let store = db.open().await;
     store.create_tenant(&tenant("acme")).await.unwrap();
     let mut ids = Vec::new();
-    for (i, state) in ["queued", "running", "queued", "succeeded", "placed"]
-        .iter()
-        .enumerate()
+    for (i, state) in [
+        JobState::Queued,
+        JobState::Running,
+        JobState::Queued,
+        JobState::Succeeded,
+        JobState::Placed,
+    ]
+    .into_iter()
+    .enumerate()
     {
         let outcome = store
             .submit_jobs(vec![JobRecord {
-                state: state.to_string(),
+                state,
                 ..job(&format!("j-{i}"), "acme", "x")
             }])
             .await
@@ -945,24 +918,23 @@ async fn jobs_in_states_are_oldest_first(db: &TestDb) {
     }
     let ids_of = |jobs: Vec<JobRecord>| jobs.into_iter().map(|j| j.id).collect::<Vec<_>>();
     assert_eq!(
-        ids_of(store.jobs_in_states(&["queued"]).await.unwrap()),
+        ids_of(store.jobs_in_states(&[JobState::Queued]).await.unwrap()),
         vec!["j-0", "j-2"]
     );
     assert_eq!(
         ids_of(
             store
-                .jobs_in_states(&["running", "placed", "queued"])
+                .jobs_in_states(&[JobState::Running, JobState::Placed, JobState::Queued])
                 .await
                 .unwrap()
         ),
         vec!["j-0", "j-1", "j-2", "j-4"]
     );
     assert_eq!(store.jobs_in_states(&[]).await.unwrap(), vec![]);
-    assert_eq!(store.jobs_in_states(&["cancelled"]).await.unwrap(), vec![]);
-    assert!(matches!(
-        store.jobs_in_states(&["queued", "asleep"]).await,
-        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "states[1]"
-    ));
+    assert_eq!(
+        store.jobs_in_states(&[JobState::Cancelled]).await.unwrap(),
+        vec![]
+    );
 }
 
 async fn count_jobs_counts_one_tenants_jobs_in_one_state(db: &TestDb) {
@@ -977,16 +949,16 @@ async fn count_jobs_counts_one_tenants_jobs_in_one_state(db: &TestDb) {
     store.submit_jobs(queued).await.unwrap();
     let mut others = Vec::new();
     for (i, (tenant_name, state)) in [
-        ("acme", "running"),
-        ("acme", "succeeded"),
-        ("globex", "queued"),
-        ("globex", "queued"),
+        ("acme", JobState::Running),
+        ("acme", JobState::Succeeded),
+        ("globex", JobState::Queued),
+        ("globex", JobState::Queued),
     ]
     .into_iter()
     .enumerate()
     {
         others.push(JobRecord {
-            state: state.to_string(),
+            state,
             ..job(&format!("o-{i}"), tenant_name, "x")
         });
     }
@@ -1021,9 +993,15 @@ async fn attempts_are_listed_by_number(db: &TestDb) {
         .await
         .unwrap();
     let third = AttemptRecord {
-        outcome: "out_of_memory".into(),
+        outcome: AttemptOutcome::OutOfMemory,
         measured_peak_bytes: Some(3 << 20),
-        oom_json: Some(r#"{"requested_bytes":1024}"#.into()),
+        oom: Some(OutOfMemory {
+            requested: 1024,
+            in_use: 3 << 20,
+            limit: 4 << 20,
+            largest_free: 512,
+            peak: 3 << 20,
+        }),
         message: "oom".into(),
         resumed_from: Some("/ckpt/j/10".into()),
         resumed_from_step: 10,
@@ -1053,14 +1031,6 @@ async fn attempts_are_listed_by_number(db: &TestDb) {
         store.create_attempt(&attempt("ghost", 1, 1)).await,
         Err(SchedulerError::not_found("job", "ghost"))
     );
-    let bad_outcome = AttemptRecord {
-        outcome: "exploded".into(),
-        ..attempt("j", 4, 1)
-    };
-    assert!(matches!(
-        store.create_attempt(&bad_outcome).await,
-        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "outcome"
-    ));
     assert_eq!(store.list_attempts("j").await.unwrap().len(), 3);
 }
 
@@ -1077,7 +1047,16 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
     // A report from the worker that held attempt 2 under epoch 2, before it was
     // reassigned under epoch 3.
     let stale = store
-        .finish_attempt("j", 2, 2, "succeeded", Some(10), None, "done", T0 + 50)
+        .finish_attempt(
+            "j",
+            2,
+            2,
+            AttemptOutcome::Succeeded,
+            Some(10),
+            None,
+            "done",
+            T0 + 50,
+        )
         .await;
     assert_eq!(
         stale,
@@ -1091,24 +1070,30 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
         "a stale report changes nothing"
     );
 
-    let oom = r#"{"requested_bytes":4096,"in_use_bytes":1024,"limit_bytes":2048}"#;
+    let oom = OutOfMemory {
+        requested: 4096,
+        in_use: 1024,
+        limit: 2048,
+        largest_free: 1024,
+        peak: 1024,
+    };
     store
         .finish_attempt(
             "j",
             2,
             3,
-            "out_of_memory",
+            AttemptOutcome::OutOfMemory,
             Some(2 << 20),
-            Some(oom),
+            Some(&oom),
             "oom in conv",
             T0 + 60,
         )
         .await
         .unwrap();
     let finished = AttemptRecord {
-        outcome: "out_of_memory".into(),
+        outcome: AttemptOutcome::OutOfMemory,
         measured_peak_bytes: Some(2 << 20),
-        oom_json: Some(oom.into()),
+        oom: Some(oom),
         message: "oom in conv".into(),
         finished_at_ms: Some(T0 + 60),
         ..attempt("j", 2, 3)
@@ -1118,7 +1103,16 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
     // Finished attempts stay finished, whatever the epoch.
     assert_eq!(
         store
-            .finish_attempt("j", 2, 3, "succeeded", None, None, "", T0 + 70)
+            .finish_attempt(
+                "j",
+                2,
+                3,
+                AttemptOutcome::Succeeded,
+                None,
+                None,
+                "",
+                T0 + 70
+            )
             .await,
         Err(SchedulerError::Conflict(
             "attempt j/2 already ended (out_of_memory)".into()
@@ -1128,13 +1122,13 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
 
     assert_eq!(
         store
-            .finish_attempt("j", 9, 1, "failed", None, None, "", T0)
+            .finish_attempt("j", 9, 1, AttemptOutcome::Failed, None, None, "", T0)
             .await,
         Err(SchedulerError::not_found("attempt", "j/9"))
     );
     assert!(matches!(
         store
-            .finish_attempt("j", 1, 1, "running", None, None, "", T0)
+            .finish_attempt("j", 1, 1, AttemptOutcome::Running, None, None, "", T0)
             .await,
         Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "outcome"
     ));
@@ -1143,7 +1137,7 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
             "j",
             1,
             1,
-            "lost",
+            AttemptOutcome::Lost,
             None,
             None,
             "worker w-1 lost its lease",
@@ -1151,7 +1145,10 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
         )
         .await
         .unwrap();
-    assert_eq!(store.list_attempts("j").await.unwrap()[0].outcome, "lost");
+    assert_eq!(
+        store.list_attempts("j").await.unwrap()[0].outcome,
+        AttemptOutcome::Lost
+    );
 }
 
 /// A stored estimate with its breakdowns, as admission writes it.
@@ -1259,7 +1256,7 @@ async fn checkpoint_steps_are_stored_with_jobs_and_attempts(db: &TestDb) {
     let read = store.get_job("j").await.unwrap();
     assert_eq!(read.checkpoint_step, 1234);
     let placed = JobRecord {
-        state: "placed".into(),
+        state: JobState::Placed,
         attempts_count: 1,
         ..read.clone()
     };
@@ -1293,7 +1290,7 @@ async fn record_job_and_attempt_is_atomic(db: &TestDb) {
 
     // Placing: the job and its first attempt together.
     let placed = JobRecord {
-        state: "placed".into(),
+        state: JobState::Placed,
         attempts_count: 1,
         ..queued.clone()
     };
@@ -1309,7 +1306,7 @@ async fn record_job_and_attempt_is_atomic(db: &TestDb) {
 
     // Recording the same attempt again fails, and the job change with it is undone.
     let running = JobRecord {
-        state: "running".into(),
+        state: JobState::Running,
         message: "should not stick".into(),
         ..placed.clone()
     };
@@ -1342,7 +1339,7 @@ async fn record_job_and_attempt_is_atomic(db: &TestDb) {
     );
     assert_eq!(
         store
-            .finish_attempt("j", 1, 1, "succeeded", None, None, "", T0)
+            .finish_attempt("j", 1, 1, AttemptOutcome::Succeeded, None, None, "", T0)
             .await,
         Err(SchedulerError::Conflict(
             "attempt j/1 was reassigned (lease epoch 4, reported 1)".into()
@@ -1409,11 +1406,23 @@ async fn workers_upsert_and_state(db: &TestDb) {
     assert_eq!(store.upsert_worker(&again).await.unwrap(), expected);
     assert_eq!(store.get_worker("w-1").await.unwrap(), expected);
 
-    let draining = store.set_worker_state("w-1", "draining").await.unwrap();
-    assert_eq!(draining.state, "draining");
-    assert_eq!(store.get_worker("w-1").await.unwrap().state, "draining");
-    store.set_worker_state("w-1", "lost").await.unwrap();
-    assert_eq!(store.get_worker("w-1").await.unwrap().state, "lost");
+    let draining = store
+        .set_worker_state("w-1", WorkerState::Draining)
+        .await
+        .unwrap();
+    assert_eq!(draining.state, WorkerState::Draining);
+    assert_eq!(
+        store.get_worker("w-1").await.unwrap().state,
+        WorkerState::Draining
+    );
+    store
+        .set_worker_state("w-1", WorkerState::Lost)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get_worker("w-1").await.unwrap().state,
+        WorkerState::Lost
+    );
     assert_eq!(store.get_worker("w-2").await.unwrap(), node_a, "untouched");
     store.record_heartbeat("w-2", T0 + 900).await.unwrap();
     assert_eq!(
@@ -1421,13 +1430,8 @@ async fn workers_upsert_and_state(db: &TestDb) {
         T0 + 900
     );
 
-    assert!(matches!(
-        store.set_worker_state("w-1", "asleep").await,
-        Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "state"
-    ));
-    assert_eq!(store.get_worker("w-1").await.unwrap().state, "lost");
     assert_eq!(
-        store.set_worker_state("w-9", "ready").await,
+        store.set_worker_state("w-9", WorkerState::Ready).await,
         Err(SchedulerError::not_found("worker", "w-9"))
     );
     assert_eq!(
@@ -1485,7 +1489,7 @@ async fn data_survives_reopening(db: &TestDb) {
     let token = TokenRecord {
         id: "tok-1".into(),
         tenant: "acme".into(),
-        role: "user".into(),
+        role: Role::User,
         secret_hash: vec![42; 32],
         description: "ci".into(),
         created_at_ms: T0,

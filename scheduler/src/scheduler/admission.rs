@@ -247,7 +247,7 @@ impl Scheduler {
             tenant: caller.tenant.clone(),
             name: job.spec.name.clone(),
             spec_json: spec_json.to_string(),
-            state: JobState::Queued.name().into(),
+            state: JobState::Queued,
             priority: i64::from(job.spec.priority),
             submit_sequence: 0,
             idempotency_key: (!idempotency_key.is_empty()).then(|| idempotency_key.to_string()),

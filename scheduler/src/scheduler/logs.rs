@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use carve_core::allocator::OutOfMemory;
+use carve_core::job_state::JobState;
 use carve_proto::v1;
 
 use crate::auth::Caller;
@@ -51,8 +52,8 @@ impl Scheduler {
         self.emit(
             job_id,
             v1::job_event::Event::StateChanged(v1::job_event::StateChanged {
-                previous_state: job_state_to_proto(change.previous.name()) as i32,
-                state: job_state_to_proto(change.next.name()) as i32,
+                previous_state: job_state_to_proto(change.previous) as i32,
+                state: job_state_to_proto(change.next) as i32,
                 reason: reason.to_string(),
             }),
         );
@@ -81,7 +82,7 @@ fn log_line_for_event(
                 v1::JobState::try_from(state)
                     .ok()
                     .and_then(crate::convert::job_state_from_proto)
-                    .unwrap_or("unknown")
+                    .map_or("unknown", JobState::name)
             };
             let (previous, state) = (name(changed.previous_state), name(changed.state));
             let level = match (previous, state) {

@@ -41,7 +41,7 @@ use crate::compute_pool::{ComputeLimits, ComputePool};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use crate::queue::QueueMirror;
-use crate::store::{JobRecord, Store, SubmitBatcher, WorkerRecord};
+use crate::store::{JobRecord, Store, SubmitBatcher, WorkerRecord, WorkerState};
 use crate::worker_session::LiveSession;
 
 use admission::Lookups;
@@ -78,28 +78,11 @@ impl Default for SchedulerSettings {
 
 pub type SessionSender = mpsc::Sender<Result<v1::SchedulerMessage, Status>>;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WorkerLiveness {
-    Ready,
-    Draining,
-    Lost,
-}
-
-impl WorkerLiveness {
-    pub fn name(self) -> &'static str {
-        match self {
-            WorkerLiveness::Ready => "ready",
-            WorkerLiveness::Draining => "draining",
-            WorkerLiveness::Lost => "lost",
-        }
-    }
-}
-
 #[derive(Debug)]
 struct LiveWorker {
     record: WorkerRecord,
     gpus: Vec<v1::Gpu>,
-    state: WorkerLiveness,
+    state: WorkerState,
     last_heartbeat: Instant,
     session: Option<LiveSession>,
 }
@@ -197,15 +180,10 @@ struct StateChange {
 /// which transitions exist. Only the record in memory changes: `Scheduler::move_job`
 /// also stores it and announces it.
 fn transition(job: &mut JobRecord, event: JobEvent) -> Result<StateChange, SchedulerError> {
-    let previous = JobState::from_name(&job.state).ok_or_else(|| {
-        ApiError::Internal(format!(
-            "job {} has an unknown state {:?}",
-            job.id, job.state
-        ))
-    })?;
+    let previous = job.state;
     let next = next_state(previous, event)
         .map_err(|error| ApiError::FailedPrecondition(error.to_string()))?;
-    job.state = next.name().to_string();
+    job.state = next;
     Ok(StateChange { previous, next })
 }
 
@@ -213,10 +191,6 @@ fn transition(job: &mut JobRecord, event: JobEvent) -> Result<StateChange, Sched
 /// means the store holds something this build cannot read.
 fn stored_spec_text(spec_json: &str) -> Result<ValidatedJob, SchedulerError> {
     carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)
-}
-
-fn is_terminal(state: &str) -> bool {
-    matches!(state, "succeeded" | "failed" | "cancelled")
 }
 
 fn spec_error(error: ApiError) -> SchedulerError {
@@ -354,7 +328,7 @@ impl Scheduler {
         let live = self.live();
         let mut gpus = Vec::new();
         for (worker_id, worker) in &live.workers {
-            if worker.state == WorkerLiveness::Lost {
+            if worker.state == WorkerState::Lost {
                 continue;
             }
             for gpu in &worker.gpus {
@@ -370,7 +344,7 @@ impl Scheduler {
                     total_bytes: gpu.total_bytes,
                     context_bytes: gpu.context_bytes,
                     allocated_bytes: allocated,
-                    schedulable: worker.state == WorkerLiveness::Ready && worker.session.is_some(),
+                    schedulable: worker.state == WorkerState::Ready && worker.session.is_some(),
                 });
             }
         }

@@ -3,22 +3,22 @@
 //! infrastructure failures with their backoff.
 
 use carve_core::allocator::OutOfMemory;
-use carve_core::job_state::{JobEvent, JobState};
+use carve_core::job_state::{AttemptOutcome, JobEvent, JobState};
 use carve_core::shrink::{OomObservation, plan_shrink};
 use carve_proto::ApiError;
 use carve_proto::v1;
 use tokio::time::Instant;
 
 use crate::auth::Caller;
-use crate::convert::{config_from_json, config_to_json, estimate_to_json, oom_to_json};
+use crate::convert::{config_from_json, config_to_json, estimate_to_json, outcome_from_proto};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use crate::store::JobRecord;
 
 use super::admission::shape_key;
 use super::{
-    INFRASTRUCTURE_RETRIES, RunningAttempt, Scheduler, WorkerLiveness, is_terminal, now_ms,
-    spec_error, stored_spec_text,
+    INFRASTRUCTURE_RETRIES, RunningAttempt, Scheduler, WorkerState, now_ms, spec_error,
+    stored_spec_text,
 };
 
 impl Scheduler {
@@ -32,7 +32,7 @@ impl Scheduler {
     ) -> Result<JobRecord, SchedulerError> {
         let _guard = self.job_changes.lock().await;
         let mut job = self.visible_job(caller, job_id).await?;
-        if is_terminal(&job.state) {
+        if job.state.is_terminal() {
             return Err(ApiError::FailedPrecondition(format!(
                 "job {job_id} already {}",
                 job.state
@@ -89,9 +89,9 @@ impl Scheduler {
                 &attempt.job_id,
                 i64::from(attempt.attempt_number),
                 attempt.lease_epoch as i64,
-                "out_of_memory",
+                AttemptOutcome::OutOfMemory,
                 Some(report.peak as i64),
-                Some(oom_to_json(&report).as_str()),
+                Some(&report),
                 &report.to_string(),
                 now,
             )
@@ -115,7 +115,7 @@ impl Scheduler {
                 report: Some(report.into()),
             }),
         );
-        if is_terminal(&job.state) {
+        if job.state.is_terminal() {
             // Cancelled meanwhile: the slice is free, nothing to retry.
             self.wake();
             return Ok(());
@@ -123,7 +123,7 @@ impl Scheduler {
         let attempts = self.store.list_attempts(&job.id).await?;
         let out_of_memory_attempts = attempts
             .iter()
-            .filter(|attempt| attempt.outcome == "out_of_memory")
+            .filter(|attempt| attempt.outcome == AttemptOutcome::OutOfMemory)
             .count();
         let observation = OomObservation {
             report,
@@ -205,11 +205,16 @@ impl Scheduler {
         let running = self
             .current_attempt(worker_id, &attempt)
             .ok_or_else(|| self.fenced(&attempt))?;
-        let outcome = match v1::AttemptOutcome::try_from(finished.outcome) {
-            Ok(v1::AttemptOutcome::Succeeded) => "succeeded",
-            Ok(v1::AttemptOutcome::Cancelled) => "cancelled",
-            Ok(v1::AttemptOutcome::Failed) => "failed",
-            Ok(v1::AttemptOutcome::Interrupted) => "interrupted",
+        let outcome = match v1::AttemptOutcome::try_from(finished.outcome)
+            .ok()
+            .and_then(outcome_from_proto)
+        {
+            Some(
+                outcome @ (AttemptOutcome::Succeeded
+                | AttemptOutcome::Cancelled
+                | AttemptOutcome::Failed
+                | AttemptOutcome::Interrupted),
+            ) => outcome,
             _ => {
                 return Err(ApiError::InvalidArgument {
                     field: "attempt_finished.outcome".into(),
@@ -234,7 +239,7 @@ impl Scheduler {
             .await?;
         self.live().running.remove(&attempt.job_id);
         let mut job = self.store.get_job(&attempt.job_id).await?;
-        if let (Some(measured), "succeeded") = (measured, outcome) {
+        if let (Some(measured), AttemptOutcome::Succeeded) = (measured, outcome) {
             // The model as written is all the key needs: parsed, not validated again.
             let spec =
                 carve_proto::convert::job_spec_from_json(&job.spec_json).map_err(spec_error)?;
@@ -245,8 +250,8 @@ impl Scheduler {
                 .await?;
             self.lookups.peak_corrections.invalidate(&shape_key);
         }
-        if outcome == "interrupted" {
-            if !is_terminal(&job.state) {
+        if outcome == AttemptOutcome::Interrupted {
+            if !job.state.is_terminal() {
                 self.retry_after_infrastructure_failure(
                     &mut job,
                     attempt.attempt_number,
@@ -258,14 +263,14 @@ impl Scheduler {
                 )
                 .await?;
             }
-        } else if !is_terminal(&job.state) {
+        } else if !job.state.is_terminal() {
             let event = match outcome {
-                "succeeded" => JobEvent::AttemptSucceeded,
-                "cancelled" => JobEvent::CancelRequested,
+                AttemptOutcome::Succeeded => JobEvent::AttemptSucceeded,
+                AttemptOutcome::Cancelled => JobEvent::CancelRequested,
                 _ => JobEvent::AttemptFailed,
             };
             job.finished_at_ms = Some(now);
-            if outcome == "failed" {
+            if outcome == AttemptOutcome::Failed {
                 job.message = format!(
                     "attempt {} failed: {}",
                     attempt.attempt_number, finished.message
@@ -311,7 +316,7 @@ impl Scheduler {
             live.workers
                 .iter()
                 .filter(|(_, worker)| {
-                    worker.state != WorkerLiveness::Lost && worker.last_heartbeat.elapsed() > lease
+                    worker.state != WorkerState::Lost && worker.last_heartbeat.elapsed() > lease
                 })
                 .map(|(id, _)| id.clone())
                 .collect()
@@ -325,7 +330,7 @@ impl Scheduler {
             let lost_attempts: Vec<(String, RunningAttempt)> = {
                 let mut live = self.live();
                 if let Some(worker) = live.workers.get_mut(&worker_id) {
-                    worker.state = WorkerLiveness::Lost;
+                    worker.state = WorkerState::Lost;
                     if let Some(session) = worker.session.take() {
                         session.end(SchedulerError::Api(ApiError::Unavailable(format!(
                             "no heartbeat for longer than the lease ({lease:?}): this \
@@ -347,7 +352,9 @@ impl Scheduler {
                     })
                     .collect()
             };
-            self.store.set_worker_state(&worker_id, "lost").await?;
+            self.store
+                .set_worker_state(&worker_id, WorkerState::Lost)
+                .await?;
             for (job_id, running) in lost_attempts {
                 Metrics::count(&self.metrics.attempts_lost);
                 let fenced = self
@@ -356,7 +363,7 @@ impl Scheduler {
                         &job_id,
                         i64::from(running.attempt_number),
                         running.lease_epoch as i64,
-                        "lost",
+                        AttemptOutcome::Lost,
                         None,
                         None,
                         &format!("worker {worker_id} stopped heartbeating"),
@@ -369,7 +376,7 @@ impl Scheduler {
                     return Err(error);
                 }
                 let mut job = self.store.get_job(&job_id).await?;
-                if !is_terminal(&job.state) {
+                if !job.state.is_terminal() {
                     self.retry_after_infrastructure_failure(
                         &mut job,
                         running.attempt_number,
@@ -404,7 +411,12 @@ impl Scheduler {
             .list_attempts(&job.id)
             .await?
             .iter()
-            .filter(|attempt| matches!(attempt.outcome.as_str(), "lost" | "interrupted"))
+            .filter(|attempt| {
+                matches!(
+                    attempt.outcome,
+                    AttemptOutcome::Lost | AttemptOutcome::Interrupted
+                )
+            })
             .count()
             .max(1);
         if failures > INFRASTRUCTURE_RETRIES {

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use carve_core::job_state::JobEvent;
+use carve_core::job_state::{AttemptOutcome, JobEvent, JobState};
 use carve_core::scheduling::{
     GpuState, Placement, SchedulingProblem, TenantState, WaitReason, solve,
 };
@@ -174,7 +174,7 @@ impl Scheduler {
         }
         // Only placed jobs need their whole record (spec, config, checkpoint).
         let mut job = self.store.get_job(&placement.job_id).await?;
-        if job.state != "queued" {
+        if job.state != JobState::Queued {
             self.queue().remove(&job.id);
             return Ok(false);
         }
@@ -196,9 +196,9 @@ impl Scheduler {
             worker_id: placement.worker_id.clone(),
             gpu_id: placement.gpu_id.clone(),
             lease_epoch: attempt_number,
-            outcome: "running".into(),
+            outcome: AttemptOutcome::Running,
             measured_peak_bytes: None,
-            oom_json: None,
+            oom: None,
             message: String::new(),
             resumed_from: job.checkpoint_location.clone(),
             resumed_from_step: job.checkpoint_step,

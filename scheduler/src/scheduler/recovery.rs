@@ -2,27 +2,31 @@
 
 use std::collections::HashMap;
 
+use carve_core::job_state::{AttemptOutcome, JobState};
 use carve_proto::v1;
 use tokio::time::Instant;
 
 use crate::error::SchedulerError;
 
 use super::sessions::GpuJson;
-use super::{LiveWorker, RunningAttempt, Scheduler, WorkerLiveness};
+use super::{LiveWorker, RunningAttempt, Scheduler, WorkerState};
 
 impl Scheduler {
     /// Rebuilds the live state from the store after a start: attempts still running keep
     /// their slices, and their workers get one lease to come back.
     pub async fn recover(&self) -> Result<(), SchedulerError> {
         let workers = self.store.list_workers().await?;
-        let active = self.store.jobs_in_states(&["placed", "running"]).await?;
+        let active = self
+            .store
+            .jobs_in_states(&[JobState::Placed, JobState::Running])
+            .await?;
         let mut running = HashMap::new();
         for job in active {
             let attempts = self.store.list_attempts(&job.id).await?;
             if let Some(attempt) = attempts
                 .iter()
                 .rev()
-                .find(|attempt| attempt.outcome == "running")
+                .find(|attempt| attempt.outcome == AttemptOutcome::Running)
             {
                 running.insert(
                     job.id.clone(),
@@ -41,7 +45,7 @@ impl Scheduler {
         }
         let mut live = self.live();
         for worker in workers {
-            if worker.state == "lost" {
+            if worker.state == WorkerState::Lost {
                 continue;
             }
             let gpus: Vec<v1::Gpu> = serde_json::from_str::<Vec<GpuJson>>(&worker.gpus_json)
@@ -49,11 +53,7 @@ impl Scheduler {
                 .into_iter()
                 .map(GpuJson::into_proto)
                 .collect();
-            let state = if worker.state == "draining" {
-                WorkerLiveness::Draining
-            } else {
-                WorkerLiveness::Ready
-            };
+            let state = worker.state;
             live.workers.insert(
                 worker.id.clone(),
                 LiveWorker {

@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use carve_core::job_state::JobEvent;
+use carve_core::job_state::{JobEvent, JobState};
 use carve_proto::ApiError;
 use carve_proto::v1;
 use tokio::time::Instant;
@@ -16,7 +16,7 @@ use crate::error::SchedulerError;
 use crate::store::WorkerRecord;
 use crate::worker_session::{LiveSession, SessionHandle};
 
-use super::{LiveWorker, RunningAttempt, Scheduler, SessionSender, WorkerLiveness, now_ms};
+use super::{LiveWorker, RunningAttempt, Scheduler, SessionSender, WorkerState, now_ms};
 
 impl Scheduler {
     pub async fn register_worker(
@@ -79,7 +79,7 @@ impl Scheduler {
                     .collect::<Vec<_>>(),
             )
             .unwrap_or_else(|_| "[]".into()),
-            state: "ready".into(),
+            state: WorkerState::Ready,
             last_heartbeat_ms: now,
             registered_at_ms: now,
             version: request.version.clone(),
@@ -97,7 +97,7 @@ impl Scheduler {
                 LiveWorker {
                     record,
                     gpus: request.gpus,
-                    state: WorkerLiveness::Ready,
+                    state: WorkerState::Ready,
                     last_heartbeat: Instant::now(),
                     session,
                 },
@@ -135,8 +135,8 @@ impl Scheduler {
                 ))
                 .into());
             }
-            if worker.state == WorkerLiveness::Lost {
-                worker.state = WorkerLiveness::Ready;
+            if worker.state == WorkerState::Lost {
+                worker.state = WorkerState::Ready;
             }
             let id = self.session_ids.fetch_add(1, Ordering::Relaxed);
             let (session, handle) = LiveSession::open(id, caller.token_id.clone(), sender);
@@ -327,7 +327,7 @@ impl Scheduler {
                     return Err(self.fenced(&attempt));
                 }
                 let mut job = self.store.get_job(&attempt.job_id).await?;
-                if job.state == "placed" {
+                if job.state == JobState::Placed {
                     self.move_job(&mut job, JobEvent::Started, "the attempt started")
                         .await?;
                 }
@@ -404,13 +404,13 @@ impl Scheduler {
             let mut live = self.live();
             let worker = live.worker_mut(worker_id)?;
             worker.state = if draining {
-                WorkerLiveness::Draining
+                WorkerState::Draining
             } else {
-                WorkerLiveness::Ready
+                WorkerState::Ready
             };
             worker.state
         };
-        self.store.set_worker_state(worker_id, state.name()).await?;
+        self.store.set_worker_state(worker_id, state).await?;
         if draining {
             self.send_to_worker(
                 worker_id,

@@ -10,7 +10,7 @@ use crate::error::SchedulerError;
 use crate::metrics::ClusterGauges;
 use crate::store::JobRecord;
 
-use super::{RunningAttempt, Scheduler, WorkerLiveness};
+use super::{RunningAttempt, Scheduler, WorkerState};
 
 impl Scheduler {
     /// A job the caller may see, or NotFound (also for another tenant's job).
@@ -52,9 +52,9 @@ impl Scheduler {
                 id: worker_id.clone(),
                 hostname: worker.record.hostname.clone(),
                 state: match worker.state {
-                    WorkerLiveness::Ready => v1::WorkerState::Ready,
-                    WorkerLiveness::Draining => v1::WorkerState::Draining,
-                    WorkerLiveness::Lost => v1::WorkerState::Lost,
+                    WorkerState::Ready => v1::WorkerState::Ready,
+                    WorkerState::Draining => v1::WorkerState::Draining,
+                    WorkerState::Lost => v1::WorkerState::Lost,
                 } as i32,
                 gpus: worker
                     .gpus
@@ -129,7 +129,7 @@ impl Scheduler {
             }
             for worker in live.workers.values() {
                 match worker.state {
-                    WorkerLiveness::Lost => gauges.workers_lost += 1,
+                    WorkerState::Lost => gauges.workers_lost += 1,
                     _ => gauges.workers_ready += 1,
                 }
             }

@@ -1,10 +1,12 @@
 //! Attempts of jobs, with updates fenced by the lease epoch of their assignment.
 
 use super::jobs::{UPDATE_JOB_SQL, bind_job_update};
-use super::records::{attempt_display_id, check_one_of};
+use carve_core::allocator::OutOfMemory;
+
+use super::columns::oom_to_json;
+use super::records::attempt_display_id;
 use super::{
-    ATTEMPT_OUTCOMES, ATTEMPT_RUNNING, AttemptRecord, JOB_STATES, JobRecord, Store,
-    is_foreign_key_violation, is_unique_violation,
+    AttemptOutcome, AttemptRecord, JobRecord, Store, is_foreign_key_violation, is_unique_violation,
 };
 use crate::error::SchedulerError;
 
@@ -30,9 +32,9 @@ macro_rules! bind_attempt_columns {
             .bind(&$attempt.worker_id)
             .bind(&$attempt.gpu_id)
             .bind($attempt.lease_epoch)
-            .bind(&$attempt.outcome)
+            .bind($attempt.outcome.name())
             .bind($attempt.measured_peak_bytes)
-            .bind(&$attempt.oom_json)
+            .bind($attempt.oom.as_ref().map(oom_to_json))
             .bind(&$attempt.message)
             .bind(&$attempt.resumed_from)
             .bind($attempt.started_at_ms)
@@ -45,7 +47,6 @@ impl Store {
     /// Stores a new attempt. `AlreadyExists` when the job already has an attempt with
     /// that number; `NotFound` when the job does not exist.
     pub async fn create_attempt(&self, attempt: &AttemptRecord) -> Result<(), SchedulerError> {
-        check_one_of("outcome", &attempt.outcome, ATTEMPT_OUTCOMES)?;
         let result = with_pool!(self, pool => {
             bind_attempt_columns!(sqlx::query(INSERT_ATTEMPT_SQL), attempt)
                 .execute(pool)
@@ -80,27 +81,25 @@ impl Store {
     /// running. A report quoting another epoch is `Conflict("attempt j/2 was reassigned
     /// (lease epoch 3, reported 2)")`, one about an attempt that already ended is
     /// `Conflict("attempt j/2 already ended (succeeded)")`, and one about an attempt
-    /// that does not exist is `NotFound`. `outcome` must be one of [`ATTEMPT_OUTCOMES`]
-    /// other than running.
+    /// that does not exist is `NotFound`. `outcome` must not be running.
     #[allow(clippy::too_many_arguments)]
     pub async fn finish_attempt(
         &self,
         job_id: &str,
         attempt_number: i64,
         lease_epoch: i64,
-        outcome: &str,
+        outcome: AttemptOutcome,
         measured_peak_bytes: Option<i64>,
-        oom_json: Option<&str>,
+        oom: Option<&OutOfMemory>,
         message: &str,
         finished_at_ms: i64,
     ) -> Result<(), SchedulerError> {
-        if outcome == ATTEMPT_RUNNING {
+        if outcome == AttemptOutcome::Running {
             return Err(SchedulerError::invalid_argument(
                 "outcome",
                 "must end the attempt, not be running",
             ));
         }
-        check_one_of("outcome", outcome, ATTEMPT_OUTCOMES)?;
         with_write_tx!(self, tx => {
             let updated = sqlx::query(
                 "UPDATE attempts SET outcome = $4, measured_peak_bytes = $5, oom_json = $6, \
@@ -111,12 +110,12 @@ impl Store {
             .bind(job_id)
             .bind(attempt_number)
             .bind(lease_epoch)
-            .bind(outcome)
+            .bind(outcome.name())
             .bind(measured_peak_bytes)
-            .bind(oom_json)
+            .bind(oom.map(oom_to_json))
             .bind(message)
             .bind(finished_at_ms)
-            .bind(ATTEMPT_RUNNING)
+            .bind(AttemptOutcome::Running.name())
             .execute(&mut *tx)
             .await?
             .rows_affected();
@@ -156,8 +155,6 @@ impl Store {
         job: &JobRecord,
         attempt: &AttemptRecord,
     ) -> Result<(), SchedulerError> {
-        check_one_of("state", &job.state, JOB_STATES)?;
-        check_one_of("outcome", &attempt.outcome, ATTEMPT_OUTCOMES)?;
         if attempt.job_id != job.id {
             return Err(SchedulerError::invalid_argument(
                 "attempt.job_id",

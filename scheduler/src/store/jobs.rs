@@ -4,12 +4,9 @@
 
 use std::collections::HashMap;
 
-use carve_core::job_state::JobState;
-
-use super::records::check_one_of;
 use super::{
-    DEFAULT_PAGE_SIZE, JOB_STATES, JobFilter, JobRecord, MAX_PAGE_SIZE, QueueFingerprint,
-    QueuedJob, Store, SubmitOutcome, is_foreign_key_violation, is_unique_violation,
+    DEFAULT_PAGE_SIZE, JobFilter, JobRecord, JobState, MAX_PAGE_SIZE, QueueFingerprint, QueuedJob,
+    Store, SubmitOutcome, is_foreign_key_violation, is_unique_violation,
 };
 use crate::error::SchedulerError;
 
@@ -26,7 +23,7 @@ macro_rules! bind_job_columns {
             .bind(&$job.tenant)
             .bind(&$job.name)
             .bind(&$job.spec_json)
-            .bind(&$job.state)
+            .bind($job.state.name())
             .bind($job.priority)
             .bind($job.submit_sequence)
             .bind(&$job.idempotency_key)
@@ -57,7 +54,7 @@ macro_rules! bind_job_update {
             .bind(&$job.id)
             .bind(&$job.name)
             .bind(&$job.spec_json)
-            .bind(&$job.state)
+            .bind($job.state.name())
             .bind($job.priority)
             .bind(&$job.config_json)
             .bind(&$job.estimate_json)
@@ -106,17 +103,13 @@ impl Store {
     /// stored as no key.
     ///
     /// Any failure rolls the whole group back: `AlreadyExists` for a job id that is taken,
-    /// `NotFound` for a tenant that does not exist, `InvalidArgument` for a state that is
-    /// not one of [`JOB_STATES`].
+    /// `NotFound` for a tenant that does not exist.
     pub async fn submit_jobs(
         &self,
         jobs: Vec<JobRecord>,
     ) -> Result<Vec<SubmitOutcome>, SchedulerError> {
         if jobs.is_empty() {
             return Ok(Vec::new());
-        }
-        for job in &jobs {
-            check_one_of("state", &job.state, JOB_STATES)?;
         }
         match self.submit_jobs_together(jobs.clone()).await {
             // The group was rolled back, and a multi-row statement does not say which
@@ -225,7 +218,7 @@ impl Store {
                             .push_bind(job.tenant.clone())
                             .push_bind(job.name.clone())
                             .push_bind(job.spec_json.clone())
-                            .push_bind(job.state.clone())
+                            .push_bind(job.state.name())
                             .push_bind(job.priority)
                             .push_bind(job.submit_sequence)
                             .push_bind(job.idempotency_key.clone())
@@ -369,9 +362,8 @@ impl Store {
         }
         if !filter.states.is_empty() {
             let mut placeholders = Vec::with_capacity(filter.states.len());
-            for (index, state) in filter.states.iter().enumerate() {
-                check_one_of(&format!("states[{index}]"), state, JOB_STATES)?;
-                args.push(Arg::Text(state.clone()));
+            for state in &filter.states {
+                args.push(Arg::Text(state.name().to_string()));
                 placeholders.push(format!("${}", args.len()));
             }
             conditions.push(format!("state IN ({})", placeholders.join(", ")));
@@ -422,7 +414,6 @@ impl Store {
     /// `submit_sequence`, `idempotency_key`, `created_at_ms`), which never change.
     /// `NotFound` when there is no such job.
     pub async fn update_job(&self, job: &JobRecord) -> Result<(), SchedulerError> {
-        check_one_of("state", &job.state, JOB_STATES)?;
         let updated = with_pool!(self, pool => {
             bind_job_update!(sqlx::query(UPDATE_JOB_SQL), job)
                 .execute(pool)
@@ -437,15 +428,17 @@ impl Store {
 
     /// Every job in one of `states`, oldest (lowest `submit_sequence`) first: what the
     /// scheduling loop loads at start-up.
-    pub async fn jobs_in_states(&self, states: &[&str]) -> Result<Vec<JobRecord>, SchedulerError> {
+    pub async fn jobs_in_states(
+        &self,
+        states: &[JobState],
+    ) -> Result<Vec<JobRecord>, SchedulerError> {
         if states.is_empty() {
             return Ok(Vec::new());
         }
-        let mut args = Vec::with_capacity(states.len());
-        for (index, state) in states.iter().enumerate() {
-            check_one_of(&format!("states[{index}]"), state, JOB_STATES)?;
-            args.push(Arg::Text(state.to_string()));
-        }
+        let args: Vec<Arg> = states
+            .iter()
+            .map(|state| Arg::Text(state.name().to_string()))
+            .collect();
         let placeholders: Vec<String> = (1..=states.len()).map(|n| format!("${n}")).collect();
         let sql = format!(
             "SELECT {JOB_COLUMNS} FROM jobs WHERE state IN ({}) ORDER BY submit_sequence",

@@ -85,6 +85,7 @@ macro_rules! with_write_tx {
 
 mod attempts;
 mod batcher;
+mod columns;
 mod jobs;
 mod logs;
 mod peaks;
@@ -100,9 +101,9 @@ pub use logs::{
     LogQuery, MAX_LOG_LINES_PER_JOB, MAX_LOG_MESSAGE_BYTES, MAX_LOG_PAGE_SIZE, NewLogLine,
 };
 pub use records::{
-    ATTEMPT_OUTCOMES, ATTEMPT_RUNNING, AttemptRecord, DEFAULT_PAGE_SIZE, JOB_STATES, JobFilter,
-    JobRecord, MAX_PAGE_SIZE, QueueFingerprint, QueuedJob, SubmitOutcome, TERMINAL_JOB_STATES,
-    TOKEN_ROLES, TenantRecord, TokenRecord, WORKER_STATES, WorkerRecord,
+    AttemptOutcome, AttemptRecord, DEFAULT_PAGE_SIZE, JobFilter, JobRecord, JobState,
+    MAX_PAGE_SIZE, QueueFingerprint, QueuedJob, Role, SubmitOutcome, TenantRecord, TokenRecord,
+    WorkerRecord, WorkerState,
 };
 pub use tenants::{MAX_TENANT_NAME_LENGTH, check_tenant_name};
 

@@ -1,47 +1,41 @@
-//! The rows the store keeps, as plain structs, and the string values their state columns
-//! may hold.
+//! The rows the store keeps, as plain structs with typed states (how those are read
+//! from their columns is `columns.rs`).
 //!
+//! The JSON blobs other than the out-of-memory report (job spec, run config, estimate,
+//! GPUs) are stored as text exactly as given and parsed by their readers (`convert.rs`).
 //! Times are milliseconds since the Unix epoch, chosen by the caller (the scheduler owns
-//! the clock). Ids are chosen by the caller. JSON blobs (job spec, run config, estimate,
-//! out-of-memory report, GPUs) are stored as text exactly as given; the store never
-//! parses them.
+//! the clock). Ids are chosen by the caller.
 
-use crate::error::SchedulerError;
+use carve_core::allocator::OutOfMemory;
 
-/// Roles a token may have (`TokenRecord::role`).
-pub const TOKEN_ROLES: &[&str] = &["user", "admin", "worker"];
+use super::columns::{Named, OomColumn};
+pub use crate::auth::Role;
+pub use carve_core::job_state::{AttemptOutcome, JobState};
 
-/// States a job may be in (`JobRecord::state`), the lowercase names of the API's
-/// `JobState` values.
-pub const JOB_STATES: &[&str] = &[
-    "queued",
-    "placed",
-    "running",
-    "succeeded",
-    "failed",
-    "cancelled",
-];
+/// Where a worker stands (`WorkerRecord::state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WorkerState {
+    /// Heartbeating and taking new attempts.
+    Ready,
+    /// Finishing its attempts; takes no new ones.
+    Draining,
+    /// Its lease ran out.
+    Lost,
+}
 
-/// Job states from which a job never moves again.
-pub const TERMINAL_JOB_STATES: &[&str] = &["succeeded", "failed", "cancelled"];
+impl WorkerState {
+    pub const ALL: [WorkerState; 3] =
+        [WorkerState::Ready, WorkerState::Draining, WorkerState::Lost];
 
-/// The outcome of an attempt that has not ended yet.
-pub const ATTEMPT_RUNNING: &str = "running";
-
-/// Outcomes an attempt may have (`AttemptRecord::outcome`), the lowercase names of the
-/// API's `AttemptOutcome` values. Every one but [`ATTEMPT_RUNNING`] ends the attempt.
-pub const ATTEMPT_OUTCOMES: &[&str] = &[
-    "running",
-    "succeeded",
-    "out_of_memory",
-    "failed",
-    "cancelled",
-    "lost",
-    "interrupted",
-];
-
-/// States a worker may be in (`WorkerRecord::state`).
-pub const WORKER_STATES: &[&str] = &["ready", "draining", "lost"];
+    /// The lowercase name used in messages and the store.
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkerState::Ready => "ready",
+            WorkerState::Draining => "draining",
+            WorkerState::Lost => "lost",
+        }
+    }
+}
 
 /// A tenant: a group of users whose jobs share a quota. The name is the id.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
@@ -62,8 +56,8 @@ pub struct TokenRecord {
     /// The tenant it acts for; empty for admin and worker tokens (so it is not a foreign
     /// key to `tenants`).
     pub tenant: String,
-    /// One of [`TOKEN_ROLES`].
-    pub role: String,
+    #[sqlx(try_from = "Named<Role>")]
+    pub role: Role,
     /// Unique across tokens: `find_token_by_hash` looks tokens up by it.
     pub secret_hash: Vec<u8>,
     pub description: String,
@@ -81,8 +75,8 @@ pub struct JobRecord {
     pub tenant: String,
     pub name: String,
     pub spec_json: String,
-    /// One of [`JOB_STATES`].
-    pub state: String,
+    #[sqlx(try_from = "Named<JobState>")]
+    pub state: JobState,
     pub priority: i64,
     pub submit_sequence: i64,
     /// Unique per tenant when set; an empty key is stored as no key.
@@ -141,7 +135,7 @@ pub struct SubmitOutcome {
 pub struct JobFilter {
     pub tenant: Option<String>,
     /// Jobs in any of these states; empty means every state.
-    pub states: Vec<String>,
+    pub states: Vec<JobState>,
     /// Jobs whose name starts with this (case-sensitive, no wildcards).
     pub name_prefix: Option<String>,
     /// 0 means [`DEFAULT_PAGE_SIZE`]; larger than [`MAX_PAGE_SIZE`] is capped.
@@ -168,10 +162,13 @@ pub struct AttemptRecord {
     pub gpu_id: String,
     /// The fencing token of the assignment: reports quoting another epoch are stale.
     pub lease_epoch: i64,
-    /// One of [`ATTEMPT_OUTCOMES`]; [`ATTEMPT_RUNNING`] until it ends.
-    pub outcome: String,
+    /// [`AttemptOutcome::Running`] until it ends.
+    #[sqlx(try_from = "Named<AttemptOutcome>")]
+    pub outcome: AttemptOutcome,
     pub measured_peak_bytes: Option<i64>,
-    pub oom_json: Option<String>,
+    /// What the attempt reported when it ran out of memory (the `oom_json` column).
+    #[sqlx(rename = "oom_json", try_from = "OomColumn")]
+    pub oom: Option<OutOfMemory>,
     pub message: String,
     /// The checkpoint it resumed from, if any.
     pub resumed_from: Option<String>,
@@ -198,28 +195,12 @@ pub struct WorkerRecord {
     pub id: String,
     pub hostname: String,
     pub gpus_json: String,
-    /// One of [`WORKER_STATES`].
-    pub state: String,
+    #[sqlx(try_from = "Named<WorkerState>")]
+    pub state: WorkerState,
     pub last_heartbeat_ms: i64,
     /// When it first registered; kept when it registers again.
     pub registered_at_ms: i64,
     pub version: String,
     /// The token that registered it (its id): the only one that may speak for it.
     pub token_id: String,
-}
-
-/// `Ok` when `value` is one of `allowed`, otherwise an `InvalidArgument` naming `field`.
-pub(crate) fn check_one_of(
-    field: &str,
-    value: &str,
-    allowed: &[&str],
-) -> Result<(), SchedulerError> {
-    if allowed.contains(&value) {
-        Ok(())
-    } else {
-        Err(SchedulerError::invalid_argument(
-            field,
-            format!("{value:?} is not one of {}", allowed.join(", ")),
-        ))
-    }
 }

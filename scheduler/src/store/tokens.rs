@@ -1,17 +1,14 @@
 //! Bearer tokens, stored by the hash of their secret.
 
-use super::records::check_one_of;
-use super::{Store, TOKEN_ROLES, TokenRecord, is_unique_violation};
+use super::{Store, TokenRecord, is_unique_violation};
 use crate::error::SchedulerError;
 
 const TOKEN_COLUMNS: &str =
     "id, tenant, role, secret_hash, description, created_at_ms, expires_at_ms, revoked";
 
 impl Store {
-    /// Stores a token. `AlreadyExists` when its id or its secret hash is taken;
-    /// `InvalidArgument` for a role that is not one of [`TOKEN_ROLES`].
+    /// Stores a token. `AlreadyExists` when its id or its secret hash is taken.
     pub async fn create_token(&self, token: &TokenRecord) -> Result<(), SchedulerError> {
-        check_one_of("role", &token.role, TOKEN_ROLES)?;
         if token.secret_hash.is_empty() {
             return Err(SchedulerError::invalid_argument(
                 "secret_hash",
@@ -26,7 +23,7 @@ impl Store {
             )
             .bind(&token.id)
             .bind(&token.tenant)
-            .bind(&token.role)
+            .bind(token.role.name())
             .bind(&token.secret_hash)
             .bind(&token.description)
             .bind(token.created_at_ms)

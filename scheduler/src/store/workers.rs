@@ -1,7 +1,6 @@
 //! Worker nodes.
 
-use super::records::check_one_of;
-use super::{Store, WORKER_STATES, WorkerRecord};
+use super::{Store, WorkerRecord, WorkerState};
 use crate::error::SchedulerError;
 
 const WORKER_COLUMNS: &str =
@@ -10,12 +9,11 @@ const WORKER_COLUMNS: &str =
 impl Store {
     /// Inserts a worker, or replaces the stored one with the same id (a worker that
     /// registers again) while keeping its first `registered_at_ms`. Returns the worker as
-    /// stored. `InvalidArgument` for a state that is not one of [`WORKER_STATES`].
+    /// stored.
     pub async fn upsert_worker(
         &self,
         worker: &WorkerRecord,
     ) -> Result<WorkerRecord, SchedulerError> {
-        check_one_of("state", &worker.state, WORKER_STATES)?;
         let sql = format!(
             "INSERT INTO workers ({WORKER_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
              ON CONFLICT (id) DO UPDATE SET hostname = excluded.hostname, \
@@ -29,7 +27,7 @@ impl Store {
                 .bind(&worker.id)
                 .bind(&worker.hostname)
                 .bind(&worker.gpus_json)
-                .bind(&worker.state)
+                .bind(worker.state.name())
                 .bind(worker.last_heartbeat_ms)
                 .bind(worker.registered_at_ms)
                 .bind(&worker.version)
@@ -55,16 +53,15 @@ impl Store {
     }
 
     /// Sets a worker's state and returns the worker. `NotFound` when there is no such
-    /// worker; `InvalidArgument` for a state that is not one of [`WORKER_STATES`].
+    /// worker.
     pub async fn set_worker_state(
         &self,
         id: &str,
-        state: &str,
+        state: WorkerState,
     ) -> Result<WorkerRecord, SchedulerError> {
-        check_one_of("state", state, WORKER_STATES)?;
         let sql = format!("UPDATE workers SET state = $2 WHERE id = $1 RETURNING {WORKER_COLUMNS}");
         let worker: Option<WorkerRecord> = with_pool!(self, pool => {
-            sqlx::query_as(&sql).bind(id).bind(state).fetch_optional(pool).await?
+            sqlx::query_as(&sql).bind(id).bind(state.name()).fetch_optional(pool).await?
         });
         worker.ok_or_else(|| SchedulerError::not_found("worker", id))
     }

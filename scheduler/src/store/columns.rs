@@ -1,0 +1,322 @@
+//! How typed values are read from and written to their columns: the row boundary.
+//!
+//! State columns (a job's state, an attempt's outcome, a worker's state, a token's role)
+//! hold the lowercase `name()` of their enum and are decoded by name ([`Named`]); the
+//! out-of-memory report is JSON, decoded through a private serde struct whose numbers are
+//! all required ([`OomColumn`]). Either way a value this build cannot read fails the
+//! row's decoding with the column and the value, which the scheduler's error turns into
+//! a "corrupt row" error: never a default state or a report of zero bytes.
+
+use carve_core::FieldError;
+use carve_core::allocator::OutOfMemory;
+use serde::{Deserialize, Serialize};
+use sqlx::error::BoxDynError;
+use sqlx::{Database, Decode, Type};
+
+use super::records::{AttemptOutcome, JobState, Role, WorkerState};
+
+/// An enum stored as its name.
+pub(crate) trait StoredByName: Sized {
+    fn from_stored_name(name: &str) -> Result<Self, FieldError>;
+}
+
+/// A state column as read: text decoded by name. The records take the value out
+/// (`#[sqlx(try_from = "Named<...>")]`).
+pub(crate) struct Named<T>(T);
+
+impl<DB: Database, T> Type<DB> for Named<T>
+where
+    String: Type<DB>,
+{
+    fn type_info() -> DB::TypeInfo {
+        <String as Type<DB>>::type_info()
+    }
+
+    fn compatible(type_info: &DB::TypeInfo) -> bool {
+        <String as Type<DB>>::compatible(type_info)
+    }
+}
+
+impl<'r, DB: Database, T: StoredByName> Decode<'r, DB> for Named<T>
+where
+    String: Decode<'r, DB>,
+{
+    fn decode(value: <DB as Database>::ValueRef<'r>) -> Result<Self, BoxDynError> {
+        let name = <String as Decode<'r, DB>>::decode(value)?;
+        Ok(Named(T::from_stored_name(&name)?))
+    }
+}
+
+/// [`StoredByName`] through the type's `TryFrom<&str>`, and the way out of [`Named`].
+macro_rules! stored_by_name {
+    ($($type:ty),* $(,)?) => {$(
+        impl StoredByName for $type {
+            fn from_stored_name(name: &str) -> Result<Self, FieldError> {
+                <$type>::try_from(name)
+            }
+        }
+
+        impl From<Named<$type>> for $type {
+            fn from(named: Named<$type>) -> Self {
+                named.0
+            }
+        }
+    )*};
+}
+
+stored_by_name!(JobState, AttemptOutcome, WorkerState, Role);
+
+/// By [`WorkerState::name`].
+impl TryFrom<&str> for WorkerState {
+    type Error = FieldError;
+
+    fn try_from(name: &str) -> Result<Self, FieldError> {
+        WorkerState::ALL
+            .into_iter()
+            .find(|state| state.name() == name)
+            .ok_or_else(|| {
+                let names = WorkerState::ALL.map(WorkerState::name);
+                FieldError::not_one_of(name, "a worker state", &names)
+            })
+    }
+}
+
+/// By [`Role::name`].
+impl TryFrom<&str> for Role {
+    type Error = FieldError;
+
+    fn try_from(name: &str) -> Result<Self, FieldError> {
+        Role::from_name(name)
+            .ok_or_else(|| FieldError::not_one_of(name, "a role", &Role::ALL.map(Role::name)))
+    }
+}
+
+/// The `oom_json` column as read: no report (NULL) or a whole one.
+pub(crate) struct OomColumn(Option<OutOfMemory>);
+
+/// An out-of-memory report as its column stores it, keys in alphabetical order as the
+/// text has always been written.
+#[derive(Debug, Serialize, Deserialize)]
+struct StoredOutOfMemory {
+    in_use_bytes: u64,
+    largest_free_bytes: u64,
+    limit_bytes: u64,
+    peak_bytes: u64,
+    requested_bytes: u64,
+}
+
+impl<DB: Database> Type<DB> for OomColumn
+where
+    String: Type<DB>,
+{
+    fn type_info() -> DB::TypeInfo {
+        <String as Type<DB>>::type_info()
+    }
+
+    fn compatible(type_info: &DB::TypeInfo) -> bool {
+        <String as Type<DB>>::compatible(type_info)
+    }
+}
+
+impl<'r, DB: Database> Decode<'r, DB> for OomColumn
+where
+    Option<String>: Decode<'r, DB>,
+{
+    fn decode(value: <DB as Database>::ValueRef<'r>) -> Result<Self, BoxDynError> {
+        let Some(text) = <Option<String> as Decode<'r, DB>>::decode(value)? else {
+            return Ok(OomColumn(None));
+        };
+        Ok(OomColumn(Some(oom_from_json(&text)?)))
+    }
+}
+
+impl From<OomColumn> for Option<OutOfMemory> {
+    fn from(column: OomColumn) -> Self {
+        column.0
+    }
+}
+
+fn oom_from_json(text: &str) -> Result<OutOfMemory, FieldError> {
+    let stored: StoredOutOfMemory = serde_json::from_str(text).map_err(|error| {
+        FieldError::new(
+            "",
+            format!("{text:?} is not an out-of-memory report: {error}"),
+        )
+    })?;
+    Ok(OutOfMemory {
+        requested: stored.requested_bytes,
+        in_use: stored.in_use_bytes,
+        limit: stored.limit_bytes,
+        largest_free: stored.largest_free_bytes,
+        peak: stored.peak_bytes,
+    })
+}
+
+/// An out-of-memory report as the `oom_json` column stores it.
+pub(crate) fn oom_to_json(report: &OutOfMemory) -> String {
+    let stored = StoredOutOfMemory {
+        in_use_bytes: report.in_use,
+        largest_free_bytes: report.largest_free,
+        limit_bytes: report.limit,
+        peak_bytes: report.peak,
+        requested_bytes: report.requested,
+    };
+    // Five numbers: serializing them cannot fail.
+    serde_json::to_string(&stored).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use carve_proto::ApiError;
+
+    use super::*;
+    use crate::error::SchedulerError;
+    use crate::store::{AttemptRecord, JobRecord, Store, TenantRecord};
+
+    /// Writes `sql` as it is, past the store's typed writes: what another version, a
+    /// hand edit or a broken disk may leave in a row.
+    async fn corrupt(store: &Store, sql: &str) {
+        with_pool!(store, pool => {
+            sqlx::query(sql).execute(pool).await.unwrap();
+        });
+    }
+
+    fn corrupt_row_message(error: SchedulerError) -> String {
+        match error {
+            SchedulerError::Api(ApiError::Internal(message)) => message,
+            other => panic!("expected an internal error, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_corrupt_state_or_oom_report_reads_back_as_an_error() {
+        let store = Store::open("sqlite::memory:").await.unwrap();
+        store
+            .create_tenant(&TenantRecord {
+                name: "acme".into(),
+                vram_quota_bytes: None,
+                max_running_jobs: None,
+                fair_share_weight: 1,
+                created_at_ms: 0,
+            })
+            .await
+            .unwrap();
+        let job = JobRecord {
+            id: "j".into(),
+            tenant: "acme".into(),
+            name: "j".into(),
+            spec_json: "{}".into(),
+            state: JobState::Queued,
+            priority: 0,
+            submit_sequence: 0,
+            idempotency_key: None,
+            config_json: "{}".into(),
+            estimate_json: "{}".into(),
+            required_bytes: 1,
+            waiting_reason: String::new(),
+            message: String::new(),
+            created_at_ms: 0,
+            finished_at_ms: None,
+            checkpoint_location: None,
+            checkpoint_step: 0,
+            attempts_count: 1,
+        };
+        store.submit_jobs(vec![job]).await.unwrap();
+        let report = OutOfMemory {
+            requested: 4096,
+            in_use: 1024,
+            limit: 2048,
+            largest_free: 512,
+            peak: 1536,
+        };
+        let attempt = AttemptRecord {
+            job_id: "j".into(),
+            attempt_number: 1,
+            config_json: "{}".into(),
+            estimate_bytes: 1,
+            slice_bytes: 1,
+            worker_id: "w".into(),
+            gpu_id: "g".into(),
+            lease_epoch: 1,
+            outcome: AttemptOutcome::OutOfMemory,
+            measured_peak_bytes: None,
+            oom: Some(report),
+            message: String::new(),
+            resumed_from: None,
+            resumed_from_step: 0,
+            started_at_ms: 0,
+            finished_at_ms: None,
+        };
+        store.create_attempt(&attempt).await.unwrap();
+        assert_eq!(store.list_attempts("j").await.unwrap(), vec![attempt]);
+
+        corrupt(&store, "UPDATE jobs SET state = 'sleeping'").await;
+        let message = corrupt_row_message(store.get_job("j").await.unwrap_err());
+        assert!(
+            message.starts_with("corrupt row: column ")
+                && message.contains("state")
+                && message.contains("\"sleeping\" is not a job state"),
+            "{message}"
+        );
+
+        // Numbers missing or of the wrong kind are not zeros.
+        for report in [
+            r#"{"requested_bytes":4096}"#,
+            r#"{"requested_bytes":"x","in_use_bytes":1,"limit_bytes":1,"largest_free_bytes":1,"peak_bytes":1}"#,
+            "not json",
+        ] {
+            corrupt(
+                &store,
+                &format!("UPDATE attempts SET oom_json = '{report}'"),
+            )
+            .await;
+            let message = corrupt_row_message(store.list_attempts("j").await.unwrap_err());
+            assert!(
+                message.starts_with("corrupt row: column ")
+                    && message.contains("oom_json")
+                    && message.contains("is not an out-of-memory report"),
+                "{message}"
+            );
+        }
+
+        corrupt(
+            &store,
+            "UPDATE attempts SET oom_json = NULL, outcome = 'exploded'",
+        )
+        .await;
+        let message = corrupt_row_message(store.list_attempts("j").await.unwrap_err());
+        assert!(
+            message.contains("\"exploded\" is not an attempt outcome"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn an_oom_report_reads_back_as_it_was_written() {
+        let report = OutOfMemory {
+            requested: 1,
+            in_use: 2,
+            limit: 3,
+            largest_free: 4,
+            peak: 5,
+        };
+        let text = oom_to_json(&report);
+        assert_eq!(
+            text,
+            r#"{"in_use_bytes":2,"largest_free_bytes":4,"limit_bytes":3,"peak_bytes":5,"requested_bytes":1}"#
+        );
+        assert_eq!(oom_from_json(&text), Ok(report));
+    }
+
+    #[test]
+    fn worker_states_and_roles_read_back_by_name() {
+        for state in WorkerState::ALL {
+            assert_eq!(WorkerState::try_from(state.name()), Ok(state));
+        }
+        for role in Role::ALL {
+            assert_eq!(Role::try_from(role.name()), Ok(role));
+        }
+        assert!(WorkerState::try_from("asleep").is_err());
+        assert!(Role::try_from("root").is_err());
+    }
+}
