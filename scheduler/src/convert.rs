@@ -1,10 +1,14 @@
-//! Between store records and the wire: run configs and estimates as JSON in the store,
-//! jobs and attempts as generated protobuf messages in the handlers.
+//! Between the scheduler's types and the wire, in one place: run configs and estimates
+//! as JSON in the store; jobs and attempts as generated protobuf messages for the
+//! handlers; what workers send (registration, session reports) into the scheduler's own
+//! types (`scheduler/worker_reports.rs`).
 //!
 //! A job is read far more often than it is submitted (listings, watches, every poll of
 //! `carve status`), so reads show the estimate stored with the job at submit (and at
 //! each shrink) and never validate or estimate its spec again: for large specs that
 //! cost seconds per job.
+
+use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
 use carve_core::estimator::MemoryEstimate;
@@ -16,6 +20,10 @@ use carve_proto::v1;
 use serde::{Deserialize, Serialize};
 
 use crate::error::SchedulerError;
+use crate::scheduler::worker_reports::{
+    AttemptRef, Checkpoint, Gpu, GpuFreeBytes, Registered, TrainingProgress, WorkerRegistration,
+    WorkerReport,
+};
 use crate::store::{AttemptRecord, JobRecord};
 
 /// A run config as job and attempt rows store it (`config_json`). The keys are in
@@ -294,6 +302,160 @@ pub fn job_proto_from_parts(
         finished_at: job.finished_at_ms.map(timestamp),
         message: job.message.clone(),
     }
+}
+
+/// A GPU a worker offers, as it registered it.
+pub fn gpu_from_proto(gpu: &v1::Gpu) -> Gpu {
+    Gpu {
+        uuid: gpu.uuid.clone(),
+        index: gpu.index,
+        model_name: gpu.model_name.clone(),
+        total_bytes: gpu.total_bytes,
+        context_bytes: gpu.context_bytes,
+        free_bytes: gpu.free_bytes,
+        simulated: gpu.simulated,
+        compute_capability: gpu.compute_capability.clone(),
+    }
+}
+
+/// A GPU as the API shows it, with the slices running on it.
+pub fn gpu_to_proto(gpu: &Gpu, slices: Vec<v1::Slice>) -> v1::Gpu {
+    v1::Gpu {
+        uuid: gpu.uuid.clone(),
+        index: gpu.index,
+        model_name: gpu.model_name.clone(),
+        total_bytes: gpu.total_bytes,
+        context_bytes: gpu.context_bytes,
+        free_bytes: gpu.free_bytes,
+        simulated: gpu.simulated,
+        slices,
+        compute_capability: gpu.compute_capability.clone(),
+    }
+}
+
+pub fn registration_from_proto(request: v1::RegisterWorkerRequest) -> WorkerRegistration {
+    WorkerRegistration {
+        gpus: request.gpus.iter().map(gpu_from_proto).collect(),
+        hostname: request.hostname,
+        version: request.version,
+        previous_worker_id: request.previous_worker_id,
+    }
+}
+
+fn duration_to_proto(duration: Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: duration.as_secs() as i64,
+        nanos: duration.subsec_nanos() as i32,
+    }
+}
+
+pub fn registered_to_proto(registered: Registered) -> v1::RegisterWorkerResponse {
+    v1::RegisterWorkerResponse {
+        worker_id: registered.worker_id,
+        heartbeat_interval: Some(duration_to_proto(registered.heartbeat_interval)),
+        lease_duration: Some(duration_to_proto(registered.lease_duration)),
+    }
+}
+
+/// An attempt a worker names; an unset one names no attempt (and is fenced).
+pub fn attempt_ref_from_proto(attempt: Option<v1::AttemptRef>) -> AttemptRef {
+    let attempt = attempt.unwrap_or_default();
+    AttemptRef {
+        job_id: attempt.job_id,
+        attempt_number: attempt.attempt_number,
+        lease_epoch: attempt.lease_epoch,
+    }
+}
+
+pub fn attempt_ref_to_proto(attempt: &AttemptRef) -> v1::AttemptRef {
+    v1::AttemptRef {
+        job_id: attempt.job_id.clone(),
+        attempt_number: attempt.attempt_number,
+        lease_epoch: attempt.lease_epoch,
+    }
+}
+
+fn checkpoint_from_proto(checkpoint: v1::Checkpoint) -> Checkpoint {
+    Checkpoint {
+        location: checkpoint.location,
+        step: checkpoint.step,
+    }
+}
+
+fn progress_from_proto(progress: v1::TrainingProgress) -> TrainingProgress {
+    TrainingProgress {
+        step: progress.step,
+        total_steps: progress.total_steps,
+        loss: progress.loss,
+        samples_per_second: progress.samples_per_second,
+        memory_in_use_bytes: progress.memory_in_use_bytes,
+        memory_peak_bytes: progress.memory_peak_bytes,
+    }
+}
+
+pub fn progress_to_proto(progress: &TrainingProgress) -> v1::TrainingProgress {
+    v1::TrainingProgress {
+        step: progress.step,
+        total_steps: progress.total_steps,
+        loss: progress.loss,
+        samples_per_second: progress.samples_per_second,
+        memory_in_use_bytes: progress.memory_in_use_bytes,
+        memory_peak_bytes: progress.memory_peak_bytes,
+    }
+}
+
+/// One message of a worker's session as the scheduler takes it. `InvalidArgument` for a
+/// message without a body.
+pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerReport, ApiError> {
+    use v1::worker_message::Body;
+    let Some(body) = message.body else {
+        return Err(ApiError::InvalidArgument {
+            field: "body".into(),
+            reason: "a worker message needs a body".into(),
+        });
+    };
+    Ok(match body {
+        Body::Hello(_) => WorkerReport::Hello,
+        Body::Heartbeat(heartbeat) => WorkerReport::Heartbeat {
+            gpus: heartbeat
+                .gpus
+                .into_iter()
+                .map(|gpu| GpuFreeBytes {
+                    gpu_uuid: gpu.gpu_uuid,
+                    free_bytes: gpu.free_bytes,
+                })
+                .collect(),
+        },
+        Body::AttemptStarted(started) => WorkerReport::AttemptStarted {
+            attempt: attempt_ref_from_proto(started.attempt),
+        },
+        Body::Progress(progress) => WorkerReport::Progress {
+            attempt: attempt_ref_from_proto(progress.attempt),
+            progress: progress.progress.map(progress_from_proto),
+        },
+        Body::Log(line) => WorkerReport::Log {
+            attempt: attempt_ref_from_proto(line.attempt),
+            level: line.level,
+            message: line.message,
+        },
+        Body::CheckpointWritten(written) => WorkerReport::CheckpointWritten {
+            attempt: attempt_ref_from_proto(written.attempt),
+            checkpoint: written.checkpoint.map(checkpoint_from_proto),
+        },
+        Body::Oom(oom) => WorkerReport::OutOfMemory {
+            attempt: attempt_ref_from_proto(oom.attempt),
+            report: oom.report.unwrap_or_default().into(),
+            checkpoint: oom.checkpoint.map(checkpoint_from_proto),
+        },
+        Body::AttemptFinished(finished) => WorkerReport::AttemptFinished {
+            attempt: attempt_ref_from_proto(finished.attempt),
+            outcome: v1::AttemptOutcome::try_from(finished.outcome)
+                .ok()
+                .and_then(outcome_from_proto),
+            measured_peak_bytes: finished.measured_peak_bytes,
+            message: finished.message,
+        },
+    })
 }
 
 #[cfg(test)]

@@ -21,8 +21,12 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{Caller, Role, generate_id, generate_secret, hash_secret};
-use crate::convert::{job_state_from_proto, timestamp};
+use crate::convert::{
+    attempt_ref_from_proto, job_state_from_proto, registered_to_proto, registration_from_proto,
+    timestamp,
+};
 use crate::metrics::Metrics;
+use crate::scheduler::worker_reports::AttemptRef;
 use crate::scheduler::{Scheduler, now_ms};
 use crate::store::{JobFilter, LogLineRecord, LogQuery, TenantRecord, TokenRecord};
 
@@ -721,11 +725,11 @@ impl WorkerService for Services {
         request: Request<v1::RegisterWorkerRequest>,
     ) -> Result<Response<v1::RegisterWorkerResponse>, Status> {
         let caller = self.caller(&request).await?;
-        let response = self
+        let registered = self
             .scheduler
-            .register_worker(&caller, request.into_inner())
+            .register_worker(&caller, registration_from_proto(request.into_inner()))
             .await?;
-        Ok(Response::new(response))
+        Ok(Response::new(registered_to_proto(registered)))
     }
 
     type SessionStream = SchedulerMessageStream;
@@ -753,15 +757,15 @@ impl WorkerService for Services {
             Some(v1::worker_message::Body::Hello(hello)) => hello,
             _ => return Err(invalid("body.hello", "a session starts with hello")),
         };
+        let running_attempts: Vec<AttemptRef> = hello
+            .running_attempts
+            .into_iter()
+            .map(|attempt| attempt_ref_from_proto(Some(attempt)))
+            .collect();
         let (sender, receiver) = mpsc::channel(1024);
         let session = self
             .scheduler
-            .open_session(
-                &caller,
-                &hello.worker_id,
-                &hello.running_attempts,
-                sender.clone(),
-            )
+            .open_session(&caller, &hello.worker_id, &running_attempts, sender.clone())
             .await?;
         crate::worker_session::serve_session(
             self.scheduler.clone(),

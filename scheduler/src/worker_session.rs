@@ -20,7 +20,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::StreamExt;
 use tonic::{Status, Streaming};
 
+use crate::convert::worker_report_from_proto;
 use crate::error::SchedulerError;
+use crate::scheduler::worker_reports::WorkerReport;
 use crate::scheduler::{Scheduler, SessionSender};
 
 /// Reports a session may have waiting for the report task; past this the reader waits
@@ -76,18 +78,23 @@ pub fn serve_session(
     mut incoming: Streaming<v1::WorkerMessage>,
     sender: SessionSender,
 ) {
-    let (reports, mut queued_reports) = mpsc::channel::<v1::WorkerMessage>(REPORTS_IN_FLIGHT);
+    let (reports, mut queued_reports) =
+        mpsc::channel::<(u64, Result<WorkerReport, ApiError>)>(REPORTS_IN_FLIGHT);
     let report_scheduler = Arc::clone(&scheduler);
     let report_worker = worker_id.clone();
     let report_sender = sender.clone();
     let session_id = session.id;
     let report_task = tokio::spawn(async move {
-        while let Some(message) = queued_reports.recv().await {
-            let sequence = message.sequence;
-            let acknowledged = match report_scheduler
-                .handle_worker_message(&report_worker, session_id, message)
-                .await
-            {
+        while let Some((sequence, report)) = queued_reports.recv().await {
+            let handled = match report {
+                Ok(report) => {
+                    report_scheduler
+                        .handle_worker_message(&report_worker, session_id, report)
+                        .await
+                }
+                Err(error) => Err(error.into()),
+            };
+            let acknowledged = match handled {
                 Ok(()) => true,
                 // A fenced report is answered, not fatal: the worker learns its attempt is gone.
                 Err(error @ SchedulerError::Conflict(_)) => {
@@ -131,13 +138,15 @@ pub fn serve_session(
                 }
             };
             let Some(Ok(message)) = message else { break };
-            if let Some(v1::worker_message::Body::Heartbeat(heartbeat)) = &message.body {
+            let sequence = message.sequence;
+            let report = worker_report_from_proto(message);
+            if let Ok(WorkerReport::Heartbeat { gpus }) = &report {
                 // Not acknowledged: the worker reads an ack as "every report up to this
                 // sequence", and reports before this heartbeat may still be in the queue.
-                scheduler.heartbeat(&worker_id, session_id, &heartbeat.gpus);
+                scheduler.heartbeat(&worker_id, session_id, gpus);
                 continue;
             }
-            if reports.send(message).await.is_err() {
+            if reports.send((sequence, report)).await.is_err() {
                 // The report task stopped on a rejected message and said why.
                 break;
             }

@@ -22,6 +22,7 @@ mod placement;
 mod recovery;
 mod sessions;
 mod views;
+pub mod worker_reports;
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -43,6 +44,7 @@ use crate::metrics::Metrics;
 use crate::queue::QueueMirror;
 use crate::store::{JobRecord, Store, SubmitBatcher, WorkerRecord, WorkerState};
 use crate::worker_session::LiveSession;
+use worker_reports::Gpu;
 
 use admission::Lookups;
 pub use admission::{SPEC_MAX_BYTES, check_spec_size};
@@ -81,7 +83,7 @@ pub type SessionSender = mpsc::Sender<Result<v1::SchedulerMessage, Status>>;
 #[derive(Debug)]
 struct LiveWorker {
     record: WorkerRecord,
-    gpus: Vec<v1::Gpu>,
+    gpus: Vec<Gpu>,
     state: WorkerState,
     last_heartbeat: Instant,
     session: Option<LiveSession>,

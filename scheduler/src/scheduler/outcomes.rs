@@ -10,12 +10,13 @@ use carve_proto::v1;
 use tokio::time::Instant;
 
 use crate::auth::Caller;
-use crate::convert::{config_from_json, config_to_json, estimate_to_json, outcome_from_proto};
+use crate::convert::{config_from_json, config_to_json, estimate_to_json};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use crate::store::JobRecord;
 
 use super::admission::shape_key;
+use super::worker_reports::{AttemptRef, Checkpoint};
 use super::{
     INFRASTRUCTURE_RETRIES, RunningAttempt, Scheduler, WorkerState, now_ms, spec_error,
     stored_spec_text,
@@ -75,14 +76,14 @@ impl Scheduler {
     pub(super) async fn handle_oom(
         &self,
         worker_id: &str,
-        oom: v1::worker_message::OomReport,
+        attempt: AttemptRef,
+        report: OutOfMemory,
+        checkpoint: Option<Checkpoint>,
     ) -> Result<(), SchedulerError> {
-        let attempt = oom.attempt.unwrap_or_default();
         let _guard = self.job_changes.lock().await;
         let running = self
             .current_attempt(worker_id, &attempt)
             .ok_or_else(|| self.fenced(&attempt))?;
-        let report: OutOfMemory = oom.report.unwrap_or_default().into();
         let now = now_ms();
         self.store
             .finish_attempt(
@@ -99,10 +100,7 @@ impl Scheduler {
         self.live().running.remove(&attempt.job_id);
         Metrics::count(&self.metrics.out_of_memory_reports);
         let mut job = self.store.get_job(&attempt.job_id).await?;
-        if let Some(checkpoint) = oom
-            .checkpoint
-            .filter(|checkpoint| !checkpoint.location.is_empty())
-        {
+        if let Some(checkpoint) = checkpoint.filter(|checkpoint| !checkpoint.location.is_empty()) {
             job.checkpoint_location = Some(checkpoint.location);
             job.checkpoint_step = checkpoint.step as i64;
         }
@@ -198,17 +196,16 @@ impl Scheduler {
     pub(super) async fn handle_finished(
         &self,
         worker_id: &str,
-        finished: v1::worker_message::AttemptFinished,
+        attempt: AttemptRef,
+        outcome: Option<AttemptOutcome>,
+        measured_peak_bytes: u64,
+        message: &str,
     ) -> Result<(), SchedulerError> {
-        let attempt = finished.attempt.unwrap_or_default();
         let _guard = self.job_changes.lock().await;
         let running = self
             .current_attempt(worker_id, &attempt)
             .ok_or_else(|| self.fenced(&attempt))?;
-        let outcome = match v1::AttemptOutcome::try_from(finished.outcome)
-            .ok()
-            .and_then(outcome_from_proto)
-        {
+        let outcome = match outcome {
             Some(
                 outcome @ (AttemptOutcome::Succeeded
                 | AttemptOutcome::Cancelled
@@ -223,8 +220,7 @@ impl Scheduler {
             }
         };
         let now = now_ms();
-        let measured =
-            (finished.measured_peak_bytes > 0).then_some(finished.measured_peak_bytes as i64);
+        let measured = (measured_peak_bytes > 0).then_some(measured_peak_bytes as i64);
         self.store
             .finish_attempt(
                 &attempt.job_id,
@@ -233,7 +229,7 @@ impl Scheduler {
                 outcome,
                 measured,
                 None,
-                &finished.message,
+                message,
                 now,
             )
             .await?;
@@ -257,7 +253,7 @@ impl Scheduler {
                     attempt.attempt_number,
                     &format!(
                         "attempt {} was interrupted: {}",
-                        attempt.attempt_number, finished.message
+                        attempt.attempt_number, message
                     ),
                     now,
                 )
@@ -271,12 +267,9 @@ impl Scheduler {
             };
             job.finished_at_ms = Some(now);
             if outcome == AttemptOutcome::Failed {
-                job.message = format!(
-                    "attempt {} failed: {}",
-                    attempt.attempt_number, finished.message
-                );
+                job.message = format!("attempt {} failed: {}", attempt.attempt_number, message);
             }
-            let change = self.move_job(&mut job, event, &finished.message).await?;
+            let change = self.move_job(&mut job, event, message).await?;
             Metrics::count(match change.next {
                 JobState::Succeeded => &self.metrics.jobs_succeeded,
                 JobState::Cancelled => &self.metrics.jobs_cancelled,

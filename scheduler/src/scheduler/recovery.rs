@@ -3,12 +3,12 @@
 use std::collections::HashMap;
 
 use carve_core::job_state::{AttemptOutcome, JobState};
-use carve_proto::v1;
 use tokio::time::Instant;
 
 use crate::error::SchedulerError;
 
 use super::sessions::GpuJson;
+use super::worker_reports::Gpu;
 use super::{LiveWorker, RunningAttempt, Scheduler, WorkerState};
 
 impl Scheduler {
@@ -48,10 +48,10 @@ impl Scheduler {
             if worker.state == WorkerState::Lost {
                 continue;
             }
-            let gpus: Vec<v1::Gpu> = serde_json::from_str::<Vec<GpuJson>>(&worker.gpus_json)
+            let gpus: Vec<Gpu> = serde_json::from_str::<Vec<GpuJson>>(&worker.gpus_json)
                 .unwrap_or_default()
                 .into_iter()
-                .map(GpuJson::into_proto)
+                .map(GpuJson::into_gpu)
                 .collect();
             let state = worker.state;
             live.workers.insert(

@@ -3,7 +3,6 @@
 //! (`current_attempt`), draining, and the dispatch of each message a worker sends.
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use carve_core::job_state::{JobEvent, JobState};
 use carve_proto::ApiError;
@@ -12,18 +11,22 @@ use tokio::time::Instant;
 
 use crate::auth::{Caller, Role, generate_id};
 use crate::cache::LOOKUP_TIME_TO_LIVE;
+use crate::convert::{attempt_ref_to_proto, progress_to_proto};
 use crate::error::SchedulerError;
 use crate::store::WorkerRecord;
 use crate::worker_session::{LiveSession, SessionHandle};
 
+use super::worker_reports::{
+    AttemptRef, Gpu, GpuFreeBytes, Registered, WorkerRegistration, WorkerReport,
+};
 use super::{LiveWorker, RunningAttempt, Scheduler, SessionSender, WorkerState, now_ms};
 
 impl Scheduler {
     pub async fn register_worker(
         &self,
         caller: &Caller,
-        request: v1::RegisterWorkerRequest,
-    ) -> Result<v1::RegisterWorkerResponse, SchedulerError> {
+        request: WorkerRegistration,
+    ) -> Result<Registered, SchedulerError> {
         caller.require(&[Role::Worker, Role::Admin])?;
         if request.hostname.is_empty() {
             return Err(ApiError::InvalidArgument {
@@ -75,7 +78,7 @@ impl Scheduler {
                 &request
                     .gpus
                     .iter()
-                    .map(GpuJson::from_proto)
+                    .map(GpuJson::from_gpu)
                     .collect::<Vec<_>>(),
             )
             .unwrap_or_else(|_| "[]".into()),
@@ -103,14 +106,10 @@ impl Scheduler {
                 },
             );
         }
-        let duration = |duration: Duration| prost_types::Duration {
-            seconds: duration.as_secs() as i64,
-            nanos: duration.subsec_nanos() as i32,
-        };
-        Ok(v1::RegisterWorkerResponse {
+        Ok(Registered {
             worker_id,
-            heartbeat_interval: Some(duration(self.settings.heartbeat_interval)),
-            lease_duration: Some(duration(self.settings.lease_duration)),
+            heartbeat_interval: self.settings.heartbeat_interval,
+            lease_duration: self.settings.lease_duration,
         })
     }
 
@@ -121,7 +120,7 @@ impl Scheduler {
         &self,
         caller: &Caller,
         worker_id: &str,
-        running_attempts: &[v1::AttemptRef],
+        running_attempts: &[AttemptRef],
         sender: SessionSender,
     ) -> Result<SessionHandle, SchedulerError> {
         caller.require(&[Role::Worker, Role::Admin])?;
@@ -155,7 +154,7 @@ impl Scheduler {
                 self.send_to_worker(
                     worker_id,
                     v1::scheduler_message::Body::Cancel(v1::scheduler_message::Cancel {
-                        attempt: Some(attempt.clone()),
+                        attempt: Some(attempt_ref_to_proto(attempt)),
                         grace_period: Some(prost_types::Duration {
                             seconds: 0,
                             nanos: 0,
@@ -249,7 +248,7 @@ impl Scheduler {
 
     /// A heartbeat on the worker's current session; one on a session that was replaced
     /// or ended says nothing about the worker.
-    pub fn heartbeat(&self, worker_id: &str, session_id: u64, gpus: &[v1::GpuMemory]) {
+    pub fn heartbeat(&self, worker_id: &str, session_id: u64, gpus: &[GpuFreeBytes]) {
         let mut live = self.live();
         if let Some(worker) = live.workers.get_mut(worker_id)
             && worker
@@ -275,7 +274,7 @@ impl Scheduler {
     pub(super) fn current_attempt(
         &self,
         worker_id: &str,
-        attempt: &v1::AttemptRef,
+        attempt: &AttemptRef,
     ) -> Option<RunningAttempt> {
         self.live()
             .running
@@ -294,9 +293,8 @@ impl Scheduler {
         &self,
         worker_id: &str,
         session_id: u64,
-        message: v1::WorkerMessage,
+        report: WorkerReport,
     ) -> Result<(), SchedulerError> {
-        use v1::worker_message::Body;
         if !self.is_current_session(worker_id, session_id) {
             return Err(ApiError::FailedPrecondition(format!(
                 "this session of worker {worker_id} was replaced or ended; reports go on \
@@ -304,24 +302,16 @@ impl Scheduler {
             ))
             .into());
         }
-        let Some(body) = message.body else {
-            return Err(ApiError::InvalidArgument {
-                field: "body".into(),
-                reason: "a worker message needs a body".into(),
-            }
-            .into());
-        };
-        match body {
-            Body::Hello(_) => Err(SchedulerError::Api(ApiError::InvalidArgument {
+        match report {
+            WorkerReport::Hello => Err(SchedulerError::Api(ApiError::InvalidArgument {
                 field: "body.hello".into(),
                 reason: "hello is only the first message of a session".into(),
             })),
-            Body::Heartbeat(heartbeat) => {
-                self.heartbeat(worker_id, session_id, &heartbeat.gpus);
+            WorkerReport::Heartbeat { gpus } => {
+                self.heartbeat(worker_id, session_id, &gpus);
                 Ok(())
             }
-            Body::AttemptStarted(started) => {
-                let attempt = started.attempt.unwrap_or_default();
+            WorkerReport::AttemptStarted { attempt } => {
                 let _guard = self.job_changes.lock().await;
                 if self.current_attempt(worker_id, &attempt).is_none() {
                     return Err(self.fenced(&attempt));
@@ -333,15 +323,11 @@ impl Scheduler {
                 }
                 Ok(())
             }
-            Body::Progress(progress) => {
-                let attempt = progress.attempt.unwrap_or_default();
+            WorkerReport::Progress { attempt, progress } => {
                 if self.current_attempt(worker_id, &attempt).is_none() {
                     return Err(self.fenced(&attempt));
                 }
-                if let Some(peak) = progress
-                    .progress
-                    .as_ref()
-                    .map(|progress| progress.memory_peak_bytes)
+                if let Some(peak) = progress.map(|progress| progress.memory_peak_bytes)
                     && let Some(running) = self.live().running.get_mut(&attempt.job_id)
                 {
                     running.measured_peak_bytes = running.measured_peak_bytes.max(peak);
@@ -350,32 +336,37 @@ impl Scheduler {
                     &attempt.job_id,
                     v1::job_event::Event::Progress(v1::job_event::Progress {
                         attempt_number: attempt.attempt_number,
-                        progress: progress.progress,
+                        progress: progress.as_ref().map(progress_to_proto),
                     }),
                 );
                 Ok(())
             }
-            Body::Log(line) => {
-                let attempt = line.attempt.unwrap_or_default();
+            WorkerReport::Log {
+                attempt,
+                level,
+                message,
+            } => {
                 if self.current_attempt(worker_id, &attempt).is_some() {
                     self.emit(
                         &attempt.job_id,
                         v1::job_event::Event::Log(v1::job_event::LogLine {
                             attempt_number: attempt.attempt_number,
-                            level: line.level,
-                            message: line.message,
+                            level,
+                            message,
                         }),
                     );
                 }
                 Ok(())
             }
-            Body::CheckpointWritten(written) => {
-                let attempt = written.attempt.unwrap_or_default();
+            WorkerReport::CheckpointWritten {
+                attempt,
+                checkpoint,
+            } => {
                 let _guard = self.job_changes.lock().await;
                 if self.current_attempt(worker_id, &attempt).is_none() {
                     return Err(self.fenced(&attempt));
                 }
-                if let Some(checkpoint) = written.checkpoint {
+                if let Some(checkpoint) = checkpoint {
                     let mut job = self.store.get_job(&attempt.job_id).await?;
                     job.checkpoint_location = Some(checkpoint.location);
                     job.checkpoint_step = checkpoint.step as i64;
@@ -383,12 +374,27 @@ impl Scheduler {
                 }
                 Ok(())
             }
-            Body::Oom(oom) => self.handle_oom(worker_id, oom).await,
-            Body::AttemptFinished(finished) => self.handle_finished(worker_id, finished).await,
+            WorkerReport::OutOfMemory {
+                attempt,
+                report,
+                checkpoint,
+            } => {
+                self.handle_oom(worker_id, attempt, report, checkpoint)
+                    .await
+            }
+            WorkerReport::AttemptFinished {
+                attempt,
+                outcome,
+                measured_peak_bytes,
+                message,
+            } => {
+                self.handle_finished(worker_id, attempt, outcome, measured_peak_bytes, &message)
+                    .await
+            }
         }
     }
 
-    pub(super) fn fenced(&self, attempt: &v1::AttemptRef) -> SchedulerError {
+    pub(super) fn fenced(&self, attempt: &AttemptRef) -> SchedulerError {
         SchedulerError::Conflict(format!(
             "attempt {}/{} (lease epoch {}) is not this worker's any more",
             attempt.job_id, attempt.attempt_number, attempt.lease_epoch
@@ -435,7 +441,7 @@ pub(super) struct GpuJson {
 }
 
 impl GpuJson {
-    fn from_proto(gpu: &v1::Gpu) -> GpuJson {
+    fn from_gpu(gpu: &Gpu) -> GpuJson {
         GpuJson {
             uuid: gpu.uuid.clone(),
             index: gpu.index,
@@ -447,8 +453,10 @@ impl GpuJson {
         }
     }
 
-    pub(super) fn into_proto(self) -> v1::Gpu {
-        v1::Gpu {
+    /// The GPU as registered: all its memory but the context's is free until a
+    /// heartbeat says otherwise.
+    pub(super) fn into_gpu(self) -> Gpu {
+        Gpu {
             uuid: self.uuid,
             index: self.index,
             model_name: self.model_name,
@@ -456,7 +464,6 @@ impl GpuJson {
             context_bytes: self.context_bytes,
             free_bytes: self.total_bytes.saturating_sub(self.context_bytes),
             simulated: self.simulated,
-            slices: Vec::new(),
             compute_capability: self.compute_capability,
         }
     }

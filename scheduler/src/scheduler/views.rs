@@ -5,7 +5,7 @@ use carve_proto::ApiError;
 use carve_proto::v1;
 
 use crate::auth::{Caller, Role};
-use crate::convert::{job_to_proto, timestamp};
+use crate::convert::{gpu_to_proto, job_to_proto, timestamp};
 use crate::error::SchedulerError;
 use crate::metrics::ClusterGauges;
 use crate::store::JobRecord;
@@ -59,16 +59,16 @@ impl Scheduler {
                 gpus: worker
                     .gpus
                     .iter()
-                    .map(|gpu| v1::Gpu {
-                        slices: live
+                    .map(|gpu| {
+                        let slices = live
                             .running
                             .iter()
                             .filter(|(_, running)| {
                                 running.worker_id == *worker_id && running.gpu_id == gpu.uuid
                             })
                             .map(|(job_id, running)| slice_proto(job_id, running))
-                            .collect(),
-                        ..gpu.clone()
+                            .collect();
+                        gpu_to_proto(gpu, slices)
                     })
                     .collect(),
                 last_heartbeat_at: Some(timestamp(worker.record.last_heartbeat_ms)),

@@ -1,0 +1,114 @@
+//! What workers tell the scheduler, as the scheduler's own types: a registration with
+//! its GPUs, and the reports of a session. The handlers make them from the generated
+//! messages (`convert.rs`); nothing in the scheduler reads a generated type from a worker.
+
+use std::time::Duration;
+
+use carve_core::allocator::OutOfMemory;
+use carve_core::job_state::AttemptOutcome;
+
+/// A GPU a worker offers: its memory as the worker measured it at registration, and its
+/// free memory as its heartbeats last said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gpu {
+    pub uuid: String,
+    pub index: u32,
+    pub model_name: String,
+    pub total_bytes: u64,
+    /// What the CUDA context takes, never available to slices.
+    pub context_bytes: u64,
+    pub free_bytes: u64,
+    pub simulated: bool,
+    pub compute_capability: String,
+}
+
+/// A worker registering (again, when `previous_worker_id` is not empty).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerRegistration {
+    pub hostname: String,
+    pub version: String,
+    pub previous_worker_id: String,
+    pub gpus: Vec<Gpu>,
+}
+
+/// What a registered worker is told: its id and its timings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registered {
+    pub worker_id: String,
+    pub heartbeat_interval: Duration,
+    pub lease_duration: Duration,
+}
+
+/// One assignment of an attempt, as the worker names it in its reports: the lease epoch
+/// fences reports from a worker the attempt was taken from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AttemptRef {
+    pub job_id: String,
+    pub attempt_number: u32,
+    pub lease_epoch: u64,
+}
+
+/// A checkpoint an attempt wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub location: String,
+    pub step: u64,
+}
+
+/// A GPU's free memory, as a heartbeat reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuFreeBytes {
+    pub gpu_uuid: String,
+    pub free_bytes: u64,
+}
+
+/// How far an attempt got, as it reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TrainingProgress {
+    pub step: u64,
+    pub total_steps: u64,
+    pub loss: f64,
+    pub samples_per_second: f64,
+    pub memory_in_use_bytes: u64,
+    pub memory_peak_bytes: u64,
+}
+
+/// One message of a worker's session.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WorkerReport {
+    /// Only the first message of a session says hello; one later is refused.
+    Hello,
+    Heartbeat {
+        gpus: Vec<GpuFreeBytes>,
+    },
+    AttemptStarted {
+        attempt: AttemptRef,
+    },
+    Progress {
+        attempt: AttemptRef,
+        progress: Option<TrainingProgress>,
+    },
+    Log {
+        attempt: AttemptRef,
+        level: String,
+        message: String,
+    },
+    CheckpointWritten {
+        attempt: AttemptRef,
+        checkpoint: Option<Checkpoint>,
+    },
+    OutOfMemory {
+        attempt: AttemptRef,
+        report: OutOfMemory,
+        /// The last checkpoint the attempt wrote, to resume from.
+        checkpoint: Option<Checkpoint>,
+    },
+    AttemptFinished {
+        attempt: AttemptRef,
+        /// `None` for a value that is no outcome (or `running`): refused.
+        outcome: Option<AttemptOutcome>,
+        /// 0 when not measured.
+        measured_peak_bytes: u64,
+        message: String,
+    },
+}
