@@ -24,6 +24,7 @@ use crate::scheduler::worker_reports::{
     AttemptRef, Checkpoint, Gpu, GpuFreeBytes, Registered, TrainingProgress, WorkerRegistration,
     WorkerReport,
 };
+use crate::scheduler::{JobUpdate, JobUpdateKind};
 use crate::store::{AttemptRecord, JobRecord};
 
 /// A run config as job and attempt rows store it (`config_json`). The keys are in
@@ -456,6 +457,60 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
             message: finished.message,
         },
     })
+}
+
+/// A job's update as the watch stream sends it.
+pub fn job_update_to_proto(update: &JobUpdate) -> v1::JobEvent {
+    use v1::job_event::Event;
+    let event = match &update.kind {
+        JobUpdateKind::StateChanged {
+            previous,
+            state,
+            reason,
+        } => Event::StateChanged(v1::job_event::StateChanged {
+            previous_state: job_state_to_proto(*previous) as i32,
+            state: job_state_to_proto(*state) as i32,
+            reason: reason.clone(),
+        }),
+        JobUpdateKind::Progress {
+            attempt_number,
+            progress,
+        } => Event::Progress(v1::job_event::Progress {
+            attempt_number: *attempt_number,
+            progress: progress.as_ref().map(progress_to_proto),
+        }),
+        JobUpdateKind::OutOfMemory {
+            attempt_number,
+            config,
+            report,
+        } => Event::Oom(v1::job_event::OutOfMemory {
+            attempt_number: *attempt_number,
+            config: Some((*config).into()),
+            report: Some((*report).into()),
+        }),
+        JobUpdateKind::Shrink {
+            old_config,
+            decision,
+        } => Event::Shrink(carve_proto::convert::shrink_decision_to_proto(
+            old_config, decision,
+        )),
+        JobUpdateKind::AttemptStarted(attempt) => Event::AttemptStarted(attempt_to_proto(attempt)),
+        JobUpdateKind::Log {
+            attempt_number,
+            level,
+            message,
+        } => Event::Log(v1::job_event::LogLine {
+            attempt_number: *attempt_number,
+            level: level.clone(),
+            message: message.clone(),
+        }),
+    };
+    v1::JobEvent {
+        job_id: update.job_id.clone(),
+        sequence: update.sequence,
+        time: Some(timestamp(update.time_ms)),
+        event: Some(event),
+    }
 }
 
 #[cfg(test)]

@@ -22,12 +22,12 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{Caller, Role, generate_id, generate_secret, hash_secret};
 use crate::convert::{
-    attempt_ref_from_proto, job_state_from_proto, registered_to_proto, registration_from_proto,
-    timestamp,
+    attempt_ref_from_proto, job_state_from_proto, job_update_to_proto, registered_to_proto,
+    registration_from_proto, timestamp,
 };
 use crate::metrics::Metrics;
 use crate::scheduler::worker_reports::AttemptRef;
-use crate::scheduler::{Scheduler, now_ms};
+use crate::scheduler::{JobUpdate, JobUpdateKind, Scheduler, now_ms};
 use crate::store::{JobFilter, LogLineRecord, LogQuery, TenantRecord, TokenRecord};
 
 /// One handle on the scheduler for all four services.
@@ -366,25 +366,19 @@ impl JobService for Services {
         let (sender, receiver) = mpsc::channel(256);
         let job_id = job.id.clone();
         let include_logs = request.include_logs;
-        let first = v1::JobEvent {
+        let first = JobUpdate {
             job_id: job.id.clone(),
             sequence: 0,
-            time: Some(timestamp(now_ms())),
-            event: Some(v1::job_event::Event::StateChanged(
-                v1::job_event::StateChanged {
-                    previous_state: crate::convert::job_state_to_proto(job.state) as i32,
-                    state: crate::convert::job_state_to_proto(job.state) as i32,
-                    reason: "current state".into(),
-                },
-            )),
+            time_ms: now_ms(),
+            kind: JobUpdateKind::StateChanged {
+                previous: job.state,
+                state: job.state,
+                reason: "current state".into(),
+            },
         };
-        let terminal = |event: &v1::JobEvent| {
-            matches!(&event.event, Some(v1::job_event::Event::StateChanged(changed))
-                if matches!(v1::JobState::try_from(changed.state), Ok(v1::JobState::Succeeded | v1::JobState::Failed | v1::JobState::Cancelled)))
-        };
-        let already_over = terminal(&first);
+        let already_over = first.ends_the_job();
         tokio::spawn(async move {
-            if sender.send(Ok(first)).await.is_err() || already_over {
+            if sender.send(Ok(job_update_to_proto(&first))).await.is_err() || already_over {
                 return;
             }
             loop {
@@ -405,13 +399,11 @@ impl JobService for Services {
                 };
                 match received {
                     Ok(event) if event.job_id == job_id => {
-                        if !include_logs
-                            && matches!(event.event, Some(v1::job_event::Event::Log(_)))
-                        {
+                        if !include_logs && matches!(event.kind, JobUpdateKind::Log { .. }) {
                             continue;
                         }
-                        let over = terminal(&event);
-                        if sender.send(Ok(event)).await.is_err() || over {
+                        let over = event.ends_the_job();
+                        if sender.send(Ok(job_update_to_proto(&event))).await.is_err() || over {
                             return;
                         }
                     }

@@ -5,29 +5,81 @@ use std::sync::atomic::Ordering;
 
 use carve_core::allocator::OutOfMemory;
 use carve_core::job_state::JobState;
-use carve_proto::v1;
+use carve_core::plan::RunConfig;
+use carve_core::shrink::ShrinkDecision;
 
 use crate::auth::Caller;
-use crate::convert::{job_state_to_proto, timestamp};
 use crate::error::SchedulerError;
+use crate::store::AttemptRecord;
 
+use super::worker_reports::TrainingProgress;
 use super::{Scheduler, StateChange, now_ms};
+
+/// What watchers of a job are told, as the scheduler's own type; the watch handler makes
+/// the wire event of it (`convert::job_update_to_proto`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobUpdate {
+    pub job_id: String,
+    /// Counts up across all jobs' updates of this scheduler.
+    pub sequence: u64,
+    pub time_ms: i64,
+    pub kind: JobUpdateKind,
+}
+
+/// What happened to the job.
+#[derive(Debug, Clone, PartialEq)]
+pub enum JobUpdateKind {
+    StateChanged {
+        previous: JobState,
+        state: JobState,
+        reason: String,
+    },
+    Progress {
+        attempt_number: u32,
+        progress: Option<TrainingProgress>,
+    },
+    OutOfMemory {
+        attempt_number: u32,
+        /// The configuration that did not fit.
+        config: RunConfig,
+        report: OutOfMemory,
+    },
+    /// The shrink planner chose the configuration that replaces `old_config`.
+    Shrink {
+        old_config: RunConfig,
+        decision: ShrinkDecision,
+    },
+    AttemptStarted(AttemptRecord),
+    /// A line the attempt's worker sent.
+    Log {
+        attempt_number: u32,
+        level: String,
+        message: String,
+    },
+}
+
+impl JobUpdate {
+    /// Whether the job ended with this update: a watch stops after it.
+    pub fn ends_the_job(&self) -> bool {
+        matches!(&self.kind, JobUpdateKind::StateChanged { state, .. } if state.is_terminal())
+    }
+}
 
 impl Scheduler {
     /// Sends an event to watchers, and stores the job log line it makes (worker lines,
     /// and the scheduler's notes on state changes, OOMs, shrinks and placements) — queued
     /// before the event is sent, so a watcher that saw the event and then reads the logs
     /// finds the line.
-    pub(super) fn emit(&self, job_id: &str, event: v1::job_event::Event) {
+    pub(super) fn emit(&self, job_id: &str, kind: JobUpdateKind) {
         let time_ms = now_ms();
-        if let Some(line) = log_line_for_event(job_id, time_ms, &event) {
+        if let Some(line) = log_line_for_event(job_id, time_ms, &kind) {
             self.logs.append(line);
         }
-        let _ = self.events.send(v1::JobEvent {
+        let _ = self.events.send(JobUpdate {
             job_id: job_id.to_string(),
             sequence: self.event_sequence.fetch_add(1, Ordering::Relaxed),
-            time: Some(timestamp(time_ms)),
-            event: Some(event),
+            time_ms,
+            kind,
         });
     }
 
@@ -51,11 +103,11 @@ impl Scheduler {
     pub(super) fn emit_state(&self, job_id: &str, change: StateChange, reason: &str) {
         self.emit(
             job_id,
-            v1::job_event::Event::StateChanged(v1::job_event::StateChanged {
-                previous_state: job_state_to_proto(change.previous) as i32,
-                state: job_state_to_proto(change.next) as i32,
+            JobUpdateKind::StateChanged {
+                previous: change.previous,
+                state: change.next,
                 reason: reason.to_string(),
-            }),
+            },
         );
     }
 }
@@ -67,56 +119,46 @@ impl Scheduler {
 fn log_line_for_event(
     job_id: &str,
     time_ms: i64,
-    event: &v1::job_event::Event,
+    event: &JobUpdateKind,
 ) -> Option<crate::store::NewLogLine> {
     use carve_core::bytes::HumanBytes;
-    use v1::job_event::Event;
     let (attempt_number, level, message) = match event {
-        Event::Log(line) => (
-            line.attempt_number,
-            line.level.as_str(),
-            line.message.clone(),
-        ),
-        Event::StateChanged(changed) => {
-            let name = |state: i32| {
-                v1::JobState::try_from(state)
-                    .ok()
-                    .and_then(crate::convert::job_state_from_proto)
-                    .map_or("unknown", JobState::name)
-            };
-            let (previous, state) = (name(changed.previous_state), name(changed.state));
+        JobUpdateKind::Log {
+            attempt_number,
+            level,
+            message,
+        } => (*attempt_number, level.as_str(), message.clone()),
+        JobUpdateKind::StateChanged {
+            previous,
+            state,
+            reason,
+        } => {
             let level = match (previous, state) {
-                (_, "failed") => "error",
-                (_, "cancelled") => "warn",
+                (_, JobState::Failed) => "error",
+                (_, JobState::Cancelled) => "warn",
                 // Back in the queue from a slice: an OOM retry or a lost lease.
-                ("placed" | "running", "queued") => "warn",
+                (JobState::Placed | JobState::Running, JobState::Queued) => "warn",
                 _ => "info",
             };
-            let message = match (previous == state, changed.reason.is_empty()) {
-                (true, _) => format!("job {}", changed.reason),
+            let message = match (previous == state, reason.is_empty()) {
+                (true, _) => format!("job {reason}"),
                 (false, true) => format!("{previous} -> {state}"),
-                (false, false) => format!("{previous} -> {state}: {}", changed.reason),
+                (false, false) => format!("{previous} -> {state}: {reason}"),
             };
             (0, level, message)
         }
-        Event::Oom(oom) => {
-            let report: OutOfMemory = oom.report.unwrap_or_default().into();
-            (
-                0,
-                "warn",
-                format!("attempt {} ran {report}", oom.attempt_number),
-            )
-        }
-        Event::Shrink(decision) => {
+        JobUpdateKind::OutOfMemory {
+            attempt_number,
+            report,
+            ..
+        } => (0, "warn", format!("attempt {attempt_number} ran {report}")),
+        JobUpdateKind::Shrink { decision, .. } => {
             let steps: Vec<&str> = decision
                 .steps
                 .iter()
                 .map(|step| step.description.as_str())
                 .collect();
-            let estimate = decision
-                .estimate
-                .as_ref()
-                .map_or(0, |estimate| estimate.required_bytes);
+            let estimate = decision.estimate.required_bytes;
             (
                 0,
                 "info",
@@ -132,36 +174,27 @@ fn log_line_for_event(
                 ),
             )
         }
-        Event::AttemptStarted(attempt) => {
+        JobUpdateKind::AttemptStarted(attempt) => {
             let resume = attempt
                 .resumed_from
                 .as_ref()
-                .filter(|checkpoint| !checkpoint.location.is_empty())
-                .map(|checkpoint| format!(", from checkpoint {}", checkpoint.location))
+                .filter(|location| !location.is_empty())
+                .map(|location| format!(", from checkpoint {location}"))
                 .unwrap_or_default();
             (
                 0,
                 "info",
                 format!(
                     "attempt {} assigned: a {} slice of {} on {} (estimated need {}){resume}",
-                    attempt.number,
-                    HumanBytes(attempt.slice_bytes),
-                    attempt.gpu_uuid,
+                    attempt.attempt_number,
+                    HumanBytes(attempt.slice_bytes as u64),
+                    attempt.gpu_id,
                     attempt.worker_id,
-                    HumanBytes(attempt.estimate_bytes)
+                    HumanBytes(attempt.estimate_bytes as u64)
                 ),
             )
         }
-        Event::AttemptFinished(attempt) => {
-            let outcome = v1::AttemptOutcome::try_from(attempt.outcome)
-                .map_or("unknown", |outcome| outcome.as_str_name());
-            (
-                0,
-                "info",
-                format!("attempt {} ended: {outcome}", attempt.number),
-            )
-        }
-        Event::Progress(_) => return None,
+        JobUpdateKind::Progress { .. } => return None,
     };
     Some(crate::store::NewLogLine::normalized(
         job_id,

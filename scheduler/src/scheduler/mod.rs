@@ -44,6 +44,7 @@ use crate::metrics::Metrics;
 use crate::queue::QueueMirror;
 use crate::store::{JobRecord, Store, SubmitBatcher, WorkerRecord, WorkerState};
 use crate::worker_session::LiveSession;
+pub use logs::{JobUpdate, JobUpdateKind};
 use worker_reports::Gpu;
 
 use admission::Lookups;
@@ -138,7 +139,7 @@ pub struct Scheduler {
     live: Mutex<Live>,
     job_changes: tokio::sync::Mutex<()>,
     wake: Notify,
-    events: broadcast::Sender<v1::JobEvent>,
+    events: broadcast::Sender<JobUpdate>,
     event_sequence: AtomicU64,
     pub metrics: Metrics,
     stopping: tokio::sync::watch::Sender<bool>,
@@ -305,7 +306,7 @@ impl Scheduler {
         let _ = tokio::time::timeout(timeout, self.wake.notified()).await;
     }
 
-    pub fn subscribe(&self) -> broadcast::Receiver<v1::JobEvent> {
+    pub fn subscribe(&self) -> broadcast::Receiver<JobUpdate> {
         self.events.subscribe()
     }
 

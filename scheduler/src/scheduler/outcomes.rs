@@ -16,6 +16,7 @@ use crate::metrics::Metrics;
 use crate::store::JobRecord;
 
 use super::admission::shape_key;
+use super::logs::JobUpdateKind;
 use super::worker_reports::{AttemptRef, Checkpoint};
 use super::{
     INFRASTRUCTURE_RETRIES, RunningAttempt, Scheduler, WorkerState, now_ms, spec_error,
@@ -107,11 +108,11 @@ impl Scheduler {
         let old_config = config_from_json(&job.config_json)?;
         self.emit(
             &job.id,
-            v1::job_event::Event::Oom(v1::job_event::OutOfMemory {
+            JobUpdateKind::OutOfMemory {
                 attempt_number: attempt.attempt_number,
-                config: Some(old_config.into()),
-                report: Some(report.into()),
-            }),
+                config: old_config,
+                report,
+            },
         );
         if job.state.is_terminal() {
             // Cancelled meanwhile: the slice is free, nothing to retry.
@@ -151,10 +152,10 @@ impl Scheduler {
                 // job's return to the queue with it.
                 self.emit(
                     &job.id,
-                    v1::job_event::Event::Shrink(carve_proto::convert::shrink_decision_to_proto(
-                        &old_config,
-                        &decision,
-                    )),
+                    JobUpdateKind::Shrink {
+                        old_config,
+                        decision: decision.clone(),
+                    },
                 );
                 self.move_job(
                     &mut job,

@@ -12,11 +12,12 @@ use carve_core::scheduling::{
 use carve_proto::v1;
 use tokio::time::Instant;
 
-use crate::convert::{attempt_to_proto, config_from_json, estimate_from_json};
+use crate::convert::{config_from_json, estimate_from_json};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use crate::store::{AttemptRecord, QueueFingerprint, TenantRecord};
 
+use super::logs::JobUpdateKind;
 use super::{RunningAttempt, Scheduler, now_ms, transition};
 
 /// What a scheduling pass decides from, as far as it can tell cheaply: a pass with the
@@ -247,10 +248,7 @@ impl Scheduler {
             change,
             &format!("placed on {} ({})", placement.gpu_id, placement.worker_id),
         );
-        self.emit(
-            &job.id,
-            v1::job_event::Event::AttemptStarted(attempt_to_proto(&attempt)),
-        );
+        self.emit(&job.id, JobUpdateKind::AttemptStarted(attempt));
         Ok(true)
     }
 

@@ -11,11 +11,12 @@ use tokio::time::Instant;
 
 use crate::auth::{Caller, Role, generate_id};
 use crate::cache::LOOKUP_TIME_TO_LIVE;
-use crate::convert::{attempt_ref_to_proto, progress_to_proto};
+use crate::convert::attempt_ref_to_proto;
 use crate::error::SchedulerError;
 use crate::store::WorkerRecord;
 use crate::worker_session::{LiveSession, SessionHandle};
 
+use super::logs::JobUpdateKind;
 use super::worker_reports::{
     AttemptRef, Gpu, GpuFreeBytes, Registered, WorkerRegistration, WorkerReport,
 };
@@ -334,10 +335,10 @@ impl Scheduler {
                 }
                 self.emit(
                     &attempt.job_id,
-                    v1::job_event::Event::Progress(v1::job_event::Progress {
+                    JobUpdateKind::Progress {
                         attempt_number: attempt.attempt_number,
-                        progress: progress.as_ref().map(progress_to_proto),
-                    }),
+                        progress,
+                    },
                 );
                 Ok(())
             }
@@ -349,11 +350,11 @@ impl Scheduler {
                 if self.current_attempt(worker_id, &attempt).is_some() {
                     self.emit(
                         &attempt.job_id,
-                        v1::job_event::Event::Log(v1::job_event::LogLine {
+                        JobUpdateKind::Log {
                             attempt_number: attempt.attempt_number,
                             level,
                             message,
-                        }),
+                        },
                     );
                 }
                 Ok(())
