@@ -21,8 +21,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::SchedulerError;
 use crate::scheduler::worker_reports::{
-    AttemptRef, Checkpoint, Gpu, GpuFreeBytes, Registered, TrainingProgress, WorkerRegistration,
-    WorkerReport,
+    AttemptRef, Checkpoint, Gpu, GpuFreeBytes, Registered, TrainingProgress, WorkerCommand,
+    WorkerRegistration, WorkerReport,
 };
 use crate::scheduler::{JobUpdate, JobUpdateKind};
 use crate::store::{AttemptRecord, JobRecord};
@@ -511,6 +511,38 @@ pub fn job_update_to_proto(update: &JobUpdate) -> v1::JobEvent {
         time: Some(timestamp(update.time_ms)),
         event: Some(event),
     }
+}
+
+/// A command for a worker as its session stream carries it.
+pub fn worker_command_to_proto(command: WorkerCommand) -> v1::SchedulerMessage {
+    use v1::scheduler_message::Body;
+    let body = match command {
+        WorkerCommand::Assignment(assignment) => {
+            Body::Assignment(v1::scheduler_message::Assignment {
+                attempt: Some(attempt_ref_to_proto(&assignment.attempt)),
+                spec_json: assignment.spec_json,
+                config: Some(assignment.config.into()),
+                gpu_uuid: assignment.gpu_uuid,
+                slice_bytes: assignment.slice_bytes,
+                resume_from: Some(v1::Checkpoint {
+                    step: assignment.resume_from.step,
+                    location: assignment.resume_from.location,
+                }),
+            })
+        }
+        WorkerCommand::Cancel {
+            attempt,
+            grace_period,
+            reason,
+        } => Body::Cancel(v1::scheduler_message::Cancel {
+            attempt: Some(attempt_ref_to_proto(&attempt)),
+            grace_period: Some(duration_to_proto(grace_period)),
+            reason,
+        }),
+        WorkerCommand::Drain => Body::Drain(v1::scheduler_message::Drain {}),
+        WorkerCommand::Ack { sequence } => Body::Ack(v1::scheduler_message::Ack { sequence }),
+    };
+    v1::SchedulerMessage { body: Some(body) }
 }
 
 #[cfg(test)]

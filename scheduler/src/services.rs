@@ -23,7 +23,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::auth::{Caller, Role, generate_id, generate_secret, hash_secret};
 use crate::convert::{
     attempt_ref_from_proto, job_state_from_proto, job_update_to_proto, registered_to_proto,
-    registration_from_proto, timestamp,
+    registration_from_proto, timestamp, worker_command_to_proto,
 };
 use crate::metrics::Metrics;
 use crate::scheduler::worker_reports::AttemptRef;
@@ -759,6 +759,8 @@ impl WorkerService for Services {
             .scheduler
             .open_session(&caller, &hello.worker_id, &running_attempts, sender.clone())
             .await?;
+        let commands =
+            ReceiverStream::new(receiver).map(|command| command.map(worker_command_to_proto));
         crate::worker_session::serve_session(
             self.scheduler.clone(),
             hello.worker_id,
@@ -766,6 +768,6 @@ impl WorkerService for Services {
             incoming,
             sender,
         );
-        Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
+        Ok(Response::new(Box::pin(commands)))
     }
 }

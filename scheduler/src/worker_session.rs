@@ -22,7 +22,7 @@ use tonic::{Status, Streaming};
 
 use crate::convert::worker_report_from_proto;
 use crate::error::SchedulerError;
-use crate::scheduler::worker_reports::WorkerReport;
+use crate::scheduler::worker_reports::{WorkerCommand, WorkerReport};
 use crate::scheduler::{Scheduler, SessionSender};
 
 /// Reports a session may have waiting for the report task; past this the reader waits
@@ -111,11 +111,7 @@ pub fn serve_session(
                 break;
             }
             let _ = report_sender
-                .send(Ok(v1::SchedulerMessage {
-                    body: Some(v1::scheduler_message::Body::Ack(
-                        v1::scheduler_message::Ack { sequence },
-                    )),
-                }))
+                .send(Ok(WorkerCommand::Ack { sequence }))
                 .await;
         }
     });

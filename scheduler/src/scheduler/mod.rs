@@ -33,7 +33,6 @@ use carve_core::job_state::{JobEvent, JobState, next_state};
 use carve_core::scheduling::GpuState;
 use carve_core::validate::ValidatedJob;
 use carve_proto::ApiError;
-use carve_proto::v1;
 use tokio::sync::{Notify, broadcast, mpsc};
 use tokio::time::Instant;
 use tonic::Status;
@@ -45,7 +44,7 @@ use crate::queue::QueueMirror;
 use crate::store::{JobRecord, Store, SubmitBatcher, WorkerRecord, WorkerState};
 use crate::worker_session::LiveSession;
 pub use logs::{JobUpdate, JobUpdateKind};
-use worker_reports::Gpu;
+use worker_reports::{Gpu, WorkerCommand};
 
 use admission::Lookups;
 pub use admission::{SPEC_MAX_BYTES, check_spec_size};
@@ -79,7 +78,9 @@ impl Default for SchedulerSettings {
     }
 }
 
-pub type SessionSender = mpsc::Sender<Result<v1::SchedulerMessage, Status>>;
+/// A worker's session stream, as the scheduler writes it (the handler makes the wire
+/// messages).
+pub type SessionSender = mpsc::Sender<Result<WorkerCommand, Status>>;
 
 #[derive(Debug)]
 struct LiveWorker {
@@ -354,7 +355,7 @@ impl Scheduler {
         gpus
     }
 
-    fn send_to_worker(&self, worker_id: &str, body: v1::scheduler_message::Body) -> bool {
+    fn send_to_worker(&self, worker_id: &str, command: WorkerCommand) -> bool {
         let session = self.live().workers.get(worker_id).and_then(|worker| {
             worker
                 .session
@@ -362,9 +363,7 @@ impl Scheduler {
                 .map(|session| session.sender.clone())
         });
         match session {
-            Some(session) => session
-                .try_send(Ok(v1::SchedulerMessage { body: Some(body) }))
-                .is_ok(),
+            Some(session) => session.try_send(Ok(command)).is_ok(),
             None => false,
         }
     }

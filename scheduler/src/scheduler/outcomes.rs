@@ -2,11 +2,12 @@
 //! its retry through the shrink planner, a lost lease, and the retries after
 //! infrastructure failures with their backoff.
 
+use std::time::Duration;
+
 use carve_core::allocator::OutOfMemory;
 use carve_core::job_state::{AttemptOutcome, JobEvent, JobState};
 use carve_core::shrink::{OomObservation, plan_shrink};
 use carve_proto::ApiError;
-use carve_proto::v1;
 use tokio::time::Instant;
 
 use crate::auth::Caller;
@@ -17,7 +18,7 @@ use crate::store::JobRecord;
 
 use super::admission::shape_key;
 use super::logs::JobUpdateKind;
-use super::worker_reports::{AttemptRef, Checkpoint};
+use super::worker_reports::{AttemptRef, Checkpoint, WorkerCommand};
 use super::{
     INFRASTRUCTURE_RETRIES, RunningAttempt, Scheduler, WorkerState, now_ms, spec_error,
     stored_spec_text,
@@ -56,18 +57,15 @@ impl Scheduler {
         if let Some(running) = running {
             self.send_to_worker(
                 &running.worker_id,
-                v1::scheduler_message::Body::Cancel(v1::scheduler_message::Cancel {
-                    attempt: Some(v1::AttemptRef {
+                WorkerCommand::Cancel {
+                    attempt: AttemptRef {
                         job_id: job_id.to_string(),
                         attempt_number: running.attempt_number,
                         lease_epoch: running.lease_epoch,
-                    }),
-                    grace_period: Some(prost_types::Duration {
-                        seconds: 10,
-                        nanos: 0,
-                    }),
+                    },
+                    grace_period: Duration::from_secs(10),
                     reason: job.message.clone(),
-                }),
+                },
             );
         }
         Metrics::count(&self.metrics.jobs_cancelled);

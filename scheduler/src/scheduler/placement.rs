@@ -9,7 +9,6 @@ use carve_core::job_state::{AttemptOutcome, JobEvent, JobState};
 use carve_core::scheduling::{
     GpuState, Placement, SchedulingProblem, TenantState, WaitReason, solve,
 };
-use carve_proto::v1;
 use tokio::time::Instant;
 
 use crate::convert::{config_from_json, estimate_from_json};
@@ -18,6 +17,7 @@ use crate::metrics::Metrics;
 use crate::store::{AttemptRecord, QueueFingerprint, TenantRecord};
 
 use super::logs::JobUpdateKind;
+use super::worker_reports::{Assignment, AttemptRef, Checkpoint, WorkerCommand};
 use super::{RunningAttempt, Scheduler, now_ms, transition};
 
 /// What a scheduling pass decides from, as far as it can tell cheaply: a pass with the
@@ -224,23 +224,23 @@ impl Scheduler {
         let checkpoint_location = format!("{}/{}.ckpt", self.settings.checkpoint_directory, job.id);
         self.send_to_worker(
             &placement.worker_id,
-            v1::scheduler_message::Body::Assignment(v1::scheduler_message::Assignment {
-                attempt: Some(v1::AttemptRef {
+            WorkerCommand::Assignment(Assignment {
+                attempt: AttemptRef {
                     job_id: job.id.clone(),
                     attempt_number: attempt_number as u32,
                     lease_epoch: attempt_number as u64,
-                }),
+                },
                 spec_json: job.spec_json.clone(),
-                config: Some(config.into()),
+                config,
                 gpu_uuid: placement.gpu_id.clone(),
                 slice_bytes: placement.slice_bytes,
-                resume_from: Some(v1::Checkpoint {
+                resume_from: Checkpoint {
                     step: job.checkpoint_step.max(0) as u64,
                     location: job
                         .checkpoint_location
                         .clone()
                         .unwrap_or(checkpoint_location),
-                }),
+                },
             }),
         );
         self.emit_state(

@@ -3,22 +3,21 @@
 //! (`current_attempt`), draining, and the dispatch of each message a worker sends.
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use carve_core::job_state::{JobEvent, JobState};
 use carve_proto::ApiError;
-use carve_proto::v1;
 use tokio::time::Instant;
 
 use crate::auth::{Caller, Role, generate_id};
 use crate::cache::LOOKUP_TIME_TO_LIVE;
-use crate::convert::attempt_ref_to_proto;
 use crate::error::SchedulerError;
 use crate::store::WorkerRecord;
 use crate::worker_session::{LiveSession, SessionHandle};
 
 use super::logs::JobUpdateKind;
 use super::worker_reports::{
-    AttemptRef, Gpu, GpuFreeBytes, Registered, WorkerRegistration, WorkerReport,
+    AttemptRef, Gpu, GpuFreeBytes, Registered, WorkerCommand, WorkerRegistration, WorkerReport,
 };
 use super::{LiveWorker, RunningAttempt, Scheduler, SessionSender, WorkerState, now_ms};
 
@@ -154,14 +153,11 @@ impl Scheduler {
             if !still_ours {
                 self.send_to_worker(
                     worker_id,
-                    v1::scheduler_message::Body::Cancel(v1::scheduler_message::Cancel {
-                        attempt: Some(attempt_ref_to_proto(attempt)),
-                        grace_period: Some(prost_types::Duration {
-                            seconds: 0,
-                            nanos: 0,
-                        }),
+                    WorkerCommand::Cancel {
+                        attempt: attempt.clone(),
+                        grace_period: Duration::ZERO,
                         reason: "the attempt was reassigned while the worker was away".into(),
-                    }),
+                    },
                 );
             }
         }
@@ -419,10 +415,7 @@ impl Scheduler {
         };
         self.store.set_worker_state(worker_id, state).await?;
         if draining {
-            self.send_to_worker(
-                worker_id,
-                v1::scheduler_message::Body::Drain(v1::scheduler_message::Drain {}),
-            );
+            self.send_to_worker(worker_id, WorkerCommand::Drain);
         }
         self.wake();
         Ok(())

@@ -1,11 +1,13 @@
-//! What workers tell the scheduler, as the scheduler's own types: a registration with
-//! its GPUs, and the reports of a session. The handlers make them from the generated
-//! messages (`convert.rs`); nothing in the scheduler reads a generated type from a worker.
+//! What workers tell the scheduler and what it tells them, as the scheduler's own types:
+//! a registration with its GPUs, the reports of a session, and the commands sent down it.
+//! `convert.rs` turns them from and into the generated messages; nothing in the
+//! scheduler reads or writes a generated type of a worker's.
 
 use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
 use carve_core::job_state::AttemptOutcome;
+use carve_core::plan::RunConfig;
 
 /// A GPU a worker offers: its memory as the worker measured it at registration, and its
 /// free memory as its heartbeats last said.
@@ -111,4 +113,33 @@ pub enum WorkerReport {
         measured_peak_bytes: u64,
         message: String,
     },
+}
+
+/// What the scheduler sends down a worker's session.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WorkerCommand {
+    /// Run an attempt in a slice.
+    Assignment(Assignment),
+    /// Stop an attempt, giving it `grace_period` before it is killed.
+    Cancel {
+        attempt: AttemptRef,
+        grace_period: Duration,
+        reason: String,
+    },
+    /// Finish the running attempts and take no new ones.
+    Drain,
+    /// Every report up to `sequence` was handled.
+    Ack { sequence: u64 },
+}
+
+/// An attempt a worker is to run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Assignment {
+    pub attempt: AttemptRef,
+    pub spec_json: String,
+    pub config: RunConfig,
+    pub gpu_uuid: String,
+    pub slice_bytes: u64,
+    /// Where to resume from when the file exists, and where to write checkpoints.
+    pub resume_from: Checkpoint,
 }
