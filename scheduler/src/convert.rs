@@ -24,8 +24,8 @@ use crate::scheduler::worker_reports::{
     AttemptRef, Checkpoint, Gpu, GpuFreeBytes, Registered, TrainingProgress, WorkerCommand,
     WorkerRegistration, WorkerReport,
 };
-use crate::scheduler::{JobUpdate, JobUpdateKind};
-use crate::store::{AttemptRecord, JobRecord};
+use crate::scheduler::{JobUpdate, JobUpdateKind, SliceView, SubmittedJob, WorkerView};
+use crate::store::{AttemptRecord, JobRecord, WorkerState};
 
 /// A run config as job and attempt rows store it (`config_json`). The keys are in
 /// alphabetical order, as the text has always been written (the admission cache keys
@@ -543,6 +543,56 @@ pub fn worker_command_to_proto(command: WorkerCommand) -> v1::SchedulerMessage {
         WorkerCommand::Ack { sequence } => Body::Ack(v1::scheduler_message::Ack { sequence }),
     };
     v1::SchedulerMessage { body: Some(body) }
+}
+
+pub fn worker_state_to_proto(state: WorkerState) -> v1::WorkerState {
+    match state {
+        WorkerState::Ready => v1::WorkerState::Ready,
+        WorkerState::Draining => v1::WorkerState::Draining,
+        WorkerState::Lost => v1::WorkerState::Lost,
+    }
+}
+
+pub fn slice_to_proto(slice: &SliceView) -> v1::Slice {
+    v1::Slice {
+        id: slice.id(),
+        gpu_uuid: slice.gpu_id.clone(),
+        bytes: slice.bytes,
+        job_id: slice.job_id.clone(),
+        attempt_number: slice.attempt_number,
+        worker_id: slice.worker_id.clone(),
+        tenant: slice.tenant.clone(),
+    }
+}
+
+pub fn worker_to_proto(worker: &WorkerView) -> v1::Worker {
+    v1::Worker {
+        id: worker.id.clone(),
+        hostname: worker.hostname.clone(),
+        state: worker_state_to_proto(worker.state) as i32,
+        gpus: worker
+            .gpus
+            .iter()
+            .map(|gpu| gpu_to_proto(&gpu.gpu, gpu.slices.iter().map(slice_to_proto).collect()))
+            .collect(),
+        last_heartbeat_at: Some(timestamp(worker.last_heartbeat_ms)),
+        registered_at: Some(timestamp(worker.registered_at_ms)),
+        version: worker.version.clone(),
+    }
+}
+
+/// A submit's answer: a new job from what admission computed, an earlier one (same
+/// idempotency key) as stored.
+pub fn submitted_job_to_proto(submitted: &SubmittedJob) -> Result<v1::Job, SchedulerError> {
+    match &submitted.admitted {
+        Some(admitted) => Ok(job_proto_from_parts(
+            &submitted.job,
+            &submitted.attempts,
+            Some(admitted.config),
+            Some(&admitted.estimate),
+        )),
+        None => job_to_proto(&submitted.job, &submitted.attempts),
+    }
 }
 
 #[cfg(test)]

@@ -22,13 +22,14 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{Caller, Role, generate_id, generate_secret, hash_secret};
 use crate::convert::{
-    attempt_ref_from_proto, job_state_from_proto, job_update_to_proto, registered_to_proto,
-    registration_from_proto, timestamp, worker_command_to_proto,
+    attempt_ref_from_proto, job_state_from_proto, job_to_proto, job_update_to_proto,
+    registered_to_proto, registration_from_proto, slice_to_proto, submitted_job_to_proto,
+    timestamp, worker_command_to_proto, worker_to_proto,
 };
 use crate::metrics::Metrics;
 use crate::scheduler::worker_reports::AttemptRef;
 use crate::scheduler::{JobUpdate, JobUpdateKind, Scheduler, now_ms};
-use crate::store::{JobFilter, LogLineRecord, LogQuery, TenantRecord, TokenRecord};
+use crate::store::{JobFilter, JobRecord, LogLineRecord, LogQuery, TenantRecord, TokenRecord};
 
 /// One handle on the scheduler for all four services.
 #[derive(Debug, Clone)]
@@ -74,6 +75,12 @@ impl Services {
             queued_jobs,
         }
     }
+
+    /// A job as the API shows it, with its attempts.
+    async fn job_message(&self, job: &JobRecord) -> Result<v1::Job, Status> {
+        let attempts = self.scheduler.attempts(&job.id).await?;
+        Ok(job_to_proto(job, &attempts)?)
+    }
 }
 
 impl Services {
@@ -88,8 +95,9 @@ impl Services {
         self.scheduler.set_draining(worker_id, draining).await?;
         Ok(self
             .scheduler
-            .workers_proto()
-            .into_iter()
+            .workers()
+            .iter()
+            .map(worker_to_proto)
             .find(|worker| worker.id == worker_id))
     }
 }
@@ -244,7 +252,10 @@ impl JobService for Services {
             .submit(&caller, &request.spec_json, &request.idempotency_key)
             .await;
         let metrics = &self.scheduler.metrics;
-        let (job, created) = match submitted {
+        let submitted = match submitted.and_then(|submitted| {
+            let job = submitted_job_to_proto(&submitted)?;
+            Ok((job, submitted.created))
+        }) {
             Ok(submitted) => {
                 metrics.observe_submit_latency(started.elapsed());
                 if submitted.1 {
@@ -257,6 +268,7 @@ impl JobService for Services {
                 return Err(error.into());
             }
         };
+        let (job, created) = submitted;
         Ok(Response::new(v1::SubmitJobResponse {
             job: Some(job),
             created,
@@ -272,7 +284,7 @@ impl JobService for Services {
             .scheduler
             .visible_job(&caller, &request.get_ref().job_id)
             .await?;
-        let job = self.scheduler.job_proto(&job).await?;
+        let job = self.job_message(&job).await?;
         Ok(Response::new(v1::GetJobResponse { job: Some(job) }))
     }
 
@@ -328,7 +340,7 @@ impl JobService for Services {
             .await?;
         let mut messages = Vec::with_capacity(jobs.len());
         for job in &jobs {
-            messages.push(self.scheduler.job_proto(job).await?);
+            messages.push(self.job_message(job).await?);
         }
         Ok(Response::new(v1::ListJobsResponse {
             jobs: messages,
@@ -346,7 +358,7 @@ impl JobService for Services {
             .scheduler
             .cancel(&caller, &request.job_id, &request.reason)
             .await?;
-        let job = self.scheduler.job_proto(&job).await?;
+        let job = self.job_message(&job).await?;
         Ok(Response::new(v1::CancelJobResponse { job: Some(job) }))
     }
 
@@ -636,8 +648,9 @@ impl ClusterService for Services {
         let states = request.into_inner().states;
         let workers = self
             .scheduler
-            .workers_proto()
-            .into_iter()
+            .workers()
+            .iter()
+            .map(worker_to_proto)
             .filter(|worker| states.is_empty() || states.contains(&worker.state))
             .map(|worker| worker_seen_by(&caller, worker))
             .collect();
@@ -652,8 +665,9 @@ impl ClusterService for Services {
         let worker_id = request.into_inner().worker_id;
         let worker = self
             .scheduler
-            .workers_proto()
-            .into_iter()
+            .workers()
+            .iter()
+            .map(worker_to_proto)
             .find(|worker| worker.id == worker_id)
             .map(|worker| worker_seen_by(&caller, worker))
             .ok_or_else(|| {
@@ -697,8 +711,9 @@ impl ClusterService for Services {
         let request = request.into_inner();
         let slices = self
             .scheduler
-            .slices_proto()
-            .into_iter()
+            .slices()
+            .iter()
+            .map(slice_to_proto)
             // The same rule as the worker views: only admins see other tenants' jobs (a
             // worker token included: a worker process never needs this list).
             .filter(|slice| caller.may_access_tenant(&slice.tenant))

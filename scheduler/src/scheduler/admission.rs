@@ -13,14 +13,13 @@ use carve_core::scheduling::{GpuState, TenantState, WaitReason, can_ever_fit};
 use carve_core::shrink::{ShrinkDecision, plan_shrink};
 use carve_core::validate::ValidatedJob;
 use carve_proto::ApiError;
-use carve_proto::v1;
 use sha2::{Digest, Sha256};
 
 use crate::auth::{Caller, Role, authenticate, generate_id};
 use crate::cache::{BoundedCache, LOOKUP_CAPACITY, LOOKUP_TIME_TO_LIVE, ShortLivedCache};
-use crate::convert::{config_to_json, estimate_to_json, job_proto_from_parts};
+use crate::convert::{config_to_json, estimate_to_json};
 use crate::error::SchedulerError;
-use crate::store::{JobRecord, TenantRecord, TokenRecord};
+use crate::store::{AttemptRecord, JobRecord, TenantRecord, TokenRecord};
 
 use super::{Scheduler, StateChange, now_ms, spec_error};
 
@@ -39,7 +38,7 @@ const ANALYSED_SPEC_MAX_BYTES: usize = 64 * 1024;
 struct AnalysedSpec {
     job: ValidatedJob,
     config: RunConfig,
-    estimate: MemoryEstimate,
+    estimate: Arc<MemoryEstimate>,
     shape_key: String,
     /// `config` and `estimate` as a job row stores them, used as they are when admission
     /// keeps the spec's own configuration.
@@ -117,11 +116,29 @@ fn analyse_spec_text(spec_json: &str) -> Result<AnalysedSpec, SchedulerError> {
     Ok(AnalysedSpec {
         job,
         config,
-        estimate,
+        estimate: Arc::new(estimate),
         shape_key,
         config_json,
         estimate_json,
     })
+}
+
+/// What a submit did: the job, with its attempts when the idempotency key found an
+/// earlier job (`created == false`), or with the configuration and estimate admission
+/// just computed for a new one (so the answer needs no store read and no estimate).
+#[derive(Debug, Clone)]
+pub struct SubmittedJob {
+    pub job: JobRecord,
+    pub attempts: Vec<AttemptRecord>,
+    pub created: bool,
+    pub admitted: Option<AdmittedConfig>,
+}
+
+/// The configuration admission gave a new job, and its estimate.
+#[derive(Debug, Clone)]
+pub struct AdmittedConfig {
+    pub config: RunConfig,
+    pub estimate: Arc<MemoryEstimate>,
 }
 
 /// The longest spec text the scheduler accepts: a spec at the layer limit with long
@@ -160,7 +177,7 @@ impl Scheduler {
         caller: &Caller,
         spec_json: &str,
         idempotency_key: &str,
-    ) -> Result<(v1::Job, bool), SchedulerError> {
+    ) -> Result<SubmittedJob, SchedulerError> {
         caller.require(&[Role::User, Role::Admin])?;
         if idempotency_key.len() > 256 {
             return Err(ApiError::InvalidArgument {
@@ -221,7 +238,7 @@ impl Scheduler {
                     })?;
                 let admitted = size(Some(&decision))
                     .map_err(|_| ApiError::Internal("sizing asked for a second shrink".into()))?;
-                shrunk_estimate = Some(decision.estimate);
+                shrunk_estimate = Some(Arc::new(decision.estimate));
                 admitted
             }
         };
@@ -240,7 +257,6 @@ impl Scheduler {
             ))
             .into());
         }
-        let estimate = &analysed.estimate;
         let now = now_ms();
         let record = JobRecord {
             id: generate_id("job"),
@@ -258,7 +274,7 @@ impl Scheduler {
             },
             // The estimate of the configuration stored: reads show it as it is.
             estimate_json: shrunk_estimate
-                .as_ref()
+                .as_deref()
                 .map_or_else(|| analysed.estimate_json.clone(), estimate_to_json),
             required_bytes: slice_bytes as i64,
             waiting_reason: waiting_reason_at_submit(&gpus),
@@ -273,7 +289,13 @@ impl Scheduler {
         if !outcome.created {
             // The idempotency key matched an earlier job, which may have attempts and
             // another configuration by now: answer with it as stored.
-            return Ok((self.job_proto(&outcome.job).await?, false));
+            let attempts = self.attempts(&outcome.job.id).await?;
+            return Ok(SubmittedJob {
+                job: outcome.job,
+                attempts,
+                created: false,
+                admitted: None,
+            });
         }
         // A new job has no state before: its event goes from queued to queued.
         let submitted = StateChange {
@@ -284,13 +306,15 @@ impl Scheduler {
         self.wake();
         // A job created just now has no attempts, and its configuration and estimate
         // are the ones admission computed: no store read, no second estimate.
-        let answer = job_proto_from_parts(
-            &outcome.job,
-            &[],
-            Some(config),
-            Some(shrunk_estimate.as_ref().unwrap_or(estimate)),
-        );
-        Ok((answer, true))
+        Ok(SubmittedJob {
+            job: outcome.job,
+            attempts: Vec::new(),
+            created: true,
+            admitted: Some(AdmittedConfig {
+                config,
+                estimate: shrunk_estimate.unwrap_or_else(|| Arc::clone(&analysed.estimate)),
+            }),
+        })
     }
 
     /// Validates a spec and estimates it with the configuration it asks for (on the

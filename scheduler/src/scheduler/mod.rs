@@ -47,8 +47,9 @@ pub use logs::{JobUpdate, JobUpdateKind};
 use worker_reports::{Gpu, WorkerCommand};
 
 use admission::Lookups;
-pub use admission::{SPEC_MAX_BYTES, check_spec_size};
+pub use admission::{AdmittedConfig, SPEC_MAX_BYTES, SubmittedJob, check_spec_size};
 use placement::PassInputs;
+pub use views::{GpuView, SliceView, WorkerView};
 
 /// Timing of leases and passes.
 #[derive(Debug, Clone)]

@@ -2,14 +2,13 @@
 //! metrics page show them.
 
 use carve_proto::ApiError;
-use carve_proto::v1;
 
 use crate::auth::{Caller, Role};
-use crate::convert::{gpu_to_proto, job_to_proto, timestamp};
 use crate::error::SchedulerError;
 use crate::metrics::ClusterGauges;
-use crate::store::JobRecord;
+use crate::store::{AttemptRecord, JobRecord};
 
+use super::worker_reports::Gpu;
 use super::{RunningAttempt, Scheduler, WorkerState};
 
 impl Scheduler {
@@ -38,41 +37,38 @@ impl Scheduler {
         Ok(job)
     }
 
-    pub async fn job_proto(&self, job: &JobRecord) -> Result<v1::Job, SchedulerError> {
-        let attempts = self.store.list_attempts(&job.id).await?;
-        job_to_proto(job, &attempts)
+    /// A job's attempts, by number.
+    pub async fn attempts(&self, job_id: &str) -> Result<Vec<AttemptRecord>, SchedulerError> {
+        self.store.list_attempts(job_id).await
     }
 
-    pub fn workers_proto(&self) -> Vec<v1::Worker> {
+    /// Every live worker with its GPUs and the slices running on them, by id.
+    pub fn workers(&self) -> Vec<WorkerView> {
         let live = self.live();
-        let mut workers: Vec<v1::Worker> = live
+        let mut workers: Vec<WorkerView> = live
             .workers
             .iter()
-            .map(|(worker_id, worker)| v1::Worker {
+            .map(|(worker_id, worker)| WorkerView {
                 id: worker_id.clone(),
                 hostname: worker.record.hostname.clone(),
-                state: match worker.state {
-                    WorkerState::Ready => v1::WorkerState::Ready,
-                    WorkerState::Draining => v1::WorkerState::Draining,
-                    WorkerState::Lost => v1::WorkerState::Lost,
-                } as i32,
+                state: worker.state,
                 gpus: worker
                     .gpus
                     .iter()
-                    .map(|gpu| {
-                        let slices = live
+                    .map(|gpu| GpuView {
+                        gpu: gpu.clone(),
+                        slices: live
                             .running
                             .iter()
                             .filter(|(_, running)| {
                                 running.worker_id == *worker_id && running.gpu_id == gpu.uuid
                             })
-                            .map(|(job_id, running)| slice_proto(job_id, running))
-                            .collect();
-                        gpu_to_proto(gpu, slices)
+                            .map(|(job_id, running)| slice_view(job_id, running))
+                            .collect(),
                     })
                     .collect(),
-                last_heartbeat_at: Some(timestamp(worker.record.last_heartbeat_ms)),
-                registered_at: Some(timestamp(worker.record.registered_at_ms)),
+                last_heartbeat_ms: worker.record.last_heartbeat_ms,
+                registered_at_ms: worker.record.registered_at_ms,
                 version: worker.record.version.clone(),
             })
             .collect();
@@ -80,14 +76,15 @@ impl Scheduler {
         workers
     }
 
-    pub fn slices_proto(&self) -> Vec<v1::Slice> {
+    /// Every slice running now, by id.
+    pub fn slices(&self) -> Vec<SliceView> {
         let live = self.live();
-        let mut slices: Vec<v1::Slice> = live
+        let mut slices: Vec<SliceView> = live
             .running
             .iter()
-            .map(|(job_id, running)| slice_proto(job_id, running))
+            .map(|(job_id, running)| slice_view(job_id, running))
             .collect();
-        slices.sort_by(|left, right| left.id.cmp(&right.id));
+        slices.sort_by_key(SliceView::id);
         slices
     }
 
@@ -149,14 +146,50 @@ impl Scheduler {
     }
 }
 
-fn slice_proto(job_id: &str, running: &RunningAttempt) -> v1::Slice {
-    v1::Slice {
-        id: format!("{job_id}/{}", running.attempt_number),
-        gpu_uuid: running.gpu_id.clone(),
-        bytes: running.slice_bytes,
+fn slice_view(job_id: &str, running: &RunningAttempt) -> SliceView {
+    SliceView {
         job_id: job_id.to_string(),
         attempt_number: running.attempt_number,
+        gpu_id: running.gpu_id.clone(),
         worker_id: running.worker_id.clone(),
         tenant: running.tenant.clone(),
+        bytes: running.slice_bytes,
+    }
+}
+
+/// A worker as reads show it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerView {
+    pub id: String,
+    pub hostname: String,
+    pub state: WorkerState,
+    pub gpus: Vec<GpuView>,
+    pub last_heartbeat_ms: i64,
+    pub registered_at_ms: i64,
+    pub version: String,
+}
+
+/// A worker's GPU with the slices running on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuView {
+    pub gpu: Gpu,
+    pub slices: Vec<SliceView>,
+}
+
+/// An attempt's slice of a GPU, running now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SliceView {
+    pub job_id: String,
+    pub attempt_number: u32,
+    pub gpu_id: String,
+    pub worker_id: String,
+    pub tenant: String,
+    pub bytes: u64,
+}
+
+impl SliceView {
+    /// `job/attempt`, the slice's id.
+    pub fn id(&self) -> String {
+        format!("{}/{}", self.job_id, self.attempt_number)
     }
 }
