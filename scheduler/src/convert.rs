@@ -554,14 +554,15 @@ pub fn worker_state_to_proto(state: WorkerState) -> v1::WorkerState {
 }
 
 pub fn slice_to_proto(slice: &SliceView) -> v1::Slice {
+    let owner = slice.owner.as_ref();
     v1::Slice {
         id: slice.id(),
         gpu_uuid: slice.gpu_id.clone(),
         bytes: slice.bytes,
-        job_id: slice.job_id.clone(),
-        attempt_number: slice.attempt_number,
+        job_id: owner.map(|owner| owner.job_id.clone()).unwrap_or_default(),
+        attempt_number: owner.map_or(0, |owner| owner.attempt_number),
         worker_id: slice.worker_id.clone(),
-        tenant: slice.tenant.clone(),
+        tenant: owner.map(|owner| owner.tenant.clone()).unwrap_or_default(),
     }
 }
 

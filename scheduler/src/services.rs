@@ -1,12 +1,12 @@
-//! The gRPC handlers: authenticate, check the request's fields, call the scheduler, turn
-//! records into messages. Generated types stop here; errors become statuses through
-//! `carve_proto::ApiError`, the project's one mapping.
+//! The gRPC handlers: authenticate, check the request's fields, call the scheduler (which
+//! decides what the caller may do), turn its answers into messages through `convert.rs`.
+//! Generated types stop here, and the store is reached only through the scheduler;
+//! errors become statuses through `carve_proto::ApiError`, the project's one mapping.
 
 use std::pin::Pin;
 use std::sync::Arc;
 
 use carve_core::estimator::estimate_job;
-use carve_core::job_state::JobState;
 use carve_core::plan::RunConfig;
 use carve_core::shrink::plan_shrink;
 use carve_proto::ApiError;
@@ -20,7 +20,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::auth::{Caller, Role, generate_id, generate_secret, hash_secret};
+use crate::auth::{Caller, Role};
 use crate::convert::{
     attempt_ref_from_proto, job_state_from_proto, job_to_proto, job_update_to_proto,
     registered_to_proto, registration_from_proto, slice_to_proto, submitted_job_to_proto,
@@ -57,8 +57,7 @@ impl Services {
         let (vram_in_use_bytes, running_jobs) = self.scheduler.tenant_usage(&tenant.name);
         let queued_jobs = self
             .scheduler
-            .store
-            .count_jobs(&tenant.name, JobState::Queued)
+            .queued_jobs_of(&tenant.name)
             .await
             .map(|count| u32::try_from(count).unwrap_or(u32::MAX))
             .unwrap_or(0);
@@ -91,8 +90,9 @@ impl Services {
         worker_id: &str,
         draining: bool,
     ) -> Result<Option<v1::Worker>, Status> {
-        caller.require(&[Role::Admin])?;
-        self.scheduler.set_draining(worker_id, draining).await?;
+        self.scheduler
+            .set_draining(caller, worker_id, draining)
+            .await?;
         Ok(self
             .scheduler
             .workers()
@@ -147,25 +147,6 @@ fn quota_fields(quota: Option<v1::Quota>) -> Result<(Option<i64>, Option<i64>, i
         quota.fair_share_weight.round().max(1.0) as i64
     };
     Ok((vram, quota.max_running_jobs.map(i64::from), weight))
-}
-
-/// A worker as `caller` may see it: every slice keeps its size (so a GPU's memory still
-/// adds up), but a slice of a tenant the caller may not access is anonymous, with no
-/// tenant, job or attempt: which jobs other tenants run is theirs to know.
-fn worker_seen_by(caller: &Caller, mut worker: v1::Worker) -> v1::Worker {
-    for gpu in &mut worker.gpus {
-        for slice in &mut gpu.slices {
-            if !caller.may_access_tenant(&slice.tenant) {
-                *slice = v1::Slice {
-                    gpu_uuid: std::mem::take(&mut slice.gpu_uuid),
-                    bytes: slice.bytes,
-                    worker_id: std::mem::take(&mut slice.worker_id),
-                    ..v1::Slice::default()
-                };
-            }
-        }
-    }
-    worker
 }
 
 /// A token's time to live in whole milliseconds (expiry times are milliseconds), rounded
@@ -293,17 +274,7 @@ impl JobService for Services {
         request: Request<v1::ListJobsRequest>,
     ) -> Result<Response<v1::ListJobsResponse>, Status> {
         let caller = self.caller(&request).await?;
-        caller.require(&[Role::User, Role::Admin])?;
         let request = request.into_inner();
-        let tenant = if request.tenant.is_empty() {
-            (caller.role != Role::Admin).then(|| caller.tenant.clone())
-        } else if caller.may_access_tenant(&request.tenant) {
-            Some(request.tenant.clone())
-        } else {
-            return Err(Status::from(ApiError::PermissionDenied(
-                "only admins list other tenants' jobs".into(),
-            )));
-        };
         let mut states = Vec::new();
         for (index, state) in request.states.iter().enumerate() {
             let state = v1::JobState::try_from(*state)
@@ -325,18 +296,20 @@ impl JobService for Services {
         }
         let (jobs, next_page_token) = self
             .scheduler
-            .store
-            .list_jobs(&JobFilter {
-                tenant,
-                states,
-                name_prefix: (!request.name_prefix.is_empty()).then_some(request.name_prefix),
-                page_size: if request.page_size == 0 {
-                    100
-                } else {
-                    request.page_size
+            .list_jobs(
+                &caller,
+                JobFilter {
+                    tenant: (!request.tenant.is_empty()).then_some(request.tenant),
+                    states,
+                    name_prefix: (!request.name_prefix.is_empty()).then_some(request.name_prefix),
+                    page_size: if request.page_size == 0 {
+                        100
+                    } else {
+                        request.page_size
+                    },
+                    page_token: (!request.page_token.is_empty()).then_some(request.page_token),
                 },
-                page_token: (!request.page_token.is_empty()).then_some(request.page_token),
-            })
+            )
             .await?;
         let mut messages = Vec::with_capacity(jobs.len());
         for job in &jobs {
@@ -440,7 +413,7 @@ impl JobService for Services {
         request: Request<v1::EstimateJobRequest>,
     ) -> Result<Response<v1::EstimateJobResponse>, Status> {
         let caller = self.caller(&request).await?;
-        caller.require(&[Role::User, Role::Admin])?;
+        self.scheduler.may_estimate(&caller)?;
         let request = request.into_inner();
         crate::scheduler::check_spec_size(&request.spec_json)?;
         if request.slice_bytes == Some(0) {
@@ -518,7 +491,7 @@ impl AdminService for Services {
         &self,
         request: Request<v1::CreateTenantRequest>,
     ) -> Result<Response<v1::CreateTenantResponse>, Status> {
-        self.caller(&request).await?.require(&[Role::Admin])?;
+        let caller = self.caller(&request).await?;
         let request = request.into_inner();
         tenant_name_check(&request.name)?;
         let (vram_quota_bytes, max_running_jobs, fair_share_weight) = quota_fields(request.quota)?;
@@ -529,7 +502,7 @@ impl AdminService for Services {
             fair_share_weight,
             created_at_ms: now_ms(),
         };
-        self.scheduler.store.create_tenant(&tenant).await?;
+        self.scheduler.create_tenant(&caller, &tenant).await?;
         Ok(Response::new(v1::CreateTenantResponse {
             tenant: Some(self.tenant_proto(&tenant).await),
         }))
@@ -539,8 +512,8 @@ impl AdminService for Services {
         &self,
         request: Request<v1::ListTenantsRequest>,
     ) -> Result<Response<v1::ListTenantsResponse>, Status> {
-        self.caller(&request).await?.require(&[Role::Admin])?;
-        let tenants = self.scheduler.store.list_tenants().await?;
+        let caller = self.caller(&request).await?;
+        let tenants = self.scheduler.tenants(&caller).await?;
         let mut messages = Vec::new();
         for tenant in &tenants {
             messages.push(self.tenant_proto(tenant).await);
@@ -552,12 +525,12 @@ impl AdminService for Services {
         &self,
         request: Request<v1::SetQuotaRequest>,
     ) -> Result<Response<v1::SetQuotaResponse>, Status> {
-        self.caller(&request).await?.require(&[Role::Admin])?;
+        let caller = self.caller(&request).await?;
         let request = request.into_inner();
         let (vram, running, weight) = quota_fields(request.quota)?;
         let tenant = self
             .scheduler
-            .set_quota(&request.tenant, vram, running, weight)
+            .set_quota(&caller, &request.tenant, vram, running, weight)
             .await?;
         Ok(Response::new(v1::SetQuotaResponse {
             tenant: Some(self.tenant_proto(&tenant).await),
@@ -568,7 +541,7 @@ impl AdminService for Services {
         &self,
         request: Request<v1::CreateTokenRequest>,
     ) -> Result<Response<v1::CreateTokenResponse>, Status> {
-        self.caller(&request).await?.require(&[Role::Admin])?;
+        let caller = self.caller(&request).await?;
         let request = request.into_inner();
         let role = match v1::Role::try_from(request.role) {
             Ok(v1::Role::User) => Role::User,
@@ -581,27 +554,25 @@ impl AdminService for Services {
                 ));
             }
         };
-        self.scheduler.store.get_tenant(&request.tenant).await?;
         let now = now_ms();
         let expires_at_ms = match request.time_to_live {
             Some(ttl) => Some(now.saturating_add(time_to_live_ms(&ttl)?)),
             None => None,
         };
-        let secret = generate_secret();
-        let token = TokenRecord {
-            id: generate_id("token"),
-            tenant: request.tenant,
-            role,
-            secret_hash: hash_secret(&secret),
-            description: request.description,
-            created_at_ms: now,
-            expires_at_ms,
-            revoked: false,
-        };
-        self.scheduler.store.create_token(&token).await?;
+        let created = self
+            .scheduler
+            .create_token(
+                &caller,
+                request.tenant,
+                role,
+                request.description,
+                now,
+                expires_at_ms,
+            )
+            .await?;
         Ok(Response::new(v1::CreateTokenResponse {
-            token: Some(token_proto(&token)),
-            secret,
+            token: Some(token_proto(&created.token)),
+            secret: created.secret,
         }))
     }
 
@@ -609,12 +580,14 @@ impl AdminService for Services {
         &self,
         request: Request<v1::ListTokensRequest>,
     ) -> Result<Response<v1::ListTokensResponse>, Status> {
-        self.caller(&request).await?.require(&[Role::Admin])?;
+        let caller = self.caller(&request).await?;
         let request = request.into_inner();
         let tokens = self
             .scheduler
-            .store
-            .list_tokens((!request.tenant.is_empty()).then_some(request.tenant.as_str()))
+            .tokens(
+                &caller,
+                (!request.tenant.is_empty()).then_some(request.tenant.as_str()),
+            )
             .await?;
         Ok(Response::new(v1::ListTokensResponse {
             tokens: tokens
@@ -629,9 +602,9 @@ impl AdminService for Services {
         &self,
         request: Request<v1::RevokeTokenRequest>,
     ) -> Result<Response<v1::RevokeTokenResponse>, Status> {
-        self.caller(&request).await?.require(&[Role::Admin])?;
+        let caller = self.caller(&request).await?;
         let token_id = request.into_inner().token_id;
-        let token = self.scheduler.revoke_token(&token_id).await?;
+        let token = self.scheduler.revoke_token(&caller, &token_id).await?;
         Ok(Response::new(v1::RevokeTokenResponse {
             token: Some(token_proto(&token)),
         }))
@@ -648,11 +621,10 @@ impl ClusterService for Services {
         let states = request.into_inner().states;
         let workers = self
             .scheduler
-            .workers()
+            .workers_seen_by(&caller)
             .iter()
             .map(worker_to_proto)
             .filter(|worker| states.is_empty() || states.contains(&worker.state))
-            .map(|worker| worker_seen_by(&caller, worker))
             .collect();
         Ok(Response::new(v1::ListWorkersResponse { workers }))
     }
@@ -665,11 +637,10 @@ impl ClusterService for Services {
         let worker_id = request.into_inner().worker_id;
         let worker = self
             .scheduler
-            .workers()
+            .workers_seen_by(&caller)
             .iter()
             .map(worker_to_proto)
             .find(|worker| worker.id == worker_id)
-            .map(|worker| worker_seen_by(&caller, worker))
             .ok_or_else(|| {
                 Status::from(ApiError::NotFound {
                     what: "worker",
@@ -711,12 +682,11 @@ impl ClusterService for Services {
         let request = request.into_inner();
         let slices = self
             .scheduler
-            .slices()
-            .iter()
-            .map(slice_to_proto)
             // The same rule as the worker views: only admins see other tenants' jobs (a
             // worker token included: a worker process never needs this list).
-            .filter(|slice| caller.may_access_tenant(&slice.tenant))
+            .slices_seen_by(&caller)
+            .iter()
+            .map(slice_to_proto)
             .filter(|slice| request.worker_id.is_empty() || slice.worker_id == request.worker_id)
             .filter(|slice| request.gpu_uuid.is_empty() || slice.gpu_uuid == request.gpu_uuid)
             .filter(|slice| request.job_id.is_empty() || slice.job_id == request.job_id)
@@ -746,7 +716,7 @@ impl WorkerService for Services {
         request: Request<Streaming<v1::WorkerMessage>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         let caller = self.caller(&request).await?;
-        caller.require(&[Role::Worker, Role::Admin])?;
+        self.scheduler.may_hold_sessions(&caller)?;
         let mut incoming = request.into_inner();
         // A worker says hello as soon as the stream is open; one that does not within
         // the lease would hold a stream, and a handler, open for ever.

@@ -49,9 +49,9 @@ struct AnalysedSpec {
 #[derive(Debug)]
 pub(super) struct Lookups {
     /// By secret hash: invalidated by `Scheduler::revoke_token`.
-    tokens: ShortLivedCache<Vec<u8>, TokenRecord>,
+    pub(super) tokens: ShortLivedCache<Vec<u8>, TokenRecord>,
     /// By name: invalidated by `Scheduler::set_quota`.
-    tenants: ShortLivedCache<String, TenantRecord>,
+    pub(super) tenants: ShortLivedCache<String, TenantRecord>,
     /// By shape key (`None`: nothing measured yet): invalidated when this scheduler
     /// records a measured peak of that shape.
     pub(super) peak_corrections: ShortLivedCache<String, Option<f64>>,
@@ -351,38 +351,6 @@ impl Scheduler {
         now_ms: i64,
     ) -> Result<Caller, SchedulerError> {
         authenticate(&self.store, &self.lookups.tokens, metadata, now_ms).await
-    }
-
-    /// Revokes a token; this scheduler refuses it from the next call on, and ends the
-    /// worker sessions and job watches opened with it.
-    pub async fn revoke_token(&self, token_id: &str) -> Result<TokenRecord, SchedulerError> {
-        let token = self.store.revoke_token(token_id).await?;
-        self.lookups.tokens.invalidate(&token.secret_hash);
-        self.end_sessions_of_token(&token.id, "token rejected: revoked");
-        let _ = self.revoked_tokens.send(token.id.clone());
-        Ok(token)
-    }
-
-    /// Replaces a tenant's quota; this scheduler's next admission uses the new one.
-    pub async fn set_quota(
-        &self,
-        tenant: &str,
-        vram_quota_bytes: Option<i64>,
-        max_running_jobs: Option<i64>,
-        fair_share_weight: i64,
-    ) -> Result<TenantRecord, SchedulerError> {
-        let record = self
-            .store
-            .set_quota(
-                tenant,
-                vram_quota_bytes,
-                max_running_jobs,
-                fair_share_weight,
-            )
-            .await?;
-        self.lookups.tenants.invalidate(&record.name);
-        self.wake();
-        Ok(record)
     }
 
     /// A tenant as admission checks it: read from the store at most

@@ -15,6 +15,7 @@
 //! job logs) and `recovery` (the live state rebuilt at start). This file holds the state
 //! they share and the small helpers they all use.
 
+mod admin;
 mod admission;
 mod logs;
 mod outcomes;
@@ -46,10 +47,11 @@ use crate::worker_session::LiveSession;
 pub use logs::{JobUpdate, JobUpdateKind};
 use worker_reports::{Gpu, WorkerCommand};
 
+pub use admin::CreatedToken;
 use admission::Lookups;
 pub use admission::{AdmittedConfig, SPEC_MAX_BYTES, SubmittedJob, check_spec_size};
 use placement::PassInputs;
-pub use views::{GpuView, SliceView, WorkerView};
+pub use views::{GpuView, SliceOwner, SliceView, WorkerView};
 
 /// Timing of leases and passes.
 #[derive(Debug, Clone)]

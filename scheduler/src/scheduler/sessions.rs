@@ -27,7 +27,7 @@ impl Scheduler {
         caller: &Caller,
         request: WorkerRegistration,
     ) -> Result<Registered, SchedulerError> {
-        caller.require(&[Role::Worker, Role::Admin])?;
+        self.may_hold_sessions(caller)?;
         if request.hostname.is_empty() {
             return Err(ApiError::InvalidArgument {
                 field: "hostname".into(),
@@ -123,7 +123,7 @@ impl Scheduler {
         running_attempts: &[AttemptRef],
         sender: SessionSender,
     ) -> Result<SessionHandle, SchedulerError> {
-        caller.require(&[Role::Worker, Role::Admin])?;
+        self.may_hold_sessions(caller)?;
         let handle = {
             let mut live = self.live();
             let worker = live.worker_mut(worker_id)?;
@@ -398,11 +398,14 @@ impl Scheduler {
         ))
     }
 
+    /// Drain and undrain: admins only.
     pub async fn set_draining(
         &self,
+        caller: &Caller,
         worker_id: &str,
         draining: bool,
     ) -> Result<(), SchedulerError> {
+        caller.require(&[Role::Admin])?;
         let state = {
             let mut live = self.live();
             let worker = live.worker_mut(worker_id)?;

@@ -76,8 +76,32 @@ impl Scheduler {
         workers
     }
 
+    /// The live workers as `caller` may see them: every slice keeps its size (so a GPU's
+    /// memory still adds up), but a slice of a tenant the caller may not access has no
+    /// owner: which jobs other tenants run is theirs to know.
+    pub fn workers_seen_by(&self, caller: &Caller) -> Vec<WorkerView> {
+        let mut workers = self.workers();
+        for slice in workers
+            .iter_mut()
+            .flat_map(|worker| &mut worker.gpus)
+            .flat_map(|gpu| &mut gpu.slices)
+        {
+            if !slice.may_be_seen_by(caller) {
+                slice.owner = None;
+            }
+        }
+        workers
+    }
+
+    /// The slices running now of the tenants `caller` may access, by id.
+    pub fn slices_seen_by(&self, caller: &Caller) -> Vec<SliceView> {
+        let mut slices = self.slices();
+        slices.retain(|slice| slice.may_be_seen_by(caller));
+        slices
+    }
+
     /// Every slice running now, by id.
-    pub fn slices(&self) -> Vec<SliceView> {
+    fn slices(&self) -> Vec<SliceView> {
         let live = self.live();
         let mut slices: Vec<SliceView> = live
             .running
@@ -148,11 +172,13 @@ impl Scheduler {
 
 fn slice_view(job_id: &str, running: &RunningAttempt) -> SliceView {
     SliceView {
-        job_id: job_id.to_string(),
-        attempt_number: running.attempt_number,
+        owner: Some(SliceOwner {
+            job_id: job_id.to_string(),
+            attempt_number: running.attempt_number,
+            tenant: running.tenant.clone(),
+        }),
         gpu_id: running.gpu_id.clone(),
         worker_id: running.worker_id.clone(),
-        tenant: running.tenant.clone(),
         bytes: running.slice_bytes,
     }
 }
@@ -179,17 +205,33 @@ pub struct GpuView {
 /// An attempt's slice of a GPU, running now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SliceView {
-    pub job_id: String,
-    pub attempt_number: u32,
+    /// Whose it is; `None` in a view for a caller who may not know (another tenant's).
+    pub owner: Option<SliceOwner>,
     pub gpu_id: String,
     pub worker_id: String,
-    pub tenant: String,
     pub bytes: u64,
 }
 
+/// The attempt a slice runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SliceOwner {
+    pub job_id: String,
+    pub attempt_number: u32,
+    pub tenant: String,
+}
+
 impl SliceView {
-    /// `job/attempt`, the slice's id.
+    /// `job/attempt`, the slice's id; empty when its owner is not shown.
     pub fn id(&self) -> String {
-        format!("{}/{}", self.job_id, self.attempt_number)
+        self.owner
+            .as_ref()
+            .map(|owner| format!("{}/{}", owner.job_id, owner.attempt_number))
+            .unwrap_or_default()
+    }
+
+    fn may_be_seen_by(&self, caller: &Caller) -> bool {
+        self.owner
+            .as_ref()
+            .is_some_and(|owner| caller.may_access_tenant(&owner.tenant))
     }
 }

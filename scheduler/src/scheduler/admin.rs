@@ -1,0 +1,149 @@
+//! What admins do (tenants, quotas, tokens), the job listing, and the role checks the
+//! handlers ask for before work of their own. Like every operation of the scheduler,
+//! each is authorized here from the caller's role and tenant; the handlers only
+//! authenticate the caller and convert messages.
+
+use carve_proto::ApiError;
+
+use crate::auth::{Caller, Role, generate_id, generate_secret, hash_secret};
+use crate::error::SchedulerError;
+use crate::store::{JobFilter, JobRecord, JobState, TenantRecord, TokenRecord};
+
+use super::Scheduler;
+
+/// A new token and its secret, shown this once.
+#[derive(Debug, Clone)]
+pub struct CreatedToken {
+    pub token: TokenRecord,
+    pub secret: String,
+}
+
+impl Scheduler {
+    /// Whether the caller may estimate jobs: asked before the handler parses the spec.
+    pub fn may_estimate(&self, caller: &Caller) -> Result<(), SchedulerError> {
+        caller.require(&[Role::User, Role::Admin])
+    }
+
+    /// Whether the caller may register workers and hold their sessions: asked before
+    /// the session handler waits for the worker's hello.
+    pub fn may_hold_sessions(&self, caller: &Caller) -> Result<(), SchedulerError> {
+        caller.require(&[Role::Worker, Role::Admin])
+    }
+
+    pub async fn create_tenant(
+        &self,
+        caller: &Caller,
+        tenant: &TenantRecord,
+    ) -> Result<(), SchedulerError> {
+        caller.require(&[Role::Admin])?;
+        self.store.create_tenant(tenant).await
+    }
+
+    pub async fn tenants(&self, caller: &Caller) -> Result<Vec<TenantRecord>, SchedulerError> {
+        caller.require(&[Role::Admin])?;
+        self.store.list_tenants().await
+    }
+
+    /// How many of `tenant`'s jobs are queued, counted by the database.
+    pub async fn queued_jobs_of(&self, tenant: &str) -> Result<i64, SchedulerError> {
+        self.store.count_jobs(tenant, JobState::Queued).await
+    }
+
+    /// Replaces a tenant's quota; this scheduler's next admission uses the new one.
+    pub async fn set_quota(
+        &self,
+        caller: &Caller,
+        tenant: &str,
+        vram_quota_bytes: Option<i64>,
+        max_running_jobs: Option<i64>,
+        fair_share_weight: i64,
+    ) -> Result<TenantRecord, SchedulerError> {
+        caller.require(&[Role::Admin])?;
+        let record = self
+            .store
+            .set_quota(
+                tenant,
+                vram_quota_bytes,
+                max_running_jobs,
+                fair_share_weight,
+            )
+            .await?;
+        self.lookups.tenants.invalidate(&record.name);
+        self.wake();
+        Ok(record)
+    }
+
+    /// A new token of an existing tenant, with a new secret.
+    pub async fn create_token(
+        &self,
+        caller: &Caller,
+        tenant: String,
+        role: Role,
+        description: String,
+        created_at_ms: i64,
+        expires_at_ms: Option<i64>,
+    ) -> Result<CreatedToken, SchedulerError> {
+        caller.require(&[Role::Admin])?;
+        self.store.get_tenant(&tenant).await?;
+        let secret = generate_secret();
+        let token = TokenRecord {
+            id: generate_id("token"),
+            tenant,
+            role,
+            secret_hash: hash_secret(&secret),
+            description,
+            created_at_ms,
+            expires_at_ms,
+            revoked: false,
+        };
+        self.store.create_token(&token).await?;
+        Ok(CreatedToken { token, secret })
+    }
+
+    /// Tokens of `tenant` (every token when `None`), newest first, revoked ones included.
+    pub async fn tokens(
+        &self,
+        caller: &Caller,
+        tenant: Option<&str>,
+    ) -> Result<Vec<TokenRecord>, SchedulerError> {
+        caller.require(&[Role::Admin])?;
+        self.store.list_tokens(tenant).await
+    }
+
+    /// Revokes a token; this scheduler refuses it from the next call on, and ends the
+    /// worker sessions and job watches opened with it.
+    pub async fn revoke_token(
+        &self,
+        caller: &Caller,
+        token_id: &str,
+    ) -> Result<TokenRecord, SchedulerError> {
+        caller.require(&[Role::Admin])?;
+        let token = self.store.revoke_token(token_id).await?;
+        self.lookups.tokens.invalidate(&token.secret_hash);
+        self.end_sessions_of_token(&token.id, "token rejected: revoked");
+        let _ = self.revoked_tokens.send(token.id.clone());
+        Ok(token)
+    }
+
+    /// One page of the jobs the caller may see. `filter.tenant` is the tenant asked for
+    /// (`None`: the caller's own, or every tenant's for an admin); only admins list other
+    /// tenants' jobs.
+    pub async fn list_jobs(
+        &self,
+        caller: &Caller,
+        mut filter: JobFilter,
+    ) -> Result<(Vec<JobRecord>, Option<String>), SchedulerError> {
+        caller.require(&[Role::User, Role::Admin])?;
+        filter.tenant = match filter.tenant {
+            None => (caller.role != Role::Admin).then(|| caller.tenant.clone()),
+            Some(tenant) if caller.may_access_tenant(&tenant) => Some(tenant),
+            Some(_) => {
+                return Err(ApiError::PermissionDenied(
+                    "only admins list other tenants' jobs".into(),
+                )
+                .into());
+            }
+        };
+        self.store.list_jobs(&filter).await
+    }
+}
