@@ -305,17 +305,17 @@ pub fn job_proto_from_parts(
     }
 }
 
-/// A GPU a worker offers, as it registered it.
-pub fn gpu_from_proto(gpu: &v1::Gpu) -> Gpu {
+/// A GPU a worker offers, as it registered it (its slices are empty).
+fn gpu_from_proto(gpu: v1::Gpu) -> Gpu {
     Gpu {
-        uuid: gpu.uuid.clone(),
+        uuid: gpu.uuid,
         index: gpu.index,
-        model_name: gpu.model_name.clone(),
+        model_name: gpu.model_name,
         total_bytes: gpu.total_bytes,
         context_bytes: gpu.context_bytes,
         free_bytes: gpu.free_bytes,
         simulated: gpu.simulated,
-        compute_capability: gpu.compute_capability.clone(),
+        compute_capability: gpu.compute_capability,
     }
 }
 
@@ -336,7 +336,7 @@ pub fn gpu_to_proto(gpu: &Gpu, slices: Vec<v1::Slice>) -> v1::Gpu {
 
 pub fn registration_from_proto(request: v1::RegisterWorkerRequest) -> WorkerRegistration {
     WorkerRegistration {
-        gpus: request.gpus.iter().map(gpu_from_proto).collect(),
+        gpus: request.gpus.into_iter().map(gpu_from_proto).collect(),
         hostname: request.hostname,
         version: request.version,
         previous_worker_id: request.previous_worker_id,

@@ -101,22 +101,23 @@ mod tests {
 
     #[test]
     fn messages_are_lowercase_and_name_the_thing() {
-        assert_eq!(
-            SchedulerError::not_found("job", "j-1").to_string(),
-            "job j-1 not found"
-        );
-        assert_eq!(
-            SchedulerError::already_exists("tenant", "acme").to_string(),
-            "tenant acme already exists"
-        );
-        assert_eq!(
-            SchedulerError::invalid_argument("page_token", "not a page token").to_string(),
-            "page_token: not a page token"
-        );
-        assert_eq!(
-            SchedulerError::invalid_argument("", "bad request").to_string(),
-            "bad request"
-        );
+        for (error, message) in [
+            (SchedulerError::not_found("job", "j-1"), "job j-1 not found"),
+            (
+                SchedulerError::already_exists("tenant", "acme"),
+                "tenant acme already exists",
+            ),
+            (
+                SchedulerError::invalid_argument("page_token", "not a page token"),
+                "page_token: not a page token",
+            ),
+            (
+                SchedulerError::invalid_argument("", "bad request"),
+                "bad request",
+            ),
+        ] {
+            assert_eq!(error.to_string(), message);
+        }
         let database = SchedulerError::from(sqlx::Error::PoolTimedOut);
         assert!(
             database

@@ -5,9 +5,7 @@ use carve_core::allocator::OutOfMemory;
 
 use super::columns::oom_to_json;
 use super::records::attempt_display_id;
-use super::{
-    AttemptOutcome, AttemptRecord, JobRecord, Store, is_foreign_key_violation, is_unique_violation,
-};
+use super::{AttemptOutcome, AttemptRecord, JobRecord, Store, insert_error};
 use crate::error::SchedulerError;
 
 const ATTEMPT_COLUMNS: &str = "job_id, attempt_number, config_json, estimate_bytes, \
@@ -51,19 +49,12 @@ impl Store {
             bind_attempt_columns!(sqlx::query(INSERT_ATTEMPT_SQL), attempt)
                 .execute(pool)
                 .await
-                .map(|done| done.rows_affected())
+                .map(drop)
         });
-        match result {
-            Ok(_) => Ok(()),
-            Err(error) if is_unique_violation(&error) => Err(SchedulerError::already_exists(
-                "attempt",
-                attempt.display_id(),
-            )),
-            Err(error) if is_foreign_key_violation(&error) => {
-                Err(SchedulerError::not_found("job", &attempt.job_id))
-            }
-            Err(error) => Err(error.into()),
-        }
+        result.map_err(|error| {
+            let job = Some(("job", attempt.job_id.as_str()));
+            insert_error(error, "attempt", &attempt.display_id(), job)
+        })
     }
 
     /// Every attempt of a job, by number (empty for a job without attempts, or none).

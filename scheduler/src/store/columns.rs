@@ -1,11 +1,11 @@
 //! How typed values are read from and written to their columns: the row boundary.
 //!
-//! State columns (a job's state, an attempt's outcome, a worker's state, a token's role)
-//! hold the lowercase `name()` of their enum and are decoded by name ([`Named`]); the
-//! out-of-memory report is JSON, decoded through a private serde struct whose numbers are
-//! all required ([`OomColumn`]). Either way a value this build cannot read fails the
-//! row's decoding with the column and the value, which the scheduler's error turns into
-//! a "corrupt row" error: never a default state or a report of zero bytes.
+//! Every typed column is text, read through [`TextColumn`]: state columns (a job's
+//! state, an attempt's outcome, a worker's state, a token's role) hold the lowercase
+//! `name()` of their enum; the out-of-memory report is JSON, read through a private serde
+//! struct whose numbers are all required. A value this build cannot read fails the row's
+//! decoding with the column and the value, which the scheduler's error turns into a
+//! "corrupt row" error: never a default state or a report of zero bytes.
 
 use carve_core::FieldError;
 use carve_core::allocator::OutOfMemory;
@@ -15,16 +15,16 @@ use sqlx::{Database, Decode, Type};
 
 use super::records::{AttemptOutcome, JobState, Role, WorkerState};
 
-/// An enum stored as its name.
-pub(crate) trait StoredByName: Sized {
-    fn from_stored_name(name: &str) -> Result<Self, FieldError>;
+/// A value read from a text column (`None`: NULL).
+pub(crate) trait FromColumnText: Sized {
+    fn from_column_text(text: Option<&str>) -> Result<Self, FieldError>;
 }
 
-/// A state column as read: text decoded by name. The records take the value out
-/// (`#[sqlx(try_from = "Named<...>")]`).
-pub(crate) struct Named<T>(T);
+/// A typed column as read. The records take the value out
+/// (`#[sqlx(try_from = "TextColumn<...>")]`).
+pub(crate) struct TextColumn<T>(T);
 
-impl<DB: Database, T> Type<DB> for Named<T>
+impl<DB: Database, T> Type<DB> for TextColumn<T>
 where
     String: Type<DB>,
 {
@@ -37,34 +37,53 @@ where
     }
 }
 
-impl<'r, DB: Database, T: StoredByName> Decode<'r, DB> for Named<T>
+impl<'r, DB: Database, T: FromColumnText> Decode<'r, DB> for TextColumn<T>
 where
-    String: Decode<'r, DB>,
+    Option<String>: Decode<'r, DB>,
 {
     fn decode(value: <DB as Database>::ValueRef<'r>) -> Result<Self, BoxDynError> {
-        let name = <String as Decode<'r, DB>>::decode(value)?;
-        Ok(Named(T::from_stored_name(&name)?))
+        let text = <Option<String> as Decode<'r, DB>>::decode(value)?;
+        Ok(TextColumn(T::from_column_text(text.as_deref())?))
     }
 }
 
-/// [`StoredByName`] through the type's `TryFrom<&str>`, and the way out of [`Named`].
-macro_rules! stored_by_name {
+/// [`FromColumnText`] for `Option<OutOfMemory>` and enums stored by name (through their
+/// `TryFrom<&str>`), and the way out of [`TextColumn`].
+macro_rules! text_columns {
     ($($type:ty),* $(,)?) => {$(
-        impl StoredByName for $type {
-            fn from_stored_name(name: &str) -> Result<Self, FieldError> {
-                <$type>::try_from(name)
+        impl From<TextColumn<$type>> for $type {
+            fn from(column: TextColumn<$type>) -> Self {
+                column.0
             }
         }
+    )*};
+}
 
-        impl From<Named<$type>> for $type {
-            fn from(named: Named<$type>) -> Self {
-                named.0
+text_columns!(
+    JobState,
+    AttemptOutcome,
+    WorkerState,
+    Role,
+    Option<OutOfMemory>
+);
+
+macro_rules! stored_by_name {
+    ($($type:ty),* $(,)?) => {$(
+        impl FromColumnText for $type {
+            fn from_column_text(text: Option<&str>) -> Result<Self, FieldError> {
+                <$type>::try_from(text.ok_or_else(|| FieldError::new("", "is NULL"))?)
             }
         }
     )*};
 }
 
 stored_by_name!(JobState, AttemptOutcome, WorkerState, Role);
+
+impl FromColumnText for Option<OutOfMemory> {
+    fn from_column_text(text: Option<&str>) -> Result<Self, FieldError> {
+        text.map(oom_from_json).transpose()
+    }
+}
 
 /// By [`WorkerState::name`].
 impl TryFrom<&str> for WorkerState {
@@ -91,9 +110,6 @@ impl TryFrom<&str> for Role {
     }
 }
 
-/// The `oom_json` column as read: no report (NULL) or a whole one.
-pub(crate) struct OomColumn(Option<OutOfMemory>);
-
 /// An out-of-memory report as its column stores it, keys in alphabetical order as the
 /// text has always been written.
 #[derive(Debug, Serialize, Deserialize)]
@@ -103,37 +119,6 @@ struct StoredOutOfMemory {
     limit_bytes: u64,
     peak_bytes: u64,
     requested_bytes: u64,
-}
-
-impl<DB: Database> Type<DB> for OomColumn
-where
-    String: Type<DB>,
-{
-    fn type_info() -> DB::TypeInfo {
-        <String as Type<DB>>::type_info()
-    }
-
-    fn compatible(type_info: &DB::TypeInfo) -> bool {
-        <String as Type<DB>>::compatible(type_info)
-    }
-}
-
-impl<'r, DB: Database> Decode<'r, DB> for OomColumn
-where
-    Option<String>: Decode<'r, DB>,
-{
-    fn decode(value: <DB as Database>::ValueRef<'r>) -> Result<Self, BoxDynError> {
-        let Some(text) = <Option<String> as Decode<'r, DB>>::decode(value)? else {
-            return Ok(OomColumn(None));
-        };
-        Ok(OomColumn(Some(oom_from_json(&text)?)))
-    }
-}
-
-impl From<OomColumn> for Option<OutOfMemory> {
-    fn from(column: OomColumn) -> Self {
-        column.0
-    }
 }
 
 fn oom_from_json(text: &str) -> Result<OutOfMemory, FieldError> {
@@ -181,11 +166,17 @@ mod tests {
         });
     }
 
-    fn corrupt_row_message(error: SchedulerError) -> String {
-        match error {
-            SchedulerError::Api(ApiError::Internal(message)) => message,
-            other => panic!("expected an internal error, got {other:?}"),
-        }
+    /// `error` is the corrupt-row error of `column`, saying `says` of its value.
+    fn assert_corrupt_row(error: SchedulerError, column: &str, says: &str) {
+        let SchedulerError::Api(ApiError::Internal(message)) = error else {
+            panic!("expected an internal error, got {error:?}");
+        };
+        assert!(
+            message.starts_with("corrupt row: column ")
+                && message.contains(column)
+                && message.contains(says),
+            "{message}"
+        );
     }
 
     #[tokio::test]
@@ -251,13 +242,8 @@ mod tests {
         assert_eq!(store.list_attempts("j").await.unwrap(), vec![attempt]);
 
         corrupt(&store, "UPDATE jobs SET state = 'sleeping'").await;
-        let message = corrupt_row_message(store.get_job("j").await.unwrap_err());
-        assert!(
-            message.starts_with("corrupt row: column ")
-                && message.contains("state")
-                && message.contains("\"sleeping\" is not a job state"),
-            "{message}"
-        );
+        let error = store.get_job("j").await.unwrap_err();
+        assert_corrupt_row(error, "state", "\"sleeping\" is not a job state");
 
         // Numbers missing or of the wrong kind are not zeros.
         for report in [
@@ -270,13 +256,8 @@ mod tests {
                 &format!("UPDATE attempts SET oom_json = '{report}'"),
             )
             .await;
-            let message = corrupt_row_message(store.list_attempts("j").await.unwrap_err());
-            assert!(
-                message.starts_with("corrupt row: column ")
-                    && message.contains("oom_json")
-                    && message.contains("is not an out-of-memory report"),
-                "{message}"
-            );
+            let error = store.list_attempts("j").await.unwrap_err();
+            assert_corrupt_row(error, "oom_json", "is not an out-of-memory report");
         }
 
         corrupt(
@@ -284,11 +265,8 @@ mod tests {
             "UPDATE attempts SET oom_json = NULL, outcome = 'exploded'",
         )
         .await;
-        let message = corrupt_row_message(store.list_attempts("j").await.unwrap_err());
-        assert!(
-            message.contains("\"exploded\" is not an attempt outcome"),
-            "{message}"
-        );
+        let error = store.list_attempts("j").await.unwrap_err();
+        assert_corrupt_row(error, "outcome", "\"exploded\" is not an attempt outcome");
     }
 
     #[test]

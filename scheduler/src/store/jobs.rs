@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use super::{
     DEFAULT_PAGE_SIZE, JobFilter, JobRecord, JobState, MAX_PAGE_SIZE, QueueFingerprint, QueuedJob,
-    Store, SubmitOutcome, is_foreign_key_violation, is_unique_violation,
+    Store, SubmitOutcome, insert_error, is_foreign_key_violation, is_unique_violation,
 };
 use crate::error::SchedulerError;
 
@@ -307,19 +307,12 @@ impl Store {
                 }
                 last_sequence += 1;
                 job.submit_sequence = last_sequence;
-                let inserted = bind_job_columns!(sqlx::query(&insert), job)
+                bind_job_columns!(sqlx::query(&insert), job)
                     .execute(&mut *tx)
-                    .await;
-                match inserted {
-                    Ok(_) => {}
-                    Err(error) if is_unique_violation(&error) => {
-                        return Err(SchedulerError::already_exists("job", job.id));
-                    }
-                    Err(error) if is_foreign_key_violation(&error) => {
-                        return Err(SchedulerError::not_found("tenant", job.tenant));
-                    }
-                    Err(error) => return Err(error.into()),
-                }
+                    .await
+                    .map_err(|error| {
+                        insert_error(error, "job", &job.id, Some(("tenant", &job.tenant)))
+                    })?;
                 outcomes.push(SubmitOutcome { job, created: true });
             }
             if last_sequence != reserved_end {

@@ -302,6 +302,24 @@ fn create_private_database_file(path: &std::path::Path) -> Result<(), SchedulerE
     }
 }
 
+/// What a failed INSERT of the `what` named `id` means: `AlreadyExists` when its key is
+/// taken, `NotFound` for the missing row `parent` names (`(what, id)`) when a foreign key
+/// refused it, and otherwise the database's error.
+pub(crate) fn insert_error(
+    error: sqlx::Error,
+    what: &'static str,
+    id: &str,
+    parent: Option<(&'static str, &str)>,
+) -> SchedulerError {
+    match parent {
+        _ if is_unique_violation(&error) => SchedulerError::already_exists(what, id),
+        Some((parent, parent_id)) if is_foreign_key_violation(&error) => {
+            SchedulerError::not_found(parent, parent_id)
+        }
+        _ => error.into(),
+    }
+}
+
 /// Whether `error` is a violation of a unique index or primary key.
 pub(crate) fn is_unique_violation(error: &sqlx::Error) -> bool {
     error

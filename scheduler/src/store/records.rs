@@ -8,7 +8,7 @@
 
 use carve_core::allocator::OutOfMemory;
 
-use super::columns::{Named, OomColumn};
+use super::columns::TextColumn;
 pub use crate::auth::Role;
 pub use carve_core::job_state::{AttemptOutcome, JobState};
 
@@ -56,7 +56,7 @@ pub struct TokenRecord {
     /// The tenant it acts for; empty for admin and worker tokens (so it is not a foreign
     /// key to `tenants`).
     pub tenant: String,
-    #[sqlx(try_from = "Named<Role>")]
+    #[sqlx(try_from = "TextColumn<Role>")]
     pub role: Role,
     /// Unique across tokens: `find_token_by_hash` looks tokens up by it.
     pub secret_hash: Vec<u8>,
@@ -75,7 +75,7 @@ pub struct JobRecord {
     pub tenant: String,
     pub name: String,
     pub spec_json: String,
-    #[sqlx(try_from = "Named<JobState>")]
+    #[sqlx(try_from = "TextColumn<JobState>")]
     pub state: JobState,
     pub priority: i64,
     pub submit_sequence: i64,
@@ -163,11 +163,11 @@ pub struct AttemptRecord {
     /// The fencing token of the assignment: reports quoting another epoch are stale.
     pub lease_epoch: i64,
     /// [`AttemptOutcome::Running`] until it ends.
-    #[sqlx(try_from = "Named<AttemptOutcome>")]
+    #[sqlx(try_from = "TextColumn<AttemptOutcome>")]
     pub outcome: AttemptOutcome,
     pub measured_peak_bytes: Option<i64>,
     /// What the attempt reported when it ran out of memory (the `oom_json` column).
-    #[sqlx(rename = "oom_json", try_from = "OomColumn")]
+    #[sqlx(rename = "oom_json", try_from = "TextColumn<Option<OutOfMemory>>")]
     pub oom: Option<OutOfMemory>,
     pub message: String,
     /// The checkpoint it resumed from, if any.
@@ -195,7 +195,7 @@ pub struct WorkerRecord {
     pub id: String,
     pub hostname: String,
     pub gpus_json: String,
-    #[sqlx(try_from = "Named<WorkerState>")]
+    #[sqlx(try_from = "TextColumn<WorkerState>")]
     pub state: WorkerState,
     pub last_heartbeat_ms: i64,
     /// When it first registered; kept when it registers again.

@@ -1,6 +1,6 @@
 //! Tenants and their quotas.
 
-use super::{Store, TenantRecord, is_unique_violation};
+use super::{Store, TenantRecord, insert_error};
 use crate::error::SchedulerError;
 
 const TENANT_COLUMNS: &str =
@@ -50,15 +50,9 @@ impl Store {
             .bind(tenant.created_at_ms)
             .execute(pool)
             .await
-            .map(|done| done.rows_affected())
+            .map(drop)
         });
-        match result {
-            Ok(_) => Ok(()),
-            Err(error) if is_unique_violation(&error) => {
-                Err(SchedulerError::already_exists("tenant", &tenant.name))
-            }
-            Err(error) => Err(error.into()),
-        }
+        result.map_err(|error| insert_error(error, "tenant", &tenant.name, None))
     }
 
     /// The tenant named `name`; `NotFound` when there is none.

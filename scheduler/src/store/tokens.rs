@@ -1,6 +1,6 @@
 //! Bearer tokens, stored by the hash of their secret.
 
-use super::{Store, TokenRecord, is_unique_violation};
+use super::{Store, TokenRecord, insert_error};
 use crate::error::SchedulerError;
 
 const TOKEN_COLUMNS: &str =
@@ -31,15 +31,9 @@ impl Store {
             .bind(token.revoked)
             .execute(pool)
             .await
-            .map(|done| done.rows_affected())
+            .map(drop)
         });
-        match result {
-            Ok(_) => Ok(()),
-            Err(error) if is_unique_violation(&error) => {
-                Err(SchedulerError::already_exists("token", &token.id))
-            }
-            Err(error) => Err(error.into()),
-        }
+        result.map_err(|error| insert_error(error, "token", &token.id, None))
     }
 
     /// The token whose secret hashes to `secret_hash`, revoked or expired ones included
