@@ -7,7 +7,7 @@ use carve_proto::v1;
 use crate::auth::{Caller, Role};
 use crate::convert::{job_to_proto, timestamp};
 use crate::error::SchedulerError;
-use crate::metrics::ClusterGauges;
+use crate::metrics::{ClusterGauges, Metrics, MetricsSource};
 use crate::store::JobRecord;
 
 use super::{RunningAttempt, Scheduler, WorkerLiveness};
@@ -91,8 +91,8 @@ impl Scheduler {
         slices
     }
 
-    /// The metrics page: counters plus gauges read now.
-    pub async fn render_metrics(&self) -> String {
+    /// The gauges of the metrics page, read now.
+    pub async fn cluster_gauges_now(&self) -> ClusterGauges {
         let mut gauges = ClusterGauges {
             submit_groups_committed: self.batcher.groups_committed(),
             submit_jobs_committed: self.batcher.jobs_committed(),
@@ -134,7 +134,7 @@ impl Scheduler {
                 }
             }
         }
-        self.metrics.render(&gauges)
+        gauges
     }
 
     /// VRAM in use and running jobs of a tenant now.
@@ -158,5 +158,16 @@ fn slice_proto(job_id: &str, running: &RunningAttempt) -> v1::Slice {
         attempt_number: running.attempt_number,
         worker_id: running.worker_id.clone(),
         tenant: running.tenant.clone(),
+    }
+}
+
+/// The metrics page reads its counters and gauges from here.
+impl MetricsSource for Scheduler {
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    async fn cluster_gauges(&self) -> ClusterGauges {
+        self.cluster_gauges_now().await
     }
 }
