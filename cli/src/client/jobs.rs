@@ -138,10 +138,10 @@ pub async fn submit(arguments: SubmitArguments) -> Result<ExitCode> {
     let action = format!("cannot submit {}", arguments.file.display());
     let response = connection
         .jobs()
-        .submit_job(connection.request(v1::SubmitJobRequest {
+        .submit_job(v1::SubmitJobRequest {
             spec_json,
             idempotency_key: arguments.idempotency_key.clone().unwrap_or_default(),
-        })?)
+        })
         .await
         .map_err(|status| connection.failure(&status, &action))?
         .into_inner();
@@ -271,13 +271,13 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
             limit => (limit as usize).saturating_sub(jobs.len()).min(1000) as u32,
         };
         let page = client
-            .list_jobs(connection.request(v1::ListJobsRequest {
+            .list_jobs(v1::ListJobsRequest {
                 states: states.clone(),
                 name_prefix: arguments.name_prefix.clone().unwrap_or_default(),
                 tenant: arguments.tenant.clone().unwrap_or_default(),
                 page_size: wanted,
                 page_token: page_token.clone(),
-            })?)
+            })
             .await
             .map_err(|status| connection.failure(&status, "cannot list jobs"))?
             .into_inner();
@@ -352,9 +352,9 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
 pub async fn fetch_job(connection: &Connection, job_id: &str) -> Result<v1::Job> {
     connection
         .jobs()
-        .get_job(connection.request(v1::GetJobRequest {
+        .get_job(v1::GetJobRequest {
             job_id: job_id.to_string(),
-        })?)
+        })
         .await
         .map_err(|status| connection.failure(&status, &format!("cannot get job {job_id}")))?
         .into_inner()
@@ -486,10 +486,10 @@ pub async fn cancel(arguments: CancelArguments) -> Result<ExitCode> {
     let connection = Connection::open(&arguments.connection).await?;
     let job = connection
         .jobs()
-        .cancel_job(connection.request(v1::CancelJobRequest {
+        .cancel_job(v1::CancelJobRequest {
             job_id: arguments.job.clone(),
             reason: arguments.reason.clone().unwrap_or_default(),
-        })?)
+        })
         .await
         .map_err(|status| {
             connection.failure(&status, &format!("cannot cancel job {}", arguments.job))

@@ -58,7 +58,7 @@ async fn fetch_page(
     let job_id = request.job_id.clone();
     connection
         .jobs()
-        .get_job_logs(connection.request(request)?)
+        .get_job_logs(request)
         .await
         .map(tonic::Response::into_inner)
         .map_err(|status| {

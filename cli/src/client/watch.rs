@@ -170,10 +170,10 @@ pub async fn follow_job(
         loop {
             let mut stream = connection
                 .jobs()
-                .watch_job(connection.request(v1::WatchJobRequest {
+                .watch_job(v1::WatchJobRequest {
                     job_id: job_id.to_string(),
                     include_logs,
-                })?)
+                })
                 .await
                 .map_err(|status| {
                     connection.failure(&status, &format!("cannot watch job {job_id}"))
