@@ -12,6 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use carve_proto::ApiError;
 use carve_proto::client::{AuthenticatedChannel, BearerToken, connect};
+use carve_proto::v1;
 use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
@@ -275,6 +276,19 @@ impl Connection {
     /// what was being done ("cannot get job j-1").
     pub fn failure(&self, status: &tonic::Status, action: &str) -> anyhow::Error {
         status_failure(status, &self.endpoint, action).into()
+    }
+
+    /// Gets one job; a missing one is "job X not found" (exit code 6).
+    pub async fn fetch_job(&self, job_id: &str) -> Result<v1::Job> {
+        self.jobs()
+            .get_job(v1::GetJobRequest {
+                job_id: job_id.to_string(),
+            })
+            .await
+            .map_err(|status| self.failure(&status, &format!("cannot get job {job_id}")))?
+            .into_inner()
+            .job
+            .context("the scheduler answered without the job")
     }
 }
 
