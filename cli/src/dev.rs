@@ -8,6 +8,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -116,6 +117,23 @@ struct Stoppable {
 }
 
 impl Stoppable {
+    /// Spawns `serve`, given the future that resolves once `stop` is called.
+    fn spawn<Served, Failure>(
+        name: &'static str,
+        serve: impl FnOnce(Pin<Box<dyn Future<Output = ()> + Send>>) -> Served,
+    ) -> Stoppable
+    where
+        Served: Future<Output = Result<(), Failure>> + Send + 'static,
+        Failure: std::error::Error + Send + Sync + 'static,
+    {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let served = serve(Box::pin(async {
+            let _ = stopped.await;
+        }));
+        let task = tokio::spawn(async move { served.await.map_err(anyhow::Error::from) });
+        Stoppable { name, stop, task }
+    }
+
     async fn stop(self) -> Result<()> {
         let _ = self.stop.send(());
         match tokio::time::timeout(STOP_DEADLINE, self.task).await {
@@ -232,19 +250,9 @@ fn start_scheduler(
         metrics_address: None,
         tls: None,
     };
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        carve_scheduler::server::run(config, listener, async {
-            let _ = stopped.await;
-        })
-        .await
-        .map_err(anyhow::Error::from)
-    });
-    Stoppable {
-        name: "scheduler",
-        stop,
-        task,
-    }
+    Stoppable::spawn("scheduler", move |stopped| {
+        carve_scheduler::server::run(config, listener, stopped)
+    })
 }
 
 fn start_worker(
@@ -263,19 +271,7 @@ fn start_worker(
     config.checkpoint_directory = checkpoints.to_path_buf();
     config.reconnect_backoff_initial = Duration::from_millis(50);
     config.reconnect_backoff_max = Duration::from_secs(1);
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        run_worker(config, async {
-            let _ = stopped.await;
-        })
-        .await
-        .map_err(anyhow::Error::from)
-    });
-    Stoppable {
-        name: "worker",
-        stop,
-        task,
-    }
+    Stoppable::spawn("worker", move |stopped| run_worker(config, stopped))
 }
 
 /// Creates the `dev` tenant (unless a reused data dir has it) and returns a new user
