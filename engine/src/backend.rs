@@ -2,8 +2,9 @@
 //!
 //! The executor owns the slice allocator and decides where every buffer goes; a backend
 //! only creates storage at the offset it is given, runs operations on it, and moves data
-//! in and out. `CpuBackend` (in `cpu.rs`) does real math over host buffers; a CUDA
-//! backend implements the same trait over one reserved device region.
+//! in and out. `CpuBackend` (in `cpu/`) does real math over host buffers; `CudaBackend`
+//! (in `cuda/`) implements the same trait over one reserved device region. Both run an
+//! operation through `dispatch::run_operation`.
 
 use carve_core::model::ModelGraph;
 use carve_core::plan::{BufferId, BufferSpec, Operation, StepPlan};
