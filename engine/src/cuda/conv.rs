@@ -15,8 +15,8 @@ use super::cudnn_ops::{
 };
 use super::device::{KernelArgument, KernelGeometry, LaunchShape};
 use super::{
-    CudaBackend, CudaBackward, CudaForward, geometry_dimensions, has_symmetric_padding,
-    kernel_geometry, pointer, type_code,
+    CudaBackend, CudaBackward, CudaForward, DeviceBuffer, GradientTarget, geometry_dimensions,
+    has_symmetric_padding, kernel_geometry, pointer, type_code,
 };
 use crate::dispatch::{ConvKernels, LayerCall, Roles};
 use crate::error::EngineError;
@@ -359,17 +359,12 @@ impl ConvKernels for CudaBackend {
     ) -> Result<(), EngineError> {
         let layer = call.layer;
         let batch = call.batch;
-        let gradient_in = backward.gradient_in;
-        let input = backward.input;
-        let input_gradient = backward.input_gradient;
         let targets = &backward.targets;
         let element_type = backward.gradient_in.element_type;
-        let t = type_code(element_type);
         let missing = |what: &str| call.missing(what);
-        let input_elements = call.input_elements();
         let parameter = |index: usize| self.backward_parameter(call, index);
         let geometry = kernel_geometry(layer, batch).expect("conv has a window");
-        let input = input.ok_or_else(|| missing("input"))?;
+        let input = backward.input.ok_or_else(|| missing("input"))?;
         let kernel = parameter(0)?;
         let kernel_target = *targets.first().ok_or_else(|| missing("kernel gradient"))?;
         let bias_target = if use_bias {
@@ -378,115 +373,187 @@ impl ConvKernels for CudaBackend {
             None
         };
         let (workspace, workspace_bytes) = self.workspace_of(&call.roles)?;
-        if let Some(route) = cudnn_route(layer, &geometry, element_type, workspace_bytes) {
-            let shape = convolution_shape(&geometry, element_type);
-            if let Some(dx) = input_gradient {
-                let buffers = ConvolutionBuffers {
-                    input: dx.address,
-                    filter: kernel.address,
-                    output: gradient_in.address,
-                    workspace,
-                    workspace_bytes,
-                };
-                self.convolve(
-                    route,
-                    layer,
-                    &geometry,
-                    element_type,
-                    ConvolutionDirection::BackwardData,
-                    &buffers,
-                    true,
-                    0.0,
-                )?;
-            }
-            if kernel_target.element_type != element_type {
-                return Err(EngineError::Backend(format!(
-                    "{}: kernel gradient of {:?} for {:?} data",
-                    layer.label(),
-                    kernel_target.element_type,
-                    element_type
-                )));
-            }
+        let buffers = ConvBackwardBuffers {
+            geometry,
+            input,
+            kernel,
+            kernel_target,
+            bias_target,
+        };
+        match cudnn_route(layer, &geometry, element_type, workspace_bytes) {
+            Some(route) => self.conv2d_backward_cudnn(
+                call,
+                backward,
+                &buffers,
+                route,
+                (workspace, workspace_bytes),
+            ),
+            None => self.conv2d_backward_direct(call, backward, &buffers),
+        }
+    }
+}
+
+/// What a convolution's backward reads and writes, on either route.
+#[derive(Debug, Clone, Copy)]
+struct ConvBackwardBuffers {
+    geometry: KernelGeometry,
+    input: DeviceBuffer,
+    kernel: DeviceBuffer,
+    kernel_target: GradientTarget,
+    bias_target: Option<GradientTarget>,
+}
+
+impl CudaBackend {
+    /// A convolution's backward through cuDNN: data, filter, then bias gradients.
+    fn conv2d_backward_cudnn(
+        &mut self,
+        call: &LayerCall<'_>,
+        backward: &CudaBackward,
+        buffers: &ConvBackwardBuffers,
+        route: CudnnRoute,
+        (workspace, workspace_bytes): (u64, u64),
+    ) -> Result<(), EngineError> {
+        let layer = call.layer;
+        let batch = call.batch;
+        let gradient_in = backward.gradient_in;
+        let input_gradient = backward.input_gradient;
+        let element_type = gradient_in.element_type;
+        let ConvBackwardBuffers {
+            geometry,
+            input,
+            kernel,
+            kernel_target,
+            bias_target,
+        } = *buffers;
+        let shape = convolution_shape(&geometry, element_type);
+        if let Some(dx) = input_gradient {
             let buffers = ConvolutionBuffers {
-                input: input.address,
-                filter: kernel_target.address,
+                input: dx.address,
+                filter: kernel.address,
                 output: gradient_in.address,
                 workspace,
                 workspace_bytes,
             };
-            // Measuring writes the filter gradient: only when it is the scratch,
-            // never the accumulated fp32 gradient.
             self.convolve(
                 route,
                 layer,
                 &geometry,
                 element_type,
-                ConvolutionDirection::BackwardFilter,
+                ConvolutionDirection::BackwardData,
                 &buffers,
-                !kernel_target.accumulate,
-                if kernel_target.accumulate { 1.0 } else { 0.0 },
+                true,
+                0.0,
             )?;
-            // In the half scratch the bias gradient follows the kernel's and may
-            // sit at any 2-byte offset; cuDNN is given only 16-byte aligned ones.
-            // cuDNN 9 has no bf16 backward bias (CUDNN_STATUS_NOT_SUPPORTED on an
-            // H200), so bf16 sums its columns too.
-            if let Some(bias_target) = bias_target
-                && (!bias_target.address.is_multiple_of(16) || element_type == ElementType::Bf16)
-            {
-                self.column_sums(
-                    gradient_in,
-                    (batch * (geometry.output_height * geometry.output_width) as usize) as u64,
-                    geometry.output_channels as u64,
-                    bias_target,
-                )?;
-            } else if let Some(bias_target) = bias_target {
-                self.cudnn
-                    .convolution_backward_bias(
-                        shape.output,
-                        element_type,
-                        gradient_in.address,
-                        bias_target.address,
-                        bias_target.element_type,
-                        if bias_target.accumulate { 1.0 } else { 0.0 },
-                    )
-                    .map_err(|failure| self.fail(failure))?;
-            }
-        } else {
-            if let Some(dx) = input_gradient {
-                self.launch(
-                    "conv_backward_data_direct",
-                    LaunchShape::Elements(input_elements as u64),
-                    &[
-                        pointer(gradient_in.address),
-                        pointer(kernel.address),
-                        pointer(dx.address),
-                        t,
-                        KernelArgument::Geometry(geometry),
-                    ],
-                )?;
-            }
-            let kernel_elements = layer.parameters[0].elements;
+        }
+        if kernel_target.element_type != element_type {
+            return Err(EngineError::Backend(format!(
+                "{}: kernel gradient of {:?} for {:?} data",
+                layer.label(),
+                kernel_target.element_type,
+                element_type
+            )));
+        }
+        let buffers = ConvolutionBuffers {
+            input: input.address,
+            filter: kernel_target.address,
+            output: gradient_in.address,
+            workspace,
+            workspace_bytes,
+        };
+        // Measuring writes the filter gradient: only when it is the scratch,
+        // never the accumulated fp32 gradient.
+        self.convolve(
+            route,
+            layer,
+            &geometry,
+            element_type,
+            ConvolutionDirection::BackwardFilter,
+            &buffers,
+            !kernel_target.accumulate,
+            if kernel_target.accumulate { 1.0 } else { 0.0 },
+        )?;
+        // In the half scratch the bias gradient follows the kernel's and may
+        // sit at any 2-byte offset; cuDNN is given only 16-byte aligned ones.
+        // cuDNN 9 has no bf16 backward bias (CUDNN_STATUS_NOT_SUPPORTED on an
+        // H200), so bf16 sums its columns too.
+        if let Some(bias_target) = bias_target
+            && (!bias_target.address.is_multiple_of(16) || element_type == ElementType::Bf16)
+        {
+            self.column_sums(
+                gradient_in,
+                (batch * (geometry.output_height * geometry.output_width) as usize) as u64,
+                geometry.output_channels as u64,
+                bias_target,
+            )?;
+        } else if let Some(bias_target) = bias_target {
+            self.cudnn
+                .convolution_backward_bias(
+                    shape.output,
+                    element_type,
+                    gradient_in.address,
+                    bias_target.address,
+                    bias_target.element_type,
+                    if bias_target.accumulate { 1.0 } else { 0.0 },
+                )
+                .map_err(|failure| self.fail(failure))?;
+        }
+        Ok(())
+    }
+
+    /// A convolution's backward through the direct NVRTC kernels.
+    fn conv2d_backward_direct(
+        &mut self,
+        call: &LayerCall<'_>,
+        backward: &CudaBackward,
+        buffers: &ConvBackwardBuffers,
+    ) -> Result<(), EngineError> {
+        let layer = call.layer;
+        let batch = call.batch;
+        let gradient_in = backward.gradient_in;
+        let input_gradient = backward.input_gradient;
+        let t = type_code(gradient_in.element_type);
+        let input_elements = call.input_elements();
+        let ConvBackwardBuffers {
+            geometry,
+            input,
+            kernel,
+            kernel_target,
+            bias_target,
+        } = *buffers;
+        if let Some(dx) = input_gradient {
             self.launch(
-                "conv_backward_filter_direct",
-                LaunchShape::Elements(kernel_elements),
+                "conv_backward_data_direct",
+                LaunchShape::Elements(input_elements as u64),
                 &[
-                    pointer(input.address),
                     pointer(gradient_in.address),
+                    pointer(kernel.address),
+                    pointer(dx.address),
                     t,
-                    pointer(kernel_target.address),
-                    type_code(kernel_target.element_type),
-                    KernelArgument::I32(i32::from(kernel_target.accumulate)),
                     KernelArgument::Geometry(geometry),
                 ],
             )?;
-            if let Some(bias_target) = bias_target {
-                self.column_sums(
-                    gradient_in,
-                    (batch * (geometry.output_height * geometry.output_width) as usize) as u64,
-                    geometry.output_channels as u64,
-                    bias_target,
-                )?;
-            }
+        }
+        let kernel_elements = layer.parameters[0].elements;
+        self.launch(
+            "conv_backward_filter_direct",
+            LaunchShape::Elements(kernel_elements),
+            &[
+                pointer(input.address),
+                pointer(gradient_in.address),
+                t,
+                pointer(kernel_target.address),
+                type_code(kernel_target.element_type),
+                KernelArgument::I32(i32::from(kernel_target.accumulate)),
+                KernelArgument::Geometry(geometry),
+            ],
+        )?;
+        if let Some(bias_target) = bias_target {
+            self.column_sums(
+                gradient_in,
+                (batch * (geometry.output_height * geometry.output_width) as usize) as u64,
+                geometry.output_channels as u64,
+                bias_target,
+            )?;
         }
         Ok(())
     }
