@@ -12,7 +12,8 @@ use carve_core::model::FeatureShape;
 
 use super::file::{DataFile, SCAN_CHUNK_BYTES};
 use super::{
-    SampleLayout, SampleSource, SampleTarget, TargetKind, label_out_of_range, shape_as_written,
+    SampleLayout, SampleRequest, SampleSource, SampleTarget, TargetKind, label_out_of_range,
+    shape_as_written,
 };
 use crate::error::EngineError;
 
@@ -141,12 +142,8 @@ impl SampleSource for Cifar10Dataset {
         }
     }
 
-    fn read_checked_sample(
-        &self,
-        index: u64,
-        input: &mut [f32],
-        _target_values: &mut [f32],
-    ) -> Result<SampleTarget, EngineError> {
+    fn read_checked(&self, request: SampleRequest<'_>) -> Result<SampleTarget, EngineError> {
+        let SampleRequest { index, input, .. } = request;
         // The last file whose first record is at or before `index`.
         let file_number = self
             .first_record_of_file

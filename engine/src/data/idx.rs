@@ -13,7 +13,8 @@ use carve_core::model::FeatureShape;
 
 use super::file::{DataFile, SAMPLE_CHUNK_BYTES, SCAN_CHUNK_BYTES, big_endian_u32};
 use super::{
-    SampleLayout, SampleSource, SampleTarget, TargetKind, label_out_of_range, shape_as_written,
+    SampleLayout, SampleRequest, SampleSource, SampleTarget, TargetKind, label_out_of_range,
+    shape_as_written,
 };
 use crate::error::EngineError;
 
@@ -176,12 +177,8 @@ impl SampleSource for IdxDataset {
         }
     }
 
-    fn read_checked_sample(
-        &self,
-        index: u64,
-        input: &mut [f32],
-        _target_values: &mut [f32],
-    ) -> Result<SampleTarget, EngineError> {
+    fn read_checked(&self, request: SampleRequest<'_>) -> Result<SampleTarget, EngineError> {
+        let SampleRequest { index, input, .. } = request;
         let pixels = self.pixels_per_image as u64;
         // In range: index < samples and the file length equals header + samples * pixels.
         let offset = IMAGES_HEADER_BYTES + index * pixels;

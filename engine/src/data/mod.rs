@@ -126,6 +126,14 @@ pub(crate) struct SampleLayout {
     pub(crate) target_kind: TargetKind,
 }
 
+/// One checked read: sample `index` into `input` and, for value targets, `target_values`.
+#[derive(Debug)]
+pub(crate) struct SampleRequest<'a> {
+    pub(crate) index: u64,
+    pub(crate) input: &'a mut [f32],
+    pub(crate) target_values: &'a mut [f32],
+}
+
 /// The data sets of this crate: each says its layout and reads samples, and `Dataset`
 /// follows, with every request checked against the layout once, here.
 pub(crate) trait SampleSource: Send + Sync {
@@ -133,12 +141,7 @@ pub(crate) trait SampleSource: Send + Sync {
     fn source(&self) -> &str;
     fn layout(&self) -> SampleLayout;
     /// `Dataset::read_sample` once the index and the buffers' lengths are checked.
-    fn read_checked_sample(
-        &self,
-        index: u64,
-        input: &mut [f32],
-        target_values: &mut [f32],
-    ) -> Result<SampleTarget, EngineError>;
+    fn read_checked(&self, request: SampleRequest<'_>) -> Result<SampleTarget, EngineError>;
 }
 
 impl<S: SampleSource> Dataset for S {
@@ -170,7 +173,11 @@ impl<S: SampleSource> Dataset for S {
             target_values,
             layout.target_kind.value_elements(),
         )?;
-        self.read_checked_sample(index, input, target_values)
+        self.read_checked(SampleRequest {
+            index,
+            input,
+            target_values,
+        })
     }
 }
 

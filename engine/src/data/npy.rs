@@ -13,7 +13,9 @@ use std::fmt;
 use std::path::Path;
 
 use super::file::{DataFile, SAMPLE_CHUNK_BYTES, SCAN_CHUNK_BYTES};
-use super::{SampleLayout, SampleSource, SampleTarget, TargetKind, label_out_of_range};
+use super::{
+    SampleLayout, SampleRequest, SampleSource, SampleTarget, TargetKind, label_out_of_range,
+};
 use crate::error::EngineError;
 
 const NPY_MAGIC: &[u8; 6] = b"\x93NUMPY";
@@ -653,12 +655,8 @@ impl SampleSource for NpyDataset {
         }
     }
 
-    fn read_checked_sample(
-        &self,
-        index: u64,
-        input: &mut [f32],
-        target_values: &mut [f32],
-    ) -> Result<SampleTarget, EngineError> {
+    fn read_checked(&self, request: SampleRequest<'_>) -> Result<SampleTarget, EngineError> {
+        let (index, input, target_values) = (request.index, request.input, request.target_values);
         self.inputs.read_row(index, input)?;
         match self.target_kind {
             TargetKind::Classes { classes } => {

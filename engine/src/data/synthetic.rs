@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use super::{SampleLayout, SampleSource, SampleTarget, TargetKind};
+use super::{SampleLayout, SampleRequest, SampleSource, SampleTarget, TargetKind};
 use crate::error::EngineError;
 use crate::rng::Rng;
 
@@ -319,12 +319,8 @@ impl SampleSource for SyntheticDataset {
         }
     }
 
-    fn read_checked_sample(
-        &self,
-        index: u64,
-        input: &mut [f32],
-        target_values: &mut [f32],
-    ) -> Result<SampleTarget, EngineError> {
+    fn read_checked(&self, request: SampleRequest<'_>) -> Result<SampleTarget, EngineError> {
+        let (index, input, target_values) = (request.index, request.input, request.target_values);
         Ok(self
             .generator
             .generate(self.split, index, input, target_values))
