@@ -42,6 +42,7 @@ mod algorithms;
 mod batch_norm;
 mod conv;
 mod cudnn_ops;
+mod cudnn_shapes;
 mod dense;
 mod device;
 mod dropout;
