@@ -44,6 +44,25 @@ pub struct OperationResult {
     pub correct: Option<usize>,
 }
 
+/// The values of a write into buffer `id` of `length` elements, zero-padded to its length;
+/// more values than fit are an error.
+pub(crate) fn padded_write(
+    id: BufferId,
+    values: &[f32],
+    length: usize,
+) -> Result<Vec<f32>, EngineError> {
+    if values.len() > length {
+        return Err(EngineError::Backend(format!(
+            "{} values do not fit buffer {} of {length}",
+            values.len(),
+            id.0
+        )));
+    }
+    let mut padded = values.to_vec();
+    padded.resize(length, 0.0);
+    Ok(padded)
+}
+
 /// Storage and compute for one attempt.
 pub trait Backend {
     fn name(&self) -> &'static str;

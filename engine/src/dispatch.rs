@@ -362,11 +362,46 @@ pub(crate) trait LossKernels {
     ) -> Result<(), EngineError>;
 }
 
+/// An optimizer update's buffers, as the plan lists them.
+#[derive(Debug)]
+pub(crate) struct OptimizerBuffers {
+    pub(crate) gradient: BufferId,
+    /// The weights the layers compute with.
+    pub(crate) weights: BufferId,
+    /// The fp32 masters under mixed precision.
+    pub(crate) master: Option<BufferId>,
+    pub(crate) states: Vec<BufferId>,
+}
+
+impl OptimizerBuffers {
+    fn of(operation: &Operation, buffers: &[BufferSpec]) -> OptimizerBuffers {
+        let with_role = |matches_role: fn(&BufferRole) -> bool| {
+            operation
+                .writes
+                .iter()
+                .copied()
+                .filter(move |id| matches_role(&buffers[id.0].role))
+        };
+        OptimizerBuffers {
+            gradient: operation.reads[0],
+            weights: operation.writes[0],
+            master: with_role(|role| matches!(role, BufferRole::MasterParameter { .. })).next(),
+            states: with_role(|role| matches!(role, BufferRole::OptimizerState { .. })).collect(),
+        }
+    }
+
+    /// Where the update happens: on the fp32 masters under mixed precision (the compute
+    /// copy is then rounded from them), else on the weights.
+    pub(crate) fn target(&self) -> BufferId {
+        self.master.unwrap_or(self.weights)
+    }
+}
+
 pub(crate) trait OptimizerKernels {
     /// One parameter's update (when `context.apply_update`), then its gradient zeroed.
     fn optimizer_update(
         &mut self,
-        operation: &Operation,
+        buffers: &OptimizerBuffers,
         context: &mut OperationContext<'_>,
     ) -> Result<(), EngineError>;
 }
@@ -424,7 +459,10 @@ pub(crate) fn run_operation<K: OperationKernels>(
             let finite = kernels.gradients_are_finite(&operation.reads)?;
             *context.apply_update = context.loss_scaler.update(!finite);
         }
-        OperationKind::OptimizerUpdate { .. } => kernels.optimizer_update(operation, context)?,
+        OperationKind::OptimizerUpdate { .. } => {
+            let buffers = OptimizerBuffers::of(operation, &context.plan.buffers);
+            kernels.optimizer_update(&buffers, context)?
+        }
     }
     Ok(OperationResult::default())
 }

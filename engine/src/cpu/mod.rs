@@ -11,12 +11,12 @@ mod layers;
 
 use std::collections::HashMap;
 
-use carve_core::plan::{BufferId, BufferRole, BufferSpec, ElementType, Operation};
+use carve_core::plan::{BufferId, BufferSpec, ElementType, Operation};
 use carve_core::spec::{LossKind, OptimizerSpec};
 use half::{bf16, f16};
 
-use crate::backend::{Backend, OperationContext, OperationResult};
-use crate::dispatch::{LossKernels, OptimizerKernels, run_operation};
+use crate::backend::{Backend, OperationContext, OperationResult, padded_write};
+use crate::dispatch::{LossKernels, OptimizerBuffers, OptimizerKernels, run_operation};
 use crate::error::EngineError;
 use crate::kernels::loss::{
     count_correct, mse_backward, mse_forward, softmax_cross_entropy_backward,
@@ -173,15 +173,7 @@ impl Backend for CpuBackend {
 
     fn write_f32(&mut self, id: BufferId, values: &[f32]) -> Result<(), EngineError> {
         let length = self.take_f32(id)?.len();
-        if values.len() > length {
-            return Err(EngineError::Backend(format!(
-                "{} values do not fit buffer {} of {length}",
-                values.len(),
-                id.0
-            )));
-        }
-        let mut padded = values.to_vec();
-        padded.resize(length, 0.0);
+        let padded = padded_write(id, values, length)?;
         self.put_f32(id, padded)
     }
 
@@ -235,6 +227,21 @@ impl CpuBackend {
         })
     }
 
+    /// Writes the batch's mean loss into `loss_value` and reports the sum.
+    fn report_loss(
+        &mut self,
+        loss_value: BufferId,
+        loss_sum: f64,
+        batch: usize,
+        correct: Option<usize>,
+    ) -> Result<OperationResult, EngineError> {
+        self.write_f32(loss_value, &[(loss_sum / batch.max(1) as f64) as f32])?;
+        Ok(OperationResult {
+            loss_sum: Some(loss_sum),
+            correct,
+        })
+    }
+
     /// Puts every f32 buffer back; half buffers only when written, so reads never round.
     fn return_bench(&mut self, bench: Workbench) -> Result<(), EngineError> {
         let Workbench { values, written } = bench;
@@ -280,14 +287,7 @@ impl LossKernels for CpuBackend {
                     labels,
                 );
                 self.put_f32(probabilities_id, probabilities)?;
-                self.write_f32(
-                    operation.writes[0],
-                    &[(loss_sum / batch.max(1) as f64) as f32],
-                )?;
-                Ok(OperationResult {
-                    loss_sum: Some(loss_sum),
-                    correct: Some(correct),
-                })
+                self.report_loss(operation.writes[0], loss_sum, batch, Some(correct))
             }
             LossKind::Mse => {
                 let targets = self.read_f32(target_id)?;
@@ -297,14 +297,7 @@ impl LossKernels for CpuBackend {
                     logits,
                     &targets[..batch * output_elements],
                 );
-                self.write_f32(
-                    operation.writes[0],
-                    &[(loss_sum / batch.max(1) as f64) as f32],
-                )?;
-                Ok(OperationResult {
-                    loss_sum: Some(loss_sum),
-                    correct: None,
-                })
+                self.report_loss(operation.writes[0], loss_sum, batch, None)
             }
         }
     }
@@ -350,28 +343,16 @@ impl LossKernels for CpuBackend {
 impl OptimizerKernels for CpuBackend {
     fn optimizer_update(
         &mut self,
-        operation: &Operation,
+        buffers: &OptimizerBuffers,
         context: &mut OperationContext<'_>,
     ) -> Result<(), EngineError> {
-        let gradient_id = operation.reads[0];
+        let gradient_id = buffers.gradient;
         let mut gradient = self.take_f32(gradient_id)?;
         if *context.apply_update {
-            let buffers = &context.plan.buffers;
-            let weights_id = operation.writes[0];
-            let master_id = operation
-                .writes
-                .iter()
-                .copied()
-                .find(|id| matches!(buffers[id.0].role, BufferRole::MasterParameter { .. }));
-            let state_ids: Vec<BufferId> = operation
-                .writes
-                .iter()
-                .copied()
-                .filter(|id| matches!(buffers[id.0].role, BufferRole::OptimizerState { .. }))
-                .collect();
-            // Under mixed precision the update happens on the fp32 masters, then the
-            // compute copy is rounded from them.
-            let target_id = master_id.unwrap_or(weights_id);
+            let weights_id = buffers.weights;
+            let master_id = buffers.master;
+            let state_ids = &buffers.states;
+            let target_id = buffers.target();
             let mut parameters = self.take_f32(target_id)?;
             // The scale the gradients were computed with, not the one the overflow check may
             // just have doubled.

@@ -5,18 +5,8 @@ use super::device::{KernelArgument, LaunchShape};
 use super::{CudaBackend, CudaBackward, CudaForward, count, pointer, type_code};
 use crate::dispatch::{DropoutKernels, LayerCall};
 use crate::error::EngineError;
+use crate::kernels::dropout::keep_scale;
 use crate::rng::Rng;
-
-/// The dropout keep scale, as the cpu kernel computes it.
-fn dropout_keep_scale(rate: f32) -> f32 {
-    if rate.is_nan() || rate <= 0.0 {
-        1.0
-    } else if rate >= 1.0 {
-        0.0
-    } else {
-        1.0 / (1.0 - rate)
-    }
-}
 
 impl DropoutKernels for CudaBackend {
     fn dropout_forward(
@@ -47,7 +37,7 @@ impl DropoutKernels for CudaBackend {
                         pointer(mask.address),
                         count(output_elements),
                         KernelArgument::F32(rate),
-                        KernelArgument::F32(dropout_keep_scale(rate)),
+                        KernelArgument::F32(keep_scale(rate)),
                         KernelArgument::U64(state),
                         KernelArgument::I32(i32::from(identity)),
                     ],
@@ -87,7 +77,7 @@ impl DropoutKernels for CudaBackend {
                 pointer(dx.address),
                 t,
                 count(output_elements),
-                KernelArgument::F32(dropout_keep_scale(rate as f32)),
+                KernelArgument::F32(keep_scale(rate as f32)),
             ],
         )?;
         Ok(())

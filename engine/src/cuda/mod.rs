@@ -70,7 +70,7 @@ pub use slice::{
 };
 pub use training::{CudaTraining, train_on_cuda};
 
-use crate::backend::{Backend, OperationContext, OperationResult};
+use crate::backend::{Backend, OperationContext, OperationResult, padded_write};
 use crate::dispatch::{LayerCall, LayerPasses, Roles, run_operation, windowed_shapes};
 use crate::error::EngineError;
 use cudnn_ops::{ConvolutionAlgorithm, ConvolutionDirection, ConvolutionShape, Cudnn};
@@ -374,15 +374,7 @@ impl Backend for CudaBackend {
     fn write_f32(&mut self, id: BufferId, values: &[f32]) -> Result<(), EngineError> {
         let buffer = self.buffer(id)?;
         let elements = buffer.elements as usize;
-        if values.len() > elements {
-            return Err(EngineError::Backend(format!(
-                "{} values do not fit buffer {} of {elements}",
-                values.len(),
-                id.0
-            )));
-        }
-        let mut padded = values.to_vec();
-        padded.resize(elements, 0.0);
+        let mut padded = padded_write(id, values, elements)?;
         if let Some(dimensions) = buffer.kernel_layout
             && dimensions.elements() == elements
         {

@@ -1,37 +1,31 @@
 //! The cuda backend's optimizers: SGD and Adam(W) as NVRTC kernels on the fp32 masters (or
 //! weights), with the same per-step constants as the cpu kernels.
 
-use carve_core::plan::{BufferRole, ElementType, Operation};
+use carve_core::plan::ElementType;
 use carve_core::spec::OptimizerSpec;
 
 use super::device::{KernelArgument, LaunchShape};
 use super::{CudaBackend, DeviceBuffer, pointer};
 use crate::backend::OperationContext;
-use crate::dispatch::OptimizerKernels;
+use crate::dispatch::{OptimizerBuffers, OptimizerKernels};
 use crate::error::EngineError;
 
 impl OptimizerKernels for CudaBackend {
     fn optimizer_update(
         &mut self,
-        operation: &Operation,
+        buffers: &OptimizerBuffers,
         context: &mut OperationContext<'_>,
     ) -> Result<(), EngineError> {
-        let gradient = self.buffer(operation.reads[0])?;
+        let gradient = self.buffer(buffers.gradient)?;
         if *context.apply_update {
-            let buffers = &context.plan.buffers;
-            let weights_id = operation.writes[0];
-            let master_id = operation
-                .writes
+            let weights_id = buffers.weights;
+            let master_id = buffers.master;
+            let states: Vec<DeviceBuffer> = buffers
+                .states
                 .iter()
-                .copied()
-                .find(|id| matches!(buffers[id.0].role, BufferRole::MasterParameter { .. }));
-            let states: Vec<DeviceBuffer> = operation
-                .writes
-                .iter()
-                .filter(|id| matches!(buffers[id.0].role, BufferRole::OptimizerState { .. }))
                 .map(|id| self.buffer(*id))
                 .collect::<Result<_, _>>()?;
-            let target = self.buffer(master_id.unwrap_or(weights_id))?;
+            let target = self.buffer(buffers.target())?;
             let all_fp32 = target.element_type == ElementType::F32
                 && gradient.element_type == ElementType::F32
                 && states
