@@ -35,10 +35,8 @@ impl ActivationKernels for CudaBackend {
         forward: &mut CudaForward,
         kind: ActivationKind,
     ) -> Result<(), EngineError> {
-        let input = forward.input;
-        let output = forward.output;
-        let element_type = forward.output.element_type;
-        let t = type_code(element_type);
+        let CudaForward { input, output } = *forward;
+        let element_type = output.element_type;
         let output_elements = call.output_elements();
         match cudnn_activation(kind) {
             Some(activation) if output_elements <= i32::MAX as usize => self
@@ -61,7 +59,7 @@ impl ActivationKernels for CudaBackend {
                         KernelArgument::F32(alpha),
                         pointer(input.address),
                         pointer(output.address),
-                        t,
+                        type_code(element_type),
                         count(output_elements),
                     ],
                 )?;
@@ -77,14 +75,9 @@ impl ActivationKernels for CudaBackend {
         kind: ActivationKind,
     ) -> Result<(), EngineError> {
         let gradient_in = backward.gradient_in;
-        let input = backward.input;
-        let output = backward.output;
-        let input_gradient = backward.input_gradient;
-        let element_type = backward.gradient_in.element_type;
-        let t = type_code(element_type);
-        let missing = |what: &str| call.missing(what);
+        let element_type = gradient_in.element_type;
         let output_elements = call.output_elements();
-        let dx = input_gradient.ok_or_else(|| missing("input gradient"))?;
+        let dx = backward.required_input_gradient(call)?;
         match cudnn_activation(kind) {
             Some(activation) if output_elements <= i32::MAX as usize => self
                 .cudnn
@@ -92,7 +85,7 @@ impl ActivationKernels for CudaBackend {
                     activation,
                     output_elements,
                     element_type,
-                    output.ok_or_else(|| missing("output"))?.address,
+                    backward.saved_output(call)?.address,
                     gradient_in.address,
                     dx.address,
                 )
@@ -100,9 +93,9 @@ impl ActivationKernels for CudaBackend {
             _ => {
                 let (code, alpha) = activation_code(kind);
                 let saved = if cudnn_activation(kind).is_some() {
-                    output.ok_or_else(|| missing("output"))?
+                    backward.saved_output(call)?
                 } else {
-                    input.ok_or_else(|| missing("input"))?
+                    backward.saved_input(call)?
                 };
                 self.launch(
                     "activation_backward",
@@ -113,7 +106,7 @@ impl ActivationKernels for CudaBackend {
                         pointer(saved.address),
                         pointer(gradient_in.address),
                         pointer(dx.address),
-                        t,
+                        type_code(element_type),
                         count(output_elements),
                     ],
                 )?;

@@ -18,15 +18,11 @@ impl BatchNormKernels for CudaBackend {
         epsilon: f64,
     ) -> Result<(), EngineError> {
         let layer = call.layer;
-        let input = forward.input;
-        let output = forward.output;
-        let element_type = forward.output.element_type;
-        let t = type_code(element_type);
-        let input_elements = call.input_elements();
-        let output_elements = call.output_elements();
+        let CudaForward { input, output } = *forward;
+        let t = type_code(output.element_type);
         let parameter = |index: usize| self.forward_parameter(call, index);
         let channels = layer.parameters[0].elements as usize;
-        let rows = input_elements / channels.max(1);
+        let rows = call.input_elements() / channels.max(1);
         let gamma = parameter(0)?;
         let beta = parameter(1)?;
         let running_mean = parameter(2)?;
@@ -43,7 +39,7 @@ impl BatchNormKernels for CudaBackend {
         if call.is_inference() {
             self.launch(
                 "batch_norm_inference_forward",
-                LaunchShape::Elements(output_elements as u64),
+                LaunchShape::Elements(call.output_elements() as u64),
                 &[
                     pointer(input.address),
                     pointer(output.address),
@@ -100,29 +96,21 @@ impl BatchNormKernels for CudaBackend {
     ) -> Result<(), EngineError> {
         let layer = call.layer;
         let gradient_in = backward.gradient_in;
-        let input = backward.input;
-        let input_gradient = backward.input_gradient;
-        let targets = &backward.targets;
-        let element_type = backward.gradient_in.element_type;
-        let t = type_code(element_type);
-        let missing = |what: &str| call.missing(what);
-        let input_elements = call.input_elements();
-        let parameter = |index: usize| self.backward_parameter(call, index);
-        let input = input.ok_or_else(|| missing("input"))?;
-        let statistics = self.buffer(call.roles.side.ok_or_else(|| missing("statistics"))?)?;
-        let gamma = parameter(0)?;
+        let input = backward.saved_input(call)?;
+        let statistics = self.buffer(call.roles.side.ok_or_else(|| call.missing("statistics"))?)?;
+        let gamma = self.backward_parameter(call, 0)?;
         let channels = layer.parameters[0].elements as usize;
-        let rows = input_elements / channels.max(1);
-        let gamma_target = *targets.first().ok_or_else(|| missing("gamma gradient"))?;
-        let beta_target = *targets.get(1).ok_or_else(|| missing("beta gradient"))?;
+        let rows = call.input_elements() / channels.max(1);
+        let gamma_target = backward.target(call, 0, "gamma gradient")?;
+        let beta_target = backward.target(call, 1, "beta gradient")?;
         self.launch(
             "batch_norm_backward",
             LaunchShape::Blocks(channels as u64),
             &[
                 pointer(input.address),
                 pointer(gradient_in.address),
-                pointer(input_gradient.map_or(0, |dx| dx.address)),
-                t,
+                pointer(backward.input_gradient.map_or(0, |dx| dx.address)),
+                type_code(gradient_in.element_type),
                 count(rows),
                 count(channels),
                 pointer(gamma.address),

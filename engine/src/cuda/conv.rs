@@ -298,13 +298,9 @@ impl ConvKernels for CudaBackend {
         forward: &mut CudaForward,
         use_bias: bool,
     ) -> Result<(), EngineError> {
-        let layer = call.layer;
-        let batch = call.batch;
-        let input = forward.input;
-        let output = forward.output;
-        let element_type = forward.output.element_type;
-        let t = type_code(element_type);
-        let output_elements = call.output_elements();
+        let LayerCall { layer, batch, .. } = *call;
+        let CudaForward { input, output } = *forward;
+        let element_type = output.element_type;
         let parameter = |index: usize| self.forward_parameter(call, index);
         let geometry = kernel_geometry(layer, batch).expect("conv has a window");
         let kernel = parameter(0)?;
@@ -337,13 +333,13 @@ impl ConvKernels for CudaBackend {
         } else {
             self.launch(
                 "conv_forward_direct",
-                LaunchShape::Elements(output_elements as u64),
+                LaunchShape::Elements(call.output_elements() as u64),
                 &[
                     pointer(input.address),
                     pointer(kernel.address),
                     pointer(bias.map_or(0, |bias| bias.address)),
                     pointer(output.address),
-                    t,
+                    type_code(element_type),
                     KernelArgument::Geometry(geometry),
                 ],
             )?;
@@ -357,18 +353,14 @@ impl ConvKernels for CudaBackend {
         backward: &mut CudaBackward,
         use_bias: bool,
     ) -> Result<(), EngineError> {
-        let layer = call.layer;
-        let batch = call.batch;
-        let targets = &backward.targets;
+        let LayerCall { layer, batch, .. } = *call;
         let element_type = backward.gradient_in.element_type;
-        let missing = |what: &str| call.missing(what);
-        let parameter = |index: usize| self.backward_parameter(call, index);
         let geometry = kernel_geometry(layer, batch).expect("conv has a window");
-        let input = backward.input.ok_or_else(|| missing("input"))?;
-        let kernel = parameter(0)?;
-        let kernel_target = *targets.first().ok_or_else(|| missing("kernel gradient"))?;
+        let input = backward.saved_input(call)?;
+        let kernel = self.backward_parameter(call, 0)?;
+        let kernel_target = backward.target(call, 0, "kernel gradient")?;
         let bias_target = if use_bias {
-            targets.get(1).copied()
+            backward.targets.get(1).copied()
         } else {
             None
         };
@@ -413,10 +405,12 @@ impl CudaBackend {
         route: CudnnRoute,
         (workspace, workspace_bytes): (u64, u64),
     ) -> Result<(), EngineError> {
-        let layer = call.layer;
-        let batch = call.batch;
-        let gradient_in = backward.gradient_in;
-        let input_gradient = backward.input_gradient;
+        let LayerCall { layer, batch, .. } = *call;
+        let CudaBackward {
+            gradient_in,
+            input_gradient,
+            ..
+        } = *backward;
         let element_type = gradient_in.element_type;
         let ConvBackwardBuffers {
             geometry,
@@ -507,12 +501,13 @@ impl CudaBackend {
         backward: &CudaBackward,
         buffers: &ConvBackwardBuffers,
     ) -> Result<(), EngineError> {
-        let layer = call.layer;
-        let batch = call.batch;
-        let gradient_in = backward.gradient_in;
-        let input_gradient = backward.input_gradient;
+        let LayerCall { layer, batch, .. } = *call;
+        let CudaBackward {
+            gradient_in,
+            input_gradient,
+            ..
+        } = *backward;
         let t = type_code(gradient_in.element_type);
-        let input_elements = call.input_elements();
         let ConvBackwardBuffers {
             geometry,
             input,
@@ -523,7 +518,7 @@ impl CudaBackend {
         if let Some(dx) = input_gradient {
             self.launch(
                 "conv_backward_data_direct",
-                LaunchShape::Elements(input_elements as u64),
+                LaunchShape::Elements(call.input_elements() as u64),
                 &[
                     pointer(gradient_in.address),
                     pointer(kernel.address),

@@ -14,15 +14,10 @@ impl DenseKernels for CudaBackend {
         units: usize,
         use_bias: bool,
     ) -> Result<(), EngineError> {
-        let layer = call.layer;
-        let batch = call.batch;
-        let input = forward.input;
-        let output = forward.output;
-        let element_type = forward.output.element_type;
-        let t = type_code(element_type);
-        let output_elements = call.output_elements();
-        let parameter = |index: usize| self.forward_parameter(call, index);
-        let kernel = parameter(0)?;
+        let LayerCall { layer, batch, .. } = *call;
+        let CudaForward { input, output } = *forward;
+        let element_type = output.element_type;
+        let kernel = self.forward_parameter(call, 0)?;
         let in_features = layer.input_shape.elements() as usize;
         // Row-major Y[N, out] = X[N, in] W[in, out] is column-major
         // Y^T = W^T X^T: m = out, n = N, k = in.
@@ -45,13 +40,13 @@ impl DenseKernels for CudaBackend {
             })
             .map_err(|failure| self.fail(failure.during(layer.label())))?;
         if use_bias {
-            let bias = parameter(1)?;
+            let bias = self.forward_parameter(call, 1)?;
             self.launch(
                 "add_bias_rows",
-                LaunchShape::Elements(output_elements as u64),
+                LaunchShape::Elements(call.output_elements() as u64),
                 &[
                     pointer(output.address),
-                    t,
+                    type_code(element_type),
                     pointer(bias.address),
                     type_code(bias.element_type),
                     count(batch),
@@ -69,19 +64,13 @@ impl DenseKernels for CudaBackend {
         units: usize,
         use_bias: bool,
     ) -> Result<(), EngineError> {
-        let layer = call.layer;
-        let batch = call.batch;
+        let LayerCall { layer, batch, .. } = *call;
         let gradient_in = backward.gradient_in;
-        let input = backward.input;
-        let input_gradient = backward.input_gradient;
-        let targets = &backward.targets;
-        let element_type = backward.gradient_in.element_type;
-        let missing = |what: &str| call.missing(what);
-        let parameter = |index: usize| self.backward_parameter(call, index);
-        let input = input.ok_or_else(|| missing("input"))?;
-        let kernel = parameter(0)?;
+        let element_type = gradient_in.element_type;
+        let input = backward.saved_input(call)?;
+        let kernel = self.backward_parameter(call, 0)?;
         let in_features = layer.input_shape.elements() as usize;
-        let kernel_target = *targets.first().ok_or_else(|| missing("kernel gradient"))?;
+        let kernel_target = backward.target(call, 0, "kernel gradient")?;
         // dW[in, out] (+)= X^T dY: column-major dW^T = dY^T X, m = out, n = in, k = N.
         self.device
             .gemm(&GemmCall {
@@ -101,7 +90,7 @@ impl DenseKernels for CudaBackend {
                 beta: if kernel_target.accumulate { 1.0 } else { 0.0 },
             })
             .map_err(|failure| self.fail(failure.during(layer.label())))?;
-        if let Some(dx) = input_gradient {
+        if let Some(dx) = backward.input_gradient {
             // dX[N, in] = dY W^T: column-major dX^T = W dY^T, m = in, n = N, k = out.
             self.device
                 .gemm(&GemmCall {
@@ -122,7 +111,7 @@ impl DenseKernels for CudaBackend {
                 })
                 .map_err(|failure| self.fail(failure.during(layer.label())))?;
         }
-        if use_bias && let Some(bias_target) = targets.get(1).copied() {
+        if use_bias && let Some(bias_target) = backward.targets.get(1).copied() {
             self.column_sums(gradient_in, batch as u64, units as u64, bias_target)?;
         }
         Ok(())

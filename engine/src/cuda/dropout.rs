@@ -15,13 +15,9 @@ impl DropoutKernels for CudaBackend {
         forward: &mut CudaForward,
         rate: f64,
     ) -> Result<(), EngineError> {
-        let input = forward.input;
-        let output = forward.output;
-        let element_type = forward.output.element_type;
-        let t = type_code(element_type);
+        let CudaForward { input, output } = *forward;
         let output_elements = call.output_elements();
-        let mask = call.dropout_mask();
-        match mask {
+        match call.dropout_mask() {
             Some(mask_id) if !call.is_inference() => {
                 let mask = self.buffer(mask_id)?;
                 let rate = rate as f32;
@@ -33,7 +29,7 @@ impl DropoutKernels for CudaBackend {
                     &[
                         pointer(input.address),
                         pointer(output.address),
-                        t,
+                        type_code(output.element_type),
                         pointer(mask.address),
                         count(output_elements),
                         KernelArgument::F32(rate),
@@ -47,7 +43,7 @@ impl DropoutKernels for CudaBackend {
                 input.address,
                 input.element_type,
                 output.address,
-                element_type,
+                output.element_type,
                 output_elements as u64,
             )?,
         }
@@ -61,13 +57,9 @@ impl DropoutKernels for CudaBackend {
         rate: f64,
     ) -> Result<(), EngineError> {
         let gradient_in = backward.gradient_in;
-        let input_gradient = backward.input_gradient;
-        let element_type = backward.gradient_in.element_type;
-        let t = type_code(element_type);
-        let missing = |what: &str| call.missing(what);
         let output_elements = call.output_elements();
-        let dx = input_gradient.ok_or_else(|| missing("input gradient"))?;
-        let mask = self.buffer(call.dropout_mask().ok_or_else(|| missing("mask"))?)?;
+        let dx = backward.required_input_gradient(call)?;
+        let mask = self.buffer(call.dropout_mask().ok_or_else(|| call.missing("mask"))?)?;
         self.launch(
             "dropout_backward",
             LaunchShape::Elements(output_elements as u64),
@@ -75,7 +67,7 @@ impl DropoutKernels for CudaBackend {
                 pointer(mask.address),
                 pointer(gradient_in.address),
                 pointer(dx.address),
-                t,
+                type_code(gradient_in.element_type),
                 count(output_elements),
                 KernelArgument::F32(keep_scale(rate as f32)),
             ],

@@ -515,6 +515,36 @@ pub(crate) struct CudaBackward {
     targets: Vec<GradientTarget>,
 }
 
+/// What a backward needs but the plan did not give is an error naming the layer and the
+/// buffer, never a launch on address 0.
+impl CudaBackward {
+    fn saved_input(&self, call: &LayerCall<'_>) -> Result<DeviceBuffer, EngineError> {
+        self.input.ok_or_else(|| call.missing("input"))
+    }
+
+    fn saved_output(&self, call: &LayerCall<'_>) -> Result<DeviceBuffer, EngineError> {
+        self.output.ok_or_else(|| call.missing("output"))
+    }
+
+    fn required_input_gradient(&self, call: &LayerCall<'_>) -> Result<DeviceBuffer, EngineError> {
+        self.input_gradient
+            .ok_or_else(|| call.missing("input gradient"))
+    }
+
+    /// The gradient target of the layer's `index`th parameter, `what` naming it.
+    fn target(
+        &self,
+        call: &LayerCall<'_>,
+        index: usize,
+        what: &str,
+    ) -> Result<GradientTarget, EngineError> {
+        self.targets
+            .get(index)
+            .copied()
+            .ok_or_else(|| call.missing(what))
+    }
+}
+
 impl LayerPasses for CudaBackend {
     type Forward = CudaForward;
     type Backward = CudaBackward;

@@ -46,13 +46,9 @@ impl PoolKernels for CudaBackend {
         forward: &mut CudaForward,
         pooling: Pooling,
     ) -> Result<(), EngineError> {
-        let layer = call.layer;
-        let batch = call.batch;
-        let input = forward.input;
-        let output = forward.output;
-        let element_type = forward.output.element_type;
-        let t = type_code(element_type);
-        let output_elements = call.output_elements();
+        let LayerCall { layer, batch, .. } = *call;
+        let CudaForward { input, output } = *forward;
+        let element_type = output.element_type;
         let is_max = pooling == Pooling::Max;
         let geometry = kernel_geometry(layer, batch).expect("pool has a window");
         if has_symmetric_padding(layer) {
@@ -63,11 +59,11 @@ impl PoolKernels for CudaBackend {
         } else {
             self.launch(
                 "pool_forward_direct",
-                LaunchShape::Elements(output_elements as u64),
+                LaunchShape::Elements(call.output_elements() as u64),
                 &[
                     pointer(input.address),
                     pointer(output.address),
-                    t,
+                    type_code(element_type),
                     KernelArgument::I32(if is_max { 0 } else { 1 }),
                     KernelArgument::Geometry(geometry),
                 ],
@@ -82,26 +78,19 @@ impl PoolKernels for CudaBackend {
         backward: &mut CudaBackward,
         pooling: Pooling,
     ) -> Result<(), EngineError> {
-        let layer = call.layer;
-        let batch = call.batch;
+        let LayerCall { layer, batch, .. } = *call;
         let gradient_in = backward.gradient_in;
-        let input = backward.input;
-        let output = backward.output;
-        let input_gradient = backward.input_gradient;
-        let element_type = backward.gradient_in.element_type;
-        let t = type_code(element_type);
-        let missing = |what: &str| call.missing(what);
-        let input_elements = call.input_elements();
+        let element_type = gradient_in.element_type;
         let is_max = pooling == Pooling::Max;
         let geometry = kernel_geometry(layer, batch).expect("pool has a window");
-        let dx = input_gradient.ok_or_else(|| missing("input gradient"))?;
+        let dx = backward.required_input_gradient(call)?;
         if is_max && has_symmetric_padding(layer) {
             let shape = pooling_shape(&geometry, true, element_type);
             self.cudnn
                 .pooling_backward(
                     &shape,
-                    input.ok_or_else(|| missing("input"))?.address,
-                    output.ok_or_else(|| missing("output"))?.address,
+                    backward.saved_input(call)?.address,
+                    backward.saved_output(call)?.address,
                     gradient_in.address,
                     dx.address,
                 )
@@ -109,21 +98,21 @@ impl PoolKernels for CudaBackend {
         } else {
             let (saved_input, saved_output) = if is_max {
                 (
-                    input.ok_or_else(|| missing("input"))?.address,
-                    output.ok_or_else(|| missing("output"))?.address,
+                    backward.saved_input(call)?.address,
+                    backward.saved_output(call)?.address,
                 )
             } else {
                 (0, 0)
             };
             self.launch(
                 "pool_backward_direct",
-                LaunchShape::Elements(input_elements as u64),
+                LaunchShape::Elements(call.input_elements() as u64),
                 &[
                     pointer(saved_input),
                     pointer(saved_output),
                     pointer(gradient_in.address),
                     pointer(dx.address),
-                    t,
+                    type_code(element_type),
                     KernelArgument::I32(if is_max { 0 } else { 1 }),
                     KernelArgument::Geometry(geometry),
                 ],
@@ -137,12 +126,8 @@ impl PoolKernels for CudaBackend {
         call: &LayerCall<'_>,
         forward: &mut CudaForward,
     ) -> Result<(), EngineError> {
-        let layer = call.layer;
-        let batch = call.batch;
-        let input = forward.input;
-        let output = forward.output;
-        let element_type = forward.output.element_type;
-        let t = type_code(element_type);
+        let LayerCall { layer, batch, .. } = *call;
+        let CudaForward { input, output } = *forward;
         let shape = image_shape(layer.input_shape, batch);
         self.launch(
             "global_avg_pool_forward",
@@ -150,7 +135,7 @@ impl PoolKernels for CudaBackend {
             &[
                 pointer(input.address),
                 pointer(output.address),
-                t,
+                type_code(output.element_type),
                 count(batch),
                 count(shape.height * shape.width),
                 count(shape.channels),
@@ -164,23 +149,17 @@ impl PoolKernels for CudaBackend {
         call: &LayerCall<'_>,
         backward: &mut CudaBackward,
     ) -> Result<(), EngineError> {
-        let layer = call.layer;
-        let batch = call.batch;
+        let LayerCall { layer, batch, .. } = *call;
         let gradient_in = backward.gradient_in;
-        let input_gradient = backward.input_gradient;
-        let element_type = backward.gradient_in.element_type;
-        let t = type_code(element_type);
-        let missing = |what: &str| call.missing(what);
-        let input_elements = call.input_elements();
         let shape = image_shape(layer.input_shape, batch);
-        let dx = input_gradient.ok_or_else(|| missing("input gradient"))?;
+        let dx = backward.required_input_gradient(call)?;
         self.launch(
             "global_avg_pool_backward",
-            LaunchShape::Elements(input_elements as u64),
+            LaunchShape::Elements(call.input_elements() as u64),
             &[
                 pointer(gradient_in.address),
                 pointer(dx.address),
-                t,
+                type_code(gradient_in.element_type),
                 count(batch),
                 count(shape.height * shape.width),
                 count(shape.channels),
