@@ -160,6 +160,16 @@ fn window_of(node: &LayerNode) -> WindowGeometry {
     }
 }
 
+/// A window's padding as (top, bottom, left, right).
+fn padding_of(window: &WindowGeometry) -> (u64, u64, u64, u64) {
+    (
+        window.padding_top,
+        window.padding_bottom,
+        window.padding_left,
+        window.padding_right,
+    )
+}
+
 /// (name, shape, elements, trainable) of every parameter tensor of a layer.
 fn parameters_of(node: &LayerNode) -> Vec<(&'static str, Vec<u64>, u64, bool)> {
     node.parameters
@@ -350,15 +360,7 @@ fn full_example_spec_infers_shapes_and_parameters() {
     assert_eq!(graph.target_bytes_per_sample(), 4);
 
     let window = window_of(&graph.layers[0]);
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (1, 1, 1, 1)
-    );
+    assert_eq!(padding_of(&window), (1, 1, 1, 1));
     let pool = window_of(&graph.layers[2]);
     assert_eq!(
         (pool.kernel_height, pool.stride_height, pool.stride_width),
@@ -395,29 +397,13 @@ fn convolution_output_sizes_follow_padding_and_stride() {
     assert_eq!(node.output_shape, image(26, 26, 8));
     let window = window_of(&node);
     assert_eq!((window.stride_height, window.stride_width), (1, 1));
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (0, 0, 0, 0)
-    );
+    assert_eq!(padding_of(&window), (0, 0, 0, 0));
     // Explicit pixels pad every side.
     let window = window_of(&first_layer(
         "{ conv2d = { filters = 8, kernel = 5, padding = 2 } }",
         "[28, 28, 3]",
     ));
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (2, 2, 2, 2)
-    );
+    assert_eq!(padding_of(&window), (2, 2, 2, 2));
 }
 
 #[test]
@@ -645,15 +631,7 @@ fn rectangular_kernel_and_stride() {
     let window = window_of(&node);
     assert_eq!((window.stride_height, window.stride_width), (1, 2));
     // Height: total (28-1)*1+3-28 = 2 -> 1/1; width: (14-1)*2+5-28 = 3 -> 1/2.
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (1, 1, 1, 2)
-    );
+    assert_eq!(padding_of(&window), (1, 1, 1, 2));
 
     let node = first_layer(
         "{ conv2d = { filters = 1, kernel = 3, stride = [2, 3] } }",
@@ -671,57 +649,25 @@ fn even_kernel_same_padding_puts_the_extra_pixel_bottom_right() {
     );
     assert_eq!(node.output_shape, image(28, 28, 2));
     let window = window_of(&node);
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (1, 2, 1, 2)
-    );
+    assert_eq!(padding_of(&window), (1, 2, 1, 2));
     // kernel [2, 4]: height total 1 -> 0/1, width total 3 -> 1/2.
     let window = window_of(&first_layer(
         "{ conv2d = { filters = 2, kernel = [2, 4], padding = \"same\" } }",
         "[10, 10, 1]",
     ));
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (0, 1, 1, 2)
-    );
+    assert_eq!(padding_of(&window), (0, 1, 1, 2));
     // kernel 3, stride 2 on 28: output 14, total (14-1)*2+3-28 = 1 -> 0/1.
     let window = window_of(&first_layer(
         "{ conv2d = { filters = 2, kernel = 3, stride = 2, padding = \"same\" } }",
         "[28, 28, 1]",
     ));
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (0, 1, 0, 1)
-    );
+    assert_eq!(padding_of(&window), (0, 1, 0, 1));
     // Pooling follows the same rule: size 2 stride 2 on 7 -> 4, total 1 -> 0/1.
     let window = window_of(&first_layer(
         "{ max_pool = { size = 2, padding = \"same\" } }",
         "[7, 7, 1]",
     ));
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (0, 1, 0, 1)
-    );
+    assert_eq!(padding_of(&window), (0, 1, 0, 1));
 }
 
 #[test]
@@ -2384,15 +2330,7 @@ fn check_window(
     );
     match padding {
         Padding::Named(PaddingMode::Valid) => {
-            prop_assert_eq!(
-                (
-                    window.padding_top,
-                    window.padding_bottom,
-                    window.padding_left,
-                    window.padding_right
-                ),
-                (0, 0, 0, 0)
-            );
+            prop_assert_eq!(padding_of(window), (0, 0, 0, 0));
         }
         Padding::Named(PaddingMode::Same) => {
             prop_assert_eq!(out_height, height.div_ceil(window.stride_height));
@@ -2403,15 +2341,7 @@ fn check_window(
             prop_assert!(window.padding_right - window.padding_left <= 1);
         }
         Padding::Pixels(pixels) => {
-            prop_assert_eq!(
-                (
-                    window.padding_top,
-                    window.padding_bottom,
-                    window.padding_left,
-                    window.padding_right
-                ),
-                (pixels, pixels, pixels, pixels)
-            );
+            prop_assert_eq!(padding_of(window), (pixels, pixels, pixels, pixels));
         }
     }
     Ok(())
