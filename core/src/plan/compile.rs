@@ -165,7 +165,12 @@ pub fn compile_step_plan(job: &ValidatedJob, config: &RunConfig) -> Result<StepP
 
     // Micro-batch: forward, loss, backward.
     let mut operations = Vec::new();
-    let forward = forward_pass(&mut builder, &persistent, &mut operations)?;
+    let forward = forward_pass(
+        &mut builder,
+        &persistent,
+        |layer| OperationKind::LayerForward { layer },
+        &mut operations,
+    )?;
     let output_gradient = loss_pass(
         &mut builder,
         forward.final_output,
@@ -419,10 +424,44 @@ fn layer_forward(
     })
 }
 
-/// Forward through every layer, keeping what each produced for backward.
+/// Buffers a layer's forward writes besides its output, all kept for backward: the
+/// dropout mask, batch norm's per-channel statistics.
+fn layer_side_outputs(
+    builder: &mut PlanBuilder<'_>,
+    layer: &LayerNode,
+) -> Result<Vec<BufferId>, FieldError> {
+    let owner = BufferOwner::Layer(layer.index);
+    match layer.op {
+        LayerOp::Dropout { .. } => {
+            let elements = builder.per_micro_batch(layer.output_shape.elements(), owner)?;
+            Ok(vec![builder.add_buffer(
+                BufferRole::DropoutMask,
+                owner,
+                MemoryCategory::Activations,
+                ElementType::U8,
+                elements,
+            )?])
+        }
+        LayerOp::BatchNorm { .. } => {
+            let channels = layer.parameters[0].elements;
+            Ok(vec![builder.add_buffer(
+                BufferRole::BatchStatistics,
+                owner,
+                MemoryCategory::Activations,
+                ElementType::F32,
+                2 * channels,
+            )?])
+        }
+        _ => Ok(Vec::new()),
+    }
+}
+
+/// Forward through every layer as `kind` runs it (training or inference), keeping what
+/// each produced for backward.
 fn forward_pass(
     builder: &mut PlanBuilder<'_>,
     persistent: &PersistentBuffers,
+    kind: fn(usize) -> OperationKind,
     operations: &mut Vec<Operation>,
 ) -> Result<ForwardPass, FieldError> {
     let graph = builder.graph;
@@ -440,7 +479,7 @@ fn forward_pass(
             layer,
             current,
             &persistent.weights[layer.index],
-            OperationKind::LayerForward { layer: layer.index },
+            kind(layer.index),
         )?;
         operations.push(step.operation);
         forward.inputs.push(current);
@@ -705,58 +744,19 @@ fn evaluation_operations(
     builder: &mut PlanBuilder<'_>,
     persistent: &PersistentBuffers,
 ) -> Result<Vec<Operation>, FieldError> {
-    let graph = builder.graph;
     let mut operations = Vec::new();
-    let mut current = persistent.input;
-    for layer in &graph.layers {
-        let step = layer_forward(
-            builder,
-            layer,
-            current,
-            &persistent.weights[layer.index],
-            OperationKind::LayerInference { layer: layer.index },
-        )?;
-        operations.push(step.operation);
-        current = step.output;
-    }
+    let forward = forward_pass(
+        builder,
+        persistent,
+        |layer| OperationKind::LayerInference { layer },
+        &mut operations,
+    )?;
     let (loss_value, probabilities) = loss_outputs(builder)?;
     operations.push(Operation {
         kind: OperationKind::LossEvaluate,
-        reads: vec![current, persistent.target],
+        reads: vec![forward.final_output, persistent.target],
         writes: std::iter::once(loss_value).chain(probabilities).collect(),
         scratch: Vec::new(),
     });
     Ok(operations)
-}
-
-/// Buffers a layer's forward writes besides its output, all kept for backward: the
-/// dropout mask, batch norm's per-channel statistics.
-fn layer_side_outputs(
-    builder: &mut PlanBuilder<'_>,
-    layer: &LayerNode,
-) -> Result<Vec<BufferId>, FieldError> {
-    let owner = BufferOwner::Layer(layer.index);
-    match layer.op {
-        LayerOp::Dropout { .. } => {
-            let elements = builder.per_micro_batch(layer.output_shape.elements(), owner)?;
-            Ok(vec![builder.add_buffer(
-                BufferRole::DropoutMask,
-                owner,
-                MemoryCategory::Activations,
-                ElementType::U8,
-                elements,
-            )?])
-        }
-        LayerOp::BatchNorm { .. } => {
-            let channels = layer.parameters[0].elements;
-            Ok(vec![builder.add_buffer(
-                BufferRole::BatchStatistics,
-                owner,
-                MemoryCategory::Activations,
-                ElementType::F32,
-                2 * channels,
-            )?])
-        }
-        _ => Ok(Vec::new()),
-    }
 }

@@ -1,7 +1,7 @@
 //! Placing a phase's buffers by liveness: each allocated just before its first use and
 //! freed just after its last, so a phase's peak is what its operations really need.
 
-use super::{Operation, PlanStep};
+use super::{BufferId, Operation, PlanStep};
 
 /// Turns a list of operations into plan steps: each phase-local buffer is allocated just
 /// before the first operation that touches it and freed just after the last. Buffers
@@ -15,24 +15,13 @@ pub(super) fn place_by_liveness(
 ) -> Vec<PlanStep> {
     let buffer_count = operations
         .iter()
-        .flat_map(|operation| {
-            operation
-                .reads
-                .iter()
-                .chain(&operation.writes)
-                .chain(&operation.scratch)
-        })
+        .flat_map(buffers_in_order)
         .map(|id| id.0 + 1)
         .max()
         .unwrap_or(0);
     let mut last_use: Vec<Option<usize>> = vec![None; buffer_count];
     for (position, operation) in operations.iter().enumerate() {
-        for id in operation
-            .reads
-            .iter()
-            .chain(&operation.writes)
-            .chain(&operation.scratch)
-        {
+        for id in buffers_in_order(operation) {
             if id.0 >= persistent_count {
                 last_use[id.0] = Some(position);
             }
@@ -45,12 +34,7 @@ pub(super) fn place_by_liveness(
     for (position, operation) in operations.into_iter().enumerate() {
         // Outputs before scratch: the workspace goes on top, where freeing it right after
         // leaves one hole that the next buffer of similar size fills.
-        for id in operation
-            .reads
-            .iter()
-            .chain(&operation.writes)
-            .chain(&operation.scratch)
-        {
+        for id in buffers_in_order(&operation) {
             if id.0 >= persistent_count && !allocated[id.0] {
                 allocated[id.0] = true;
                 steps.push(PlanStep::Allocate(*id));
@@ -72,4 +56,14 @@ pub(super) fn place_by_liveness(
         steps.extend(frees);
     }
     steps
+}
+
+/// Every buffer an operation touches: reads, then writes, then scratch (the order
+/// buffers are allocated in).
+fn buffers_in_order(operation: &Operation) -> impl Iterator<Item = &BufferId> {
+    operation
+        .reads
+        .iter()
+        .chain(&operation.writes)
+        .chain(&operation.scratch)
 }
