@@ -102,6 +102,12 @@ fn edit(text: &str, from: &str, to: &str) -> String {
     text.replacen(from, to, 1)
 }
 
+/// `text` with its synthetic data section replaced by `data`: a `format = ...` line and
+/// what that format needs.
+fn with_data(text: &str, data: &str) -> String {
+    edit(text, "format = \"synthetic\"\nsamples = 1024", data)
+}
+
 fn load(text: &str) -> ValidatedJob {
     match load_job_spec_toml(text) {
         Ok(job) => job,
@@ -726,9 +732,8 @@ fn flat_input_models_and_other_settings_validate() {
 
 #[test]
 fn real_data_formats_validate() {
-    let idx = edit(
+    let idx = with_data(
         &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"idx\"\ntrain = { images = \"train-images.idx3-ubyte\", labels = \"train-labels.idx1-ubyte\" }\ntest = { images = \"t10k-images.idx3-ubyte\", labels = \"t10k-labels.idx1-ubyte\" }",
     );
     let job = load(&idx);
@@ -738,7 +743,7 @@ fn real_data_formats_validate() {
     assert_eq!(train.labels.as_deref(), Some("train-labels.idx1-ubyte"));
     assert!(job.spec.data.test.is_some());
 
-    let cifar = edit(
+    let cifar = with_data(
         &spec_with(
             "[32, 32, 3]",
             "softmax_cross_entropy",
@@ -748,7 +753,6 @@ fn real_data_formats_validate() {
                 "{ dense = { units = 10 } }",
             ],
         ),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"cifar10\"\ntrain = { files = [\"data_batch_1.bin\", \"data_batch_2.bin\"] }",
     );
     let job = load(&cifar);
@@ -757,9 +761,8 @@ fn real_data_formats_validate() {
         Some(2)
     );
 
-    let npy = edit(
+    let npy = with_data(
         &spec_with("[20]", "mse", &["{ dense = { units = 3 } }"]),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"npy\"\ntrain = { inputs = \"x.npy\", targets = \"y.npy\" }",
     );
     assert_eq!(load(&npy).spec.data.format, DataFormat::Npy);
@@ -865,9 +868,8 @@ half_precision = "bf16"
         assert_round_trips(&load(&text).spec);
     }
     // Real data formats.
-    let npy = edit(
+    let npy = with_data(
         &spec_with("[20]", "mse", &["{ dense = { units = 3 } }"]),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"npy\"\ntrain = { inputs = \"x.npy\", targets = \"y.npy\" }\ntest = { inputs = \"tx.npy\", targets = \"ty.npy\" }",
     );
     assert_round_trips(&load(&npy).spec);
@@ -1682,9 +1684,8 @@ fn oom_policy_checks() {
 
 #[test]
 fn data_source_checks() {
-    let idx_missing_labels = edit(
+    let idx_missing_labels = with_data(
         &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"idx\"\ntrain = { images = \"train-images.idx3-ubyte\" }",
     );
     assert_rejected(
@@ -1692,17 +1693,12 @@ fn data_source_checks() {
         "data.train.labels",
         &["required", "idx"],
     );
-    let idx_test_missing_images = edit(
+    let idx_test_missing_images = with_data(
         &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"idx\"\ntrain = { images = \"i\", labels = \"l\" }\ntest = { labels = \"l\" }",
     );
     assert_rejected(&idx_test_missing_images, "data.test.images", &["required"]);
-    let idx_without_train = edit(
-        &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
-        "format = \"idx\"",
-    );
+    let idx_without_train = with_data(&base_spec(), "format = \"idx\"");
     assert_rejected(&idx_without_train, "data.train", &["required"]);
     let idx_with_samples = edit(
         &base_spec(),
@@ -1710,32 +1706,28 @@ fn data_source_checks() {
         "format = \"idx\"\ntrain = { images = \"i\", labels = \"l\" }",
     );
     assert_rejected(&idx_with_samples, "data.samples", &["not used", "idx"]);
-    let idx_with_files = edit(
+    let idx_with_files = with_data(
         &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"idx\"\ntrain = { images = \"i\", labels = \"l\", files = [\"f\"] }",
     );
     assert_rejected(&idx_with_files, "data.train.files", &["not used"]);
-    let idx_empty_path = edit(
+    let idx_empty_path = with_data(
         &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"idx\"\ntrain = { images = \" \", labels = \"l\" }",
     );
     assert_rejected(&idx_empty_path, "data.train", &["must not be empty"]);
-    let idx_mse = edit(
+    let idx_mse = with_data(
         &spec_with(
             "[28, 28, 1]",
             "mse",
             &["{ flatten = {} }", "{ dense = { units = 10 } }"],
         ),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"idx\"\ntrain = { images = \"i\", labels = \"l\" }",
     );
     assert_rejected(&idx_mse, "model.loss", &["softmax_cross_entropy"]);
 
-    let cifar_wrong_shape = edit(
+    let cifar_wrong_shape = with_data(
         &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"cifar10\"\ntrain = { files = [\"data_batch_1.bin\"] }",
     );
     assert_rejected(
@@ -1743,30 +1735,27 @@ fn data_source_checks() {
         "model.input_shape",
         &["[32, 32, 3]", "[28, 28, 1]"],
     );
-    let cifar_five_classes = edit(
+    let cifar_five_classes = with_data(
         &spec_with(
             "[32, 32, 3]",
             "softmax_cross_entropy",
             &["{ flatten = {} }", "{ dense = { units = 5 } }"],
         ),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"cifar10\"\ntrain = { files = [\"data_batch_1.bin\"] }",
     );
     assert_rejected(&cifar_five_classes, "model.loss", &["10 classes"]);
-    let cifar_no_files = edit(
+    let cifar_no_files = with_data(
         &spec_with(
             "[32, 32, 3]",
             "softmax_cross_entropy",
             &["{ flatten = {} }", "{ dense = { units = 10 } }"],
         ),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"cifar10\"\ntrain = { files = [] }",
     );
     assert_rejected(&cifar_no_files, "data.train.files", &["required"]);
 
-    let npy_missing_targets = edit(
+    let npy_missing_targets = with_data(
         &spec_with("[20]", "mse", &["{ dense = { units = 3 } }"]),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"npy\"\ntrain = { inputs = \"x.npy\" }",
     );
     assert_rejected(
