@@ -145,6 +145,17 @@ fn assert_rejected(text: &str, field: &str, reason_fragments: &[&str]) -> FieldE
     error
 }
 
+/// Asserts the base spec with one edit is rejected, as [`assert_rejected`] does.
+#[track_caller]
+fn assert_edit_rejected(
+    from: &str,
+    to: &str,
+    field: &str,
+    reason_fragments: &[&str],
+) -> FieldError {
+    assert_rejected(&edit(&base_spec(), from, to), field, reason_fragments)
+}
+
 fn image(height: u64, width: u64, channels: u64) -> FeatureShape {
     FeatureShape::Image {
         height,
@@ -977,12 +988,12 @@ fn unknown_top_level_field_is_named() {
     let text = format!("colour = \"blue\"\n{}", base_spec());
     let error = assert_rejected(&text, "colour", &["unknown field `colour`"]);
     assert!(error.reason.contains("line 1"), "{error:?}");
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "samples = 1024",
         "samples = 1024\nsample_count = 5",
+        "data.sample_count",
+        &["unknown field"],
     );
-    assert_rejected(&text, "data.sample_count", &["unknown field"]);
 }
 
 #[test]
@@ -1006,13 +1017,9 @@ fn unknown_field_inside_a_layer_names_its_path() {
 
     let text = classifier_with(&["{ relu = { alpha = 1 } }"]);
     assert_rejected(&text, "model.layers[0].relu.alpha", &["unknown field"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "optimizer = { adam = { learning_rate = 0.001 } }",
         "optimizer = { adam = { learning_rate = 0.001, momentum = 0.9 } }",
-    );
-    assert_rejected(
-        &text,
         "training.optimizer.adam.momentum",
         &["unknown field"],
     );
@@ -1073,30 +1080,30 @@ fn malformed_values_name_their_field() {
         assert_eq!(error.field, field, "{layer}: {error:?}");
         assert!(!error.reason.is_empty());
     }
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "loss = \"softmax_cross_entropy\"",
         "loss = \"hinge\"",
+        "model.loss",
+        &["unknown variant `hinge`"],
     );
-    assert_rejected(&text, "model.loss", &["unknown variant `hinge`"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "batch_size = 64",
         "batch_size = 64\nprecision = \"fp8\"",
+        "training.precision",
+        &["fp8"],
     );
-    assert_rejected(&text, "training.precision", &["fp8"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "format = \"synthetic\"",
         "format = \"parquet\"",
+        "data.format",
+        &["parquet"],
     );
-    assert_rejected(&text, "data.format", &["parquet"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "min_micro_batch = 8",
         "min_micro_batch = 8\nstrategies = [\"mixed_precision\", \"pray\"]",
+        "oom.strategies[1]",
+        &["pray"],
     );
-    assert_rejected(&text, "oom.strategies[1]", &["pray"]);
 }
 
 #[test]
@@ -1487,14 +1494,25 @@ fn a_model_at_the_layer_limit_is_accepted_and_one_more_layer_is_refused() {
 
 #[test]
 fn steps_and_epochs_exactly_one() {
-    let both = edit(&base_spec(), "steps = 200", "steps = 200\nepochs = 3");
-    assert_rejected(&both, "training.epochs", &["not both"]);
-    let neither = edit(&base_spec(), "steps = 200\n", "");
-    assert_rejected(&neither, "training.steps", &["steps or epochs"]);
-    let zero_steps = edit(&base_spec(), "steps = 200", "steps = 0");
-    assert_rejected(&zero_steps, "training.steps", &["at least 1"]);
-    let zero_epochs = edit(&base_spec(), "steps = 200", "epochs = 0");
-    assert_rejected(&zero_epochs, "training.epochs", &["at least 1"]);
+    assert_edit_rejected(
+        "steps = 200",
+        "steps = 200\nepochs = 3",
+        "training.epochs",
+        &["not both"],
+    );
+    assert_edit_rejected("steps = 200\n", "", "training.steps", &["steps or epochs"]);
+    assert_edit_rejected(
+        "steps = 200",
+        "steps = 0",
+        "training.steps",
+        &["at least 1"],
+    );
+    assert_edit_rejected(
+        "steps = 200",
+        "epochs = 0",
+        "training.epochs",
+        &["at least 1"],
+    );
     let epochs = edit(&base_spec(), "steps = 200", "epochs = 2");
     assert_eq!(load(&epochs).spec.training.epochs, Some(2));
 }
@@ -1504,24 +1522,24 @@ fn batch_size_and_accumulation() {
     let text = edit(&base_spec(), "batch_size = 64", "batch_size = 0");
     // min_micro_batch 8 would also be wrong, but batch_size is checked first.
     assert_rejected(&text, "training.batch_size", &["at least 1"]);
-    let text = edit(&base_spec(), "batch_size = 64", "batch_size = 100000000");
-    assert_rejected(&text, "training.batch_size", &["limit"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
+        "batch_size = 64",
+        "batch_size = 100000000",
+        "training.batch_size",
+        &["limit"],
+    );
+    assert_edit_rejected(
         "batch_size = 64",
         "batch_size = 64\naccumulation_steps = 3",
-    );
-    assert_rejected(
-        &text,
         "training.accumulation_steps",
         &["3 does not divide batch_size 64"],
     );
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "batch_size = 64",
         "batch_size = 64\naccumulation_steps = 0",
+        "training.accumulation_steps",
+        &["at least 1"],
     );
-    assert_rejected(&text, "training.accumulation_steps", &["at least 1"]);
     let text = edit(
         &base_spec(),
         "batch_size = 64",
@@ -1538,12 +1556,12 @@ fn learning_rate_must_be_positive_and_finite() {
         ("sgd", "training.optimizer.sgd.learning_rate"),
     ] {
         for value in ["0.0", "-0.001", "nan", "inf", "-inf"] {
-            let text = edit(
-                &base_spec(),
+            assert_edit_rejected(
                 "optimizer = { adam = { learning_rate = 0.001 } }",
                 &format!("optimizer = {{ {optimizer} = {{ learning_rate = {value} }} }}"),
+                field,
+                &["must be a finite number > 0"],
             );
-            assert_rejected(&text, field, &["must be a finite number > 0"]);
         }
     }
     let cases = [
@@ -1613,12 +1631,20 @@ fn recompute_segment_layers_within_the_model() {
 
 #[test]
 fn vram_must_be_a_size_and_not_zero() {
-    let text = edit(&base_spec(), "vram = \"auto\"", "vram = \"6 parsecs\"");
-    let error = assert_rejected(&text, "resources.vram", &["unknown unit `parsecs`"]);
+    let error = assert_edit_rejected(
+        "vram = \"auto\"",
+        "vram = \"6 parsecs\"",
+        "resources.vram",
+        &["unknown unit `parsecs`"],
+    );
     assert!(error.to_string().starts_with("resources.vram: "));
     for zero in ["\"0\"", "0", "\"0GiB\""] {
-        let text = edit(&base_spec(), "vram = \"auto\"", &format!("vram = {zero}"));
-        assert_rejected(&text, "resources.vram", &["more than 0 bytes"]);
+        assert_edit_rejected(
+            "vram = \"auto\"",
+            &format!("vram = {zero}"),
+            "resources.vram",
+            &["more than 0 bytes"],
+        );
     }
     for bad in [
         "\"\"",
@@ -1637,42 +1663,54 @@ fn vram_must_be_a_size_and_not_zero() {
 
 #[test]
 fn gpus_must_be_one() {
-    let text = edit(&base_spec(), "vram = \"auto\"", "vram = \"auto\"\ngpus = 2");
-    assert_rejected(&text, "resources.gpus", &["2 GPUs"]);
-    let text = edit(&base_spec(), "vram = \"auto\"", "vram = \"auto\"\ngpus = 0");
-    assert_rejected(&text, "resources.gpus", &[]);
+    assert_edit_rejected(
+        "vram = \"auto\"",
+        "vram = \"auto\"\ngpus = 2",
+        "resources.gpus",
+        &["2 GPUs"],
+    );
+    assert_edit_rejected(
+        "vram = \"auto\"",
+        "vram = \"auto\"\ngpus = 0",
+        "resources.gpus",
+        &[],
+    );
 }
 
 #[test]
 fn oom_policy_checks() {
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "min_micro_batch = 8",
         "min_micro_batch = 8\nstrategies = [\"accumulate\", \"recompute\", \"accumulate\"]",
+        "oom.strategies[2]",
+        &["accumulate is listed twice"],
     );
-    assert_rejected(&text, "oom.strategies[2]", &["accumulate is listed twice"]);
-    let text = edit(&base_spec(), "min_micro_batch = 8", "min_micro_batch = 65");
-    assert_rejected(
-        &text,
+    assert_edit_rejected(
+        "min_micro_batch = 8",
+        "min_micro_batch = 65",
         "oom.min_micro_batch",
         &["65 is larger than training.batch_size 64"],
     );
     let text = edit(&base_spec(), "min_micro_batch = 8", "min_micro_batch = 64");
     assert_eq!(load(&text).spec.oom.min_micro_batch, 64);
-    let text = edit(&base_spec(), "min_micro_batch = 8", "min_micro_batch = 0");
-    assert_rejected(&text, "oom.min_micro_batch", &["at least 1"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
+        "min_micro_batch = 8",
+        "min_micro_batch = 0",
+        "oom.min_micro_batch",
+        &["at least 1"],
+    );
+    assert_edit_rejected(
         "min_micro_batch = 8",
         "min_micro_batch = 8\nhalf_precision = \"fp32\"",
+        "oom.half_precision",
+        &["fp16 or bf16"],
     );
-    assert_rejected(&text, "oom.half_precision", &["fp16 or bf16"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "min_micro_batch = 8",
         "min_micro_batch = 8\nmax_retries = 101",
+        "oom.max_retries",
+        &["101"],
     );
-    assert_rejected(&text, "oom.max_retries", &["101"]);
     // An empty strategy list is allowed: no shrinking at all.
     let text = edit(
         &base_spec(),
@@ -1700,12 +1738,12 @@ fn data_source_checks() {
     assert_rejected(&idx_test_missing_images, "data.test.images", &["required"]);
     let idx_without_train = with_data(&base_spec(), "format = \"idx\"");
     assert_rejected(&idx_without_train, "data.train", &["required"]);
-    let idx_with_samples = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "format = \"synthetic\"",
         "format = \"idx\"\ntrain = { images = \"i\", labels = \"l\" }",
+        "data.samples",
+        &["not used", "idx"],
     );
-    assert_rejected(&idx_with_samples, "data.samples", &["not used", "idx"]);
     let idx_with_files = with_data(
         &base_spec(),
         "format = \"idx\"\ntrain = { images = \"i\", labels = \"l\", files = [\"f\"] }",
@@ -1764,57 +1802,61 @@ fn data_source_checks() {
         &["required", "npy"],
     );
 
-    let synthetic_without_samples = edit(&base_spec(), "samples = 1024\n", "");
-    assert_rejected(
-        &synthetic_without_samples,
+    assert_edit_rejected(
+        "samples = 1024\n",
+        "",
         "data.samples",
         &["required", "synthetic"],
     );
-    let synthetic_zero_samples = edit(&base_spec(), "samples = 1024", "samples = 0");
-    assert_rejected(&synthetic_zero_samples, "data.samples", &["at least 1"]);
-    let synthetic_with_train = edit(
-        &base_spec(),
+    assert_edit_rejected(
+        "samples = 1024",
+        "samples = 0",
+        "data.samples",
+        &["at least 1"],
+    );
+    assert_edit_rejected(
         "samples = 1024",
         "samples = 1024\ntrain = { images = \"i\" }",
-    );
-    assert_rejected(
-        &synthetic_with_train,
         "data.train",
         &["not used", "synthetic"],
     );
-    let prefetch = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "samples = 1024",
         "samples = 1024\nprefetch_batches = 0",
+        "data.prefetch_batches",
+        &["between 1 and 16"],
     );
-    assert_rejected(&prefetch, "data.prefetch_batches", &["between 1 and 16"]);
-    let prefetch = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "samples = 1024",
         "samples = 1024\nprefetch_batches = 17",
+        "data.prefetch_batches",
+        &["between 1 and 16"],
     );
-    assert_rejected(&prefetch, "data.prefetch_batches", &["between 1 and 16"]);
 }
 
 #[test]
 fn job_name_characters() {
     for bad in ["my job", "job/1", "job!", "naïve", "a\tb"] {
-        let text = edit(
-            &base_spec(),
+        assert_edit_rejected(
             "name = \"test-job\"",
             &format!("name = {bad:?}"),
+            "name",
+            &["is not allowed"],
         );
-        assert_rejected(&text, "name", &["is not allowed"]);
     }
-    let text = edit(&base_spec(), "name = \"test-job\"", "name = \"\"");
-    assert_rejected(&text, "name", &["must not be empty"]);
+    assert_edit_rejected(
+        "name = \"test-job\"",
+        "name = \"\"",
+        "name",
+        &["must not be empty"],
+    );
     let long = "x".repeat(129);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "name = \"test-job\"",
         &format!("name = \"{long}\""),
+        "name",
+        &["129 characters", "128"],
     );
-    assert_rejected(&text, "name", &["129 characters", "128"]);
     for good in ["a", "mnist-cnn_v1.2", "ABC", &"y".repeat(128)] {
         let text = edit(
             &base_spec(),
