@@ -140,9 +140,9 @@ struct PersistentBuffers {
     count: usize,
 }
 
-/// What the forward pass produced, by layer, for backward to read. With recomputation
-/// only the inputs of each segment's first layer (and the last layer's output) outlive
-/// the forward pass.
+/// What a forward pass produced, by layer: what backward reads, and the model's output.
+/// With recomputation only the inputs of each segment's first layer (and the last
+/// layer's output) outlive the forward pass.
 #[derive(Clone)]
 struct ForwardPass {
     inputs: Vec<BufferId>,
