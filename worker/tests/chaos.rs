@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use carve_engine::rng::Rng;
 use carve_proto::v1;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::scheduler::SchedulerSettings;
@@ -92,20 +93,13 @@ fn run_scheduler_process(directory: &Path) {
     });
 }
 
-/// SplitMix64: the test's only randomness, from its seed.
-struct Random(u64);
+/// The test's only randomness, from its seed: SplitMix64 (carve-engine's [`Rng`]) reduced
+/// by plain modulo, so that a seed replays the run it always did.
+struct Random(Rng);
 
 impl Random {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
     fn below(&mut self, bound: u64) -> u64 {
-        self.next() % bound
+        self.0.next_u64() % bound
     }
 }
 
@@ -371,7 +365,7 @@ async fn chaos(seed: u64) {
     let watch = Arc::new(Mutex::new(ProcessWatch::default()));
     let watcher = watch_processes(processes.checkpoints(), stop_watch.clone(), watch.clone());
 
-    let mut random = Random(seed);
+    let mut random = Random(Rng::new(seed));
     let mut acknowledged: Vec<String> = Vec::new();
     let mut submitted = 0u32;
     let mut actions: Vec<String> = Vec::new();
