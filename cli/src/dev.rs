@@ -8,14 +8,14 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use carve_core::validate::parse_job_spec_toml;
-use carve_proto::client::shutdown_signal;
+use carve_proto::client::{AuthenticatedChannel, create_tenant_with_tokens, shutdown_signal};
 use carve_proto::v1;
-use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::SchedulerConfig;
@@ -24,9 +24,8 @@ use carve_worker::nvml::discover_nvml_gpus;
 use carve_worker::{WorkerConfig, run_worker};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tonic::transport::Channel;
 
-use crate::client::connection::{authorized, connect_channel};
+use crate::client::connection::connect_channel;
 use crate::client::output::{
     bytes_text, config_text, is_terminal, job_state_name, outcome_name, precision_name, print_table,
 };
@@ -118,6 +117,23 @@ struct Stoppable {
 }
 
 impl Stoppable {
+    /// Spawns `serve`, given the future that resolves once `stop` is called.
+    fn spawn<Served, Failure>(
+        name: &'static str,
+        serve: impl FnOnce(Pin<Box<dyn Future<Output = ()> + Send>>) -> Served,
+    ) -> Stoppable
+    where
+        Served: Future<Output = Result<(), Failure>> + Send + 'static,
+        Failure: std::error::Error + Send + Sync + 'static,
+    {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let served = serve(Box::pin(async {
+            let _ = stopped.await;
+        }));
+        let task = tokio::spawn(async move { served.await.map_err(anyhow::Error::from) });
+        Stoppable { name, stop, task }
+    }
+
     async fn stop(self) -> Result<()> {
         let _ = self.stop.send(());
         match tokio::time::timeout(STOP_DEADLINE, self.task).await {
@@ -165,8 +181,9 @@ async fn run_cluster(
     let scheduler = start_scheduler(&data_dir, &checkpoints, listener, admin_token.clone());
     let result = async {
         // The listener is bound already, so connecting succeeds at once.
-        let channel = connect_channel(&endpoint, None).await?;
-        let (user_token, worker_token) = create_tenant_and_tokens(&channel, &admin_token).await?;
+        let admin = connect_channel(&endpoint, None, &admin_token).await?;
+        let (user_token, worker_token) = create_tenant_and_tokens(admin).await?;
+        let channel = connect_channel(&endpoint, None, &user_token).await?;
         let real_gpus = arguments.real_gpus;
         let worker = start_worker(
             &endpoint,
@@ -191,7 +208,7 @@ async fn run_cluster(
         println!("  export CARVE_ENDPOINT={endpoint} CARVE_TOKEN={user_token}");
         let code = if arguments.demo {
             tokio::select! {
-                code = run_demo(&channel, &user_token) => code?,
+                code = run_demo(&channel) => code?,
                 () = shutdown_signal() => {
                     println!("interrupted; stopping");
                     ExitCode::from(130)
@@ -233,19 +250,9 @@ fn start_scheduler(
         metrics_address: None,
         tls: None,
     };
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        carve_scheduler::server::run(config, listener, async {
-            let _ = stopped.await;
-        })
-        .await
-        .map_err(anyhow::Error::from)
-    });
-    Stoppable {
-        name: "scheduler",
-        stop,
-        task,
-    }
+    Stoppable::spawn("scheduler", move |stopped| {
+        carve_scheduler::server::run(config, listener, stopped)
+    })
 }
 
 fn start_worker(
@@ -264,71 +271,28 @@ fn start_worker(
     config.checkpoint_directory = checkpoints.to_path_buf();
     config.reconnect_backoff_initial = Duration::from_millis(50);
     config.reconnect_backoff_max = Duration::from_secs(1);
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        run_worker(config, async {
-            let _ = stopped.await;
-        })
-        .await
-        .map_err(anyhow::Error::from)
-    });
-    Stoppable {
-        name: "worker",
-        stop,
-        task,
-    }
+    Stoppable::spawn("worker", move |stopped| run_worker(config, stopped))
 }
 
 /// Creates the `dev` tenant (unless a reused data dir has it) and returns a new user
 /// token and a new worker token for it.
-async fn create_tenant_and_tokens(channel: &Channel, admin: &str) -> Result<(String, String)> {
-    let mut client = AdminServiceClient::new(channel.clone());
-    // The server may still be coming up behind the socket: retry briefly.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let request = authorized(
-            v1::CreateTenantRequest {
-                name: DEV_TENANT.into(),
-                quota: Some(v1::Quota::default()),
-            },
-            admin,
-        )?;
-        match client.create_tenant(request).await {
-            Ok(_) => break,
-            Err(status) if status.code() == tonic::Code::AlreadyExists => break,
-            Err(status)
-                if status.code() == tonic::Code::Unavailable && Instant::now() < deadline =>
-            {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(status) => bail!(
-                "cannot create the tenant `{DEV_TENANT}`: {}",
-                status.message()
-            ),
-        }
-    }
-    let mut secrets = Vec::new();
-    for role in [v1::Role::User, v1::Role::Worker] {
-        let request = authorized(
-            v1::CreateTokenRequest {
-                tenant: DEV_TENANT.into(),
-                role: role as i32,
-                description: "carve dev".into(),
-                time_to_live: None,
-            },
-            admin,
-        )?;
-        let response = client.create_token(request).await.map_err(|status| {
-            anyhow!(
-                "cannot create a {} token: {}",
-                role.as_str_name(),
-                status.message()
-            )
-        })?;
-        secrets.push(response.into_inner().secret);
-    }
-    let worker = secrets.pop().unwrap_or_default();
-    let user = secrets.pop().unwrap_or_default();
+async fn create_tenant_and_tokens(admin: AuthenticatedChannel) -> Result<(String, String)> {
+    let secrets = create_tenant_with_tokens(
+        admin,
+        DEV_TENANT,
+        v1::Quota::default(),
+        &[v1::Role::User, v1::Role::Worker],
+        "carve dev",
+    )
+    .await
+    .map_err(|status| {
+        anyhow!(
+            "cannot create the tenant `{DEV_TENANT}` and its tokens: {}",
+            status.message()
+        )
+    })?;
+    let [user, worker] = <[String; 2]>::try_from(secrets)
+        .map_err(|_| anyhow!("the scheduler did not answer with two tokens"))?;
     Ok((user, worker))
 }
 
@@ -343,19 +307,16 @@ fn demo_spec_json(example: &DemoExample) -> Result<String> {
 }
 
 /// Submits the demo examples, follows them to their end and prints the summary.
-async fn run_demo(channel: &Channel, token: &str) -> Result<ExitCode> {
+async fn run_demo(channel: &AuthenticatedChannel) -> Result<ExitCode> {
     let started = Instant::now();
     let mut client = JobServiceClient::new(channel.clone());
     let mut jobs = Vec::new();
     for example in DEMO_EXAMPLES {
         let spec_json = demo_spec_json(example)?;
-        let request = authorized(
-            v1::SubmitJobRequest {
-                spec_json,
-                idempotency_key: String::new(),
-            },
-            token,
-        )?;
+        let request = v1::SubmitJobRequest {
+            spec_json,
+            idempotency_key: String::new(),
+        };
         let job = client
             .submit_job(request)
             .await
@@ -385,12 +346,9 @@ async fn run_demo(channel: &Channel, token: &str) -> Result<ExitCode> {
             if is_terminal(job) {
                 continue;
             }
-            let request = authorized(
-                v1::GetJobRequest {
-                    job_id: job.id.clone(),
-                },
-                token,
-            )?;
+            let request = v1::GetJobRequest {
+                job_id: job.id.clone(),
+            };
             *job = client
                 .get_job(request)
                 .await

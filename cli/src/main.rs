@@ -46,7 +46,7 @@ enum Command {
     Sim(sim::SimArguments),
     /// Runs one attempt (started by the worker of `carve dev`, not by people).
     #[command(hide = true)]
-    Attempt(attempt::AttemptCommandArguments),
+    Attempt(carve_worker::attempt_child::AttemptArguments),
     #[command(flatten)]
     Client(client::ClientCommand),
 }
@@ -59,7 +59,7 @@ fn main() -> ExitCode {
         Command::Dev(arguments) => dev::run(arguments),
         Command::Sim(arguments) => sim::run(arguments),
         // The attempt process: stdout is its report channel, errors are handled inside.
-        Command::Attempt(arguments) => return attempt::run(arguments),
+        Command::Attempt(arguments) => return attempt::run(&arguments),
         Command::Client(command) => client::run(command, Cli::command),
     };
     match result {

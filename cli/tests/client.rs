@@ -170,6 +170,16 @@ impl Outcome {
         )
     }
 
+    /// Asserts that stdout holds `text`, showing the whole outcome where it does not.
+    fn assert_stdout_contains(&self, text: &str) {
+        assert!(self.stdout.contains(text), "{}", self.context());
+    }
+
+    /// Asserts that stderr holds `text`, showing the whole outcome where it does not.
+    fn assert_stderr_contains(&self, text: &str) {
+        assert!(self.stderr.contains(text), "{}", self.context());
+    }
+
     /// Asserts the exit code and returns the outcome for further checks.
     fn expect_code(self, code: i32) -> Outcome {
         assert_eq!(self.code, Some(code), "{}", self.context());
@@ -281,18 +291,8 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
     // Submit: the id, state, estimate and config are printed.
     let submitted = cluster.carve(SMALL_JOB).expect_code(0);
     let job = submitted_job_id(&submitted);
-    assert!(
-        submitted.stdout.contains("estimate:"),
-        "{}",
-        submitted.context()
-    );
-    assert!(
-        submitted
-            .stdout
-            .contains("config:    batch 8, micro 8, fp32"),
-        "{}",
-        submitted.context()
-    );
+    submitted.assert_stdout_contains("estimate:");
+    submitted.assert_stdout_contains("config:    batch 8, micro 8, fp32");
 
     // It is listed, as JSON and as YAML, with proto field names.
     let list = cluster.carve(&["jobs", "-o", "json"]).expect_code(0).json();
@@ -303,7 +303,7 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
     assert!(listed_ids(&from_yaml).contains(&job), "{from_yaml}");
     let table = cluster.carve(&["jobs"]).expect_code(0);
     assert!(table.stdout.starts_with("ID "), "{}", table.context());
-    assert!(table.stdout.contains(&job), "{}", table.context());
+    table.assert_stdout_contains(&job);
     let filtered = cluster
         .carve(&["jobs", "--state", "cancelled", "-o", "json"])
         .expect_code(0)
@@ -312,20 +312,12 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
 
     // Watched to the end: exit 0.
     let watched = cluster.carve(&["watch", &job]).expect_code(0);
-    assert!(
-        watched.stdout.contains("succeeded"),
-        "{}",
-        watched.context()
-    );
+    watched.assert_stdout_contains("succeeded");
 
     // Its details, for people and for scripts.
     let details = cluster.carve(&["get", &job]).expect_code(0);
-    assert!(
-        details.stdout.contains("state:      succeeded"),
-        "{}",
-        details.context()
-    );
-    assert!(details.stdout.contains("ATTEMPT"), "{}", details.context());
+    details.assert_stdout_contains("state:      succeeded");
+    details.assert_stdout_contains("ATTEMPT");
     let details = cluster
         .carve(&["get", &job, "-o", "json"])
         .expect_code(0)
@@ -353,16 +345,12 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
     let ended = watched_json.json();
     assert_eq!(ended["state"], "JOB_STATE_SUCCEEDED", "{ended}");
     assert_ne!(ended["id"], job.as_str(), "{ended}");
-    assert!(
-        watched_json.stderr.contains("-> succeeded"),
-        "{}",
-        watched_json.context()
-    );
+    watched_json.assert_stderr_contains("-> succeeded");
 
     // Its log: the scheduler's notes of what happened.
     let logs = cluster.carve(&["logs", &job]).expect_code(0);
-    assert!(logs.stdout.contains("scheduler"), "{}", logs.context());
-    assert!(logs.stdout.contains("succeeded"), "{}", logs.context());
+    logs.assert_stdout_contains("scheduler");
+    logs.assert_stdout_contains("succeeded");
     let tail = cluster.carve(&["logs", &job, "--tail", "1"]).expect_code(0);
     assert_eq!(tail.stdout.lines().count(), 1, "{}", tail.context());
 
@@ -390,17 +378,9 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
         .carve(&["cancel", &long_job, "--reason", "not needed"])
         .expect_code(0);
     let followed = wait_for(&mut follow, "carve logs --follow").expect_code(0);
-    assert!(
-        followed.stdout.contains("cancelled: not needed"),
-        "{}",
-        followed.context()
-    );
+    followed.assert_stdout_contains("cancelled: not needed");
     let watched = cluster.carve(&["watch", &long_job]).expect_code(11);
-    assert!(
-        watched.stderr.contains("cancelled"),
-        "{}",
-        watched.context()
-    );
+    watched.assert_stderr_contains("cancelled");
     let cancelled = cluster
         .carve(&["get", &long_job, "-o", "json"])
         .expect_code(0)
@@ -416,11 +396,7 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
             "training.batch_size=0",
         ])
         .expect_code(7);
-    assert!(
-        rejected.stderr.contains("training.batch_size"),
-        "{}",
-        rejected.context()
-    );
+    rejected.assert_stderr_contains("training.batch_size");
     // An override that cannot apply names its key: exit 7 too, nothing sent.
     let rejected = cluster
         .carve(&[
@@ -430,32 +406,20 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
             "model.layers[99].relu={}",
         ])
         .expect_code(7);
-    assert!(
-        rejected.stderr.contains("model.layers[99]"),
-        "{}",
-        rejected.context()
-    );
+    rejected.assert_stderr_contains("model.layers[99]");
 
     // A missing job: exit 6. A wrong token: exit 5, saying which setting to change.
     let missing = cluster.carve(&["get", "job-does-not-exist"]).expect_code(6);
-    assert!(
-        missing.stderr.contains("not found"),
-        "{}",
-        missing.context()
-    );
+    missing.assert_stderr_contains("not found");
     let wrong = cluster
         .carve_with_token("carve_not_a_real_token", &["jobs"])
         .expect_code(5);
-    assert!(
-        wrong.stderr.contains("token rejected by"),
-        "{}",
-        wrong.context()
-    );
-    assert!(wrong.stderr.contains("CARVE_TOKEN"), "{}", wrong.context());
+    wrong.assert_stderr_contains("token rejected by");
+    wrong.assert_stderr_contains("CARVE_TOKEN");
 
     // The cluster: the simulated GPUs, with the memory bars.
     let view = cluster.carve(&["cluster"]).expect_code(0);
-    assert!(view.stdout.contains("dev-node"), "{}", view.context());
+    view.assert_stdout_contains("dev-node");
     assert_eq!(
         view.stdout.matches("    [").count(),
         2,
@@ -537,7 +501,7 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
     let hidden = cluster
         .carve_with_token(&token_b, &["get", &job])
         .expect_code(6);
-    assert!(hidden.stderr.contains(&job), "{}", hidden.context());
+    hidden.assert_stderr_contains(&job);
     let list_b = cluster
         .carve_with_token(&token_b, &["jobs", "-o", "json"])
         .expect_code(0)
@@ -545,11 +509,7 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
     assert!(listed_ids(&list_b).is_empty(), "{list_b}");
     // B's 1 MiB quota can never hold the small job: exit 8, saying why.
     let exhausted = cluster.carve_with_token(&token_b, SMALL_JOB).expect_code(8);
-    assert!(
-        exhausted.stderr.contains("quota"),
-        "{}",
-        exhausted.context()
-    );
+    exhausted.assert_stderr_contains("quota");
     cluster
         .carve_with_token(&token_b, &["logs", &job])
         .expect_code(6);
@@ -602,18 +562,10 @@ fn commands_without_a_scheduler_fail_with_the_codes_scripts_expect() {
         ],
     )
     .expect_code(4);
-    assert!(
-        unreachable.stderr.contains(&format!(
-            "cannot reach the scheduler at {endpoint}: connection refused"
-        )),
-        "{}",
-        unreachable.context()
-    );
-    assert!(
-        unreachable.stderr.contains("CARVE_ENDPOINT"),
-        "{}",
-        unreachable.context()
-    );
+    unreachable.assert_stderr_contains(&format!(
+        "cannot reach the scheduler at {endpoint}: connection refused"
+    ));
+    unreachable.assert_stderr_contains("CARVE_ENDPOINT");
 
     // No token anywhere: exit 5 before anything is sent.
     let no_token = run_carve(
@@ -621,11 +573,7 @@ fn commands_without_a_scheduler_fail_with_the_codes_scripts_expect() {
         &[("XDG_CONFIG_HOME", &config_home)],
     )
     .expect_code(5);
-    assert!(
-        no_token.stderr.contains("no token"),
-        "{}",
-        no_token.context()
-    );
+    no_token.assert_stderr_contains("no token");
 
     // A config file is read when no flag or variable says otherwise.
     let config = tempfile::tempdir().unwrap();
@@ -640,31 +588,19 @@ fn commands_without_a_scheduler_fail_with_the_codes_scripts_expect() {
         &[("XDG_CONFIG_HOME", &config.path().display().to_string())],
     )
     .expect_code(4);
-    assert!(
-        from_file.stderr.contains(&endpoint),
-        "{}",
-        from_file.context()
-    );
+    from_file.assert_stderr_contains(&endpoint);
 
     // Usage errors are clap's: exit 2.
     run_carve(&["jobs", "--state", "sleeping"], &[]).expect_code(2);
 
     // The exit codes are documented in the long help.
     let help = run_carve(&["--help"], &[]).expect_code(0);
-    assert!(help.stdout.contains("Exit codes:"), "{}", help.context());
-    assert!(
-        help.stdout.contains("11  the watched job was cancelled"),
-        "{}",
-        help.context()
-    );
+    help.assert_stdout_contains("Exit codes:");
+    help.assert_stdout_contains("11  the watched job was cancelled");
 
     for shell in ["bash", "zsh", "fish", "powershell", "elvish"] {
         let completions = run_carve(&["completions", shell], &[]).expect_code(0);
-        assert!(
-            completions.stdout.contains("submit"),
-            "{}",
-            completions.context()
-        );
+        completions.assert_stdout_contains("submit");
     }
 }
 
@@ -737,7 +673,7 @@ fn https_endpoints_are_verified_against_the_given_certificate_authority() {
         &environment,
     )
     .expect_code(7);
-    assert!(mixed.stderr.contains("ca_cert"), "{}", mixed.context());
+    mixed.assert_stderr_contains("ca_cert");
 
     let _ = stop.send(());
     runtime.block_on(server).unwrap().unwrap();

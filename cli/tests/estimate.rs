@@ -1,45 +1,22 @@
 //! Runs the real `carve` binary: `carve estimate` on every example, JSON that parses and
 //! adds up, the shrink plan for a slice, and errors a person can act on.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::Output;
 
+use carve_testing::examples::example_spec_files;
 use serde_json::Value;
 
-fn carve(arguments: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_carve"))
-        .args(arguments)
-        .output()
-        .expect("the carve binary runs")
-}
-
-fn examples() -> Vec<PathBuf> {
-    let directory = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&directory)
-        .unwrap()
-        .map(|entry| entry.unwrap().path())
-        .filter(|path| {
-            path.extension()
-                .is_some_and(|extension| extension == "toml")
-        })
-        .collect();
-    files.sort();
-    files
-}
+mod support;
+use support::{carve, succeeded, write_file};
 
 fn json_of(output: &Output) -> Value {
-    assert!(
-        output.status.success(),
-        "exit {:?}: {}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).expect("stdout is JSON")
+    serde_json::from_slice(succeeded(output)).expect("stdout is JSON")
 }
 
 #[test]
 fn every_example_estimates_as_json_with_consistent_breakdowns() {
-    let examples = examples();
+    let examples = example_spec_files();
     assert!(examples.len() >= 6, "examples: {examples:?}");
     for example in examples {
         let report = json_of(&carve(&[
@@ -130,16 +107,14 @@ fn a_slice_nothing_fits_exits_three_with_the_numbers() {
     assert!(stdout.contains("does not fit in a 1 MiB slice"), "{stdout}");
 }
 
+/// A spec whose 5x5 convolution does not fit its 4x4 input.
+const KERNEL_LARGER_THAN_ITS_INPUT: &str = "name = \"bad\"\n[model]\ninput_shape = [4, 4, 1]\nloss = \"mse\"\nlayers = [{ conv2d = { filters = 2, kernel = 5 } }]\n[training]\nbatch_size = 2\nsteps = 1\noptimizer = { sgd = { learning_rate = 0.1 } }\n[data]\nformat = \"synthetic\"\nsamples = 8\n";
+
 #[test]
 fn a_bad_spec_names_the_file_and_the_field() {
     let directory = tempfile::tempdir().unwrap();
-    let path = directory.path().join("bad.toml");
-    std::fs::write(
-        &path,
-        "name = \"bad\"\n[model]\ninput_shape = [4, 4, 1]\nloss = \"mse\"\nlayers = [{ conv2d = { filters = 2, kernel = 5 } }]\n[training]\nbatch_size = 2\nsteps = 1\noptimizer = { sgd = { learning_rate = 0.1 } }\n[data]\nformat = \"synthetic\"\nsamples = 8\n",
-    )
-    .unwrap();
-    let output = carve(&["estimate", path.to_str().unwrap()]);
+    let path = write_file(directory.path(), "bad.toml", KERNEL_LARGER_THAN_ITS_INPUT);
+    let output = carve(&["estimate", &path]);
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("bad.toml"), "{stderr}");
@@ -152,7 +127,7 @@ fn a_bad_spec_names_the_file_and_the_field() {
     assert_eq!(missing.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("cannot read /nonexistent/job.toml"));
 
-    let bad_slice = carve(&["estimate", path.to_str().unwrap(), "--slice", "lots"]);
+    let bad_slice = carve(&["estimate", &path, "--slice", "lots"]);
     assert_eq!(
         bad_slice.status.code(),
         Some(2),

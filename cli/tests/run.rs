@@ -3,43 +3,17 @@
 //! planner's next config, which then runs in the same slice from the checkpoint.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use serde_json::Value;
 
-fn carve(arguments: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_carve"))
-        .args(arguments)
-        .output()
-        .expect("the carve binary runs")
-}
+mod support;
+use support::{carve, succeeded, write_file};
 
-const JOB: &str = r#"
-name = "cli-run"
-[model]
-input_shape = [6, 6, 1]
-loss = "softmax_cross_entropy"
-layers = [
-  { conv2d = { filters = 4, kernel = 3, padding = "same" } },
-  { relu = {} },
-  { flatten = {} },
-  { dense = { units = 3 } },
-]
-[training]
-batch_size = 32
-steps = 30
-optimizer = { adam = { learning_rate = 0.01 } }
-checkpoint_every_steps = 10
-[data]
-format = "synthetic"
-samples = 256
-test_samples = 96
-"#;
+const JOB: &str = include_str!("specs/cli-run.toml");
 
 fn write_job(directory: &Path) -> String {
-    let path = directory.join("job.toml");
-    std::fs::write(&path, JOB).unwrap();
-    path.to_str().unwrap().to_string()
+    write_file(directory, "job.toml", JOB)
 }
 
 fn json_of(output: &Output) -> Value {
@@ -65,11 +39,7 @@ fn a_job_trains_and_reports_its_metrics_as_json() {
         "-o",
         "json",
     ]);
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    succeeded(&output);
     let report = json_of(&output);
     assert_eq!(report["steps"], 30);
     assert!(report["final_loss"].as_f64().unwrap().is_finite());
@@ -116,11 +86,7 @@ fn out_of_memory_exits_three_and_the_next_config_then_fits() {
     first_half.extend(["--stop-after-steps".to_string(), "15".to_string()]);
     let arguments_ref: Vec<&str> = first_half.iter().map(String::as_str).collect();
     let stopped = carve(&arguments_ref);
-    assert!(
-        stopped.status.success(),
-        "{}",
-        String::from_utf8_lossy(&stopped.stderr)
-    );
+    succeeded(&stopped);
     assert_eq!(json_of(&stopped)["steps"], 15);
 
     // The shrunk attempt resumes from the checkpoint the first half wrote, to the end.
@@ -128,11 +94,7 @@ fn out_of_memory_exits_three_and_the_next_config_then_fits() {
     arguments.push(checkpoint.to_str().unwrap().to_string());
     let arguments_ref: Vec<&str> = arguments.iter().map(String::as_str).collect();
     let resumed = carve(&arguments_ref);
-    assert!(
-        resumed.status.success(),
-        "{}",
-        String::from_utf8_lossy(&resumed.stderr)
-    );
+    succeeded(&resumed);
     assert_eq!(json_of(&resumed)["steps"], 30);
 }
 
@@ -150,11 +112,7 @@ fn the_cuda_backend_trains_or_is_refused_with_the_reason() {
             assert!(stderr.contains(&reason), "{stderr}");
         }
         Ok(()) => {
-            assert!(
-                output.status.success(),
-                "{}",
-                String::from_utf8_lossy(&output.stderr)
-            );
+            succeeded(&output);
             assert_eq!(json_of(&output)["backend"], "cuda:0");
         }
     }

@@ -2,32 +2,15 @@
 //! replays under every policy, as JSON that parses and as an SVG chart; a trace with a
 //! bad row is refused with the row and column named.
 
-use std::process::{Command, Output};
-
 use serde_json::Value;
 
-fn carve(arguments: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_carve"))
-        .args(arguments)
-        .output()
-        .expect("the carve binary runs")
-}
-
-fn succeeded(output: &Output) -> &[u8] {
-    assert!(
-        output.status.success(),
-        "exit {:?}: {}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    &output.stdout
-}
+mod support;
+use support::{carve, succeeded, write_file};
 
 #[test]
 fn a_generated_trace_simulates_to_json_and_an_svg_chart() {
     let directory = tempfile::tempdir().unwrap();
-    let trace_path = directory.path().join("trace.csv");
-    let generated = carve(&[
+    let generate = [
         "sim",
         "generate",
         "--jobs",
@@ -36,25 +19,17 @@ fn a_generated_trace_simulates_to_json_and_an_svg_chart() {
         "3",
         "--tenants",
         "3",
-    ]);
-    std::fs::write(&trace_path, succeeded(&generated)).unwrap();
-    let again = carve(&[
-        "sim",
-        "generate",
-        "--jobs",
-        "80",
-        "--seed",
-        "3",
-        "--tenants",
-        "3",
-    ]);
+    ];
+    let generated = carve(&generate);
+    let trace = write_file(directory.path(), "trace.csv", succeeded(&generated));
+    let again = carve(&generate);
     assert_eq!(generated.stdout, again.stdout, "a seed gives one trace");
 
     let plot_path = directory.path().join("utilisation.svg");
     let output = carve(&[
         "sim",
         "--trace",
-        trace_path.to_str().unwrap(),
+        &trace,
         "--cluster",
         "2x4x80GiB",
         "--json",
@@ -103,13 +78,7 @@ fn a_generated_trace_simulates_to_json_and_an_svg_chart() {
     );
     assert!(svg.contains("carve used") && svg.contains("whole-gpu allocated"));
 
-    let table = carve(&[
-        "sim",
-        "--trace",
-        trace_path.to_str().unwrap(),
-        "--policy",
-        "carve",
-    ]);
+    let table = carve(&["sim", "--trace", &trace, "--policy", "carve"]);
     let table = String::from_utf8(succeeded(&table).to_vec()).unwrap();
     assert!(
         table.contains("JCT p50/p95/p99") && table.contains("carve"),
@@ -118,16 +87,15 @@ fn a_generated_trace_simulates_to_json_and_an_svg_chart() {
     assert!(!table.contains("whole-gpu"), "{table}");
 }
 
+/// A trace whose one job asks for 4 GPUs, which `carve sim` refuses.
+const TRACE_WITH_A_FOUR_GPU_JOB: &str =
+    "submit_time_s,duration_s,tenant,gpus,requested_bytes,spec\n0,60,alice,4,8GiB,job.toml\n";
+
 #[test]
 fn bad_rows_and_flags_are_refused_with_what_to_fix() {
     let directory = tempfile::tempdir().unwrap();
-    let trace_path = directory.path().join("bad.csv");
-    std::fs::write(
-        &trace_path,
-        "submit_time_s,duration_s,tenant,gpus,requested_bytes,spec\n0,60,alice,4,8GiB,job.toml\n",
-    )
-    .unwrap();
-    let output = carve(&["sim", "--trace", trace_path.to_str().unwrap()]);
+    let trace = write_file(directory.path(), "bad.csv", TRACE_WITH_A_FOUR_GPU_JOB);
+    let output = carve(&["sim", "--trace", &trace]);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
@@ -135,25 +103,19 @@ fn bad_rows_and_flags_are_refused_with_what_to_fix() {
         "{stderr}"
     );
 
-    std::fs::write(
-        &trace_path,
+    write_file(
+        directory.path(),
+        "bad.csv",
         "submit_time_s,duration_s,tenant,gpus,requested_bytes,spec\n0,60,alice,1,8GiB,missing.toml\n",
-    )
-    .unwrap();
-    let output = carve(&["sim", "--trace", trace_path.to_str().unwrap()]);
+    );
+    let output = carve(&["sim", "--trace", &trace]);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         stderr.contains("row 2 column spec: cannot read"),
         "{stderr}"
     );
 
-    let output = carve(&[
-        "sim",
-        "--trace",
-        trace_path.to_str().unwrap(),
-        "--cluster",
-        "8GiB",
-    ]);
+    let output = carve(&["sim", "--trace", &trace, "--cluster", "8GiB"]);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("--cluster: `8GiB` is not"), "{stderr}");
     let output = carve(&["sim", "generate", "--jobs", "0"]);
@@ -164,7 +126,7 @@ fn bad_rows_and_flags_are_refused_with_what_to_fix() {
     let example =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mnist-cnn.toml");
     std::fs::copy(example, directory.path().join("missing.toml")).unwrap();
-    let output = carve(&["sim", "--trace", trace_path.to_str().unwrap(), "--json"]);
+    let output = carve(&["sim", "--trace", &trace, "--json"]);
     let report: Value = serde_json::from_slice(succeeded(&output)).unwrap();
     assert_eq!(report["policies"][2]["succeeded_jobs"], 1);
 }

@@ -63,6 +63,18 @@ pub struct WindowGeometry {
     pub padding_right: u64,
 }
 
+impl WindowGeometry {
+    /// A 1x1, stride-1, unpadded window: a convolution with it multiplies the NHWC input
+    /// directly, which is already the im2col matrix, so it needs no workspace.
+    pub fn is_pointwise(&self) -> bool {
+        self.kernel_height == 1
+            && self.kernel_width == 1
+            && self.stride_height == 1
+            && self.stride_width == 1
+            && self.padding_top + self.padding_bottom + self.padding_left + self.padding_right == 0
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ActivationKind {
     Relu,
@@ -179,16 +191,7 @@ impl LayerNode {
                 FeatureShape::Image { channels, .. },
                 FeatureShape::Image { height, width, .. },
             ) => {
-                let pointwise = window.kernel_height == 1
-                    && window.kernel_width == 1
-                    && window.stride_height == 1
-                    && window.stride_width == 1
-                    && window.padding_top
-                        + window.padding_bottom
-                        + window.padding_left
-                        + window.padding_right
-                        == 0;
-                if pointwise {
+                if window.is_pointwise() {
                     0
                 } else {
                     // Bounded by validation: kernel <= padded input, so this is at most the

@@ -32,6 +32,7 @@ use crate::model::ModelGraph;
 use crate::spec::{JobSpec, Precision};
 
 mod compile;
+mod liveness;
 
 pub use compile::{compile_step_plan, workspace_samples};
 

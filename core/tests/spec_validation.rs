@@ -102,6 +102,12 @@ fn edit(text: &str, from: &str, to: &str) -> String {
     text.replacen(from, to, 1)
 }
 
+/// `text` with its synthetic data section replaced by `data`: a `format = ...` line and
+/// what that format needs.
+fn with_data(text: &str, data: &str) -> String {
+    edit(text, "format = \"synthetic\"\nsamples = 1024", data)
+}
+
 fn load(text: &str) -> ValidatedJob {
     match load_job_spec_toml(text) {
         Ok(job) => job,
@@ -139,6 +145,17 @@ fn assert_rejected(text: &str, field: &str, reason_fragments: &[&str]) -> FieldE
     error
 }
 
+/// Asserts the base spec with one edit is rejected, as [`assert_rejected`] does.
+#[track_caller]
+fn assert_edit_rejected(
+    from: &str,
+    to: &str,
+    field: &str,
+    reason_fragments: &[&str],
+) -> FieldError {
+    assert_rejected(&edit(&base_spec(), from, to), field, reason_fragments)
+}
+
 fn image(height: u64, width: u64, channels: u64) -> FeatureShape {
     FeatureShape::Image {
         height,
@@ -158,6 +175,16 @@ fn window_of(node: &LayerNode) -> WindowGeometry {
         | LayerOp::AvgPool { window } => window,
         other => panic!("layer {} has no window: {other:?}", node.label()),
     }
+}
+
+/// A window's padding as (top, bottom, left, right).
+fn padding_of(window: &WindowGeometry) -> (u64, u64, u64, u64) {
+    (
+        window.padding_top,
+        window.padding_bottom,
+        window.padding_left,
+        window.padding_right,
+    )
 }
 
 /// (name, shape, elements, trainable) of every parameter tensor of a layer.
@@ -350,15 +377,7 @@ fn full_example_spec_infers_shapes_and_parameters() {
     assert_eq!(graph.target_bytes_per_sample(), 4);
 
     let window = window_of(&graph.layers[0]);
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (1, 1, 1, 1)
-    );
+    assert_eq!(padding_of(&window), (1, 1, 1, 1));
     let pool = window_of(&graph.layers[2]);
     assert_eq!(
         (pool.kernel_height, pool.stride_height, pool.stride_width),
@@ -395,29 +414,13 @@ fn convolution_output_sizes_follow_padding_and_stride() {
     assert_eq!(node.output_shape, image(26, 26, 8));
     let window = window_of(&node);
     assert_eq!((window.stride_height, window.stride_width), (1, 1));
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (0, 0, 0, 0)
-    );
+    assert_eq!(padding_of(&window), (0, 0, 0, 0));
     // Explicit pixels pad every side.
     let window = window_of(&first_layer(
         "{ conv2d = { filters = 8, kernel = 5, padding = 2 } }",
         "[28, 28, 3]",
     ));
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (2, 2, 2, 2)
-    );
+    assert_eq!(padding_of(&window), (2, 2, 2, 2));
 }
 
 #[test]
@@ -645,15 +648,7 @@ fn rectangular_kernel_and_stride() {
     let window = window_of(&node);
     assert_eq!((window.stride_height, window.stride_width), (1, 2));
     // Height: total (28-1)*1+3-28 = 2 -> 1/1; width: (14-1)*2+5-28 = 3 -> 1/2.
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (1, 1, 1, 2)
-    );
+    assert_eq!(padding_of(&window), (1, 1, 1, 2));
 
     let node = first_layer(
         "{ conv2d = { filters = 1, kernel = 3, stride = [2, 3] } }",
@@ -671,57 +666,25 @@ fn even_kernel_same_padding_puts_the_extra_pixel_bottom_right() {
     );
     assert_eq!(node.output_shape, image(28, 28, 2));
     let window = window_of(&node);
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (1, 2, 1, 2)
-    );
+    assert_eq!(padding_of(&window), (1, 2, 1, 2));
     // kernel [2, 4]: height total 1 -> 0/1, width total 3 -> 1/2.
     let window = window_of(&first_layer(
         "{ conv2d = { filters = 2, kernel = [2, 4], padding = \"same\" } }",
         "[10, 10, 1]",
     ));
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (0, 1, 1, 2)
-    );
+    assert_eq!(padding_of(&window), (0, 1, 1, 2));
     // kernel 3, stride 2 on 28: output 14, total (14-1)*2+3-28 = 1 -> 0/1.
     let window = window_of(&first_layer(
         "{ conv2d = { filters = 2, kernel = 3, stride = 2, padding = \"same\" } }",
         "[28, 28, 1]",
     ));
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (0, 1, 0, 1)
-    );
+    assert_eq!(padding_of(&window), (0, 1, 0, 1));
     // Pooling follows the same rule: size 2 stride 2 on 7 -> 4, total 1 -> 0/1.
     let window = window_of(&first_layer(
         "{ max_pool = { size = 2, padding = \"same\" } }",
         "[7, 7, 1]",
     ));
-    assert_eq!(
-        (
-            window.padding_top,
-            window.padding_bottom,
-            window.padding_left,
-            window.padding_right
-        ),
-        (0, 1, 0, 1)
-    );
+    assert_eq!(padding_of(&window), (0, 1, 0, 1));
 }
 
 #[test]
@@ -780,9 +743,8 @@ fn flat_input_models_and_other_settings_validate() {
 
 #[test]
 fn real_data_formats_validate() {
-    let idx = edit(
+    let idx = with_data(
         &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"idx\"\ntrain = { images = \"train-images.idx3-ubyte\", labels = \"train-labels.idx1-ubyte\" }\ntest = { images = \"t10k-images.idx3-ubyte\", labels = \"t10k-labels.idx1-ubyte\" }",
     );
     let job = load(&idx);
@@ -792,7 +754,7 @@ fn real_data_formats_validate() {
     assert_eq!(train.labels.as_deref(), Some("train-labels.idx1-ubyte"));
     assert!(job.spec.data.test.is_some());
 
-    let cifar = edit(
+    let cifar = with_data(
         &spec_with(
             "[32, 32, 3]",
             "softmax_cross_entropy",
@@ -802,7 +764,6 @@ fn real_data_formats_validate() {
                 "{ dense = { units = 10 } }",
             ],
         ),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"cifar10\"\ntrain = { files = [\"data_batch_1.bin\", \"data_batch_2.bin\"] }",
     );
     let job = load(&cifar);
@@ -811,9 +772,8 @@ fn real_data_formats_validate() {
         Some(2)
     );
 
-    let npy = edit(
+    let npy = with_data(
         &spec_with("[20]", "mse", &["{ dense = { units = 3 } }"]),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"npy\"\ntrain = { inputs = \"x.npy\", targets = \"y.npy\" }",
     );
     assert_eq!(load(&npy).spec.data.format, DataFormat::Npy);
@@ -919,9 +879,8 @@ half_precision = "bf16"
         assert_round_trips(&load(&text).spec);
     }
     // Real data formats.
-    let npy = edit(
+    let npy = with_data(
         &spec_with("[20]", "mse", &["{ dense = { units = 3 } }"]),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"npy\"\ntrain = { inputs = \"x.npy\", targets = \"y.npy\" }\ntest = { inputs = \"tx.npy\", targets = \"ty.npy\" }",
     );
     assert_round_trips(&load(&npy).spec);
@@ -1029,12 +988,12 @@ fn unknown_top_level_field_is_named() {
     let text = format!("colour = \"blue\"\n{}", base_spec());
     let error = assert_rejected(&text, "colour", &["unknown field `colour`"]);
     assert!(error.reason.contains("line 1"), "{error:?}");
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "samples = 1024",
         "samples = 1024\nsample_count = 5",
+        "data.sample_count",
+        &["unknown field"],
     );
-    assert_rejected(&text, "data.sample_count", &["unknown field"]);
 }
 
 #[test]
@@ -1058,13 +1017,9 @@ fn unknown_field_inside_a_layer_names_its_path() {
 
     let text = classifier_with(&["{ relu = { alpha = 1 } }"]);
     assert_rejected(&text, "model.layers[0].relu.alpha", &["unknown field"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "optimizer = { adam = { learning_rate = 0.001 } }",
         "optimizer = { adam = { learning_rate = 0.001, momentum = 0.9 } }",
-    );
-    assert_rejected(
-        &text,
         "training.optimizer.adam.momentum",
         &["unknown field"],
     );
@@ -1125,30 +1080,30 @@ fn malformed_values_name_their_field() {
         assert_eq!(error.field, field, "{layer}: {error:?}");
         assert!(!error.reason.is_empty());
     }
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "loss = \"softmax_cross_entropy\"",
         "loss = \"hinge\"",
+        "model.loss",
+        &["unknown variant `hinge`"],
     );
-    assert_rejected(&text, "model.loss", &["unknown variant `hinge`"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "batch_size = 64",
         "batch_size = 64\nprecision = \"fp8\"",
+        "training.precision",
+        &["fp8"],
     );
-    assert_rejected(&text, "training.precision", &["fp8"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "format = \"synthetic\"",
         "format = \"parquet\"",
+        "data.format",
+        &["parquet"],
     );
-    assert_rejected(&text, "data.format", &["parquet"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "min_micro_batch = 8",
         "min_micro_batch = 8\nstrategies = [\"mixed_precision\", \"pray\"]",
+        "oom.strategies[1]",
+        &["pray"],
     );
-    assert_rejected(&text, "oom.strategies[1]", &["pray"]);
 }
 
 #[test]
@@ -1539,14 +1494,25 @@ fn a_model_at_the_layer_limit_is_accepted_and_one_more_layer_is_refused() {
 
 #[test]
 fn steps_and_epochs_exactly_one() {
-    let both = edit(&base_spec(), "steps = 200", "steps = 200\nepochs = 3");
-    assert_rejected(&both, "training.epochs", &["not both"]);
-    let neither = edit(&base_spec(), "steps = 200\n", "");
-    assert_rejected(&neither, "training.steps", &["steps or epochs"]);
-    let zero_steps = edit(&base_spec(), "steps = 200", "steps = 0");
-    assert_rejected(&zero_steps, "training.steps", &["at least 1"]);
-    let zero_epochs = edit(&base_spec(), "steps = 200", "epochs = 0");
-    assert_rejected(&zero_epochs, "training.epochs", &["at least 1"]);
+    assert_edit_rejected(
+        "steps = 200",
+        "steps = 200\nepochs = 3",
+        "training.epochs",
+        &["not both"],
+    );
+    assert_edit_rejected("steps = 200\n", "", "training.steps", &["steps or epochs"]);
+    assert_edit_rejected(
+        "steps = 200",
+        "steps = 0",
+        "training.steps",
+        &["at least 1"],
+    );
+    assert_edit_rejected(
+        "steps = 200",
+        "epochs = 0",
+        "training.epochs",
+        &["at least 1"],
+    );
     let epochs = edit(&base_spec(), "steps = 200", "epochs = 2");
     assert_eq!(load(&epochs).spec.training.epochs, Some(2));
 }
@@ -1556,24 +1522,24 @@ fn batch_size_and_accumulation() {
     let text = edit(&base_spec(), "batch_size = 64", "batch_size = 0");
     // min_micro_batch 8 would also be wrong, but batch_size is checked first.
     assert_rejected(&text, "training.batch_size", &["at least 1"]);
-    let text = edit(&base_spec(), "batch_size = 64", "batch_size = 100000000");
-    assert_rejected(&text, "training.batch_size", &["limit"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
+        "batch_size = 64",
+        "batch_size = 100000000",
+        "training.batch_size",
+        &["limit"],
+    );
+    assert_edit_rejected(
         "batch_size = 64",
         "batch_size = 64\naccumulation_steps = 3",
-    );
-    assert_rejected(
-        &text,
         "training.accumulation_steps",
         &["3 does not divide batch_size 64"],
     );
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "batch_size = 64",
         "batch_size = 64\naccumulation_steps = 0",
+        "training.accumulation_steps",
+        &["at least 1"],
     );
-    assert_rejected(&text, "training.accumulation_steps", &["at least 1"]);
     let text = edit(
         &base_spec(),
         "batch_size = 64",
@@ -1590,12 +1556,12 @@ fn learning_rate_must_be_positive_and_finite() {
         ("sgd", "training.optimizer.sgd.learning_rate"),
     ] {
         for value in ["0.0", "-0.001", "nan", "inf", "-inf"] {
-            let text = edit(
-                &base_spec(),
+            assert_edit_rejected(
                 "optimizer = { adam = { learning_rate = 0.001 } }",
                 &format!("optimizer = {{ {optimizer} = {{ learning_rate = {value} }} }}"),
+                field,
+                &["must be a finite number > 0"],
             );
-            assert_rejected(&text, field, &["must be a finite number > 0"]);
         }
     }
     let cases = [
@@ -1665,12 +1631,20 @@ fn recompute_segment_layers_within_the_model() {
 
 #[test]
 fn vram_must_be_a_size_and_not_zero() {
-    let text = edit(&base_spec(), "vram = \"auto\"", "vram = \"6 parsecs\"");
-    let error = assert_rejected(&text, "resources.vram", &["unknown unit `parsecs`"]);
+    let error = assert_edit_rejected(
+        "vram = \"auto\"",
+        "vram = \"6 parsecs\"",
+        "resources.vram",
+        &["unknown unit `parsecs`"],
+    );
     assert!(error.to_string().starts_with("resources.vram: "));
     for zero in ["\"0\"", "0", "\"0GiB\""] {
-        let text = edit(&base_spec(), "vram = \"auto\"", &format!("vram = {zero}"));
-        assert_rejected(&text, "resources.vram", &["more than 0 bytes"]);
+        assert_edit_rejected(
+            "vram = \"auto\"",
+            &format!("vram = {zero}"),
+            "resources.vram",
+            &["more than 0 bytes"],
+        );
     }
     for bad in [
         "\"\"",
@@ -1689,42 +1663,54 @@ fn vram_must_be_a_size_and_not_zero() {
 
 #[test]
 fn gpus_must_be_one() {
-    let text = edit(&base_spec(), "vram = \"auto\"", "vram = \"auto\"\ngpus = 2");
-    assert_rejected(&text, "resources.gpus", &["2 GPUs"]);
-    let text = edit(&base_spec(), "vram = \"auto\"", "vram = \"auto\"\ngpus = 0");
-    assert_rejected(&text, "resources.gpus", &[]);
+    assert_edit_rejected(
+        "vram = \"auto\"",
+        "vram = \"auto\"\ngpus = 2",
+        "resources.gpus",
+        &["2 GPUs"],
+    );
+    assert_edit_rejected(
+        "vram = \"auto\"",
+        "vram = \"auto\"\ngpus = 0",
+        "resources.gpus",
+        &[],
+    );
 }
 
 #[test]
 fn oom_policy_checks() {
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "min_micro_batch = 8",
         "min_micro_batch = 8\nstrategies = [\"accumulate\", \"recompute\", \"accumulate\"]",
+        "oom.strategies[2]",
+        &["accumulate is listed twice"],
     );
-    assert_rejected(&text, "oom.strategies[2]", &["accumulate is listed twice"]);
-    let text = edit(&base_spec(), "min_micro_batch = 8", "min_micro_batch = 65");
-    assert_rejected(
-        &text,
+    assert_edit_rejected(
+        "min_micro_batch = 8",
+        "min_micro_batch = 65",
         "oom.min_micro_batch",
         &["65 is larger than training.batch_size 64"],
     );
     let text = edit(&base_spec(), "min_micro_batch = 8", "min_micro_batch = 64");
     assert_eq!(load(&text).spec.oom.min_micro_batch, 64);
-    let text = edit(&base_spec(), "min_micro_batch = 8", "min_micro_batch = 0");
-    assert_rejected(&text, "oom.min_micro_batch", &["at least 1"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
+        "min_micro_batch = 8",
+        "min_micro_batch = 0",
+        "oom.min_micro_batch",
+        &["at least 1"],
+    );
+    assert_edit_rejected(
         "min_micro_batch = 8",
         "min_micro_batch = 8\nhalf_precision = \"fp32\"",
+        "oom.half_precision",
+        &["fp16 or bf16"],
     );
-    assert_rejected(&text, "oom.half_precision", &["fp16 or bf16"]);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "min_micro_batch = 8",
         "min_micro_batch = 8\nmax_retries = 101",
+        "oom.max_retries",
+        &["101"],
     );
-    assert_rejected(&text, "oom.max_retries", &["101"]);
     // An empty strategy list is allowed: no shrinking at all.
     let text = edit(
         &base_spec(),
@@ -1736,9 +1722,8 @@ fn oom_policy_checks() {
 
 #[test]
 fn data_source_checks() {
-    let idx_missing_labels = edit(
+    let idx_missing_labels = with_data(
         &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"idx\"\ntrain = { images = \"train-images.idx3-ubyte\" }",
     );
     assert_rejected(
@@ -1746,50 +1731,41 @@ fn data_source_checks() {
         "data.train.labels",
         &["required", "idx"],
     );
-    let idx_test_missing_images = edit(
+    let idx_test_missing_images = with_data(
         &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"idx\"\ntrain = { images = \"i\", labels = \"l\" }\ntest = { labels = \"l\" }",
     );
     assert_rejected(&idx_test_missing_images, "data.test.images", &["required"]);
-    let idx_without_train = edit(
-        &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
-        "format = \"idx\"",
-    );
+    let idx_without_train = with_data(&base_spec(), "format = \"idx\"");
     assert_rejected(&idx_without_train, "data.train", &["required"]);
-    let idx_with_samples = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "format = \"synthetic\"",
         "format = \"idx\"\ntrain = { images = \"i\", labels = \"l\" }",
+        "data.samples",
+        &["not used", "idx"],
     );
-    assert_rejected(&idx_with_samples, "data.samples", &["not used", "idx"]);
-    let idx_with_files = edit(
+    let idx_with_files = with_data(
         &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"idx\"\ntrain = { images = \"i\", labels = \"l\", files = [\"f\"] }",
     );
     assert_rejected(&idx_with_files, "data.train.files", &["not used"]);
-    let idx_empty_path = edit(
+    let idx_empty_path = with_data(
         &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"idx\"\ntrain = { images = \" \", labels = \"l\" }",
     );
     assert_rejected(&idx_empty_path, "data.train", &["must not be empty"]);
-    let idx_mse = edit(
+    let idx_mse = with_data(
         &spec_with(
             "[28, 28, 1]",
             "mse",
             &["{ flatten = {} }", "{ dense = { units = 10 } }"],
         ),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"idx\"\ntrain = { images = \"i\", labels = \"l\" }",
     );
     assert_rejected(&idx_mse, "model.loss", &["softmax_cross_entropy"]);
 
-    let cifar_wrong_shape = edit(
+    let cifar_wrong_shape = with_data(
         &base_spec(),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"cifar10\"\ntrain = { files = [\"data_batch_1.bin\"] }",
     );
     assert_rejected(
@@ -1797,30 +1773,27 @@ fn data_source_checks() {
         "model.input_shape",
         &["[32, 32, 3]", "[28, 28, 1]"],
     );
-    let cifar_five_classes = edit(
+    let cifar_five_classes = with_data(
         &spec_with(
             "[32, 32, 3]",
             "softmax_cross_entropy",
             &["{ flatten = {} }", "{ dense = { units = 5 } }"],
         ),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"cifar10\"\ntrain = { files = [\"data_batch_1.bin\"] }",
     );
     assert_rejected(&cifar_five_classes, "model.loss", &["10 classes"]);
-    let cifar_no_files = edit(
+    let cifar_no_files = with_data(
         &spec_with(
             "[32, 32, 3]",
             "softmax_cross_entropy",
             &["{ flatten = {} }", "{ dense = { units = 10 } }"],
         ),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"cifar10\"\ntrain = { files = [] }",
     );
     assert_rejected(&cifar_no_files, "data.train.files", &["required"]);
 
-    let npy_missing_targets = edit(
+    let npy_missing_targets = with_data(
         &spec_with("[20]", "mse", &["{ dense = { units = 3 } }"]),
-        "format = \"synthetic\"\nsamples = 1024",
         "format = \"npy\"\ntrain = { inputs = \"x.npy\" }",
     );
     assert_rejected(
@@ -1829,57 +1802,61 @@ fn data_source_checks() {
         &["required", "npy"],
     );
 
-    let synthetic_without_samples = edit(&base_spec(), "samples = 1024\n", "");
-    assert_rejected(
-        &synthetic_without_samples,
+    assert_edit_rejected(
+        "samples = 1024\n",
+        "",
         "data.samples",
         &["required", "synthetic"],
     );
-    let synthetic_zero_samples = edit(&base_spec(), "samples = 1024", "samples = 0");
-    assert_rejected(&synthetic_zero_samples, "data.samples", &["at least 1"]);
-    let synthetic_with_train = edit(
-        &base_spec(),
+    assert_edit_rejected(
+        "samples = 1024",
+        "samples = 0",
+        "data.samples",
+        &["at least 1"],
+    );
+    assert_edit_rejected(
         "samples = 1024",
         "samples = 1024\ntrain = { images = \"i\" }",
-    );
-    assert_rejected(
-        &synthetic_with_train,
         "data.train",
         &["not used", "synthetic"],
     );
-    let prefetch = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "samples = 1024",
         "samples = 1024\nprefetch_batches = 0",
+        "data.prefetch_batches",
+        &["between 1 and 16"],
     );
-    assert_rejected(&prefetch, "data.prefetch_batches", &["between 1 and 16"]);
-    let prefetch = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "samples = 1024",
         "samples = 1024\nprefetch_batches = 17",
+        "data.prefetch_batches",
+        &["between 1 and 16"],
     );
-    assert_rejected(&prefetch, "data.prefetch_batches", &["between 1 and 16"]);
 }
 
 #[test]
 fn job_name_characters() {
     for bad in ["my job", "job/1", "job!", "naïve", "a\tb"] {
-        let text = edit(
-            &base_spec(),
+        assert_edit_rejected(
             "name = \"test-job\"",
             &format!("name = {bad:?}"),
+            "name",
+            &["is not allowed"],
         );
-        assert_rejected(&text, "name", &["is not allowed"]);
     }
-    let text = edit(&base_spec(), "name = \"test-job\"", "name = \"\"");
-    assert_rejected(&text, "name", &["must not be empty"]);
+    assert_edit_rejected(
+        "name = \"test-job\"",
+        "name = \"\"",
+        "name",
+        &["must not be empty"],
+    );
     let long = "x".repeat(129);
-    let text = edit(
-        &base_spec(),
+    assert_edit_rejected(
         "name = \"test-job\"",
         &format!("name = \"{long}\""),
+        "name",
+        &["129 characters", "128"],
     );
-    assert_rejected(&text, "name", &["129 characters", "128"]);
     for good in ["a", "mnist-cnn_v1.2", "ABC", &"y".repeat(128)] {
         let text = edit(
             &base_spec(),
@@ -2384,15 +2361,7 @@ fn check_window(
     );
     match padding {
         Padding::Named(PaddingMode::Valid) => {
-            prop_assert_eq!(
-                (
-                    window.padding_top,
-                    window.padding_bottom,
-                    window.padding_left,
-                    window.padding_right
-                ),
-                (0, 0, 0, 0)
-            );
+            prop_assert_eq!(padding_of(window), (0, 0, 0, 0));
         }
         Padding::Named(PaddingMode::Same) => {
             prop_assert_eq!(out_height, height.div_ceil(window.stride_height));
@@ -2403,15 +2372,7 @@ fn check_window(
             prop_assert!(window.padding_right - window.padding_left <= 1);
         }
         Padding::Pixels(pixels) => {
-            prop_assert_eq!(
-                (
-                    window.padding_top,
-                    window.padding_bottom,
-                    window.padding_left,
-                    window.padding_right
-                ),
-                (pixels, pixels, pixels, pixels)
-            );
+            prop_assert_eq!(padding_of(window), (pixels, pixels, pixels, pixels));
         }
     }
     Ok(())

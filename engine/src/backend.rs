@@ -2,8 +2,9 @@
 //!
 //! The executor owns the slice allocator and decides where every buffer goes; a backend
 //! only creates storage at the offset it is given, runs operations on it, and moves data
-//! in and out. `CpuBackend` (in `cpu.rs`) does real math over host buffers; a CUDA
-//! backend implements the same trait over one reserved device region.
+//! in and out. `CpuBackend` (in `cpu/`) does real math over host buffers; `CudaBackend`
+//! (in `cuda/`) implements the same trait over one reserved device region. Both run an
+//! operation through `dispatch::run_operation`.
 
 use carve_core::model::ModelGraph;
 use carve_core::plan::{BufferId, BufferSpec, Operation, StepPlan};
@@ -41,6 +42,25 @@ pub struct OperationResult {
     pub loss_sum: Option<f64>,
     /// Correct predictions (classification loss operations).
     pub correct: Option<usize>,
+}
+
+/// The values of a write into buffer `id` of `length` elements, zero-padded to its length;
+/// more values than fit are an error.
+pub(crate) fn padded_write(
+    id: BufferId,
+    values: &[f32],
+    length: usize,
+) -> Result<Vec<f32>, EngineError> {
+    if values.len() > length {
+        return Err(EngineError::Backend(format!(
+            "{} values do not fit buffer {} of {length}",
+            values.len(),
+            id.0
+        )));
+    }
+    let mut padded = values.to_vec();
+    padded.resize(length, 0.0);
+    Ok(padded)
 }
 
 /// Storage and compute for one attempt.

@@ -7,7 +7,7 @@
 //! - `kernels`: the math of every layer, loss and optimizer, on f32 slices (NHWC images);
 //! - `data`: data sets (synthetic, IDX, CIFAR-10, NPY) streamed in batches;
 //! - `backend` / `executor`: device buffers and the plan interpreter; `cpu` and `cuda` are
-//!   the backends;
+//!   the backends, `dispatch` the one reading of an operation they share;
 //! - `trainer` and `checkpoint`: the training loop, accumulation, loss scaling, resume.
 
 pub mod backend;
@@ -15,6 +15,7 @@ pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;
 pub mod data;
+mod dispatch;
 pub mod error;
 pub mod executor;
 pub mod kernels;

@@ -21,9 +21,11 @@ use carve_core::validate::ValidatedJob;
 use crate::backend::{Backend, OperationContext};
 use crate::checkpoint::{Checkpoint, NamedTensor, read_checkpoint, write_checkpoint};
 use crate::cpu::CpuBackend;
-use crate::data::{Batch, BatchLoader, DataSets, Targets, evaluation_batches, steps_for_epochs};
+use crate::data::{
+    Batch, BatchLoader, DataSets, Dataset, Targets, evaluation_batches, steps_for_epochs,
+};
 use crate::error::EngineError;
-use crate::executor::Executor;
+use crate::executor::{Executor, PhaseTotals};
 use crate::kernels::optimizer::LossScaler;
 use crate::rng::Rng;
 
@@ -243,7 +245,6 @@ fn run_training<B: Backend>(
 ) -> Result<TrainingReport, EngineError> {
     let config = options.config;
     let training = &job.spec.training;
-    let seed = training.seed;
     let total_steps = match (training.steps, training.epochs) {
         (Some(steps), _) => steps,
         (None, Some(epochs)) => steps_for_epochs(data.train.len(), config.batch_size, epochs),
@@ -260,221 +261,83 @@ fn run_training<B: Backend>(
         .as_deref()
         .map(read_checkpoint)
         .transpose()?;
-    let mut loss_scaler = match (&resumed, config.precision) {
-        (Some(checkpoint), Precision::Fp16) => {
-            LossScaler::from_state(checkpoint.loss_scale, checkpoint.loss_scale_good_steps)
-        }
-        (_, Precision::Fp16) => LossScaler::new(65536.0),
-        _ => LossScaler::disabled(),
+    let mut run = Run {
+        job,
+        plan,
+        executor,
+        input_slot,
+        target_slot,
+        loss_scaler: starting_loss_scaler(resumed.as_ref(), config.precision),
+        apply_update: true,
+        step: resumed.as_ref().map_or(0, |checkpoint| checkpoint.step),
+        applied_updates: resumed
+            .as_ref()
+            .map_or(0, |checkpoint| checkpoint.applied_updates),
     };
-    let mut step = resumed.as_ref().map_or(0, |checkpoint| checkpoint.step);
-    let mut applied_updates = resumed
-        .as_ref()
-        .map_or(0, |checkpoint| checkpoint.applied_updates);
+    run.set_up(&parameters, resumed.as_ref())?;
 
-    // Setup: persistent buffers, then their values, then the casts that derive from them.
-    let (allocations, setup_operations): (Vec<PlanStep>, Vec<PlanStep>) = plan
-        .setup
-        .iter()
-        .cloned()
-        .partition(|step| matches!(step, PlanStep::Allocate(_)));
-    let mut apply_update = true;
-    {
-        let mut operation_context = operation_context(
-            plan,
-            job,
-            Position {
-                step,
-                micro_batch: 0,
-                samples: 0,
-                loss_gradient_scale: 0.0,
-                optimizer_update_number: applied_updates + 1,
-            },
-            &mut loss_scaler,
-            &mut apply_update,
-        );
-        executor.run_phase(plan, &allocations, &mut operation_context)?;
-        for parameter in &parameters {
-            let layer = &job.graph.layers[parameter.layer];
-            let values = match &resumed {
-                Some(checkpoint) => {
-                    checkpoint_values(checkpoint, &parameter.name, parameter.elements)?
-                }
-                None => initial_values(layer, parameter.parameter, seed),
-            };
-            // Under mixed precision the compute copy is cast from the master by the setup
-            // operations below.
-            executor
-                .backend_mut()
-                .write_f32(parameter.truth(), &values)?;
-            if let Some(checkpoint) = &resumed {
-                for (slot, state) in parameter.optimizer_state.iter().enumerate() {
-                    let values = checkpoint_values(
-                        checkpoint,
-                        &optimizer_state_name(parameter, slot),
-                        parameter.elements,
-                    )?;
-                    executor.backend_mut().write_f32(*state, &values)?;
-                }
-            }
-        }
-        executor.run_phase(plan, &setup_operations, &mut operation_context)?;
-    }
-
-    let accumulation_steps = config.accumulation_steps();
     let micro_batch_size = config.micro_batch_size as usize;
     let mut loader = BatchLoader::new(
         data.train.clone(),
         micro_batch_size,
-        seed,
+        training.seed,
         job.spec.data.shuffle,
-        step * accumulation_steps,
+        run.step * config.accumulation_steps(),
         job.spec.data.prefetch_batches as usize,
     );
     let mut final_loss = f64::NAN;
     let mut skipped_steps = 0;
     let started = Instant::now();
-    let first_step = step;
-    while step < stop_at {
+    let first_step = run.step;
+    while run.step < stop_at {
         let step_started = Instant::now();
-        let mut loss_sum = 0.0;
-        apply_update = true;
-        for micro_batch in 0..accumulation_steps {
-            let batch = loader.next_batch()?;
-            executor
-                .backend_mut()
-                .write_f32(input_slot, &batch.inputs)?;
-            write_targets(executor, target_slot, &batch)?;
-            let mut operation_context = operation_context(
-                plan,
-                job,
-                Position {
-                    step,
-                    micro_batch,
-                    samples: batch.samples,
-                    // Each micro-batch's gradient is a share of the whole batch's mean.
-                    loss_gradient_scale: loss_scaler.scale() / config.batch_size as f32,
-                    optimizer_update_number: applied_updates + 1,
-                },
-                &mut loss_scaler,
-                &mut apply_update,
-            );
-            loss_sum += executor
-                .run_phase(plan, &plan.micro_batch, &mut operation_context)?
-                .loss_sum;
-        }
-        let mut operation_context = operation_context(
-            plan,
-            job,
-            Position {
-                step,
-                micro_batch: 0,
-                samples: micro_batch_size,
-                loss_gradient_scale: 0.0,
-                optimizer_update_number: applied_updates + 1,
-            },
-            &mut loss_scaler,
-            &mut apply_update,
-        );
-        executor.run_phase(plan, &plan.update, &mut operation_context)?;
-        if apply_update {
-            applied_updates += 1;
+        let loss_sum = run.train_step(&mut loader, &config)?;
+        if run.apply_update {
+            run.applied_updates += 1;
         } else {
             skipped_steps += 1;
         }
-        step += 1;
+        run.step += 1;
         final_loss = loss_sum / config.batch_size as f64;
         let elapsed = step_started.elapsed().as_secs_f64().max(1e-9);
         on_progress(&Progress {
-            step,
+            step: run.step,
             total_steps,
             loss: final_loss,
             samples_per_second: config.batch_size as f64 / elapsed,
-            memory_in_use_bytes: executor.allocator().in_use(),
-            memory_peak_bytes: executor.allocator().peak_in_use(),
-            skipped: !apply_update,
+            memory_in_use_bytes: run.executor.allocator().in_use(),
+            memory_peak_bytes: run.executor.allocator().peak_in_use(),
+            skipped: !run.apply_update,
         });
         let every = training.checkpoint_every_steps;
         if let Some(path) = &options.checkpoint_path
             && every > 0
-            && step % every == 0
-            && step < stop_at
+            && run.step.is_multiple_of(every)
+            && run.step < stop_at
         {
-            write_checkpoint(
-                path,
-                &snapshot(
-                    job,
-                    executor,
-                    &parameters,
-                    step,
-                    applied_updates,
-                    &loss_scaler,
-                )?,
-            )?;
+            write_checkpoint(path, &run.snapshot(&parameters)?)?;
         }
     }
-    let trained_steps = step - first_step;
+    let trained_steps = run.step - first_step;
     let samples_per_second =
         (trained_steps * config.batch_size) as f64 / started.elapsed().as_secs_f64().max(1e-9);
-    let checkpoint = snapshot(
-        job,
-        executor,
-        &parameters,
-        step,
-        applied_updates,
-        &loss_scaler,
-    )?;
+    let checkpoint = run.snapshot(&parameters)?;
     if let Some(path) = &options.checkpoint_path {
         write_checkpoint(path, &checkpoint)?;
     }
 
     let (test_loss, test_accuracy) = match &data.test {
-        Some(test) => {
-            let mut loss_sum = 0.0;
-            let mut correct = 0usize;
-            let mut samples = 0usize;
-            let mut has_accuracy = false;
-            for batch in evaluation_batches(test.as_ref(), micro_batch_size) {
-                let batch = batch?;
-                executor
-                    .backend_mut()
-                    .write_f32(input_slot, &batch.inputs)?;
-                write_targets(executor, target_slot, &batch)?;
-                let mut operation_context = operation_context(
-                    plan,
-                    job,
-                    Position {
-                        step,
-                        micro_batch: 0,
-                        samples: batch.samples,
-                        loss_gradient_scale: 0.0,
-                        optimizer_update_number: applied_updates + 1,
-                    },
-                    &mut loss_scaler,
-                    &mut apply_update,
-                );
-                let totals = executor.run_phase(plan, &plan.evaluation, &mut operation_context)?;
-                loss_sum += totals.loss_sum;
-                correct += totals.correct;
-                has_accuracy |= totals.has_accuracy;
-                samples += batch.samples;
-            }
-            let samples = samples.max(1) as f64;
-            (
-                Some(loss_sum / samples),
-                has_accuracy.then_some(correct as f64 / samples),
-            )
-        }
+        Some(test) => run.evaluate(test.as_ref(), micro_batch_size)?,
         None => (None, None),
     };
 
     Ok(TrainingReport {
-        steps: step,
+        steps: run.step,
         total_steps,
         final_loss,
         test_loss,
         test_accuracy,
-        peak_bytes: executor.allocator().peak_in_use(),
+        peak_bytes: run.executor.allocator().peak_in_use(),
         estimate,
         slice_bytes: options.slice_bytes,
         skipped_steps,
@@ -488,35 +351,171 @@ fn run_training<B: Backend>(
     })
 }
 
-/// Where in the run an operation happens.
-#[derive(Debug, Clone, Copy)]
-struct Position {
-    step: u64,
-    micro_batch: u64,
-    samples: usize,
-    loss_gradient_scale: f32,
-    optimizer_update_number: u64,
+/// The loss scaler a run starts with: the checkpoint's under fp16 when resuming.
+fn starting_loss_scaler(resumed: Option<&Checkpoint>, precision: Precision) -> LossScaler {
+    match (resumed, precision) {
+        (Some(checkpoint), Precision::Fp16) => {
+            LossScaler::from_state(checkpoint.loss_scale, checkpoint.loss_scale_good_steps)
+        }
+        (_, Precision::Fp16) => LossScaler::new(65536.0),
+        _ => LossScaler::disabled(),
+    }
 }
 
-fn operation_context<'a>(
-    plan: &'a StepPlan,
+/// One attempt's run: the plan on its executor, and where the run is.
+struct Run<'a, B: Backend> {
     job: &'a ValidatedJob,
-    position: Position,
-    loss_scaler: &'a mut LossScaler,
-    apply_update: &'a mut bool,
-) -> OperationContext<'a> {
-    OperationContext {
-        plan,
-        graph: &job.graph,
-        optimizer: &job.spec.training.optimizer,
-        seed: job.spec.training.seed,
-        step: position.step,
-        micro_batch: position.micro_batch,
-        samples: position.samples,
-        loss_gradient_scale: position.loss_gradient_scale,
-        optimizer_update_number: position.optimizer_update_number,
-        loss_scaler,
-        apply_update,
+    plan: &'a StepPlan,
+    executor: &'a mut Executor<B>,
+    input_slot: BufferId,
+    target_slot: BufferId,
+    loss_scaler: LossScaler,
+    /// Cleared by the overflow check when this step's update is skipped.
+    apply_update: bool,
+    /// 0-based step being computed.
+    step: u64,
+    applied_updates: u64,
+}
+
+impl<B: Backend> Run<'_, B> {
+    /// Runs `phase` of the plan at the current step.
+    fn run_phase(
+        &mut self,
+        phase: &[PlanStep],
+        micro_batch: u64,
+        samples: usize,
+        loss_gradient_scale: f32,
+    ) -> Result<PhaseTotals, EngineError> {
+        let mut context = OperationContext {
+            plan: self.plan,
+            graph: &self.job.graph,
+            optimizer: &self.job.spec.training.optimizer,
+            seed: self.job.spec.training.seed,
+            step: self.step,
+            micro_batch,
+            samples,
+            loss_gradient_scale,
+            optimizer_update_number: self.applied_updates + 1,
+            loss_scaler: &mut self.loss_scaler,
+            apply_update: &mut self.apply_update,
+        };
+        self.executor.run_phase(self.plan, phase, &mut context)
+    }
+
+    /// Setup: persistent buffers, then their values (initial or from the checkpoint),
+    /// then the casts that derive from them.
+    fn set_up(
+        &mut self,
+        parameters: &[ParameterBuffers],
+        resumed: Option<&Checkpoint>,
+    ) -> Result<(), EngineError> {
+        let plan = self.plan;
+        let (allocations, setup_operations): (Vec<PlanStep>, Vec<PlanStep>) = plan
+            .setup
+            .iter()
+            .cloned()
+            .partition(|step| matches!(step, PlanStep::Allocate(_)));
+        self.run_phase(&allocations, 0, 0, 0.0)?;
+        for parameter in parameters {
+            let layer = &self.job.graph.layers[parameter.layer];
+            let values = match resumed {
+                Some(checkpoint) => {
+                    checkpoint_values(checkpoint, &parameter.name, parameter.elements)?
+                }
+                None => initial_values(layer, parameter.parameter, self.job.spec.training.seed),
+            };
+            // Under mixed precision the compute copy is cast from the master by the setup
+            // operations below.
+            self.executor
+                .backend_mut()
+                .write_f32(parameter.truth(), &values)?;
+            if let Some(checkpoint) = resumed {
+                for (slot, state) in parameter.optimizer_state.iter().enumerate() {
+                    let values = checkpoint_values(
+                        checkpoint,
+                        &optimizer_state_name(parameter, slot),
+                        parameter.elements,
+                    )?;
+                    self.executor.backend_mut().write_f32(*state, &values)?;
+                }
+            }
+        }
+        self.run_phase(&setup_operations, 0, 0, 0.0)?;
+        Ok(())
+    }
+
+    /// Writes a batch into the plan's input and target slots.
+    fn load_batch(&mut self, batch: &Batch) -> Result<(), EngineError> {
+        self.executor
+            .backend_mut()
+            .write_f32(self.input_slot, &batch.inputs)?;
+        write_targets(self.executor, self.target_slot, batch)
+    }
+
+    /// One optimizer step: every micro-batch's forward and backward, then the update.
+    /// Returns the step's loss sum.
+    fn train_step(
+        &mut self,
+        loader: &mut BatchLoader,
+        config: &RunConfig,
+    ) -> Result<f64, EngineError> {
+        let plan = self.plan;
+        let mut loss_sum = 0.0;
+        self.apply_update = true;
+        for micro_batch in 0..config.accumulation_steps() {
+            let batch = loader.next_batch()?;
+            self.load_batch(&batch)?;
+            // Each micro-batch's gradient is a share of the whole batch's mean.
+            let loss_gradient_scale = self.loss_scaler.scale() / config.batch_size as f32;
+            loss_sum += self
+                .run_phase(
+                    &plan.micro_batch,
+                    micro_batch,
+                    batch.samples,
+                    loss_gradient_scale,
+                )?
+                .loss_sum;
+        }
+        self.run_phase(&plan.update, 0, config.micro_batch_size as usize, 0.0)?;
+        Ok(loss_sum)
+    }
+
+    /// The mean loss (and accuracy, for classes) over `test`.
+    fn evaluate(
+        &mut self,
+        test: &dyn Dataset,
+        micro_batch_size: usize,
+    ) -> Result<(Option<f64>, Option<f64>), EngineError> {
+        let plan = self.plan;
+        let mut loss_sum = 0.0;
+        let mut correct = 0usize;
+        let mut samples = 0usize;
+        let mut has_accuracy = false;
+        for batch in evaluation_batches(test, micro_batch_size) {
+            let batch = batch?;
+            self.load_batch(&batch)?;
+            let totals = self.run_phase(&plan.evaluation, 0, batch.samples, 0.0)?;
+            loss_sum += totals.loss_sum;
+            correct += totals.correct;
+            has_accuracy |= totals.has_accuracy;
+            samples += batch.samples;
+        }
+        let samples = samples.max(1) as f64;
+        Ok((
+            Some(loss_sum / samples),
+            has_accuracy.then_some(correct as f64 / samples),
+        ))
+    }
+
+    fn snapshot(&self, parameters: &[ParameterBuffers]) -> Result<Checkpoint, EngineError> {
+        snapshot(
+            self.job,
+            self.executor,
+            parameters,
+            self.step,
+            self.applied_updates,
+            &self.loss_scaler,
+        )
     }
 }
 

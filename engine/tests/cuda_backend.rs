@@ -7,40 +7,23 @@
 //! only the cpu side, plus that the cuda backend refuses cleanly with that reason: these
 //! tests then report that they did not run on CUDA rather than pretending they did.
 
-use std::path::Path;
-
 use carve_core::estimator::estimate_job;
 use carve_core::plan::RunConfig;
 use carve_core::spec::Precision;
-use carve_core::validate::{ValidatedJob, load_job_spec_toml};
+use carve_core::validate::ValidatedJob;
 use carve_engine::EngineError;
 use carve_engine::cuda::{CudaBackend, CudaOptions, train_on_cuda};
-use carve_engine::data::{DataSets, open_data_sets};
 use carve_engine::trainer::{TrainingOptions, train};
 
 mod support;
-use support::assert_close;
-
-fn job(text: &str) -> ValidatedJob {
-    load_job_spec_toml(text).unwrap_or_else(|error| panic!("{error}\n{text}"))
-}
-
-fn data(job: &ValidatedJob) -> DataSets {
-    open_data_sets(job, Path::new(".")).unwrap()
-}
+use support::{assert_close, data, job, options_with_config};
 
 fn options(job: &ValidatedJob, precision: Precision) -> TrainingOptions {
     let config = RunConfig {
         precision,
         ..RunConfig::from_spec(&job.spec)
     };
-    TrainingOptions {
-        config,
-        slice_bytes: estimate_job(job, &config).unwrap().required_bytes,
-        checkpoint_path: None,
-        resume_from: None,
-        stop_after_steps: None,
-    }
+    options_with_config(job, config)
 }
 
 /// `Some(reason)` when the cuda side must be skipped, printing the line the issue asks for.
@@ -104,7 +87,12 @@ fn compare_backends(label: &str, text: &str, precision: Precision) {
     );
 }
 
-const PRECISIONS: [Precision; 3] = [Precision::Fp32, Precision::Fp16, Precision::Bf16];
+/// [`compare_backends`] in fp32, fp16 and bf16, labelled `label` and the precision.
+fn compare_backends_in_every_precision(label: &str, text: &str) {
+    for precision in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+        compare_backends(&format!("{label} {}", precision.name()), text, precision);
+    }
+}
 
 /// Convolutions with symmetric padding (cuDNN), a stride-2 "same" convolution with
 /// asymmetric padding (cuDNN on a padded copy, or the direct kernels without a
@@ -116,44 +104,11 @@ const PRECISIONS: [Precision; 3] = [Precision::Fp32, Precision::Fp16, Precision:
 /// rounding noise (about 1e-9 on an H200), which Adam then scales up to full-size steps
 /// of random sign. Comparing that noise would test nothing; the 1x1 convolution keeps a
 /// bias that matters.
-const CNN: &str = r#"
-name = "backend-cnn"
-[model]
-input_shape = [12, 12, 3]
-loss = "softmax_cross_entropy"
-layers = [
-  { conv2d = { filters = 8, kernel = 3, padding = "same", use_bias = false } },
-  { batch_norm = {} },
-  { relu = {} },
-  { conv2d = { filters = 8, kernel = 3, stride = 2, padding = "same", use_bias = false } },
-  { leaky_relu = { alpha = 0.1 } },
-  { max_pool = { size = 2 } },
-  { conv2d = { filters = 6, kernel = 1 } },
-  { gelu = {} },
-  { avg_pool = { size = 2, stride = 1, padding = "same" } },
-  { sigmoid = {} },
-  { flatten = {} },
-  { dropout = { rate = 0.25 } },
-  { dense = { units = 16 } },
-  { tanh = {} },
-  { dense = { units = 5 } },
-]
-[training]
-batch_size = 16
-steps = 4
-optimizer = { sgd = { learning_rate = 0.05, momentum = 0.9, nesterov = true, weight_decay = 0.0005 } }
-seed = 5
-[data]
-format = "synthetic"
-samples = 64
-test_samples = 24
-"#;
+const CNN: &str = include_str!("specs/backend-cnn.toml");
 
 #[test]
 fn a_cnn_with_every_layer_kind_trains_the_same_on_both_backends() {
-    for precision in PRECISIONS {
-        compare_backends(&format!("cnn {}", precision.name()), CNN, precision);
-    }
+    compare_backends_in_every_precision("cnn", CNN);
 }
 
 /// With a workspace the stride-2 "same" convolution (asymmetric padding) runs through
@@ -188,29 +143,8 @@ fn adam_and_adamw_train_the_same_on_both_backends() {
 
 #[test]
 fn global_pooling_and_mean_squared_error_train_the_same_on_both_backends() {
-    let text = r#"
-name = "backend-regression"
-[model]
-input_shape = [6, 6, 2]
-loss = "mse"
-layers = [
-  { conv2d = { filters = 4, kernel = 3, padding = "same" } },
-  { relu = {} },
-  { global_avg_pool = {} },
-  { dense = { units = 3 } },
-]
-[training]
-batch_size = 8
-steps = 3
-optimizer = { sgd = { learning_rate = 0.01 } }
-seed = 2
-[data]
-format = "synthetic"
-samples = 32
-"#;
-    for precision in PRECISIONS {
-        compare_backends(&format!("mse {}", precision.name()), text, precision);
-    }
+    let text = include_str!("specs/backend-regression.toml");
+    compare_backends_in_every_precision("mse", text);
 }
 
 #[test]

@@ -20,16 +20,11 @@ use carve_engine::kernels::loss::{
 };
 use carve_engine::rng::Rng;
 
+mod gradient_support;
+use gradient_support::weighted_sum;
+
 fn random_values(rng: &mut Rng, count: usize, scale: f32, offset: f32) -> Vec<f32> {
     (0..count).map(|_| rng.normal() * scale + offset).collect()
-}
-
-fn weighted_sum(values: &[f32], weights: &[f32]) -> f64 {
-    values
-        .iter()
-        .zip(weights)
-        .map(|(&value, &weight)| f64::from(value) * f64::from(weight))
-        .sum()
 }
 
 /// Central differences of `loss` at `point`, element by element. The step actually taken
@@ -250,30 +245,30 @@ fn batch_norm_gradients_match_finite_differences_for_images_and_flat_features() 
     BatchNormCase::new(3, 3, 12).check("flat (3, 3)");
 }
 
+/// The values of one channel (or feature) of `channels`, interleaved as NHWC lays them
+/// out, widened to f64.
+fn channel_values(values: &[f32], channel: usize, channels: usize) -> Vec<f64> {
+    values
+        .iter()
+        .skip(channel)
+        .step_by(channels)
+        .map(|&value| f64::from(value))
+        .collect()
+}
+
 #[test]
 fn batch_norm_image_statistics_are_per_channel_over_batch_height_and_width() {
     let case = BatchNormCase::new(2 * 3 * 3, 4, 20);
     let (output, saved) = case.forward(&case.input, &case.gamma, &case.beta);
     for channel in 0..4 {
-        let values: Vec<f64> = case
-            .input
-            .iter()
-            .skip(channel)
-            .step_by(4)
-            .map(|&x| f64::from(x))
-            .collect();
+        let values = channel_values(&case.input, channel, 4);
         assert_eq!(values.len(), 18);
         let mean = values.iter().sum::<f64>() / 18.0;
         let variance = values.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / 18.0;
         assert!((f64::from(saved[channel]) - mean).abs() < 1e-5);
         assert!((f64::from(saved[4 + channel]) - 1.0 / (variance + 1e-3).sqrt()).abs() < 1e-5);
         // The normalized output of each channel has mean β and (nearly) std |γ|.
-        let outputs: Vec<f64> = output
-            .iter()
-            .skip(channel)
-            .step_by(4)
-            .map(|&y| f64::from(y))
-            .collect();
+        let outputs = channel_values(&output, channel, 4);
         let output_mean = outputs.iter().sum::<f64>() / 18.0;
         assert!((output_mean - f64::from(case.beta[channel])).abs() < 1e-5);
     }
@@ -305,13 +300,7 @@ fn batch_norm_updates_running_statistics_only_when_asked() {
     assert_eq!(output, recomputed_output);
     assert_eq!(saved, recomputed_saved);
     for feature in 0..5 {
-        let values: Vec<f64> = case
-            .input
-            .iter()
-            .skip(feature)
-            .step_by(5)
-            .map(|&x| f64::from(x))
-            .collect();
+        let values = channel_values(&case.input, feature, 5);
         let mean = values.iter().sum::<f64>() / 6.0;
         let unbiased = values.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / 5.0;
         // Keras: running = momentum·running + (1 − momentum)·batch.

@@ -15,6 +15,9 @@ use carve_engine::kernels::pool::{
 };
 use carve_engine::kernels::{ImageShape, WindowedShapes};
 
+mod gradient_support;
+use gradient_support::weighted_sum;
+
 // ---------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------
@@ -111,14 +114,6 @@ fn windowed(
             padding_right: right as u64,
         },
     }
-}
-
-fn weighted_sum(output: &[f32], weights: &[f32]) -> f64 {
-    output
-        .iter()
-        .zip(weights)
-        .map(|(&value, &weight)| f64::from(value) * f64::from(weight))
-        .sum()
 }
 
 /// Compares `analytic` with central differences of `loss` around `point`, element by
@@ -404,25 +399,43 @@ fn run_conv(case: &ConvCase, data: &ConvData, workspace_length: usize) -> ConvRe
         &mut workspace,
     );
     workspace.fill(f32::NAN);
-    let mut input_gradient = vec![f32::NAN; shapes.input.elements()];
-    let mut kernel_gradient = vec![0.0; data.kernel.len()];
-    let mut bias_gradient = vec![0.0; shapes.output.channels];
-    conv2d_backward(
-        shapes,
-        &data.input,
-        &data.kernel,
-        &data.weights,
-        Some(&mut input_gradient),
-        &mut kernel_gradient,
-        case.use_bias.then_some(&mut bias_gradient[..]),
-        &mut workspace,
-    );
+    let (input_gradient, kernel_gradient, bias_gradient) =
+        conv_gradients(case, data, &mut workspace, f32::NAN, 1);
     ConvResults {
         output,
         input_gradient,
         kernel_gradient,
         bias_gradient,
     }
+}
+
+/// The (input, kernel, bias) gradients of `passes` backward passes of `data` (its weights
+/// as the output gradient), into an input gradient that starts filled with
+/// `input_gradient_start` and parameter gradients that start at zero.
+fn conv_gradients(
+    case: &ConvCase,
+    data: &ConvData,
+    workspace: &mut [f32],
+    input_gradient_start: f32,
+    passes: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let shapes = &case.shapes;
+    let mut input_gradient = vec![input_gradient_start; shapes.input.elements()];
+    let mut kernel_gradient = vec![0.0; data.kernel.len()];
+    let mut bias_gradient = vec![0.0; shapes.output.channels];
+    for _ in 0..passes {
+        conv2d_backward(
+            shapes,
+            &data.input,
+            &data.kernel,
+            &data.weights,
+            Some(&mut input_gradient),
+            &mut kernel_gradient,
+            case.use_bias.then_some(&mut bias_gradient[..]),
+            workspace,
+        );
+    }
+    (input_gradient, kernel_gradient, bias_gradient)
 }
 
 fn conv_loss(
@@ -562,21 +575,8 @@ fn conv_parameter_gradients_accumulate_and_input_gradients_are_overwritten() {
         for workspace_length in [0, im2col_per_sample(&case.shapes) * 2] {
             let mut workspace = vec![0.0; workspace_length];
             // Garbage in the input gradient must not leak into the result.
-            let mut input_gradient = vec![1e3; case.shapes.input.elements()];
-            let mut kernel_gradient = vec![0.0; data.kernel.len()];
-            let mut bias_gradient = vec![0.0; case.shapes.output.channels];
-            for _ in 0..2 {
-                conv2d_backward(
-                    &case.shapes,
-                    &data.input,
-                    &data.kernel,
-                    &data.weights,
-                    Some(&mut input_gradient),
-                    &mut kernel_gradient,
-                    case.use_bias.then_some(&mut bias_gradient[..]),
-                    &mut workspace,
-                );
-            }
+            let (input_gradient, kernel_gradient, bias_gradient) =
+                conv_gradients(case, &data, &mut workspace, 1e3, 2);
             let doubled =
                 |values: &[f32]| values.iter().map(|value| value * 2.0).collect::<Vec<_>>();
             assert_close(case.name, &input_gradient, &once.input_gradient, 1e-5);
@@ -620,43 +620,25 @@ fn conv_parameter_gradients_accumulate_and_input_gradients_are_overwritten() {
 // ---------------------------------------------------------------------------------------
 
 fn pool_cases(batch: usize, channels: usize) -> Vec<(&'static str, WindowedShapes)> {
-    let input = |height, width| image(batch, height, width, channels);
-    vec![
-        (
-            "2x2 stride 2 valid",
-            windowed(input(6, 6), channels, (2, 2), (2, 2), PaddingRule::Valid),
-        ),
-        (
-            "3x3 stride 2 valid, odd leftover",
-            windowed(input(8, 7), channels, (3, 3), (2, 2), PaddingRule::Valid),
-        ),
-        (
-            "3x3 stride 1 same",
-            windowed(input(5, 4), channels, (3, 3), (1, 1), PaddingRule::Same),
-        ),
-        (
-            "2x2 stride 1 same (asymmetric)",
-            windowed(input(4, 5), channels, (2, 2), (1, 1), PaddingRule::Same),
-        ),
-        (
-            "2x2 stride 2 same on odd input",
-            windowed(input(5, 5), channels, (2, 2), (2, 2), PaddingRule::Same),
-        ),
-        (
-            "3x3 stride 2 same on even input",
-            windowed(input(6, 4), channels, (3, 3), (2, 2), PaddingRule::Same),
-        ),
-        (
-            "3x2 stride (1,2) 1 pixel",
-            windowed(
-                input(4, 6),
-                channels,
-                (3, 2),
-                (1, 2),
-                PaddingRule::Pixels(1),
-            ),
-        ),
-    ]
+    use PaddingRule::{Pixels, Same, Valid};
+    // (name, input height and width, kernel, stride, padding)
+    #[rustfmt::skip]
+    let cases = [
+        ("2x2 stride 2 valid", (6, 6), (2, 2), (2, 2), Valid),
+        ("3x3 stride 2 valid, odd leftover", (8, 7), (3, 3), (2, 2), Valid),
+        ("3x3 stride 1 same", (5, 4), (3, 3), (1, 1), Same),
+        ("2x2 stride 1 same (asymmetric)", (4, 5), (2, 2), (1, 1), Same),
+        ("2x2 stride 2 same on odd input", (5, 5), (2, 2), (2, 2), Same),
+        ("3x3 stride 2 same on even input", (6, 4), (3, 3), (2, 2), Same),
+        ("3x2 stride (1,2) 1 pixel", (4, 6), (3, 2), (1, 2), Pixels(1)),
+    ];
+    cases
+        .into_iter()
+        .map(|(name, (height, width), kernel, stride, padding)| {
+            let input = image(batch, height, width, channels);
+            (name, windowed(input, channels, kernel, stride, padding))
+        })
+        .collect()
 }
 
 /// Direct pooling in f64 over the positions inside the input: the max, or the mean.
@@ -707,57 +689,62 @@ fn reference_pool(shapes: &WindowedShapes, input: &[f32], max: bool) -> Vec<f32>
     output
 }
 
-#[test]
-fn max_pool_matches_reference_and_finite_differences() {
-    for (seed, (name, shapes)) in pool_cases(2, 3).into_iter().enumerate() {
-        let mut random = TestRandom::new(400 + seed as u64);
-        // Distinct values 0.1 apart, perturbed by 0.01: the winner of a window never
-        // changes, so central differences are exact.
-        let input = random.distinct_vector(shapes.input.elements());
+#[derive(Clone, Copy)]
+enum Pooling {
+    Max,
+    Average,
+}
+
+/// One pooling kind on every case, case `n` with random numbers from seed
+/// `first_seed + n`: the forward pass against [`reference_pool`], the backward pass
+/// against finite differences, and the backward pass overwriting its input gradient.
+fn check_pooling(pooling: Pooling, cases: Vec<(&'static str, WindowedShapes)>, first_seed: u64) {
+    let forward = match pooling {
+        Pooling::Max => max_pool_forward,
+        Pooling::Average => avg_pool_forward,
+    };
+    for (seed, (name, shapes)) in cases.into_iter().enumerate() {
+        let mut random = TestRandom::new(first_seed + seed as u64);
+        let input = match pooling {
+            // Distinct values 0.1 apart, perturbed by 0.01: the winner of a window never
+            // changes, so central differences are exact.
+            Pooling::Max => random.distinct_vector(shapes.input.elements()),
+            Pooling::Average => random.vector(shapes.input.elements()),
+        };
         let weights = random.vector(shapes.output.elements());
+        let backward = |output: &[f32], input_gradient: &mut [f32]| match pooling {
+            Pooling::Max => max_pool_backward(&shapes, &input, output, &weights, input_gradient),
+            Pooling::Average => avg_pool_backward(&shapes, &weights, input_gradient),
+        };
 
         let mut output = vec![f32::NAN; shapes.output.elements()];
-        max_pool_forward(&shapes, &input, &mut output);
-        assert_close(name, &output, &reference_pool(&shapes, &input, true), 1e-6);
+        forward(&shapes, &input, &mut output);
+        let reference = reference_pool(&shapes, &input, matches!(pooling, Pooling::Max));
+        assert_close(name, &output, &reference, 1e-6);
 
         let mut input_gradient = vec![f32::NAN; shapes.input.elements()];
-        max_pool_backward(&shapes, &input, &output, &weights, &mut input_gradient);
+        backward(&output, &mut input_gradient);
         check_against_finite_differences(name, &input, &input_gradient, 1e-2, |input| {
             let mut output = vec![0.0; shapes.output.elements()];
-            max_pool_forward(&shapes, input, &mut output);
+            forward(&shapes, input, &mut output);
             weighted_sum(&output, &weights)
         });
 
         // Overwritten, not added to.
         let mut again = vec![5.0; shapes.input.elements()];
-        max_pool_backward(&shapes, &input, &output, &weights, &mut again);
+        backward(&output, &mut again);
         assert_eq!(again, input_gradient, "{name}");
     }
 }
 
 #[test]
+fn max_pool_matches_reference_and_finite_differences() {
+    check_pooling(Pooling::Max, pool_cases(2, 3), 400);
+}
+
+#[test]
 fn avg_pool_matches_reference_and_finite_differences() {
-    for (seed, (name, shapes)) in pool_cases(2, 2).into_iter().enumerate() {
-        let mut random = TestRandom::new(500 + seed as u64);
-        let input = random.vector(shapes.input.elements());
-        let weights = random.vector(shapes.output.elements());
-
-        let mut output = vec![f32::NAN; shapes.output.elements()];
-        avg_pool_forward(&shapes, &input, &mut output);
-        assert_close(name, &output, &reference_pool(&shapes, &input, false), 1e-6);
-
-        let mut input_gradient = vec![f32::NAN; shapes.input.elements()];
-        avg_pool_backward(&shapes, &weights, &mut input_gradient);
-        check_against_finite_differences(name, &input, &input_gradient, 1e-2, |input| {
-            let mut output = vec![0.0; shapes.output.elements()];
-            avg_pool_forward(&shapes, input, &mut output);
-            weighted_sum(&output, &weights)
-        });
-
-        let mut again = vec![5.0; shapes.input.elements()];
-        avg_pool_backward(&shapes, &weights, &mut again);
-        assert_eq!(again, input_gradient, "{name}");
-    }
+    check_pooling(Pooling::Average, pool_cases(2, 2), 500);
 }
 
 #[test]
@@ -828,16 +815,25 @@ fn dense_gradients_match_finite_differences_and_accumulate() {
         let mut input_gradient = vec![f32::NAN; input.len()];
         let mut kernel_gradient = vec![0.0; kernel.len()];
         let mut bias_gradient = vec![0.0; out_features];
-        dense_backward(
-            batch,
-            in_features,
-            out_features,
-            &input,
-            &kernel,
-            &weights,
-            Some(&mut input_gradient),
+        // Each call adds to the parameter gradients and rewrites the input gradient.
+        let backward =
+            |input_gradient: &mut [f32], kernel_gradient: &mut [f32], bias_gradient: &mut [f32]| {
+                dense_backward(
+                    batch,
+                    in_features,
+                    out_features,
+                    &input,
+                    &kernel,
+                    &weights,
+                    Some(input_gradient),
+                    kernel_gradient,
+                    use_bias.then_some(bias_gradient),
+                )
+            };
+        backward(
+            &mut input_gradient,
             &mut kernel_gradient,
-            use_bias.then_some(&mut bias_gradient[..]),
+            &mut bias_gradient,
         );
         check_against_finite_differences(&name, &input, &input_gradient, 1e-2, |input| {
             loss(input, &kernel, bias.as_deref())
@@ -856,16 +852,10 @@ fn dense_gradients_match_finite_differences_and_accumulate() {
         let first_bias_gradient = bias_gradient.clone();
         let first_input_gradient = input_gradient.clone();
         input_gradient.fill(1e3);
-        dense_backward(
-            batch,
-            in_features,
-            out_features,
-            &input,
-            &kernel,
-            &weights,
-            Some(&mut input_gradient),
+        backward(
+            &mut input_gradient,
             &mut kernel_gradient,
-            use_bias.then_some(&mut bias_gradient[..]),
+            &mut bias_gradient,
         );
         let doubled = |values: &[f32]| values.iter().map(|value| value * 2.0).collect::<Vec<_>>();
         assert_close(&name, &input_gradient, &first_input_gradient, 1e-6);

@@ -2,72 +2,31 @@
 //! batch into micro-batches keeps the training, resuming is exact, a model learns, and a
 //! job that runs out of memory is unwound cleanly and then fits with the planner's config.
 
-use std::path::Path;
-
 use carve_core::estimator::estimate_job;
 use carve_core::plan::{RunConfig, compile_step_plan};
 use carve_core::shrink::{OomObservation, plan_shrink};
 use carve_core::spec::{DataFormat, Precision};
-use carve_core::validate::{
-    ValidatedJob, load_job_spec_toml, parse_job_spec_toml, validate_job_spec,
-};
+use carve_core::validate::{ValidatedJob, parse_job_spec_toml, validate_job_spec};
 use carve_engine::EngineError;
 use carve_engine::backend::OperationContext;
 use carve_engine::cpu::CpuBackend;
-use carve_engine::data::{DataSets, open_data_sets};
 use carve_engine::executor::Executor;
 use carve_engine::kernels::optimizer::LossScaler;
 use carve_engine::trainer::{TrainingOptions, TrainingReport, train};
+use carve_testing::examples::example_spec_files;
 
 mod support;
-use support::assert_close;
-
-fn job(text: &str) -> ValidatedJob {
-    load_job_spec_toml(text).unwrap_or_else(|error| panic!("{error}\n{text}"))
-}
-
-fn data(job: &ValidatedJob) -> DataSets {
-    open_data_sets(job, Path::new(".")).unwrap()
-}
+use support::{assert_close, data, job, options_with_config};
 
 fn options(job: &ValidatedJob) -> TrainingOptions {
-    let config = RunConfig::from_spec(&job.spec);
-    TrainingOptions {
-        config,
-        slice_bytes: estimate_job(job, &config).unwrap().required_bytes,
-        checkpoint_path: None,
-        resume_from: None,
-        stop_after_steps: None,
-    }
+    options_with_config(job, RunConfig::from_spec(&job.spec))
 }
 
 fn run(job: &ValidatedJob, options: &TrainingOptions) -> Result<TrainingReport, EngineError> {
     train(job, &data(job), options, &mut |_| {})
 }
 
-const SMALL_CNN: &str = r#"
-name = "small-cnn"
-[model]
-input_shape = [8, 8, 2]
-loss = "softmax_cross_entropy"
-layers = [
-  { conv2d = { filters = 4, kernel = 3, padding = "same" } },
-  { relu = {} },
-  { max_pool = { size = 2 } },
-  { conv2d = { filters = 6, kernel = 3 } },
-  { tanh = {} },
-  { flatten = {} },
-  { dense = { units = 3 } },
-]
-[training]
-batch_size = 64
-steps = 6
-optimizer = { sgd = { learning_rate = 0.05, momentum = 0.9 } }
-seed = 11
-[data]
-format = "synthetic"
-samples = 512
-"#;
+const SMALL_CNN: &str = include_str!("specs/small-cnn.toml");
 
 #[test]
 fn accumulating_four_micro_batches_gives_the_same_weights_as_one_batch() {
@@ -131,32 +90,7 @@ fn resuming_from_a_checkpoint_is_exact() {
 
 #[test]
 fn a_small_model_learns_well_above_chance() {
-    let text = r#"
-name = "learns"
-[model]
-input_shape = [8, 8, 1]
-loss = "softmax_cross_entropy"
-layers = [
-  { conv2d = { filters = 8, kernel = 3, padding = "same" } },
-  { batch_norm = {} },
-  { relu = {} },
-  { max_pool = { size = 2 } },
-  { flatten = {} },
-  { dense = { units = 32 } },
-  { relu = {} },
-  { dropout = { rate = 0.1 } },
-  { dense = { units = 4 } },
-]
-[training]
-batch_size = 32
-steps = 60
-optimizer = { adam = { learning_rate = 0.005 } }
-seed = 5
-[data]
-format = "synthetic"
-samples = 1024
-test_samples = 256
-"#;
+    let text = include_str!("specs/learns.toml");
     let job = job(text);
     let mut losses = Vec::new();
     let report = train(&job, &data(&job), &options(&job), &mut |progress| {
@@ -200,16 +134,7 @@ fn mixed_precision_trains_and_peaks_at_the_estimate() {
 /// the plan (and so the equality) is the same whatever the batch.
 #[test]
 fn every_example_peaks_exactly_at_its_estimate() {
-    let directory = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
-    let mut examples: Vec<_> = std::fs::read_dir(&directory)
-        .unwrap()
-        .map(|entry| entry.unwrap().path())
-        .filter(|path| {
-            path.extension()
-                .is_some_and(|extension| extension == "toml")
-        })
-        .collect();
-    examples.sort();
+    let examples = example_spec_files();
     assert!(examples.len() >= 6);
     for example in examples {
         let mut spec = parse_job_spec_toml(&std::fs::read_to_string(&example).unwrap()).unwrap();

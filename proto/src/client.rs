@@ -1,12 +1,19 @@
 //! What every program that talks to or runs a Carve server shares, so it is written once:
 //! the bearer token each call carries (`authorization: Bearer <secret>`, the one header
-//! the scheduler's `auth.rs` reads), and the shutdown signal the three binaries' servers
-//! and loops stop on.
+//! the scheduler's `auth.rs` reads), the authenticated channel to a scheduler (endpoint,
+//! TLS and that token), and the shutdown signal the three binaries' servers and loops
+//! stop on.
+
+use std::time::Duration;
 
 use tonic::Request;
 use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::ApiError;
+use crate::v1;
+use crate::v1::admin_service_client::AdminServiceClient;
 
 /// The metadata key the scheduler reads the token from.
 pub const AUTHORIZATION_METADATA_KEY: &str = "authorization";
@@ -48,6 +55,107 @@ impl tonic::service::Interceptor for BearerToken {
     fn call(&mut self, request: Request<()>) -> Result<Request<()>, tonic::Status> {
         Ok(self.authorize(request))
     }
+}
+
+/// A channel whose every call carries a bearer token: what `connect` opens, for the
+/// generated clients (`JobServiceClient::new(channel)`).
+pub type AuthenticatedChannel = InterceptedService<Channel, BearerToken>;
+
+/// Opens a channel to the scheduler at `endpoint` whose calls carry `token`. An https://
+/// endpoint is reached over TLS, trusting `ca_certificate_pem` (a private authority or a
+/// self-signed certificate) when given and the system's roots otherwise.
+///
+/// A malformed endpoint is an `InvalidArgument` on `endpoint`, an unusable certificate
+/// one on `ca_cert`; a scheduler that cannot be reached in `connect_timeout` is
+/// `Unavailable`, its message the innermost cause (the operating system's or the TLS
+/// library's words, where tonic's own say only "transport error").
+pub async fn connect(
+    endpoint: &str,
+    ca_certificate_pem: Option<&[u8]>,
+    token: BearerToken,
+    connect_timeout: Duration,
+) -> Result<AuthenticatedChannel, ApiError> {
+    let mut builder = Endpoint::from_shared(endpoint.to_string())
+        .map_err(|error| {
+            ApiError::invalid_argument(
+                "endpoint",
+                format!("{endpoint:?} is not an address: {error}"),
+            )
+        })?
+        .connect_timeout(connect_timeout);
+    if endpoint.starts_with("https://") {
+        let tls = match ca_certificate_pem {
+            Some(pem) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)),
+            None => ClientTlsConfig::new().with_native_roots(),
+        };
+        builder = builder.tls_config(tls).map_err(|error| {
+            ApiError::invalid_argument("ca_cert", format!("cannot set up tls: {error}"))
+        })?;
+    }
+    let channel = builder
+        .connect()
+        .await
+        .map_err(|error| ApiError::Unavailable(deepest_cause(&error)))?;
+    Ok(InterceptedService::new(channel, token))
+}
+
+/// The innermost cause of an error.
+fn deepest_cause(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut deepest = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        deepest = cause.to_string();
+        source = cause.source();
+    }
+    deepest
+}
+
+/// Creates `tenant` with `quota` (keeping one that exists already, as in a reused data
+/// directory) and one token for each of `roles`, in order, described by `description`;
+/// returns their secrets. `admin` must carry an admin token. A scheduler that was just
+/// started may answer UNAVAILABLE for a moment: the tenant is asked for again for up to
+/// 30 seconds.
+pub async fn create_tenant_with_tokens(
+    admin: AuthenticatedChannel,
+    tenant: &str,
+    quota: v1::Quota,
+    roles: &[v1::Role],
+    description: &str,
+) -> Result<Vec<String>, tonic::Status> {
+    let mut admin = AdminServiceClient::new(admin);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let created = admin
+            .create_tenant(v1::CreateTenantRequest {
+                name: tenant.into(),
+                quota: Some(quota),
+            })
+            .await;
+        match created {
+            Ok(_) => break,
+            Err(status) if status.code() == tonic::Code::AlreadyExists => break,
+            Err(status)
+                if status.code() == tonic::Code::Unavailable
+                    && std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(status) => return Err(status),
+        }
+    }
+    let mut secrets = Vec::with_capacity(roles.len());
+    for role in roles {
+        let created = admin
+            .create_token(v1::CreateTokenRequest {
+                tenant: tenant.into(),
+                role: *role as i32,
+                description: description.into(),
+                time_to_live: None,
+            })
+            .await?;
+        secrets.push(created.into_inner().secret);
+    }
+    Ok(secrets)
 }
 
 /// `message` as a request carrying `token`, for one-off calls.

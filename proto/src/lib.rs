@@ -12,7 +12,8 @@
 //!   types stop at the service handlers: core types carry no wire derives, and every
 //!   translation (with its field-named errors) lives here.
 //! - [`client`]: what the programs around the API share: [`client::BearerToken`] (the
-//!   `authorization` metadata, also as an interceptor) and [`client::shutdown_signal`].
+//!   `authorization` metadata, also as an interceptor), [`client::connect`] (the
+//!   authenticated channel to a scheduler) and [`client::shutdown_signal`].
 
 pub mod client;
 pub mod convert;

@@ -1,16 +1,28 @@
-//! Prometheus metrics: counters kept as atomics by the scheduler, gauges read from its
-//! live state at scrape time, served as the text exposition format over plain HTTP.
+//! Prometheus metrics: counters the scheduler bumps as things happen, gauges it reads
+//! from its live state at scrape time, written in the text exposition format by
+//! prometheus-client and served at `GET /metrics` by axum.
+//!
+//! This module knows nothing of the scheduler: whatever serves the page implements
+//! `MetricsSource` (the scheduler does, in `scheduler/views.rs`).
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
+use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
-
-use crate::scheduler::Scheduler;
 
 /// Upper bounds of the submit latency buckets, in seconds.
 const LATENCY_BUCKETS: [f64; 11] = [
@@ -18,20 +30,35 @@ const LATENCY_BUCKETS: [f64; 11] = [
 ];
 
 /// Counters the scheduler bumps as things happen.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Metrics {
-    pub submits_accepted: AtomicU64,
-    pub submits_rejected: AtomicU64,
-    pub placements: AtomicU64,
-    pub out_of_memory_reports: AtomicU64,
-    pub retries: AtomicU64,
-    pub attempts_lost: AtomicU64,
-    pub jobs_succeeded: AtomicU64,
-    pub jobs_failed: AtomicU64,
-    pub jobs_cancelled: AtomicU64,
-    latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
-    latency_count: AtomicU64,
-    latency_sum_micros: AtomicU64,
+    pub submits_accepted: Counter,
+    pub submits_rejected: Counter,
+    pub placements: Counter,
+    pub out_of_memory_reports: Counter,
+    pub retries: Counter,
+    pub attempts_lost: Counter,
+    pub jobs_succeeded: Counter,
+    pub jobs_failed: Counter,
+    pub jobs_cancelled: Counter,
+    submit_latency: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics {
+            submits_accepted: Counter::default(),
+            submits_rejected: Counter::default(),
+            placements: Counter::default(),
+            out_of_memory_reports: Counter::default(),
+            retries: Counter::default(),
+            attempts_lost: Counter::default(),
+            jobs_succeeded: Counter::default(),
+            jobs_failed: Counter::default(),
+            jobs_cancelled: Counter::default(),
+            submit_latency: Histogram::new(LATENCY_BUCKETS),
+        }
+    }
 }
 
 /// Gauges of one moment, by tenant.
@@ -58,127 +85,127 @@ pub struct ClusterGauges {
     pub log_lines_dropped: u64,
 }
 
+/// What the metrics page is read from: the counters, and the gauges of now.
+pub trait MetricsSource: Send + Sync + 'static {
+    fn metrics(&self) -> &Metrics;
+    fn cluster_gauges(&self) -> impl Future<Output = ClusterGauges> + Send;
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantLabel {
+    tenant: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerStateLabel {
+    state: &'static str,
+}
+
+type U64Gauge = Gauge<u64, std::sync::atomic::AtomicU64>;
+
 impl Metrics {
-    pub fn count(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
+    pub fn count(counter: &Counter) {
+        counter.inc();
     }
 
     pub fn observe_submit_latency(&self, latency: Duration) {
-        let seconds = latency.as_secs_f64();
-        for (bucket, bound) in self.latency_buckets.iter().zip(LATENCY_BUCKETS) {
-            if seconds <= bound {
-                bucket.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        self.latency_count.fetch_add(1, Ordering::Relaxed);
-        self.latency_sum_micros
-            .fetch_add(latency.as_micros() as u64, Ordering::Relaxed);
+        self.submit_latency.observe(latency.as_secs_f64());
     }
 
     /// The text exposition format.
     pub fn render(&self, gauges: &ClusterGauges) -> String {
         let mut text = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_text::encode(&mut text, &self.registry(gauges));
+        text
+    }
+
+    /// A registry of one scrape: the long-lived counters (clones share their values)
+    /// next to the gauges read now, so two scrapes at once never mix their readings.
+    fn registry(&self, gauges: &ClusterGauges) -> Registry {
+        let mut registry = Registry::default();
+        // Counter names lose their `_total` here: the encoder adds it back.
         let counters = [
             (
-                "carve_submits_accepted_total",
+                "carve_submits_accepted",
                 "jobs admitted",
                 &self.submits_accepted,
             ),
             (
-                "carve_submits_rejected_total",
+                "carve_submits_rejected",
                 "submits refused (bad spec, quota, does not fit)",
                 &self.submits_rejected,
             ),
             (
-                "carve_placements_total",
+                "carve_placements",
                 "attempts placed into a slice",
                 &self.placements,
             ),
             (
-                "carve_out_of_memory_total",
+                "carve_out_of_memory",
                 "attempts that ran out of memory",
                 &self.out_of_memory_reports,
             ),
             (
-                "carve_retries_total",
+                "carve_retries",
                 "jobs requeued with a smaller configuration",
                 &self.retries,
             ),
             (
-                "carve_attempts_lost_total",
+                "carve_attempts_lost",
                 "attempts lost with their worker",
                 &self.attempts_lost,
             ),
             (
-                "carve_jobs_succeeded_total",
+                "carve_jobs_succeeded",
                 "jobs that succeeded",
                 &self.jobs_succeeded,
             ),
+            ("carve_jobs_failed", "jobs that failed", &self.jobs_failed),
             (
-                "carve_jobs_failed_total",
-                "jobs that failed",
-                &self.jobs_failed,
-            ),
-            (
-                "carve_jobs_cancelled_total",
+                "carve_jobs_cancelled",
                 "jobs cancelled",
                 &self.jobs_cancelled,
             ),
         ];
         for (name, help, counter) in counters {
-            let _ = writeln!(
-                text,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                counter.load(Ordering::Relaxed)
-            );
+            registry.register(name, help, counter.clone());
         }
-        let _ = writeln!(
-            text,
-            "# HELP carve_submit_groups_committed_total submit transactions committed (each covers a group of submits)\n# TYPE carve_submit_groups_committed_total counter\ncarve_submit_groups_committed_total {}",
-            gauges.submit_groups_committed
-        );
-        let _ = writeln!(
-            text,
-            "# HELP carve_submit_jobs_committed_total submits answered from committed groups\n# TYPE carve_submit_jobs_committed_total counter\ncarve_submit_jobs_committed_total {}",
-            gauges.submit_jobs_committed
-        );
-        let _ = writeln!(
-            text,
-            "# HELP carve_queue_full_reads_total scheduling passes that read the whole queue (the first, and after the queue changed behind this scheduler)\n# TYPE carve_queue_full_reads_total counter\ncarve_queue_full_reads_total {}",
-            gauges.queue_full_reads
-        );
-        let _ = writeln!(
-            text,
-            "# HELP carve_log_lines_stored_total job log lines written to the store\n# TYPE carve_log_lines_stored_total counter\ncarve_log_lines_stored_total {}",
-            gauges.log_lines_stored
-        );
-        let _ = writeln!(
-            text,
-            "# HELP carve_log_lines_dropped_total job log lines dropped (writer behind, or refused by the database)\n# TYPE carve_log_lines_dropped_total counter\ncarve_log_lines_dropped_total {}",
-            gauges.log_lines_dropped
-        );
-        let _ = writeln!(
-            text,
-            "# HELP carve_submit_latency_seconds time from receiving a submit to its durable acknowledgement\n# TYPE carve_submit_latency_seconds histogram"
-        );
-        for (bucket, bound) in self.latency_buckets.iter().zip(LATENCY_BUCKETS) {
-            let _ = writeln!(
-                text,
-                "carve_submit_latency_seconds_bucket{{le=\"{bound}\"}} {}",
-                bucket.load(Ordering::Relaxed)
-            );
+        let read_at_scrape = [
+            (
+                "carve_submit_groups_committed",
+                "submit transactions committed (each covers a group of submits)",
+                gauges.submit_groups_committed,
+            ),
+            (
+                "carve_submit_jobs_committed",
+                "submits answered from committed groups",
+                gauges.submit_jobs_committed,
+            ),
+            (
+                "carve_queue_full_reads",
+                "scheduling passes that read the whole queue (the first, and after the queue changed behind this scheduler)",
+                gauges.queue_full_reads,
+            ),
+            (
+                "carve_log_lines_stored",
+                "job log lines written to the store",
+                gauges.log_lines_stored,
+            ),
+            (
+                "carve_log_lines_dropped",
+                "job log lines dropped (writer behind, or refused by the database)",
+                gauges.log_lines_dropped,
+            ),
+        ];
+        for (name, help, value) in read_at_scrape {
+            registry.register(name, help, ConstCounter::new(value));
         }
-        let count = self.latency_count.load(Ordering::Relaxed);
-        let _ = writeln!(
-            text,
-            "carve_submit_latency_seconds_bucket{{le=\"+Inf\"}} {count}"
+        registry.register(
+            "carve_submit_latency_seconds",
+            "time from receiving a submit to its durable acknowledgement",
+            self.submit_latency.clone(),
         );
-        let _ = writeln!(
-            text,
-            "carve_submit_latency_seconds_sum {}",
-            self.latency_sum_micros.load(Ordering::Relaxed) as f64 / 1e6
-        );
-        let _ = writeln!(text, "carve_submit_latency_seconds_count {count}");
         let per_tenant = [
             (
                 "carve_queued_jobs",
@@ -207,58 +234,96 @@ impl Metrics {
             ),
         ];
         for (name, help, values) in per_tenant {
-            let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} gauge");
+            let family = Family::<TenantLabel, U64Gauge>::default();
             for (tenant, value) in values {
-                let _ = writeln!(
-                    text,
-                    "{name}{{tenant=\"{}\"}} {value}",
-                    tenant.replace('"', "'")
-                );
+                family
+                    .get_or_create(&TenantLabel {
+                        tenant: tenant.clone(),
+                    })
+                    .set(*value);
             }
+            registry.register(name, help, family);
         }
-        let _ = writeln!(
-            text,
-            "# HELP carve_workers workers by state\n# TYPE carve_workers gauge\ncarve_workers{{state=\"ready\"}} {}\ncarve_workers{{state=\"lost\"}} {}",
-            gauges.workers_ready, gauges.workers_lost
-        );
-        text
+        let workers = Family::<WorkerStateLabel, U64Gauge>::default();
+        for (state, value) in [
+            ("ready", gauges.workers_ready),
+            ("lost", gauges.workers_lost),
+        ] {
+            workers
+                .get_or_create(&WorkerStateLabel { state })
+                .set(value);
+        }
+        registry.register("carve_workers", "workers by state", workers);
+        registry
     }
 }
 
-/// Serves `GET /metrics` until the task is dropped. Plain HTTP/1.1, one request per
-/// connection: all a Prometheus scraper needs.
-pub async fn serve_metrics(listener: TcpListener, scheduler: Arc<Scheduler>) {
-    loop {
-        let Ok((mut connection, _)) = listener.accept().await else {
-            continue;
+/// Serves `GET /metrics` until the task is dropped.
+pub async fn serve_metrics<Source: MetricsSource>(listener: TcpListener, source: Arc<Source>) {
+    let router = Router::new()
+        .route("/metrics", get(scrape::<Source>))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "only /metrics is served here\n") })
+        .with_state(source);
+    if let Err(error) = axum::serve(listener, router).await {
+        tracing::error!(%error, "the metrics server stopped");
+    }
+}
+
+async fn scrape<Source: MetricsSource>(State(source): State<Arc<Source>>) -> Response {
+    let gauges = source.cluster_gauges().await;
+    let text = source.metrics().render(&gauges);
+    (
+        [
+            (header::CONTENT_TYPE, prometheus_text::CONTENT_TYPE),
+            // One request per connection, as before axum served this page: scrapers
+            // that read the answer to the end of the connection keep working.
+            (header::CONNECTION, "close"),
+        ],
+        text,
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_page_keeps_its_names_types_and_labels() {
+        let metrics = Metrics::default();
+        Metrics::count(&metrics.submits_accepted);
+        metrics.observe_submit_latency(Duration::from_millis(3));
+        let mut gauges = ClusterGauges {
+            workers_ready: 2,
+            log_lines_stored: 7,
+            ..ClusterGauges::default()
         };
-        let scheduler = scheduler.clone();
-        tokio::spawn(async move {
-            let mut request = Vec::new();
-            let mut buffer = [0u8; 1024];
-            // Read the request head (bounded), then answer.
-            while !request.windows(4).any(|window| window == b"\r\n\r\n") && request.len() < 8192 {
-                match tokio::time::timeout(Duration::from_secs(5), connection.read(&mut buffer))
-                    .await
-                {
-                    Ok(Ok(read)) if read > 0 => request.extend_from_slice(&buffer[..read]),
-                    _ => return,
-                }
-            }
-            let head = String::from_utf8_lossy(&request);
-            let (status, body) = if head.starts_with("GET /metrics") {
-                ("200 OK", scheduler.render_metrics().await)
-            } else {
-                (
-                    "404 Not Found",
-                    "only /metrics is served here\n".to_string(),
-                )
-            };
-            let response = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = connection.write_all(response.as_bytes()).await;
-        });
+        gauges.queued_jobs.insert("alpha".to_string(), 4);
+        let text = metrics.render(&gauges);
+        let expected = [
+            "# HELP carve_submits_accepted_total jobs admitted.",
+            "# TYPE carve_submits_accepted_total counter",
+            "carve_submits_accepted_total 1",
+            "carve_jobs_failed_total 0",
+            "# TYPE carve_log_lines_stored_total counter",
+            "carve_log_lines_stored_total 7",
+            "# TYPE carve_submit_latency_seconds histogram",
+            "carve_submit_latency_seconds_bucket{le=\"0.002\"} 0",
+            "carve_submit_latency_seconds_bucket{le=\"0.005\"} 1",
+            "carve_submit_latency_seconds_bucket{le=\"1\"} 1",
+            "carve_submit_latency_seconds_bucket{le=\"+Inf\"} 1",
+            "carve_submit_latency_seconds_sum 0.003",
+            "carve_submit_latency_seconds_count 1",
+            "# TYPE carve_queued_jobs gauge",
+            "carve_queued_jobs{tenant=\"alpha\"} 4",
+            "# TYPE carve_workers gauge",
+            "carve_workers{state=\"ready\"} 2",
+            "carve_workers{state=\"lost\"} 0",
+        ];
+        let missing: Vec<&str> = expected
+            .into_iter()
+            .filter(|line| !text.lines().any(|got| got == *line))
+            .collect();
+        assert!(missing.is_empty(), "{missing:?} missing from:\n{text}");
     }
 }

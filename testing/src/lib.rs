@@ -27,6 +27,10 @@
 //! # A tenant on a running scheduler
 //!
 //! [`cluster::tenant_with_tokens`] creates a tenant and its tokens through the admin API.
+//!
+//! # The example specs
+//!
+//! [`examples::example_spec_files`] lists the repository's `examples/*.toml`.
 
 use std::fs;
 use std::io::Write;
@@ -41,6 +45,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use sqlx::Connection;
 
 pub mod cluster;
+pub mod examples;
 
 /// Why a [`PgServer`] could not start or serve: the message says what failed and, where
 /// it can, what to do about it.

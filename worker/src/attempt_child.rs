@@ -28,18 +28,38 @@ use crate::child_protocol::{
 };
 use crate::error::WorkerError;
 
-/// What the worker hands an attempt process.
-#[derive(Debug, Clone)]
+/// What the worker hands an attempt process: the `attempt` subcommand's flags, the same
+/// for `carve-worker attempt` and `carve attempt`.
+#[derive(Debug, Clone, clap::Args)]
 pub struct AttemptArguments {
     /// The job spec JSON, as submitted.
+    #[arg(long)]
     pub spec_file: PathBuf,
-    /// [`ConfigArgument`] as JSON.
+    /// The attempt's configuration (a `ConfigArgument`) as JSON.
+    #[arg(long)]
     pub config_json: String,
+    /// The slice's size in bytes.
+    #[arg(long)]
     pub slice_bytes: u64,
     /// Where to write checkpoints.
+    #[arg(long)]
     pub checkpoint: PathBuf,
     /// The checkpoint to resume from, if any.
+    #[arg(long)]
     pub resume: Option<PathBuf>,
+}
+
+/// The `attempt` subcommand of `program`: runs the attempt and turns its outcome into
+/// the process's exit code (the reason for a failure goes to stderr, which the worker
+/// forwards; stdout is the report channel, so nothing else is printed there).
+pub fn attempt_command(arguments: &AttemptArguments, program: &str) -> std::process::ExitCode {
+    match run_attempt(arguments) {
+        Ok(code) => std::process::ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(error) => {
+            eprintln!("{program} attempt: {error}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }
 
 fn emit(line: &ChildLine) {

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use carve_core::bytes::parse_byte_size;
-use carve_worker::attempt_child::{AttemptArguments, run_attempt};
+use carve_worker::attempt_child::{AttemptArguments, attempt_command};
 use carve_worker::gpus::parse_simulated_gpus;
 use carve_worker::worker::DEFAULT_CONTEXT_BYTES;
 use carve_worker::{WorkerConfig, run_worker};
@@ -58,18 +58,7 @@ struct Arguments {
 enum Command {
     /// Runs one attempt (started by the worker, not by people).
     #[command(hide = true)]
-    Attempt {
-        #[arg(long)]
-        spec_file: PathBuf,
-        #[arg(long)]
-        config_json: String,
-        #[arg(long)]
-        slice_bytes: u64,
-        #[arg(long)]
-        checkpoint: PathBuf,
-        #[arg(long)]
-        resume: Option<PathBuf>,
-    },
+    Attempt(AttemptArguments),
 }
 
 fn parse_byte_size_argument(text: &str) -> Result<u64, String> {
@@ -87,29 +76,9 @@ fn hostname() -> String {
 
 fn main() -> ExitCode {
     let arguments = Arguments::parse();
-    if let Some(Command::Attempt {
-        spec_file,
-        config_json,
-        slice_bytes,
-        checkpoint,
-        resume,
-    }) = arguments.command
-    {
+    if let Some(Command::Attempt(attempt)) = &arguments.command {
         // The attempt process: no logging setup, stdout is the report channel.
-        let attempt = AttemptArguments {
-            spec_file,
-            config_json,
-            slice_bytes,
-            checkpoint,
-            resume,
-        };
-        return match run_attempt(&attempt) {
-            Ok(code) => ExitCode::from(code as u8),
-            Err(error) => {
-                eprintln!("carve-worker attempt: {error}");
-                ExitCode::FAILURE
-            }
-        };
+        return attempt_command(attempt, "carve-worker");
     }
     match run(arguments) {
         Ok(()) => ExitCode::SUCCESS,

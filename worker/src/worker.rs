@@ -11,13 +11,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use carve_proto::ApiError;
+use carve_proto::client::{BearerToken, connect};
 use carve_proto::v1;
 use carve_proto::v1::worker_message::Body;
 use carve_proto::v1::worker_service_client::WorkerServiceClient;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::Request;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::attempt_process::{
     AttemptControl, AttemptLaunch, spawn_attempt_process, watch_attempt_process,
@@ -332,11 +332,6 @@ async fn find_real_gpus(
     }
 }
 
-fn authorized<T>(message: T, token: &str) -> Result<Request<T>, WorkerError> {
-    carve_proto::client::authorized_request(message, token)
-        .map_err(|_| WorkerError::invalid_setting("--token", "is not a valid header value"))
-}
-
 fn proto_duration(duration: Option<prost_types::Duration>) -> Option<Duration> {
     let duration = duration?;
     let seconds = u64::try_from(duration.seconds).ok()?;
@@ -360,47 +355,37 @@ impl Worker {
         incoming_reports: &mut mpsc::UnboundedReceiver<Body>,
         backoff: &mut Duration,
     ) -> Result<(), WorkerError> {
-        // tonic's transport error says only "transport error"; the why is in its sources.
-        let unreachable = |error: &dyn std::error::Error| {
-            let mut message = error.to_string();
-            let mut source = error.source();
-            while let Some(cause) = source {
-                message.push_str(": ");
-                message.push_str(&cause.to_string());
-                source = cause.source();
-            }
-            WorkerError::Scheduler(format!(
-                "cannot connect to {}: {message}",
+        let token = BearerToken::new(&self.config.token)
+            .map_err(|_| WorkerError::invalid_setting("--token", "is not a valid header value"))?;
+        let channel = connect(
+            &self.config.scheduler_url,
+            self.config.scheduler_ca_certificate_pem.as_deref(),
+            token,
+            Duration::from_secs(5),
+        )
+        .await
+        .map_err(|error| match error {
+            ApiError::InvalidArgument { field, reason } => WorkerError::invalid_setting(
+                if field == "ca_cert" {
+                    "--ca-cert"
+                } else {
+                    "--scheduler"
+                },
+                reason,
+            ),
+            other => WorkerError::Scheduler(format!(
+                "cannot connect to {}: {other}",
                 self.config.scheduler_url
-            ))
-        };
-        let mut endpoint = Endpoint::from_shared(self.config.scheduler_url.clone())
-            .map_err(|error| WorkerError::invalid_setting("--scheduler", error.to_string()))?;
-        if self.config.scheduler_url.starts_with("https://") {
-            let mut tls = ClientTlsConfig::new().with_native_roots();
-            if let Some(pem) = &self.config.scheduler_ca_certificate_pem {
-                tls = tls.ca_certificate(Certificate::from_pem(pem));
-            }
-            endpoint = endpoint
-                .tls_config(tls)
-                .map_err(|error| WorkerError::invalid_setting("--ca-cert", error.to_string()))?;
-        }
-        let channel: Channel = endpoint
-            .connect_timeout(Duration::from_secs(5))
-            .connect()
-            .await
-            .map_err(|error| unreachable(&error))?;
+            )),
+        })?;
         let mut client = WorkerServiceClient::new(channel);
         let registered = client
-            .register(authorized(
-                v1::RegisterWorkerRequest {
-                    hostname: self.config.hostname.clone(),
-                    gpus: self.gpus_proto(),
-                    version: env!("CARGO_PKG_VERSION").to_string(),
-                    previous_worker_id: self.worker_id.clone(),
-                },
-                &self.config.token,
-            )?)
+            .register(v1::RegisterWorkerRequest {
+                hostname: self.config.hostname.clone(),
+                gpus: self.gpus_proto(),
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                previous_worker_id: self.worker_id.clone(),
+            })
             .await
             .map_err(|status| WorkerError::Scheduler(format!("register: {}", status.message())))?
             .into_inner();
@@ -453,10 +438,7 @@ impl Worker {
                 .map_err(|_| closed())?;
         }
         let mut incoming = client
-            .session(authorized(
-                ReceiverStream::new(outgoing_stream),
-                &self.config.token,
-            )?)
+            .session(ReceiverStream::new(outgoing_stream))
             .await
             .map_err(|status| WorkerError::Scheduler(format!("session: {}", status.message())))?
             .into_inner();

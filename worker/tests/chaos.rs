@@ -14,13 +14,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use carve_engine::rng::Rng;
 use carve_proto::v1;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::SchedulerConfig;
 use carve_worker::leftover_processes::process_start_time;
-use tonic::Request;
 use tonic::transport::{Channel, Endpoint};
+
+mod support;
+use support::{
+    authorized, poll_until, process_command_lines, tiny_job_spec, worker_process_command,
+};
 
 const ADMIN: &str = "carve_chaos_test_admin_secret";
 /// Set in the environment of the scheduler process: its data directory.
@@ -88,20 +93,13 @@ fn run_scheduler_process(directory: &Path) {
     });
 }
 
-/// SplitMix64: the test's only randomness, from its seed.
-struct Random(u64);
+/// The test's only randomness, from its seed: SplitMix64 (carve-engine's [`Rng`]) reduced
+/// by plain modulo, so that a seed replays the run it always did.
+struct Random(Rng);
 
 impl Random {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
     fn below(&mut self, bound: u64) -> u64 {
-        self.next() % bound
+        self.0.next_u64() % bound
     }
 }
 
@@ -149,17 +147,17 @@ impl Processes {
             command.env(SCHEDULER_PORT, port.to_string());
         }
         self.scheduler = Some(command.spawn().unwrap());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let port = loop {
-            if let Some(port) = std::fs::read_to_string(&port_file)
-                .ok()
-                .and_then(|text| text.parse().ok())
-            {
-                break port;
-            }
-            assert!(Instant::now() < deadline, "the scheduler process starts");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let port = poll_until(
+            Duration::from_secs(30),
+            Duration::from_millis(20),
+            "the scheduler process starts",
+            || {
+                std::fs::read_to_string(&port_file)
+                    .ok()
+                    .and_then(|text| text.parse().ok())
+            },
+        )
+        .await;
         self.port = Some(port);
     }
 
@@ -171,24 +169,17 @@ impl Processes {
     }
 
     fn start_worker(&mut self, hostname: &'static str) {
-        let child = Command::new(env!("CARGO_BIN_EXE_carve-worker"))
-            .arg("--scheduler")
-            .arg(self.address())
-            .arg("--token")
-            .arg(&self.worker_tokens[hostname])
-            .arg("--sim-gpus")
-            .arg("1GiB")
-            .arg("--context-bytes")
-            .arg("64MiB")
-            .arg("--checkpoint-dir")
-            .arg(self.checkpoints())
-            .arg("--hostname")
-            .arg(hostname)
-            .env("RUST_LOG", "error")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
+        let child = worker_process_command(
+            &self.address(),
+            &self.worker_tokens[hostname],
+            &self.checkpoints(),
+            hostname,
+        )
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
         self.workers.insert(hostname, child);
     }
 
@@ -211,17 +202,9 @@ struct LiveAttempt {
 
 /// The attempt processes running now whose checkpoint is in `checkpoints`.
 fn live_attempts(checkpoints: &Path) -> Vec<LiveAttempt> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter_map(|process_id| {
-            let cmdline = std::fs::read(format!("/proc/{process_id}/cmdline")).ok()?;
-            let arguments: Vec<String> = cmdline
-                .split(|byte| *byte == 0)
-                .map(|argument| String::from_utf8_lossy(argument).into_owned())
-                .collect();
+    process_command_lines()
+        .into_iter()
+        .filter_map(|(process_id, arguments)| {
             if arguments.get(1).map(String::as_str) != Some("attempt") {
                 return None;
             }
@@ -285,28 +268,8 @@ fn watch_processes(
     })
 }
 
-fn authorized<T>(message: T, token: &str) -> Request<T> {
-    carve_proto::client::authorized_request(message, token).expect("a valid token")
-}
-
 fn job_spec(name: &str, steps: u64) -> String {
-    format!(
-        r#"{{
-  "name": "{name}",
-  "model": {{
-    "input_shape": [8, 8, 1],
-    "loss": "softmax_cross_entropy",
-    "layers": [
-      {{ "conv2d": {{ "filters": 8, "kernel": 3, "padding": "same" }} }},
-      {{ "relu": {{}} }},
-      {{ "flatten": {{}} }},
-      {{ "dense": {{ "units": 4 }} }}
-    ]
-  }},
-  "training": {{ "batch_size": 64, "steps": {steps}, "checkpoint_every_steps": 100, "optimizer": {{ "adam": {{ "learning_rate": 0.001 }} }} }},
-  "data": {{ "format": "synthetic", "samples": 256 }}
-}}"#
-    )
+    tiny_job_spec(name, steps, 100, "")
 }
 
 /// One call with a deadline: a killed scheduler must not hang the test.
@@ -402,7 +365,7 @@ async fn chaos(seed: u64) {
     let watch = Arc::new(Mutex::new(ProcessWatch::default()));
     let watcher = watch_processes(processes.checkpoints(), stop_watch.clone(), watch.clone());
 
-    let mut random = Random(seed);
+    let mut random = Random(Rng::new(seed));
     let mut acknowledged: Vec<String> = Vec::new();
     let mut submitted = 0u32;
     let mut actions: Vec<String> = Vec::new();

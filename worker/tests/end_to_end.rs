@@ -23,8 +23,12 @@ use carve_worker::leftover_processes::{
 use carve_worker::{StartedAttemptProcess, WorkerConfig, run_worker};
 use std::os::unix::process::CommandExt;
 use tokio::sync::{mpsc, oneshot};
-use tonic::Request;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
+
+mod support;
+use support::{
+    authorized, poll_until, process_command_lines, tiny_job_spec, worker_process_command,
+};
 
 const ADMIN: &str = "carve_worker_test_admin_secret";
 
@@ -34,29 +38,16 @@ const CONFIG_JSON: &str = r#"{"batch_size":64,"micro_batch_size":64,"precision":
 /// How long any one wait in these tests may take before the test fails.
 const WAIT: Duration = Duration::from_secs(60);
 
+/// How often most of these waits look again.
+const EVERY_20_MS: Duration = Duration::from_millis(20);
+
 /// A job small enough to train in well under a second; `steps` sets how long it runs.
 fn job_spec(name: &str, steps: u64, vram: Option<&str>) -> String {
     let resources = match vram {
         Some(vram) => format!(r#", "resources": {{ "vram": "{vram}" }}"#),
         None => String::new(),
     };
-    format!(
-        r#"{{
-  "name": "{name}",
-  "model": {{
-    "input_shape": [8, 8, 1],
-    "loss": "softmax_cross_entropy",
-    "layers": [
-      {{ "conv2d": {{ "filters": 8, "kernel": 3, "padding": "same" }} }},
-      {{ "relu": {{}} }},
-      {{ "flatten": {{}} }},
-      {{ "dense": {{ "units": 4 }} }}
-    ]
-  }},
-  "training": {{ "batch_size": 64, "steps": {steps}, "checkpoint_every_steps": 50, "optimizer": {{ "adam": {{ "learning_rate": 0.001 }} }} }},
-  "data": {{ "format": "synthetic", "samples": 256 }}{resources}
-}}"#
-    )
+    tiny_job_spec(name, steps, 50, &resources)
 }
 
 struct Cluster {
@@ -70,10 +61,6 @@ struct Cluster {
     directory: tempfile::TempDir,
     shutdown: oneshot::Sender<()>,
     server: tokio::task::JoinHandle<()>,
-}
-
-fn authorized<T>(message: T, token: &str) -> Request<T> {
-    carve_proto::client::authorized_request(message, token).expect("a valid token")
 }
 
 /// Starts the real scheduler on `listener` with its database in `directory`.
@@ -191,18 +178,16 @@ struct RunningWorker {
     _shutdown: oneshot::Sender<()>,
 }
 
-/// The real worker in-process; its attempts run `program` (the real binary, or a
-/// wrapper around it).
-fn start_worker(cluster: &Cluster, gpus: Vec<SimulatedGpu>, program: &Path) -> RunningWorker {
-    start_named_worker(cluster, "test-node", gpus, program)
+/// The real worker in-process with one simulated 1 GiB GPU; its attempts run `program`
+/// (the real binary, or a wrapper around it).
+fn start_worker(cluster: &Cluster, program: &Path) -> RunningWorker {
+    start_named_worker(cluster, "test-node", program)
 }
 
-fn start_named_worker(
-    cluster: &Cluster,
-    hostname: &str,
-    gpus: Vec<SimulatedGpu>,
-    program: &Path,
-) -> RunningWorker {
+fn start_named_worker(cluster: &Cluster, hostname: &str, program: &Path) -> RunningWorker {
+    let gpus = vec![SimulatedGpu {
+        total_bytes: 1 << 30,
+    }];
     let (observer, started_processes) = mpsc::unbounded_channel();
     let mut config = WorkerConfig::new(
         cluster.address.clone(),
@@ -240,39 +225,79 @@ fn worker_binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_carve-worker"))
 }
 
-fn one_gpu(bytes: u64) -> Vec<SimulatedGpu> {
-    vec![SimulatedGpu { total_bytes: bytes }]
+/// A cluster and its worker running the real binary.
+async fn cluster_with_worker() -> (Cluster, RunningWorker) {
+    let cluster = start_cluster().await;
+    let worker = start_worker(&cluster, &worker_binary());
+    (cluster, worker)
+}
+
+/// A cluster and its worker running the program `write_program` puts in the cluster's
+/// directory.
+async fn cluster_with_worker_running(
+    write_program: fn(&Path) -> PathBuf,
+) -> (Cluster, RunningWorker) {
+    let cluster = start_cluster().await;
+    let program = write_program(cluster.directory.path());
+    let worker = start_worker(&cluster, &program);
+    (cluster, worker)
+}
+
+/// Submits [`job_spec`]'s job without a vram request.
+async fn submit_tiny(cluster: &Cluster, name: &str, steps: u64) -> v1::Job {
+    submit(cluster, &job_spec(name, steps, None)).await
+}
+
+/// Submits [`job_spec`]'s job and waits until its attempt process has started on
+/// `worker` and the scheduler shows it running.
+async fn submit_and_start(
+    cluster: &Cluster,
+    worker: &mut RunningWorker,
+    name: &str,
+    steps: u64,
+) -> (v1::Job, StartedAttemptProcess) {
+    let job = submit_tiny(cluster, name, steps).await;
+    let process = next_process(worker).await;
+    wait_for_state(cluster, &job.id, v1::JobState::Running).await;
+    (job, process)
+}
+
+/// Where attempt `attempt_number` of `job` writes its checkpoint.
+fn attempt_checkpoint(cluster: &Cluster, job: &v1::Job, attempt_number: u32) -> PathBuf {
+    cluster
+        .checkpoints
+        .join(format!("{}.attempt-{attempt_number}.ckpt", job.id))
 }
 
 async fn submit(cluster: &Cluster, spec: &str) -> v1::Job {
-    JobServiceClient::new(cluster.channel.clone())
-        .submit_job(authorized(
-            v1::SubmitJobRequest {
-                spec_json: spec.into(),
-                idempotency_key: String::new(),
-            },
-            &cluster.user,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .job
-        .unwrap()
+    let request = v1::SubmitJobRequest {
+        spec_json: spec.into(),
+        idempotency_key: String::new(),
+    };
+    let response = JobServiceClient::new(cluster.channel.clone())
+        .submit_job(authorized(request, &cluster.user))
+        .await;
+    response.unwrap().into_inner().job.unwrap()
 }
 
 async fn get(cluster: &Cluster, job_id: &str) -> v1::Job {
-    JobServiceClient::new(cluster.channel.clone())
-        .get_job(authorized(
-            v1::GetJobRequest {
-                job_id: job_id.into(),
-            },
-            &cluster.user,
-        ))
+    let request = v1::GetJobRequest {
+        job_id: job_id.into(),
+    };
+    let response = JobServiceClient::new(cluster.channel.clone())
+        .get_job(authorized(request, &cluster.user))
+        .await;
+    response.unwrap().into_inner().job.unwrap()
+}
+
+/// The slices the scheduler shows now.
+async fn list_slices(cluster: &Cluster) -> Vec<v1::Slice> {
+    ClusterServiceClient::new(cluster.channel.clone())
+        .list_slices(authorized(v1::ListSlicesRequest::default(), &cluster.user))
         .await
         .unwrap()
         .into_inner()
-        .job
-        .unwrap()
+        .slices
 }
 
 /// Polls until `done` holds for the job; fails the test after [`WAIT`].
@@ -316,9 +341,8 @@ fn outcome(attempt: &v1::Attempt) -> v1::AttemptOutcome {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_job_trains_to_success_with_its_measured_peak_equal_to_the_estimate() {
-    let cluster = start_cluster().await;
-    let mut worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
-    let job = submit(&cluster, &job_spec("small", 20, None)).await;
+    let (cluster, mut worker) = cluster_with_worker().await;
+    let job = submit_tiny(&cluster, "small", 20).await;
     let process = next_process(&mut worker).await;
     assert_eq!(process.job_id, job.id);
     assert!(process.process_id > 0);
@@ -332,12 +356,7 @@ async fn a_small_job_trains_to_success_with_its_measured_peak_equal_to_the_estim
     assert!(attempt.slice_bytes >= estimate.peak_bytes);
     // The final checkpoint is the attempt's own file; its spec file and its process
     // record are gone.
-    assert!(
-        cluster
-            .checkpoints
-            .join(format!("{}.attempt-1.ckpt", job.id))
-            .is_file()
-    );
+    assert!(attempt_checkpoint(&cluster, &job, 1).is_file());
     let leftovers: Vec<_> = std::fs::read_dir(&cluster.checkpoints)
         .unwrap()
         .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
@@ -345,22 +364,22 @@ async fn a_small_job_trains_to_success_with_its_measured_peak_equal_to_the_estim
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
     let records = record_directory(&cluster.checkpoints, "test-node");
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while std::fs::read_dir(&records).unwrap().next().is_some() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the process record is removed"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    poll_until(WAIT, EVERY_20_MS, "the process record is removed", || {
+        std::fs::read_dir(&records)
+            .unwrap()
+            .next()
+            .is_none()
+            .then_some(())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_trusting_the_scheduler_s_certificate_runs_jobs_over_tls() {
     let cluster = start_cluster_with(Duration::from_secs(30), true).await;
     assert!(cluster.address.starts_with("https://"));
-    let _worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
-    let job = submit(&cluster, &job_spec("over-tls", 5, None)).await;
+    let _worker = start_worker(&cluster, &worker_binary());
+    let job = submit_tiny(&cluster, "over-tls", 5).await;
     let finished = wait_for_state(&cluster, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(finished.attempts.len(), 1);
 }
@@ -370,9 +389,8 @@ async fn a_vram_request_too_small_for_the_batch_runs_the_shrunk_config_inside_it
     // The scheduler shrinks a job whose explicit vram is too small at submit, before any
     // attempt, so this OOM never reaches a worker: what runs is the shrunk config, and
     // it must really fit the slice it was given.
-    let cluster = start_cluster().await;
-    let _worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
-    let roomy = submit(&cluster, &job_spec("roomy", 10, None)).await;
+    let (cluster, _worker) = cluster_with_worker().await;
+    let roomy = submit_tiny(&cluster, "roomy", 10).await;
     let needed = roomy.estimate.as_ref().unwrap().required_bytes;
     wait_for_state(&cluster, &roomy.id, v1::JobState::Succeeded).await;
     let vram = needed * 3 / 4;
@@ -390,15 +408,22 @@ async fn a_vram_request_too_small_for_the_batch_runs_the_shrunk_config_inside_it
     assert!(attempt.measured_peak_bytes.unwrap() <= attempt.slice_bytes);
 }
 
+/// Writes `text` to `path` as an executable script; returns the path.
+fn write_script(path: &Path, text: &str) -> PathBuf {
+    std::fs::write(path, text).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path.to_path_buf()
+}
+
 /// A wrapper around the worker binary that hands its first attempt process a quarter of
 /// its slice: what a real GPU does when the estimate is too low. Later attempts get
 /// their slice unchanged.
 fn wrapper_shrinking_the_first_slice(directory: &Path) -> PathBuf {
-    let script = directory.join("first-attempt-gets-a-quarter-slice.sh");
     let marker = directory.join("first-attempt-done");
-    std::fs::write(
-        &script,
-        format!(
+    write_script(
+        &directory.join("first-attempt-gets-a-quarter-slice.sh"),
+        &format!(
             r#"#!/bin/bash
 shrink=0
 if mkdir "{marker}" 2>/dev/null; then shrink=1; fi
@@ -415,18 +440,12 @@ exec "{program}" "${{arguments[@]}}"
             program = worker_binary().display()
         ),
     )
-    .unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-    script
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attempt_that_runs_out_of_memory_is_retried_with_the_planners_config_and_succeeds() {
-    let cluster = start_cluster().await;
-    let program = wrapper_shrinking_the_first_slice(cluster.directory.path());
-    let _worker = start_worker(&cluster, one_gpu(1 << 30), &program);
-    let job = submit(&cluster, &job_spec("squeezed", 10, None)).await;
+    let (cluster, _worker) = cluster_with_worker_running(wrapper_shrinking_the_first_slice).await;
+    let job = submit_tiny(&cluster, "squeezed", 10).await;
     let settled = wait_for_job(&cluster, &job.id, "settled after an oom", |job| {
         job.attempts
             .first()
@@ -458,21 +477,15 @@ async fn an_attempt_that_runs_out_of_memory_is_retried_with_the_planners_config_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_jobs_share_one_gpu_in_two_slices_and_cancel_stops_both() {
-    let cluster = start_cluster().await;
-    let mut worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
-    let first = submit(&cluster, &job_spec("first", 1_000_000, None)).await;
-    let second = submit(&cluster, &job_spec("second", 1_000_000, None)).await;
+    let (cluster, mut worker) = cluster_with_worker().await;
+    let first = submit_tiny(&cluster, "first", 1_000_000).await;
+    let second = submit_tiny(&cluster, "second", 1_000_000).await;
     next_process(&mut worker).await;
     next_process(&mut worker).await;
     for job in [&first, &second] {
         wait_for_state(&cluster, &job.id, v1::JobState::Running).await;
     }
-    let slices = ClusterServiceClient::new(cluster.channel.clone())
-        .list_slices(authorized(v1::ListSlicesRequest::default(), &cluster.user))
-        .await
-        .unwrap()
-        .into_inner()
-        .slices;
+    let slices = list_slices(&cluster).await;
     assert_eq!(slices.len(), 2, "{slices:#?}");
     assert!(
         slices
@@ -508,12 +521,7 @@ async fn two_jobs_share_one_gpu_in_two_slices_and_cancel_stops_both() {
     }
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let slices = ClusterServiceClient::new(cluster.channel.clone())
-            .list_slices(authorized(v1::ListSlicesRequest::default(), &cluster.user))
-            .await
-            .unwrap()
-            .into_inner()
-            .slices;
+        let slices = list_slices(&cluster).await;
         if slices.is_empty() {
             break;
         }
@@ -525,28 +533,19 @@ async fn two_jobs_share_one_gpu_in_two_slices_and_cancel_stops_both() {
 /// Waits until `file` exists, then a moment for the report that names it to reach the
 /// scheduler.
 async fn wait_for_checkpoint(file: &Path) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !file.is_file() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{} is written",
-            file.display()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let written = format!("{} is written", file.display());
+    poll_until(WAIT, Duration::from_millis(10), &written, || {
+        file.is_file().then_some(())
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attempt_process_killed_from_outside_is_interrupted_and_resumes_from_its_checkpoint() {
-    let cluster = start_cluster().await;
-    let mut worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
-    let job = submit(&cluster, &job_spec("interrupted", 400, None)).await;
-    let process = next_process(&mut worker).await;
-    wait_for_state(&cluster, &job.id, v1::JobState::Running).await;
-    let checkpoint = cluster
-        .checkpoints
-        .join(format!("{}.attempt-1.ckpt", job.id));
+    let (cluster, mut worker) = cluster_with_worker().await;
+    let (job, process) = submit_and_start(&cluster, &mut worker, "interrupted", 400).await;
+    let checkpoint = attempt_checkpoint(&cluster, &job, 1);
     wait_for_checkpoint(&checkpoint).await;
     send_signal("-KILL", process.process_id);
     // An infrastructure failure, not the program's: the job goes back to the queue and
@@ -572,33 +571,21 @@ async fn an_attempt_process_killed_from_outside_is_interrupted_and_resumes_from_
         .expect("resumed from a checkpoint");
     assert_eq!(resumed_from.location, checkpoint.display().to_string());
     // The second attempt wrote its own file; the first one's is as it left it.
-    assert!(
-        cluster
-            .checkpoints
-            .join(format!("{}.attempt-2.ckpt", job.id))
-            .is_file()
-    );
+    assert!(attempt_checkpoint(&cluster, &job, 2).is_file());
 }
 
 /// A program that fails by itself: exit code 1 with a reason on stderr.
 fn failing_program(directory: &Path) -> PathBuf {
-    let script = directory.join("fails.sh");
-    std::fs::write(
-        &script,
+    write_script(
+        &directory.join("fails.sh"),
         "#!/bin/bash\necho 'the data set is unreadable' >&2\nexit 1\n",
     )
-    .unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-    script
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attempt_process_that_fails_by_itself_fails_the_job_without_a_retry() {
-    let cluster = start_cluster().await;
-    let program = failing_program(cluster.directory.path());
-    let _worker = start_worker(&cluster, one_gpu(1 << 30), &program);
-    let job = submit(&cluster, &job_spec("broken", 10, None)).await;
+    let (cluster, _worker) = cluster_with_worker_running(failing_program).await;
+    let job = submit_tiny(&cluster, "broken", 10).await;
     let failed = wait_for_state(&cluster, &job.id, v1::JobState::Failed).await;
     assert_eq!(failed.attempts.len(), 1, "{failed:#?}");
     let attempt = &failed.attempts[0];
@@ -617,82 +604,56 @@ async fn an_attempt_process_that_fails_by_itself_fails_the_job_without_a_retry()
 /// checkpoint directory), that are still running (not zombies).
 fn attempt_processes_in(directory: &Path) -> Vec<u32> {
     let needle = directory.display().to_string();
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|process_id| {
-            std::fs::read(format!("/proc/{process_id}/cmdline")).is_ok_and(|cmdline| {
-                let arguments: Vec<String> = cmdline
-                    .split(|byte| *byte == 0)
-                    .map(|argument| String::from_utf8_lossy(argument).into_owned())
-                    .collect();
-                arguments.iter().any(|argument| argument == "attempt")
-                    && arguments.iter().any(|argument| argument.contains(&needle))
-            })
+    process_command_lines()
+        .into_iter()
+        .filter(|(_, arguments)| {
+            arguments.iter().any(|argument| argument == "attempt")
+                && arguments.iter().any(|argument| argument.contains(&needle))
         })
+        .map(|(process_id, _)| process_id)
         .filter(|process_id| process_start_time(*process_id).is_some())
         .collect()
 }
 
 /// The real `carve-worker` binary as its own process, with one simulated GPU.
 fn start_worker_process(cluster: &Cluster, hostname: &str) -> std::process::Child {
-    std::process::Command::new(worker_binary())
-        .arg("--scheduler")
-        .arg(&cluster.address)
-        .arg("--token")
-        .arg(&cluster.worker_token)
-        .arg("--sim-gpus")
-        .arg("1GiB")
-        .arg("--context-bytes")
-        .arg("64MiB")
-        .arg("--checkpoint-dir")
-        .arg(&cluster.checkpoints)
-        .arg("--hostname")
-        .arg(hostname)
-        .env("RUST_LOG", "warn")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap()
+    worker_process_command(
+        &cluster.address,
+        &cluster.worker_token,
+        &cluster.checkpoints,
+        hostname,
+    )
+    .env("RUST_LOG", "warn")
+    .stdin(std::process::Stdio::null())
+    .stdout(std::process::Stdio::null())
+    .spawn()
+    .unwrap()
 }
 
 /// Waits until none of `processes` runs any more; fails the test after `limit`.
 async fn wait_until_gone(processes: &[u32], limit: Duration, what: &str) {
-    let deadline = tokio::time::Instant::now() + limit;
-    while processes
-        .iter()
-        .any(|process_id| process_start_time(*process_id).is_some())
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: {processes:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let what = format!("{what}: {processes:?}");
+    poll_until(limit, EVERY_20_MS, &what, || {
+        processes
+            .iter()
+            .all(|process_id| process_start_time(*process_id).is_none())
+            .then_some(())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_worker_process_takes_its_attempt_process_down_with_it() {
     let cluster = start_cluster().await;
     let mut worker = start_worker_process(&cluster, "doomed-node");
-    let job = submit(&cluster, &job_spec("orphan", 1_000_000, None)).await;
+    let job = submit_tiny(&cluster, "orphan", 1_000_000).await;
     wait_for_state(&cluster, &job.id, v1::JobState::Running).await;
-    let deadline = tokio::time::Instant::now() + WAIT;
-    let attempts = loop {
-        let attempts = attempt_processes_in(&cluster.checkpoints);
-        if !attempts.is_empty() {
-            break attempts;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the attempt process runs"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let attempts = poll_until(WAIT, EVERY_20_MS, "the attempt process runs", || {
+        Some(attempt_processes_in(&cluster.checkpoints)).filter(|attempts| !attempts.is_empty())
+    })
+    .await;
     assert_eq!(attempts.len(), 1);
-    let checkpoint = cluster
-        .checkpoints
-        .join(format!("{}.attempt-1.ckpt", job.id));
+    let checkpoint = attempt_checkpoint(&cluster, &job, 1);
     wait_for_checkpoint(&checkpoint).await;
     worker.kill().unwrap();
     worker.wait().unwrap();
@@ -736,17 +697,10 @@ async fn a_restarted_worker_kills_the_attempt_processes_its_previous_life_left()
     )
     .unwrap();
     let mut worker = start_worker_process(&cluster, "restarted-node");
-    let deadline = tokio::time::Instant::now() + WAIT;
-    let status = loop {
-        if let Some(status) = leftover.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the leftover is killed"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let status = poll_until(WAIT, EVERY_20_MS, "the leftover is killed", || {
+        leftover.try_wait().unwrap()
+    })
+    .await;
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(status.signal(), Some(9));
     assert!(!file.exists());
@@ -754,29 +708,42 @@ async fn a_restarted_worker_kills_the_attempt_processes_its_previous_life_left()
     worker.wait().unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_attempt_process_whose_stdout_closes_stops() {
-    let directory = tempfile::tempdir().unwrap();
-    let spec_file = directory.path().join("spec.json");
-    // No checkpoints and rare progress lines: only the watch over stdout notices.
-    std::fs::write(
-        &spec_file,
-        job_spec("unread", 1_000_000, None).replace(
-            r#""checkpoint_every_steps": 50"#,
-            r#""checkpoint_every_steps": 0"#,
-        ),
-    )
-    .unwrap();
-    let mut child = std::process::Command::new(worker_binary())
+/// Writes `spec` to `spec.json` in `directory`; returns its path.
+fn write_spec_file(directory: &Path, spec: &str) -> PathBuf {
+    let spec_file = directory.join("spec.json");
+    std::fs::write(&spec_file, spec).unwrap();
+    spec_file
+}
+
+/// The attempt process on its own, as the worker starts it: `spec_file` trained with
+/// [`CONFIG_JSON`] in a slice of `slice_bytes`, checkpointing to `checkpoint`.
+fn attempt_command(spec_file: &Path, slice_bytes: u64, checkpoint: &Path) -> std::process::Command {
+    let mut command = std::process::Command::new(worker_binary());
+    command
         .arg("attempt")
         .arg("--spec-file")
-        .arg(&spec_file)
+        .arg(spec_file)
         .arg("--config-json")
         .arg(CONFIG_JSON)
         .arg("--slice-bytes")
-        .arg((1u64 << 30).to_string())
+        .arg(slice_bytes.to_string())
         .arg("--checkpoint")
-        .arg(directory.path().join("unread.ckpt"))
+        .arg(checkpoint);
+    command
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_process_whose_stdout_closes_stops() {
+    let directory = tempfile::tempdir().unwrap();
+    // No checkpoints and rare progress lines: only the watch over stdout notices.
+    let spec_file = write_spec_file(
+        directory.path(),
+        &job_spec("unread", 1_000_000, None).replace(
+            r#""checkpoint_every_steps": 50"#,
+            r#""checkpoint_every_steps": 0"#,
+        ),
+    );
+    let mut child = attempt_command(&spec_file, 1 << 30, &directory.path().join("unread.ckpt"))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -805,8 +772,7 @@ async fn an_attempt_process_whose_parent_dies_stops() {
     // Started by a shell that exits a second later, without the parent-death signal the
     // worker arms: the process's own watch notices its new parent.
     let directory = tempfile::tempdir().unwrap();
-    let spec_file = directory.path().join("spec.json");
-    std::fs::write(&spec_file, job_spec("reparented", 1_000_000, None)).unwrap();
+    let spec_file = write_spec_file(directory.path(), &job_spec("reparented", 1_000_000, None));
     let stderr_file = directory.path().join("stderr");
     let output = std::process::Command::new("sh")
         .arg("-c")
@@ -839,18 +805,9 @@ async fn an_attempt_process_whose_parent_dies_stops() {
 async fn the_attempt_process_alone_reports_an_oom_and_exits_with_3() {
     // The child side on its own: a slice far too small for the batch.
     let directory = tempfile::tempdir().unwrap();
-    let spec_file = directory.path().join("spec.json");
-    std::fs::write(&spec_file, job_spec("alone", 5, None)).unwrap();
-    let output = tokio::process::Command::new(worker_binary())
-        .arg("attempt")
-        .arg("--spec-file")
-        .arg(&spec_file)
-        .arg("--config-json")
-        .arg(CONFIG_JSON)
-        .arg("--slice-bytes")
-        .arg("4096")
-        .arg("--checkpoint")
-        .arg(directory.path().join("alone.ckpt"))
+    let spec_file = write_spec_file(directory.path(), &job_spec("alone", 5, None));
+    let attempt = attempt_command(&spec_file, 4096, &directory.path().join("alone.ckpt"));
+    let output = tokio::process::Command::from(attempt)
         .output()
         .await
         .unwrap();
@@ -878,59 +835,31 @@ fn send_signal(signal: &str, process_id: u32) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attempt_that_finishes_while_the_scheduler_is_down_is_recorded_after_the_reconnect() {
-    let cluster = start_cluster().await;
-    let mut worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
-    let job = submit(&cluster, &job_spec("across-a-restart", 1000, None)).await;
-    let process = next_process(&mut worker).await;
-    wait_for_state(&cluster, &job.id, v1::JobState::Running).await;
+    let (mut cluster, mut worker) = cluster_with_worker().await;
+    let (job, process) = submit_and_start(&cluster, &mut worker, "across-a-restart", 1000).await;
     // Hold the attempt still (it trains for seconds) so that it cannot finish before the
     // scheduler is gone.
     send_signal("-STOP", process.process_id);
-    let Cluster {
-        channel,
-        address,
-        certificate_pem,
-        user,
-        worker_token,
-        checkpoints,
-        directory,
-        shutdown,
-        server,
-    } = cluster;
-    drop(channel);
-    let _ = shutdown.send(());
-    tokio::time::timeout(WAIT, server)
+    // The scheduler's parts are moved out of the cluster here and put back at the restart.
+    drop(cluster.channel);
+    let _ = cluster.shutdown.send(());
+    tokio::time::timeout(WAIT, cluster.server)
         .await
         .expect("the scheduler stops")
         .unwrap();
     // The attempt finishes with nobody to tell: its reports wait in the worker.
     send_signal("-CONT", process.process_id);
     let process_directory = PathBuf::from(format!("/proc/{}", process.process_id));
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while process_directory.exists() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the attempt process ends"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    poll_until(WAIT, EVERY_20_MS, "the attempt process ends", || {
+        (!process_directory.exists()).then_some(())
+    })
+    .await;
     // The scheduler comes back on the same address with the same database.
-    let listener = tokio::net::TcpListener::bind(address.trim_start_matches("http://"))
+    let listener = tokio::net::TcpListener::bind(cluster.address.trim_start_matches("http://"))
         .await
         .unwrap();
-    let (channel, shutdown, server) =
-        start_scheduler(directory.path(), listener, Duration::from_secs(30)).await;
-    let cluster = Cluster {
-        channel,
-        address,
-        certificate_pem,
-        user,
-        worker_token,
-        checkpoints,
-        directory,
-        shutdown,
-        server,
-    };
+    (cluster.channel, cluster.shutdown, cluster.server) =
+        start_scheduler(cluster.directory.path(), listener, Duration::from_secs(30)).await;
     let finished = wait_for_state(&cluster, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(finished.attempts.len(), 1, "{finished:#?}");
     let attempt = &finished.attempts[0];
@@ -946,21 +875,15 @@ async fn an_attempt_that_finishes_while_the_scheduler_is_down_is_recorded_after_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_worker_s_attempt_resumes_from_its_checkpoint_on_another_worker() {
     let cluster = start_cluster_with_lease(Duration::from_millis(800)).await;
-    let mut first_worker =
-        start_named_worker(&cluster, "first-node", one_gpu(1 << 30), &worker_binary());
-    let job = submit(&cluster, &job_spec("moving", 400, None)).await;
-    next_process(&mut first_worker).await;
-    wait_for_state(&cluster, &job.id, v1::JobState::Running).await;
+    let mut first_worker = start_named_worker(&cluster, "first-node", &worker_binary());
+    let (job, _) = submit_and_start(&cluster, &mut first_worker, "moving", 400).await;
     // A checkpoint every 50 steps: wait for the first one on disk, then a moment for
     // its report to reach the scheduler.
-    let checkpoint = cluster
-        .checkpoints
-        .join(format!("{}.attempt-1.ckpt", job.id));
+    let checkpoint = attempt_checkpoint(&cluster, &job, 1);
     wait_for_checkpoint(&checkpoint).await;
     // The first worker dies with its attempt; its lease runs out.
     drop(first_worker);
-    let mut second_worker =
-        start_named_worker(&cluster, "second-node", one_gpu(1 << 30), &worker_binary());
+    let mut second_worker = start_named_worker(&cluster, "second-node", &worker_binary());
     next_process(&mut second_worker).await;
     let finished = wait_for_state(&cluster, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(finished.attempts.len(), 2, "{finished:#?}");
@@ -977,11 +900,8 @@ async fn a_lost_worker_s_attempt_resumes_from_its_checkpoint_on_another_worker()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_worker_finishes_what_runs_and_starts_nothing_new() {
-    let cluster = start_cluster().await;
-    let mut worker = start_worker(&cluster, one_gpu(1 << 30), &worker_binary());
-    let running = submit(&cluster, &job_spec("running", 300, None)).await;
-    next_process(&mut worker).await;
-    wait_for_state(&cluster, &running.id, v1::JobState::Running).await;
+    let (cluster, mut worker) = cluster_with_worker().await;
+    let (running, _) = submit_and_start(&cluster, &mut worker, "running", 300).await;
     let mut clusters = ClusterServiceClient::new(cluster.channel.clone());
     let workers = clusters
         .list_workers(authorized(v1::ListWorkersRequest::default(), &cluster.user))
@@ -1000,7 +920,7 @@ async fn a_drained_worker_finishes_what_runs_and_starts_nothing_new() {
         ))
         .await
         .unwrap();
-    let waiting = submit(&cluster, &job_spec("waiting", 10, None)).await;
+    let waiting = submit_tiny(&cluster, "waiting", 10).await;
     let finished = wait_for_state(&cluster, &running.id, v1::JobState::Succeeded).await;
     assert_eq!(
         outcome(&finished.attempts[0]),

@@ -250,10 +250,10 @@ pub async fn admin(arguments: AdminArguments) -> Result<ExitCode> {
             };
             let tenant = connection
                 .admin()
-                .create_tenant(connection.request(v1::CreateTenantRequest {
+                .create_tenant(v1::CreateTenantRequest {
                     name: name.clone(),
                     quota: Some(quota),
-                })?)
+                })
                 .await
                 .map_err(|status| {
                     connection.failure(&status, &format!("cannot create tenant {name}"))
@@ -294,10 +294,10 @@ pub async fn admin(arguments: AdminArguments) -> Result<ExitCode> {
             }
             let updated = connection
                 .admin()
-                .set_quota(connection.request(v1::SetQuotaRequest {
+                .set_quota(v1::SetQuotaRequest {
                     tenant: tenant.clone(),
                     quota: Some(quota),
-                })?)
+                })
                 .await
                 .map_err(|status| {
                     connection.failure(&status, &format!("cannot set the quota of {tenant}"))
@@ -315,7 +315,7 @@ pub async fn admin(arguments: AdminArguments) -> Result<ExitCode> {
 async fn list_tenants(connection: &Connection) -> Result<v1::ListTenantsResponse> {
     Ok(connection
         .admin()
-        .list_tenants(connection.request(v1::ListTenantsRequest {})?)
+        .list_tenants(v1::ListTenantsRequest {})
         .await
         .map_err(|status| connection.failure(&status, "cannot list tenants"))?
         .into_inner())
@@ -396,10 +396,10 @@ async fn tokens(connection: &Connection, action: TokenAction) -> Result<()> {
             output,
         } => {
             let tokens = client
-                .list_tokens(connection.request(v1::ListTokensRequest {
+                .list_tokens(v1::ListTokensRequest {
                     tenant: tenant.unwrap_or_default(),
                     include_inactive: all,
-                })?)
+                })
                 .await
                 .map_err(|status| connection.failure(&status, "cannot list tokens"))?
                 .into_inner();
@@ -452,12 +452,12 @@ async fn tokens(connection: &Connection, action: TokenAction) -> Result<()> {
             output,
         } => {
             let created = client
-                .create_token(connection.request(v1::CreateTokenRequest {
+                .create_token(v1::CreateTokenRequest {
                     tenant: tenant.unwrap_or_default(),
                     role: v1::Role::from(role) as i32,
                     description: name.unwrap_or_default(),
                     time_to_live: ttl,
-                })?)
+                })
                 .await
                 .map_err(|status| connection.failure(&status, "cannot create a token"))?
                 .into_inner();
@@ -480,9 +480,9 @@ async fn tokens(connection: &Connection, action: TokenAction) -> Result<()> {
         }
         TokenAction::Revoke { id, output } => {
             let revoked = client
-                .revoke_token(connection.request(v1::RevokeTokenRequest {
+                .revoke_token(v1::RevokeTokenRequest {
                     token_id: id.clone(),
-                })?)
+                })
                 .await
                 .map_err(|status| connection.failure(&status, &format!("cannot revoke {id}")))?
                 .into_inner()

@@ -51,10 +51,10 @@ pub async fn cluster(arguments: ClusterArguments) -> Result<ExitCode> {
         Some(ClusterAction::Drain { worker, reason }) => {
             let drained = connection
                 .cluster()
-                .drain_worker(connection.request(v1::DrainWorkerRequest {
+                .drain_worker(v1::DrainWorkerRequest {
                     worker_id: worker.clone(),
                     reason: reason.unwrap_or_default(),
-                })?)
+                })
                 .await
                 .map_err(|status| connection.failure(&status, &format!("cannot drain {worker}")))?
                 .into_inner()
@@ -69,9 +69,9 @@ pub async fn cluster(arguments: ClusterArguments) -> Result<ExitCode> {
         Some(ClusterAction::Undrain { worker }) => {
             let undrained = connection
                 .cluster()
-                .undrain_worker(connection.request(v1::UndrainWorkerRequest {
+                .undrain_worker(v1::UndrainWorkerRequest {
                     worker_id: worker.clone(),
-                })?)
+                })
                 .await
                 .map_err(|status| connection.failure(&status, &format!("cannot undrain {worker}")))?
                 .into_inner()
@@ -94,7 +94,7 @@ fn print_worker_change(worker: &v1::Worker, output: OutputFormat, what: &str) ->
 async fn show(connection: &Connection, output: OutputFormat) -> Result<ExitCode> {
     let workers = connection
         .cluster()
-        .list_workers(connection.request(v1::ListWorkersRequest { states: Vec::new() })?)
+        .list_workers(v1::ListWorkersRequest { states: Vec::new() })
         .await
         .map_err(|status| connection.failure(&status, "cannot list workers"))?
         .into_inner();
@@ -135,12 +135,10 @@ async fn show(connection: &Connection, output: OutputFormat) -> Result<ExitCode>
 /// label the bars, so a caller who may not list jobs still gets the picture, with ids.
 async fn running_job_names(connection: &Connection) -> HashMap<String, String> {
     let mut names = HashMap::new();
-    let Ok(request) = connection.request(v1::ListJobsRequest {
+    let request = v1::ListJobsRequest {
         states: vec![v1::JobState::Placed as i32, v1::JobState::Running as i32],
         page_size: 1000,
         ..v1::ListJobsRequest::default()
-    }) else {
-        return names;
     };
     if let Ok(response) = connection.jobs().list_jobs(request).await {
         for job in response.into_inner().jobs {

@@ -10,12 +10,13 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use carve_proto::ApiError;
+use carve_proto::client::{AuthenticatedChannel, BearerToken, connect};
+use carve_proto::v1;
 use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use serde::Deserialize;
-use tonic::Request;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use super::failure::{ClientFailure, FailureKind, lower_os_error, status_failure};
 
@@ -177,79 +178,66 @@ pub fn normalize_endpoint(text: &str) -> Result<String, ClientFailure> {
     Ok(endpoint)
 }
 
-/// Opens a channel to `endpoint`, with TLS for https:// (trusting `ca_cert`, or the
-/// system's roots without it). Failing to connect is a [`FailureKind::CannotConnect`].
-pub async fn connect_channel(endpoint: &str, ca_cert: Option<&Path>) -> Result<Channel> {
-    let mut builder = Endpoint::from_shared(endpoint.to_string())
-        .map_err(|error| {
-            ClientFailure::new(
+/// Opens a channel to `endpoint` whose calls carry `token`, with TLS for https://
+/// (trusting `ca_cert`, or the system's roots without it). A token that cannot be a
+/// header is an authentication failure; failing to connect is a
+/// [`FailureKind::CannotConnect`].
+pub async fn connect_channel(
+    endpoint: &str,
+    ca_cert: Option<&Path>,
+    token: &str,
+) -> Result<AuthenticatedChannel> {
+    let token = BearerToken::new(token)
+        .map_err(|error| ClientFailure::new(FailureKind::Authentication, error.to_string()))?;
+    let ca_certificate_pem = match ca_cert {
+        Some(path) if endpoint.starts_with("https://") => Some(
+            std::fs::read(path)
+                .with_context(|| format!("cannot read the ca certificate {}", path.display()))?,
+        ),
+        Some(path) => {
+            return Err(ClientFailure::new(
                 FailureKind::InvalidArgument,
-                format!("endpoint: {endpoint:?} is not an address: {error}"),
+                format!(
+                    "ca_cert: {} is given but the endpoint {endpoint} is not https://",
+                    path.display()
+                ),
             )
-        })?
-        .connect_timeout(CONNECT_TIMEOUT);
-    if endpoint.starts_with("https://") {
-        let tls = match ca_cert {
-            Some(path) => {
-                let pem = std::fs::read(path).with_context(|| {
-                    format!("cannot read the ca certificate {}", path.display())
-                })?;
-                ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem))
-            }
-            None => ClientTlsConfig::new().with_native_roots(),
-        };
-        builder = builder
-            .tls_config(tls)
-            .with_context(|| format!("cannot set up tls for {endpoint}"))?;
-    } else if let Some(path) = ca_cert {
-        return Err(ClientFailure::new(
-            FailureKind::InvalidArgument,
-            format!(
-                "ca_cert: {} is given but the endpoint {endpoint} is not https://",
-                path.display()
-            ),
-        )
-        .into());
-    }
-    builder.connect().await.map_err(|error| {
-        let cause = deepest_cause(&error);
-        let advice = if cause.contains("certificate") {
-            "is --ca-cert the authority that signed the scheduler's certificate?"
-        } else {
-            "is it running? set --endpoint or CARVE_ENDPOINT"
-        };
-        anyhow::Error::new(ClientFailure::new(
-            FailureKind::CannotConnect,
-            format!("cannot reach the scheduler at {endpoint}: {cause} ({advice})"),
-        ))
+            .into());
+        }
+        None => None,
+    };
+    connect(
+        endpoint,
+        ca_certificate_pem.as_deref(),
+        token,
+        CONNECT_TIMEOUT,
+    )
+    .await
+    .map_err(|error| match error {
+        ApiError::Unavailable(cause) => {
+            let advice = if cause.contains("certificate") {
+                "is --ca-cert the authority that signed the scheduler's certificate?"
+            } else {
+                "is it running? set --endpoint or CARVE_ENDPOINT"
+            };
+            ClientFailure::new(
+                FailureKind::CannotConnect,
+                format!(
+                    "cannot reach the scheduler at {endpoint}: {} ({advice})",
+                    lower_os_error(&cause)
+                ),
+            )
+            .into()
+        }
+        other => ClientFailure::new(FailureKind::InvalidArgument, other.to_string()).into(),
     })
-}
-
-/// The innermost cause of a transport error: the operating system's or the TLS
-/// library's words, where tonic's own say only "transport error".
-fn deepest_cause(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut deepest = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        deepest = cause.to_string();
-        source = cause.source();
-    }
-    lower_os_error(&deepest)
-}
-
-/// `message` with `authorization: Bearer <token>` metadata; a token that cannot be a
-/// header is an authentication failure (its exit code), naming the token.
-pub fn authorized<T>(message: T, token: &str) -> Result<Request<T>> {
-    carve_proto::client::authorized_request(message, token)
-        .map_err(|error| ClientFailure::new(FailureKind::Authentication, error.to_string()).into())
 }
 
 /// An open, authenticated connection to a scheduler.
 #[derive(Debug, Clone)]
 pub struct Connection {
     pub endpoint: String,
-    channel: Channel,
-    token: String,
+    channel: AuthenticatedChannel,
 }
 
 impl Connection {
@@ -264,35 +252,43 @@ impl Connection {
                  (~/.config/carve/config.toml)",
             )
         })?;
-        let channel = connect_channel(&resolved.endpoint, resolved.ca_cert.as_deref()).await?;
+        let channel =
+            connect_channel(&resolved.endpoint, resolved.ca_cert.as_deref(), &token).await?;
         Ok(Connection {
             endpoint: resolved.endpoint,
             channel,
-            token,
         })
     }
 
-    pub fn jobs(&self) -> JobServiceClient<Channel> {
+    pub fn jobs(&self) -> JobServiceClient<AuthenticatedChannel> {
         JobServiceClient::new(self.channel.clone())
     }
 
-    pub fn cluster(&self) -> ClusterServiceClient<Channel> {
+    pub fn cluster(&self) -> ClusterServiceClient<AuthenticatedChannel> {
         ClusterServiceClient::new(self.channel.clone())
     }
 
-    pub fn admin(&self) -> AdminServiceClient<Channel> {
+    pub fn admin(&self) -> AdminServiceClient<AuthenticatedChannel> {
         AdminServiceClient::new(self.channel.clone())
-    }
-
-    /// `message` carrying this connection's token.
-    pub fn request<T>(&self, message: T) -> Result<Request<T>> {
-        authorized(message, &self.token)
     }
 
     /// A status from this scheduler as a failure with its exit code; `action` says
     /// what was being done ("cannot get job j-1").
     pub fn failure(&self, status: &tonic::Status, action: &str) -> anyhow::Error {
         status_failure(status, &self.endpoint, action).into()
+    }
+
+    /// Gets one job; a missing one is "job X not found" (exit code 6).
+    pub async fn fetch_job(&self, job_id: &str) -> Result<v1::Job> {
+        self.jobs()
+            .get_job(v1::GetJobRequest {
+                job_id: job_id.to_string(),
+            })
+            .await
+            .map_err(|status| self.failure(&status, &format!("cannot get job {job_id}")))?
+            .into_inner()
+            .job
+            .context("the scheduler answered without the job")
     }
 }
 

@@ -11,8 +11,8 @@ use carve_proto::v1;
 use super::connection::{Connection, ConnectionOptions};
 use super::failure::{ClientFailure, FailureKind};
 use super::output::{
-    OutputFormat, age_text, bytes_text, config_text, job_state_name, now_seconds, outcome_name,
-    print_message, print_structured, print_table, timestamp_text,
+    OutputFormat, age_text, attempt_note, bytes_text, config_text, job_state_name, now_seconds,
+    outcome_name, print_message, print_structured, print_table, timestamp_text,
 };
 use super::overrides::{SpecOverride, apply_overrides, parse_override, toml_to_json};
 use super::watch::{follow_job, job_exit, watch_job};
@@ -138,10 +138,10 @@ pub async fn submit(arguments: SubmitArguments) -> Result<ExitCode> {
     let action = format!("cannot submit {}", arguments.file.display());
     let response = connection
         .jobs()
-        .submit_job(connection.request(v1::SubmitJobRequest {
+        .submit_job(v1::SubmitJobRequest {
             spec_json,
             idempotency_key: arguments.idempotency_key.clone().unwrap_or_default(),
-        })?)
+        })
         .await
         .map_err(|status| connection.failure(&status, &action))?
         .into_inner();
@@ -271,13 +271,13 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
             limit => (limit as usize).saturating_sub(jobs.len()).min(1000) as u32,
         };
         let page = client
-            .list_jobs(connection.request(v1::ListJobsRequest {
+            .list_jobs(v1::ListJobsRequest {
                 states: states.clone(),
                 name_prefix: arguments.name_prefix.clone().unwrap_or_default(),
                 tenant: arguments.tenant.clone().unwrap_or_default(),
                 page_size: wanted,
                 page_token: page_token.clone(),
-            })?)
+            })
             .await
             .map_err(|status| connection.failure(&status, "cannot list jobs"))?
             .into_inner();
@@ -348,23 +348,9 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Gets one job; a missing one is "job X not found" (exit code 6).
-pub async fn fetch_job(connection: &Connection, job_id: &str) -> Result<v1::Job> {
-    connection
-        .jobs()
-        .get_job(connection.request(v1::GetJobRequest {
-            job_id: job_id.to_string(),
-        })?)
-        .await
-        .map_err(|status| connection.failure(&status, &format!("cannot get job {job_id}")))?
-        .into_inner()
-        .job
-        .context("the scheduler answered without the job")
-}
-
 pub async fn get(arguments: GetArguments) -> Result<ExitCode> {
     let connection = Connection::open(&arguments.connection).await?;
-    let job = fetch_job(&connection, &arguments.job).await?;
+    let job = connection.fetch_job(&arguments.job).await?;
     if arguments.output == OutputFormat::Table {
         print_job_details(&job);
     } else {
@@ -454,42 +440,14 @@ fn print_job_details(job: &v1::Job) {
     );
 }
 
-/// What to say about an attempt beyond its outcome: the out-of-memory numbers, why it
-/// failed, or the checkpoint it resumed from.
-pub fn attempt_note(attempt: &v1::Attempt) -> String {
-    let mut notes = Vec::new();
-    if let Some(oom) = &attempt.oom {
-        notes.push(oom_text(oom));
-    }
-    if !attempt.failure_message.is_empty() {
-        notes.push(attempt.failure_message.clone());
-    }
-    if let Some(checkpoint) = &attempt.resumed_from {
-        notes.push(format!("resumed from step {}", checkpoint.step));
-    }
-    notes.join("; ")
-}
-
-/// The allocator's numbers at an out-of-memory, for people.
-pub fn oom_text(report: &v1::OutOfMemoryReport) -> String {
-    format!(
-        "requested {} with {} of {} in use (largest free {}, peak {})",
-        bytes_text(Some(report.requested_bytes)),
-        bytes_text(Some(report.in_use_bytes)),
-        bytes_text(Some(report.limit_bytes)),
-        bytes_text(Some(report.largest_free_bytes)),
-        bytes_text(Some(report.peak_bytes))
-    )
-}
-
 pub async fn cancel(arguments: CancelArguments) -> Result<ExitCode> {
     let connection = Connection::open(&arguments.connection).await?;
     let job = connection
         .jobs()
-        .cancel_job(connection.request(v1::CancelJobRequest {
+        .cancel_job(v1::CancelJobRequest {
             job_id: arguments.job.clone(),
             reason: arguments.reason.clone().unwrap_or_default(),
-        })?)
+        })
         .await
         .map_err(|status| {
             connection.failure(&status, &format!("cannot cancel job {}", arguments.job))

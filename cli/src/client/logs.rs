@@ -10,7 +10,6 @@ use carve_proto::v1;
 
 use super::connection::{Connection, ConnectionOptions};
 use super::failure::{ClientFailure, FailureKind};
-use super::jobs::fetch_job;
 use super::output::{is_terminal, timestamp_text};
 
 /// How often `--follow` asks for new lines.
@@ -58,7 +57,7 @@ async fn fetch_page(
     let job_id = request.job_id.clone();
     connection
         .jobs()
-        .get_job_logs(connection.request(request)?)
+        .get_job_logs(request)
         .await
         .map(tonic::Response::into_inner)
         .map_err(|status| {
@@ -139,7 +138,7 @@ pub async fn logs(arguments: LogsArguments) -> Result<ExitCode> {
     loop {
         // The state is read before the lines, so once it says the job ended, the lines
         // read after it are all there will be.
-        let ended = is_terminal(&fetch_job(&connection, &arguments.job).await?);
+        let ended = is_terminal(&connection.fetch_job(&arguments.job).await?);
         last_sequence = print_all_after(&connection, &arguments, last_sequence).await?;
         if ended {
             return Ok(ExitCode::SUCCESS);

@@ -1,6 +1,6 @@
 //! How client commands print: aligned tables for people, and the API's messages as JSON
-//! or YAML for scripts, plus the small words (state names, configs, sizes, ages) that
-//! tables and lines share.
+//! or YAML for scripts, plus the small words (state names, configs, sizes, ages, attempt
+//! notes) that tables and lines share.
 //!
 //! JSON is the protobuf JSON mapping with the proto field names (`job_id`, not `jobId`),
 //! every field present (defaults included, so a script never meets a missing key), enums
@@ -229,6 +229,34 @@ pub fn print_table<const COLUMNS: usize>(header: [&str; COLUMNS], rows: &[[Strin
     for row in rows {
         line(std::array::from_fn(|index| row[index].as_str()));
     }
+}
+
+/// What to say about an attempt beyond its outcome: the out-of-memory numbers, why it
+/// failed, or the checkpoint it resumed from.
+pub fn attempt_note(attempt: &v1::Attempt) -> String {
+    let mut notes = Vec::new();
+    if let Some(oom) = &attempt.oom {
+        notes.push(oom_text(oom));
+    }
+    if !attempt.failure_message.is_empty() {
+        notes.push(attempt.failure_message.clone());
+    }
+    if let Some(checkpoint) = &attempt.resumed_from {
+        notes.push(format!("resumed from step {}", checkpoint.step));
+    }
+    notes.join("; ")
+}
+
+/// The allocator's numbers at an out-of-memory, for people.
+pub fn oom_text(report: &v1::OutOfMemoryReport) -> String {
+    format!(
+        "requested {} with {} of {} in use (largest free {}, peak {})",
+        bytes_text(Some(report.requested_bytes)),
+        bytes_text(Some(report.in_use_bytes)),
+        bytes_text(Some(report.limit_bytes)),
+        bytes_text(Some(report.largest_free_bytes)),
+        bytes_text(Some(report.peak_bytes))
+    )
 }
 
 #[cfg(test)]

@@ -17,9 +17,9 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::connection::Connection;
 use super::failure::{ClientFailure, FailureKind};
-use super::jobs::{attempt_note, fetch_job, oom_text};
 use super::output::{
-    bytes_text, config_text, is_terminal, is_terminal_state, job_state_name, outcome_name,
+    attempt_note, bytes_text, config_text, is_terminal, is_terminal_state, job_state_name,
+    oom_text, outcome_name,
 };
 
 #[derive(Debug, clap::Args)]
@@ -159,7 +159,7 @@ pub async fn follow_job(
     include_logs: bool,
     to_stderr: bool,
 ) -> Result<v1::Job> {
-    let job = fetch_job(connection, job_id).await?;
+    let job = connection.fetch_job(job_id).await?;
     let display = Display::new(to_stderr);
     let mut slice_bytes = job
         .attempts
@@ -170,10 +170,10 @@ pub async fn follow_job(
         loop {
             let mut stream = connection
                 .jobs()
-                .watch_job(connection.request(v1::WatchJobRequest {
+                .watch_job(v1::WatchJobRequest {
                     job_id: job_id.to_string(),
                     include_logs,
-                })?)
+                })
                 .await
                 .map_err(|status| {
                     connection.failure(&status, &format!("cannot watch job {job_id}"))
@@ -198,7 +198,7 @@ pub async fn follow_job(
                     }
                 }
             }
-            let now = fetch_job(connection, job_id).await?;
+            let now = connection.fetch_job(job_id).await?;
             if is_terminal(&now) {
                 return Ok(now);
             }

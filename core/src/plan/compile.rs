@@ -2,8 +2,9 @@
 //! of buffers and operations out (see the parent module for what a plan is), with every
 //! phase-local buffer placed by liveness.
 
+use super::liveness::place_by_liveness;
 use super::*;
-use crate::model::{LayerNode, LayerOp};
+use crate::model::{LayerNode, LayerOp, ParameterTensor};
 use crate::spec::LossKind;
 use crate::validate::ValidatedJob;
 
@@ -120,116 +121,197 @@ pub fn workspace_samples(layer: &LayerNode, config: &RunConfig) -> Option<u64> {
     Some((config.workspace_limit_bytes / per_sample_bytes).min(config.micro_batch_size))
 }
 
-/// The persistent buffers of each layer's parameters.
-#[derive(Debug, Clone, Default)]
-struct ParameterBuffers {
-    /// Compute-precision weights, one per parameter tensor.
-    weights: Vec<BufferId>,
+/// The buffers setup allocates and nothing frees during training, indexed by layer and
+/// then by parameter tensor.
+struct PersistentBuffers {
+    /// Compute-precision weights (fp32 running statistics).
+    weights: Vec<Vec<BufferId>>,
+    /// fp32 masters under mixed precision, `None` for non-trainable tensors; empty
+    /// layers otherwise.
+    masters: Vec<Vec<Option<BufferId>>>,
     /// fp32 gradients, `None` for non-trainable tensors.
-    gradients: Vec<Option<BufferId>>,
+    gradients: Vec<Vec<Option<BufferId>>>,
+    optimizer_state: Vec<Vec<Vec<BufferId>>>,
+    /// Prefetch slot 0 of the inputs and the targets: the engine rotates the slots, and
+    /// they are all the same size, so slot 0 stands for whichever is current.
+    input: BufferId,
+    target: BufferId,
+    /// Every buffer id below this is persistent.
+    count: usize,
+}
+
+/// What a forward pass produced, by layer: what backward reads, and the model's output.
+/// With recomputation only the inputs of each segment's first layer (and the last
+/// layer's output) outlive the forward pass.
+#[derive(Clone)]
+struct ForwardPass {
+    inputs: Vec<BufferId>,
+    outputs: Vec<BufferId>,
+    side_outputs: Vec<Vec<BufferId>>,
+    final_output: BufferId,
 }
 
 /// Compiles one training step of `job` run with `config`.
 pub fn compile_step_plan(job: &ValidatedJob, config: &RunConfig) -> Result<StepPlan, FieldError> {
     config.check(&job.graph)?;
     let graph = &job.graph;
-    let mixed = config.precision.is_mixed();
-    let optimizer_slots = job.spec.training.optimizer.state_tensors_per_parameter();
     let mut builder = PlanBuilder {
         graph,
         config: *config,
         buffers: Vec::new(),
     };
+    let persistent = add_persistent_buffers(&mut builder, job)?;
+    let setup = setup_steps(graph, config, &persistent);
 
-    // Setup: persistent buffers, grouped by category so the breakdown reads naturally.
-    let mut setup_operations = Vec::new();
-    let mut parameters: Vec<ParameterBuffers> =
-        vec![ParameterBuffers::default(); graph.layers.len()];
-    let mut masters: Vec<Vec<Option<BufferId>>> = vec![Vec::new(); graph.layers.len()];
-    let mut optimizer_state: Vec<Vec<Vec<BufferId>>> = vec![Vec::new(); graph.layers.len()];
-    for layer in &graph.layers {
-        let owner = BufferOwner::Layer(layer.index);
-        for (parameter_index, parameter) in layer.parameters.iter().enumerate() {
-            // Running statistics stay fp32 whatever the precision: they are averages that
-            // half precision would round away.
-            let element_type = if parameter.trainable {
-                builder.activation_type()
-            } else {
-                ElementType::F32
-            };
-            let id = builder.add_buffer(
-                BufferRole::Parameter {
-                    parameter: parameter_index,
-                },
-                owner,
-                MemoryCategory::Weights,
-                element_type,
-                parameter.elements,
-            )?;
-            parameters[layer.index].weights.push(id);
-        }
-    }
-    if mixed {
-        for layer in &graph.layers {
+    // Micro-batch: forward, loss, backward.
+    let mut operations = Vec::new();
+    let forward = forward_pass(
+        &mut builder,
+        &persistent,
+        |layer| OperationKind::LayerForward { layer },
+        &mut operations,
+    )?;
+    let output_gradient = loss_pass(
+        &mut builder,
+        forward.final_output,
+        persistent.target,
+        &mut operations,
+    )?;
+    backward_pass(
+        &mut builder,
+        &persistent,
+        &forward,
+        output_gradient,
+        &mut operations,
+    )?;
+    let micro_batch = place_by_liveness(operations, persistent.count);
+
+    let update = place_by_liveness(
+        update_operations(&mut builder, &persistent)?,
+        persistent.count,
+    );
+    let evaluation = place_by_liveness(
+        evaluation_operations(&mut builder, &persistent)?,
+        persistent.count,
+    );
+
+    Ok(StepPlan {
+        config: *config,
+        buffers: builder.buffers,
+        setup,
+        micro_batch,
+        update,
+        evaluation,
+        layer_labels: graph.layers.iter().map(LayerNode::label).collect(),
+    })
+}
+
+/// One value per parameter tensor of every layer, made in layer order.
+fn per_parameter<T>(
+    graph: &ModelGraph,
+    mut make: impl FnMut(BufferOwner, usize, &ParameterTensor) -> Result<T, FieldError>,
+) -> Result<Vec<Vec<T>>, FieldError> {
+    graph
+        .layers
+        .iter()
+        .map(|layer| {
             let owner = BufferOwner::Layer(layer.index);
-            for (parameter_index, parameter) in layer.parameters.iter().enumerate() {
-                let master = if parameter.trainable {
-                    Some(builder.add_buffer(
-                        BufferRole::MasterParameter {
-                            parameter: parameter_index,
-                        },
-                        owner,
-                        MemoryCategory::MasterWeights,
-                        ElementType::F32,
-                        parameter.elements,
-                    )?)
-                } else {
-                    None
-                };
-                masters[layer.index].push(master);
-            }
+            layer
+                .parameters
+                .iter()
+                .enumerate()
+                .map(|(parameter_index, parameter)| make(owner, parameter_index, parameter))
+                .collect()
+        })
+        .collect()
+}
+
+/// An fp32 buffer per trainable parameter tensor (masters, gradients), `None` for the
+/// running statistics, which are not trained.
+fn fp32_per_trainable_parameter(
+    builder: &mut PlanBuilder<'_>,
+    role: fn(usize) -> BufferRole,
+    category: MemoryCategory,
+) -> Result<Vec<Vec<Option<BufferId>>>, FieldError> {
+    per_parameter(builder.graph, |owner, parameter_index, parameter| {
+        if !parameter.trainable {
+            return Ok(None);
         }
-    }
-    for layer in &graph.layers {
-        let owner = BufferOwner::Layer(layer.index);
-        for (parameter_index, parameter) in layer.parameters.iter().enumerate() {
-            let gradient = if parameter.trainable {
-                Some(builder.add_buffer(
-                    BufferRole::Gradient {
+        builder
+            .add_buffer(
+                role(parameter_index),
+                owner,
+                category,
+                ElementType::F32,
+                parameter.elements,
+            )
+            .map(Some)
+    })
+}
+
+/// Setup's buffers, grouped by category so the breakdown reads naturally: weights,
+/// masters, gradients, optimizer state, then the prefetched input batches.
+fn add_persistent_buffers(
+    builder: &mut PlanBuilder<'_>,
+    job: &ValidatedJob,
+) -> Result<PersistentBuffers, FieldError> {
+    let graph = builder.graph;
+    let config = builder.config;
+    let weights = per_parameter(graph, |owner, parameter_index, parameter| {
+        // Running statistics stay fp32 whatever the precision: they are averages that
+        // half precision would round away.
+        let element_type = if parameter.trainable {
+            builder.activation_type()
+        } else {
+            ElementType::F32
+        };
+        builder.add_buffer(
+            BufferRole::Parameter {
+                parameter: parameter_index,
+            },
+            owner,
+            MemoryCategory::Weights,
+            element_type,
+            parameter.elements,
+        )
+    })?;
+    let masters = if config.precision.is_mixed() {
+        fp32_per_trainable_parameter(
+            builder,
+            |parameter| BufferRole::MasterParameter { parameter },
+            MemoryCategory::MasterWeights,
+        )?
+    } else {
+        vec![Vec::new(); graph.layers.len()]
+    };
+    let gradients = fp32_per_trainable_parameter(
+        builder,
+        |parameter| BufferRole::Gradient { parameter },
+        MemoryCategory::Gradients,
+    )?;
+    let optimizer_slots = job.spec.training.optimizer.state_tensors_per_parameter() as usize;
+    let optimizer_state = per_parameter(graph, |owner, parameter_index, parameter| {
+        let slots = if parameter.trainable {
+            optimizer_slots
+        } else {
+            0
+        };
+        (0..slots)
+            .map(|slot| {
+                builder.add_buffer(
+                    BufferRole::OptimizerState {
                         parameter: parameter_index,
+                        slot,
                     },
                     owner,
-                    MemoryCategory::Gradients,
+                    MemoryCategory::OptimizerState,
                     ElementType::F32,
                     parameter.elements,
-                )?)
-            } else {
-                None
-            };
-            parameters[layer.index].gradients.push(gradient);
-        }
-    }
-    for layer in &graph.layers {
-        let owner = BufferOwner::Layer(layer.index);
-        for (parameter_index, parameter) in layer.parameters.iter().enumerate() {
-            let mut slots = Vec::new();
-            if parameter.trainable {
-                for slot in 0..optimizer_slots as usize {
-                    slots.push(builder.add_buffer(
-                        BufferRole::OptimizerState {
-                            parameter: parameter_index,
-                            slot,
-                        },
-                        owner,
-                        MemoryCategory::OptimizerState,
-                        ElementType::F32,
-                        parameter.elements,
-                    )?);
-                }
-            }
-            optimizer_state[layer.index].push(slots);
-        }
-    }
+                )
+            })
+            .collect()
+    })?;
+
     let input_elements =
         builder.per_micro_batch(graph.input_shape.elements(), BufferOwner::Data)?;
     let target_bytes =
@@ -256,328 +338,89 @@ pub fn compile_step_plan(job: &ValidatedJob, config: &RunConfig) -> Result<StepP
             target_bytes / target_type.bytes(),
         )?);
     }
-    let persistent_count = builder.buffers.len();
-    let mut setup: Vec<PlanStep> = (0..persistent_count)
+    Ok(PersistentBuffers {
+        weights,
+        masters,
+        gradients,
+        optimizer_state,
+        input: input_slots[0],
+        target: target_slots[0],
+        count: builder.buffers.len(),
+    })
+}
+
+/// Setup: allocate every persistent buffer, then (mixed precision) cast the fp32 masters
+/// into the compute-precision weights.
+fn setup_steps(
+    graph: &ModelGraph,
+    config: &RunConfig,
+    persistent: &PersistentBuffers,
+) -> Vec<PlanStep> {
+    let mut setup: Vec<PlanStep> = (0..persistent.count)
         .map(|index| PlanStep::Allocate(BufferId(index)))
         .collect();
-    if mixed {
+    if config.precision.is_mixed() {
         let mut reads = Vec::new();
         let mut writes = Vec::new();
         for layer in &graph.layers {
-            for (parameter_index, master) in masters[layer.index].iter().enumerate() {
+            for (parameter_index, master) in persistent.masters[layer.index].iter().enumerate() {
                 if let Some(master) = master {
                     reads.push(*master);
-                    writes.push(parameters[layer.index].weights[parameter_index]);
+                    writes.push(persistent.weights[layer.index][parameter_index]);
                 }
             }
         }
-        setup_operations.push(Operation {
+        setup.push(PlanStep::Run(Operation {
             kind: OperationKind::InitializeParameters,
             reads,
             writes,
             scratch: Vec::new(),
-        });
+        }));
     }
-    setup.extend(setup_operations.into_iter().map(PlanStep::Run));
+    setup
+}
 
-    // Micro-batch: forward, loss, backward. The engine rotates the prefetch slots; they
-    // are all the same size, so slot 0 stands for whichever is current.
-    let input = input_slots[0];
-    let target = target_slots[0];
-    let mut operations = Vec::new();
-    let layer_count = graph.layers.len();
-    let segment = config
-        .recompute_segment_layers
-        .map(|segment| segment as usize);
-    // What forward produced, by layer. With recomputation only the inputs of each
-    // segment's first layer (and the last layer's output) outlive the forward pass.
-    let mut layer_inputs = Vec::with_capacity(layer_count);
-    let mut layer_outputs = Vec::with_capacity(layer_count);
-    let mut forward_extras: Vec<Vec<BufferId>> = vec![Vec::new(); layer_count];
-    let mut current = input;
-    for layer in &graph.layers {
-        let output = builder.layer_output(layer, current)?;
-        let extras = layer_side_outputs(&mut builder, layer)?;
-        let workspace = builder.workspace(layer)?;
-        let mut writes = vec![output];
-        writes.extend(&extras);
-        if layer.is_view() {
-            writes.clear();
-        }
-        let mut reads = vec![current];
-        reads.extend(&parameters[layer.index].weights);
-        operations.push(Operation {
-            kind: OperationKind::LayerForward { layer: layer.index },
-            reads,
-            writes,
-            scratch: workspace.into_iter().collect(),
-        });
-        forward_extras[layer.index] = extras;
-        layer_inputs.push(current);
-        layer_outputs.push(output);
-        current = output;
-    }
-    let final_output = current;
+/// The operation that runs one layer forward as `kind` says (forward, recompute,
+/// inference) on `input`, with the buffers it writes.
+struct LayerForward {
+    operation: Operation,
+    output: BufferId,
+    side_outputs: Vec<BufferId>,
+}
 
-    let mut loss_reads = vec![final_output, target];
-    let loss_value = builder.add_buffer(
-        BufferRole::LossValue,
-        BufferOwner::Loss,
-        MemoryCategory::Transients,
-        ElementType::F32,
-        1,
-    )?;
-    let mut loss_writes = vec![loss_value];
-    let probabilities = if graph.loss == LossKind::SoftmaxCrossEntropy {
-        let elements =
-            builder.per_micro_batch(graph.output_shape().elements(), BufferOwner::Loss)?;
-        let probabilities = builder.add_buffer(
-            BufferRole::Probabilities,
-            BufferOwner::Loss,
-            MemoryCategory::Activations,
-            ElementType::F32,
-            elements,
-        )?;
-        loss_writes.push(probabilities);
-        Some(probabilities)
+fn layer_forward(
+    builder: &mut PlanBuilder<'_>,
+    layer: &LayerNode,
+    input: BufferId,
+    weights: &[BufferId],
+    kind: OperationKind,
+) -> Result<LayerForward, FieldError> {
+    let output = builder.layer_output(layer, input)?;
+    // Inference keeps nothing for a backward pass.
+    let side_outputs = if matches!(kind, OperationKind::LayerInference { .. }) {
+        Vec::new()
     } else {
-        None
+        layer_side_outputs(builder, layer)?
     };
-    operations.push(Operation {
-        kind: OperationKind::LossForward,
-        reads: loss_reads.clone(),
-        writes: loss_writes,
-        scratch: Vec::new(),
-    });
-    let output_gradient_elements =
-        builder.per_micro_batch(graph.output_shape().elements(), BufferOwner::Loss)?;
-    let output_gradient = builder.add_buffer(
-        BufferRole::OutputGradient,
-        BufferOwner::Loss,
-        MemoryCategory::Transients,
-        builder.activation_type(),
-        output_gradient_elements,
-    )?;
-    if let Some(probabilities) = probabilities {
-        // Cross-entropy's gradient is softmax minus one-hot: it needs the probabilities,
-        // not the logits.
-        loss_reads[0] = probabilities;
-    }
-    operations.push(Operation {
-        kind: OperationKind::LossBackward,
-        reads: loss_reads,
-        writes: vec![output_gradient],
-        scratch: Vec::new(),
-    });
-
-    // Backward, last layer first. Layers before the first trainable one need no backward
-    // at all, and that layer needs no input gradient.
-    let first_trainable = graph
-        .layers
-        .iter()
-        .position(|layer| layer.trainable_parameter_elements() > 0)
-        .ok_or_else(|| FieldError::new("model.layers", "the model has no trainable parameters"))?;
-    let mut gradient = output_gradient;
-    // With recomputation, the buffers backward reads for layers inside a segment come from
-    // re-running the segment's forward just before its backward.
-    let mut backward_inputs = layer_inputs.clone();
-    let mut backward_outputs = layer_outputs.clone();
-    let mut backward_extras = forward_extras.clone();
-    let mut index = layer_count;
-    while index > first_trainable {
-        index -= 1;
-        let layer = &graph.layers[index];
-        if let Some(segment) = segment {
-            let segment_start = index - index % segment;
-            let segment_end = (segment_start + segment).min(layer_count);
-            if index + 1 == segment_end && segment_start < segment_end - 1 {
-                // Entering a segment from its end: rebuild its layers except the last, whose
-                // output is the next boundary (or the model output) and was kept.
-                let mut current = layer_inputs[segment_start];
-                for recompute_index in segment_start..segment_end - 1 {
-                    let recompute_layer = &graph.layers[recompute_index];
-                    let output = builder.layer_output(recompute_layer, current)?;
-                    let extras = layer_side_outputs(&mut builder, recompute_layer)?;
-                    let workspace = builder.workspace(recompute_layer)?;
-                    let mut writes = vec![output];
-                    writes.extend(&extras);
-                    if recompute_layer.is_view() {
-                        writes.clear();
-                    }
-                    let mut reads = vec![current];
-                    reads.extend(&parameters[recompute_index].weights);
-                    operations.push(Operation {
-                        kind: OperationKind::LayerRecompute {
-                            layer: recompute_index,
-                        },
-                        reads,
-                        writes,
-                        scratch: workspace.into_iter().collect(),
-                    });
-                    backward_inputs[recompute_index] = current;
-                    backward_outputs[recompute_index] = output;
-                    backward_extras[recompute_index] = extras;
-                    current = output;
-                }
-                backward_inputs[segment_end - 1] = current;
-            }
-        }
-        if layer.is_view() {
-            // The gradient of a reshape is the same buffer under the input's shape.
-            continue;
-        }
-        let owner = BufferOwner::Layer(index);
-        let mut reads = vec![gradient];
-        if layer.backward_reads_input() {
-            reads.push(backward_inputs[index]);
-        }
-        if layer.backward_reads_output() {
-            reads.push(backward_outputs[index]);
-        }
-        reads.extend(&backward_extras[index]);
-        reads.extend(&parameters[index].weights);
-        let mut writes = Vec::new();
-        // cuDNN's batch-norm backward always writes the input gradient, so it gets one
-        // even as the first trainable layer.
-        let needs_input_gradient =
-            index > first_trainable || matches!(layer.op, LayerOp::BatchNorm { .. });
-        let input_gradient = if needs_input_gradient {
-            let elements = builder.per_micro_batch(layer.input_shape.elements(), owner)?;
-            let input_gradient = builder.add_buffer(
-                BufferRole::InputGradient,
-                owner,
-                MemoryCategory::Transients,
-                builder.activation_type(),
-                elements,
-            )?;
-            writes.push(input_gradient);
-            Some(input_gradient)
-        } else {
-            None
-        };
-        writes.extend(parameters[index].gradients.iter().flatten());
-        let mut scratch: Vec<BufferId> = builder.workspace(layer)?.into_iter().collect();
-        let trainable_elements = layer.trainable_parameter_elements();
-        if mixed && trainable_elements > 0 {
-            // Half-precision kernels produce half gradients; they are added into the fp32
-            // gradients so accumulation does not lose precision.
-            scratch.push(builder.add_buffer(
-                BufferRole::HalfGradients,
-                owner,
-                MemoryCategory::Transients,
-                builder.activation_type(),
-                trainable_elements,
-            )?);
-        }
-        operations.push(Operation {
-            kind: OperationKind::LayerBackward { layer: index },
+    let workspace = builder.workspace(layer)?;
+    let writes = if layer.is_view() {
+        Vec::new()
+    } else {
+        std::iter::once(output)
+            .chain(side_outputs.iter().copied())
+            .collect()
+    };
+    let mut reads = vec![input];
+    reads.extend(weights);
+    Ok(LayerForward {
+        operation: Operation {
+            kind,
             reads,
             writes,
-            scratch,
-        });
-        if let Some(input_gradient) = input_gradient {
-            gradient = input_gradient;
-        }
-    }
-    let micro_batch = place_by_liveness(operations, persistent_count);
-
-    // Update: loss-scale overflow check (fp16), then the optimizer per parameter tensor.
-    let mut update_operations = Vec::new();
-    if config.precision == Precision::Fp16 {
-        let flag = builder.add_buffer(
-            BufferRole::OverflowFlag,
-            BufferOwner::Loss,
-            MemoryCategory::Transients,
-            ElementType::I32,
-            1,
-        )?;
-        update_operations.push(Operation {
-            kind: OperationKind::CheckOverflow,
-            reads: parameters
-                .iter()
-                .flat_map(|layer| layer.gradients.iter().flatten().copied())
-                .collect(),
-            writes: Vec::new(),
-            scratch: vec![flag],
-        });
-    }
-    for layer in &graph.layers {
-        for (parameter_index, gradient) in parameters[layer.index].gradients.iter().enumerate() {
-            let Some(gradient) = gradient else { continue };
-            let weights = parameters[layer.index].weights[parameter_index];
-            let mut writes = vec![weights];
-            if let Some(Some(master)) = masters[layer.index].get(parameter_index) {
-                writes.push(*master);
-            }
-            writes.extend(&optimizer_state[layer.index][parameter_index]);
-            update_operations.push(Operation {
-                kind: OperationKind::OptimizerUpdate {
-                    layer: layer.index,
-                    parameter: parameter_index,
-                },
-                reads: vec![*gradient],
-                writes,
-                scratch: Vec::new(),
-            });
-        }
-    }
-    let update = place_by_liveness(update_operations, persistent_count);
-
-    // Evaluation: each layer's output lives only until the next layer has read it.
-    let mut evaluation_operations = Vec::new();
-    let mut current = input;
-    for layer in &graph.layers {
-        let output = builder.layer_output(layer, current)?;
-        let workspace = builder.workspace(layer)?;
-        let mut reads = vec![current];
-        reads.extend(&parameters[layer.index].weights);
-        evaluation_operations.push(Operation {
-            kind: OperationKind::LayerInference { layer: layer.index },
-            reads,
-            writes: if layer.is_view() {
-                Vec::new()
-            } else {
-                vec![output]
-            },
             scratch: workspace.into_iter().collect(),
-        });
-        current = output;
-    }
-    let evaluation_loss = builder.add_buffer(
-        BufferRole::LossValue,
-        BufferOwner::Loss,
-        MemoryCategory::Transients,
-        ElementType::F32,
-        1,
-    )?;
-    let mut evaluation_writes = vec![evaluation_loss];
-    if graph.loss == LossKind::SoftmaxCrossEntropy {
-        let elements =
-            builder.per_micro_batch(graph.output_shape().elements(), BufferOwner::Loss)?;
-        evaluation_writes.push(builder.add_buffer(
-            BufferRole::Probabilities,
-            BufferOwner::Loss,
-            MemoryCategory::Activations,
-            ElementType::F32,
-            elements,
-        )?);
-    }
-    evaluation_operations.push(Operation {
-        kind: OperationKind::LossEvaluate,
-        reads: vec![current, target],
-        writes: evaluation_writes,
-        scratch: Vec::new(),
-    });
-    let evaluation = place_by_liveness(evaluation_operations, persistent_count);
-
-    Ok(StepPlan {
-        config: *config,
-        buffers: builder.buffers,
-        setup,
-        micro_batch,
-        update,
-        evaluation,
-        layer_labels: graph.layers.iter().map(LayerNode::label).collect(),
+        },
+        output,
+        side_outputs,
     })
 }
 
@@ -613,70 +456,307 @@ fn layer_side_outputs(
     }
 }
 
-/// Turns a list of operations into plan steps: each phase-local buffer is allocated just
-/// before the first operation that touches it and freed just after the last. Buffers
-/// with ids below `persistent_count` belong to setup and are never freed here.
-///
-/// Linear in the operations' buffer references: buffer ids are dense indices into the
-/// plan's buffer table, so the first and last uses live in vectors indexed by id.
-fn place_by_liveness(operations: Vec<Operation>, persistent_count: usize) -> Vec<PlanStep> {
-    let buffer_count = operations
+/// Forward through every layer as `kind` runs it (training or inference), keeping what
+/// each produced for backward.
+fn forward_pass(
+    builder: &mut PlanBuilder<'_>,
+    persistent: &PersistentBuffers,
+    kind: fn(usize) -> OperationKind,
+    operations: &mut Vec<Operation>,
+) -> Result<ForwardPass, FieldError> {
+    let graph = builder.graph;
+    let layer_count = graph.layers.len();
+    let mut forward = ForwardPass {
+        inputs: Vec::with_capacity(layer_count),
+        outputs: Vec::with_capacity(layer_count),
+        side_outputs: Vec::with_capacity(layer_count),
+        final_output: persistent.input,
+    };
+    let mut current = persistent.input;
+    for layer in &graph.layers {
+        let step = layer_forward(
+            builder,
+            layer,
+            current,
+            &persistent.weights[layer.index],
+            kind(layer.index),
+        )?;
+        operations.push(step.operation);
+        forward.inputs.push(current);
+        forward.outputs.push(step.output);
+        forward.side_outputs.push(step.side_outputs);
+        current = step.output;
+    }
+    forward.final_output = current;
+    Ok(forward)
+}
+
+/// The loss value and, for cross-entropy, the probabilities: what a loss forward or an
+/// evaluation's loss writes.
+fn loss_outputs(builder: &mut PlanBuilder<'_>) -> Result<(BufferId, Option<BufferId>), FieldError> {
+    let graph = builder.graph;
+    let loss_value = builder.add_buffer(
+        BufferRole::LossValue,
+        BufferOwner::Loss,
+        MemoryCategory::Transients,
+        ElementType::F32,
+        1,
+    )?;
+    let probabilities = if graph.loss == LossKind::SoftmaxCrossEntropy {
+        let elements =
+            builder.per_micro_batch(graph.output_shape().elements(), BufferOwner::Loss)?;
+        Some(builder.add_buffer(
+            BufferRole::Probabilities,
+            BufferOwner::Loss,
+            MemoryCategory::Activations,
+            ElementType::F32,
+            elements,
+        )?)
+    } else {
+        None
+    };
+    Ok((loss_value, probabilities))
+}
+
+/// The loss forward and backward; returns the gradient of the model's output.
+fn loss_pass(
+    builder: &mut PlanBuilder<'_>,
+    final_output: BufferId,
+    target: BufferId,
+    operations: &mut Vec<Operation>,
+) -> Result<BufferId, FieldError> {
+    let mut loss_reads = vec![final_output, target];
+    let (loss_value, probabilities) = loss_outputs(builder)?;
+    operations.push(Operation {
+        kind: OperationKind::LossForward,
+        reads: loss_reads.clone(),
+        writes: std::iter::once(loss_value).chain(probabilities).collect(),
+        scratch: Vec::new(),
+    });
+    let output_gradient_elements =
+        builder.per_micro_batch(builder.graph.output_shape().elements(), BufferOwner::Loss)?;
+    let output_gradient = builder.add_buffer(
+        BufferRole::OutputGradient,
+        BufferOwner::Loss,
+        MemoryCategory::Transients,
+        builder.activation_type(),
+        output_gradient_elements,
+    )?;
+    if let Some(probabilities) = probabilities {
+        // Cross-entropy's gradient is softmax minus one-hot: it needs the probabilities,
+        // not the logits.
+        loss_reads[0] = probabilities;
+    }
+    operations.push(Operation {
+        kind: OperationKind::LossBackward,
+        reads: loss_reads,
+        writes: vec![output_gradient],
+        scratch: Vec::new(),
+    });
+    Ok(output_gradient)
+}
+
+/// Backward, last layer first. Layers before the first trainable one need no backward
+/// at all, and that layer needs no input gradient.
+fn backward_pass(
+    builder: &mut PlanBuilder<'_>,
+    persistent: &PersistentBuffers,
+    forward: &ForwardPass,
+    output_gradient: BufferId,
+    operations: &mut Vec<Operation>,
+) -> Result<(), FieldError> {
+    let graph = builder.graph;
+    let layer_count = graph.layers.len();
+    let segment = builder
+        .config
+        .recompute_segment_layers
+        .map(|segment| segment as usize);
+    let first_trainable = graph
+        .layers
         .iter()
-        .flat_map(|operation| {
-            operation
-                .reads
+        .position(|layer| layer.trainable_parameter_elements() > 0)
+        .ok_or_else(|| FieldError::new("model.layers", "the model has no trainable parameters"))?;
+    let mut gradient = output_gradient;
+    // With recomputation, the buffers backward reads for layers inside a segment come from
+    // re-running the segment's forward just before its backward.
+    let mut read = forward.clone();
+    let mut index = layer_count;
+    while index > first_trainable {
+        index -= 1;
+        let layer = &graph.layers[index];
+        if let Some(segment) = segment {
+            let segment_start = index - index % segment;
+            let segment_end = (segment_start + segment).min(layer_count);
+            if index + 1 == segment_end && segment_start < segment_end - 1 {
+                recompute_segment(
+                    builder,
+                    persistent,
+                    forward.inputs[segment_start],
+                    segment_start..segment_end,
+                    &mut read,
+                    operations,
+                )?;
+            }
+        }
+        if layer.is_view() {
+            // The gradient of a reshape is the same buffer under the input's shape.
+            continue;
+        }
+        let owner = BufferOwner::Layer(index);
+        let mut reads = vec![gradient];
+        if layer.backward_reads_input() {
+            reads.push(read.inputs[index]);
+        }
+        if layer.backward_reads_output() {
+            reads.push(read.outputs[index]);
+        }
+        reads.extend(&read.side_outputs[index]);
+        reads.extend(&persistent.weights[index]);
+        let mut writes = Vec::new();
+        // cuDNN's batch-norm backward always writes the input gradient, so it gets one
+        // even as the first trainable layer.
+        let needs_input_gradient =
+            index > first_trainable || matches!(layer.op, LayerOp::BatchNorm { .. });
+        let input_gradient = if needs_input_gradient {
+            let elements = builder.per_micro_batch(layer.input_shape.elements(), owner)?;
+            let input_gradient = builder.add_buffer(
+                BufferRole::InputGradient,
+                owner,
+                MemoryCategory::Transients,
+                builder.activation_type(),
+                elements,
+            )?;
+            writes.push(input_gradient);
+            Some(input_gradient)
+        } else {
+            None
+        };
+        writes.extend(persistent.gradients[index].iter().flatten());
+        let mut scratch: Vec<BufferId> = builder.workspace(layer)?.into_iter().collect();
+        let trainable_elements = layer.trainable_parameter_elements();
+        if builder.config.precision.is_mixed() && trainable_elements > 0 {
+            // Half-precision kernels produce half gradients; they are added into the fp32
+            // gradients so accumulation does not lose precision.
+            scratch.push(builder.add_buffer(
+                BufferRole::HalfGradients,
+                owner,
+                MemoryCategory::Transients,
+                builder.activation_type(),
+                trainable_elements,
+            )?);
+        }
+        operations.push(Operation {
+            kind: OperationKind::LayerBackward { layer: index },
+            reads,
+            writes,
+            scratch,
+        });
+        if let Some(input_gradient) = input_gradient {
+            gradient = input_gradient;
+        }
+    }
+    Ok(())
+}
+
+/// Entering a segment from its end: rebuild its layers except the last, whose output is
+/// the next boundary (or the model output) and was kept. What backward reads for those
+/// layers (`read`) becomes the recomputed buffers.
+fn recompute_segment(
+    builder: &mut PlanBuilder<'_>,
+    persistent: &PersistentBuffers,
+    segment_input: BufferId,
+    segment: std::ops::Range<usize>,
+    read: &mut ForwardPass,
+    operations: &mut Vec<Operation>,
+) -> Result<(), FieldError> {
+    let graph = builder.graph;
+    let mut current = segment_input;
+    for recompute_index in segment.start..segment.end - 1 {
+        let step = layer_forward(
+            builder,
+            &graph.layers[recompute_index],
+            current,
+            &persistent.weights[recompute_index],
+            OperationKind::LayerRecompute {
+                layer: recompute_index,
+            },
+        )?;
+        operations.push(step.operation);
+        read.inputs[recompute_index] = current;
+        read.outputs[recompute_index] = step.output;
+        read.side_outputs[recompute_index] = step.side_outputs;
+        current = step.output;
+    }
+    read.inputs[segment.end - 1] = current;
+    Ok(())
+}
+
+/// Update: loss-scale overflow check (fp16), then the optimizer per parameter tensor.
+fn update_operations(
+    builder: &mut PlanBuilder<'_>,
+    persistent: &PersistentBuffers,
+) -> Result<Vec<Operation>, FieldError> {
+    let mut operations = Vec::new();
+    if builder.config.precision == Precision::Fp16 {
+        let flag = builder.add_buffer(
+            BufferRole::OverflowFlag,
+            BufferOwner::Loss,
+            MemoryCategory::Transients,
+            ElementType::I32,
+            1,
+        )?;
+        operations.push(Operation {
+            kind: OperationKind::CheckOverflow,
+            reads: persistent
+                .gradients
                 .iter()
-                .chain(&operation.writes)
-                .chain(&operation.scratch)
-        })
-        .map(|id| id.0 + 1)
-        .max()
-        .unwrap_or(0);
-    let mut last_use: Vec<Option<usize>> = vec![None; buffer_count];
-    for (position, operation) in operations.iter().enumerate() {
-        for id in operation
-            .reads
-            .iter()
-            .chain(&operation.writes)
-            .chain(&operation.scratch)
-        {
-            if id.0 >= persistent_count {
-                last_use[id.0] = Some(position);
+                .flat_map(|layer| layer.iter().flatten().copied())
+                .collect(),
+            writes: Vec::new(),
+            scratch: vec![flag],
+        });
+    }
+    for layer in &builder.graph.layers {
+        for (parameter_index, gradient) in persistent.gradients[layer.index].iter().enumerate() {
+            let Some(gradient) = gradient else { continue };
+            let mut writes = vec![persistent.weights[layer.index][parameter_index]];
+            if let Some(Some(master)) = persistent.masters[layer.index].get(parameter_index) {
+                writes.push(*master);
             }
+            writes.extend(&persistent.optimizer_state[layer.index][parameter_index]);
+            operations.push(Operation {
+                kind: OperationKind::OptimizerUpdate {
+                    layer: layer.index,
+                    parameter: parameter_index,
+                },
+                reads: vec![*gradient],
+                writes,
+                scratch: Vec::new(),
+            });
         }
     }
-    let mut allocated = vec![false; buffer_count];
-    // A buffer listed twice in its last operation is freed once.
-    let mut freed = vec![false; buffer_count];
-    let mut steps = Vec::with_capacity(operations.len() * 3);
-    for (position, operation) in operations.into_iter().enumerate() {
-        // Outputs before scratch: the workspace goes on top, where freeing it right after
-        // leaves one hole that the next buffer of similar size fills.
-        for id in operation
-            .reads
-            .iter()
-            .chain(&operation.writes)
-            .chain(&operation.scratch)
-        {
-            if id.0 >= persistent_count && !allocated[id.0] {
-                allocated[id.0] = true;
-                steps.push(PlanStep::Allocate(*id));
-            }
-        }
-        let mut frees = Vec::new();
-        for id in operation
-            .scratch
-            .iter()
-            .chain(&operation.reads)
-            .chain(&operation.writes)
-        {
-            if id.0 >= persistent_count && last_use[id.0] == Some(position) && !freed[id.0] {
-                freed[id.0] = true;
-                frees.push(PlanStep::Free(*id));
-            }
-        }
-        steps.push(PlanStep::Run(operation));
-        steps.extend(frees);
-    }
-    steps
+    Ok(operations)
+}
+
+/// Evaluation: inference through every layer, each output living only until the next
+/// layer has read it, then the loss.
+fn evaluation_operations(
+    builder: &mut PlanBuilder<'_>,
+    persistent: &PersistentBuffers,
+) -> Result<Vec<Operation>, FieldError> {
+    let mut operations = Vec::new();
+    let forward = forward_pass(
+        builder,
+        persistent,
+        |layer| OperationKind::LayerInference { layer },
+        &mut operations,
+    )?;
+    let (loss_value, probabilities) = loss_outputs(builder)?;
+    operations.push(Operation {
+        kind: OperationKind::LossEvaluate,
+        reads: vec![forward.final_output, persistent.target],
+        writes: std::iter::once(loss_value).chain(probabilities).collect(),
+        scratch: Vec::new(),
+    });
+    Ok(operations)
 }

@@ -14,6 +14,10 @@ use cudarc::cudnn::sys;
 use cudarc::driver::sys as driver_sys;
 
 use crate::cuda::algorithms::AlgorithmCandidate;
+pub(super) use crate::cuda::cudnn_shapes::{
+    ConvolutionAlgorithm, ConvolutionBuffers, ConvolutionDirection, ConvolutionShape,
+    CudnnActivation, PoolingShape,
+};
 use crate::cuda::error::{CudaFailure, CudaLibrary};
 
 fn check(status: sys::cudnnStatus_t, during: &str) -> Result<(), CudaFailure> {
@@ -261,79 +265,6 @@ impl Drop for Descriptors {
     }
 }
 
-/// A convolution with symmetric padding, NHWC, KRSC filters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct ConvolutionShape {
-    /// `[n, h, w, c]`
-    pub input: [usize; 4],
-    /// `[n, oh, ow, filters]`
-    pub output: [usize; 4],
-    /// `[kh, kw]`
-    pub kernel: [usize; 2],
-    pub stride: [usize; 2],
-    /// Rows and columns of padding on each side.
-    pub padding: [usize; 2],
-    pub element_type: ElementType,
-}
-
-impl ConvolutionShape {
-    fn filter(&self) -> [usize; 4] {
-        [
-            self.output[3],
-            self.kernel[0],
-            self.kernel[1],
-            self.input[3],
-        ]
-    }
-}
-
-/// Which of the three convolutions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ConvolutionDirection {
-    Forward,
-    BackwardData,
-    BackwardFilter,
-}
-
-/// The algorithm a direction runs, as cuDNN's own enum.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ConvolutionAlgorithm {
-    Forward(sys::cudnnConvolutionFwdAlgo_t),
-    BackwardData(sys::cudnnConvolutionBwdDataAlgo_t),
-    BackwardFilter(sys::cudnnConvolutionBwdFilterAlgo_t),
-}
-
-/// The device addresses of a convolution: `input` (x or dx), `filter` (w or dw),
-/// `output` (y or dy).
-#[derive(Debug, Clone, Copy)]
-pub struct ConvolutionBuffers {
-    pub input: u64,
-    pub filter: u64,
-    pub output: u64,
-    pub workspace: u64,
-    pub workspace_bytes: u64,
-}
-
-/// A pooling with symmetric padding.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PoolingShape {
-    pub input: [usize; 4],
-    pub output: [usize; 4],
-    pub window: [usize; 2],
-    pub stride: [usize; 2],
-    pub padding: [usize; 2],
-    pub is_max: bool,
-    pub element_type: ElementType,
-}
-
-/// The activations cuDNN runs (the others are NVRTC kernels).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CudnnActivation {
-    Relu,
-    Sigmoid,
-    Tanh,
-}
-
 fn pointer(address: u64) -> *const std::ffi::c_void {
     address as *const std::ffi::c_void
 }
@@ -371,6 +302,65 @@ impl Drop for Cudnn {
 /// Up to this many algorithms are asked for (more than cuDNN has in any direction).
 const ALGORITHM_QUERY_COUNT: usize = 16;
 
+/// One algorithm as cuDNN reports it, in any direction's perf struct.
+trait AlgorithmPerformance: Clone {
+    /// An all-zero result for cuDNN to fill.
+    fn zeroed() -> Self;
+    fn candidate(&self, measured: bool) -> (AlgorithmCandidate, ConvolutionAlgorithm);
+}
+
+macro_rules! algorithm_performance {
+    ($performance:ty, $direction:ident) => {
+        impl AlgorithmPerformance for $performance {
+            fn zeroed() -> Self {
+                // SAFETY: an all-zero perf struct is valid: every enum field has a
+                // variant 0 and the rest are plain numbers.
+                unsafe { std::mem::zeroed() }
+            }
+
+            fn candidate(&self, measured: bool) -> (AlgorithmCandidate, ConvolutionAlgorithm) {
+                let time = (measured && self.time >= 0.0).then_some(self.time);
+                (
+                    AlgorithmCandidate {
+                        algorithm: self.algo as u32,
+                        time_milliseconds: time,
+                        workspace_bytes: self.memory as u64,
+                        usable: self.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
+                    },
+                    ConvolutionAlgorithm::$direction(self.algo),
+                )
+            }
+        }
+    };
+}
+
+algorithm_performance!(sys::cudnnConvolutionFwdAlgoPerf_t, Forward);
+algorithm_performance!(sys::cudnnConvolutionBwdDataAlgoPerf_t, BackwardData);
+algorithm_performance!(sys::cudnnConvolutionBwdFilterAlgoPerf_t, BackwardFilter);
+
+/// Runs one direction's algorithm query, `query(requested, &mut returned, results)`, into
+/// `ALGORITHM_QUERY_COUNT` zeroed results and reads back the ones cuDNN returned (their
+/// times only when `measured`: the heuristic ranking has none).
+fn query_algorithms<P: AlgorithmPerformance>(
+    during: &str,
+    measured: bool,
+    query: impl FnOnce(i32, &mut i32, *mut P) -> sys::cudnnStatus_t,
+) -> Result<Vec<(AlgorithmCandidate, ConvolutionAlgorithm)>, CudaFailure> {
+    let mut results = vec![P::zeroed(); ALGORITHM_QUERY_COUNT];
+    let mut returned: i32 = 0;
+    let status = query(
+        ALGORITHM_QUERY_COUNT as i32,
+        &mut returned,
+        results.as_mut_ptr(),
+    );
+    check(status, during)?;
+    Ok(results
+        .iter()
+        .take(returned.max(0) as usize)
+        .map(|result| result.candidate(measured))
+        .collect())
+}
+
 impl Cudnn {
     /// Creates a handle on `stream` (the context must be current).
     pub fn new(stream: driver_sys::CUstream) -> Result<Cudnn, CudaFailure> {
@@ -406,9 +396,6 @@ impl Cudnn {
         let y = descriptors.tensor(shape.element_type, shape.output)?;
         let w = descriptors.filter(shape.element_type, shape.filter())?;
         let convolution = descriptors.convolution(shape)?;
-        let mut returned: i32 = 0;
-        let requested = ALGORITHM_QUERY_COUNT as i32;
-        let time = |milliseconds: f32| (measure && milliseconds >= 0.0).then_some(milliseconds);
         let during = match direction {
             ConvolutionDirection::Forward => "querying convolution forward algorithms",
             ConvolutionDirection::BackwardData => "querying convolution backward-data algorithms",
@@ -418,163 +405,111 @@ impl Cudnn {
         };
         match direction {
             ConvolutionDirection::Forward => {
-                // SAFETY: an all-zero perf struct is valid: every enum field has a
-                // variant 0 and the rest are plain numbers.
-                let mut results: Vec<sys::cudnnConvolutionFwdAlgoPerf_t> =
-                    vec![unsafe { std::mem::zeroed() }; ALGORITHM_QUERY_COUNT];
-                // SAFETY: descriptors are live; `results` holds `requested` entries;
-                // the buffers are live slice buffers matching the descriptors, and the
-                // workspace pointer/size are the plan's workspace buffer (or null/0).
-                let status = unsafe {
-                    if measure {
-                        sys::cudnnFindConvolutionForwardAlgorithmEx(
-                            self.handle,
-                            x,
-                            pointer(buffers.input),
-                            w,
-                            pointer(buffers.filter),
-                            convolution,
-                            y,
-                            pointer_mut(buffers.output),
-                            requested,
-                            &mut returned,
-                            results.as_mut_ptr(),
-                            pointer_mut(buffers.workspace),
-                            buffers.workspace_bytes as usize,
-                        )
-                    } else {
-                        sys::cudnnGetConvolutionForwardAlgorithm_v7(
-                            self.handle,
-                            x,
-                            w,
-                            convolution,
-                            y,
-                            requested,
-                            &mut returned,
-                            results.as_mut_ptr(),
-                        )
+                query_algorithms(during, measure, |requested, returned, results| {
+                    // SAFETY: descriptors are live; `results` holds `requested` entries;
+                    // the buffers are live slice buffers matching the descriptors, and the
+                    // workspace pointer/size are the plan's workspace buffer (or null/0).
+                    unsafe {
+                        if measure {
+                            sys::cudnnFindConvolutionForwardAlgorithmEx(
+                                self.handle,
+                                x,
+                                pointer(buffers.input),
+                                w,
+                                pointer(buffers.filter),
+                                convolution,
+                                y,
+                                pointer_mut(buffers.output),
+                                requested,
+                                returned,
+                                results,
+                                pointer_mut(buffers.workspace),
+                                buffers.workspace_bytes as usize,
+                            )
+                        } else {
+                            sys::cudnnGetConvolutionForwardAlgorithm_v7(
+                                self.handle,
+                                x,
+                                w,
+                                convolution,
+                                y,
+                                requested,
+                                returned,
+                                results,
+                            )
+                        }
                     }
-                };
-                check(status, during)?;
-                Ok(results
-                    .iter()
-                    .take(returned.max(0) as usize)
-                    .map(|result| {
-                        (
-                            AlgorithmCandidate {
-                                algorithm: result.algo as u32,
-                                time_milliseconds: time(result.time),
-                                workspace_bytes: result.memory as u64,
-                                usable: result.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
-                            },
-                            ConvolutionAlgorithm::Forward(result.algo),
-                        )
-                    })
-                    .collect())
+                })
             }
             ConvolutionDirection::BackwardData => {
-                // SAFETY: as for the forward perf struct.
-                let mut results: Vec<sys::cudnnConvolutionBwdDataAlgoPerf_t> =
-                    vec![unsafe { std::mem::zeroed() }; ALGORITHM_QUERY_COUNT];
-                // SAFETY: as for forward; `input` is dx (written by Find), `output` dy.
-                let status = unsafe {
-                    if measure {
-                        sys::cudnnFindConvolutionBackwardDataAlgorithmEx(
-                            self.handle,
-                            w,
-                            pointer(buffers.filter),
-                            y,
-                            pointer(buffers.output),
-                            convolution,
-                            x,
-                            pointer_mut(buffers.input),
-                            requested,
-                            &mut returned,
-                            results.as_mut_ptr(),
-                            pointer_mut(buffers.workspace),
-                            buffers.workspace_bytes as usize,
-                        )
-                    } else {
-                        sys::cudnnGetConvolutionBackwardDataAlgorithm_v7(
-                            self.handle,
-                            w,
-                            y,
-                            convolution,
-                            x,
-                            requested,
-                            &mut returned,
-                            results.as_mut_ptr(),
-                        )
+                query_algorithms(during, measure, |requested, returned, results| {
+                    // SAFETY: as for forward; `input` is dx (written by Find), `output` dy.
+                    unsafe {
+                        if measure {
+                            sys::cudnnFindConvolutionBackwardDataAlgorithmEx(
+                                self.handle,
+                                w,
+                                pointer(buffers.filter),
+                                y,
+                                pointer(buffers.output),
+                                convolution,
+                                x,
+                                pointer_mut(buffers.input),
+                                requested,
+                                returned,
+                                results,
+                                pointer_mut(buffers.workspace),
+                                buffers.workspace_bytes as usize,
+                            )
+                        } else {
+                            sys::cudnnGetConvolutionBackwardDataAlgorithm_v7(
+                                self.handle,
+                                w,
+                                y,
+                                convolution,
+                                x,
+                                requested,
+                                returned,
+                                results,
+                            )
+                        }
                     }
-                };
-                check(status, during)?;
-                Ok(results
-                    .iter()
-                    .take(returned.max(0) as usize)
-                    .map(|result| {
-                        (
-                            AlgorithmCandidate {
-                                algorithm: result.algo as u32,
-                                time_milliseconds: time(result.time),
-                                workspace_bytes: result.memory as u64,
-                                usable: result.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
-                            },
-                            ConvolutionAlgorithm::BackwardData(result.algo),
-                        )
-                    })
-                    .collect())
+                })
             }
             ConvolutionDirection::BackwardFilter => {
-                // SAFETY: as for the forward perf struct.
-                let mut results: Vec<sys::cudnnConvolutionBwdFilterAlgoPerf_t> =
-                    vec![unsafe { std::mem::zeroed() }; ALGORITHM_QUERY_COUNT];
-                // SAFETY: as for forward; `filter` is dw (written by Find).
-                let status = unsafe {
-                    if measure {
-                        sys::cudnnFindConvolutionBackwardFilterAlgorithmEx(
-                            self.handle,
-                            x,
-                            pointer(buffers.input),
-                            y,
-                            pointer(buffers.output),
-                            convolution,
-                            w,
-                            pointer_mut(buffers.filter),
-                            requested,
-                            &mut returned,
-                            results.as_mut_ptr(),
-                            pointer_mut(buffers.workspace),
-                            buffers.workspace_bytes as usize,
-                        )
-                    } else {
-                        sys::cudnnGetConvolutionBackwardFilterAlgorithm_v7(
-                            self.handle,
-                            x,
-                            y,
-                            convolution,
-                            w,
-                            requested,
-                            &mut returned,
-                            results.as_mut_ptr(),
-                        )
+                query_algorithms(during, measure, |requested, returned, results| {
+                    // SAFETY: as for forward; `filter` is dw (written by Find).
+                    unsafe {
+                        if measure {
+                            sys::cudnnFindConvolutionBackwardFilterAlgorithmEx(
+                                self.handle,
+                                x,
+                                pointer(buffers.input),
+                                y,
+                                pointer(buffers.output),
+                                convolution,
+                                w,
+                                pointer_mut(buffers.filter),
+                                requested,
+                                returned,
+                                results,
+                                pointer_mut(buffers.workspace),
+                                buffers.workspace_bytes as usize,
+                            )
+                        } else {
+                            sys::cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+                                self.handle,
+                                x,
+                                y,
+                                convolution,
+                                w,
+                                requested,
+                                returned,
+                                results,
+                            )
+                        }
                     }
-                };
-                check(status, during)?;
-                Ok(results
-                    .iter()
-                    .take(returned.max(0) as usize)
-                    .map(|result| {
-                        (
-                            AlgorithmCandidate {
-                                algorithm: result.algo as u32,
-                                time_milliseconds: time(result.time),
-                                workspace_bytes: result.memory as u64,
-                                usable: result.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
-                            },
-                            ConvolutionAlgorithm::BackwardFilter(result.algo),
-                        )
-                    })
-                    .collect())
+                })
             }
         }
     }

@@ -190,42 +190,34 @@ impl KernelDimensions {
 /// permuted when they cross to the host, so the elementwise optimizer and casts see the
 /// same permutation on all of them and checkpoints keep the engine's layout.
 pub fn hwio_to_krsc(values: &[f32], dimensions: KernelDimensions) -> Vec<f32> {
-    let KernelDimensions {
-        height,
-        width,
-        input_channels,
-        filters,
-    } = dimensions;
     let mut permuted = vec![0.0; values.len()];
-    for row in 0..height {
-        for column in 0..width {
-            for channel in 0..input_channels {
-                for filter in 0..filters {
-                    let hwio =
-                        ((row * width + column) * input_channels + channel) * filters + filter;
-                    let krsc =
-                        ((filter * height + row) * width + column) * input_channels + channel;
-                    if let (Some(source), Some(destination)) =
-                        (values.get(hwio), permuted.get_mut(krsc))
-                    {
-                        *destination = *source;
-                    }
-                }
-            }
+    for_each_kernel_index(dimensions, |hwio, krsc| {
+        if let (Some(source), Some(destination)) = (values.get(hwio), permuted.get_mut(krsc)) {
+            *destination = *source;
         }
-    }
+    });
     permuted
 }
 
 /// The inverse of [`hwio_to_krsc`].
 pub fn krsc_to_hwio(values: &[f32], dimensions: KernelDimensions) -> Vec<f32> {
+    let mut permuted = vec![0.0; values.len()];
+    for_each_kernel_index(dimensions, |hwio, krsc| {
+        if let (Some(source), Some(destination)) = (values.get(krsc), permuted.get_mut(hwio)) {
+            *destination = *source;
+        }
+    });
+    permuted
+}
+
+/// Calls `visit(hwio, krsc)` with every kernel element's index in both layouts.
+fn for_each_kernel_index(dimensions: KernelDimensions, mut visit: impl FnMut(usize, usize)) {
     let KernelDimensions {
         height,
         width,
         input_channels,
         filters,
     } = dimensions;
-    let mut permuted = vec![0.0; values.len()];
     for row in 0..height {
         for column in 0..width {
             for channel in 0..input_channels {
@@ -234,16 +226,11 @@ pub fn krsc_to_hwio(values: &[f32], dimensions: KernelDimensions) -> Vec<f32> {
                         ((row * width + column) * input_channels + channel) * filters + filter;
                     let krsc =
                         ((filter * height + row) * width + column) * input_channels + channel;
-                    if let (Some(source), Some(destination)) =
-                        (values.get(krsc), permuted.get_mut(hwio))
-                    {
-                        *destination = *source;
-                    }
+                    visit(hwio, krsc);
                 }
             }
         }
     }
-    permuted
 }
 
 #[cfg(test)]

@@ -12,7 +12,8 @@ use carve_core::model::FeatureShape;
 
 use super::file::{DataFile, SCAN_CHUNK_BYTES};
 use super::{
-    Dataset, SampleTarget, TargetKind, check_sample_request, label_out_of_range, shape_as_written,
+    SampleLayout, SampleRequest, SampleSource, SampleTarget, TargetKind, label_out_of_range,
+    shape_as_written,
 };
 use crate::error::EngineError;
 
@@ -126,36 +127,23 @@ pub(crate) fn planar_to_interleaved(planar: &[u8], interleaved: &mut [f32]) {
     }
 }
 
-impl Dataset for Cifar10Dataset {
-    fn len(&self) -> u64 {
-        self.records
+impl SampleSource for Cifar10Dataset {
+    fn source(&self) -> &str {
+        self.files[0].path()
     }
 
-    fn input_elements(&self) -> usize {
-        IMAGE_BYTES
-    }
-
-    fn target_kind(&self) -> TargetKind {
-        TargetKind::Classes {
-            classes: self.classes,
+    fn layout(&self) -> SampleLayout {
+        SampleLayout {
+            samples: self.records,
+            input_elements: IMAGE_BYTES,
+            target_kind: TargetKind::Classes {
+                classes: self.classes,
+            },
         }
     }
 
-    fn read_sample(
-        &self,
-        index: u64,
-        input: &mut [f32],
-        target_values: &mut [f32],
-    ) -> Result<SampleTarget, EngineError> {
-        check_sample_request(
-            self.files[0].path(),
-            index,
-            self.records,
-            input,
-            IMAGE_BYTES,
-            target_values,
-            0,
-        )?;
+    fn read_checked(&self, request: SampleRequest<'_>) -> Result<SampleTarget, EngineError> {
+        let SampleRequest { index, input, .. } = request;
         // The last file whose first record is at or before `index`.
         let file_number = self
             .first_record_of_file

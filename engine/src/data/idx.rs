@@ -13,7 +13,8 @@ use carve_core::model::FeatureShape;
 
 use super::file::{DataFile, SAMPLE_CHUNK_BYTES, SCAN_CHUNK_BYTES, big_endian_u32};
 use super::{
-    Dataset, SampleTarget, TargetKind, check_sample_request, label_out_of_range, shape_as_written,
+    SampleLayout, SampleRequest, SampleSource, SampleTarget, TargetKind, label_out_of_range,
+    shape_as_written,
 };
 use crate::error::EngineError;
 
@@ -161,36 +162,23 @@ fn check_labels(labels: &DataFile, samples: u64, classes: u64) -> Result<(), Eng
     )
 }
 
-impl Dataset for IdxDataset {
-    fn len(&self) -> u64 {
-        self.samples
+impl SampleSource for IdxDataset {
+    fn source(&self) -> &str {
+        self.images.path()
     }
 
-    fn input_elements(&self) -> usize {
-        self.pixels_per_image
-    }
-
-    fn target_kind(&self) -> TargetKind {
-        TargetKind::Classes {
-            classes: self.classes,
+    fn layout(&self) -> SampleLayout {
+        SampleLayout {
+            samples: self.samples,
+            input_elements: self.pixels_per_image,
+            target_kind: TargetKind::Classes {
+                classes: self.classes,
+            },
         }
     }
 
-    fn read_sample(
-        &self,
-        index: u64,
-        input: &mut [f32],
-        target_values: &mut [f32],
-    ) -> Result<SampleTarget, EngineError> {
-        check_sample_request(
-            self.images.path(),
-            index,
-            self.samples,
-            input,
-            self.pixels_per_image,
-            target_values,
-            0,
-        )?;
+    fn read_checked(&self, request: SampleRequest<'_>) -> Result<SampleTarget, EngineError> {
+        let SampleRequest { index, input, .. } = request;
         let pixels = self.pixels_per_image as u64;
         // In range: index < samples and the file length equals header + samples * pixels.
         let offset = IMAGES_HEADER_BYTES + index * pixels;

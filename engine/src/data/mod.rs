@@ -118,6 +118,69 @@ pub trait Dataset: Send + Sync {
     ) -> Result<SampleTarget, EngineError>;
 }
 
+/// What a data set answers about itself: its size, sample shape and targets.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SampleLayout {
+    pub(crate) samples: u64,
+    pub(crate) input_elements: usize,
+    pub(crate) target_kind: TargetKind,
+}
+
+/// One checked read: sample `index` into `input` and, for value targets, `target_values`.
+#[derive(Debug)]
+pub(crate) struct SampleRequest<'a> {
+    pub(crate) index: u64,
+    pub(crate) input: &'a mut [f32],
+    pub(crate) target_values: &'a mut [f32],
+}
+
+/// The data sets of this crate: each says its layout and reads samples, and `Dataset`
+/// follows, with every request checked against the layout once, here.
+pub(crate) trait SampleSource: Send + Sync {
+    /// Named in errors: the file read, or "synthetic".
+    fn source(&self) -> &str;
+    fn layout(&self) -> SampleLayout;
+    /// `Dataset::read_sample` once the index and the buffers' lengths are checked.
+    fn read_checked(&self, request: SampleRequest<'_>) -> Result<SampleTarget, EngineError>;
+}
+
+impl<S: SampleSource> Dataset for S {
+    fn len(&self) -> u64 {
+        self.layout().samples
+    }
+
+    fn input_elements(&self) -> usize {
+        self.layout().input_elements
+    }
+
+    fn target_kind(&self) -> TargetKind {
+        self.layout().target_kind
+    }
+
+    fn read_sample(
+        &self,
+        index: u64,
+        input: &mut [f32],
+        target_values: &mut [f32],
+    ) -> Result<SampleTarget, EngineError> {
+        let layout = self.layout();
+        check_sample_request(
+            self.source(),
+            index,
+            layout.samples,
+            input,
+            layout.input_elements,
+            target_values,
+            layout.target_kind.value_elements(),
+        )?;
+        self.read_checked(SampleRequest {
+            index,
+            input,
+            target_values,
+        })
+    }
+}
+
 /// The training set and, when the job has one, the test set.
 #[derive(Clone)]
 pub struct DataSets {

@@ -13,7 +13,9 @@ use std::fmt;
 use std::path::Path;
 
 use super::file::{DataFile, SAMPLE_CHUNK_BYTES, SCAN_CHUNK_BYTES};
-use super::{Dataset, SampleTarget, TargetKind, check_sample_request, label_out_of_range};
+use super::{
+    SampleLayout, SampleRequest, SampleSource, SampleTarget, TargetKind, label_out_of_range,
+};
 use crate::error::EngineError;
 
 const NPY_MAGIC: &[u8; 6] = b"\x93NUMPY";
@@ -640,34 +642,21 @@ fn check_labels(targets: &NpyArray, classes: u64) -> Result<(), EngineError> {
     )
 }
 
-impl Dataset for NpyDataset {
-    fn len(&self) -> u64 {
-        self.samples
+impl SampleSource for NpyDataset {
+    fn source(&self) -> &str {
+        self.inputs.path()
     }
 
-    fn input_elements(&self) -> usize {
-        self.input_elements
+    fn layout(&self) -> SampleLayout {
+        SampleLayout {
+            samples: self.samples,
+            input_elements: self.input_elements,
+            target_kind: self.target_kind,
+        }
     }
 
-    fn target_kind(&self) -> TargetKind {
-        self.target_kind
-    }
-
-    fn read_sample(
-        &self,
-        index: u64,
-        input: &mut [f32],
-        target_values: &mut [f32],
-    ) -> Result<SampleTarget, EngineError> {
-        check_sample_request(
-            self.inputs.path(),
-            index,
-            self.samples,
-            input,
-            self.input_elements,
-            target_values,
-            self.target_kind.value_elements(),
-        )?;
+    fn read_checked(&self, request: SampleRequest<'_>) -> Result<SampleTarget, EngineError> {
+        let (index, input, target_values) = (request.index, request.input, request.target_values);
         self.inputs.read_row(index, input)?;
         match self.target_kind {
             TargetKind::Classes { classes } => {

@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use super::{Dataset, SampleTarget, TargetKind, check_sample_request};
+use super::{SampleLayout, SampleRequest, SampleSource, SampleTarget, TargetKind};
 use crate::error::EngineError;
 use crate::rng::Rng;
 
@@ -306,34 +306,21 @@ impl SyntheticDataset {
     }
 }
 
-impl Dataset for SyntheticDataset {
-    fn len(&self) -> u64 {
-        self.samples
+impl SampleSource for SyntheticDataset {
+    fn source(&self) -> &str {
+        "synthetic"
     }
 
-    fn input_elements(&self) -> usize {
-        self.generator.input_elements
+    fn layout(&self) -> SampleLayout {
+        SampleLayout {
+            samples: self.samples,
+            input_elements: self.generator.input_elements,
+            target_kind: self.generator.target_kind,
+        }
     }
 
-    fn target_kind(&self) -> TargetKind {
-        self.generator.target_kind
-    }
-
-    fn read_sample(
-        &self,
-        index: u64,
-        input: &mut [f32],
-        target_values: &mut [f32],
-    ) -> Result<SampleTarget, EngineError> {
-        check_sample_request(
-            "synthetic",
-            index,
-            self.samples,
-            input,
-            self.generator.input_elements,
-            target_values,
-            self.generator.target_kind.value_elements(),
-        )?;
+    fn read_checked(&self, request: SampleRequest<'_>) -> Result<SampleTarget, EngineError> {
+        let (index, input, target_values) = (request.index, request.input, request.target_values);
         Ok(self
             .generator
             .generate(self.split, index, input, target_values))
@@ -343,6 +330,7 @@ impl Dataset for SyntheticDataset {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::Dataset;
 
     fn read(dataset: &SyntheticDataset, index: u64) -> (Vec<f32>, SampleTarget, Vec<f32>) {
         let mut input = vec![0.0; dataset.input_elements()];

@@ -113,16 +113,7 @@ pub fn batch_norm_forward_training(
     );
 
     if let Some((running_mean, running_variance)) = running {
-        assert_eq!(
-            running_mean.len(),
-            channels,
-            "batch norm: running mean length"
-        );
-        assert_eq!(
-            running_variance.len(),
-            channels,
-            "batch norm: running variance length"
-        );
+        check_running_lengths(running_mean, running_variance, channels);
         if rows == 0 {
             return;
         }
@@ -261,16 +252,7 @@ pub fn batch_norm_forward_inference(
     assert_eq!(output.len(), input.len(), "batch norm: output length");
     assert_eq!(gamma.len(), channels, "batch norm: gamma length");
     assert_eq!(beta.len(), channels, "batch norm: beta length");
-    assert_eq!(
-        running_mean.len(),
-        channels,
-        "batch norm: running mean length"
-    );
-    assert_eq!(
-        running_variance.len(),
-        channels,
-        "batch norm: running variance length"
-    );
+    check_running_lengths(running_mean, running_variance, channels);
     let epsilon = f64::from(settings.epsilon);
     let inverse_stds: Vec<f32> = running_variance
         .iter()
@@ -311,6 +293,20 @@ fn normalize(
                 + beta[channel];
         }
     }
+}
+
+/// Panics unless the running statistics have one value per channel (a caller bug).
+fn check_running_lengths(running_mean: &[f32], running_variance: &[f32], channels: usize) {
+    assert_eq!(
+        running_mean.len(),
+        channels,
+        "batch norm: running mean length"
+    );
+    assert_eq!(
+        running_variance.len(),
+        channels,
+        "batch norm: running variance length"
+    );
 }
 
 #[cfg(test)]

@@ -179,21 +179,6 @@ impl ResolvedWindow {
         self.patch_length() * self.output_width
     }
 
-    /// A 1x1, stride-1, unpadded convolution: the NHWC input is already the im2col
-    /// matrix. (The plan gives these no workspace.)
-    fn is_pointwise(&self, shapes: &WindowedShapes) -> bool {
-        let window = &shapes.window;
-        self.kernel_height == 1
-            && self.kernel_width == 1
-            && self.stride_height == 1
-            && self.stride_width == 1
-            && window.padding_top
-                + window.padding_bottom
-                + window.padding_left
-                + window.padding_right
-                == 0
-    }
-
     /// Total output rows of the batch (sample-major), the unit the kernels chunk by.
     fn total_output_rows(&self) -> usize {
         self.batch * self.output_height
@@ -383,7 +368,9 @@ pub fn conv2d_forward(
         None => 0.0,
     };
 
-    if window.is_pointwise(shapes) {
+    // A pointwise window's NHWC input is already the im2col matrix (and the plan gives it
+    // no workspace).
+    if shapes.window.is_pointwise() {
         let pixels = window.batch * window.input_height * window.input_width;
         gemm(
             pixels,
@@ -480,7 +467,9 @@ pub fn conv2d_backward(
         }
     }
 
-    if window.is_pointwise(shapes) {
+    // A pointwise window's NHWC input is already the im2col matrix (and the plan gives it
+    // no workspace).
+    if shapes.window.is_pointwise() {
         let pixels = window.batch * window.input_height * window.input_width;
         gemm(
             patch_length,

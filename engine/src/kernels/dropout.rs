@@ -69,7 +69,7 @@ pub fn dropout_backward(
 
 /// `1/(1 − rate)` for `0 < rate < 1`; 1 when there is no dropout. With `rate >= 1` nothing
 /// is kept, so the scale is never applied; 0 rather than infinity keeps it harmless.
-fn keep_scale(rate: f32) -> f32 {
+pub(crate) fn keep_scale(rate: f32) -> f32 {
     if rate.is_nan() || rate <= 0.0 {
         1.0
     } else if rate >= 1.0 {

@@ -254,36 +254,24 @@ mod tests {
 
     #[test]
     fn hand_computed_two_by_two() {
-        // [1 2; 3 4] * [5 6; 7 8] = [19 22; 43 50]
-        let mut c = [0.0; 4];
-        gemm(
-            2,
-            2,
-            2,
-            &[1.0, 2.0, 3.0, 4.0],
-            false,
-            &[5.0, 6.0, 7.0, 8.0],
-            false,
-            &mut c,
-            1.0,
-            0.0,
-        );
-        assert_eq!(c, [19.0, 22.0, 43.0, 50.0]);
-        // A stored transposed: [1 3; 2 4]^T = [1 2; 3 4].
-        let mut c = [0.0; 4];
-        gemm(
-            2,
-            2,
-            2,
-            &[1.0, 3.0, 2.0, 4.0],
-            true,
-            &[5.0, 6.0, 7.0, 8.0],
-            false,
-            &mut c,
-            1.0,
-            0.0,
-        );
-        assert_eq!(c, [19.0, 22.0, 43.0, 50.0]);
+        // [1 2; 3 4] * [5 6; 7 8] = [19 22; 43 50], with A stored as written and
+        // transposed ([1 3; 2 4]^T = [1 2; 3 4]).
+        for (a, transpose_a) in [([1.0, 2.0, 3.0, 4.0], false), ([1.0, 3.0, 2.0, 4.0], true)] {
+            let mut c = [0.0; 4];
+            gemm(
+                2,
+                2,
+                2,
+                &a,
+                transpose_a,
+                &[5.0, 6.0, 7.0, 8.0],
+                false,
+                &mut c,
+                1.0,
+                0.0,
+            );
+            assert_eq!(c, [19.0, 22.0, 43.0, 50.0], "transpose_a {transpose_a}");
+        }
     }
 
     #[test]

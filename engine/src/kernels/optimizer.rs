@@ -372,9 +372,9 @@ mod tests {
         assert_close(&parameters, &[expected], 1e-6);
     }
 
-    #[test]
-    fn adam_couples_weight_decay_and_adamw_decouples_it() {
-        // Adam, wd 0.5, w = 2, raw g = 1: g = 1 + 1 = 2 → m̂ = 2, v̂ = 4, step = 0.01·2/2.
+    /// One Adam(W) update of w = 2 with raw g = 1 and weight decay 0.5, from zero state:
+    /// the parameter and the first moment after it.
+    fn one_decayed_step(step: u64, decoupled: bool) -> ([f32; 1], [f32; 1]) {
         let mut parameters = [2.0];
         let (mut first, mut second) = ([0.0], [0.0]);
         adam_update(
@@ -382,42 +382,27 @@ mod tests {
             &[1.0],
             &mut first,
             &mut second,
-            1,
+            step,
             &adam(0.5),
-            false,
+            decoupled,
             1.0,
         );
+        (parameters, first)
+    }
+
+    #[test]
+    fn adam_couples_weight_decay_and_adamw_decouples_it() {
+        // Adam, wd 0.5, w = 2, raw g = 1: g = 1 + 1 = 2 → m̂ = 2, v̂ = 4, step = 0.01·2/2.
+        let (parameters, first) = one_decayed_step(1, false);
         assert_close(&parameters, &[2.0 - 0.01 * 2.0 / (2.0 + 1e-7)], 1e-7);
         assert_close(&first, &[0.2], 1e-7);
 
         // AdamW: w = 2·(1 − 0.01·0.5) = 1.99, then g = 1 → m̂ = 1, v̂ = 1, step 0.01/(1 + ε).
-        let mut parameters = [2.0];
-        let (mut first, mut second) = ([0.0], [0.0]);
-        adam_update(
-            &mut parameters,
-            &[1.0],
-            &mut first,
-            &mut second,
-            1,
-            &adam(0.5),
-            true,
-            1.0,
-        );
+        let (parameters, first) = one_decayed_step(1, true);
         assert_close(&parameters, &[1.99 - 0.01 / (1.0 + 1e-7)], 1e-7);
         assert_close(&first, &[0.1], 1e-7);
         // Step 0 behaves as step 1 (no division by zero).
-        let mut parameters = [2.0];
-        let (mut first, mut second) = ([0.0], [0.0]);
-        adam_update(
-            &mut parameters,
-            &[1.0],
-            &mut first,
-            &mut second,
-            0,
-            &adam(0.5),
-            true,
-            1.0,
-        );
+        let (parameters, _) = one_decayed_step(0, true);
         assert_close(&parameters, &[1.99 - 0.01 / (1.0 + 1e-7)], 1e-7);
     }
 

@@ -273,22 +273,7 @@ pub fn avg_pool_backward(
 ///
 /// When a slice's length does not match `input` (a caller bug).
 pub fn global_avg_pool_forward(input: ImageShape, input_data: &[f32], output: &mut [f32]) {
-    assert_eq!(
-        input_data.len(),
-        input.elements(),
-        "global avg pool: input length"
-    );
-    assert_eq!(
-        output.len(),
-        input.batch * input.channels,
-        "global avg pool: output length"
-    );
-    let pixels = input.height * input.width;
-    let scale = if pixels == 0 {
-        0.0
-    } else {
-        1.0 / pixels as f32
-    };
+    let scale = global_avg_pool_scale(input, input_data.len(), output.len(), "");
     let channels = input.channels;
     if channels == 0 {
         return;
@@ -307,6 +292,33 @@ pub fn global_avg_pool_forward(input: ImageShape, input_data: &[f32], output: &m
     }
 }
 
+/// Checks a global average pool's slice lengths (the input's or its gradient's, the
+/// output's or its gradient's: `which` says) and returns the scale of a channel's sum,
+/// `1 / (height * width)` (0 for an empty image).
+fn global_avg_pool_scale(
+    input: ImageShape,
+    input_length: usize,
+    output_length: usize,
+    which: &str,
+) -> f32 {
+    assert_eq!(
+        input_length,
+        input.elements(),
+        "global avg pool: input{which} length"
+    );
+    assert_eq!(
+        output_length,
+        input.batch * input.channels,
+        "global avg pool: output{which} length"
+    );
+    let pixels = input.height * input.width;
+    if pixels == 0 {
+        0.0
+    } else {
+        1.0 / pixels as f32
+    }
+}
+
 /// Global average pool backward: every pixel of a channel receives `1 / (height * width)`
 /// of that channel's output gradient. `input_gradient` is overwritten.
 ///
@@ -318,22 +330,12 @@ pub fn global_avg_pool_backward(
     output_gradient: &[f32],
     input_gradient: &mut [f32],
 ) {
-    assert_eq!(
+    let scale = global_avg_pool_scale(
+        input,
         input_gradient.len(),
-        input.elements(),
-        "global avg pool: input gradient length"
-    );
-    assert_eq!(
         output_gradient.len(),
-        input.batch * input.channels,
-        "global avg pool: output gradient length"
+        " gradient",
     );
-    let pixels = input.height * input.width;
-    let scale = if pixels == 0 {
-        0.0
-    } else {
-        1.0 / pixels as f32
-    };
     let channels = input.channels;
     if channels == 0 {
         return;

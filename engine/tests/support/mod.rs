@@ -1,6 +1,37 @@
-//! Helpers shared by the engine's integration tests.
+//! Helpers shared by the engine's training tests (cpu, and cpu against cuda): a job from
+//! its TOML text, its data sets, the training options sized to its estimate, and the
+//! comparison of two runs' weights.
 
+use std::path::Path;
+
+use carve_core::estimator::estimate_job;
+use carve_core::plan::RunConfig;
+use carve_core::validate::{ValidatedJob, load_job_spec_toml};
 use carve_engine::checkpoint::NamedTensor;
+use carve_engine::data::{DataSets, open_data_sets};
+use carve_engine::trainer::TrainingOptions;
+
+/// The job `text` describes; a spec that does not validate fails the test with the text.
+pub fn job(text: &str) -> ValidatedJob {
+    load_job_spec_toml(text).unwrap_or_else(|error| panic!("{error}\n{text}"))
+}
+
+/// The job's data sets, with relative paths from the working directory.
+pub fn data(job: &ValidatedJob) -> DataSets {
+    open_data_sets(job, Path::new(".")).unwrap()
+}
+
+/// Training `job` with `config` in a slice of exactly the estimate's required bytes, no
+/// checkpoint, no resume, to the end.
+pub fn options_with_config(job: &ValidatedJob, config: RunConfig) -> TrainingOptions {
+    TrainingOptions {
+        config,
+        slice_bytes: estimate_job(job, &config).unwrap().required_bytes,
+        checkpoint_path: None,
+        resume_from: None,
+        stop_after_steps: None,
+    }
+}
 
 /// Each tensor's largest difference relative to its largest magnitude: rounding in sums of
 /// a different order shows up on tiny elements, not on the tensor. Non-finite values fail.

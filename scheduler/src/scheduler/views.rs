@@ -5,7 +5,7 @@ use carve_proto::ApiError;
 
 use crate::auth::{Caller, Role};
 use crate::error::SchedulerError;
-use crate::metrics::ClusterGauges;
+use crate::metrics::{ClusterGauges, Metrics, MetricsSource};
 use crate::store::{AttemptRecord, JobRecord};
 
 use super::worker_reports::Gpu;
@@ -112,8 +112,8 @@ impl Scheduler {
         slices
     }
 
-    /// The metrics page: counters plus gauges read now.
-    pub async fn render_metrics(&self) -> String {
+    /// The gauges of the metrics page, read now.
+    pub async fn cluster_gauges_now(&self) -> ClusterGauges {
         let mut gauges = ClusterGauges {
             submit_groups_committed: self.batcher.groups_committed(),
             submit_jobs_committed: self.batcher.jobs_committed(),
@@ -155,7 +155,7 @@ impl Scheduler {
                 }
             }
         }
-        self.metrics.render(&gauges)
+        gauges
     }
 
     /// VRAM in use and running jobs of a tenant now.
@@ -233,5 +233,16 @@ impl SliceView {
         self.owner
             .as_ref()
             .is_some_and(|owner| caller.may_access_tenant(&owner.tenant))
+    }
+}
+
+/// The metrics page reads its counters and gauges from here.
+impl MetricsSource for Scheduler {
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    async fn cluster_gauges(&self) -> ClusterGauges {
+        self.cluster_gauges_now().await
     }
 }

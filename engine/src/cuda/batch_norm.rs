@@ -1,0 +1,127 @@
+//! The cuda backend's batch norm: NVRTC kernels rather than cuDNN, because the plan keeps
+//! gamma and beta in the compute precision while cuDNN wants fp32 scale and bias for half
+//! data (a converted copy would be memory the estimate does not count).
+
+use carve_core::plan::ElementType;
+
+use super::device::{KernelArgument, LaunchShape};
+use super::{CudaBackend, CudaBackward, CudaForward, count, pointer, type_code};
+use crate::dispatch::{BatchNormKernels, LayerCall};
+use crate::error::EngineError;
+
+impl BatchNormKernels for CudaBackend {
+    fn batch_norm_forward(
+        &mut self,
+        call: &LayerCall<'_>,
+        forward: &mut CudaForward,
+        momentum: f64,
+        epsilon: f64,
+    ) -> Result<(), EngineError> {
+        let layer = call.layer;
+        let CudaForward { input, output } = *forward;
+        let t = type_code(output.element_type);
+        let parameter = |index: usize| self.forward_parameter(call, index);
+        let channels = layer.parameters[0].elements as usize;
+        let rows = call.input_elements() / channels.max(1);
+        let gamma = parameter(0)?;
+        let beta = parameter(1)?;
+        let running_mean = parameter(2)?;
+        let running_variance = parameter(3)?;
+        if gamma.element_type != beta.element_type
+            || running_mean.element_type != ElementType::F32
+            || running_variance.element_type != ElementType::F32
+        {
+            return Err(EngineError::Backend(format!(
+                "{}: gamma and beta must share a type and running statistics be fp32",
+                layer.label()
+            )));
+        }
+        if call.is_inference() {
+            self.launch(
+                "batch_norm_inference_forward",
+                LaunchShape::Elements(call.output_elements() as u64),
+                &[
+                    pointer(input.address),
+                    pointer(output.address),
+                    t,
+                    count(rows),
+                    count(channels),
+                    pointer(gamma.address),
+                    pointer(beta.address),
+                    type_code(gamma.element_type),
+                    pointer(running_mean.address),
+                    pointer(running_variance.address),
+                    KernelArgument::F64(f64::from(epsilon as f32)),
+                ],
+            )?;
+        } else {
+            let statistics_id = call.batch_statistics().ok_or_else(|| {
+                EngineError::Backend(format!("{} without statistics", layer.label()))
+            })?;
+            let statistics = self.buffer(statistics_id)?;
+            // A recomputed forward must not count the batch twice in the running
+            // statistics.
+            let update_running = call.updates_running_statistics();
+            self.launch(
+                "batch_norm_training_forward",
+                LaunchShape::Blocks(channels as u64),
+                &[
+                    pointer(input.address),
+                    pointer(output.address),
+                    t,
+                    count(rows),
+                    count(channels),
+                    pointer(gamma.address),
+                    pointer(beta.address),
+                    type_code(gamma.element_type),
+                    pointer(statistics.address),
+                    pointer(running_mean.address),
+                    pointer(running_variance.address),
+                    KernelArgument::I32(i32::from(update_running)),
+                    // The cpu kernel widens the f32 settings to f64.
+                    KernelArgument::F64(f64::from(momentum as f32)),
+                    KernelArgument::F64(f64::from(epsilon as f32)),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn batch_norm_backward(
+        &mut self,
+        call: &LayerCall<'_>,
+        backward: &mut CudaBackward,
+        _momentum: f64,
+        _epsilon: f64,
+    ) -> Result<(), EngineError> {
+        let layer = call.layer;
+        let gradient_in = backward.gradient_in;
+        let input = backward.saved_input(call)?;
+        let statistics = self.buffer(call.roles.side.ok_or_else(|| call.missing("statistics"))?)?;
+        let gamma = self.backward_parameter(call, 0)?;
+        let channels = layer.parameters[0].elements as usize;
+        let rows = call.input_elements() / channels.max(1);
+        let gamma_target = backward.target(call, 0, "gamma gradient")?;
+        let beta_target = backward.target(call, 1, "beta gradient")?;
+        self.launch(
+            "batch_norm_backward",
+            LaunchShape::Blocks(channels as u64),
+            &[
+                pointer(input.address),
+                pointer(gradient_in.address),
+                pointer(backward.input_gradient.map_or(0, |dx| dx.address)),
+                type_code(gradient_in.element_type),
+                count(rows),
+                count(channels),
+                pointer(gamma.address),
+                type_code(gamma.element_type),
+                pointer(statistics.address),
+                pointer(gamma_target.address),
+                pointer(beta_target.address),
+                type_code(gamma_target.element_type),
+                KernelArgument::I32(i32::from(gamma_target.accumulate)),
+            ],
+        )?;
+        Ok(())
+    }
+}

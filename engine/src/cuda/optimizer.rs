@@ -1,0 +1,117 @@
+//! The cuda backend's optimizers: SGD and Adam(W) as NVRTC kernels on the fp32 masters (or
+//! weights), with the same per-step constants as the cpu kernels.
+
+use carve_core::plan::ElementType;
+use carve_core::spec::OptimizerSpec;
+
+use super::device::{KernelArgument, LaunchShape};
+use super::{CudaBackend, DeviceBuffer, pointer};
+use crate::backend::OperationContext;
+use crate::dispatch::{OptimizerBuffers, OptimizerKernels};
+use crate::error::EngineError;
+
+impl OptimizerKernels for CudaBackend {
+    fn optimizer_update(
+        &mut self,
+        buffers: &OptimizerBuffers,
+        context: &mut OperationContext<'_>,
+    ) -> Result<(), EngineError> {
+        let gradient = self.buffer(buffers.gradient)?;
+        if *context.apply_update {
+            let weights_id = buffers.weights;
+            let master_id = buffers.master;
+            let states: Vec<DeviceBuffer> = buffers
+                .states
+                .iter()
+                .map(|id| self.buffer(*id))
+                .collect::<Result<_, _>>()?;
+            let target = self.buffer(buffers.target())?;
+            let all_fp32 = target.element_type == ElementType::F32
+                && gradient.element_type == ElementType::F32
+                && states
+                    .iter()
+                    .all(|state| state.element_type == ElementType::F32);
+            if !all_fp32 {
+                return Err(EngineError::Backend(
+                    "optimizer updates run on fp32 parameters, gradients and state".into(),
+                ));
+            }
+            let elements = target.elements.min(gradient.elements);
+            // The scale the gradients were computed with, not the one the overflow check
+            // may just have doubled.
+            let gradient_scale = context.loss_scaler.unscale_factor();
+            match context.optimizer {
+                OptimizerSpec::Sgd(settings) => self.launch(
+                    "sgd_update",
+                    LaunchShape::Elements(elements),
+                    &[
+                        pointer(target.address),
+                        pointer(gradient.address),
+                        pointer(states.first().map_or(0, |velocity| velocity.address)),
+                        KernelArgument::I64(elements as i64),
+                        KernelArgument::F32(settings.learning_rate as f32),
+                        KernelArgument::F32(settings.momentum as f32),
+                        KernelArgument::F32(settings.weight_decay as f32),
+                        KernelArgument::I32(i32::from(settings.nesterov)),
+                        KernelArgument::F32(gradient_scale),
+                    ],
+                )?,
+                OptimizerSpec::Adam(settings) | OptimizerSpec::Adamw(settings) => {
+                    let (first, second) = match states.as_slice() {
+                        [first, second, ..] => (*first, *second),
+                        _ => {
+                            return Err(EngineError::Backend(
+                                "adam needs two optimizer state tensors".into(),
+                            ));
+                        }
+                    };
+                    // The same per-step constants as the cpu kernel, computed the same way.
+                    let step = context.optimizer_update_number.max(1) as f64;
+                    let bias_correction1 = 1.0 - settings.beta1.powf(step);
+                    let bias_correction2 = 1.0 - settings.beta2.powf(step);
+                    let step_size = (settings.learning_rate / bias_correction1) as f32;
+                    let bias_correction2_sqrt = bias_correction2.sqrt() as f32;
+                    let decoupled = matches!(context.optimizer, OptimizerSpec::Adamw(_));
+                    let (l2_decay, decoupled_decay_factor) = if decoupled {
+                        (
+                            0.0,
+                            1.0 - (settings.learning_rate * settings.weight_decay) as f32,
+                        )
+                    } else {
+                        (settings.weight_decay as f32, 1.0)
+                    };
+                    self.launch(
+                        "adam_update",
+                        LaunchShape::Elements(elements),
+                        &[
+                            pointer(target.address),
+                            pointer(gradient.address),
+                            pointer(first.address),
+                            pointer(second.address),
+                            KernelArgument::I64(elements as i64),
+                            KernelArgument::F32(settings.beta1 as f32),
+                            KernelArgument::F32(settings.beta2 as f32),
+                            KernelArgument::F32((1.0 - settings.beta1) as f32),
+                            KernelArgument::F32((1.0 - settings.beta2) as f32),
+                            KernelArgument::F32(settings.epsilon as f32),
+                            KernelArgument::F32(step_size),
+                            KernelArgument::F32(bias_correction2_sqrt),
+                            KernelArgument::F32(l2_decay),
+                            KernelArgument::F32(decoupled_decay_factor),
+                            KernelArgument::F32(gradient_scale),
+                        ],
+                    )?
+                }
+            }
+            if master_id.is_some() {
+                self.convert(master_id.unwrap_or(weights_id), weights_id)?;
+            }
+        }
+        self.device
+            .zero(
+                gradient.address,
+                gradient.elements * gradient.element_type.bytes(),
+            )
+            .map_err(|failure| self.fail(failure))
+    }
+}

@@ -1,0 +1,103 @@
+//! What the worker's end-to-end and chaos tests share: the tiny job they train, a
+//! request with its bearer token, the `carve-worker` command line of a worker process,
+//! and the command lines of the processes running now (how both find attempt processes).
+
+use std::path::Path;
+use std::process::Command;
+
+use tonic::Request;
+
+/// `message` with `token` as its bearer token.
+pub fn authorized<T>(message: T, token: &str) -> Request<T> {
+    carve_proto::client::authorized_request(message, token).expect("a valid token")
+}
+
+/// A job small enough to train in well under a second, as JSON: `steps` sets how long it
+/// runs; `resources` is appended after the data section as it is (empty, or
+/// `, "resources": {...}`).
+pub fn tiny_job_spec(
+    name: &str,
+    steps: u64,
+    checkpoint_every_steps: u64,
+    resources: &str,
+) -> String {
+    format!(
+        r#"{{
+  "name": "{name}",
+  "model": {{
+    "input_shape": [8, 8, 1],
+    "loss": "softmax_cross_entropy",
+    "layers": [
+      {{ "conv2d": {{ "filters": 8, "kernel": 3, "padding": "same" }} }},
+      {{ "relu": {{}} }},
+      {{ "flatten": {{}} }},
+      {{ "dense": {{ "units": 4 }} }}
+    ]
+  }},
+  "training": {{ "batch_size": 64, "steps": {steps}, "checkpoint_every_steps": {checkpoint_every_steps}, "optimizer": {{ "adam": {{ "learning_rate": 0.001 }} }} }},
+  "data": {{ "format": "synthetic", "samples": 256 }}{resources}
+}}"#
+    )
+}
+
+/// The real `carve-worker` binary as a worker with one simulated 1 GiB GPU, connecting
+/// to `address`; the caller adds its log level and standard streams.
+pub fn worker_process_command(
+    address: &str,
+    token: &str,
+    checkpoints: &Path,
+    hostname: &str,
+) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_carve-worker"));
+    command
+        .arg("--scheduler")
+        .arg(address)
+        .arg("--token")
+        .arg(token)
+        .arg("--sim-gpus")
+        .arg("1GiB")
+        .arg("--context-bytes")
+        .arg("64MiB")
+        .arg("--checkpoint-dir")
+        .arg(checkpoints)
+        .arg("--hostname")
+        .arg(hostname);
+    command
+}
+
+/// The command line of every process running now, by pid (nothing where `/proc` cannot
+/// be read; a process that ends meanwhile is left out).
+pub fn process_command_lines() -> Vec<(u32, Vec<String>)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|process_id| {
+            let cmdline = std::fs::read(format!("/proc/{process_id}/cmdline")).ok()?;
+            let arguments = cmdline
+                .split(|byte| *byte == 0)
+                .map(|argument| String::from_utf8_lossy(argument).into_owned())
+                .collect();
+            Some((process_id, arguments))
+        })
+        .collect()
+}
+
+/// Calls `check` every `interval` until it gives a value; fails the test with `what`
+/// once `limit` has passed without one.
+pub async fn poll_until<T>(
+    limit: std::time::Duration,
+    interval: std::time::Duration,
+    what: &str,
+    mut check: impl FnMut() -> Option<T>,
+) -> T {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(interval).await;
+    }
+}
