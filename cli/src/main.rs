@@ -53,6 +53,12 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // `carve dev` hosts a scheduler and a worker: a write to a closed pipe there is an
+    // error to handle, not a reason to end the cluster. The attempt process keeps what
+    // its worker expects.
+    if !matches!(cli.command, Command::Dev(_) | Command::Attempt(_)) {
+        end_quietly_on_closed_stdout();
+    }
     let result = match cli.command {
         Command::Estimate(arguments) => estimate::run(arguments),
         Command::Run(arguments) => run::run(arguments),
@@ -68,5 +74,18 @@ fn main() -> ExitCode {
             eprintln!("error: {error:#}");
             client::failure::exit_code_for_error(&error)
         }
+    }
+}
+
+/// Gives SIGPIPE back its default action, which Rust's runtime sets to "ignore": then a
+/// write to a closed pipe (`carve jobs -o json | head -1`) ends the process quietly, as
+/// it does for other Unix tools, instead of `println!` panicking with "Broken pipe".
+/// One place for every command's output, rather than a check at each print.
+#[allow(unsafe_code)]
+fn end_quietly_on_closed_stdout() {
+    // SAFETY: called first thing in main, before any other thread exists; SIG_DFL is a
+    // valid disposition for SIGPIPE and no handler of ours is replaced.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }

@@ -134,3 +134,34 @@ fn a_bad_spec_names_the_file_and_the_field() {
         "clap rejects it before anything runs"
     );
 }
+
+/// Runs `carve arguments` with its stdout a pipe whose read end is already closed, as
+/// `carve … | head -1` leaves it once `head` has its line.
+fn carve_into_a_closed_pipe(arguments: &[&str]) -> std::process::Output {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    std::process::Command::new(env!("CARGO_BIN_EXE_carve"))
+        .args(arguments)
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("the carve binary runs")
+}
+
+#[test]
+fn a_closed_stdout_ends_carve_quietly_without_a_panic() {
+    use std::os::unix::process::ExitStatusExt as _;
+
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mnist-cnn.toml");
+    for arguments in [
+        vec!["estimate", example.to_str().unwrap(), "-o", "json"],
+        vec!["completions", "bash"],
+    ] {
+        let output = carve_into_a_closed_pipe(&arguments);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.is_empty(), "{arguments:?}: {stderr}");
+        assert_ne!(output.status.code(), Some(101), "{arguments:?}: a panic");
+        // Ended by SIGPIPE, as `cat` or `grep` would be.
+        assert_eq!(output.status.signal(), Some(13), "{arguments:?}");
+    }
+}
