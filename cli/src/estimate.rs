@@ -14,9 +14,11 @@ use carve_core::validate::{parse_job_spec_toml, validate_job_spec};
 use carve_core::{CoreError, FieldError};
 use serde_json::{Value, json};
 
+use crate::spec_input::{job_spec_name, read_job_spec_text};
+
 #[derive(Debug, clap::Args)]
 pub struct EstimateArguments {
-    /// The job spec (TOML).
+    /// The job spec (TOML); `-` reads it from stdin (a file named `-` is `./-`).
     job: PathBuf,
     /// Overrides training.batch_size.
     #[arg(long)]
@@ -55,9 +57,10 @@ fn parse_slice(text: &str) -> Result<u64, String> {
 /// Exit codes: 0 estimated (and fits the slice, if one was given), 1 the spec was
 /// rejected, 3 nothing the job allows fits the slice.
 pub fn run(arguments: EstimateArguments) -> Result<ExitCode> {
-    let text = std::fs::read_to_string(&arguments.job)
-        .with_context(|| format!("cannot read {}", arguments.job.display()))?;
-    let in_file = |error: FieldError| anyhow::anyhow!("{}: {error}", arguments.job.display());
+    let spec_name = job_spec_name(&arguments.job);
+    let text =
+        read_job_spec_text(&arguments.job).with_context(|| format!("cannot read {spec_name}"))?;
+    let in_file = |error: FieldError| anyhow::anyhow!("{spec_name}: {error}");
     let mut spec = parse_job_spec_toml(&text).map_err(in_file)?;
     // Overrides go into the spec and through the same validation, so an override that
     // breaks the spec is rejected with the field it changed.

@@ -11,6 +11,7 @@ mod dev;
 mod estimate;
 mod run;
 mod sim;
+mod spec_input;
 
 use std::process::ExitCode;
 

@@ -1,7 +1,7 @@
 //! `carve run JOB.toml`: trains a job locally inside a slice — the same code a worker's
 //! attempt process runs.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
@@ -19,10 +19,13 @@ use carve_engine::trainer::{Progress, TrainingOptions, train};
 use serde_json::json;
 
 use crate::estimate::config_json;
+use crate::spec_input::{data_base_directory, job_spec_name, read_job_spec_text};
 
 #[derive(Debug, clap::Args)]
 pub struct RunArguments {
-    /// The job spec (TOML). Relative data paths are relative to its directory.
+    /// The job spec (TOML); `-` reads it from stdin (a file named `-` is `./-`). Relative
+    /// data paths are relative to the spec's directory, or to the current directory when
+    /// the spec comes from stdin.
     job: PathBuf,
     /// The slice size (e.g. 2GiB). Defaults to resources.vram, or the estimate when that is "auto".
     #[arg(long, value_parser = parse_slice)]
@@ -85,9 +88,9 @@ fn parse_precision(text: &str) -> Result<Precision, String> {
 /// Exit codes: 0 trained, 1 bad input or a failure, 3 out of memory in the slice.
 pub fn run(arguments: RunArguments) -> Result<ExitCode> {
     let job_path = arguments.job.as_path();
-    let text = std::fs::read_to_string(job_path)
-        .with_context(|| format!("cannot read {}", job_path.display()))?;
-    let in_file = |error: FieldError| anyhow::anyhow!("{}: {error}", job_path.display());
+    let spec_name = job_spec_name(job_path);
+    let text = read_job_spec_text(job_path).with_context(|| format!("cannot read {spec_name}"))?;
+    let in_file = |error: FieldError| anyhow::anyhow!("{spec_name}: {error}");
     let job = validate_job_spec(parse_job_spec_toml(&text).map_err(in_file)?).map_err(in_file)?;
     let mut config = RunConfig::from_spec(&job.spec);
     if let Some(micro_batch_size) = arguments.micro_batch_size {
@@ -113,11 +116,7 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
         VramRequest::Bytes(bytes) => bytes,
         VramRequest::Auto => estimate.required_bytes,
     });
-    let base_directory = job_path
-        .parent()
-        .filter(|parent| !parent.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let data = open_data_sets(&job, base_directory)?;
+    let data = open_data_sets(&job, data_base_directory(job_path))?;
     let options = TrainingOptions {
         config,
         slice_bytes,

@@ -4,7 +4,7 @@
 //! would run it. Checked: what they print, what `-o json` / `-o yaml` parse to, and the
 //! exit codes scripts branch on.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
@@ -123,6 +123,11 @@ impl DevCluster {
 
     /// Starts `carve ARGS` as the `dev` tenant's user, without waiting for it.
     fn spawn_carve(&self, arguments: &[&str]) -> Child {
+        self.spawn_carve_with_stdin(arguments, Stdio::null())
+    }
+
+    /// Starts `carve ARGS` as the `dev` tenant's user with `stdin`, without waiting.
+    fn spawn_carve_with_stdin(&self, arguments: &[&str], stdin: Stdio) -> Child {
         Command::new(carve_binary())
             .args(arguments)
             .current_dir(repository_root())
@@ -131,7 +136,7 @@ impl DevCluster {
             .env("CARVE_ENDPOINT", &self.endpoint)
             .env("CARVE_TOKEN", &self.user_token)
             .env("XDG_CONFIG_HOME", self.config_home.path())
-            .stdin(Stdio::null())
+            .stdin(stdin)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -407,6 +412,20 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
         ])
         .expect_code(7);
     rejected.assert_stderr_contains("model.layers[99]");
+    // A spec from stdin (`submit -`) is sent as a file's is: here the scheduler rejects
+    // its batch size, so no job is left behind.
+    let mut from_stdin = cluster.spawn_carve_with_stdin(&["submit", "-"], Stdio::piped());
+    let spec = std::fs::read_to_string(repository_root().join("examples/mnist-cnn.toml"))
+        .unwrap()
+        .replace("batch_size = ", "batch_size = 0 #");
+    from_stdin
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(spec.as_bytes())
+        .unwrap();
+    let rejected = wait_for(&mut from_stdin, "carve submit - (batch size 0)").expect_code(7);
+    rejected.assert_stderr_contains("training.batch_size");
 
     // A missing job: exit 6. A wrong token: exit 5, saying which setting to change.
     let missing = cluster.carve(&["get", "job-does-not-exist"]).expect_code(6);

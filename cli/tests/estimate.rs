@@ -8,7 +8,7 @@ use carve_testing::examples::example_spec_files;
 use serde_json::Value;
 
 mod support;
-use support::{carve, succeeded, write_file};
+use support::{carve, carve_with_stdin, succeeded, write_file};
 
 fn json_of(output: &Output) -> Value {
     serde_json::from_slice(succeeded(output)).expect("stdout is JSON")
@@ -164,4 +164,36 @@ fn a_closed_stdout_ends_carve_quietly_without_a_panic() {
         // Ended by SIGPIPE, as `cat` or `grep` would be.
         assert_eq!(output.status.signal(), Some(13), "{arguments:?}");
     }
+}
+
+#[test]
+fn a_spec_from_stdin_estimates_as_its_file_does() {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mnist-cnn.toml");
+    let from_file = json_of(&carve(&[
+        "estimate",
+        example.to_str().unwrap(),
+        "-o",
+        "json",
+    ]));
+    let directory = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(&example).unwrap();
+    let from_stdin = json_of(&carve_with_stdin(
+        &["estimate", "-", "-o", "json"],
+        directory.path(),
+        &text,
+    ));
+    assert_eq!(from_stdin, from_file);
+
+    // A bad spec from stdin is named as such, since it has no file name.
+    let bad = carve_with_stdin(
+        &["estimate", "-"],
+        directory.path(),
+        KERNEL_LARGER_THAN_ITS_INPUT,
+    );
+    assert_eq!(bad.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        stderr.contains("<stdin>: model.layers[0].conv2d.kernel"),
+        "{stderr}"
+    );
 }

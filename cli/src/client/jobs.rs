@@ -16,6 +16,7 @@ use super::output::{
 };
 use super::overrides::{SpecOverride, apply_overrides, parse_override, toml_to_json};
 use super::watch::{follow_job, job_exit, watch_job};
+use crate::spec_input::{job_spec_name, read_job_spec_text};
 
 /// The job states, as `--state` spells them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -43,7 +44,7 @@ impl From<JobStateArgument> for v1::JobState {
 
 #[derive(Debug, clap::Args)]
 pub struct SubmitArguments {
-    /// The job spec (TOML).
+    /// The job spec (TOML); `-` reads it from stdin (a file named `-` is `./-`).
     file: PathBuf,
     /// Changes a value of the spec before it is sent: a dotted path and a TOML value
     /// (training.batch_size=32, resources.vram=8GiB, model.layers[0].conv2d.filters=16).
@@ -116,13 +117,13 @@ pub struct CancelArguments {
 
 /// Reads the job file, applies the overrides and returns the spec as JSON.
 fn spec_json_from_file(arguments: &SubmitArguments) -> Result<String> {
-    let path = &arguments.file;
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read the job file {}", path.display()))?;
+    let spec_name = job_spec_name(&arguments.file);
+    let text = read_job_spec_text(&arguments.file)
+        .with_context(|| format!("cannot read the job file {spec_name}"))?;
     let invalid = |reason: String| {
         anyhow::Error::new(ClientFailure::new(
             FailureKind::InvalidArgument,
-            format!("{}: {reason}", path.display()),
+            format!("{spec_name}: {reason}"),
         ))
     };
     let mut document: toml::Table =
