@@ -1,5 +1,5 @@
 //! `carve sim --trace FILE`: replays a job trace through core's simulator under the
-//! whole-GPU, declared-memory and Carve policies and compares them (a table, `--json`,
+//! whole-GPU, declared-memory and Carve policies and compares them (a table, `-o json`,
 //! `--plot FILE.svg`); `carve sim generate` writes a synthetic trace to stdout.
 //!
 //! This file does the IO core does not: it reads the trace and the job files it names
@@ -22,6 +22,8 @@ use carve_core::simulation::{
 use carve_core::{CoreError, FieldError};
 use serde_json::{Value, json};
 
+use crate::estimate::OutputFormat;
+
 #[derive(Debug, clap::Args)]
 #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct SimArguments {
@@ -36,8 +38,11 @@ pub struct SimArguments {
     /// Which policy to simulate.
     #[arg(long, value_enum, default_value_t = PolicyChoice::All)]
     policy: PolicyChoice,
-    /// Print the reports as JSON instead of a table.
-    #[arg(long)]
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
+    output: OutputFormat,
+    /// The same as `-o json` (the flag `carve sim` had before it took `-o`).
+    #[arg(long, conflicts_with = "output")]
     json: bool,
     /// Also write GPU memory utilisation over time as an SVG chart.
     #[arg(long, value_name = "FILE.svg")]
@@ -176,7 +181,7 @@ pub fn run(arguments: SimArguments) -> Result<ExitCode> {
         std::fs::write(plot, utilisation_svg(&reports, &title))
             .with_context(|| format!("cannot write {}", plot.display()))?;
     }
-    if arguments.json {
+    if arguments.json || arguments.output == OutputFormat::Json {
         let report = json!({
             "trace": trace_path.display().to_string(),
             "jobs": workload.jobs.len(),
@@ -363,7 +368,7 @@ fn report_table(
         text.push('\n');
     }
     if reports.iter().any(|report| report.unfinished_jobs > 0) {
-        text.push_str("warning: some jobs never started (see unfinished_jobs in --json)\n");
+        text.push_str("warning: some jobs never started (see unfinished_jobs in -o json)\n");
     }
     text
 }

@@ -1,6 +1,6 @@
 //! Runs the real `carve` binary: `carve sim generate` writes a trace that `carve sim`
-//! replays under every policy, as JSON that parses and as an SVG chart; a trace with a
-//! bad row is refused with the row and column named.
+//! replays under every policy, as JSON (`-o json`, or the older `--json`) that parses and
+//! as an SVG chart; a trace with a bad row is refused with the row and column named.
 
 use serde_json::Value;
 
@@ -32,7 +32,8 @@ fn a_generated_trace_simulates_to_json_and_an_svg_chart() {
         &trace,
         "--cluster",
         "2x4x80GiB",
-        "--json",
+        "-o",
+        "json",
         "--plot",
         plot_path.to_str().unwrap(),
     ]);
@@ -77,6 +78,16 @@ fn a_generated_trace_simulates_to_json_and_an_svg_chart() {
         "used and allocated per policy"
     );
     assert!(svg.contains("carve used") && svg.contains("whole-gpu allocated"));
+
+    // `--json`, the flag from before `-o`, still gives the same document.
+    let old_flag = carve(&["sim", "--trace", &trace, "--cluster", "2x4x80GiB", "--json"]);
+    assert_eq!(succeeded(&old_flag), output.stdout);
+    let both = carve(&["sim", "--trace", &trace, "--json", "-o", "table"]);
+    assert_eq!(
+        both.status.code(),
+        Some(2),
+        "clap refuses the contradiction"
+    );
 
     let table = carve(&["sim", "--trace", &trace, "--policy", "carve"]);
     let table = String::from_utf8(succeeded(&table).to_vec()).unwrap();
