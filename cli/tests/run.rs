@@ -118,13 +118,13 @@ fn the_cuda_backend_trains_or_is_refused_with_the_reason() {
     }
 }
 
+/// An IDX file: a big-endian magic number and dimensions (the header), then the bytes.
 fn idx_file(magic: u32, dimensions: &[u32], payload: &[u8]) -> Vec<u8> {
-    let mut bytes = magic.to_be_bytes().to_vec();
-    for dimension in dimensions {
-        bytes.extend_from_slice(&dimension.to_be_bytes());
-    }
-    bytes.extend_from_slice(payload);
-    bytes
+    std::iter::once(magic)
+        .chain(dimensions.iter().copied())
+        .flat_map(u32::to_be_bytes)
+        .chain(payload.iter().copied())
+        .collect()
 }
 
 /// A 4x4 job on IDX files named by relative paths (`digits/…`).
