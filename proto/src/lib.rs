@@ -14,9 +14,13 @@
 //! - [`client`]: what the programs around the API share: [`client::BearerToken`] (the
 //!   `authorization` metadata, also as an interceptor), [`client::connect`] (the
 //!   authenticated channel to a scheduler) and [`client::shutdown_signal`].
+//! - `logging` (feature `logging`, for the scheduler and worker binaries): `--log-format`
+//!   and the tracing subscriber they install.
 
 pub mod client;
 pub mod convert;
+#[cfg(feature = "logging")]
+pub mod logging;
 pub mod status;
 
 pub use status::ApiError;

@@ -11,14 +11,9 @@ use crate::settings::Arguments;
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let (listen, config) = Arguments::parse().settings()?.load()?;
+    let arguments = Arguments::parse();
+    carve_proto::logging::init_logging(arguments.log_format);
+    let (listen, config) = arguments.settings()?.load()?;
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;

@@ -122,6 +122,13 @@ fn write_admin_token_file(path: &std::path::Path, secret: &str) -> Result<(), Sc
         .map_err(failed)
 }
 
+/// What reflection describes: carve's services and the health service served beside them.
+fn reflection_builder() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(carve_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+}
+
 /// Creates the default tenant and the admin token on a first start. A generated token
 /// is written to `generated_token_path` before its hash is stored (so a token is never
 /// stored that nobody holds); returns that path when it did.
@@ -230,10 +237,17 @@ pub async fn run(
     health_reporter
         .set_serving::<JobServiceServer<Services>>()
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(carve_proto::FILE_DESCRIPTOR_SET)
+    let reflection_failed = |error| ApiError::Internal(format!("reflection: {error}"));
+    // v1alpha beside v1: grpcio-reflection (Python) and older grpcurl speak only v1alpha.
+    // Each lists the other, which its builder does not add on its own.
+    let reflection = reflection_builder()
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
         .build_v1()
-        .map_err(|error| ApiError::Internal(format!("reflection: {error}")))?;
+        .map_err(reflection_failed)?;
+    let reflection_v1alpha = reflection_builder()
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .map_err(reflection_failed)?;
     let address = listener.local_addr().ok();
     tracing::info!(?address, "scheduler listening");
     let mut builder = tonic::transport::Server::builder();
@@ -265,6 +279,7 @@ pub async fn run(
     let result = builder
         .add_service(health_service)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(UndecodableRequestsAreInvalid(JobServiceServer::new(
             services.clone(),
         )))

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use carve_proto::logging::LogFormat;
 use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::{SchedulerConfig, TlsIdentity};
 use clap::Parser;
@@ -37,6 +38,10 @@ pub struct Arguments {
     /// token file, given any way, wins over this.
     #[arg(long, env = "CARVE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Log lines as `text` (coloured on a terminal) or `json` (one object a line, for log
+    /// pipelines). A flag only: logging starts before the config file is read.
+    #[arg(long, env = "CARVE_LOG_FORMAT", default_value = "text")]
+    pub log_format: LogFormat,
     #[command(flatten)]
     pub given: GivenSettings,
 }
@@ -448,6 +453,23 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("--metrics-listen"), "{error}");
+    }
+
+    #[test]
+    fn the_log_format_is_text_unless_the_flag_or_environment_says_json() {
+        if !in_child() {
+            run_with_environment(
+                "the_log_format_is_text_unless_the_flag_or_environment_says_json",
+                &[("CARVE_LOG_FORMAT", "json")],
+            );
+            assert_eq!(parse(&[]).unwrap().log_format, LogFormat::Text);
+            let error = parse(&["--log-format", "yaml"]).unwrap_err().to_string();
+            assert!(error.contains("--log-format"), "{error}");
+            return;
+        }
+        assert_eq!(parse(&[]).unwrap().log_format, LogFormat::Json);
+        let flag = parse(&["--log-format", "text"]).unwrap();
+        assert_eq!(flag.log_format, LogFormat::Text);
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use carve_core::bytes::parse_byte_size;
+use carve_proto::logging::{LogFormat, init_logging};
 use carve_worker::attempt_child::{AttemptArguments, attempt_command};
 use carve_worker::gpus::parse_simulated_gpus;
 use carve_worker::worker::DEFAULT_CONTEXT_BYTES;
@@ -52,6 +53,10 @@ struct Arguments {
     /// The node name to register with; defaults to the host name.
     #[arg(long, env = "CARVE_HOSTNAME")]
     hostname: Option<String>,
+    /// Log lines as `text` (coloured on a terminal) or `json` (one object a line, for log
+    /// pipelines).
+    #[arg(long, env = "CARVE_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
 }
 
 #[derive(Debug, Subcommand)]
@@ -90,13 +95,7 @@ fn main() -> ExitCode {
 }
 
 fn run(arguments: Arguments) -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging(arguments.log_format);
     // Validate everything that was typed before building anything.
     let simulated_gpus = match &arguments.sim_gpus {
         Some(text) => parse_simulated_gpus(text)?,
@@ -130,4 +129,34 @@ fn run(arguments: Arguments) -> Result<()> {
         .await?;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(arguments: &[&str]) -> Result<Arguments, clap::Error> {
+        let required = [
+            "carve-worker",
+            "--scheduler",
+            "http://scheduler:7470",
+            "--token",
+            "t",
+        ];
+        Arguments::try_parse_from(required.iter().chain(arguments))
+    }
+
+    #[test]
+    fn log_format_takes_text_or_json() {
+        assert_eq!(
+            parse(&["--log-format", "json"]).unwrap().log_format,
+            LogFormat::Json
+        );
+        assert_eq!(
+            parse(&["--log-format", "text"]).unwrap().log_format,
+            LogFormat::Text
+        );
+        let error = parse(&["--log-format", "colour"]).unwrap_err().to_string();
+        assert!(error.contains("--log-format"), "{error}");
+    }
 }

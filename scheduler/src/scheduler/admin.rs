@@ -73,7 +73,8 @@ impl Scheduler {
         Ok(record)
     }
 
-    /// A new token of an existing tenant, with a new secret.
+    /// A new token, with a new secret. A user token acts for an existing tenant; admin
+    /// and worker tokens need none (`tenant` empty), and one given must exist.
     pub async fn create_token(
         &self,
         caller: &Caller,
@@ -84,7 +85,16 @@ impl Scheduler {
         expires_at_ms: Option<i64>,
     ) -> Result<CreatedToken, SchedulerError> {
         caller.require(&[Role::Admin])?;
-        self.store.get_tenant(&tenant).await?;
+        if tenant.is_empty() {
+            if role == Role::User {
+                return Err(SchedulerError::invalid_argument(
+                    "tenant",
+                    "a user token acts for a tenant: name one",
+                ));
+            }
+        } else {
+            self.store.get_tenant(&tenant).await?;
+        }
         let secret = generate_secret();
         let token = TokenRecord {
             id: generate_id("token"),
