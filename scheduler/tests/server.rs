@@ -10,7 +10,6 @@ use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use tokio_stream::StreamExt;
-use tonic::transport::Channel;
 use tonic::{Code, Request};
 
 #[path = "support/worker.rs"]
@@ -20,7 +19,9 @@ use test_worker::{TestWorker, authorized};
 #[path = "support/cluster.rs"]
 mod cluster;
 use cluster::{
-    ADMIN, JOB, channel, get, scrape, start, submit, tenant_with_tokens, wait_for_state, watch,
+    ADMIN, JOB, all_job_logs, cancel, channel, create_tenant, get, job_logs, list_jobs,
+    list_slices, metric, revoke_token, scrape, start, submit, tenant_with_tokens, token_with_id,
+    wait_for_state, watch,
 };
 
 #[tokio::test]
@@ -40,29 +41,8 @@ async fn a_job_goes_from_submit_to_success_and_watch_sees_every_state() {
     assert_eq!(attempt.job_id, job.id);
     assert_eq!(attempt.attempt_number, 1);
     assert!(assignment.slice_bytes >= job.estimate.as_ref().unwrap().peak_bytes);
-    worker
-        .send(v1::worker_message::Body::AttemptStarted(
-            v1::worker_message::AttemptStarted {
-                attempt: Some(attempt.clone()),
-                reserved_bytes: assignment.slice_bytes,
-            },
-        ))
-        .await;
-    worker
-        .send(v1::worker_message::Body::Progress(
-            v1::worker_message::Progress {
-                attempt: Some(attempt.clone()),
-                progress: Some(v1::TrainingProgress {
-                    step: 5,
-                    total_steps: 10,
-                    loss: 0.5,
-                    samples_per_second: 100.0,
-                    memory_in_use_bytes: 1 << 20,
-                    memory_peak_bytes: 2 << 20,
-                }),
-            },
-        ))
-        .await;
+    worker.report_started(&assignment).await;
+    worker.report_halfway(&attempt).await;
     worker
         .finish(&attempt, v1::AttemptOutcome::Succeeded, 2 << 20)
         .await;
@@ -109,6 +89,18 @@ async fn a_job_goes_from_submit_to_success_and_watch_sees_every_state() {
     );
 }
 
+/// An attempt in a slice of `slice_bytes` that died a quarter short of it: something
+/// outside the plan took memory.
+fn out_of_memory_in(slice_bytes: u64) -> v1::OutOfMemoryReport {
+    v1::OutOfMemoryReport {
+        requested_bytes: slice_bytes / 2,
+        in_use_bytes: slice_bytes / 4 * 3,
+        limit_bytes: slice_bytes,
+        largest_free_bytes: slice_bytes / 4,
+        peak_bytes: slice_bytes / 4 * 3,
+    }
+}
+
 #[tokio::test]
 async fn an_oom_is_retried_with_the_planners_config_from_the_checkpoint() {
     let cluster = start(Duration::from_secs(30)).await;
@@ -123,13 +115,7 @@ async fn an_oom_is_retried_with_the_planners_config_from_the_checkpoint() {
         .send(v1::worker_message::Body::Oom(
             v1::worker_message::OomReport {
                 attempt: Some(attempt.clone()),
-                report: Some(v1::OutOfMemoryReport {
-                    requested_bytes: first.slice_bytes / 2,
-                    in_use_bytes: first.slice_bytes / 4 * 3,
-                    limit_bytes: first.slice_bytes,
-                    largest_free_bytes: first.slice_bytes / 4,
-                    peak_bytes: first.slice_bytes / 4 * 3,
-                }),
+                report: Some(out_of_memory_in(first.slice_bytes)),
                 checkpoint: Some(v1::Checkpoint {
                     step: 4,
                     location: "/checkpoints/a.ckpt".into(),
@@ -222,16 +208,7 @@ async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
     let done = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(done.attempts[1].worker_id, second_worker.id);
     // The job's log says why it moved.
-    let logs = job_logs(
-        &channel,
-        &user,
-        v1::GetJobLogsRequest {
-            job_id: job.id.clone(),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+    let logs = all_job_logs(&channel, &user, &job.id).await;
     let lease_lost = format!(
         "placed -> queued: lease lost: worker {} stopped heartbeating during attempt 1",
         done.attempts[0].worker_id
@@ -253,17 +230,9 @@ async fn cancel_reaches_the_running_attempt() {
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
     let assignment = worker.next_assignment().await;
-    let cancelled = JobServiceClient::new(channel.clone())
-        .cancel_job(authorized(
-            v1::CancelJobRequest {
-                job_id: job.id.clone(),
-                reason: "changed my mind".into(),
-            },
-            &user,
-        ))
+    let cancelled = cancel(&channel, &user, &job.id, "changed my mind")
         .await
         .unwrap()
-        .into_inner()
         .job
         .unwrap();
     assert_eq!(cancelled.state, v1::JobState::Cancelled as i32);
@@ -273,16 +242,7 @@ async fn cancel_reaches_the_running_attempt() {
         }
         other => panic!("expected a cancel, got {other:?}"),
     }
-    let again = JobServiceClient::new(channel.clone())
-        .cancel_job(authorized(
-            v1::CancelJobRequest {
-                job_id: job.id.clone(),
-                reason: String::new(),
-            },
-            &user,
-        ))
-        .await
-        .unwrap_err();
+    let again = cancel(&channel, &user, &job.id, "").await.unwrap_err();
     assert_eq!(again.code(), Code::FailedPrecondition);
 }
 
@@ -296,24 +256,10 @@ async fn jobs_queued_by_another_replica_are_placed() {
     let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
     let requeued = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
     let kept = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    JobServiceClient::new(channel.clone())
-        .cancel_job(authorized(
-            v1::CancelJobRequest {
-                job_id: requeued.id.clone(),
-                reason: String::new(),
-            },
-            &user,
-        ))
-        .await
-        .unwrap();
+    cancel(&channel, &user, &requeued.id, "").await.unwrap();
     // Passes have usually run over the queue by now (each submit wakes one); either way
     // the changes below are made behind this scheduler's back.
-    let other_replica = carve_scheduler::store::Store::open(&format!(
-        "sqlite://{}",
-        cluster._directory.path().join("carve.db").display()
-    ))
-    .await
-    .unwrap();
+    let other_replica = cluster.other_replica().await;
     let mut back = other_replica.get_job(&requeued.id).await.unwrap();
     back.state = carve_scheduler::store::JobState::Queued;
     back.finished_at_ms = None;
@@ -341,11 +287,7 @@ async fn jobs_queued_by_another_replica_are_placed() {
     // The copy was read whole again when it disagreed with the store (the first full
     // read is the first pass's).
     let metrics = scrape(cluster.metrics_address).await;
-    let full_reads: u64 = metrics
-        .lines()
-        .find_map(|line| line.strip_prefix("carve_queue_full_reads_total "))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap();
+    let full_reads = metric(&metrics, "carve_queue_full_reads_total");
     assert!(full_reads >= 1, "{metrics}");
 }
 
@@ -364,28 +306,15 @@ async fn tenants_see_only_their_own_jobs() {
         get(&channel, &bob, &job.id).await.unwrap_err().code(),
         Code::NotFound
     );
-    let listed = JobServiceClient::new(channel.clone())
-        .list_jobs(authorized(v1::ListJobsRequest::default(), &bob))
+    let listed = list_jobs(&channel, &bob, v1::ListJobsRequest::default())
         .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     assert!(listed.jobs.is_empty());
-    let cancel = JobServiceClient::new(channel.clone())
-        .cancel_job(authorized(
-            v1::CancelJobRequest {
-                job_id: job.id.clone(),
-                reason: String::new(),
-            },
-            &bob,
-        ))
+    let refused = cancel(&channel, &bob, &job.id, "").await.unwrap_err();
+    assert_eq!(refused.code(), Code::NotFound);
+    let mine = list_jobs(&channel, &alice, v1::ListJobsRequest::default())
         .await
-        .unwrap_err();
-    assert_eq!(cancel.code(), Code::NotFound);
-    let mine = JobServiceClient::new(channel.clone())
-        .list_jobs(authorized(v1::ListJobsRequest::default(), &alice))
-        .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     assert_eq!(mine.jobs.len(), 1);
     let admin_view = get(&channel, ADMIN, &job.id).await.unwrap();
     assert_eq!(admin_view.tenant, "alice");
@@ -414,28 +343,22 @@ async fn a_running_jobs_quota_holds_under_concurrent_submits() {
     let jobs = futures::future::join_all(submits).await;
     assert_eq!(jobs.len(), 12);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let slices = ClusterServiceClient::new(channel.clone())
-        .list_slices(authorized(v1::ListSlicesRequest::default(), ADMIN))
-        .await
-        .unwrap()
-        .into_inner()
-        .slices;
+    let slices = list_slices(&channel).await;
     assert_eq!(slices.len(), 2, "{slices:?}");
     let waiting = get(&channel, &user, &jobs[0].job.as_ref().unwrap().id)
         .await
         .unwrap();
-    let waiting_jobs = JobServiceClient::new(channel.clone())
-        .list_jobs(authorized(
-            v1::ListJobsRequest {
-                states: vec![v1::JobState::Queued as i32],
-                ..Default::default()
-            },
-            &user,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .jobs;
+    let waiting_jobs = list_jobs(
+        &channel,
+        &user,
+        v1::ListJobsRequest {
+            states: vec![v1::JobState::Queued as i32],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap()
+    .jobs;
     assert_eq!(waiting_jobs.len(), 10);
     assert!(
         waiting_jobs
@@ -461,46 +384,19 @@ async fn a_retried_submit_returns_the_same_job() {
     assert!(other.created);
 }
 
-/// A user token of `tenant` created by the admin: (its id, its secret).
-async fn user_token(channel: &Channel, tenant: &str) -> (String, String) {
-    let created = AdminServiceClient::new(channel.clone())
-        .create_token(authorized(
-            v1::CreateTokenRequest {
-                tenant: tenant.into(),
-                role: v1::Role::User as i32,
-                description: "revoked in a test".into(),
-                time_to_live: None,
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap()
-        .into_inner();
-    (created.token.unwrap().id, created.secret)
-}
-
 #[tokio::test]
 async fn a_revoked_token_is_refused_at_once_by_the_scheduler_that_revoked_it() {
     let cluster = start(Duration::from_secs(30)).await;
     let channel = channel(&cluster).await;
     let (other_user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let (token_id, secret) = user_token(&channel, "alice").await;
+    let (token_id, secret) = token_with_id(&channel, "alice", v1::Role::User).await;
     // Used once first, so the scheduler holds it in its token cache when it is revoked.
     submit(&channel, &secret, JOB, "before").await.unwrap();
-    AdminServiceClient::new(channel.clone())
-        .revoke_token(authorized(
-            v1::RevokeTokenRequest {
-                token_id: token_id.clone(),
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap();
+    revoke_token(&channel, &token_id).await;
     let refused = submit(&channel, &secret, JOB, "after").await.unwrap_err();
     assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
     assert!(refused.message().contains("revoked"), "{refused:?}");
-    let listed = JobServiceClient::new(channel.clone())
-        .list_jobs(authorized(v1::ListJobsRequest::default(), &secret))
+    let listed = list_jobs(&channel, &secret, v1::ListJobsRequest::default())
         .await
         .unwrap_err();
     assert_eq!(listed.code(), Code::Unauthenticated);
@@ -592,14 +488,7 @@ async fn a_measured_peak_raises_the_next_slice_of_the_same_shape_at_once() {
     let assignment = worker.next_assignment().await;
     let attempt = assignment.attempt.clone().unwrap();
     assert_eq!(attempt.job_id, first.job.unwrap().id);
-    worker
-        .send(v1::worker_message::Body::AttemptStarted(
-            v1::worker_message::AttemptStarted {
-                attempt: Some(attempt.clone()),
-                reserved_bytes: assignment.slice_bytes,
-            },
-        ))
-        .await;
+    worker.report_started(&assignment).await;
     worker
         .finish(
             &attempt,
@@ -676,16 +565,7 @@ async fn invalid_requests_get_the_right_status_naming_the_field() {
     assert_eq!(error.code(), Code::Unauthenticated);
     assert!(error.message().contains("token rejected"));
 
-    let error = AdminServiceClient::new(channel.clone())
-        .create_tenant(authorized(
-            v1::CreateTenantRequest {
-                name: "mallory".into(),
-                quota: None,
-            },
-            &user,
-        ))
-        .await
-        .unwrap_err();
+    let error = create_tenant(&channel, &user, "mallory").await.unwrap_err();
     assert_eq!(error.code(), Code::PermissionDenied);
 
     let error = get(&channel, &user, "job-does-not-exist")
@@ -696,28 +576,19 @@ async fn invalid_requests_get_the_right_status_naming_the_field() {
     assert_eq!(error.code(), Code::InvalidArgument);
     assert!(error.message().contains("job_id"));
 
-    let error = AdminServiceClient::new(channel.clone())
-        .create_tenant(authorized(
-            v1::CreateTenantRequest {
-                name: "alice".into(),
-                quota: None,
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap_err();
+    let error = create_tenant(&channel, ADMIN, "alice").await.unwrap_err();
     assert_eq!(error.code(), Code::AlreadyExists);
 
-    let error = JobServiceClient::new(channel.clone())
-        .list_jobs(authorized(
-            v1::ListJobsRequest {
-                states: vec![42],
-                ..Default::default()
-            },
-            &user,
-        ))
-        .await
-        .unwrap_err();
+    let error = list_jobs(
+        &channel,
+        &user,
+        v1::ListJobsRequest {
+            states: vec![42],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap_err();
     assert_eq!(error.code(), Code::InvalidArgument);
     assert!(error.message().contains("states[0]"), "{}", error.message());
 }
@@ -728,6 +599,7 @@ async fn a_drained_worker_takes_nothing_new_until_undrained() {
     let channel = channel(&cluster).await;
     let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let worker_id = worker.id.clone();
     let mut cluster_client = ClusterServiceClient::new(channel.clone());
     let drained = cluster_client
         .drain_worker(authorized(
@@ -752,38 +624,21 @@ async fn a_drained_worker_takes_nothing_new_until_undrained() {
     let waiting = get(&channel, &user, &job.id).await.unwrap();
     assert_eq!(waiting.state, v1::JobState::Queued as i32);
     assert!(!waiting.waiting_reason.is_empty());
-    let error = cluster_client
-        .undrain_worker(authorized(
+    let undrain = |token: &str| {
+        let mut cluster_client = cluster_client.clone();
+        let request = authorized(
             v1::UndrainWorkerRequest {
-                worker_id: worker.id.clone(),
+                worker_id: worker_id.clone(),
             },
-            &user,
-        ))
-        .await
-        .unwrap_err();
+            token,
+        );
+        async move { cluster_client.undrain_worker(request).await }
+    };
+    let error = undrain(&user).await.unwrap_err();
     assert_eq!(error.code(), Code::PermissionDenied);
-    cluster_client
-        .undrain_worker(authorized(
-            v1::UndrainWorkerRequest {
-                worker_id: worker.id.clone(),
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap();
+    undrain(ADMIN).await.unwrap();
     let assignment = worker.next_assignment().await;
     assert_eq!(assignment.attempt.unwrap().job_id, job.id);
-}
-
-async fn job_logs(
-    channel: &Channel,
-    token: &str,
-    request: v1::GetJobLogsRequest,
-) -> Result<v1::GetJobLogsResponse, tonic::Status> {
-    JobServiceClient::new(channel.clone())
-        .get_job_logs(authorized(request, token))
-        .await
-        .map(|response| response.into_inner())
 }
 
 #[tokio::test]
@@ -797,14 +652,7 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
     let mut watch = watch(&channel, &user, &job.id).await;
     let assignment = worker.next_assignment().await;
     let attempt = assignment.attempt.clone().unwrap();
-    worker
-        .send(v1::worker_message::Body::AttemptStarted(
-            v1::worker_message::AttemptStarted {
-                attempt: Some(attempt.clone()),
-                reserved_bytes: assignment.slice_bytes,
-            },
-        ))
-        .await;
+    worker.report_started(&assignment).await;
     let log = |attempt: &v1::AttemptRef, level: &str, message: &str| {
         v1::worker_message::Body::Log(v1::worker_message::LogLine {
             attempt: Some(attempt.clone()),
@@ -1006,12 +854,7 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
     );
 
     let metrics = scrape(cluster.metrics_address).await;
-    let stored: u64 = metrics
-        .lines()
-        .find_map(|line| line.strip_prefix("carve_log_lines_stored_total "))
-        .unwrap_or_else(|| panic!("no carve_log_lines_stored_total in:\n{metrics}"))
-        .parse()
-        .unwrap();
+    let stored = metric(&metrics, "carve_log_lines_stored_total");
     assert!(
         stored >= all.lines.len() as u64,
         "{stored} < {}",
@@ -1037,39 +880,15 @@ async fn job_logs_tell_an_oom_retry_and_a_cancel() {
         .send(v1::worker_message::Body::Oom(
             v1::worker_message::OomReport {
                 attempt: first.attempt.clone(),
-                report: Some(v1::OutOfMemoryReport {
-                    requested_bytes: first.slice_bytes / 2,
-                    in_use_bytes: first.slice_bytes / 4 * 3,
-                    limit_bytes: first.slice_bytes,
-                    largest_free_bytes: first.slice_bytes / 4,
-                    peak_bytes: first.slice_bytes / 4 * 3,
-                }),
+                report: Some(out_of_memory_in(first.slice_bytes)),
                 checkpoint: None,
             },
         ))
         .await;
     let second = worker.next_assignment().await;
     assert_eq!(second.attempt.as_ref().unwrap().attempt_number, 2);
-    JobServiceClient::new(channel.clone())
-        .cancel_job(authorized(
-            v1::CancelJobRequest {
-                job_id: job.id.clone(),
-                reason: String::new(),
-            },
-            &user,
-        ))
-        .await
-        .unwrap();
-    let logs = job_logs(
-        &channel,
-        &user,
-        v1::GetJobLogsRequest {
-            job_id: job.id.clone(),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+    cancel(&channel, &user, &job.id, "").await.unwrap();
+    let logs = all_job_logs(&channel, &user, &job.id).await;
     let notes: Vec<String> = logs
         .lines
         .iter()

@@ -10,8 +10,6 @@
 use std::time::{Duration, Instant};
 
 use carve_proto::v1;
-use carve_proto::v1::admin_service_client::AdminServiceClient;
-use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_proto::v1::worker_service_client::WorkerServiceClient;
 use tokio_stream::StreamExt;
@@ -26,26 +24,15 @@ use test_worker::{TestWorker, authorized};
 #[path = "support/cluster.rs"]
 mod cluster;
 use cluster::{
-    ADMIN, JOB, channel, create_token, get, start, submit, tenant_with_tokens, wait_for_state,
-    watch,
+    ADMIN, JOB, channel, get, list_workers, revoke_token, start, submit, tenant_with_tokens,
+    token_with_id, wait_for_state, watch,
 };
 
-/// A new token of `role` for `tenant`: its id (to revoke it) and its secret.
-async fn token(channel: &Channel, tenant: &str, role: v1::Role) -> (String, String) {
-    let created = create_token(channel, tenant, role, None).await.unwrap();
-    (created.token.unwrap().id, created.secret)
-}
-
-async fn revoke(channel: &Channel, token_id: &str) {
-    AdminServiceClient::new(channel.clone())
-        .revoke_token(authorized(
-            v1::RevokeTokenRequest {
-                token_id: token_id.into(),
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap();
+/// Waits up to `wait` for the session of `worker` to end, and checks it ended with `code`.
+async fn session_ends_with(worker: &mut TestWorker, wait: Duration, code: Code) -> tonic::Status {
+    let ended = worker.session_end(wait).await.expect("the session ends");
+    assert_eq!(ended.code(), code, "{ended:?}");
+    ended
 }
 
 /// Opens a session whose hello names `worker_id`, with `token`.
@@ -82,7 +69,7 @@ async fn a_worker_token_cannot_speak_for_another_worker() {
     let cluster = start(Duration::from_secs(30)).await;
     let channel = channel(&cluster).await;
     let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let (_, impostor_token) = token(&channel, "alice", v1::Role::Worker).await;
+    let (_, impostor_token) = token_with_id(&channel, "alice", v1::Role::Worker).await;
     let mut real = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
     let assignment = real.next_assignment().await;
@@ -181,11 +168,7 @@ async fn a_newer_session_of_a_worker_ends_the_older_one() {
     )
     .await;
     assert_eq!(second.id, first.id, "the same token resumes its worker");
-    let ended = first
-        .session_end(Duration::from_secs(5))
-        .await
-        .expect("the older session ends");
-    assert_eq!(ended.code(), Code::Aborted, "{ended:?}");
+    let ended = session_ends_with(&mut first, Duration::from_secs(5), Code::Aborted).await;
     assert!(ended.message().contains("replaced"), "{ended:?}");
 
     // Work goes to the session that is live now.
@@ -199,17 +182,13 @@ async fn revoking_a_token_ends_the_worker_sessions_and_watches_opened_with_it() 
     let cluster = start(Duration::from_secs(30)).await;
     let channel = channel(&cluster).await;
     tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let (worker_token_id, worker_token) = token(&channel, "alice", v1::Role::Worker).await;
-    let (user_token_id, user) = token(&channel, "alice", v1::Role::User).await;
+    let (worker_token_id, worker_token) = token_with_id(&channel, "alice", v1::Role::Worker).await;
+    let (user_token_id, user) = token_with_id(&channel, "alice", v1::Role::User).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
 
     let revoked_at = Instant::now();
-    revoke(&channel, &worker_token_id).await;
-    let ended = worker
-        .session_end(Duration::from_secs(5))
-        .await
-        .expect("the session ends");
-    assert_eq!(ended.code(), Code::Unauthenticated, "{ended:?}");
+    revoke_token(&channel, &worker_token_id).await;
+    session_ends_with(&mut worker, Duration::from_secs(5), Code::Unauthenticated).await;
     assert!(revoked_at.elapsed() < Duration::from_secs(2));
     // Its worker takes nothing new: a job submitted now stays queued.
     let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
@@ -220,7 +199,7 @@ async fn revoking_a_token_ends_the_worker_sessions_and_watches_opened_with_it() 
     let mut watch = watch(&channel, &user, &job.id).await;
     // The first event is the job's current state.
     watch.next().await.unwrap().unwrap();
-    revoke(&channel, &user_token_id).await;
+    revoke_token(&channel, &user_token_id).await;
     let watch_end = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             match watch.next().await {
@@ -240,21 +219,13 @@ async fn a_token_revoked_through_another_replica_ends_its_sessions_within_second
     let cluster = start(Duration::from_secs(30)).await;
     let channel = channel(&cluster).await;
     tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let (worker_token_id, worker_token) = token(&channel, "alice", v1::Role::Worker).await;
+    let (worker_token_id, worker_token) = token_with_id(&channel, "alice", v1::Role::Worker).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let other_replica = carve_scheduler::store::Store::open(&format!(
-        "sqlite://{}",
-        cluster._directory.path().join("carve.db").display()
-    ))
-    .await
-    .unwrap();
+    let other_replica = cluster.other_replica().await;
     let revoked_at = Instant::now();
     other_replica.revoke_token(&worker_token_id).await.unwrap();
-    let ended = worker
-        .session_end(Duration::from_secs(10))
-        .await
-        .expect("the session ends");
-    assert_eq!(ended.code(), Code::Unauthenticated, "{ended:?}");
+    let ended =
+        session_ends_with(&mut worker, Duration::from_secs(10), Code::Unauthenticated).await;
     assert!(ended.message().contains("revoked"), "{ended:?}");
     // Tokens are read again at most every 2 s (the lookups' time to live).
     assert!(
@@ -279,17 +250,8 @@ async fn an_interrupted_attempt_resumes_from_its_checkpoint_with_backoff_a_bound
         let attempt = assignment.attempt.clone().unwrap();
         assert_eq!(attempt.attempt_number as usize, failure + 1);
         worker.started(&assignment).await;
-        worker
-            .send(v1::worker_message::Body::CheckpointWritten(
-                v1::worker_message::CheckpointWritten {
-                    attempt: Some(attempt.clone()),
-                    checkpoint: Some(v1::Checkpoint {
-                        step: 4,
-                        location: format!("/checkpoints/{}.attempt-{}.ckpt", job.id, failure + 1),
-                    }),
-                },
-            ))
-            .await;
+        let location = format!("/checkpoints/{}.attempt-{}.ckpt", job.id, failure + 1);
+        worker.checkpoint_written(&attempt, 4, location).await;
         let interrupted_at = Instant::now();
         worker
             .finish(&attempt, v1::AttemptOutcome::Interrupted, 0)
@@ -425,12 +387,7 @@ async fn heavy_estimates_leave_health_checks_and_heartbeats_answered() {
     }
 
     // The worker kept its lease and its attempt all along.
-    let workers = ClusterServiceClient::new(channel.clone())
-        .list_workers(authorized(v1::ListWorkersRequest::default(), ADMIN))
-        .await
-        .unwrap()
-        .into_inner()
-        .workers;
+    let workers = list_workers(&channel, ADMIN).await;
     assert_eq!(
         workers[0].state,
         v1::WorkerState::Ready as i32,
