@@ -22,7 +22,9 @@ use test_worker::TestWorker;
 
 #[path = "support/cluster.rs"]
 mod cluster;
-use cluster::{JOB, connect_within, get, job_logs, list_slices, sqlite_url, submit, test_config};
+use cluster::{
+    connect_within, get, job_logs, list_slices, sqlite_url, submit_and_place, test_config,
+};
 
 /// Every wait in these tests ends by this deadline.
 const DEADLINE: Duration = Duration::from_secs(10);
@@ -65,14 +67,26 @@ impl RunningScheduler {
     }
 }
 
-/// A tenant with a user token and a worker token, made through the admin API.
-async fn tenant_with_tokens(channel: &Channel, tenant: &str) -> (String, String) {
-    cluster::tenant_with_tokens(channel, tenant, v1::Quota::default()).await
+/// A database for a test's lives of the scheduler: its URL, and the temp dir holding the
+/// SQLite file (removed when dropped).
+fn fresh_database() -> (tempfile::TempDir, String) {
+    let directory = tempfile::tempdir().unwrap();
+    let url = sqlite_url(directory.path());
+    (directory, url)
 }
 
-/// A job of [`JOB`], submitted without an idempotency key.
-async fn submit_job(channel: &Channel, token: &str) -> v1::Job {
-    submit(channel, token, JOB, "").await.unwrap().job.unwrap()
+/// The first life of a test: the scheduler with `lease` on `database`, a channel to it,
+/// the tenant alice's user and worker tokens, and her worker on gpu-a (16 GiB).
+async fn first_life(
+    database: &str,
+    lease: Duration,
+) -> (RunningScheduler, Channel, String, String, TestWorker) {
+    let scheduler = RunningScheduler::start(database, lease).await;
+    let channel = scheduler.channel().await;
+    let (user, worker_token) =
+        cluster::tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    (scheduler, channel, user, worker_token, worker)
 }
 
 async fn wait_for_state(
@@ -98,17 +112,12 @@ async fn wait_for_state(
 
 #[tokio::test]
 async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
-    let directory = tempfile::tempdir().unwrap();
-    let database = sqlite_url(directory.path());
+    let (_directory, database) = fresh_database();
     let lease = Duration::from_secs(3);
 
     // The first life: a job is placed and starts.
-    let first = RunningScheduler::start(&database, lease).await;
-    let channel = first.channel().await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit_job(&channel, &user).await;
-    let assignment = worker.next_assignment().await;
+    let (first, channel, user, worker_token, mut worker) = first_life(&database, lease).await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut worker).await;
     let attempt = assignment.attempt.clone().unwrap();
     assert_eq!(attempt.job_id, job.id);
     assert_eq!(attempt.attempt_number, 1);
@@ -187,17 +196,12 @@ async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
 
 #[tokio::test]
 async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
-    let directory = tempfile::tempdir().unwrap();
-    let database = sqlite_url(directory.path());
+    let (_directory, database) = fresh_database();
     let lease = Duration::from_secs(1);
 
     // The first life: a job starts and writes a checkpoint.
-    let first = RunningScheduler::start(&database, lease).await;
-    let channel = first.channel().await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit_job(&channel, &user).await;
-    let assignment = worker.next_assignment().await;
+    let (first, channel, user, worker_token, mut worker) = first_life(&database, lease).await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut worker).await;
     let attempt = assignment.attempt.clone().unwrap();
     worker.started(&assignment).await;
     let checkpoint = "/checkpoints/restart-a.ckpt";
@@ -272,13 +276,9 @@ async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
 
 #[tokio::test]
 async fn the_scheduler_stops_while_a_worker_is_still_connected() {
-    let directory = tempfile::tempdir().unwrap();
-    let scheduler =
-        RunningScheduler::start(&sqlite_url(directory.path()), Duration::from_secs(30)).await;
-    let channel = scheduler.channel().await;
-    let (_, worker_token) = tenant_with_tokens(&channel, "alice").await;
-    // The session stays open from the worker's side: the scheduler must end it to stop.
-    let _worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_directory, database) = fresh_database();
+    // The worker's session stays open from its side: the scheduler must end it to stop.
+    let (scheduler, _channel, _, _, _worker) = first_life(&database, Duration::from_secs(30)).await;
     scheduler.stop().await;
 }
 
@@ -286,15 +286,10 @@ async fn the_scheduler_stops_while_a_worker_is_still_connected() {
 /// lines are read from the store after a restart.
 #[tokio::test]
 async fn job_logs_received_before_a_stop_are_read_after_the_restart() {
-    let directory = tempfile::tempdir().unwrap();
-    let database = sqlite_url(directory.path());
+    let (_directory, database) = fresh_database();
     let lease = Duration::from_secs(3);
-    let first = RunningScheduler::start(&database, lease).await;
-    let channel = first.channel().await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit_job(&channel, &user).await;
-    let assignment = worker.next_assignment().await;
+    let (first, channel, user, _, mut worker) = first_life(&database, lease).await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut worker).await;
     let attempt = assignment.attempt.clone().unwrap();
     for step in 1..=3 {
         // Each send waits for its ack, so the scheduler has taken the line in.

@@ -20,15 +20,14 @@ use test_worker::{TestWorker, authorized};
 mod cluster;
 use cluster::{
     ADMIN, JOB, all_job_logs, cancel, channel, create_tenant, get, job_logs, list_jobs,
-    list_slices, metric, revoke_token, scrape, start, submit, tenant_with_tokens, token_with_id,
-    wait_for_state, watch,
+    list_slices, metric, revoke_token, scrape, start, start_for_tenant, submit, submit_and_place,
+    tenant_with_tokens, token_with_id, wait_for_state, watch,
 };
 
 #[tokio::test]
 async fn a_job_goes_from_submit_to_success_and_watch_sees_every_state() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let submitted = submit(&channel, &user, JOB, "").await.unwrap();
     assert!(submitted.created);
@@ -103,12 +102,10 @@ fn out_of_memory_in(slice_bytes: u64) -> v1::OutOfMemoryReport {
 
 #[tokio::test]
 async fn an_oom_is_retried_with_the_planners_config_from_the_checkpoint() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let first = worker.next_assignment().await;
+    let (job, first) = submit_and_place(&channel, &user, &mut worker).await;
     let attempt = first.attempt.clone().unwrap();
     // The attempt died a quarter short of its slice: something outside the plan took memory.
     worker
@@ -136,13 +133,7 @@ async fn an_oom_is_retried_with_the_planners_config_from_the_checkpoint() {
         "the effective batch is kept"
     );
     assert_ne!(new, old, "the planner changed the config");
-    worker
-        .finish(
-            second.attempt.as_ref().unwrap(),
-            v1::AttemptOutcome::Succeeded,
-            1 << 20,
-        )
-        .await;
+    worker.succeed(&second, 1 << 20).await;
     let done = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(done.attempts.len(), 2);
     assert_eq!(
@@ -162,12 +153,10 @@ async fn an_oom_is_retried_with_the_planners_config_from_the_checkpoint() {
 
 #[tokio::test]
 async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
-    let cluster = start(Duration::from_millis(600)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_millis(600), "alice").await;
     let mut first_worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let first = first_worker.next_assignment().await;
+    let (job, first) = submit_and_place(&channel, &user, &mut first_worker).await;
     let stale_attempt = first.attempt.clone().unwrap();
     // The first worker goes silent: its heartbeats stop (the session stays open).
     let stale_outgoing = first_worker.go_silent();
@@ -198,13 +187,7 @@ async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
     let job_now = get(&channel, &user, &job.id).await.unwrap();
     assert_ne!(job_now.state, v1::JobState::Succeeded as i32);
     assert_eq!(job_now.attempts[0].outcome, v1::AttemptOutcome::Lost as i32);
-    second_worker
-        .finish(
-            second.attempt.as_ref().unwrap(),
-            v1::AttemptOutcome::Succeeded,
-            1 << 20,
-        )
-        .await;
+    second_worker.succeed(&second, 1 << 20).await;
     let done = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(done.attempts[1].worker_id, second_worker.id);
     // The job's log says why it moved.
@@ -224,12 +207,10 @@ async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
 
 #[tokio::test]
 async fn cancel_reaches_the_running_attempt() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let assignment = worker.next_assignment().await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut worker).await;
     let cancelled = cancel(&channel, &user, &job.id, "changed my mind")
         .await
         .unwrap()
@@ -251,9 +232,8 @@ async fn cancel_reaches_the_running_attempt() {
 /// one it queued, and one it put back in the queue under an old submit sequence.
 #[tokio::test]
 async fn jobs_queued_by_another_replica_are_placed() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let requeued = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
     let kept = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
     cancel(&channel, &user, &requeued.id, "").await.unwrap();
@@ -293,9 +273,7 @@ async fn jobs_queued_by_another_replica_are_placed() {
 
 #[tokio::test]
 async fn tenants_see_only_their_own_jobs() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (alice, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, alice, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
     let (bob, _) = tenant_with_tokens(&channel, "bob", v1::Quota::default()).await;
     let job = submit(&channel, &alice, JOB, "")
         .await
@@ -372,9 +350,7 @@ async fn a_running_jobs_quota_holds_under_concurrent_submits() {
 
 #[tokio::test]
 async fn a_retried_submit_returns_the_same_job() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
     let first = submit(&channel, &user, JOB, "retry-me").await.unwrap();
     let second = submit(&channel, &user, JOB, "retry-me").await.unwrap();
     assert!(first.created);
@@ -386,9 +362,8 @@ async fn a_retried_submit_returns_the_same_job() {
 
 #[tokio::test]
 async fn a_revoked_token_is_refused_at_once_by_the_scheduler_that_revoked_it() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (other_user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, other_user, _) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let (token_id, secret) = token_with_id(&channel, "alice", v1::Role::User).await;
     // Used once first, so the scheduler holds it in its token cache when it is revoked.
     submit(&channel, &secret, JOB, "before").await.unwrap();
@@ -406,9 +381,7 @@ async fn a_revoked_token_is_refused_at_once_by_the_scheduler_that_revoked_it() {
 
 #[tokio::test]
 async fn a_quota_change_applies_to_the_next_submit() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
     // Admitted once first, so the scheduler holds the tenant in its cache.
     submit(&channel, &user, JOB, "first").await.unwrap();
     let set_quota = |vram_bytes: Option<u64>| {
@@ -447,9 +420,7 @@ fn as_submitted(mut job: v1::Job) -> v1::Job {
 
 #[tokio::test]
 async fn the_submit_answer_is_the_job_as_stored_also_when_shrunk_at_admission() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
     let answered = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
     let stored = get(&channel, &user, &answered.id).await.unwrap();
     assert_eq!(as_submitted(stored), as_submitted(answered.clone()));
@@ -479,9 +450,8 @@ async fn the_submit_answer_is_the_job_as_stored_also_when_shrunk_at_admission() 
 
 #[tokio::test]
 async fn a_measured_peak_raises_the_next_slice_of_the_same_shape_at_once() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     // The first submit caches "nothing measured yet" for this shape.
     let first = submit(&channel, &user, JOB, "first").await.unwrap();
@@ -595,9 +565,8 @@ async fn invalid_requests_get_the_right_status_naming_the_field() {
 
 #[tokio::test]
 async fn a_drained_worker_takes_nothing_new_until_undrained() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let worker_id = worker.id.clone();
     let mut cluster_client = ClusterServiceClient::new(channel.clone());
@@ -643,9 +612,8 @@ async fn a_drained_worker_takes_nothing_new_until_undrained() {
 
 #[tokio::test]
 async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_tenant() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let (other_user, _) = tenant_with_tokens(&channel, "bob", v1::Quota::default()).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
@@ -742,16 +710,11 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
     assert!(position("attempt 1 assigned") > placed);
 
     // One attempt's lines only.
-    let attempt_only = job_logs(
-        &channel,
-        &user,
-        v1::GetJobLogsRequest {
-            attempt_number: 1,
-            ..request(0, 0)
-        },
-    )
-    .await
-    .unwrap();
+    let attempt_only = v1::GetJobLogsRequest {
+        attempt_number: 1,
+        ..request(0, 0)
+    };
+    let attempt_only = job_logs(&channel, &user, attempt_only).await.unwrap();
     assert_eq!(attempt_only.lines.len(), 3);
     assert!(
         attempt_only
@@ -788,16 +751,11 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
     );
 
     // The tail; a page size over the cap is capped, not refused.
-    let tail = job_logs(
-        &channel,
-        &user,
-        v1::GetJobLogsRequest {
-            tail: 2,
-            ..request(0, 0)
-        },
-    )
-    .await
-    .unwrap();
+    let tail = v1::GetJobLogsRequest {
+        tail: 2,
+        ..request(0, 0)
+    };
+    let tail = job_logs(&channel, &user, tail).await.unwrap();
     assert_eq!(tail.lines, all.lines[all.lines.len() - 2..]);
     let capped = job_logs(&channel, &user, request(0, 1_000_000))
         .await
@@ -805,10 +763,6 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
     assert_eq!(capped.lines, all.lines);
 
     // Visibility is GetJob's: another tenant's job does not exist for it; admins see it.
-    let error = job_logs(&channel, &other_user, request(0, 0))
-        .await
-        .unwrap_err();
-    assert_eq!(error.code(), Code::NotFound, "{}", error.message());
     assert_eq!(
         job_logs(&channel, ADMIN, request(0, 0))
             .await
@@ -816,42 +770,44 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
             .lines,
         all.lines
     );
-    let error = job_logs(&channel, &worker_token, request(0, 0))
-        .await
-        .unwrap_err();
-    assert_eq!(error.code(), Code::PermissionDenied, "{}", error.message());
-    let error = job_logs(
-        &channel,
-        &user,
-        v1::GetJobLogsRequest {
-            job_id: "job-does-not-exist".into(),
-            ..request(0, 0)
-        },
-    )
-    .await
-    .unwrap_err();
-    assert_eq!(error.code(), Code::NotFound);
-    let error = job_logs(
-        &channel,
-        &user,
-        v1::GetJobLogsRequest {
-            job_id: String::new(),
-            ..request(0, 0)
-        },
-    )
-    .await
-    .unwrap_err();
-    assert_eq!(error.code(), Code::InvalidArgument);
-    assert!(error.message().contains("job_id"), "{}", error.message());
-    let error = job_logs(&channel, &user, request(u64::MAX, 0))
-        .await
-        .unwrap_err();
-    assert_eq!(error.code(), Code::InvalidArgument);
-    assert!(
-        error.message().contains("after_sequence"),
-        "{}",
-        error.message()
-    );
+    let of_job = |job_id: &str| v1::GetJobLogsRequest {
+        job_id: job_id.into(),
+        ..request(0, 0)
+    };
+    // (who asks, what, the refusal's code, what its message names: "" for anything)
+    for (token, refused_request, code, named) in [
+        (other_user.as_str(), request(0, 0), Code::NotFound, ""),
+        (
+            worker_token.as_str(),
+            request(0, 0),
+            Code::PermissionDenied,
+            "",
+        ),
+        (
+            user.as_str(),
+            of_job("job-does-not-exist"),
+            Code::NotFound,
+            "",
+        ),
+        (user.as_str(), of_job(""), Code::InvalidArgument, "job_id"),
+        (
+            user.as_str(),
+            request(u64::MAX, 0),
+            Code::InvalidArgument,
+            "after_sequence",
+        ),
+    ] {
+        let error = job_logs(&channel, token, refused_request.clone())
+            .await
+            .unwrap_err();
+        assert_eq!(
+            error.code(),
+            code,
+            "{refused_request:?}: {}",
+            error.message()
+        );
+        assert!(error.message().contains(named), "{}", error.message());
+    }
 
     let metrics = scrape(cluster.metrics_address).await;
     let stored = metric(&metrics, "carve_log_lines_stored_total");
@@ -870,12 +826,10 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
 
 #[tokio::test]
 async fn job_logs_tell_an_oom_retry_and_a_cancel() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let first = worker.next_assignment().await;
+    let (job, first) = submit_and_place(&channel, &user, &mut worker).await;
     worker
         .send(v1::worker_message::Body::Oom(
             v1::worker_message::OomReport {

@@ -24,8 +24,8 @@ use test_worker::{TestWorker, authorized};
 #[path = "support/cluster.rs"]
 mod cluster;
 use cluster::{
-    ADMIN, JOB, channel, get, list_workers, revoke_token, start, submit, tenant_with_tokens,
-    token_with_id, wait_for_state, watch,
+    ADMIN, JOB, get, list_workers, revoke_token, start_for_tenant, submit, submit_and_place,
+    tenant_with_tokens, token_with_id, wait_for_state, watch,
 };
 
 /// Waits up to `wait` for the session of `worker` to end, and checks it ended with `code`.
@@ -66,13 +66,11 @@ async fn hello_as(
 
 #[tokio::test]
 async fn a_worker_token_cannot_speak_for_another_worker() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let (_, impostor_token) = token_with_id(&channel, "alice", v1::Role::Worker).await;
     let mut real = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let assignment = real.next_assignment().await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut real).await;
     real.started(&assignment).await;
 
     // Registering under the real worker's id with another token gives a new identity.
@@ -95,12 +93,7 @@ async fn a_worker_token_cannot_speak_for_another_worker() {
     assert!(refused.message().contains(&real.id), "{refused:?}");
 
     // The real worker still holds its attempt and ends it.
-    real.finish(
-        assignment.attempt.as_ref().unwrap(),
-        v1::AttemptOutcome::Succeeded,
-        1 << 20,
-    )
-    .await;
+    real.succeed(&assignment, 1 << 20).await;
     let finished = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(finished.attempts.len(), 1);
 }
@@ -108,9 +101,7 @@ async fn a_worker_token_cannot_speak_for_another_worker() {
 #[tokio::test]
 async fn a_session_without_hello_is_closed_after_the_lease() {
     let lease = Duration::from_secs(1);
-    let cluster = start(lease).await;
-    let channel = channel(&cluster).await;
-    let (_, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, _, worker_token) = start_for_tenant(lease, "alice").await;
     let (outgoing, receiver) = tokio::sync::mpsc::channel::<v1::WorkerMessage>(1);
     let opened_at = Instant::now();
     let refused = tokio::time::timeout(
@@ -129,9 +120,8 @@ async fn a_session_without_hello_is_closed_after_the_lease() {
 
 #[tokio::test]
 async fn worker_tokens_cannot_estimate_jobs() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let estimate = |token: String| {
         let mut client = JobServiceClient::new(channel.clone());
         async move {
@@ -154,9 +144,8 @@ async fn worker_tokens_cannot_estimate_jobs() {
 
 #[tokio::test]
 async fn a_newer_session_of_a_worker_ends_the_older_one() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let mut first = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let mut second = TestWorker::reconnect(
         &channel,
@@ -179,9 +168,7 @@ async fn a_newer_session_of_a_worker_ends_the_older_one() {
 
 #[tokio::test]
 async fn revoking_a_token_ends_the_worker_sessions_and_watches_opened_with_it() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, _, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
     let (worker_token_id, worker_token) = token_with_id(&channel, "alice", v1::Role::Worker).await;
     let (user_token_id, user) = token_with_id(&channel, "alice", v1::Role::User).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
@@ -216,9 +203,7 @@ async fn revoking_a_token_ends_the_worker_sessions_and_watches_opened_with_it() 
 
 #[tokio::test]
 async fn a_token_revoked_through_another_replica_ends_its_sessions_within_seconds() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (cluster, channel, _, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
     let (worker_token_id, worker_token) = token_with_id(&channel, "alice", v1::Role::Worker).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let other_replica = cluster.other_replica().await;
@@ -238,9 +223,8 @@ async fn a_token_revoked_through_another_replica_ends_its_sessions_within_second
 #[tokio::test]
 async fn an_interrupted_attempt_resumes_from_its_checkpoint_with_backoff_a_bounded_number_of_times()
 {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
     // The tests' backoff is 100 ms, doubling with each failure.
@@ -313,13 +297,10 @@ fn deep_dense_spec(layers: usize) -> String {
 async fn heavy_estimates_leave_health_checks_and_heartbeats_answered() {
     // A short lease: a worker whose heartbeats went unread for a second would be lost.
     let lease = Duration::from_secs(1);
-    let cluster = start(lease).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) = start_for_tenant(lease, "alice").await;
     let (bob, _) = tenant_with_tokens(&channel, "bob", v1::Quota::default()).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let assignment = worker.next_assignment().await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut worker).await;
     worker.started(&assignment).await;
 
     // Several heavy estimates from one user at once, each asked to shrink into 1 MiB.

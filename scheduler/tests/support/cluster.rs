@@ -17,7 +17,7 @@ use carve_scheduler::server::{SchedulerConfig, run};
 use carve_scheduler::store::Store;
 use tonic::transport::Channel;
 
-use super::test_worker::authorized;
+use super::test_worker::{TestWorker, authorized};
 
 pub const ADMIN: &str = "carve_test_admin_secret";
 
@@ -88,6 +88,16 @@ pub async fn start(lease: Duration) -> Cluster {
         _directory: directory,
         _shutdown: shutdown,
     }
+}
+
+/// A cluster with `lease`, a channel to it, and the user and worker tokens of `tenant`
+/// (made with no quota): what most server tests start from. Keep the cluster bound to a
+/// name: dropping it stops the scheduler.
+pub async fn start_for_tenant(lease: Duration, tenant: &str) -> (Cluster, Channel, String, String) {
+    let cluster = start(lease).await;
+    let channel = channel(&cluster).await;
+    let (user, worker) = tenant_with_tokens(&channel, tenant, v1::Quota::default()).await;
+    (cluster, channel, user, worker)
 }
 
 pub async fn channel(cluster: &Cluster) -> Channel {
@@ -205,6 +215,17 @@ pub async fn submit(
         ))
         .await
         .map(|response| response.into_inner())
+}
+
+/// A job of [`JOB`] that `token` submits (no idempotency key), and its first assignment,
+/// which `worker` receives.
+pub async fn submit_and_place(
+    channel: &Channel,
+    token: &str,
+    worker: &mut TestWorker,
+) -> (v1::Job, v1::scheduler_message::Assignment) {
+    let job = submit(channel, token, JOB, "").await.unwrap().job.unwrap();
+    (job, worker.next_assignment().await)
 }
 
 pub async fn get(channel: &Channel, token: &str, job_id: &str) -> Result<v1::Job, tonic::Status> {

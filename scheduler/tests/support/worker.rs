@@ -305,6 +305,21 @@ impl TestWorker {
         .await
     }
 
+    /// Reports the attempt of `assignment` succeeded with a measured `peak`; returns what
+    /// else the scheduler sent meanwhile.
+    pub async fn succeed(
+        &mut self,
+        assignment: &v1::scheduler_message::Assignment,
+        peak: u64,
+    ) -> Vec<v1::scheduler_message::Body> {
+        let attempt = assignment
+            .attempt
+            .as_ref()
+            .expect("an assignment names its attempt");
+        self.finish(attempt, v1::AttemptOutcome::Succeeded, peak)
+            .await
+    }
+
     /// Reports `attempt` ended with `outcome` and a measured `peak`; returns what else the
     /// scheduler sent meanwhile.
     pub async fn finish(
