@@ -20,15 +20,14 @@ use test_worker::{TestWorker, authorized};
 mod cluster;
 use cluster::{
     ADMIN, JOB, all_job_logs, cancel, channel, create_tenant, get, job_logs, list_jobs,
-    list_slices, metric, revoke_token, scrape, start, start_for_tenant, submit, submit_and_place,
-    tenant_with_tokens, token_with_id, wait_for_state, watch,
+    list_slices, metric, revoke_token, scrape, start, start_for_tenant, start_with_worker, submit,
+    submit_and_place, tenant_with_tokens, token_with_id, wait_for_state, watch,
 };
 
 #[tokio::test]
 async fn a_job_goes_from_submit_to_success_and_watch_sees_every_state() {
-    let (cluster, channel, user, worker_token) =
-        start_for_tenant(Duration::from_secs(30), "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
     let submitted = submit(&channel, &user, JOB, "").await.unwrap();
     assert!(submitted.created);
     let job = submitted.job.unwrap();
@@ -102,9 +101,8 @@ fn out_of_memory_in(slice_bytes: u64) -> v1::OutOfMemoryReport {
 
 #[tokio::test]
 async fn an_oom_is_retried_with_the_planners_config_from_the_checkpoint() {
-    let (_cluster, channel, user, worker_token) =
-        start_for_tenant(Duration::from_secs(30), "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
     let (job, first) = submit_and_place(&channel, &user, &mut worker).await;
     let attempt = first.attempt.clone().unwrap();
     // The attempt died a quarter short of its slice: something outside the plan took memory.
@@ -153,9 +151,8 @@ async fn an_oom_is_retried_with_the_planners_config_from_the_checkpoint() {
 
 #[tokio::test]
 async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
-    let (_cluster, channel, user, worker_token) =
-        start_for_tenant(Duration::from_millis(600), "alice").await;
-    let mut first_worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_cluster, channel, user, worker_token, mut first_worker) =
+        start_with_worker(Duration::from_millis(600), "alice").await;
     let (job, first) = submit_and_place(&channel, &user, &mut first_worker).await;
     let stale_attempt = first.attempt.clone().unwrap();
     // The first worker goes silent: its heartbeats stop (the session stays open).
@@ -207,9 +204,8 @@ async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
 
 #[tokio::test]
 async fn cancel_reaches_the_running_attempt() {
-    let (_cluster, channel, user, worker_token) =
-        start_for_tenant(Duration::from_secs(30), "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
     let (job, assignment) = submit_and_place(&channel, &user, &mut worker).await;
     let cancelled = cancel(&channel, &user, &job.id, "changed my mind")
         .await
@@ -450,9 +446,8 @@ async fn the_submit_answer_is_the_job_as_stored_also_when_shrunk_at_admission() 
 
 #[tokio::test]
 async fn a_measured_peak_raises_the_next_slice_of_the_same_shape_at_once() {
-    let (_cluster, channel, user, worker_token) =
-        start_for_tenant(Duration::from_secs(30), "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
     // The first submit caches "nothing measured yet" for this shape.
     let first = submit(&channel, &user, JOB, "first").await.unwrap();
     let assignment = worker.next_assignment().await;
@@ -565,9 +560,8 @@ async fn invalid_requests_get_the_right_status_naming_the_field() {
 
 #[tokio::test]
 async fn a_drained_worker_takes_nothing_new_until_undrained() {
-    let (_cluster, channel, user, worker_token) =
-        start_for_tenant(Duration::from_secs(30), "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
     let worker_id = worker.id.clone();
     let mut cluster_client = ClusterServiceClient::new(channel.clone());
     let drained = cluster_client
@@ -826,9 +820,8 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
 
 #[tokio::test]
 async fn job_logs_tell_an_oom_retry_and_a_cancel() {
-    let (_cluster, channel, user, worker_token) =
-        start_for_tenant(Duration::from_secs(30), "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
     let (job, first) = submit_and_place(&channel, &user, &mut worker).await;
     worker
         .send(v1::worker_message::Body::Oom(

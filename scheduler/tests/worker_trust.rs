@@ -24,8 +24,8 @@ use test_worker::{TestWorker, authorized};
 #[path = "support/cluster.rs"]
 mod cluster;
 use cluster::{
-    ADMIN, JOB, get, list_workers, revoke_token, start_for_tenant, submit, submit_and_place,
-    tenant_with_tokens, token_with_id, wait_for_state, watch,
+    ADMIN, JOB, get, list_workers, revoke_token, start_for_tenant, start_with_worker, submit,
+    submit_and_place, tenant_with_tokens, token_with_id, wait_for_state, watch,
 };
 
 /// Waits up to `wait` for the session of `worker` to end, and checks it ended with `code`.
@@ -144,9 +144,8 @@ async fn worker_tokens_cannot_estimate_jobs() {
 
 #[tokio::test]
 async fn a_newer_session_of_a_worker_ends_the_older_one() {
-    let (_cluster, channel, user, worker_token) =
-        start_for_tenant(Duration::from_secs(30), "alice").await;
-    let mut first = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_cluster, channel, user, worker_token, mut first) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
     let mut second = TestWorker::reconnect(
         &channel,
         &worker_token,
@@ -223,9 +222,8 @@ async fn a_token_revoked_through_another_replica_ends_its_sessions_within_second
 #[tokio::test]
 async fn an_interrupted_attempt_resumes_from_its_checkpoint_with_backoff_a_bounded_number_of_times()
 {
-    let (_cluster, channel, user, worker_token) =
-        start_for_tenant(Duration::from_secs(30), "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
     let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
     // The tests' backoff is 100 ms, doubling with each failure.
     let backoffs = [100, 200, 400];

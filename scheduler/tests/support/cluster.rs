@@ -100,6 +100,16 @@ pub async fn start_for_tenant(lease: Duration, tenant: &str) -> (Cluster, Channe
     (cluster, channel, user, worker)
 }
 
+/// [`start_for_tenant`], and the tenant's worker connected with one 16 GiB GPU, `gpu-a`.
+pub async fn start_with_worker(
+    lease: Duration,
+    tenant: &str,
+) -> (Cluster, Channel, String, String, TestWorker) {
+    let (cluster, channel, user, worker_token) = start_for_tenant(lease, tenant).await;
+    let worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    (cluster, channel, user, worker_token, worker)
+}
+
 pub async fn channel(cluster: &Cluster) -> Channel {
     connect(&cluster.address).await
 }
