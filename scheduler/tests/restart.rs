@@ -56,6 +56,14 @@ impl RunningScheduler {
         connect_within(&self.address, DEADLINE).await
     }
 
+    /// Ends this life as a test does: `worker` disconnects, `channel` closes, and the
+    /// scheduler stops.
+    async fn end_with(self, channel: Channel, worker: TestWorker) {
+        worker.disconnect();
+        drop(channel);
+        self.stop().await;
+    }
+
     /// Fires the shutdown and waits for `run` to return.
     async fn stop(self) {
         let _ = self.shutdown.send(());
@@ -126,9 +134,7 @@ async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
     let worker_id = worker.id.clone();
 
     // The scheduler stops; the worker's session goes with it.
-    worker.disconnect();
-    drop(channel);
-    first.stop().await;
+    first.end_with(channel, worker).await;
 
     // The second life, on the same database and a new socket.
     let second = RunningScheduler::start(&database, lease).await;
@@ -189,9 +195,7 @@ async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
     let late = worker.messages_within(Duration::from_millis(300)).await;
     assert!(late.is_empty(), "nothing is sent after success: {late:?}");
 
-    worker.disconnect();
-    drop(channel);
-    second.stop().await;
+    second.end_with(channel, worker).await;
 }
 
 #[tokio::test]
@@ -211,9 +215,7 @@ async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
     assert!(others.is_empty(), "unexpected messages: {others:?}");
     wait_for_state(&channel, &user, &job.id, v1::JobState::Running).await;
     let lost_worker = worker.id.clone();
-    worker.disconnect();
-    drop(channel);
-    first.stop().await;
+    first.end_with(channel, worker).await;
 
     // The second life: the worker never comes back.
     let restarted_at = tokio::time::Instant::now();
@@ -269,9 +271,7 @@ async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
     );
     assert_eq!(done.attempts[1].measured_peak_bytes, Some(1 << 20));
 
-    replacement.disconnect();
-    drop(channel);
-    second.stop().await;
+    second.end_with(channel, replacement).await;
 }
 
 #[tokio::test]
@@ -301,9 +301,7 @@ async fn job_logs_received_before_a_stop_are_read_after_the_restart() {
             }))
             .await;
     }
-    worker.disconnect();
-    drop(channel);
-    first.stop().await;
+    first.end_with(channel, worker).await;
 
     let second = RunningScheduler::start(&database, lease).await;
     let channel = second.channel().await;

@@ -106,6 +106,16 @@ fn job(id: &str, tenant: &str, name: &str) -> JobRecord {
     }
 }
 
+/// Checks `answer` is the not-found error for the `what` named `id`.
+#[track_caller]
+fn assert_not_found<T: std::fmt::Debug + PartialEq>(
+    answer: Result<T, SchedulerError>,
+    what: &'static str,
+    id: &str,
+) {
+    assert_eq!(answer, Err(SchedulerError::not_found(what, id)));
+}
+
 /// A store on `db` holding the tenant `acme`: where most job tests start.
 async fn open_with_acme(db: &TestDb) -> Store {
     let store = db.open().await;
@@ -244,10 +254,7 @@ async fn tenants_crud(db: &TestDb) {
         Err(SchedulerError::already_exists("tenant", "acme"))
     );
     assert_eq!(store.get_tenant("acme").await.unwrap(), acme, "unchanged");
-    assert_eq!(
-        store.get_tenant("nope").await,
-        Err(SchedulerError::not_found("tenant", "nope"))
-    );
+    assert_not_found(store.get_tenant("nope").await, "tenant", "nope");
 
     let updated = store.set_quota("acme", None, Some(8), 3).await.unwrap();
     let expected = TenantRecord {
@@ -263,9 +270,10 @@ async fn tenants_crud(db: &TestDb) {
         zeta,
         "others untouched"
     );
-    assert_eq!(
+    assert_not_found(
         store.set_quota("nope", Some(1), None, 1).await,
-        Err(SchedulerError::not_found("tenant", "nope"))
+        "tenant",
+        "nope",
     );
 }
 
@@ -365,10 +373,7 @@ async fn tokens_are_found_by_hash_and_revoked(db: &TestDb) {
         Some(bob.clone()),
         "other tokens stay valid"
     );
-    assert_eq!(
-        store.revoke_token("tok-nope").await,
-        Err(SchedulerError::not_found("token", "tok-nope"))
-    );
+    assert_not_found(store.revoke_token("tok-nope").await, "token", "tok-nope");
 }
 
 async fn submit_group_commit_assigns_increasing_sequences(db: &TestDb) {
@@ -413,10 +418,7 @@ async fn submit_group_commit_assigns_increasing_sequences(db: &TestDb) {
         later[0] > sequences[4] && later[1] > later[0],
         "a later group gets later numbers: {sequences:?} then {later:?}"
     );
-    assert_eq!(
-        store.get_job("nope").await,
-        Err(SchedulerError::not_found("job", "nope"))
-    );
+    assert_not_found(store.get_job("nope").await, "job", "nope");
 }
 
 async fn a_failing_group_commits_nothing(db: &TestDb) {
@@ -433,10 +435,7 @@ async fn a_failing_group_commits_nothing(db: &TestDb) {
             job("g1-c", "acme", "x"),
         ])
         .await;
-    assert_eq!(
-        unknown_tenant,
-        Err(SchedulerError::not_found("tenant", "ghost"))
-    );
+    assert_not_found(unknown_tenant, "tenant", "ghost");
     let taken_id = store
         .submit_jobs(vec![
             keyed(job("g2-a", "acme", "x"), "k"),
@@ -845,9 +844,10 @@ async fn update_job_rewrites_all_but_the_identity(db: &TestDb) {
         "untouched"
     );
 
-    assert_eq!(
+    assert_not_found(
         store.update_job(&job("j-nope", "acme", "x")).await,
-        Err(SchedulerError::not_found("job", "j-nope"))
+        "job",
+        "j-nope",
     );
     assert_eq!(store.get_job("j-1").await.unwrap().state, JobState::Failed);
 }
@@ -983,9 +983,10 @@ async fn attempts_are_listed_by_number(db: &TestDb) {
         store.create_attempt(&attempt("j", 2, 9)).await,
         Err(SchedulerError::already_exists("attempt", "j/2"))
     );
-    assert_eq!(
+    assert_not_found(
         store.create_attempt(&attempt("ghost", 1, 1)).await,
-        Err(SchedulerError::not_found("job", "ghost"))
+        "job",
+        "ghost",
     );
     assert_eq!(store.list_attempts("j").await.unwrap().len(), 3);
 }
@@ -1382,18 +1383,13 @@ async fn workers_upsert_and_state(db: &TestDb) {
         T0 + 900
     );
 
-    assert_eq!(
+    assert_not_found(
         store.set_worker_state("w-9", WorkerState::Ready).await,
-        Err(SchedulerError::not_found("worker", "w-9"))
+        "worker",
+        "w-9",
     );
-    assert_eq!(
-        store.get_worker("w-9").await,
-        Err(SchedulerError::not_found("worker", "w-9"))
-    );
-    assert_eq!(
-        store.record_heartbeat("w-9", T0).await,
-        Err(SchedulerError::not_found("worker", "w-9"))
-    );
+    assert_not_found(store.get_worker("w-9").await, "worker", "w-9");
+    assert_not_found(store.record_heartbeat("w-9", T0).await, "worker", "w-9");
 }
 
 async fn peak_correction_is_the_largest_ratio(db: &TestDb) {
