@@ -10,7 +10,13 @@ use std::time::Duration;
 use carve_proto::v1;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use tonic::Request;
-use tonic::transport::Channel;
+
+// The worker module only because the cluster module's calls use its `authorized`.
+#[path = "support/cluster.rs"]
+mod cluster;
+#[path = "support/worker.rs"]
+mod test_worker;
+use cluster::connect;
 
 const ADMIN: &str = "carve_durability_admin";
 
@@ -48,20 +54,6 @@ fn start_scheduler(directory: &std::path::Path) -> (Child, String) {
     // Keep draining stderr so the child never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
     (child, format!("http://{address}"))
-}
-
-async fn connect(address: &str) -> Channel {
-    for _ in 0..200 {
-        if let Ok(channel) = Channel::from_shared(address.to_string())
-            .unwrap()
-            .connect()
-            .await
-        {
-            return channel;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("cannot reach the scheduler at {address}");
 }
 
 fn authorized<T>(message: T) -> Request<T> {

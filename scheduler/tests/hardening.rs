@@ -13,7 +13,6 @@ use bytes::{Buf, BufMut};
 use carve_proto::ApiError;
 use carve_proto::v1;
 use carve_proto::v1::admin_service_client::AdminServiceClient;
-use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::scheduler::SchedulerSettings;
@@ -30,7 +29,9 @@ use test_worker::{TestWorker, authorized};
 
 #[path = "support/cluster.rs"]
 mod cluster;
-use cluster::{ADMIN, JOB, connect, create_token};
+use cluster::{
+    ADMIN, JOB, connect, create_tenant, create_token, get_worker, list_workers, sqlite_url, submit,
+};
 
 /// A scheduler running in-process until `shutdown` is dropped.
 struct Server {
@@ -76,57 +77,16 @@ impl Server {
     }
 }
 
-fn sqlite_url(directory: &Path) -> String {
-    format!("sqlite://{}", directory.join("carve.db").display())
-}
-
 fn mode(path: &Path) -> u32 {
     std::fs::metadata(path).unwrap().permissions().mode() & 0o777
 }
 
-async fn create_tenant(channel: &Channel, name: &str) -> Result<v1::Tenant, Status> {
-    AdminServiceClient::new(channel.clone())
-        .create_tenant(authorized(
-            v1::CreateTenantRequest {
-                name: name.into(),
-                quota: None,
-            },
-            ADMIN,
-        ))
-        .await
-        .map(|response| response.into_inner().tenant.unwrap())
-}
-
 async fn user_token(channel: &Channel, tenant: &str) -> String {
-    create_tenant(channel, tenant).await.unwrap();
+    create_tenant(channel, ADMIN, tenant).await.unwrap();
     create_token(channel, tenant, v1::Role::User, None)
         .await
         .unwrap()
         .secret
-}
-
-async fn list_workers(channel: &Channel, token: &str) -> Vec<v1::Worker> {
-    ClusterServiceClient::new(channel.clone())
-        .list_workers(authorized(v1::ListWorkersRequest { states: vec![] }, token))
-        .await
-        .unwrap()
-        .into_inner()
-        .workers
-}
-
-async fn get_worker(channel: &Channel, token: &str, worker_id: &str) -> v1::Worker {
-    ClusterServiceClient::new(channel.clone())
-        .get_worker(authorized(
-            v1::GetWorkerRequest {
-                worker_id: worker_id.into(),
-            },
-            token,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .worker
-        .unwrap()
 }
 
 fn only_slice(worker: &v1::Worker) -> v1::Slice {
@@ -150,17 +110,9 @@ async fn worker_views_show_other_tenants_slices_as_anonymous_memory() {
         .unwrap()
         .secret;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = JobServiceClient::new(channel.clone())
-        .submit_job(authorized(
-            v1::SubmitJobRequest {
-                spec_json: JOB.into(),
-                idempotency_key: String::new(),
-            },
-            &alice,
-        ))
+    let job = submit(&channel, &alice, JOB, "")
         .await
         .unwrap()
-        .into_inner()
         .job
         .unwrap();
     let assignment = worker.next_assignment().await;
@@ -210,7 +162,10 @@ async fn tenant_names_follow_the_documented_rule_everywhere() {
     let channel = server.channel().await;
     let longest = "a".repeat(63);
     for good in ["team-a", "7", longest.as_str()] {
-        assert_eq!(create_tenant(&channel, good).await.unwrap().name, good);
+        assert_eq!(
+            create_tenant(&channel, ADMIN, good).await.unwrap().name,
+            good
+        );
     }
     let too_long = "a".repeat(64);
     for bad in [
@@ -222,7 +177,7 @@ async fn tenant_names_follow_the_documented_rule_everywhere() {
         "équipe",
         too_long.as_str(),
     ] {
-        let error = create_tenant(&channel, bad).await.unwrap_err();
+        let error = create_tenant(&channel, ADMIN, bad).await.unwrap_err();
         assert_eq!(error.code(), Code::InvalidArgument, "{bad:?}: {error:?}");
         assert!(error.message().starts_with("name: "), "{bad:?}: {error:?}");
     }
@@ -254,18 +209,17 @@ async fn sub_second_token_lifetimes_are_accepted() {
     let directory = tempfile::tempdir().unwrap();
     let server = Server::start(sqlite_url(directory.path()), Some(ADMIN)).await;
     let channel = server.channel().await;
-    create_tenant(&channel, "alice").await.unwrap();
-    let short = create_token(
-        &channel,
-        "alice",
-        v1::Role::User,
-        Some(prost_types::Duration {
-            seconds: 0,
-            nanos: 800_000_000,
-        }),
-    )
-    .await
-    .unwrap();
+    create_tenant(&channel, ADMIN, "alice").await.unwrap();
+    // A user token of alice's that lives `seconds` and `nanos`.
+    let living = |seconds: i64, nanos: i32| {
+        create_token(
+            &channel,
+            "alice",
+            v1::Role::User,
+            Some(prost_types::Duration { seconds, nanos }),
+        )
+    };
+    let short = living(0, 800_000_000).await.unwrap();
     let token = short.token.unwrap();
     let lifetime = |token: &v1::Token| {
         let created = token.created_at.unwrap();
@@ -290,17 +244,7 @@ async fn sub_second_token_lifetimes_are_accepted() {
     );
 
     // One nanosecond is positive: it lives one (rounded up) millisecond.
-    let tiny = create_token(
-        &channel,
-        "alice",
-        v1::Role::User,
-        Some(prost_types::Duration {
-            seconds: 0,
-            nanos: 1,
-        }),
-    )
-    .await
-    .unwrap();
+    let tiny = living(0, 1).await.unwrap();
     assert_eq!(lifetime(&tiny.token.unwrap()), 1);
 
     for (seconds, nanos, field, words) in [
@@ -315,14 +259,7 @@ async fn sub_second_token_lifetimes_are_accepted() {
         ),
         (1, -1, "time_to_live.nanos", "not a valid nanosecond part"),
     ] {
-        let error = create_token(
-            &channel,
-            "alice",
-            v1::Role::User,
-            Some(prost_types::Duration { seconds, nanos }),
-        )
-        .await
-        .unwrap_err();
+        let error = living(seconds, nanos).await.unwrap_err();
         assert_eq!(error.code(), Code::InvalidArgument, "{seconds}s {nanos}ns");
         assert!(
             error.message().starts_with(&format!("{field}: ")) && error.message().contains(words),

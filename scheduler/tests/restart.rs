@@ -10,39 +10,24 @@
 use std::time::Duration;
 
 use carve_proto::v1;
-use carve_proto::v1::cluster_service_client::ClusterServiceClient;
-use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::error::SchedulerError;
-use carve_scheduler::scheduler::SchedulerSettings;
-use carve_scheduler::server::{SchedulerConfig, run};
+use carve_scheduler::server::run;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
 #[path = "support/worker.rs"]
 mod test_worker;
-use test_worker::{TestWorker, authorized};
+use test_worker::TestWorker;
 
-const ADMIN: &str = "carve_restart_admin_secret";
+#[path = "support/cluster.rs"]
+mod cluster;
+use cluster::{
+    connect_within, get, job_logs, list_slices, sqlite_url, submit_and_place, test_config,
+};
 
 /// Every wait in these tests ends by this deadline.
 const DEADLINE: Duration = Duration::from_secs(10);
-
-const JOB: &str = r#"{
-  "name": "small",
-  "model": {
-    "input_shape": [8, 8, 1],
-    "loss": "softmax_cross_entropy",
-    "layers": [
-      { "conv2d": { "filters": 8, "kernel": 3, "padding": "same" } },
-      { "relu": {} },
-      { "flatten": {} },
-      { "dense": { "units": 4 } }
-    ]
-  },
-  "training": { "batch_size": 64, "steps": 10, "optimizer": { "adam": { "learning_rate": 0.001 } } },
-  "data": { "format": "synthetic", "samples": 256 }
-}"#;
 
 /// One life of the scheduler: `run` on its own listener, until `stop`.
 struct RunningScheduler {
@@ -56,19 +41,7 @@ impl RunningScheduler {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = format!("http://{}", listener.local_addr().unwrap());
         let (shutdown, shutdown_signal) = oneshot::channel::<()>();
-        let config = SchedulerConfig {
-            database_url: database_url.to_string(),
-            settings: SchedulerSettings {
-                lease_duration: lease,
-                heartbeat_interval: Duration::from_millis(100),
-                scheduling_interval: Duration::from_millis(50),
-                checkpoint_directory: "/checkpoints".into(),
-                infrastructure_retry_backoff: Duration::from_millis(100),
-            },
-            admin_token: Some(ADMIN.into()),
-            metrics_address: None,
-            tls: None,
-        };
+        let config = test_config(database_url.to_string(), lease, None);
         let server = tokio::spawn(run(config, listener, async {
             let _ = shutdown_signal.await;
         }));
@@ -80,22 +53,15 @@ impl RunningScheduler {
     }
 
     async fn channel(&self) -> Channel {
-        let deadline = tokio::time::Instant::now() + DEADLINE;
-        loop {
-            if let Ok(channel) = Channel::from_shared(self.address.clone())
-                .unwrap()
-                .connect()
-                .await
-            {
-                return channel;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the scheduler did not come up at {}",
-                self.address
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        connect_within(&self.address, DEADLINE).await
+    }
+
+    /// Ends this life as a test does: `worker` disconnects, `channel` closes, and the
+    /// scheduler stops.
+    async fn end_with(self, channel: Channel, worker: TestWorker) {
+        worker.disconnect();
+        drop(channel);
+        self.stop().await;
     }
 
     /// Fires the shutdown and waits for `run` to return.
@@ -109,50 +75,26 @@ impl RunningScheduler {
     }
 }
 
-/// A tenant with a user token and a worker token, made through the admin API.
-async fn tenant_with_tokens(channel: &Channel, tenant: &str) -> (String, String) {
-    let [user, worker] = carve_testing::cluster::tenant_with_tokens(
-        channel,
-        ADMIN,
-        tenant,
-        v1::Quota::default(),
-        &[v1::Role::User, v1::Role::Worker],
-    )
-    .await
-    .try_into()
-    .expect("two tokens");
-    (user, worker)
+/// A database for a test's lives of the scheduler: its URL, and the temp dir holding the
+/// SQLite file (removed when dropped).
+fn fresh_database() -> (tempfile::TempDir, String) {
+    let directory = tempfile::tempdir().unwrap();
+    let url = sqlite_url(directory.path());
+    (directory, url)
 }
 
-async fn submit(channel: &Channel, token: &str) -> v1::Job {
-    JobServiceClient::new(channel.clone())
-        .submit_job(authorized(
-            v1::SubmitJobRequest {
-                spec_json: JOB.into(),
-                idempotency_key: String::new(),
-            },
-            token,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .job
-        .unwrap()
-}
-
-async fn get(channel: &Channel, token: &str, job_id: &str) -> v1::Job {
-    JobServiceClient::new(channel.clone())
-        .get_job(authorized(
-            v1::GetJobRequest {
-                job_id: job_id.into(),
-            },
-            token,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .job
-        .unwrap()
+/// The first life of a test: the scheduler with `lease` on `database`, a channel to it,
+/// the tenant alice's user and worker tokens, and her worker on gpu-a (16 GiB).
+async fn first_life(
+    database: &str,
+    lease: Duration,
+) -> (RunningScheduler, Channel, String, String, TestWorker) {
+    let scheduler = RunningScheduler::start(database, lease).await;
+    let channel = scheduler.channel().await;
+    let (user, worker_token) =
+        cluster::tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    (scheduler, channel, user, worker_token, worker)
 }
 
 async fn wait_for_state(
@@ -163,7 +105,7 @@ async fn wait_for_state(
 ) -> v1::Job {
     let deadline = tokio::time::Instant::now() + DEADLINE;
     loop {
-        let job = get(channel, token, job_id).await;
+        let job = get(channel, token, job_id).await.unwrap();
         if job.state == state as i32 {
             return job;
         }
@@ -176,32 +118,14 @@ async fn wait_for_state(
     }
 }
 
-async fn slices(channel: &Channel) -> Vec<v1::Slice> {
-    ClusterServiceClient::new(channel.clone())
-        .list_slices(authorized(v1::ListSlicesRequest::default(), ADMIN))
-        .await
-        .unwrap()
-        .into_inner()
-        .slices
-}
-
-fn database_url(directory: &tempfile::TempDir) -> String {
-    format!("sqlite://{}", directory.path().join("carve.db").display())
-}
-
 #[tokio::test]
 async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
-    let directory = tempfile::tempdir().unwrap();
-    let database = database_url(&directory);
+    let (_directory, database) = fresh_database();
     let lease = Duration::from_secs(3);
 
     // The first life: a job is placed and starts.
-    let first = RunningScheduler::start(&database, lease).await;
-    let channel = first.channel().await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user).await;
-    let assignment = worker.next_assignment().await;
+    let (first, channel, user, worker_token, mut worker) = first_life(&database, lease).await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut worker).await;
     let attempt = assignment.attempt.clone().unwrap();
     assert_eq!(attempt.job_id, job.id);
     assert_eq!(attempt.attempt_number, 1);
@@ -210,21 +134,19 @@ async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
     let worker_id = worker.id.clone();
 
     // The scheduler stops; the worker's session goes with it.
-    worker.disconnect();
-    drop(channel);
-    first.stop().await;
+    first.end_with(channel, worker).await;
 
     // The second life, on the same database and a new socket.
     let second = RunningScheduler::start(&database, lease).await;
     let channel = second.channel().await;
-    let recovered = get(&channel, &user, &job.id).await;
+    let recovered = get(&channel, &user, &job.id).await.unwrap();
     assert_eq!(recovered.state, v1::JobState::Running as i32);
     assert_eq!(recovered.attempts.len(), 1);
     assert_eq!(
         recovered.attempts[0].outcome,
         v1::AttemptOutcome::Running as i32
     );
-    let held = slices(&channel).await;
+    let held = list_slices(&channel).await;
     assert_eq!(
         held.len(),
         1,
@@ -247,26 +169,12 @@ async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
         worker.id, worker_id,
         "the worker keeps its id across a restart"
     );
-    let progress = worker
-        .send(v1::worker_message::Body::Progress(
-            v1::worker_message::Progress {
-                attempt: Some(attempt.clone()),
-                progress: Some(v1::TrainingProgress {
-                    step: 5,
-                    total_steps: 10,
-                    loss: 0.5,
-                    samples_per_second: 100.0,
-                    memory_in_use_bytes: 1 << 20,
-                    memory_peak_bytes: 2 << 20,
-                }),
-            },
-        ))
-        .await;
+    let progress = worker.report_halfway(&attempt).await;
     assert!(
         progress.is_empty(),
         "the attempt is still this worker's: nothing is cancelled or placed again: {progress:?}"
     );
-    let after_progress = get(&channel, &user, &job.id).await;
+    let after_progress = get(&channel, &user, &job.id).await.unwrap();
     assert_eq!(after_progress.state, v1::JobState::Running as i32);
     assert_eq!(after_progress.attempts.len(), 1);
 
@@ -283,54 +191,37 @@ async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
     assert_eq!(done.attempts[0].number, 1);
     assert_eq!(done.attempts[0].worker_id, worker_id);
     assert_eq!(done.attempts[0].measured_peak_bytes, Some(2 << 20));
-    assert!(slices(&channel).await.is_empty(), "the slice is freed");
+    assert!(list_slices(&channel).await.is_empty(), "the slice is freed");
     let late = worker.messages_within(Duration::from_millis(300)).await;
     assert!(late.is_empty(), "nothing is sent after success: {late:?}");
 
-    worker.disconnect();
-    drop(channel);
-    second.stop().await;
+    second.end_with(channel, worker).await;
 }
 
 #[tokio::test]
 async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
-    let directory = tempfile::tempdir().unwrap();
-    let database = database_url(&directory);
+    let (_directory, database) = fresh_database();
     let lease = Duration::from_secs(1);
 
     // The first life: a job starts and writes a checkpoint.
-    let first = RunningScheduler::start(&database, lease).await;
-    let channel = first.channel().await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user).await;
-    let assignment = worker.next_assignment().await;
+    let (first, channel, user, worker_token, mut worker) = first_life(&database, lease).await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut worker).await;
     let attempt = assignment.attempt.clone().unwrap();
     worker.started(&assignment).await;
     let checkpoint = "/checkpoints/restart-a.ckpt";
     let others = worker
-        .send(v1::worker_message::Body::CheckpointWritten(
-            v1::worker_message::CheckpointWritten {
-                attempt: Some(attempt.clone()),
-                checkpoint: Some(v1::Checkpoint {
-                    step: 4,
-                    location: checkpoint.into(),
-                }),
-            },
-        ))
+        .checkpoint_written(&attempt, 4, checkpoint.into())
         .await;
     assert!(others.is_empty(), "unexpected messages: {others:?}");
     wait_for_state(&channel, &user, &job.id, v1::JobState::Running).await;
     let lost_worker = worker.id.clone();
-    worker.disconnect();
-    drop(channel);
-    first.stop().await;
+    first.end_with(channel, worker).await;
 
     // The second life: the worker never comes back.
     let restarted_at = tokio::time::Instant::now();
     let second = RunningScheduler::start(&database, lease).await;
     let channel = second.channel().await;
-    let recovered = get(&channel, &user, &job.id).await;
+    let recovered = get(&channel, &user, &job.id).await.unwrap();
     if restarted_at.elapsed() < lease {
         // Within the lease the attempt is still the old worker's.
         assert_eq!(recovered.state, v1::JobState::Running as i32);
@@ -353,7 +244,7 @@ async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
     );
     // The step of that checkpoint, as the worker reported it, not 0.
     assert_eq!(second_assignment.resume_from.as_ref().unwrap().step, 4);
-    let requeued = get(&channel, &user, &job.id).await;
+    let requeued = get(&channel, &user, &job.id).await.unwrap();
     assert_eq!(requeued.attempts.len(), 2);
     assert_eq!(
         requeued.attempts[0].outcome,
@@ -380,20 +271,14 @@ async fn a_worker_that_does_not_come_back_after_a_restart_loses_its_attempt() {
     );
     assert_eq!(done.attempts[1].measured_peak_bytes, Some(1 << 20));
 
-    replacement.disconnect();
-    drop(channel);
-    second.stop().await;
+    second.end_with(channel, replacement).await;
 }
 
 #[tokio::test]
 async fn the_scheduler_stops_while_a_worker_is_still_connected() {
-    let directory = tempfile::tempdir().unwrap();
-    let scheduler =
-        RunningScheduler::start(&database_url(&directory), Duration::from_secs(30)).await;
-    let channel = scheduler.channel().await;
-    let (_, worker_token) = tenant_with_tokens(&channel, "alice").await;
-    // The session stays open from the worker's side: the scheduler must end it to stop.
-    let _worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_directory, database) = fresh_database();
+    // The worker's session stays open from its side: the scheduler must end it to stop.
+    let (scheduler, _channel, _, _, _worker) = first_life(&database, Duration::from_secs(30)).await;
     scheduler.stop().await;
 }
 
@@ -401,15 +286,10 @@ async fn the_scheduler_stops_while_a_worker_is_still_connected() {
 /// lines are read from the store after a restart.
 #[tokio::test]
 async fn job_logs_received_before_a_stop_are_read_after_the_restart() {
-    let directory = tempfile::tempdir().unwrap();
-    let database = database_url(&directory);
+    let (_directory, database) = fresh_database();
     let lease = Duration::from_secs(3);
-    let first = RunningScheduler::start(&database, lease).await;
-    let channel = first.channel().await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice").await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user).await;
-    let assignment = worker.next_assignment().await;
+    let (first, channel, user, _, mut worker) = first_life(&database, lease).await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut worker).await;
     let attempt = assignment.attempt.clone().unwrap();
     for step in 1..=3 {
         // Each send waits for its ack, so the scheduler has taken the line in.
@@ -421,41 +301,37 @@ async fn job_logs_received_before_a_stop_are_read_after_the_restart() {
             }))
             .await;
     }
-    worker.disconnect();
-    drop(channel);
-    first.stop().await;
+    first.end_with(channel, worker).await;
 
     let second = RunningScheduler::start(&database, lease).await;
     let channel = second.channel().await;
-    let logs = JobServiceClient::new(channel.clone())
-        .get_job_logs(authorized(
-            v1::GetJobLogsRequest {
-                job_id: job.id.clone(),
-                attempt_number: 1,
-                ..Default::default()
-            },
-            &user,
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let logs = job_logs(
+        &channel,
+        &user,
+        v1::GetJobLogsRequest {
+            job_id: job.id.clone(),
+            attempt_number: 1,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let messages: Vec<&str> = logs
         .lines
         .iter()
         .map(|line| line.message.as_str())
         .collect();
     assert_eq!(messages, vec!["step 1", "step 2", "step 3"]);
-    let everything = JobServiceClient::new(channel.clone())
-        .get_job_logs(authorized(
-            v1::GetJobLogsRequest {
-                job_id: job.id.clone(),
-                ..Default::default()
-            },
-            &user,
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let everything = job_logs(
+        &channel,
+        &user,
+        v1::GetJobLogsRequest {
+            job_id: job.id.clone(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     assert!(
         everything
             .lines

@@ -10,7 +10,6 @@ use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use tokio_stream::StreamExt;
-use tonic::transport::Channel;
 use tonic::{Code, Request};
 
 #[path = "support/worker.rs"]
@@ -20,15 +19,15 @@ use test_worker::{TestWorker, authorized};
 #[path = "support/cluster.rs"]
 mod cluster;
 use cluster::{
-    ADMIN, JOB, channel, get, scrape, start, submit, tenant_with_tokens, wait_for_state, watch,
+    ADMIN, JOB, all_job_logs, cancel, channel, create_tenant, get, job_logs, list_jobs,
+    list_slices, metric, revoke_token, scrape, start, start_for_tenant, start_with_worker, submit,
+    submit_and_place, tenant_with_tokens, token_with_id, wait_for_state, watch,
 };
 
 #[tokio::test]
 async fn a_job_goes_from_submit_to_success_and_watch_sees_every_state() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
     let submitted = submit(&channel, &user, JOB, "").await.unwrap();
     assert!(submitted.created);
     let job = submitted.job.unwrap();
@@ -40,29 +39,8 @@ async fn a_job_goes_from_submit_to_success_and_watch_sees_every_state() {
     assert_eq!(attempt.job_id, job.id);
     assert_eq!(attempt.attempt_number, 1);
     assert!(assignment.slice_bytes >= job.estimate.as_ref().unwrap().peak_bytes);
-    worker
-        .send(v1::worker_message::Body::AttemptStarted(
-            v1::worker_message::AttemptStarted {
-                attempt: Some(attempt.clone()),
-                reserved_bytes: assignment.slice_bytes,
-            },
-        ))
-        .await;
-    worker
-        .send(v1::worker_message::Body::Progress(
-            v1::worker_message::Progress {
-                attempt: Some(attempt.clone()),
-                progress: Some(v1::TrainingProgress {
-                    step: 5,
-                    total_steps: 10,
-                    loss: 0.5,
-                    samples_per_second: 100.0,
-                    memory_in_use_bytes: 1 << 20,
-                    memory_peak_bytes: 2 << 20,
-                }),
-            },
-        ))
-        .await;
+    worker.report_started(&assignment).await;
+    worker.report_halfway(&attempt).await;
     worker
         .finish(&attempt, v1::AttemptOutcome::Succeeded, 2 << 20)
         .await;
@@ -109,27 +87,30 @@ async fn a_job_goes_from_submit_to_success_and_watch_sees_every_state() {
     );
 }
 
+/// An attempt in a slice of `slice_bytes` that died a quarter short of it: something
+/// outside the plan took memory.
+fn out_of_memory_in(slice_bytes: u64) -> v1::OutOfMemoryReport {
+    v1::OutOfMemoryReport {
+        requested_bytes: slice_bytes / 2,
+        in_use_bytes: slice_bytes / 4 * 3,
+        limit_bytes: slice_bytes,
+        largest_free_bytes: slice_bytes / 4,
+        peak_bytes: slice_bytes / 4 * 3,
+    }
+}
+
 #[tokio::test]
 async fn an_oom_is_retried_with_the_planners_config_from_the_checkpoint() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let first = worker.next_assignment().await;
+    let (_cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
+    let (job, first) = submit_and_place(&channel, &user, &mut worker).await;
     let attempt = first.attempt.clone().unwrap();
     // The attempt died a quarter short of its slice: something outside the plan took memory.
     worker
         .send(v1::worker_message::Body::Oom(
             v1::worker_message::OomReport {
                 attempt: Some(attempt.clone()),
-                report: Some(v1::OutOfMemoryReport {
-                    requested_bytes: first.slice_bytes / 2,
-                    in_use_bytes: first.slice_bytes / 4 * 3,
-                    limit_bytes: first.slice_bytes,
-                    largest_free_bytes: first.slice_bytes / 4,
-                    peak_bytes: first.slice_bytes / 4 * 3,
-                }),
+                report: Some(out_of_memory_in(first.slice_bytes)),
                 checkpoint: Some(v1::Checkpoint {
                     step: 4,
                     location: "/checkpoints/a.ckpt".into(),
@@ -150,13 +131,7 @@ async fn an_oom_is_retried_with_the_planners_config_from_the_checkpoint() {
         "the effective batch is kept"
     );
     assert_ne!(new, old, "the planner changed the config");
-    worker
-        .finish(
-            second.attempt.as_ref().unwrap(),
-            v1::AttemptOutcome::Succeeded,
-            1 << 20,
-        )
-        .await;
+    worker.succeed(&second, 1 << 20).await;
     let done = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(done.attempts.len(), 2);
     assert_eq!(
@@ -176,12 +151,9 @@ async fn an_oom_is_retried_with_the_planners_config_from_the_checkpoint() {
 
 #[tokio::test]
 async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
-    let cluster = start(Duration::from_millis(600)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let mut first_worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let first = first_worker.next_assignment().await;
+    let (_cluster, channel, user, worker_token, mut first_worker) =
+        start_with_worker(Duration::from_millis(600), "alice").await;
+    let (job, first) = submit_and_place(&channel, &user, &mut first_worker).await;
     let stale_attempt = first.attempt.clone().unwrap();
     // The first worker goes silent: its heartbeats stop (the session stays open).
     let stale_outgoing = first_worker.go_silent();
@@ -212,26 +184,11 @@ async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
     let job_now = get(&channel, &user, &job.id).await.unwrap();
     assert_ne!(job_now.state, v1::JobState::Succeeded as i32);
     assert_eq!(job_now.attempts[0].outcome, v1::AttemptOutcome::Lost as i32);
-    second_worker
-        .finish(
-            second.attempt.as_ref().unwrap(),
-            v1::AttemptOutcome::Succeeded,
-            1 << 20,
-        )
-        .await;
+    second_worker.succeed(&second, 1 << 20).await;
     let done = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(done.attempts[1].worker_id, second_worker.id);
     // The job's log says why it moved.
-    let logs = job_logs(
-        &channel,
-        &user,
-        v1::GetJobLogsRequest {
-            job_id: job.id.clone(),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+    let logs = all_job_logs(&channel, &user, &job.id).await;
     let lease_lost = format!(
         "placed -> queued: lease lost: worker {} stopped heartbeating during attempt 1",
         done.attempts[0].worker_id
@@ -247,23 +204,12 @@ async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
 
 #[tokio::test]
 async fn cancel_reaches_the_running_attempt() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let assignment = worker.next_assignment().await;
-    let cancelled = JobServiceClient::new(channel.clone())
-        .cancel_job(authorized(
-            v1::CancelJobRequest {
-                job_id: job.id.clone(),
-                reason: "changed my mind".into(),
-            },
-            &user,
-        ))
+    let (_cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut worker).await;
+    let cancelled = cancel(&channel, &user, &job.id, "changed my mind")
         .await
         .unwrap()
-        .into_inner()
         .job
         .unwrap();
     assert_eq!(cancelled.state, v1::JobState::Cancelled as i32);
@@ -273,16 +219,7 @@ async fn cancel_reaches_the_running_attempt() {
         }
         other => panic!("expected a cancel, got {other:?}"),
     }
-    let again = JobServiceClient::new(channel.clone())
-        .cancel_job(authorized(
-            v1::CancelJobRequest {
-                job_id: job.id.clone(),
-                reason: String::new(),
-            },
-            &user,
-        ))
-        .await
-        .unwrap_err();
+    let again = cancel(&channel, &user, &job.id, "").await.unwrap_err();
     assert_eq!(again.code(), Code::FailedPrecondition);
 }
 
@@ -291,29 +228,14 @@ async fn cancel_reaches_the_running_attempt() {
 /// one it queued, and one it put back in the queue under an old submit sequence.
 #[tokio::test]
 async fn jobs_queued_by_another_replica_are_placed() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let requeued = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
     let kept = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    JobServiceClient::new(channel.clone())
-        .cancel_job(authorized(
-            v1::CancelJobRequest {
-                job_id: requeued.id.clone(),
-                reason: String::new(),
-            },
-            &user,
-        ))
-        .await
-        .unwrap();
+    cancel(&channel, &user, &requeued.id, "").await.unwrap();
     // Passes have usually run over the queue by now (each submit wakes one); either way
     // the changes below are made behind this scheduler's back.
-    let other_replica = carve_scheduler::store::Store::open(&format!(
-        "sqlite://{}",
-        cluster._directory.path().join("carve.db").display()
-    ))
-    .await
-    .unwrap();
+    let other_replica = cluster.other_replica().await;
     let mut back = other_replica.get_job(&requeued.id).await.unwrap();
     back.state = carve_scheduler::store::JobState::Queued;
     back.finished_at_ms = None;
@@ -341,19 +263,13 @@ async fn jobs_queued_by_another_replica_are_placed() {
     // The copy was read whole again when it disagreed with the store (the first full
     // read is the first pass's).
     let metrics = scrape(cluster.metrics_address).await;
-    let full_reads: u64 = metrics
-        .lines()
-        .find_map(|line| line.strip_prefix("carve_queue_full_reads_total "))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap();
+    let full_reads = metric(&metrics, "carve_queue_full_reads_total");
     assert!(full_reads >= 1, "{metrics}");
 }
 
 #[tokio::test]
 async fn tenants_see_only_their_own_jobs() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (alice, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, alice, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
     let (bob, _) = tenant_with_tokens(&channel, "bob", v1::Quota::default()).await;
     let job = submit(&channel, &alice, JOB, "")
         .await
@@ -364,28 +280,15 @@ async fn tenants_see_only_their_own_jobs() {
         get(&channel, &bob, &job.id).await.unwrap_err().code(),
         Code::NotFound
     );
-    let listed = JobServiceClient::new(channel.clone())
-        .list_jobs(authorized(v1::ListJobsRequest::default(), &bob))
+    let listed = list_jobs(&channel, &bob, v1::ListJobsRequest::default())
         .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     assert!(listed.jobs.is_empty());
-    let cancel = JobServiceClient::new(channel.clone())
-        .cancel_job(authorized(
-            v1::CancelJobRequest {
-                job_id: job.id.clone(),
-                reason: String::new(),
-            },
-            &bob,
-        ))
+    let refused = cancel(&channel, &bob, &job.id, "").await.unwrap_err();
+    assert_eq!(refused.code(), Code::NotFound);
+    let mine = list_jobs(&channel, &alice, v1::ListJobsRequest::default())
         .await
-        .unwrap_err();
-    assert_eq!(cancel.code(), Code::NotFound);
-    let mine = JobServiceClient::new(channel.clone())
-        .list_jobs(authorized(v1::ListJobsRequest::default(), &alice))
-        .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     assert_eq!(mine.jobs.len(), 1);
     let admin_view = get(&channel, ADMIN, &job.id).await.unwrap();
     assert_eq!(admin_view.tenant, "alice");
@@ -414,28 +317,22 @@ async fn a_running_jobs_quota_holds_under_concurrent_submits() {
     let jobs = futures::future::join_all(submits).await;
     assert_eq!(jobs.len(), 12);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let slices = ClusterServiceClient::new(channel.clone())
-        .list_slices(authorized(v1::ListSlicesRequest::default(), ADMIN))
-        .await
-        .unwrap()
-        .into_inner()
-        .slices;
+    let slices = list_slices(&channel).await;
     assert_eq!(slices.len(), 2, "{slices:?}");
     let waiting = get(&channel, &user, &jobs[0].job.as_ref().unwrap().id)
         .await
         .unwrap();
-    let waiting_jobs = JobServiceClient::new(channel.clone())
-        .list_jobs(authorized(
-            v1::ListJobsRequest {
-                states: vec![v1::JobState::Queued as i32],
-                ..Default::default()
-            },
-            &user,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .jobs;
+    let waiting_jobs = list_jobs(
+        &channel,
+        &user,
+        v1::ListJobsRequest {
+            states: vec![v1::JobState::Queued as i32],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap()
+    .jobs;
     assert_eq!(waiting_jobs.len(), 10);
     assert!(
         waiting_jobs
@@ -449,9 +346,7 @@ async fn a_running_jobs_quota_holds_under_concurrent_submits() {
 
 #[tokio::test]
 async fn a_retried_submit_returns_the_same_job() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
     let first = submit(&channel, &user, JOB, "retry-me").await.unwrap();
     let second = submit(&channel, &user, JOB, "retry-me").await.unwrap();
     assert!(first.created);
@@ -461,46 +356,18 @@ async fn a_retried_submit_returns_the_same_job() {
     assert!(other.created);
 }
 
-/// A user token of `tenant` created by the admin: (its id, its secret).
-async fn user_token(channel: &Channel, tenant: &str) -> (String, String) {
-    let created = AdminServiceClient::new(channel.clone())
-        .create_token(authorized(
-            v1::CreateTokenRequest {
-                tenant: tenant.into(),
-                role: v1::Role::User as i32,
-                description: "revoked in a test".into(),
-                time_to_live: None,
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap()
-        .into_inner();
-    (created.token.unwrap().id, created.secret)
-}
-
 #[tokio::test]
 async fn a_revoked_token_is_refused_at_once_by_the_scheduler_that_revoked_it() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (other_user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let (token_id, secret) = user_token(&channel, "alice").await;
+    let (_cluster, channel, other_user, _) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
+    let (token_id, secret) = token_with_id(&channel, "alice", v1::Role::User).await;
     // Used once first, so the scheduler holds it in its token cache when it is revoked.
     submit(&channel, &secret, JOB, "before").await.unwrap();
-    AdminServiceClient::new(channel.clone())
-        .revoke_token(authorized(
-            v1::RevokeTokenRequest {
-                token_id: token_id.clone(),
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap();
+    revoke_token(&channel, &token_id).await;
     let refused = submit(&channel, &secret, JOB, "after").await.unwrap_err();
     assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
     assert!(refused.message().contains("revoked"), "{refused:?}");
-    let listed = JobServiceClient::new(channel.clone())
-        .list_jobs(authorized(v1::ListJobsRequest::default(), &secret))
+    let listed = list_jobs(&channel, &secret, v1::ListJobsRequest::default())
         .await
         .unwrap_err();
     assert_eq!(listed.code(), Code::Unauthenticated);
@@ -510,9 +377,7 @@ async fn a_revoked_token_is_refused_at_once_by_the_scheduler_that_revoked_it() {
 
 #[tokio::test]
 async fn a_quota_change_applies_to_the_next_submit() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
     // Admitted once first, so the scheduler holds the tenant in its cache.
     submit(&channel, &user, JOB, "first").await.unwrap();
     let set_quota = |vram_bytes: Option<u64>| {
@@ -551,9 +416,7 @@ fn as_submitted(mut job: v1::Job) -> v1::Job {
 
 #[tokio::test]
 async fn the_submit_answer_is_the_job_as_stored_also_when_shrunk_at_admission() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, _) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
     let answered = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
     let stored = get(&channel, &user, &answered.id).await.unwrap();
     assert_eq!(as_submitted(stored), as_submitted(answered.clone()));
@@ -583,23 +446,14 @@ async fn the_submit_answer_is_the_job_as_stored_also_when_shrunk_at_admission() 
 
 #[tokio::test]
 async fn a_measured_peak_raises_the_next_slice_of_the_same_shape_at_once() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
     // The first submit caches "nothing measured yet" for this shape.
     let first = submit(&channel, &user, JOB, "first").await.unwrap();
     let assignment = worker.next_assignment().await;
     let attempt = assignment.attempt.clone().unwrap();
     assert_eq!(attempt.job_id, first.job.unwrap().id);
-    worker
-        .send(v1::worker_message::Body::AttemptStarted(
-            v1::worker_message::AttemptStarted {
-                attempt: Some(attempt.clone()),
-                reserved_bytes: assignment.slice_bytes,
-            },
-        ))
-        .await;
+    worker.report_started(&assignment).await;
     worker
         .finish(
             &attempt,
@@ -676,16 +530,7 @@ async fn invalid_requests_get_the_right_status_naming_the_field() {
     assert_eq!(error.code(), Code::Unauthenticated);
     assert!(error.message().contains("token rejected"));
 
-    let error = AdminServiceClient::new(channel.clone())
-        .create_tenant(authorized(
-            v1::CreateTenantRequest {
-                name: "mallory".into(),
-                quota: None,
-            },
-            &user,
-        ))
-        .await
-        .unwrap_err();
+    let error = create_tenant(&channel, &user, "mallory").await.unwrap_err();
     assert_eq!(error.code(), Code::PermissionDenied);
 
     let error = get(&channel, &user, "job-does-not-exist")
@@ -696,38 +541,28 @@ async fn invalid_requests_get_the_right_status_naming_the_field() {
     assert_eq!(error.code(), Code::InvalidArgument);
     assert!(error.message().contains("job_id"));
 
-    let error = AdminServiceClient::new(channel.clone())
-        .create_tenant(authorized(
-            v1::CreateTenantRequest {
-                name: "alice".into(),
-                quota: None,
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap_err();
+    let error = create_tenant(&channel, ADMIN, "alice").await.unwrap_err();
     assert_eq!(error.code(), Code::AlreadyExists);
 
-    let error = JobServiceClient::new(channel.clone())
-        .list_jobs(authorized(
-            v1::ListJobsRequest {
-                states: vec![42],
-                ..Default::default()
-            },
-            &user,
-        ))
-        .await
-        .unwrap_err();
+    let error = list_jobs(
+        &channel,
+        &user,
+        v1::ListJobsRequest {
+            states: vec![42],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap_err();
     assert_eq!(error.code(), Code::InvalidArgument);
     assert!(error.message().contains("states[0]"), "{}", error.message());
 }
 
 #[tokio::test]
 async fn a_drained_worker_takes_nothing_new_until_undrained() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
+    let worker_id = worker.id.clone();
     let mut cluster_client = ClusterServiceClient::new(channel.clone());
     let drained = cluster_client
         .drain_worker(authorized(
@@ -752,59 +587,34 @@ async fn a_drained_worker_takes_nothing_new_until_undrained() {
     let waiting = get(&channel, &user, &job.id).await.unwrap();
     assert_eq!(waiting.state, v1::JobState::Queued as i32);
     assert!(!waiting.waiting_reason.is_empty());
-    let error = cluster_client
-        .undrain_worker(authorized(
+    let undrain = |token: &str| {
+        let mut cluster_client = cluster_client.clone();
+        let request = authorized(
             v1::UndrainWorkerRequest {
-                worker_id: worker.id.clone(),
+                worker_id: worker_id.clone(),
             },
-            &user,
-        ))
-        .await
-        .unwrap_err();
+            token,
+        );
+        async move { cluster_client.undrain_worker(request).await }
+    };
+    let error = undrain(&user).await.unwrap_err();
     assert_eq!(error.code(), Code::PermissionDenied);
-    cluster_client
-        .undrain_worker(authorized(
-            v1::UndrainWorkerRequest {
-                worker_id: worker.id.clone(),
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap();
+    undrain(ADMIN).await.unwrap();
     let assignment = worker.next_assignment().await;
     assert_eq!(assignment.attempt.unwrap().job_id, job.id);
 }
 
-async fn job_logs(
-    channel: &Channel,
-    token: &str,
-    request: v1::GetJobLogsRequest,
-) -> Result<v1::GetJobLogsResponse, tonic::Status> {
-    JobServiceClient::new(channel.clone())
-        .get_job_logs(authorized(request, token))
-        .await
-        .map(|response| response.into_inner())
-}
-
 #[tokio::test]
 async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_tenant() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let (other_user, _) = tenant_with_tokens(&channel, "bob", v1::Quota::default()).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
     let mut watch = watch(&channel, &user, &job.id).await;
     let assignment = worker.next_assignment().await;
     let attempt = assignment.attempt.clone().unwrap();
-    worker
-        .send(v1::worker_message::Body::AttemptStarted(
-            v1::worker_message::AttemptStarted {
-                attempt: Some(attempt.clone()),
-                reserved_bytes: assignment.slice_bytes,
-            },
-        ))
-        .await;
+    worker.report_started(&assignment).await;
     let log = |attempt: &v1::AttemptRef, level: &str, message: &str| {
         v1::worker_message::Body::Log(v1::worker_message::LogLine {
             attempt: Some(attempt.clone()),
@@ -894,16 +704,11 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
     assert!(position("attempt 1 assigned") > placed);
 
     // One attempt's lines only.
-    let attempt_only = job_logs(
-        &channel,
-        &user,
-        v1::GetJobLogsRequest {
-            attempt_number: 1,
-            ..request(0, 0)
-        },
-    )
-    .await
-    .unwrap();
+    let attempt_only = v1::GetJobLogsRequest {
+        attempt_number: 1,
+        ..request(0, 0)
+    };
+    let attempt_only = job_logs(&channel, &user, attempt_only).await.unwrap();
     assert_eq!(attempt_only.lines.len(), 3);
     assert!(
         attempt_only
@@ -940,16 +745,11 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
     );
 
     // The tail; a page size over the cap is capped, not refused.
-    let tail = job_logs(
-        &channel,
-        &user,
-        v1::GetJobLogsRequest {
-            tail: 2,
-            ..request(0, 0)
-        },
-    )
-    .await
-    .unwrap();
+    let tail = v1::GetJobLogsRequest {
+        tail: 2,
+        ..request(0, 0)
+    };
+    let tail = job_logs(&channel, &user, tail).await.unwrap();
     assert_eq!(tail.lines, all.lines[all.lines.len() - 2..]);
     let capped = job_logs(&channel, &user, request(0, 1_000_000))
         .await
@@ -957,10 +757,6 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
     assert_eq!(capped.lines, all.lines);
 
     // Visibility is GetJob's: another tenant's job does not exist for it; admins see it.
-    let error = job_logs(&channel, &other_user, request(0, 0))
-        .await
-        .unwrap_err();
-    assert_eq!(error.code(), Code::NotFound, "{}", error.message());
     assert_eq!(
         job_logs(&channel, ADMIN, request(0, 0))
             .await
@@ -968,50 +764,47 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
             .lines,
         all.lines
     );
-    let error = job_logs(&channel, &worker_token, request(0, 0))
-        .await
-        .unwrap_err();
-    assert_eq!(error.code(), Code::PermissionDenied, "{}", error.message());
-    let error = job_logs(
-        &channel,
-        &user,
-        v1::GetJobLogsRequest {
-            job_id: "job-does-not-exist".into(),
-            ..request(0, 0)
-        },
-    )
-    .await
-    .unwrap_err();
-    assert_eq!(error.code(), Code::NotFound);
-    let error = job_logs(
-        &channel,
-        &user,
-        v1::GetJobLogsRequest {
-            job_id: String::new(),
-            ..request(0, 0)
-        },
-    )
-    .await
-    .unwrap_err();
-    assert_eq!(error.code(), Code::InvalidArgument);
-    assert!(error.message().contains("job_id"), "{}", error.message());
-    let error = job_logs(&channel, &user, request(u64::MAX, 0))
-        .await
-        .unwrap_err();
-    assert_eq!(error.code(), Code::InvalidArgument);
-    assert!(
-        error.message().contains("after_sequence"),
-        "{}",
-        error.message()
-    );
+    let of_job = |job_id: &str| v1::GetJobLogsRequest {
+        job_id: job_id.into(),
+        ..request(0, 0)
+    };
+    // (who asks, what, the refusal's code, what its message names: "" for anything)
+    for (token, refused_request, code, named) in [
+        (other_user.as_str(), request(0, 0), Code::NotFound, ""),
+        (
+            worker_token.as_str(),
+            request(0, 0),
+            Code::PermissionDenied,
+            "",
+        ),
+        (
+            user.as_str(),
+            of_job("job-does-not-exist"),
+            Code::NotFound,
+            "",
+        ),
+        (user.as_str(), of_job(""), Code::InvalidArgument, "job_id"),
+        (
+            user.as_str(),
+            request(u64::MAX, 0),
+            Code::InvalidArgument,
+            "after_sequence",
+        ),
+    ] {
+        let error = job_logs(&channel, token, refused_request.clone())
+            .await
+            .unwrap_err();
+        assert_eq!(
+            error.code(),
+            code,
+            "{refused_request:?}: {}",
+            error.message()
+        );
+        assert!(error.message().contains(named), "{}", error.message());
+    }
 
     let metrics = scrape(cluster.metrics_address).await;
-    let stored: u64 = metrics
-        .lines()
-        .find_map(|line| line.strip_prefix("carve_log_lines_stored_total "))
-        .unwrap_or_else(|| panic!("no carve_log_lines_stored_total in:\n{metrics}"))
-        .parse()
-        .unwrap();
+    let stored = metric(&metrics, "carve_log_lines_stored_total");
     assert!(
         stored >= all.lines.len() as u64,
         "{stored} < {}",
@@ -1027,49 +820,22 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
 
 #[tokio::test]
 async fn job_logs_tell_an_oom_retry_and_a_cancel() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let first = worker.next_assignment().await;
+    let (_cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
+    let (job, first) = submit_and_place(&channel, &user, &mut worker).await;
     worker
         .send(v1::worker_message::Body::Oom(
             v1::worker_message::OomReport {
                 attempt: first.attempt.clone(),
-                report: Some(v1::OutOfMemoryReport {
-                    requested_bytes: first.slice_bytes / 2,
-                    in_use_bytes: first.slice_bytes / 4 * 3,
-                    limit_bytes: first.slice_bytes,
-                    largest_free_bytes: first.slice_bytes / 4,
-                    peak_bytes: first.slice_bytes / 4 * 3,
-                }),
+                report: Some(out_of_memory_in(first.slice_bytes)),
                 checkpoint: None,
             },
         ))
         .await;
     let second = worker.next_assignment().await;
     assert_eq!(second.attempt.as_ref().unwrap().attempt_number, 2);
-    JobServiceClient::new(channel.clone())
-        .cancel_job(authorized(
-            v1::CancelJobRequest {
-                job_id: job.id.clone(),
-                reason: String::new(),
-            },
-            &user,
-        ))
-        .await
-        .unwrap();
-    let logs = job_logs(
-        &channel,
-        &user,
-        v1::GetJobLogsRequest {
-            job_id: job.id.clone(),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+    cancel(&channel, &user, &job.id, "").await.unwrap();
+    let logs = all_job_logs(&channel, &user, &job.id).await;
     let notes: Vec<String> = logs
         .lines
         .iter()

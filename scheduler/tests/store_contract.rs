@@ -106,6 +106,23 @@ fn job(id: &str, tenant: &str, name: &str) -> JobRecord {
     }
 }
 
+/// Checks `answer` is the not-found error for the `what` named `id`.
+#[track_caller]
+fn assert_not_found<T: std::fmt::Debug + PartialEq>(
+    answer: Result<T, SchedulerError>,
+    what: &'static str,
+    id: &str,
+) {
+    assert_eq!(answer, Err(SchedulerError::not_found(what, id)));
+}
+
+/// A store on `db` holding the tenant `acme`: where most job tests start.
+async fn open_with_acme(db: &TestDb) -> Store {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    store
+}
+
 fn keyed(mut job: JobRecord, key: &str) -> JobRecord {
     job.idempotency_key = Some(key.to_string());
     job
@@ -237,10 +254,7 @@ async fn tenants_crud(db: &TestDb) {
         Err(SchedulerError::already_exists("tenant", "acme"))
     );
     assert_eq!(store.get_tenant("acme").await.unwrap(), acme, "unchanged");
-    assert_eq!(
-        store.get_tenant("nope").await,
-        Err(SchedulerError::not_found("tenant", "nope"))
-    );
+    assert_not_found(store.get_tenant("nope").await, "tenant", "nope");
 
     let updated = store.set_quota("acme", None, Some(8), 3).await.unwrap();
     let expected = TenantRecord {
@@ -256,9 +270,10 @@ async fn tenants_crud(db: &TestDb) {
         zeta,
         "others untouched"
     );
-    assert_eq!(
+    assert_not_found(
         store.set_quota("nope", Some(1), None, 1).await,
-        Err(SchedulerError::not_found("tenant", "nope"))
+        "tenant",
+        "nope",
     );
 }
 
@@ -358,15 +373,11 @@ async fn tokens_are_found_by_hash_and_revoked(db: &TestDb) {
         Some(bob.clone()),
         "other tokens stay valid"
     );
-    assert_eq!(
-        store.revoke_token("tok-nope").await,
-        Err(SchedulerError::not_found("token", "tok-nope"))
-    );
+    assert_not_found(store.revoke_token("tok-nope").await, "token", "tok-nope");
 }
 
 async fn submit_group_commit_assigns_increasing_sequences(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     assert_eq!(store.submit_jobs(Vec::new()).await.unwrap(), vec![]);
 
     let first: Vec<JobRecord> = (0..5)
@@ -407,15 +418,11 @@ async fn submit_group_commit_assigns_increasing_sequences(db: &TestDb) {
         later[0] > sequences[4] && later[1] > later[0],
         "a later group gets later numbers: {sequences:?} then {later:?}"
     );
-    assert_eq!(
-        store.get_job("nope").await,
-        Err(SchedulerError::not_found("job", "nope"))
-    );
+    assert_not_found(store.get_job("nope").await, "job", "nope");
 }
 
 async fn a_failing_group_commits_nothing(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     store
         .submit_jobs(vec![job("taken", "acme", "x")])
         .await
@@ -428,10 +435,7 @@ async fn a_failing_group_commits_nothing(db: &TestDb) {
             job("g1-c", "acme", "x"),
         ])
         .await;
-    assert_eq!(
-        unknown_tenant,
-        Err(SchedulerError::not_found("tenant", "ghost"))
-    );
+    assert_not_found(unknown_tenant, "tenant", "ghost");
     let taken_id = store
         .submit_jobs(vec![
             keyed(job("g2-a", "acme", "x"), "k"),
@@ -459,8 +463,7 @@ async fn a_failing_group_commits_nothing(db: &TestDb) {
 }
 
 async fn idempotency_keys_within_a_group_and_across_groups(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     store.create_tenant(&tenant("beta")).await.unwrap();
 
     let outcomes = store
@@ -536,8 +539,7 @@ async fn idempotency_keys_within_a_group_and_across_groups(db: &TestDb) {
 }
 
 async fn concurrent_submits_through_the_batcher_share_commits(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     let batcher = SubmitBatcher::spawn(store.clone());
 
     const SUBMITS: usize = 200;
@@ -617,8 +619,7 @@ async fn concurrent_submits_through_the_batcher_share_commits(db: &TestDb) {
 }
 
 async fn batcher_answers_each_job_of_a_failing_group_on_its_own(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     let batcher = SubmitBatcher::spawn(store.clone());
     let mut tasks = Vec::new();
     for i in 0..40 {
@@ -640,8 +641,7 @@ async fn batcher_answers_each_job_of_a_failing_group_on_its_own(db: &TestDb) {
 }
 
 async fn list_jobs_filters_and_pages(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     store.create_tenant(&tenant("beta")).await.unwrap();
     let states = [
         JobState::Queued,
@@ -672,8 +672,10 @@ async fn list_jobs_filters_and_pages(db: &TestDb) {
     }
     all.sort_by_key(|job| std::cmp::Reverse(job.submit_sequence));
 
-    let check = |filter: JobFilter, expected: Vec<JobRecord>| {
+    // Lists with `filter` at several page sizes; expects the jobs `matches` picks of `all`.
+    let check = |filter: JobFilter, matches: fn(&JobRecord) -> bool| {
         let store = store.clone();
+        let expected: Vec<JobRecord> = all.iter().filter(|job| matches(job)).cloned().collect();
         async move {
             for page_size in [1, 4, 7, 10, 1000] {
                 let filter = JobFilter {
@@ -693,68 +695,29 @@ async fn list_jobs_filters_and_pages(db: &TestDb) {
         }
     };
 
-    check(JobFilter::default(), all.clone()).await;
-    check(
-        JobFilter {
-            tenant: Some("acme".into()),
-            ..JobFilter::default()
-        },
-        all.iter().filter(|j| j.tenant == "acme").cloned().collect(),
-    )
-    .await;
-    check(
-        JobFilter {
-            tenant: Some("nobody".into()),
-            ..JobFilter::default()
-        },
-        vec![],
-    )
-    .await;
+    let of_tenant = |tenant: &str| JobFilter {
+        tenant: Some(tenant.into()),
+        ..JobFilter::default()
+    };
+    let named = |prefix: &str| JobFilter {
+        name_prefix: Some(prefix.into()),
+        ..JobFilter::default()
+    };
+    check(JobFilter::default(), |_| true).await;
+    check(of_tenant("acme"), |j| j.tenant == "acme").await;
+    check(of_tenant("nobody"), |_| false).await;
     check(
         JobFilter {
             states: vec![JobState::Queued, JobState::Failed],
             ..JobFilter::default()
         },
-        all.iter()
-            .filter(|j| j.state == JobState::Queued || j.state == JobState::Failed)
-            .cloned()
-            .collect(),
+        |j| j.state == JobState::Queued || j.state == JobState::Failed,
     )
     .await;
-    check(
-        JobFilter {
-            name_prefix: Some("train-".into()),
-            ..JobFilter::default()
-        },
-        all.iter()
-            .filter(|j| j.name.starts_with("train-"))
-            .cloned()
-            .collect(),
-    )
-    .await;
+    check(named("train-"), |j| j.name.starts_with("train-")).await;
     // No LIKE wildcards, and case matters.
-    check(
-        JobFilter {
-            name_prefix: Some("tr%".into()),
-            ..JobFilter::default()
-        },
-        all.iter()
-            .filter(|j| j.name == "tr%n-wild")
-            .cloned()
-            .collect(),
-    )
-    .await;
-    check(
-        JobFilter {
-            name_prefix: Some("TRAIN".into()),
-            ..JobFilter::default()
-        },
-        all.iter()
-            .filter(|j| j.name == "TRAIN-upper")
-            .cloned()
-            .collect(),
-    )
-    .await;
+    check(named("tr%"), |j| j.name == "tr%n-wild").await;
+    check(named("TRAIN"), |j| j.name == "TRAIN-upper").await;
     check(
         JobFilter {
             tenant: Some("acme".into()),
@@ -762,14 +725,11 @@ async fn list_jobs_filters_and_pages(db: &TestDb) {
             name_prefix: Some("train".into()),
             ..JobFilter::default()
         },
-        all.iter()
-            .filter(|j| {
-                j.tenant == "acme"
-                    && (j.state == JobState::Queued || j.state == JobState::Succeeded)
-                    && j.name.starts_with("train")
-            })
-            .cloned()
-            .collect(),
+        |j| {
+            j.tenant == "acme"
+                && (j.state == JobState::Queued || j.state == JobState::Succeeded)
+                && j.name.starts_with("train")
+        },
     )
     .await;
 
@@ -794,8 +754,7 @@ async fn list_jobs_filters_and_pages(db: &TestDb) {
 }
 
 async fn list_jobs_pages_are_stable_while_jobs_arrive(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     for i in 0..10 {
         store
             .submit_jobs(vec![job(&format!("old-{i}"), "acme", "x")])
@@ -827,8 +786,7 @@ async fn list_jobs_pages_are_stable_while_jobs_arrive(db: &TestDb) {
 }
 
 async fn update_job_rewrites_all_but_the_identity(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     store.create_tenant(&tenant("beta")).await.unwrap();
     let outcomes = store
         .submit_jobs(vec![
@@ -886,16 +844,16 @@ async fn update_job_rewrites_all_but_the_identity(db: &TestDb) {
         "untouched"
     );
 
-    assert_eq!(
+    assert_not_found(
         store.update_job(&job("j-nope", "acme", "x")).await,
-        Err(SchedulerError::not_found("job", "j-nope"))
+        "job",
+        "j-nope",
     );
     assert_eq!(store.get_job("j-1").await.unwrap().state, JobState::Failed);
 }
 
 async fn jobs_in_states_are_oldest_first(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     let mut ids = Vec::new();
     for (i, state) in [
         JobState::Queued,
@@ -938,8 +896,7 @@ async fn jobs_in_states_are_oldest_first(db: &TestDb) {
 }
 
 async fn count_jobs_counts_one_tenants_jobs_in_one_state(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     store.create_tenant(&tenant("globex")).await.unwrap();
     assert_eq!(store.count_jobs("acme", JobState::Queued).await.unwrap(), 0);
     // More than a listing's largest page, so a count that pages would come up short.
@@ -986,8 +943,7 @@ async fn count_jobs_counts_one_tenants_jobs_in_one_state(db: &TestDb) {
 }
 
 async fn attempts_are_listed_by_number(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     store
         .submit_jobs(vec![job("j", "acme", "x"), job("k", "acme", "y")])
         .await
@@ -1027,16 +983,16 @@ async fn attempts_are_listed_by_number(db: &TestDb) {
         store.create_attempt(&attempt("j", 2, 9)).await,
         Err(SchedulerError::already_exists("attempt", "j/2"))
     );
-    assert_eq!(
+    assert_not_found(
         store.create_attempt(&attempt("ghost", 1, 1)).await,
-        Err(SchedulerError::not_found("job", "ghost"))
+        "job",
+        "ghost",
     );
     assert_eq!(store.list_attempts("j").await.unwrap().len(), 3);
 }
 
 async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     store
         .submit_jobs(vec![job("j", "acme", "x")])
         .await
@@ -1158,8 +1114,7 @@ const FULL_ESTIMATE_JSON: &str = r#"{"peak_bytes":3000,"required_bytes":4096,"pe
 /// and never validate or estimate the spec again: the spec here would not even
 /// validate, so a read that re-estimated could not show these numbers.
 async fn job_reads_show_the_stored_estimate_without_validating_the_spec(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     let config_json = r#"{"batch_size":32,"micro_batch_size":8,"precision":"fp16","recompute_segment_layers":null,"workspace_limit_bytes":0,"prefetch_batches":2}"#;
     let stored = JobRecord {
         spec_json: r#"{"name":"no model, no training: never valid"}"#.into(),
@@ -1239,8 +1194,7 @@ async fn job_reads_show_the_stored_estimate_without_validating_the_spec(db: &Tes
 /// The step of a job's checkpoint is stored next to its location, and an attempt keeps
 /// the step it resumed from; the API shows it.
 async fn checkpoint_steps_are_stored_with_jobs_and_attempts(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     let submitted = store
         .submit_jobs(vec![job("j", "acme", "x")])
         .await
@@ -1279,8 +1233,7 @@ async fn checkpoint_steps_are_stored_with_jobs_and_attempts(db: &TestDb) {
 }
 
 async fn record_job_and_attempt_is_atomic(db: &TestDb) {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
+    let store = open_with_acme(db).await;
     let queued = store
         .submit_jobs(vec![job("j", "acme", "x")])
         .await
@@ -1430,18 +1383,13 @@ async fn workers_upsert_and_state(db: &TestDb) {
         T0 + 900
     );
 
-    assert_eq!(
+    assert_not_found(
         store.set_worker_state("w-9", WorkerState::Ready).await,
-        Err(SchedulerError::not_found("worker", "w-9"))
+        "worker",
+        "w-9",
     );
-    assert_eq!(
-        store.get_worker("w-9").await,
-        Err(SchedulerError::not_found("worker", "w-9"))
-    );
-    assert_eq!(
-        store.record_heartbeat("w-9", T0).await,
-        Err(SchedulerError::not_found("worker", "w-9"))
-    );
+    assert_not_found(store.get_worker("w-9").await, "worker", "w-9");
+    assert_not_found(store.record_heartbeat("w-9", T0).await, "worker", "w-9");
 }
 
 async fn peak_correction_is_the_largest_ratio(db: &TestDb) {

@@ -10,8 +10,6 @@
 use std::time::{Duration, Instant};
 
 use carve_proto::v1;
-use carve_proto::v1::admin_service_client::AdminServiceClient;
-use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_proto::v1::worker_service_client::WorkerServiceClient;
 use tokio_stream::StreamExt;
@@ -26,26 +24,15 @@ use test_worker::{TestWorker, authorized};
 #[path = "support/cluster.rs"]
 mod cluster;
 use cluster::{
-    ADMIN, JOB, channel, create_token, get, start, submit, tenant_with_tokens, wait_for_state,
-    watch,
+    ADMIN, JOB, get, list_workers, revoke_token, start_for_tenant, start_with_worker, submit,
+    submit_and_place, tenant_with_tokens, token_with_id, wait_for_state, watch,
 };
 
-/// A new token of `role` for `tenant`: its id (to revoke it) and its secret.
-async fn token(channel: &Channel, tenant: &str, role: v1::Role) -> (String, String) {
-    let created = create_token(channel, tenant, role, None).await.unwrap();
-    (created.token.unwrap().id, created.secret)
-}
-
-async fn revoke(channel: &Channel, token_id: &str) {
-    AdminServiceClient::new(channel.clone())
-        .revoke_token(authorized(
-            v1::RevokeTokenRequest {
-                token_id: token_id.into(),
-            },
-            ADMIN,
-        ))
-        .await
-        .unwrap();
+/// Waits up to `wait` for the session of `worker` to end, and checks it ended with `code`.
+async fn session_ends_with(worker: &mut TestWorker, wait: Duration, code: Code) -> tonic::Status {
+    let ended = worker.session_end(wait).await.expect("the session ends");
+    assert_eq!(ended.code(), code, "{ended:?}");
+    ended
 }
 
 /// Opens a session whose hello names `worker_id`, with `token`.
@@ -79,13 +66,11 @@ async fn hello_as(
 
 #[tokio::test]
 async fn a_worker_token_cannot_speak_for_another_worker() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let (_, impostor_token) = token(&channel, "alice", v1::Role::Worker).await;
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
+    let (_, impostor_token) = token_with_id(&channel, "alice", v1::Role::Worker).await;
     let mut real = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let assignment = real.next_assignment().await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut real).await;
     real.started(&assignment).await;
 
     // Registering under the real worker's id with another token gives a new identity.
@@ -108,12 +93,7 @@ async fn a_worker_token_cannot_speak_for_another_worker() {
     assert!(refused.message().contains(&real.id), "{refused:?}");
 
     // The real worker still holds its attempt and ends it.
-    real.finish(
-        assignment.attempt.as_ref().unwrap(),
-        v1::AttemptOutcome::Succeeded,
-        1 << 20,
-    )
-    .await;
+    real.succeed(&assignment, 1 << 20).await;
     let finished = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
     assert_eq!(finished.attempts.len(), 1);
 }
@@ -121,9 +101,7 @@ async fn a_worker_token_cannot_speak_for_another_worker() {
 #[tokio::test]
 async fn a_session_without_hello_is_closed_after_the_lease() {
     let lease = Duration::from_secs(1);
-    let cluster = start(lease).await;
-    let channel = channel(&cluster).await;
-    let (_, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, _, worker_token) = start_for_tenant(lease, "alice").await;
     let (outgoing, receiver) = tokio::sync::mpsc::channel::<v1::WorkerMessage>(1);
     let opened_at = Instant::now();
     let refused = tokio::time::timeout(
@@ -142,9 +120,8 @@ async fn a_session_without_hello_is_closed_after_the_lease() {
 
 #[tokio::test]
 async fn worker_tokens_cannot_estimate_jobs() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "alice").await;
     let estimate = |token: String| {
         let mut client = JobServiceClient::new(channel.clone());
         async move {
@@ -167,10 +144,8 @@ async fn worker_tokens_cannot_estimate_jobs() {
 
 #[tokio::test]
 async fn a_newer_session_of_a_worker_ends_the_older_one() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let mut first = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_cluster, channel, user, worker_token, mut first) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
     let mut second = TestWorker::reconnect(
         &channel,
         &worker_token,
@@ -181,11 +156,7 @@ async fn a_newer_session_of_a_worker_ends_the_older_one() {
     )
     .await;
     assert_eq!(second.id, first.id, "the same token resumes its worker");
-    let ended = first
-        .session_end(Duration::from_secs(5))
-        .await
-        .expect("the older session ends");
-    assert_eq!(ended.code(), Code::Aborted, "{ended:?}");
+    let ended = session_ends_with(&mut first, Duration::from_secs(5), Code::Aborted).await;
     assert!(ended.message().contains("replaced"), "{ended:?}");
 
     // Work goes to the session that is live now.
@@ -196,20 +167,14 @@ async fn a_newer_session_of_a_worker_ends_the_older_one() {
 
 #[tokio::test]
 async fn revoking_a_token_ends_the_worker_sessions_and_watches_opened_with_it() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let (worker_token_id, worker_token) = token(&channel, "alice", v1::Role::Worker).await;
-    let (user_token_id, user) = token(&channel, "alice", v1::Role::User).await;
+    let (_cluster, channel, _, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
+    let (worker_token_id, worker_token) = token_with_id(&channel, "alice", v1::Role::Worker).await;
+    let (user_token_id, user) = token_with_id(&channel, "alice", v1::Role::User).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
 
     let revoked_at = Instant::now();
-    revoke(&channel, &worker_token_id).await;
-    let ended = worker
-        .session_end(Duration::from_secs(5))
-        .await
-        .expect("the session ends");
-    assert_eq!(ended.code(), Code::Unauthenticated, "{ended:?}");
+    revoke_token(&channel, &worker_token_id).await;
+    session_ends_with(&mut worker, Duration::from_secs(5), Code::Unauthenticated).await;
     assert!(revoked_at.elapsed() < Duration::from_secs(2));
     // Its worker takes nothing new: a job submitted now stays queued.
     let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
@@ -220,7 +185,7 @@ async fn revoking_a_token_ends_the_worker_sessions_and_watches_opened_with_it() 
     let mut watch = watch(&channel, &user, &job.id).await;
     // The first event is the job's current state.
     watch.next().await.unwrap().unwrap();
-    revoke(&channel, &user_token_id).await;
+    revoke_token(&channel, &user_token_id).await;
     let watch_end = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             match watch.next().await {
@@ -237,24 +202,14 @@ async fn revoking_a_token_ends_the_worker_sessions_and_watches_opened_with_it() 
 
 #[tokio::test]
 async fn a_token_revoked_through_another_replica_ends_its_sessions_within_seconds() {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let (worker_token_id, worker_token) = token(&channel, "alice", v1::Role::Worker).await;
+    let (cluster, channel, _, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
+    let (worker_token_id, worker_token) = token_with_id(&channel, "alice", v1::Role::Worker).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let other_replica = carve_scheduler::store::Store::open(&format!(
-        "sqlite://{}",
-        cluster._directory.path().join("carve.db").display()
-    ))
-    .await
-    .unwrap();
+    let other_replica = cluster.other_replica().await;
     let revoked_at = Instant::now();
     other_replica.revoke_token(&worker_token_id).await.unwrap();
-    let ended = worker
-        .session_end(Duration::from_secs(10))
-        .await
-        .expect("the session ends");
-    assert_eq!(ended.code(), Code::Unauthenticated, "{ended:?}");
+    let ended =
+        session_ends_with(&mut worker, Duration::from_secs(10), Code::Unauthenticated).await;
     assert!(ended.message().contains("revoked"), "{ended:?}");
     // Tokens are read again at most every 2 s (the lookups' time to live).
     assert!(
@@ -267,10 +222,8 @@ async fn a_token_revoked_through_another_replica_ends_its_sessions_within_second
 #[tokio::test]
 async fn an_interrupted_attempt_resumes_from_its_checkpoint_with_backoff_a_bounded_number_of_times()
 {
-    let cluster = start(Duration::from_secs(30)).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
-    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    let (_cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
     let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
     // The tests' backoff is 100 ms, doubling with each failure.
     let backoffs = [100, 200, 400];
@@ -279,17 +232,8 @@ async fn an_interrupted_attempt_resumes_from_its_checkpoint_with_backoff_a_bound
         let attempt = assignment.attempt.clone().unwrap();
         assert_eq!(attempt.attempt_number as usize, failure + 1);
         worker.started(&assignment).await;
-        worker
-            .send(v1::worker_message::Body::CheckpointWritten(
-                v1::worker_message::CheckpointWritten {
-                    attempt: Some(attempt.clone()),
-                    checkpoint: Some(v1::Checkpoint {
-                        step: 4,
-                        location: format!("/checkpoints/{}.attempt-{}.ckpt", job.id, failure + 1),
-                    }),
-                },
-            ))
-            .await;
+        let location = format!("/checkpoints/{}.attempt-{}.ckpt", job.id, failure + 1);
+        worker.checkpoint_written(&attempt, 4, location).await;
         let interrupted_at = Instant::now();
         worker
             .finish(&attempt, v1::AttemptOutcome::Interrupted, 0)
@@ -351,13 +295,10 @@ fn deep_dense_spec(layers: usize) -> String {
 async fn heavy_estimates_leave_health_checks_and_heartbeats_answered() {
     // A short lease: a worker whose heartbeats went unread for a second would be lost.
     let lease = Duration::from_secs(1);
-    let cluster = start(lease).await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (_cluster, channel, user, worker_token) = start_for_tenant(lease, "alice").await;
     let (bob, _) = tenant_with_tokens(&channel, "bob", v1::Quota::default()).await;
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
-    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
-    let assignment = worker.next_assignment().await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut worker).await;
     worker.started(&assignment).await;
 
     // Several heavy estimates from one user at once, each asked to shrink into 1 MiB.
@@ -425,12 +366,7 @@ async fn heavy_estimates_leave_health_checks_and_heartbeats_answered() {
     }
 
     // The worker kept its lease and its attempt all along.
-    let workers = ClusterServiceClient::new(channel.clone())
-        .list_workers(authorized(v1::ListWorkersRequest::default(), ADMIN))
-        .await
-        .unwrap()
-        .into_inner()
-        .workers;
+    let workers = list_workers(&channel, ADMIN).await;
     assert_eq!(
         workers[0].state,
         v1::WorkerState::Ready as i32,

@@ -255,15 +255,69 @@ impl TestWorker {
 
     /// Reports `assignment` started in its slice; the scheduler must send nothing else.
     pub async fn started(&mut self, assignment: &v1::scheduler_message::Assignment) {
-        let others = self
-            .send(v1::worker_message::Body::AttemptStarted(
-                v1::worker_message::AttemptStarted {
-                    attempt: assignment.attempt.clone(),
-                    reserved_bytes: assignment.slice_bytes,
-                },
-            ))
-            .await;
+        let others = self.report_started(assignment).await;
         assert!(others.is_empty(), "unexpected messages: {others:?}");
+    }
+
+    /// Reports the attempt of `assignment` started in its whole slice; returns what else
+    /// the scheduler sent meanwhile (unchecked, unlike [`TestWorker::started`]).
+    pub async fn report_started(
+        &mut self,
+        assignment: &v1::scheduler_message::Assignment,
+    ) -> Vec<v1::scheduler_message::Body> {
+        self.send(v1::worker_message::Body::AttemptStarted(
+            v1::worker_message::AttemptStarted {
+                attempt: assignment.attempt.clone(),
+                reserved_bytes: assignment.slice_bytes,
+            },
+        ))
+        .await
+    }
+
+    /// Reports [`halfway_progress`] for `attempt`; returns what else the scheduler sent.
+    pub async fn report_halfway(
+        &mut self,
+        attempt: &v1::AttemptRef,
+    ) -> Vec<v1::scheduler_message::Body> {
+        self.send(v1::worker_message::Body::Progress(
+            v1::worker_message::Progress {
+                attempt: Some(attempt.clone()),
+                progress: Some(halfway_progress()),
+            },
+        ))
+        .await
+    }
+
+    /// Reports `attempt` wrote a checkpoint of `step` at `location`; returns what else the
+    /// scheduler sent meanwhile.
+    pub async fn checkpoint_written(
+        &mut self,
+        attempt: &v1::AttemptRef,
+        step: u64,
+        location: String,
+    ) -> Vec<v1::scheduler_message::Body> {
+        self.send(v1::worker_message::Body::CheckpointWritten(
+            v1::worker_message::CheckpointWritten {
+                attempt: Some(attempt.clone()),
+                checkpoint: Some(v1::Checkpoint { step, location }),
+            },
+        ))
+        .await
+    }
+
+    /// Reports the attempt of `assignment` succeeded with a measured `peak`; returns what
+    /// else the scheduler sent meanwhile.
+    pub async fn succeed(
+        &mut self,
+        assignment: &v1::scheduler_message::Assignment,
+        peak: u64,
+    ) -> Vec<v1::scheduler_message::Body> {
+        let attempt = assignment
+            .attempt
+            .as_ref()
+            .expect("an assignment names its attempt");
+        self.finish(attempt, v1::AttemptOutcome::Succeeded, peak)
+            .await
     }
 
     /// Reports `attempt` ended with `outcome` and a measured `peak`; returns what else the
@@ -285,5 +339,17 @@ impl TestWorker {
             },
         ))
         .await
+    }
+}
+
+/// Step 5 of 10 at a loss of 0.5 and 100 samples/s, with 1 MiB in use and a 2 MiB peak.
+pub fn halfway_progress() -> v1::TrainingProgress {
+    v1::TrainingProgress {
+        step: 5,
+        total_steps: 10,
+        loss: 0.5,
+        samples_per_second: 100.0,
+        memory_in_use_bytes: 1 << 20,
+        memory_peak_bytes: 2 << 20,
     }
 }
