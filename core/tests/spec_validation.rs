@@ -1265,9 +1265,40 @@ fn kernel_larger_than_the_input_is_named_with_its_size() {
     let text = spec_with("[3, 3, 1]", "mse", &["{ max_pool = { size = 4 } }"]);
     assert_rejected(
         &text,
-        "model.layers[0].max_pool.kernel",
+        "model.layers[0].max_pool.size",
         &["larger than the 3x3 input"],
     );
+}
+
+#[test]
+fn pool_window_errors_name_the_size_field() {
+    // A pool's window is written `size`, not `kernel` as a convolution's is.
+    let error = assert_edit_rejected(
+        "{ conv2d = { filters = 4, kernel = 3 } }",
+        "{ max_pool = { size = 29 } }",
+        "model.layers[0].max_pool.size",
+        &["29 is larger than the 28x28 input"],
+    );
+    assert!(!error.to_string().contains("kernel"), "{error}");
+    assert_edit_rejected(
+        "{ conv2d = { filters = 4, kernel = 3 } }",
+        "{ avg_pool = { size = [2, 30] } }",
+        "model.layers[0].avg_pool.size",
+        &["larger than the 28x28 input"],
+    );
+    assert_edit_rejected(
+        "{ conv2d = { filters = 4, kernel = 3 } }",
+        "{ avg_pool = { size = 18446744073709551615, stride = 1, padding = \"same\" } }",
+        "model.layers[0].avg_pool.size",
+        &["too large"],
+    );
+    let error = assert_edit_rejected(
+        "{ conv2d = { filters = 4, kernel = 3 } }",
+        "{ max_pool = { size = 2, padding = 2 } }",
+        "model.layers[0].max_pool.padding",
+        &["not smaller than the size 2"],
+    );
+    assert!(!error.reason.contains("kernel"), "{error}");
 }
 
 #[test]
@@ -1299,7 +1330,7 @@ fn window_settings_out_of_range() {
         ),
         (
             "{ max_pool = { size = 0 } }",
-            "model.layers[0].max_pool.kernel",
+            "model.layers[0].max_pool.size",
         ),
         (
             "{ avg_pool = { size = 2, stride = 0 } }",

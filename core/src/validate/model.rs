@@ -125,8 +125,11 @@ fn image_or_error(shape: FeatureShape, path: &str) -> Result<(u64, u64, u64), Fi
 }
 
 /// Resolves padding and checks the window against the input, TensorFlow's rules for "same".
+/// `window_field` is the spec's name for the window (`kernel` for a convolution, `size` for a
+/// pool), so errors point at the field the person wrote.
 fn resolve_window(
     path: &str,
+    window_field: &str,
     input_height: u64,
     input_width: u64,
     kernel: Dimensions,
@@ -137,7 +140,7 @@ fn resolve_window(
     let (stride_height, stride_width) = (stride.height(), stride.width());
     if kernel_height == 0 || kernel_width == 0 {
         return Err(FieldError::new(
-            format!("{path}.kernel"),
+            format!("{path}.{window_field}"),
             "must be at least 1",
         ));
     }
@@ -153,14 +156,18 @@ fn resolve_window(
             if pixels >= kernel_height.min(kernel_width) {
                 return Err(FieldError::new(
                     format!("{path}.padding"),
-                    format!("{pixels} pixels is not smaller than the {kernel} kernel"),
+                    format!("{pixels} pixels is not smaller than the {window_field} {kernel}"),
                 ));
             }
             (pixels, pixels, pixels, pixels)
         }
         Padding::Named(PaddingMode::Same) => {
-            let too_large =
-                || FieldError::new(format!("{path}.kernel"), format!("{kernel} is too large"));
+            let too_large = || {
+                FieldError::new(
+                    format!("{path}.{window_field}"),
+                    format!("{kernel} is too large"),
+                )
+            };
             let total_height = same_padding_total(input_height, kernel_height, stride_height)
                 .ok_or_else(too_large)?;
             let total_width = same_padding_total(input_width, kernel_width, stride_width)
@@ -188,7 +195,7 @@ fn resolve_window(
     let padded_width = padded(input_width, padding_left, padding_right)?;
     if kernel_height > padded_height || kernel_width > padded_width {
         return Err(FieldError::new(
-            format!("{path}.kernel"),
+            format!("{path}.{window_field}"),
             format!("{kernel} is larger than the {padded_height}x{padded_width} input"),
         ));
     }
@@ -296,8 +303,15 @@ fn infer_conv2d(
             "must be at least 1",
         ));
     }
-    let (window, output_height, output_width) =
-        resolve_window(path, height, width, conv.kernel, conv.stride, conv.padding)?;
+    let (window, output_height, output_width) = resolve_window(
+        path,
+        "kernel",
+        height,
+        width,
+        conv.kernel,
+        conv.stride,
+        conv.padding,
+    )?;
     checked_elements(
         &[output_height, output_width, conv.filters],
         &format!("{path}.filters"),
@@ -345,7 +359,7 @@ fn infer_pool(
     let (height, width, channels) = image_or_error(input, path)?;
     let stride = pool.stride.unwrap_or(pool.size);
     let (window, output_height, output_width) =
-        resolve_window(path, height, width, pool.size, stride, pool.padding)?;
+        resolve_window(path, "size", height, width, pool.size, stride, pool.padding)?;
     // Explicit padding can make the output larger than the input: count it.
     checked_elements(
         &[output_height, output_width, channels],
