@@ -1196,6 +1196,57 @@ fn toml_syntax_error_has_an_empty_field_and_a_reason() {
     }
 }
 
+/// The warnings of a valid dense classifier on `input_shape`.
+fn warnings_for(input_shape: &str) -> Vec<String> {
+    let text = spec_with(
+        input_shape,
+        "softmax_cross_entropy",
+        &["{ flatten = {} }", "{ dense = { units = 10 } }"],
+    );
+    load(&text)
+        .warnings()
+        .iter()
+        .map(ToString::to_string)
+        .collect()
+}
+
+#[test]
+fn channels_first_input_shapes_are_accepted_with_a_warning() {
+    for (shape, suggestion) in [
+        ("[3, 32, 32]", "[32, 32, 3]"),
+        ("[1, 28, 28]", "[28, 28, 1]"),
+    ] {
+        let warnings = warnings_for(shape);
+        assert_eq!(warnings.len(), 1, "{shape}: {warnings:?}");
+        for fragment in [
+            "model.input_shape: ",
+            "channels-first",
+            "[height, width, channels]",
+            suggestion,
+        ] {
+            assert!(warnings[0].contains(fragment), "{shape}: {warnings:?}");
+        }
+    }
+}
+
+#[test]
+fn channels_last_and_other_shapes_have_no_warning() {
+    // Channels last, as Carve reads them; a small image; a first dimension too large for
+    // channels; a non-square rest; a flat input.
+    for shape in [
+        "[32, 32, 3]",
+        "[28, 28, 1]",
+        "[4, 4, 4]",
+        "[3, 7, 7]",
+        "[5, 32, 32]",
+        "[3, 32, 16]",
+        "[784]",
+    ] {
+        assert_eq!(warnings_for(shape), Vec::<String>::new(), "{shape}");
+    }
+    assert!(load(FULL_SPEC).warnings().is_empty());
+}
+
 // ---------------------------------------------------------------------------------------
 // Rejections: the model
 // ---------------------------------------------------------------------------------------

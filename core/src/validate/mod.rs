@@ -40,6 +40,30 @@ pub struct ValidatedJob {
     pub graph: ModelGraph,
 }
 
+impl ValidatedJob {
+    /// What in the spec is allowed but probably a mistake. Nothing here stops the job; a
+    /// front end shows these to the person who wrote the spec.
+    pub fn warnings(&self) -> Vec<SpecWarning> {
+        model::channels_first_warning(&self.spec.model.input_shape)
+            .into_iter()
+            .collect()
+    }
+}
+
+/// A valid setting that looks like a mistake, with the field it is in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecWarning {
+    /// Path of the field, as in [`FieldError::field`].
+    pub field: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for SpecWarning {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "{}: {}", self.field, self.message)
+    }
+}
+
 /// Every semantic check of a spec; returns the model graph with inferred shapes.
 pub fn validate_job_spec(spec: JobSpec) -> Result<ValidatedJob, FieldError> {
     validate_name(&spec.name)?;

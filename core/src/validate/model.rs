@@ -3,7 +3,7 @@
 //! the last layer. Windows (convolution, pooling) follow TensorFlow's padding rules.
 
 use super::{
-    MAX_ELEMENTS_PER_SAMPLE, MAX_MODEL_LAYERS, in_unit_interval, non_negative_finite,
+    MAX_ELEMENTS_PER_SAMPLE, MAX_MODEL_LAYERS, SpecWarning, in_unit_interval, non_negative_finite,
     positive_finite,
 };
 use crate::error::FieldError;
@@ -122,6 +122,22 @@ fn image_or_error(shape: FeatureShape, path: &str) -> Result<(u64, u64, u64), Fi
             ),
         )),
     }
+}
+
+/// A warning when an image shape reads like `[channels, height, width]` (PyTorch's order):
+/// a small first dimension and a square, image-sized rest, such as `[3, 32, 32]`. Carve
+/// reads `[height, width, channels]`, so such a spec trains on a 3-pixel-high image with 32
+/// channels, which is valid but rarely meant.
+pub(super) fn channels_first_warning(input_shape: &[u64]) -> Option<SpecWarning> {
+    let [first, middle, last] = *input_shape else {
+        return None;
+    };
+    (first <= 4 && last >= 8 && middle == last).then(|| SpecWarning {
+        field: "model.input_shape".to_string(),
+        message: format!(
+            "[{first}, {middle}, {last}] looks channels-first; Carve reads [height, width, channels], so this is a {first}x{middle} image with {last} channels (did you mean [{middle}, {last}, {first}]?)"
+        ),
+    })
 }
 
 /// Resolves padding and checks the window against the input, TensorFlow's rules for "same".
