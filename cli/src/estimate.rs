@@ -71,6 +71,9 @@ pub fn run(arguments: EstimateArguments) -> Result<ExitCode> {
         spec.training.precision = precision;
     }
     let job = validate_job_spec(spec).map_err(in_file)?;
+    for warning in job.warnings() {
+        eprintln!("{spec_name}: warning: {warning}");
+    }
     let config = RunConfig::from_spec(&job.spec);
     let estimate = estimate_job(&job, &config).map_err(in_file)?;
     let slice = arguments.slice.or(match job.spec.resources.vram {

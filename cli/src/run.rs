@@ -92,6 +92,9 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
     let text = read_job_spec_text(job_path).with_context(|| format!("cannot read {spec_name}"))?;
     let in_file = |error: FieldError| anyhow::anyhow!("{spec_name}: {error}");
     let job = validate_job_spec(parse_job_spec_toml(&text).map_err(in_file)?).map_err(in_file)?;
+    for warning in job.warnings() {
+        eprintln!("{spec_name}: warning: {warning}");
+    }
     let mut config = RunConfig::from_spec(&job.spec);
     if let Some(micro_batch_size) = arguments.micro_batch_size {
         config.micro_batch_size = micro_batch_size;

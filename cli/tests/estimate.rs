@@ -135,6 +135,22 @@ fn a_bad_spec_names_the_file_and_the_field() {
     );
 }
 
+#[test]
+fn a_channels_first_input_shape_estimates_with_a_warning() {
+    let directory = tempfile::tempdir().unwrap();
+    let channels_first = KERNEL_LARGER_THAN_ITS_INPUT
+        .replace("[4, 4, 1]", "[3, 32, 32]")
+        .replace("kernel = 5", "kernel = 3");
+    let path = write_file(directory.path(), "chw.toml", &channels_first);
+    let output = carve(&["estimate", &path]);
+    succeeded(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("chw.toml: warning: model.input_shape: [3, 32, 32] looks channels-first"),
+        "{stderr}"
+    );
+}
+
 /// Runs `carve arguments` with its stdout a pipe whose read end is already closed, as
 /// `carve … | head -1` leaves it once `head` has its line.
 fn carve_into_a_closed_pipe(arguments: &[&str]) -> std::process::Output {
