@@ -1,6 +1,7 @@
 //! What users and operators expect of the real server (in-process on 127.0.0.1:0, a real
 //! SQLite file, real gRPC clients): an idempotency key reused with another spec is
-//! refused, not answered with the first job.
+//! refused, not answered with the first job; the metrics page shows every gauge, at 0
+//! when there is nothing to count, for every tenant.
 
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ mod test_worker;
 
 #[path = "support/cluster.rs"]
 mod cluster;
-use cluster::{JOB, start_for_tenant, submit};
+use cluster::{JOB, metric, scrape, start_for_tenant, submit};
 
 #[tokio::test]
 async fn an_idempotency_key_reused_with_another_spec_is_refused() {
@@ -52,4 +53,49 @@ async fn an_idempotency_key_reused_with_another_spec_is_refused() {
         .unwrap();
     assert!(other.created);
     assert_ne!(other.job.unwrap().id, first_id);
+}
+
+#[tokio::test]
+async fn a_fresh_server_exports_every_gauge_at_zero_for_every_tenant() {
+    let (cluster, _channel, _user, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
+    let metrics = scrape(cluster.metrics_address).await;
+    // A tenant with no jobs still has its series, so dashboards keep it.
+    for gauge in [
+        "carve_queued_jobs",
+        "carve_running_jobs",
+        "carve_vram_allocated_bytes",
+        "carve_vram_estimated_bytes",
+        "carve_vram_measured_bytes",
+    ] {
+        assert_eq!(
+            metric(&metrics, &format!("{gauge}{{tenant=\"alice\"}}")),
+            0,
+            "{metrics}"
+        );
+    }
+    for state in ["ready", "lost"] {
+        assert_eq!(
+            metric(&metrics, &format!("carve_workers{{state=\"{state}\"}}")),
+            0,
+            "{metrics}"
+        );
+    }
+    for counter in [
+        "carve_submits_accepted_total",
+        "carve_submits_rejected_total",
+        "carve_placements_total",
+        "carve_out_of_memory_total",
+        "carve_retries_total",
+        "carve_attempts_lost_total",
+        "carve_jobs_succeeded_total",
+        "carve_jobs_failed_total",
+        "carve_jobs_cancelled_total",
+        "carve_submit_groups_committed_total",
+        "carve_submit_jobs_committed_total",
+        "carve_log_lines_stored_total",
+        "carve_log_lines_dropped_total",
+        "carve_submit_latency_seconds_count",
+    ] {
+        assert_eq!(metric(&metrics, counter), 0, "{counter}: {metrics}");
+    }
 }
