@@ -61,7 +61,8 @@ impl Default for Metrics {
     }
 }
 
-/// Gauges of one moment, by tenant.
+/// Gauges of one moment, by tenant: each map holds every tenant, at 0 when it has
+/// nothing, so a dashboard never loses a tenant's series.
 #[derive(Debug, Default)]
 pub struct ClusterGauges {
     pub queued_jobs: BTreeMap<String, u64>,

@@ -160,6 +160,31 @@ pub fn check_spec_size(spec_json: &str) -> Result<(), SchedulerError> {
     Ok(())
 }
 
+/// Whether a spec text sent again under an idempotency key is the spec stored with the
+/// key: the same text, or the same JSON written with other spacing or key order (a
+/// client that re-serialises its request on retry still retries).
+fn same_spec(stored: &str, sent: &str) -> bool {
+    stored == sent
+        || matches!(
+            (
+                serde_json::from_str::<serde_json::Value>(stored),
+                serde_json::from_str::<serde_json::Value>(sent),
+            ),
+            (Ok(stored), Ok(sent)) if stored == sent
+        )
+}
+
+/// The refusal of an idempotency key reused with another spec. ALREADY_EXISTS, as gRPC
+/// says for "the entity a client attempted to create already exists": the key names a
+/// job that exists, and no state change would make this submit succeed, which is what
+/// FAILED_PRECONDITION would promise.
+fn reused_key_refusal(idempotency_key: &str, job_id: &str) -> SchedulerError {
+    SchedulerError::already_exists(
+        "idempotency_key",
+        format!("{idempotency_key:?}, submitted before with another spec as job {job_id},"),
+    )
+}
+
 /// Why sizing at admission stopped before it was done.
 enum AdmissionSizing {
     /// The job does not fit as written: the shrink planner must find a configuration
@@ -287,8 +312,14 @@ impl Scheduler {
         };
         let outcome = self.batcher.submit(record).await?;
         if !outcome.created {
-            // The idempotency key matched an earlier job, which may have attempts and
-            // another configuration by now: answer with it as stored.
+            // The idempotency key matched an earlier job. A retry of that submit sends
+            // the same spec; another spec under the same key is a different job, and
+            // answering with the first one would hide that it was never created.
+            if !same_spec(&outcome.job.spec_json, spec_json) {
+                return Err(reused_key_refusal(idempotency_key, &outcome.job.id));
+            }
+            // The job may have attempts and another configuration by now: answer with
+            // it as stored.
             let attempts = self.attempts(&outcome.job.id).await?;
             return Ok(SubmittedJob {
                 job: outcome.job,

@@ -1,0 +1,101 @@
+//! What users and operators expect of the real server (in-process on 127.0.0.1:0, a real
+//! SQLite file, real gRPC clients): an idempotency key reused with another spec is
+//! refused, not answered with the first job; the metrics page shows every gauge, at 0
+//! when there is nothing to count, for every tenant.
+
+use std::time::Duration;
+
+use tonic::Code;
+
+#[path = "support/worker.rs"]
+mod test_worker;
+
+#[path = "support/cluster.rs"]
+mod cluster;
+use cluster::{JOB, metric, scrape, start_for_tenant, submit};
+
+#[tokio::test]
+async fn an_idempotency_key_reused_with_another_spec_is_refused() {
+    let (_cluster, channel, user, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
+    let first = submit(&channel, &user, JOB, "nightly").await.unwrap();
+    assert!(first.created);
+    let first_id = first.job.unwrap().id;
+
+    // A retry sends the same request and gets the first job back.
+    let retry = submit(&channel, &user, JOB, "nightly").await.unwrap();
+    assert!(!retry.created);
+    assert_eq!(retry.job.unwrap().id, first_id);
+    // The same spec written with other spacing is still a retry.
+    let compact: serde_json::Value = serde_json::from_str(JOB).unwrap();
+    let retry = submit(&channel, &user, &compact.to_string(), "nightly")
+        .await
+        .unwrap();
+    assert!(!retry.created);
+    assert_eq!(retry.job.unwrap().id, first_id);
+
+    // Another spec under the same key would be another job: refused, naming the key and
+    // the job it already names.
+    let other_spec = JOB.replace("\"steps\": 10", "\"steps\": 20");
+    assert_ne!(other_spec, JOB);
+    let refused = submit(&channel, &user, &other_spec, "nightly")
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::AlreadyExists, "{refused:?}");
+    assert!(
+        refused.message().contains("idempotency_key") && refused.message().contains(&first_id),
+        "{}",
+        refused.message()
+    );
+
+    // The refusal created nothing: another key takes the other spec as a new job.
+    let other = submit(&channel, &user, &other_spec, "weekly")
+        .await
+        .unwrap();
+    assert!(other.created);
+    assert_ne!(other.job.unwrap().id, first_id);
+}
+
+#[tokio::test]
+async fn a_fresh_server_exports_every_gauge_at_zero_for_every_tenant() {
+    let (cluster, _channel, _user, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
+    let metrics = scrape(cluster.metrics_address).await;
+    // A tenant with no jobs still has its series, so dashboards keep it.
+    for gauge in [
+        "carve_queued_jobs",
+        "carve_running_jobs",
+        "carve_vram_allocated_bytes",
+        "carve_vram_estimated_bytes",
+        "carve_vram_measured_bytes",
+    ] {
+        assert_eq!(
+            metric(&metrics, &format!("{gauge}{{tenant=\"alice\"}}")),
+            0,
+            "{metrics}"
+        );
+    }
+    for state in ["ready", "lost"] {
+        assert_eq!(
+            metric(&metrics, &format!("carve_workers{{state=\"{state}\"}}")),
+            0,
+            "{metrics}"
+        );
+    }
+    for counter in [
+        "carve_submits_accepted_total",
+        "carve_submits_rejected_total",
+        "carve_placements_total",
+        "carve_out_of_memory_total",
+        "carve_retries_total",
+        "carve_attempts_lost_total",
+        "carve_jobs_succeeded_total",
+        "carve_jobs_failed_total",
+        "carve_jobs_cancelled_total",
+        "carve_submit_groups_committed_total",
+        "carve_submit_jobs_committed_total",
+        "carve_log_lines_stored_total",
+        "carve_log_lines_dropped_total",
+        "carve_submit_latency_seconds_count",
+    ] {
+        assert_eq!(metric(&metrics, counter), 0, "{counter}: {metrics}");
+    }
+}
