@@ -78,15 +78,44 @@ fn main() -> ExitCode {
     }
 }
 
-/// Gives SIGPIPE back its default action, which Rust's runtime sets to "ignore": then a
-/// write to a closed pipe (`carve jobs -o json | head -1`) ends the process quietly, as
-/// it does for other Unix tools, instead of `println!` panicking with "Broken pipe".
-/// One place for every command's output, rather than a check at each print.
+/// Makes a write to a closed stdout or stderr pipe (`carve jobs -o json | head -1`) end
+/// the process quietly, as it does for other Unix tools, instead of `println!` panicking
+/// with "Broken pipe": one place for every command's output, rather than a check at each
+/// print. A closed network connection raises SIGPIPE too (a plain-http client that a TLS
+/// scheduler hangs up on): there the signal is ignored, as Rust's runtime would, so the
+/// write fails with an error the command reports with its exit code.
 #[allow(unsafe_code)]
 fn end_quietly_on_closed_stdout() {
-    // SAFETY: called first thing in main, before any other thread exists; SIG_DFL is a
-    // valid disposition for SIGPIPE and no handler of ours is replaced.
+    // SAFETY: called first thing in main, before any other thread exists; the handler
+    // only makes async-signal-safe calls and no handler of ours is replaced.
     unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        libc::signal(
+            libc::SIGPIPE,
+            end_if_an_output_pipe_is_closed as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        );
+    }
+}
+
+/// The SIGPIPE handler: dies of SIGPIPE, as without a handler, when stdout or stderr is a
+/// pipe nobody reads any more (poll reports an error on it); returns otherwise.
+#[allow(unsafe_code)]
+extern "C" fn end_if_an_output_pipe_is_closed(_signal: libc::c_int) {
+    let mut outputs = [1, 2].map(|fd| libc::pollfd {
+        fd,
+        events: 0,
+        revents: 0,
+    });
+    // SAFETY: poll, signal and raise are async-signal-safe; `outputs` is a valid array of
+    // its stated length for the duration of the call.
+    unsafe {
+        let ready = libc::poll(outputs.as_mut_ptr(), outputs.len() as libc::nfds_t, 0);
+        let closed = ready > 0
+            && outputs
+                .iter()
+                .any(|output| output.revents & (libc::POLLERR | libc::POLLHUP) != 0);
+        if closed {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            libc::raise(libc::SIGPIPE);
+        }
     }
 }

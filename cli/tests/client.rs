@@ -693,6 +693,11 @@ fn https_endpoints_are_verified_against_the_given_certificate_authority() {
     )
     .expect_code(7);
     mixed.assert_stderr_contains("ca_cert");
+    // Plain HTTP against the TLS port: the scheduler cannot be reached that way (exit 4),
+    // and the message says which scheme it speaks.
+    let plain_to_tls = run_carve(&["jobs", "--endpoint", &plain], &environment).expect_code(4);
+    plain_to_tls.assert_stderr_contains(&format!("cannot reach the scheduler at {plain}"));
+    plain_to_tls.assert_stderr_contains("use https://");
 
     let _ = stop.send(());
     runtime.block_on(server).unwrap().unwrap();

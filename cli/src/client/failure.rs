@@ -132,6 +132,23 @@ pub fn status_failure(status: &tonic::Status, endpoint: &str, action: &str) -> C
                 unavailable_reason(status)
             ),
         ),
+        // A status tonic made from a broken connection, not one the scheduler sent: the
+        // scheduler was not reached. Plain http to a TLS port ends this way, the server
+        // hanging up on a client that does not speak TLS.
+        Code::Unknown | Code::Internal if std::error::Error::source(status).is_some() => {
+            let advice = if endpoint.starts_with("http://") {
+                "if the scheduler serves TLS, use https://"
+            } else {
+                "is it running? set --endpoint or CARVE_ENDPOINT"
+            };
+            ClientFailure::new(
+                FailureKind::CannotConnect,
+                format!(
+                    "cannot reach the scheduler at {endpoint}: {} ({advice})",
+                    unavailable_reason(status)
+                ),
+            )
+        }
         Code::Unimplemented => ClientFailure::new(
             FailureKind::Other,
             format!(
@@ -219,6 +236,24 @@ mod tests {
             failure.message,
             "token rejected by http://127.0.0.1:7470: token rejected (set --token or CARVE_TOKEN)"
         );
+    }
+
+    #[test]
+    fn a_broken_connection_is_a_scheduler_not_reached_and_plain_http_suggests_https() {
+        let broken = tonic::Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::BrokenPipe,
+            "Broken pipe (os error 32)",
+        )));
+        let failure = status_failure(&broken, "http://h:1", "cannot list jobs");
+        assert_eq!(failure.kind, FailureKind::CannotConnect);
+        assert_eq!(
+            failure.message,
+            "cannot reach the scheduler at http://h:1: broken pipe \
+             (if the scheduler serves TLS, use https://)"
+        );
+        // The same code sent by the scheduler itself is not a connection failure.
+        let sent = status_failure(&tonic::Status::unknown("x"), "http://h:1", "doing");
+        assert_eq!(sent.kind, FailureKind::Other);
     }
 
     #[test]
