@@ -555,9 +555,16 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
     assert_eq!(listed["role"], "ROLE_USER", "{tokens}");
     assert_eq!(listed["tenant"], "team-b", "{tokens}");
     let token_id = listed["id"].as_str().unwrap().to_string();
-    cluster
+    let revoked = cluster
         .carve_with_token(admin, &["admin", "tokens", "revoke", &token_id])
         .expect_code(0);
+    // Never a made-up time ("revoked at -") when the scheduler sends none.
+    revoked.assert_stdout_contains(&format!("token {token_id} revoked"));
+    assert!(
+        !revoked.stdout.contains("revoked at -"),
+        "{}",
+        revoked.context()
+    );
     cluster.carve_with_token(&token_b, &["jobs"]).expect_code(5);
 }
 

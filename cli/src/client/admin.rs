@@ -489,11 +489,15 @@ async fn tokens(connection: &Connection, action: TokenAction) -> Result<()> {
                 .token
                 .context("the scheduler answered without the token")?;
             if output == OutputFormat::Table {
-                println!(
-                    "token {} revoked at {}",
-                    revoked.id,
-                    timestamp_text(revoked.revoked_at.as_ref())
-                );
+                // Today's scheduler leaves revoked_at unset: then no time rather than "-".
+                match revoked.revoked_at.as_ref() {
+                    Some(time) => println!(
+                        "token {} revoked at {}",
+                        revoked.id,
+                        timestamp_text(Some(time))
+                    ),
+                    None => println!("token {} revoked", revoked.id),
+                }
             } else {
                 print_message(&revoked, "carve.v1.Token", output)?;
             }
