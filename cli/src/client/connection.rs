@@ -18,7 +18,9 @@ use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use serde::Deserialize;
 
-use super::failure::{ClientFailure, FailureKind, lower_os_error, status_failure};
+use super::failure::{
+    ClientFailure, FailureKind, IS_IT_RUNNING, cannot_reach, lower_os_error, status_failure,
+};
 
 /// Where `carve-scheduler` listens by default (its `--listen`), as an endpoint.
 pub const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:7470";
@@ -218,16 +220,9 @@ pub async fn connect_channel(
             let advice = if cause.contains("certificate") {
                 "is --ca-cert the authority that signed the scheduler's certificate?"
             } else {
-                "is it running? set --endpoint or CARVE_ENDPOINT"
+                IS_IT_RUNNING
             };
-            ClientFailure::new(
-                FailureKind::CannotConnect,
-                format!(
-                    "cannot reach the scheduler at {endpoint}: {} ({advice})",
-                    lower_os_error(&cause)
-                ),
-            )
-            .into()
+            cannot_reach(endpoint, &lower_os_error(&cause), advice).into()
         }
         other => ClientFailure::new(FailureKind::InvalidArgument, other.to_string()).into(),
     })

@@ -125,13 +125,7 @@ pub fn status_failure(status: &tonic::Status, endpoint: &str, action: &str) -> C
             FailureKind::ResourceExhausted,
             format!("{action}: {message}"),
         ),
-        Code::Unavailable => ClientFailure::new(
-            FailureKind::CannotConnect,
-            format!(
-                "cannot reach the scheduler at {endpoint}: {} (is it running? set --endpoint or CARVE_ENDPOINT)",
-                unavailable_reason(status)
-            ),
-        ),
+        Code::Unavailable => cannot_reach(endpoint, &unavailable_reason(status), IS_IT_RUNNING),
         // A status tonic made from a broken connection, not one the scheduler sent: the
         // scheduler was not reached. Plain http to a TLS port ends this way, the server
         // hanging up on a client that does not speak TLS.
@@ -139,15 +133,9 @@ pub fn status_failure(status: &tonic::Status, endpoint: &str, action: &str) -> C
             let advice = if endpoint.starts_with("http://") {
                 "if the scheduler serves TLS, use https://"
             } else {
-                "is it running? set --endpoint or CARVE_ENDPOINT"
+                IS_IT_RUNNING
             };
-            ClientFailure::new(
-                FailureKind::CannotConnect,
-                format!(
-                    "cannot reach the scheduler at {endpoint}: {} ({advice})",
-                    unavailable_reason(status)
-                ),
-            )
+            cannot_reach(endpoint, &unavailable_reason(status), advice)
         }
         Code::Unimplemented => ClientFailure::new(
             FailureKind::Other,
@@ -161,6 +149,17 @@ pub fn status_failure(status: &tonic::Status, endpoint: &str, action: &str) -> C
         ),
         _ => ClientFailure::new(FailureKind::Other, format!("{action}: {message}")),
     }
+}
+
+/// The advice for a scheduler that did not answer, when nothing more precise is known.
+pub const IS_IT_RUNNING: &str = "is it running? set --endpoint or CARVE_ENDPOINT";
+
+/// The scheduler at `endpoint` was not reached, for `reason`; `advice` says what to check.
+pub fn cannot_reach(endpoint: &str, reason: &str, advice: &str) -> ClientFailure {
+    ClientFailure::new(
+        FailureKind::CannotConnect,
+        format!("cannot reach the scheduler at {endpoint}: {reason} ({advice})"),
+    )
 }
 
 /// The deepest cause of an `Unavailable` status, which for a transport failure is the
