@@ -327,4 +327,59 @@ mod tests {
             .collect();
         assert!(missing.is_empty(), "{missing:?} missing from:\n{text}");
     }
+
+    /// The dashboard queries series by the names the encoder writes (a counter with its
+    /// `_total`, a histogram's `_bucket`, `_sum` and `_count`): every name it queries is
+    /// on the page, as rendered with one tenant present. `.ci/check-deploy` reads this
+    /// file's source text and can only check the names up to those suffixes.
+    #[test]
+    fn every_series_the_dashboard_queries_is_on_the_page() {
+        let mut gauges = ClusterGauges::default();
+        for values in [
+            &mut gauges.queued_jobs,
+            &mut gauges.running_jobs,
+            &mut gauges.vram_allocated_bytes,
+            &mut gauges.vram_estimated_bytes,
+            &mut gauges.vram_measured_bytes,
+        ] {
+            values.insert("alpha".to_string(), 0);
+        }
+        let text = Metrics::default().render(&gauges);
+        let on_the_page: std::collections::HashSet<&str> = text
+            .lines()
+            .filter(|line| !line.starts_with('#'))
+            .filter_map(|line| line.split(['{', ' ']).next())
+            .collect();
+        let dashboard = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/grafana/carve-dashboard.json"
+        ))
+        .unwrap();
+        let queried: std::collections::BTreeSet<&str> = dashboard
+            .match_indices("carve_")
+            .map(|(start, _)| {
+                let rest = &dashboard[start..];
+                let end = rest
+                    .find(|character: char| {
+                        !(character.is_ascii_lowercase()
+                            || character.is_ascii_digit()
+                            || character == '_')
+                    })
+                    .unwrap_or(rest.len());
+                &rest[..end]
+            })
+            .collect();
+        assert!(
+            queried.len() >= 10,
+            "found only {queried:?} in the dashboard"
+        );
+        let missing: Vec<&str> = queried
+            .into_iter()
+            .filter(|name| !on_the_page.contains(name))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "the dashboard queries {missing:?}, not on:\n{text}"
+        );
+    }
 }
