@@ -14,7 +14,7 @@ use carve_core::validate::{parse_job_spec_toml, validate_job_spec};
 use carve_core::{CoreError, FieldError};
 use serde_json::{Value, json};
 
-use crate::spec_input::{job_spec_name, read_job_spec_text};
+use crate::spec_input::{job_spec_name, print_job_spec_warnings, read_job_spec_text};
 
 #[derive(Debug, clap::Args)]
 pub struct EstimateArguments {
@@ -71,9 +71,7 @@ pub fn run(arguments: EstimateArguments) -> Result<ExitCode> {
         spec.training.precision = precision;
     }
     let job = validate_job_spec(spec).map_err(in_file)?;
-    for warning in job.warnings() {
-        eprintln!("{spec_name}: warning: {warning}");
-    }
+    print_job_spec_warnings(&job, &spec_name);
     let config = RunConfig::from_spec(&job.spec);
     let estimate = estimate_job(&job, &config).map_err(in_file)?;
     let slice = arguments.slice.or(match job.spec.resources.vram {

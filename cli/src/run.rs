@@ -19,7 +19,9 @@ use carve_engine::trainer::{Progress, TrainingOptions, train};
 use serde_json::json;
 
 use crate::estimate::config_json;
-use crate::spec_input::{data_base_directory, job_spec_name, read_job_spec_text};
+use crate::spec_input::{
+    data_base_directory, job_spec_name, print_job_spec_warnings, read_job_spec_text,
+};
 
 #[derive(Debug, clap::Args)]
 pub struct RunArguments {
@@ -92,9 +94,7 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
     let text = read_job_spec_text(job_path).with_context(|| format!("cannot read {spec_name}"))?;
     let in_file = |error: FieldError| anyhow::anyhow!("{spec_name}: {error}");
     let job = validate_job_spec(parse_job_spec_toml(&text).map_err(in_file)?).map_err(in_file)?;
-    for warning in job.warnings() {
-        eprintln!("{spec_name}: warning: {warning}");
-    }
+    print_job_spec_warnings(&job, &spec_name);
     let mut config = RunConfig::from_spec(&job.spec);
     if let Some(micro_batch_size) = arguments.micro_batch_size {
         config.micro_batch_size = micro_batch_size;

@@ -5,6 +5,8 @@
 use std::io::Read as _;
 use std::path::Path;
 
+use carve_core::validate::ValidatedJob;
+
 fn is_stdin(path: &Path) -> bool {
     path.as_os_str() == "-"
 }
@@ -38,4 +40,11 @@ pub fn data_base_directory(path: &Path) -> &Path {
     path.parent()
         .filter(|parent| !parent.as_os_str().is_empty())
         .unwrap_or(Path::new("."))
+}
+
+/// Shows a validated spec's warnings on stderr, named as its errors are; the job goes on.
+pub fn print_job_spec_warnings(job: &ValidatedJob, spec_name: &str) {
+    for warning in job.warnings() {
+        eprintln!("{spec_name}: warning: {warning}");
+    }
 }
