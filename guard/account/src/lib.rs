@@ -1,0 +1,1 @@
+//! The shared memory account (work in progress).

@@ -1,0 +1,1 @@
+//! libcarve_guard.so (work in progress).

@@ -1,0 +1,1 @@
+//! The fake CUDA driver and NVML (work in progress).
