@@ -8,7 +8,7 @@ use std::process::Output;
 use serde_json::Value;
 
 mod support;
-use support::{carve, carve_with_stdin, succeeded, write_file};
+use support::{carve, carve_with_stdin, idx_file, succeeded, write_file};
 
 const JOB: &str = include_str!("specs/cli-run.toml");
 
@@ -116,15 +116,6 @@ fn the_cuda_backend_trains_or_is_refused_with_the_reason() {
             assert_eq!(json_of(&output)["backend"], "cuda:0");
         }
     }
-}
-
-/// An IDX file: a big-endian magic number and dimensions (the header), then the bytes.
-fn idx_file(magic: u32, dimensions: &[u32], payload: &[u8]) -> Vec<u8> {
-    std::iter::once(magic)
-        .chain(dimensions.iter().copied())
-        .flat_map(u32::to_be_bytes)
-        .chain(payload.iter().copied())
-        .collect()
 }
 
 /// A 4x4 job on IDX files named by relative paths (`digits/…`).

@@ -1,5 +1,6 @@
 //! What the tests of the local `carve` commands (estimate, run, sim) share: running the
-//! real binary (with a stdin, if need be), checking that it succeeded, and writing its input files.
+//! real binary (with a stdin, if need be), checking that it succeeded, and writing its input
+//! files (IDX data among them).
 
 use std::io::Write as _;
 use std::path::Path;
@@ -52,4 +53,14 @@ pub fn write_file(directory: &Path, name: &str, contents: impl AsRef<[u8]>) -> S
     let path = directory.join(name);
     std::fs::write(&path, contents).unwrap();
     path.to_str().unwrap().to_string()
+}
+
+/// An IDX file: a big-endian magic number and dimensions (the header), then the bytes.
+#[allow(dead_code, reason = "not every test file reads IDX data")]
+pub fn idx_file(magic: u32, dimensions: &[u32], payload: &[u8]) -> Vec<u8> {
+    std::iter::once(magic)
+        .chain(dimensions.iter().copied())
+        .flat_map(u32::to_be_bytes)
+        .chain(payload.iter().copied())
+        .collect()
 }
