@@ -1,8 +1,8 @@
 //! Addressing jobs from the command line, the real binary against a real `carve dev`: a
 //! job by a unique prefix of its id or by its name, several at once for `get` and
 //! `cancel` (each reported, the exit code the first failure's), an ambiguous reference
-//! refused with exit code 2 listing its jobs; `carve jobs` fitting 100 columns and `-o
-//! wide` showing more; and `carve submit` making a job file's relative data paths
+//! refused with exit code 2 listing its jobs; tables fitting 100 columns and `-o wide`
+//! showing more (jobs, workers, tokens, tenants); and `carve submit` making a job file's relative data paths
 //! absolute, so a worker elsewhere reads the files beside the job file.
 
 use std::time::Duration;

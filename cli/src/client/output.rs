@@ -184,6 +184,14 @@ pub fn timestamp_text(timestamp: Option<&prost_types::Timestamp>) -> String {
     )
 }
 
+/// The day of a timestamp in UTC, `2026-11-26`, or `-`: where a table has no room for
+/// the time.
+pub fn date_text(timestamp: Option<&prost_types::Timestamp>) -> String {
+    let text = timestamp_text(timestamp);
+    text.split_once(' ')
+        .map_or(text.clone(), |(date, _)| date.to_string())
+}
+
 /// The proleptic Gregorian date of a day count since 1970-01-01 (Howard Hinnant's
 /// `civil_from_days`), so printing a date needs no calendar crate.
 fn civil_from_days(days: i64) -> (i64, u32, u32) {
@@ -390,6 +398,8 @@ mod tests {
             "2000-02-29 00:00:00Z"
         );
         assert_eq!(timestamp_text(None), "-");
+        assert_eq!(date_text(Some(&at(1_795_653_005))), "2026-11-26");
+        assert_eq!(date_text(None), "-");
     }
 
     #[test]
