@@ -12,7 +12,7 @@ use std::time::Duration;
     reason = "this file needs only the IDX files of the local commands' helpers"
 )]
 mod support;
-use support::idx_file;
+use support::{RELATIVE_IDX_JOB, write_idx_digits};
 
 #[path = "support/dev_cluster.rs"]
 mod dev_cluster;
@@ -140,24 +140,9 @@ fn jobs_are_addressed_by_prefix_name_and_several_at_once() {
 fn submit_makes_relative_data_paths_absolute_against_the_job_file() {
     let cluster = DevCluster::start();
     let directory = tempfile::tempdir().unwrap();
-    let digits = directory.path().join("digits");
-    std::fs::create_dir(&digits).unwrap();
-    let pixels: Vec<u8> = (0..8 * 16).map(|index| (index * 7 % 256) as u8).collect();
-    std::fs::write(digits.join("images"), idx_file(0x0803, &[8, 4, 4], &pixels)).unwrap();
-    std::fs::write(
-        digits.join("labels"),
-        idx_file(0x0801, &[8], &[0, 1, 0, 1, 0, 1, 0, 1]),
-    )
-    .unwrap();
+    write_idx_digits(directory.path());
     let job_file = directory.path().join("job.toml");
-    std::fs::write(
-        &job_file,
-        "name = \"relative-idx\"\n[model]\ninput_shape = [4, 4, 1]\n\
-         loss = \"softmax_cross_entropy\"\nlayers = [{ flatten = {} }, { dense = { units = 2 } }]\n\
-         [training]\nbatch_size = 4\nsteps = 2\noptimizer = { sgd = { learning_rate = 0.1 } }\n\
-         [data]\nformat = \"idx\"\ntrain = { images = \"digits/images\", labels = \"digits/labels\" }\n",
-    )
-    .unwrap();
+    std::fs::write(&job_file, RELATIVE_IDX_JOB).unwrap();
 
     // carve runs in the repository, the job file is elsewhere: the paths mean its folder.
     let job_path = job_file.to_str().unwrap();
@@ -171,7 +156,7 @@ fn submit_makes_relative_data_paths_absolute_against_the_job_file() {
         .json();
     let spec: serde_json::Value =
         serde_json::from_str(stored["spec_json"].as_str().unwrap()).unwrap();
-    let images = digits.join("images");
+    let images = directory.path().join("digits").join("images");
     assert_eq!(spec["data"]["train"]["images"], images.to_str().unwrap());
     assert_eq!(stored["state"], "JOB_STATE_SUCCEEDED");
 }

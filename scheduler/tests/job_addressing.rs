@@ -6,6 +6,7 @@
 //! gRPC, on SQLite and on PostgreSQL (as `sqlite::NAME` and `postgres::NAME`, like the
 //! store's contract suite).
 
+#[macro_use]
 mod support;
 
 use std::time::Duration;
@@ -21,30 +22,6 @@ mod test_worker;
 mod cluster;
 use cluster::{ADMIN, JOB, cancel, get, job_logs, submit, tenant_with_tokens, watch};
 use support::TestDb;
-
-/// Declares each test once per database.
-macro_rules! on_both_databases {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let db = crate::support::TestDb::sqlite().await;
-                    crate::$name(&db).await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let db = crate::support::TestDb::postgres().await;
-                    crate::$name(&db).await;
-                }
-            )*
-        }
-    };
-}
 
 on_both_databases!(
     get_cancel_watch_and_logs_take_a_prefix_or_a_name,
