@@ -56,6 +56,11 @@ async fn submit_named(channel: &Channel, token: &str, name: &str) -> v1::Job {
         .unwrap()
 }
 
+/// The whole id of the job `reference` names, as `token` gets it.
+async fn resolved_id(channel: &Channel, token: &str, reference: &str) -> String {
+    get(channel, token, reference).await.unwrap().id
+}
+
 /// The field an INVALID_ARGUMENT status names in its trailer.
 fn field_of(status: &tonic::Status) -> &str {
     status
@@ -71,15 +76,12 @@ async fn get_cancel_watch_and_logs_take_a_prefix_or_a_name(db: &TestDb) {
     let first = submit_named(&channel, &user, "first-run").await;
     let second = submit_named(&channel, &user, "second-run").await;
 
-    assert_eq!(
-        get(&channel, &user, "first-run").await.unwrap().id,
-        first.id
-    );
+    assert_eq!(resolved_id(&channel, &user, "first-run").await, first.id);
     // Most of the id, as a person copies it from a table.
     let prefix = &second.id[..second.id.len() - 6];
-    assert_eq!(get(&channel, &user, prefix).await.unwrap().id, second.id);
+    assert_eq!(resolved_id(&channel, &user, prefix).await, second.id);
     // The whole id still works, and a name is matched whole, never as a prefix.
-    assert_eq!(get(&channel, &user, &first.id).await.unwrap().id, first.id);
+    assert_eq!(resolved_id(&channel, &user, &first.id).await, first.id);
     let missing = get(&channel, &user, "first").await.unwrap_err();
     assert_eq!(missing.code(), Code::NotFound, "{missing:?}");
     assert_eq!(missing.message(), "job first not found");
@@ -169,13 +171,10 @@ async fn references_stay_within_the_callers_tenant(db: &TestDb) {
 
     // Each tenant's name means its own job, and another tenant's id prefix is missing.
     assert_eq!(
-        get(&channel, &alice, "shared-name").await.unwrap().id,
+        resolved_id(&channel, &alice, "shared-name").await,
         alices.id
     );
-    assert_eq!(
-        get(&channel, &bob, "shared-name").await.unwrap().id,
-        bobs.id
-    );
+    assert_eq!(resolved_id(&channel, &bob, "shared-name").await, bobs.id);
     let prefix = &bobs.id[..bobs.id.len() - 2];
     let hidden = get(&channel, &alice, prefix).await.unwrap_err();
     assert_eq!(hidden.code(), Code::NotFound, "{hidden:?}");
@@ -190,7 +189,7 @@ async fn references_stay_within_the_callers_tenant(db: &TestDb) {
         message.contains("tenant alice") && message.contains("tenant bob"),
         "{message}"
     );
-    assert_eq!(get(&channel, ADMIN, prefix).await.unwrap().id, bobs.id);
+    assert_eq!(resolved_id(&channel, ADMIN, prefix).await, bobs.id);
 }
 
 /// An IDX job whose training images are at `images`.

@@ -386,57 +386,49 @@ fn print_tenants(tenants: &[v1::Tenant], wide: bool) {
 /// The tokens' table: the wide one with every time whole, the default one with the dates
 /// of expiry and revocation, which fit 100 columns beside a whole id.
 fn print_tokens(tokens: &[v1::Token], wide: bool) {
-    let tenant_text = |token: &v1::Token| {
-        if token.tenant.is_empty() {
-            "-".to_string()
-        } else {
-            token.tenant.clone()
-        }
-    };
-    if wide {
-        let rows: Vec<[String; 8]> = tokens
-            .iter()
-            .map(|token| {
-                [
-                    token.id.clone(),
-                    tenant_text(token),
-                    role_name(token.role),
-                    timestamp_text(token.created_at.as_ref()),
-                    timestamp_text(token.expires_at.as_ref()),
-                    timestamp_text(token.last_used_at.as_ref()),
-                    timestamp_text(token.revoked_at.as_ref()),
-                    token.description.clone(),
-                ]
-            })
-            .collect();
-        let header = [
-            "ID",
-            "TENANT",
-            "ROLE",
-            "CREATED",
-            "EXPIRES",
-            "LAST USED",
-            "REVOKED",
-            "DESCRIPTION",
-        ];
-        print_wide_table(header, &rows);
-        return;
-    }
-    let rows: Vec<[String; 6]> = tokens
+    // Times to the second in the wide table, to the day in the default one.
+    let time = if wide { timestamp_text } else { date_text };
+    let rows: Vec<[String; 8]> = tokens
         .iter()
         .map(|token| {
             [
                 token.id.clone(),
-                tenant_text(token),
+                if token.tenant.is_empty() {
+                    "-".to_string()
+                } else {
+                    token.tenant.clone()
+                },
                 role_name(token.role),
-                date_text(token.expires_at.as_ref()),
-                date_text(token.revoked_at.as_ref()),
+                time(token.created_at.as_ref()),
+                time(token.expires_at.as_ref()),
+                time(token.last_used_at.as_ref()),
+                time(token.revoked_at.as_ref()),
                 token.description.clone(),
             ]
         })
         .collect();
-    let header = ["ID", "TENANT", "ROLE", "EXPIRES", "REVOKED", "DESCRIPTION"];
-    print_table(header, &rows);
+    let header = [
+        "ID",
+        "TENANT",
+        "ROLE",
+        "CREATED",
+        "EXPIRES",
+        "LAST USED",
+        "REVOKED",
+        "DESCRIPTION",
+    ];
+    if wide {
+        print_wide_table(header, &rows);
+        return;
+    }
+    let [id, tenant, role, _, expires, _, revoked, description] = header;
+    let rows: Vec<[String; 6]> = rows
+        .into_iter()
+        .map(|[id, tenant, role, _, expires, _, revoked, description]| {
+            [id, tenant, role, expires, revoked, description]
+        })
+        .collect();
+    print_table([id, tenant, role, expires, revoked, description], &rows);
 }
 
 fn print_tenant_change(tenant: &v1::Tenant, output: OutputFormat, what: &str) -> Result<()> {

@@ -75,39 +75,54 @@ pub fn print_message<M: prost::Message>(
     print_structured(&message_json(message, full_name)?, format)
 }
 
-/// A protobuf enum name without its prefix, lowercase: `JOB_STATE_RUNNING` -> `running`.
-fn enum_word(name: &str, prefix: &str) -> String {
-    name.trim_start_matches(prefix).to_lowercase()
+/// A protobuf enum value as a lowercase word, its name without `prefix`
+/// (`JOB_STATE_RUNNING` -> `running`), or `"{unknown} {value}"` for a value this build
+/// does not know.
+fn enum_word<E: TryFrom<i32>>(
+    value: i32,
+    name: fn(&E) -> &'static str,
+    prefix: &str,
+    unknown: &str,
+) -> String {
+    E::try_from(value).map_or_else(
+        |_| format!("{unknown} {value}"),
+        |known| name(&known).trim_start_matches(prefix).to_lowercase(),
+    )
 }
 
 pub fn job_state_name(state: i32) -> String {
-    v1::JobState::try_from(state)
-        .map(|state| enum_word(state.as_str_name(), "JOB_STATE_"))
-        .unwrap_or_else(|_| format!("state {state}"))
+    enum_word(state, v1::JobState::as_str_name, "JOB_STATE_", "state")
 }
 
 pub fn outcome_name(outcome: i32) -> String {
-    v1::AttemptOutcome::try_from(outcome)
-        .map(|outcome| enum_word(outcome.as_str_name(), "ATTEMPT_OUTCOME_"))
-        .unwrap_or_else(|_| format!("outcome {outcome}"))
+    enum_word(
+        outcome,
+        v1::AttemptOutcome::as_str_name,
+        "ATTEMPT_OUTCOME_",
+        "outcome",
+    )
 }
 
 pub fn precision_name(precision: i32) -> String {
-    v1::Precision::try_from(precision)
-        .map(|precision| enum_word(precision.as_str_name(), "PRECISION_"))
-        .unwrap_or_else(|_| format!("precision {precision}"))
+    enum_word(
+        precision,
+        v1::Precision::as_str_name,
+        "PRECISION_",
+        "precision",
+    )
 }
 
 pub fn worker_state_name(state: i32) -> String {
-    v1::WorkerState::try_from(state)
-        .map(|state| enum_word(state.as_str_name(), "WORKER_STATE_"))
-        .unwrap_or_else(|_| format!("state {state}"))
+    enum_word(
+        state,
+        v1::WorkerState::as_str_name,
+        "WORKER_STATE_",
+        "state",
+    )
 }
 
 pub fn role_name(role: i32) -> String {
-    v1::Role::try_from(role)
-        .map(|role| enum_word(role.as_str_name(), "ROLE_"))
-        .unwrap_or_else(|_| format!("role {role}"))
+    enum_word(role, v1::Role::as_str_name, "ROLE_", "role")
 }
 
 /// Whether a job is in a state it never leaves.
@@ -461,6 +476,17 @@ mod tests {
         );
         assert_eq!(elide("abcdef", 3), "ab…");
         assert_eq!(elide("abc", 3), "abc");
+    }
+
+    #[test]
+    fn enum_values_read_as_words_and_unknown_ones_say_their_number() {
+        assert_eq!(job_state_name(v1::JobState::Running as i32), "running");
+        assert_eq!(
+            outcome_name(v1::AttemptOutcome::OutOfMemory as i32),
+            "out_of_memory"
+        );
+        assert_eq!(role_name(v1::Role::Worker as i32), "worker");
+        assert_eq!(job_state_name(99), "state 99");
     }
 
     #[test]
