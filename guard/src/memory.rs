@@ -160,8 +160,9 @@ fn grow_charge(kind: Kind, out: *const u64, extra: u64) {
     guard.process.remember(kind, key, bytes + extra);
 }
 
-/// Frees linear memory, and stream-ordered memory freed the synchronous way (its pool is
-/// reconciled afterwards). An unknown pointer goes to the driver as it is.
+/// Frees linear memory, and stream-ordered memory freed the synchronous way (which
+/// synchronises, so every pool is reconciled afterwards). An unknown pointer goes to the
+/// driver as it is.
 ///
 /// # Safety
 /// The caller's contract is the driver's.
@@ -174,6 +175,9 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: DevicePointer) -> CuResult {
         let result = credit_around(Kind::Linear, dptr, || call_real!(cuMemFree_v2(dptr)));
         if let (Some(pool), Ok(guard)) = (pooled, state::guard()) {
             after_pooled_free(guard, dptr, pool, result);
+            if result == CUDA_SUCCESS {
+                pools::reconcile_every_pool(guard);
+            }
         }
         result
     })

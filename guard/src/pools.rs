@@ -105,12 +105,12 @@ fn allocate_in_pool(
         Ok(guard) => guard,
         Err(refused) => return refused,
     };
+    let charge = guard.process.pool(pool as usize);
+    let mut charge = lock(&charge);
     let (reserved_before, used_before) = match read_pool(pool) {
         Ok(reading) => reading,
         Err(driver_error) => return driver_error,
     };
-    let charge = guard.process.pool(pool as usize);
-    let mut charge = lock(&charge);
     let spare = reserved_before.saturating_sub(used_before);
     let ahead = (bytesize as u64)
         .saturating_sub(spare)
@@ -242,12 +242,17 @@ macro_rules! free_async_hook {
 free_async_hook!(cuMemFreeAsync);
 free_async_hook!(cuMemFreeAsync_ptsz);
 
+/// Reconciles every pool this process has used, waiting for each.
+pub(crate) fn reconcile_every_pool(guard: Guard) {
+    for (pool, _) in guard.process.known_pools() {
+        reconcile(guard, pool);
+    }
+}
+
 /// Runs a synchronising call, then credits what the pools gave back.
 fn synchronise_then_reconcile(result: CuResult) -> CuResult {
     if let Ok(guard) = state::guard() {
-        for (pool, _) in guard.process.known_pools() {
-            reconcile(guard, pool);
-        }
+        reconcile_every_pool(guard);
     }
     result
 }

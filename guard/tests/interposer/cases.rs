@@ -318,9 +318,12 @@ fn async_pools_are_counted_by_reserved_bytes() {
         "trim:0",
         "account",
         "stats",
+        "async:8388608",
+        "free:4",
+        "account", // a pool pointer freed the synchronous way: credited at once
     ]));
     assert!(output.success, "{output:#?}");
-    assert_eq!(output.results("async"), [0, 0], "{output:#?}");
+    assert_eq!(output.results("async"), [0, 0, 0], "{output:#?}");
     assert_eq!(output.results("alloc"), [2, 0], "{output:#?}");
     assert_eq!(output.results("frompool"), [0]);
     let in_use = |index| output.number("account", index, "in_use");
@@ -331,6 +334,7 @@ fn async_pools_are_counted_by_reserved_bytes() {
     assert_eq!(output.number("stats", 0, "bytes_in_use"), 0);
     assert_eq!(output.number("stats", 1, "bytes_in_use"), 40 * MIB);
     assert_eq!(output.number("stats", 1, "pool_reserved"), 0);
+    assert_eq!(in_use(5), 40 * MIB);
 }
 
 fn arrays_are_counted() {

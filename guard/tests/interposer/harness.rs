@@ -23,6 +23,23 @@ pub fn guard_library() -> PathBuf {
     deps_dir().join("libcarve_guard.so")
 }
 
+/// Checks once that `deps/libcarve_guard.so` is this crate's build: cdylib names carry no
+/// hash, so another checkout building into the same target directory replaces it.
+fn assert_guard_is_this_build() {
+    static CHECKED: std::sync::Once = std::sync::Once::new();
+    CHECKED.call_once(|| {
+        let library = guard_library();
+        assert!(library.exists(), "{} is missing", library.display());
+        assert!(
+            exported_symbols(&library)
+                .iter()
+                .any(|symbol| symbol == "carve_guard_hook_entry"),
+            "{} is not this checkout's guard (another build replaced it?)",
+            library.display()
+        );
+    });
+}
+
 /// One case's world: a temporary directory holding the fake driver's symlinks, the
 /// account and the OOM record.
 pub struct World {
@@ -40,11 +57,7 @@ impl World {
             "{} is missing: cargo did not build the fake driver",
             fake.display()
         );
-        assert!(
-            guard_library().exists(),
-            "{} is missing",
-            guard_library().display()
-        );
+        assert_guard_is_this_build();
         let libraries = dir.path().join("lib");
         std::fs::create_dir(&libraries).expect("lib directory");
         for name in [
