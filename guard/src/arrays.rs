@@ -47,6 +47,29 @@ fn array_bytes(descriptor: &Array3dDescriptor, levels: u32) -> u64 {
     total
 }
 
+/// Charges what `descriptor` describes (`bytes_of`) around `create`; a null descriptor
+/// goes to the driver as it is (which refuses it).
+fn charge_described<D>(
+    entry_point: &str,
+    kind: Kind,
+    handle: *mut Handle,
+    descriptor: *const D,
+    bytes_of: impl FnOnce(&D) -> u64,
+    create: impl FnOnce() -> CuResult,
+) -> CuResult {
+    // SAFETY: a non-null descriptor points at the caller's descriptor of this layout.
+    match unsafe { descriptor.as_ref() } {
+        Some(described) => charge_around(
+            entry_point,
+            kind,
+            bytes_of(described),
+            handle.cast(),
+            create,
+        ),
+        None => create(),
+    }
+}
+
 /// # Safety
 /// The caller's contract is the driver's.
 #[unsafe(no_mangle)]
@@ -54,26 +77,22 @@ pub unsafe extern "C" fn cuArrayCreate_v2(
     handle: *mut Handle,
     descriptor: *const ArrayDescriptor,
 ) -> CuResult {
-    hook("cuArrayCreate_v2", || {
-        // SAFETY: a non-null descriptor is the caller's CUDA_ARRAY_DESCRIPTOR.
-        let Some(flat) = (unsafe { descriptor.as_ref() }) else {
-            return call_real!(cuArrayCreate_v2(handle, descriptor));
+    const NAME: &str = "cuArrayCreate_v2";
+    hook(NAME, || {
+        let bytes_of = |flat: &ArrayDescriptor| {
+            let as_3d = Array3dDescriptor {
+                width: flat.width,
+                height: flat.height,
+                depth: 0,
+                format: flat.format,
+                channel_count: flat.channel_count,
+                flags: 0,
+            };
+            array_bytes(&as_3d, 1)
         };
-        let as_3d = Array3dDescriptor {
-            width: flat.width,
-            height: flat.height,
-            depth: 0,
-            format: flat.format,
-            channel_count: flat.channel_count,
-            flags: 0,
-        };
-        charge_around(
-            "cuArrayCreate_v2",
-            Kind::Array,
-            array_bytes(&as_3d, 1),
-            handle.cast(),
-            || call_real!(cuArrayCreate_v2(handle, descriptor)),
-        )
+        charge_described(NAME, Kind::Array, handle, descriptor, bytes_of, || {
+            call_real!(cuArrayCreate_v2(handle, descriptor))
+        })
     })
 }
 
@@ -84,19 +103,12 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(
     handle: *mut Handle,
     descriptor: *const Array3dDescriptor,
 ) -> CuResult {
-    hook("cuArray3DCreate_v2", || {
-        // SAFETY: a non-null descriptor is the caller's CUDA_ARRAY3D_DESCRIPTOR.
-        let Some(described) = (unsafe { descriptor.as_ref() }) else {
-            return call_real!(cuArray3DCreate_v2(handle, descriptor));
-        };
-        let bytes = array_bytes(described, 1);
-        charge_around(
-            "cuArray3DCreate_v2",
-            Kind::Array,
-            bytes,
-            handle.cast(),
-            || call_real!(cuArray3DCreate_v2(handle, descriptor)),
-        )
+    const NAME: &str = "cuArray3DCreate_v2";
+    hook(NAME, || {
+        let bytes_of = |described: &Array3dDescriptor| array_bytes(described, 1);
+        charge_described(NAME, Kind::Array, handle, descriptor, bytes_of, || {
+            call_real!(cuArray3DCreate_v2(handle, descriptor))
+        })
     })
 }
 
@@ -108,17 +120,15 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
     descriptor: *const Array3dDescriptor,
     levels: u32,
 ) -> CuResult {
-    hook("cuMipmappedArrayCreate", || {
-        // SAFETY: a non-null descriptor is the caller's CUDA_ARRAY3D_DESCRIPTOR.
-        let Some(described) = (unsafe { descriptor.as_ref() }) else {
-            return call_real!(cuMipmappedArrayCreate(handle, descriptor, levels));
-        };
-        let bytes = array_bytes(described, levels);
-        charge_around(
-            "cuMipmappedArrayCreate",
+    const NAME: &str = "cuMipmappedArrayCreate";
+    hook(NAME, || {
+        let bytes_of = |described: &Array3dDescriptor| array_bytes(described, levels);
+        charge_described(
+            NAME,
             Kind::MipmappedArray,
-            bytes,
-            handle.cast(),
+            handle,
+            descriptor,
+            bytes_of,
             || call_real!(cuMipmappedArrayCreate(handle, descriptor, levels)),
         )
     })

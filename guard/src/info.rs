@@ -64,6 +64,29 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: Device) 
     })
 }
 
+/// Asks NVML through `call` (None: NVML lacks the function), then narrows what it wrote
+/// to `memory` with `narrow` when the guard is configured.
+fn narrow_nvml<M>(
+    entry_point: &str,
+    memory: *mut M,
+    call: impl FnOnce() -> Option<NvmlReturn>,
+    narrow: impl FnOnce(&mut M, Guard),
+) -> NvmlReturn {
+    hook_or(entry_point, NVML_ERROR_UNKNOWN, || {
+        let Some(result) = call() else {
+            return NVML_ERROR_FUNCTION_NOT_FOUND;
+        };
+        if result == NVML_SUCCESS
+            && let Ok(guard) = state::guard()
+            // SAFETY: null or the caller's out-pointer, which NVML just wrote.
+            && let Some(memory) = unsafe { memory.as_mut() }
+        {
+            narrow(memory, guard);
+        }
+        result
+    })
+}
+
 /// NVML sees every GPU, not only the attempt's; each is reported as the slice (an
 /// attempt only has one). Without a valid configuration NVML answers unchanged: it
 /// takes no memory, and CUDA itself is refused.
@@ -75,20 +98,12 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     device: NvmlDevice,
     memory: *mut NvmlMemory,
 ) -> NvmlReturn {
-    hook_or("nvmlDeviceGetMemoryInfo", NVML_ERROR_UNKNOWN, || {
-        let Some(function) = real::nvmlDeviceGetMemoryInfo() else {
-            return NVML_ERROR_FUNCTION_NOT_FOUND;
-        };
+    let call = || {
         // SAFETY: the caller's arguments, unchanged, to NVML's function of this signature.
-        let result = unsafe { function(device, memory) };
-        if result == NVML_SUCCESS
-            && let Ok(guard) = state::guard()
-            // SAFETY: non-null out-pointer NVML just wrote.
-            && let Some(memory) = unsafe { memory.as_mut() }
-        {
-            (memory.total, memory.used, memory.free) = slice_view(guard, memory.total, memory.free);
-        }
-        result
+        real::nvmlDeviceGetMemoryInfo().map(|function| unsafe { function(device, memory) })
+    };
+    narrow_nvml("nvmlDeviceGetMemoryInfo", memory, call, |memory, guard| {
+        (memory.total, memory.used, memory.free) = slice_view(guard, memory.total, memory.free);
     })
 }
 
@@ -99,20 +114,17 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     device: NvmlDevice,
     memory: *mut NvmlMemoryV2,
 ) -> NvmlReturn {
-    hook_or("nvmlDeviceGetMemoryInfo_v2", NVML_ERROR_UNKNOWN, || {
-        let Some(function) = real::nvmlDeviceGetMemoryInfo_v2() else {
-            return NVML_ERROR_FUNCTION_NOT_FOUND;
-        };
+    let call = || {
         // SAFETY: the caller's arguments, unchanged, to NVML's function of this signature.
-        let result = unsafe { function(device, memory) };
-        if result == NVML_SUCCESS
-            && let Ok(guard) = state::guard()
-            // SAFETY: non-null out-pointer NVML just wrote.
-            && let Some(memory) = unsafe { memory.as_mut() }
-        {
+        real::nvmlDeviceGetMemoryInfo_v2().map(|function| unsafe { function(device, memory) })
+    };
+    narrow_nvml(
+        "nvmlDeviceGetMemoryInfo_v2",
+        memory,
+        call,
+        |memory, guard| {
             (memory.total, memory.used, memory.free) = slice_view(guard, memory.total, memory.free);
             memory.reserved = 0;
-        }
-        result
-    })
+        },
+    )
 }

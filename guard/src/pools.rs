@@ -33,28 +33,20 @@ pub(crate) struct PoolCharge {
     charged: u64,
 }
 
+/// One `cuuint64_t` attribute of a pool.
+fn read_attribute(pool: Handle, attribute: u32) -> Result<u64, CuResult> {
+    let mut value: u64 = 0;
+    let out = (&raw mut value).cast::<c_void>();
+    match call_real!(cuMemPoolGetAttribute(pool, attribute, out)) {
+        CUDA_SUCCESS => Ok(value),
+        driver_error => Err(driver_error),
+    }
+}
+
 /// A pool's reserved and used bytes, as the driver says.
 fn read_pool(pool: Handle) -> Result<(u64, u64), CuResult> {
-    let mut reserved: u64 = 0;
-    let mut used: u64 = 0;
-    let reserved_out = (&raw mut reserved).cast::<c_void>();
-    let used_out = (&raw mut used).cast::<c_void>();
-    let result = call_real!(cuMemPoolGetAttribute(
-        pool,
-        MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-        reserved_out
-    ));
-    if result != CUDA_SUCCESS {
-        return Err(result);
-    }
-    let result = call_real!(cuMemPoolGetAttribute(
-        pool,
-        MEMPOOL_ATTR_USED_MEM_CURRENT,
-        used_out
-    ));
-    if result != CUDA_SUCCESS {
-        return Err(result);
-    }
+    let reserved = read_attribute(pool, MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+    let used = read_attribute(pool, MEMPOOL_ATTR_USED_MEM_CURRENT)?;
     Ok((reserved, used))
 }
 
