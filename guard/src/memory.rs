@@ -57,9 +57,14 @@ pub(crate) fn charge_around(
 /// Forgets `key` before the driver frees it (so an address the driver hands out again
 /// meanwhile is not confused with it), then credits it on success or restores it.
 pub(crate) fn credit_around(kind: Kind, key: u64, free: impl FnOnce() -> CuResult) -> CuResult {
-    let Ok(guard) = state::guard() else {
-        return free();
-    };
+    match state::guard() {
+        Ok(guard) => credit_with(guard, kind, key, free),
+        Err(_) => free(),
+    }
+}
+
+/// `credit_around` for a caller that already has the guard.
+fn credit_with(guard: Guard, kind: Kind, key: u64, free: impl FnOnce() -> CuResult) -> CuResult {
     let charged = guard.process.forget(kind, key);
     let result = free();
     match (charged, result == CUDA_SUCCESS) {
@@ -169,11 +174,12 @@ fn grow_charge(kind: Kind, out: *const u64, extra: u64) {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: DevicePointer) -> CuResult {
     hook("cuMemFree_v2", || {
-        let pooled = state::guard()
-            .ok()
-            .and_then(|guard| guard.process.forget_pooled(dptr));
-        let result = credit_around(Kind::Linear, dptr, || call_real!(cuMemFree_v2(dptr)));
-        if let (Some(pool), Ok(guard)) = (pooled, state::guard()) {
+        let Ok(guard) = state::guard() else {
+            return call_real!(cuMemFree_v2(dptr));
+        };
+        let pooled = guard.process.forget_pooled(dptr);
+        let result = credit_with(guard, Kind::Linear, dptr, || call_real!(cuMemFree_v2(dptr)));
+        if let Some(pool) = pooled {
             after_pooled_free(guard, dptr, pool, result);
             if result == CUDA_SUCCESS {
                 pools::reconcile_every_pool(guard);

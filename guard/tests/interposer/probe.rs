@@ -320,6 +320,7 @@ fn perform(driver: &Driver, held: &mut Held, operation: &str) {
         "fork" => fork(driver, held, &operation["fork:".len()..]),
         "threads" => threads(driver, argument(&parts, 1), argument(&parts, 2)),
         "hooks" => hooks(driver),
+        "bench" => bench(driver, argument(&parts, 1)),
         other => panic!("unknown operation {other}"),
     }
 }
@@ -617,4 +618,29 @@ fn hooks(driver: &Driver) {
         }
     }
     emit("hooks", &[("rows", rows), ("mismatches", mismatches)]);
+}
+
+/// `pairs` allocations of 4 KiB, each freed at once: nanoseconds per pair (for comparing
+/// the same run with and without the guard by hand; no case asserts a time).
+fn bench(driver: &Driver, pairs: u64) {
+    let allocate = driver.find("cuMemAlloc", "cuMemAlloc_v2", None);
+    let free = driver.find("cuMemFree", "cuMemFree_v2", None);
+    // SAFETY: the exports' cuda.h signatures.
+    let (allocate, free) = unsafe {
+        (
+            std::mem::transmute::<Pointer, unsafe extern "C" fn(*mut u64, usize) -> u32>(allocate),
+            std::mem::transmute::<Pointer, unsafe extern "C" fn(u64) -> u32>(free),
+        )
+    };
+    let started = std::time::Instant::now();
+    for _ in 0..pairs {
+        let mut pointer = 0u64;
+        // SAFETY: a valid out-pointer; the pointer freed is the one just allocated.
+        unsafe {
+            assert_eq!(allocate(&mut pointer, 4096), 0);
+            assert_eq!(free(pointer), 0);
+        }
+    }
+    let nanoseconds = started.elapsed().as_nanos() as u64 / pairs.max(1);
+    emit("bench", &[("pairs", pairs), ("ns_per_pair", nanoseconds)]);
 }
