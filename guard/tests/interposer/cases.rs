@@ -7,53 +7,28 @@ use crate::harness::{MIB, World, exported_symbols, finish, guard_library, run, s
 
 type Case = fn();
 
-const CASES: &[(&str, Case)] = &[
-    (
-        "refused_past_the_limit_through_every_lookup_path",
-        refused_past_the_limit_through_every_lookup_path,
-    ),
-    (
-        "memory_info_and_nvml_report_the_slice",
-        memory_info_and_nvml_report_the_slice,
-    ),
-    (
-        "two_processes_share_one_account",
-        two_processes_share_one_account,
-    ),
-    (
-        "a_forked_child_registers_its_own_slot",
-        a_forked_child_registers_its_own_slot,
-    ),
-    ("virtual_memory_is_counted", virtual_memory_is_counted),
-    (
-        "pitched_and_managed_memory_are_counted",
-        pitched_and_managed_memory_are_counted,
-    ),
-    (
-        "async_pools_are_counted_by_reserved_bytes",
-        async_pools_are_counted_by_reserved_bytes,
-    ),
-    ("arrays_are_counted", arrays_are_counted),
-    (
-        "unknown_frees_get_the_drivers_own_answer",
-        unknown_frees_get_the_drivers_own_answer,
-    ),
-    (
-        "legacy_entry_points_are_refused",
-        legacy_entry_points_are_refused,
-    ),
-    (
-        "fails_closed_without_a_usable_configuration",
-        fails_closed_without_a_usable_configuration,
-    ),
-    (
-        "many_threads_never_exceed_the_limit_together",
-        many_threads_never_exceed_the_limit_together,
-    ),
-    (
-        "hook_table_agrees_with_the_exports",
-        hook_table_agrees_with_the_exports,
-    ),
+/// Each case by its function's name.
+macro_rules! cases {
+    ($($case:ident),* $(,)?) => {
+        &[$((stringify!($case), $case as Case)),*]
+    };
+}
+
+const CASES: &[(&str, Case)] = cases![
+    refused_past_the_limit_through_every_lookup_path,
+    memory_info_and_nvml_report_the_slice,
+    two_processes_share_one_account,
+    a_forked_child_registers_its_own_slot,
+    virtual_memory_is_counted,
+    pitched_and_managed_memory_are_counted,
+    async_pools_are_counted_by_reserved_bytes,
+    arrays_are_counted,
+    unknown_frees_get_the_drivers_own_answer,
+    legacy_entry_points_are_refused,
+    fails_closed_without_a_usable_configuration,
+    many_threads_never_exceed_the_limit_together,
+    hook_table_agrees_with_the_exports,
+    dlsym_passes_everything_else_through,
 ];
 
 /// Runs the cases whose name contains `filter`; the exit code.
@@ -495,4 +470,24 @@ fn hook_table_agrees_with_the_exports() {
             .collect::<std::collections::BTreeSet<_>>()
             .len()
     );
+}
+
+fn dlsym_passes_everything_else_through() {
+    let world = World::new(64 * MIB);
+    let output = run(world.probe(&["dlsym", "init", "dlsym_edges"]));
+    assert!(output.success, "{output:#?}");
+    for field in [
+        "missing_is_null",
+        "missing_sets_error",
+        "unhooked_is_the_drivers",
+        "next_getpid_is_libc",
+        "next_hooked_is_the_guards",
+        "hooked_agree",
+    ] {
+        assert_eq!(
+            output.number("dlsym_edges", 0, field),
+            1,
+            "{field}: {output:#?}"
+        );
+    }
 }

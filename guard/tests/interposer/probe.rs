@@ -321,6 +321,7 @@ fn perform(driver: &Driver, held: &mut Held, operation: &str) {
         "threads" => threads(driver, argument(&parts, 1), argument(&parts, 2)),
         "hooks" => hooks(driver),
         "bench" => bench(driver, argument(&parts, 1)),
+        "dlsym_edges" => dlsym_edges(driver),
         other => panic!("unknown operation {other}"),
     }
 }
@@ -643,4 +644,63 @@ fn bench(driver: &Driver, pairs: u64) {
     }
     let nanoseconds = started.elapsed().as_nanos() as u64 / pairs.max(1);
     emit("bench", &[("pairs", pairs), ("ns_per_pair", nanoseconds)]);
+}
+
+/// The file `address` belongs to, as the dynamic linker says.
+fn library_of(address: Pointer) -> String {
+    // SAFETY: an all-zero Dl_info is a valid out-value (null pointers, zero addresses).
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    if address.is_null() {
+        return String::new();
+    }
+    // SAFETY: dladdr only reads its address argument and writes `info`.
+    let found = unsafe { libc::dladdr(address, &mut info) } != 0;
+    if !found || info.dli_fname.is_null() {
+        return String::new();
+    }
+    // SAFETY: dladdr gave a NUL-terminated file name.
+    unsafe { CStr::from_ptr(info.dli_fname) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// What `dlsym` passes through: a missing name (NULL, with an error), an unhooked name
+/// (the driver's own), `RTLD_NEXT` from the program (the C library's), and a hooked
+/// name through `RTLD_NEXT` (the guard's).
+fn dlsym_edges(driver: &Driver) {
+    // SAFETY: clears any pending error; then lookups with NUL-terminated names.
+    let (missing, error, unhooked, next_getpid, next_hooked, default_hooked) = unsafe {
+        libc::dlerror();
+        let missing = libc::dlsym(driver.handle, c"carve_no_such_symbol".as_ptr());
+        let error = !libc::dlerror().is_null();
+        (
+            missing,
+            error,
+            libc::dlsym(driver.handle, c"cuDeviceGet".as_ptr()),
+            libc::dlsym(libc::RTLD_NEXT, c"getpid".as_ptr()),
+            libc::dlsym(libc::RTLD_NEXT, c"cuMemAlloc_v2".as_ptr()),
+            libc::dlsym(libc::RTLD_DEFAULT, c"cuMemAlloc_v2".as_ptr()),
+        )
+    };
+    let flag = |condition: bool| u64::from(condition);
+    emit(
+        "dlsym_edges",
+        &[
+            ("missing_is_null", flag(missing.is_null())),
+            ("missing_sets_error", flag(error)),
+            (
+                "unhooked_is_the_drivers",
+                flag(library_of(unhooked).contains("libcuda")),
+            ),
+            (
+                "next_getpid_is_libc",
+                flag(library_of(next_getpid).contains("libc")),
+            ),
+            (
+                "next_hooked_is_the_guards",
+                flag(library_of(next_hooked).contains("libcarve_guard")),
+            ),
+            ("hooked_agree", flag(next_hooked == default_hooked)),
+        ],
+    );
 }
