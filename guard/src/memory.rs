@@ -179,23 +179,14 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: DevicePointer) -> CuResult {
         };
         let pooled = guard.process.forget_pooled(dptr);
         let result = credit_with(guard, Kind::Linear, dptr, || call_real!(cuMemFree_v2(dptr)));
-        if let Some(pool) = pooled {
-            after_pooled_free(guard, dptr, pool, result);
+        if let Some(pooled) = pooled {
+            pools::after_pooled_free(guard, dptr, pooled, result);
             if result == CUDA_SUCCESS {
                 pools::reconcile_every_pool(guard);
             }
         }
         result
     })
-}
-
-/// After a stream-ordered pointer was freed (or not): reconcile or restore.
-pub(crate) fn after_pooled_free(guard: Guard, pointer: u64, pool: usize, result: CuResult) {
-    if result == CUDA_SUCCESS {
-        pools::reconcile(guard, pool);
-    } else {
-        guard.process.remember_pooled(pointer, pool);
-    }
 }
 
 /// Virtual memory (PyTorch's expandable segments): physical memory is taken here, so a

@@ -19,9 +19,8 @@ use crate::driver_types::{
     MEMPOOL_ATTR_USED_MEM_CURRENT,
 };
 use crate::hook;
-use crate::memory::after_pooled_free;
 use crate::real::call_real;
-use crate::state::{self, Guard, lock};
+use crate::state::{self, Guard, Pooled, lock};
 
 /// Pools grow in 2 MiB steps on current GPUs: the charge asked ahead of an allocation
 /// is rounded up to it, and corrected to the pool's real growth afterwards.
@@ -31,6 +30,10 @@ const POOL_GROWTH_STEP: u64 = 2 << 20;
 #[derive(Debug, Default)]
 pub(crate) struct PoolCharge {
     charged: u64,
+    /// Destroyed with allocations outstanding: the driver keeps the pool until they are
+    /// freed but no longer answers for it, so it is charged their bytes, each credited
+    /// at its free.
+    destroyed: bool,
 }
 
 /// One `cuuint64_t` attribute of a pool.
@@ -63,9 +66,13 @@ fn settle(guard: Guard, charge: &mut PoolCharge, target: u64) {
 
 /// Re-reads `pool`'s reserved bytes and charges exactly those.
 pub(crate) fn reconcile(guard: Guard, pool: usize) {
-    let charge = guard.process.pool(pool);
+    let Some(charge) = guard.process.existing_pool(pool) else {
+        return;
+    };
     let mut charge = lock(&charge);
-    if let Ok((reserved, _)) = read_pool(pool as Handle) {
+    if !charge.destroyed
+        && let Ok((reserved, _)) = read_pool(pool as Handle)
+    {
         settle(guard, &mut charge, reserved);
     }
 }
@@ -75,6 +82,7 @@ pub(crate) fn reconcile(guard: Guard, pool: usize) {
 pub(crate) fn reconcile_all(guard: Guard) {
     for (pool, charge) in guard.process.known_pools() {
         if let Ok(mut charge) = charge.try_lock()
+            && !charge.destroyed
             && let Ok((reserved, _)) = read_pool(pool as Handle)
         {
             settle(guard, &mut charge, reserved);
@@ -143,8 +151,36 @@ fn allocate_in_pool(
         );
         return crate::driver_types::CUDA_ERROR_OUT_OF_MEMORY;
     }
-    guard.process.remember_pooled(pointer, pool as usize);
+    let pooled = Pooled {
+        pool: pool as usize,
+        bytes: bytesize as u64,
+    };
+    guard.process.remember_pooled(pointer, pooled);
     result
+}
+
+/// After a stream-ordered pointer was freed (or not): credit what its pool gave back,
+/// or restore the pointer.
+pub(crate) fn after_pooled_free(guard: Guard, pointer: u64, pooled: Pooled, result: CuResult) {
+    if result != CUDA_SUCCESS {
+        guard.process.remember_pooled(pointer, pooled);
+        return;
+    }
+    let Some(charge) = guard.process.existing_pool(pooled.pool) else {
+        return;
+    };
+    let mut charge = lock(&charge);
+    if !charge.destroyed {
+        if let Ok((reserved, _)) = read_pool(pooled.pool as Handle) {
+            settle(guard, &mut charge, reserved);
+        }
+        return;
+    }
+    let outstanding = guard.process.outstanding_in(pooled.pool);
+    settle(guard, &mut charge, outstanding);
+    if outstanding == 0 {
+        guard.process.drop_pool(pooled.pool);
+    }
 }
 
 /// The pool `cuMemAllocAsync` takes from: the current pool of the current context's
@@ -221,10 +257,10 @@ macro_rules! free_async_hook {
         pub unsafe extern "C" fn $name(dptr: DevicePointer, stream: Handle) -> CuResult {
             hook(stringify!($name), || {
                 let guard = state::guard().ok();
-                let pool = guard.and_then(|guard| guard.process.forget_pooled(dptr));
+                let pooled = guard.and_then(|guard| guard.process.forget_pooled(dptr));
                 let result = call_real!($name(dptr, stream));
-                if let (Some(guard), Some(pool)) = (guard, pool) {
-                    after_pooled_free(guard, dptr, pool, result);
+                if let (Some(guard), Some(pooled)) = (guard, pooled) {
+                    after_pooled_free(guard, dptr, pooled, result);
                 }
                 result
             })
@@ -289,7 +325,8 @@ pub unsafe extern "C" fn cuMemPoolTrimTo(pool: Handle, min_bytes_to_keep: usize)
     })
 }
 
-/// A destroyed pool gives all its memory back: its charge is credited in full.
+/// A destroyed pool gives its free reserve back at once and the rest as its outstanding
+/// allocations are freed.
 ///
 /// # Safety
 /// The caller's contract is the driver's.
@@ -299,10 +336,15 @@ pub unsafe extern "C" fn cuMemPoolDestroy(pool: Handle) -> CuResult {
         let result = call_real!(cuMemPoolDestroy(pool));
         if result == CUDA_SUCCESS
             && let Ok(guard) = state::guard()
-            && let Some(charge) = guard.process.drop_pool(pool as usize)
+            && let Some(charge) = guard.process.existing_pool(pool as usize)
         {
             let mut charge = lock(&charge);
-            settle(guard, &mut charge, 0);
+            let outstanding = guard.process.outstanding_in(pool as usize);
+            settle(guard, &mut charge, outstanding);
+            charge.destroyed = true;
+            if outstanding == 0 {
+                guard.process.drop_pool(pool as usize);
+            }
         }
         result
     })

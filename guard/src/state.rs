@@ -102,6 +102,13 @@ pub(crate) enum Kind {
     MipmappedArray,
 }
 
+/// A stream-ordered allocation: its pool and size.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Pooled {
+    pub(crate) pool: usize,
+    pub(crate) bytes: u64,
+}
+
 /// One process's tables. Locks are held only around map updates, never across a call
 /// into the driver.
 #[derive(Debug)]
@@ -109,8 +116,8 @@ pub(crate) struct Process {
     process_id: u32,
     slot: SlotIndex,
     charged: Mutex<HashMap<(Kind, u64), u64>>,
-    /// Stream-ordered allocations: device pointer -> the pool it came from.
-    pooled: Mutex<HashMap<u64, usize>>,
+    /// Stream-ordered allocations by device pointer.
+    pooled: Mutex<HashMap<u64, Pooled>>,
     /// Pools seen, each with what the account holds for it.
     pools: Mutex<HashMap<usize, Arc<Mutex<PoolCharge>>>>,
 }
@@ -132,12 +139,26 @@ impl Process {
         lock(&self.charged).remove(&(kind, key))
     }
 
-    pub(crate) fn remember_pooled(&self, pointer: u64, pool: usize) {
-        lock(&self.pooled).insert(pointer, pool);
+    pub(crate) fn remember_pooled(&self, pointer: u64, pooled: Pooled) {
+        lock(&self.pooled).insert(pointer, pooled);
     }
 
-    pub(crate) fn forget_pooled(&self, pointer: u64) -> Option<usize> {
+    pub(crate) fn forget_pooled(&self, pointer: u64) -> Option<Pooled> {
         lock(&self.pooled).remove(&pointer)
+    }
+
+    /// Bytes of `pool`'s allocations not yet freed.
+    pub(crate) fn outstanding_in(&self, pool: usize) -> u64 {
+        lock(&self.pooled)
+            .values()
+            .filter(|pooled| pooled.pool == pool)
+            .map(|pooled| pooled.bytes)
+            .sum()
+    }
+
+    /// The charge record of `pool` if the process has one.
+    pub(crate) fn existing_pool(&self, pool: usize) -> Option<Arc<Mutex<PoolCharge>>> {
+        lock(&self.pools).get(&pool).map(Arc::clone)
     }
 
     /// The charge record of `pool`, created at first sight.

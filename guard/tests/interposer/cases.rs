@@ -22,6 +22,7 @@ const CASES: &[(&str, Case)] = cases![
     virtual_memory_is_counted,
     pitched_and_managed_memory_are_counted,
     async_pools_are_counted_by_reserved_bytes,
+    a_destroyed_pool_is_credited_as_its_allocations_are_freed,
     arrays_are_counted,
     unknown_frees_get_the_drivers_own_answer,
     legacy_entry_points_are_refused,
@@ -490,4 +491,30 @@ fn dlsym_passes_everything_else_through() {
             "{field}: {output:#?}"
         );
     }
+}
+
+fn a_destroyed_pool_is_credited_as_its_allocations_are_freed() {
+    let world = World::new(64 * MIB);
+    let output = run(world.probe(&[
+        "proc2:12000",
+        "init",
+        "ctx",
+        "pool_create",
+        "custom:16777216",
+        "custom:8388608",
+        "freeasync:1",
+        "account", // 16 MiB used and 8 MiB free in the pool's reserve
+        "pool_destroy",
+        "account", // the free reserve given back; the outstanding 16 MiB still held
+        "freeasync:0",
+        "sync",
+        "account",
+        "stats",
+    ]));
+    assert!(output.success, "{output:#?}");
+    assert_eq!(output.results("custom"), [0, 0], "{output:#?}");
+    assert_eq!(output.results("pool_destroy"), [0]);
+    let in_use = |index| output.number("account", index, "in_use");
+    assert_eq!([in_use(0), in_use(1), in_use(2)], [24 * MIB, 16 * MIB, 0]);
+    assert_eq!(output.number("stats", 0, "bytes_in_use"), 0);
 }

@@ -174,6 +174,8 @@ struct FakeStats {
 #[derive(Default)]
 struct Held {
     pointers: Vec<u64>,
+    /// The pool `pool_create` made.
+    pool: u64,
 }
 
 pub fn run(arguments: &[String]) {
@@ -209,9 +211,9 @@ fn perform(driver: &Driver, held: &mut Held, operation: &str) {
                 call!(driver, "cuCtxSetCurrent", "cuCtxSetCurrent", None, fn(Pointer)(context));
             emit(op, &[("result", u64::from(first.max(second).max(third)))]);
         }
-        "alloc" | "managed" | "async" | "frompool" | "vmm" | "pitch" | "array" | "array3d"
-        | "mipmap" | "legacy_alloc" => {
-            let (result, key) = allocate(driver, &parts);
+        "alloc" | "managed" | "async" | "frompool" | "custom" | "vmm" | "pitch" | "array"
+        | "array3d" | "mipmap" | "legacy_alloc" => {
+            let (result, key) = allocate(driver, &parts, held.pool as Pointer);
             let index = held.pointers.len() as u64;
             if result == 0 {
                 held.pointers.push(key);
@@ -317,6 +319,22 @@ fn perform(driver: &Driver, held: &mut Held, operation: &str) {
             }
             emit(op, &[]);
         }
+        "pool_create" => {
+            // CUmemPoolProps: pinned, no handle types, device 0, the rest zero.
+            let mut properties = [0u8; 128];
+            properties[0] = 1;
+            properties[8] = 1;
+            let mut pool: Pointer = null_mut();
+            let result = call!(driver, "cuMemPoolCreate", "cuMemPoolCreate", None, fn(*mut Pointer, *const u8)(&mut pool, properties.as_ptr()));
+            held.pool = pool as u64;
+            emit(op, &[("result", u64::from(result))]);
+        }
+        "pool_destroy" => {
+            let pool = held.pool as Pointer;
+            let result =
+                call!(driver, "cuMemPoolDestroy", "cuMemPoolDestroy", None, fn(Pointer)(pool));
+            emit(op, &[("result", u64::from(result))]);
+        }
         "fork" => fork(driver, held, &operation["fork:".len()..]),
         "threads" => threads(driver, argument(&parts, 1), argument(&parts, 2)),
         "hooks" => hooks(driver),
@@ -334,7 +352,7 @@ fn default_pool(driver: &Driver) -> Pointer {
 }
 
 /// One allocation of the kind `parts[0]`; the pointer or handle it gave.
-fn allocate(driver: &Driver, parts: &[&str]) -> (u32, u64) {
+fn allocate(driver: &Driver, parts: &[&str], custom_pool: Pointer) -> (u32, u64) {
     let mut out: u64 = 0;
     let bytes = argument(parts, 1) as usize;
     let result = match parts[0] {
@@ -353,6 +371,9 @@ fn allocate(driver: &Driver, parts: &[&str]) -> (u32, u64) {
         "frompool" => {
             let pool = default_pool(driver);
             call!(driver, "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync", Some("cuMemAllocFromPoolAsync_ptsz"), fn(*mut u64, usize, Pointer, Pointer)(&mut out, bytes, pool, null_mut()))
+        }
+        "custom" => {
+            call!(driver, "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync", Some("cuMemAllocFromPoolAsync_ptsz"), fn(*mut u64, usize, Pointer, Pointer)(&mut out, bytes, custom_pool, null_mut()))
         }
         "vmm" => {
             // CUmemAllocationProp: pinned, no handle types, device 0.
