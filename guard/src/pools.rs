@@ -132,8 +132,15 @@ fn allocate_in_pool(
     if charge.charged < reserved_after {
         // The pool grew past what was charged and the account refused the rest: undo.
         let over_by = reserved_after - charged_before;
-        call_real!(cuMemFreeAsync(pointer, stream));
-        call_real!(cuStreamSynchronize(stream));
+        // Stream 0 means a different stream to the `_ptsz` variants: free and wait on the
+        // one the program meant.
+        if entry_point.ends_with("_ptsz") {
+            call_real!(cuMemFreeAsync_ptsz(pointer, stream));
+            call_real!(cuStreamSynchronize_ptsz(stream));
+        } else {
+            call_real!(cuMemFreeAsync(pointer, stream));
+            call_real!(cuStreamSynchronize(stream));
+        }
         call_real!(cuMemPoolTrimTo(pool, reserved_before as usize));
         if let Ok((reserved, _)) = read_pool(pool) {
             settle(guard, &mut charge, reserved);

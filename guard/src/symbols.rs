@@ -260,6 +260,7 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *m
     // Keep the arguments, ask route_dlsym (returns hook in rax, real in rdx); return the
     // hook, or restore the arguments and jump to the real dlsym (NULL if there is none).
     core::arch::naked_asm!(
+        "endbr64", // a valid indirect-branch target where CET is enforced; a NOP elsewhere
         "push rdi",
         "push rsi",
         "sub rsp, 8",
