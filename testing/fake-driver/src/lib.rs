@@ -241,6 +241,28 @@ pub(crate) fn initialized_call(body: impl FnOnce(&mut DriverState) -> CUresult) 
     })
 }
 
+/// Runs a CUDA export after `cuInit` that answers one value through an out-pointer: a null
+/// out-pointer is `CUDA_ERROR_INVALID_VALUE` (checked before anything is done), an `Err`
+/// the body's code, and nothing is written unless the body succeeds.
+pub(crate) fn answer_call<T>(
+    out: *mut T,
+    body: impl FnOnce(&mut DriverState) -> Result<T, CUresult>,
+) -> CUresult {
+    initialized_call(|state| {
+        // SAFETY: CUDA's contract: an out-pointer is null or valid for writing a T.
+        let Some(out) = (unsafe { out.as_mut() }) else {
+            return CUDA_ERROR_INVALID_VALUE;
+        };
+        match body(state) {
+            Ok(value) => {
+                *out = value;
+                CUDA_SUCCESS
+            }
+            Err(code) => code,
+        }
+    })
+}
+
 /// A handle value as the opaque pointer C sees.
 pub(crate) fn handle_pointer(value: u64) -> Handle {
     std::ptr::without_provenance_mut(value as usize)
