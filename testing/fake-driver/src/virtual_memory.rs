@@ -89,7 +89,7 @@ impl VirtualMemory {
     fn inside_one_reservation(&self, start: u64, length: u64) -> bool {
         self.reservations.range(..=start).next_back().is_some_and(
             |(reservation_start, reservation_length)| {
-                start + length <= reservation_start + reservation_length
+                start.saturating_add(length) <= reservation_start + reservation_length
             },
         )
     }
@@ -194,7 +194,7 @@ pub unsafe extern "C" fn cuMemAddressFree(start: CUdeviceptr, length: usize) -> 
         let memory = &mut state.virtual_memory;
         let length = length as u64;
         if memory.reservations.get(&start) != Some(&length)
-            || memory.overlaps_a_mapping(start, start + length)
+            || memory.overlaps_a_mapping(start, start.saturating_add(length))
         {
             return CUDA_ERROR_INVALID_VALUE;
         }
@@ -227,7 +227,7 @@ pub unsafe extern "C" fn cuMemMap(
             || !is_granular(length)
             || !fits_handle
             || !memory.inside_one_reservation(start, length)
-            || memory.overlaps_a_mapping(start, start + length)
+            || memory.overlaps_a_mapping(start, start.saturating_add(length))
         {
             return CUDA_ERROR_INVALID_VALUE;
         }
