@@ -109,15 +109,12 @@ fn write_uuid(uuid_out: *mut [u8; 16], device: CUdevice) -> CUresult {
     answer_call(uuid_out, |_| check_device(device).map(|()| DEVICE_UUID))
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetUuid(uuid_out: *mut [u8; 16], device: CUdevice) -> CUresult {
-    write_uuid(uuid_out, device)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid_out: *mut [u8; 16], device: CUdevice) -> CUresult {
-    write_uuid(uuid_out, device)
-}
+exports_alike!(
+    cuDeviceGetUuid, cuDeviceGetUuid_v2 =>
+    (uuid_out: *mut [u8; 16], device: CUdevice) {
+        write_uuid(uuid_out, device)
+    }
+);
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(
@@ -144,15 +141,12 @@ fn release_primary_context(device: CUdevice) -> CUresult {
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRelease(device: CUdevice) -> CUresult {
-    release_primary_context(device)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(device: CUdevice) -> CUresult {
-    release_primary_context(device)
-}
+exports_alike!(
+    cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2 =>
+    (device: CUdevice) {
+        release_primary_context(device)
+    }
+);
 
 /// Every `cuCtxCreate` version: a new context, current on the calling thread. The extra
 /// parameters of `_v3` (affinity) and `_v4` (create params) change nothing here.
@@ -283,12 +277,9 @@ fn synchronize_stream(stream: Handle) -> CUresult {
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamSynchronize(stream: Handle) -> CUresult {
-    synchronize_stream(stream)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamSynchronize_ptsz(stream: Handle) -> CUresult {
-    synchronize_stream(stream)
-}
+exports_alike!(
+    cuStreamSynchronize, cuStreamSynchronize_ptsz =>
+    (stream: Handle) {
+        synchronize_stream(stream)
+    }
+);

@@ -31,6 +31,18 @@
 
 #![allow(unsafe_code)]
 
+/// Defines C exports that share one signature and one body: a call and its twin under
+/// another name (the per-thread-stream `_ptsz`/`_ptds` variant, or a `_v2` whose ABI did not
+/// change), which the fake runs alike since everything it does is synchronous.
+macro_rules! exports_alike {
+    ($($name:ident),+ => $arguments:tt $body:block) => {
+        $(
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn $name $arguments -> $crate::CUresult $body
+        )+
+    };
+}
+
 mod arrays;
 mod context;
 mod errors;

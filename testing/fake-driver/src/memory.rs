@@ -266,57 +266,23 @@ fn set_device_bytes(destination: CUdeviceptr, value: u8, length: usize) -> CUres
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemcpyHtoD_v2(
-    destination: CUdeviceptr,
-    source: *const c_void,
-    length: usize,
-) -> CUresult {
-    copy_host_to_device(destination, source, length)
-}
+exports_alike!(
+    cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds =>
+    (destination: CUdeviceptr, source: *const c_void, length: usize) {
+        copy_host_to_device(destination, source, length)
+    }
+);
 
-/// The per-thread-default-stream variant; copies are synchronous here, so the same.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemcpyHtoD_v2_ptds(
-    destination: CUdeviceptr,
-    source: *const c_void,
-    length: usize,
-) -> CUresult {
-    copy_host_to_device(destination, source, length)
-}
+exports_alike!(
+    cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds =>
+    (destination: *mut c_void, source: CUdeviceptr, length: usize) {
+        copy_device_to_host(destination, source, length)
+    }
+);
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemcpyDtoH_v2(
-    destination: *mut c_void,
-    source: CUdeviceptr,
-    length: usize,
-) -> CUresult {
-    copy_device_to_host(destination, source, length)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemcpyDtoH_v2_ptds(
-    destination: *mut c_void,
-    source: CUdeviceptr,
-    length: usize,
-) -> CUresult {
-    copy_device_to_host(destination, source, length)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemsetD8_v2(
-    destination: CUdeviceptr,
-    value: u8,
-    length: usize,
-) -> CUresult {
-    set_device_bytes(destination, value, length)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemsetD8_v2_ptds(
-    destination: CUdeviceptr,
-    value: u8,
-    length: usize,
-) -> CUresult {
-    set_device_bytes(destination, value, length)
-}
+exports_alike!(
+    cuMemsetD8_v2, cuMemsetD8_v2_ptds =>
+    (destination: CUdeviceptr, value: u8, length: usize) {
+        set_device_bytes(destination, value, length)
+    }
+);

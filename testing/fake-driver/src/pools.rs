@@ -168,53 +168,26 @@ fn free_async(pointer: CUdeviceptr, stream: Handle) -> CUresult {
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocAsync(
-    pointer_out: *mut CUdeviceptr,
-    bytes: usize,
-    stream: Handle,
-) -> CUresult {
-    allocate_async(pointer_out, bytes, None, stream)
-}
+exports_alike!(
+    cuMemAllocAsync, cuMemAllocAsync_ptsz =>
+    (pointer_out: *mut CUdeviceptr, bytes: usize, stream: Handle) {
+        allocate_async(pointer_out, bytes, None, stream)
+    }
+);
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
-    pointer_out: *mut CUdeviceptr,
-    bytes: usize,
-    stream: Handle,
-) -> CUresult {
-    allocate_async(pointer_out, bytes, None, stream)
-}
+exports_alike!(
+    cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz =>
+    (pointer_out: *mut CUdeviceptr, bytes: usize, pool: Handle, stream: Handle) {
+        allocate_async(pointer_out, bytes, Some(pool), stream)
+    }
+);
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
-    pointer_out: *mut CUdeviceptr,
-    bytes: usize,
-    pool: Handle,
-    stream: Handle,
-) -> CUresult {
-    allocate_async(pointer_out, bytes, Some(pool), stream)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
-    pointer_out: *mut CUdeviceptr,
-    bytes: usize,
-    pool: Handle,
-    stream: Handle,
-) -> CUresult {
-    allocate_async(pointer_out, bytes, Some(pool), stream)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeAsync(pointer: CUdeviceptr, stream: Handle) -> CUresult {
-    free_async(pointer, stream)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeAsync_ptsz(pointer: CUdeviceptr, stream: Handle) -> CUresult {
-    free_async(pointer, stream)
-}
+exports_alike!(
+    cuMemFreeAsync, cuMemFreeAsync_ptsz =>
+    (pointer: CUdeviceptr, stream: Handle) {
+        free_async(pointer, stream)
+    }
+);
 
 /// `cuMemPoolCreate`: the properties must be there; the fake has one device and one kind of
 /// memory, so their contents are not checked.
