@@ -15,7 +15,7 @@ use std::ffi::c_uint;
 
 use crate::{
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUresult, DriverState,
-    Handle, handle_pointer, handle_value, initialized_call,
+    Handle, answer_call, handle_pointer, handle_value, initialized_call,
 };
 
 /// `CUDA_ARRAY_DESCRIPTOR`.
@@ -120,18 +120,15 @@ fn mipmapped_bytes(descriptor: &Array3dDescriptor, level_count: c_uint) -> Optio
     Some(total)
 }
 
-/// Counts the bytes of a new array (or mipmapped array) and writes its handle.
+/// Counts the bytes of a new array (or mipmapped array) and answers its handle.
 fn create(
     state: &mut DriverState,
-    handle_out: &mut Handle,
     bytes: Option<u64>,
     mipmapped: bool,
-) -> CUresult {
-    let Some(bytes) = bytes else {
-        return CUDA_ERROR_INVALID_VALUE;
-    };
+) -> Result<Handle, CUresult> {
+    let bytes = bytes.ok_or(CUDA_ERROR_INVALID_VALUE)?;
     if !state.fits(bytes) {
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return Err(CUDA_ERROR_OUT_OF_MEMORY);
     }
     let handle = state.new_handle();
     let table = &mut state.arrays;
@@ -141,8 +138,7 @@ fn create(
         table.arrays.insert(handle, bytes);
     }
     table.bytes += bytes;
-    *handle_out = handle_pointer(handle);
-    CUDA_SUCCESS
+    Ok(handle_pointer(handle))
 }
 
 fn destroy(state: &mut DriverState, handle: Handle, mipmapped: bool) -> CUresult {
@@ -161,18 +157,21 @@ fn destroy(state: &mut DriverState, handle: Handle, mipmapped: bool) -> CUresult
     }
 }
 
+/// A copy of the caller's descriptor; null is `CUDA_ERROR_INVALID_VALUE`.
+fn read_descriptor<T: Copy>(descriptor: *const T) -> Result<T, CUresult> {
+    // SAFETY: CUDA's contract: a descriptor pointer is null or valid for reading one T.
+    unsafe { descriptor.as_ref() }
+        .copied()
+        .ok_or(CUDA_ERROR_INVALID_VALUE)
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuArrayCreate_v2(
     handle_out: *mut Handle,
     descriptor: *const ArrayDescriptor,
 ) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: null, or valid for writing a handle / reading a descriptor.
-        let (Some(handle_out), Some(descriptor)) = (unsafe { handle_out.as_mut() }, unsafe {
-            descriptor.as_ref()
-        }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
+    answer_call(handle_out, |state| {
+        let descriptor = read_descriptor(descriptor)?;
         let bytes = level_bytes(
             descriptor.width as u64,
             descriptor.height as u64,
@@ -180,7 +179,7 @@ pub unsafe extern "C" fn cuArrayCreate_v2(
             descriptor.format,
             descriptor.channel_count,
         );
-        create(state, handle_out, bytes, false)
+        create(state, bytes, false)
     })
 }
 
@@ -189,21 +188,9 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(
     handle_out: *mut Handle,
     descriptor: *const Array3dDescriptor,
 ) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: null, or valid for writing a handle / reading a descriptor.
-        let (Some(handle_out), Some(descriptor)) = (unsafe { handle_out.as_mut() }, unsafe {
-            descriptor.as_ref()
-        }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        let bytes = level_bytes(
-            descriptor.width as u64,
-            descriptor.height as u64,
-            descriptor.depth as u64,
-            descriptor.format,
-            descriptor.channel_count,
-        );
-        create(state, handle_out, bytes, false)
+    answer_call(handle_out, |state| {
+        let descriptor = read_descriptor(descriptor)?;
+        create(state, mipmapped_bytes(&descriptor, 1), false)
     })
 }
 
@@ -213,15 +200,9 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
     descriptor: *const Array3dDescriptor,
     level_count: c_uint,
 ) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: null, or valid for writing a handle / reading a descriptor.
-        let (Some(handle_out), Some(descriptor)) = (unsafe { handle_out.as_mut() }, unsafe {
-            descriptor.as_ref()
-        }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        let bytes = mipmapped_bytes(descriptor, level_count);
-        create(state, handle_out, bytes, true)
+    answer_call(handle_out, |state| {
+        let descriptor = read_descriptor(descriptor)?;
+        create(state, mipmapped_bytes(&descriptor, level_count), true)
     })
 }
 

@@ -15,8 +15,8 @@ use std::ffi::{c_char, c_int, c_uint, c_void};
 use crate::{
     CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_HANDLE,
     CUDA_ERROR_INVALID_VALUE, CUDA_SUCCESS, CUdevice, CUresult, DEVICE_NAME, DEVICE_UUID,
-    DRIVER_VERSION, DriverState, Handle, cuda_call, handle_pointer, handle_value, initialized_call,
-    lock_state,
+    DRIVER_VERSION, DriverState, Handle, answer_call, cuda_call, handle_pointer, handle_value,
+    initialized_call, lock_state,
 };
 
 thread_local! {
@@ -72,29 +72,12 @@ pub unsafe extern "C" fn cuDriverGetVersion(version_out: *mut c_int) -> CUresult
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDeviceGet(device_out: *mut CUdevice, ordinal: c_int) -> CUresult {
-    initialized_call(|_| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(device_out) = (unsafe { device_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        if let Err(code) = check_device(ordinal) {
-            return code;
-        }
-        *device_out = 0;
-        CUDA_SUCCESS
-    })
+    answer_call(device_out, |_| check_device(ordinal).map(|()| 0))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDeviceGetCount(count_out: *mut c_int) -> CUresult {
-    initialized_call(|_| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(count_out) = (unsafe { count_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        *count_out = 1;
-        CUDA_SUCCESS
-    })
+    answer_call(count_out, |_| Ok(1))
 }
 
 /// `cuDeviceGetName`: the name, cut to `length - 1` bytes, NUL-terminated.
@@ -123,46 +106,25 @@ pub unsafe extern "C" fn cuDeviceGetName(
 }
 
 fn write_uuid(uuid_out: *mut [u8; 16], device: CUdevice) -> CUresult {
-    initialized_call(|_| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writing a CUuuid
-        // (16 bytes, byte aligned).
-        let Some(uuid_out) = (unsafe { uuid_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        if let Err(code) = check_device(device) {
-            return code;
-        }
-        *uuid_out = DEVICE_UUID;
-        CUDA_SUCCESS
-    })
+    answer_call(uuid_out, |_| check_device(device).map(|()| DEVICE_UUID))
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetUuid(uuid_out: *mut [u8; 16], device: CUdevice) -> CUresult {
-    write_uuid(uuid_out, device)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid_out: *mut [u8; 16], device: CUdevice) -> CUresult {
-    write_uuid(uuid_out, device)
-}
+exports_alike!(
+    cuDeviceGetUuid, cuDeviceGetUuid_v2 =>
+    (uuid_out: *mut [u8; 16], device: CUdevice) {
+        write_uuid(uuid_out, device)
+    }
+);
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(
     context_out: *mut Handle,
     device: CUdevice,
 ) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(context_out) = (unsafe { context_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        if let Err(code) = check_device(device) {
-            return code;
-        }
+    answer_call(context_out, |state| {
+        check_device(device)?;
         state.primary_context_retains += 1;
-        *context_out = handle_pointer(state.primary_context);
-        CUDA_SUCCESS
+        Ok(handle_pointer(state.primary_context))
     })
 }
 
@@ -179,32 +141,22 @@ fn release_primary_context(device: CUdevice) -> CUresult {
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRelease(device: CUdevice) -> CUresult {
-    release_primary_context(device)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(device: CUdevice) -> CUresult {
-    release_primary_context(device)
-}
+exports_alike!(
+    cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2 =>
+    (device: CUdevice) {
+        release_primary_context(device)
+    }
+);
 
 /// Every `cuCtxCreate` version: a new context, current on the calling thread. The extra
 /// parameters of `_v3` (affinity) and `_v4` (create params) change nothing here.
 fn create_context(context_out: *mut Handle, device: CUdevice) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(context_out) = (unsafe { context_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        if let Err(code) = check_device(device) {
-            return code;
-        }
+    answer_call(context_out, |state| {
+        check_device(device)?;
         let handle = state.new_handle();
         state.contexts.insert(handle);
         CURRENT_CONTEXT.with(|current| current.set(handle));
-        *context_out = handle_pointer(handle);
-        CUDA_SUCCESS
+        Ok(handle_pointer(handle))
     })
 }
 
@@ -271,28 +223,16 @@ pub unsafe extern "C" fn cuCtxSetCurrent(context: Handle) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxGetCurrent(context_out: *mut Handle) -> CUresult {
-    initialized_call(|_| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(context_out) = (unsafe { context_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        *context_out = handle_pointer(CURRENT_CONTEXT.with(Cell::get));
-        CUDA_SUCCESS
+    answer_call(context_out, |_| {
+        Ok(handle_pointer(CURRENT_CONTEXT.with(Cell::get)))
     })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxGetDevice(device_out: *mut CUdevice) -> CUresult {
-    initialized_call(|_| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(device_out) = (unsafe { device_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        if CURRENT_CONTEXT.with(Cell::get) == 0 {
-            return CUDA_ERROR_INVALID_CONTEXT;
-        }
-        *device_out = 0;
-        CUDA_SUCCESS
+    answer_call(device_out, |_| match CURRENT_CONTEXT.with(Cell::get) {
+        0 => Err(CUDA_ERROR_INVALID_CONTEXT),
+        _ => Ok(0),
     })
 }
 
@@ -306,18 +246,13 @@ pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuStreamCreate(stream_out: *mut Handle, flags: c_uint) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(stream_out) = (unsafe { stream_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
+    answer_call(stream_out, |state| {
         if !STREAM_FLAGS.contains(&flags) {
-            return CUDA_ERROR_INVALID_VALUE;
+            return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let handle = state.new_handle();
         state.streams.insert(handle);
-        *stream_out = handle_pointer(handle);
-        CUDA_SUCCESS
+        Ok(handle_pointer(handle))
     })
 }
 
@@ -342,12 +277,9 @@ fn synchronize_stream(stream: Handle) -> CUresult {
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamSynchronize(stream: Handle) -> CUresult {
-    synchronize_stream(stream)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamSynchronize_ptsz(stream: Handle) -> CUresult {
-    synchronize_stream(stream)
-}
+exports_alike!(
+    cuStreamSynchronize, cuStreamSynchronize_ptsz =>
+    (stream: Handle) {
+        synchronize_stream(stream)
+    }
+);

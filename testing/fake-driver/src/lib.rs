@@ -31,6 +31,18 @@
 
 #![allow(unsafe_code)]
 
+/// Defines C exports that share one signature and one body: a call and its twin under
+/// another name (the per-thread-stream `_ptsz`/`_ptds` variant, or a `_v2` whose ABI did not
+/// change), which the fake runs alike since everything it does is synchronous.
+macro_rules! exports_alike {
+    ($($name:ident),+ => $arguments:tt $body:block) => {
+        $(
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn $name $arguments -> $crate::CUresult $body
+        )+
+    };
+}
+
 mod arrays;
 mod context;
 mod errors;
@@ -238,6 +250,28 @@ pub(crate) fn initialized_call(body: impl FnOnce(&mut DriverState) -> CUresult) 
             return CUDA_ERROR_NOT_INITIALIZED;
         }
         body(&mut state)
+    })
+}
+
+/// Runs a CUDA export after `cuInit` that answers one value through an out-pointer: a null
+/// out-pointer is `CUDA_ERROR_INVALID_VALUE` (checked before anything is done), an `Err`
+/// the body's code, and nothing is written unless the body succeeds.
+pub(crate) fn answer_call<T>(
+    out: *mut T,
+    body: impl FnOnce(&mut DriverState) -> Result<T, CUresult>,
+) -> CUresult {
+    initialized_call(|state| {
+        // SAFETY: CUDA's contract: an out-pointer is null or valid for writing a T.
+        let Some(out) = (unsafe { out.as_mut() }) else {
+            return CUDA_ERROR_INVALID_VALUE;
+        };
+        match body(state) {
+            Ok(value) => {
+                *out = value;
+                CUDA_SUCCESS
+            }
+            Err(code) => code,
+        }
     })
 }
 

@@ -14,7 +14,8 @@ use std::ffi::{c_uint, c_void};
 
 use crate::{
     Allocation, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY,
-    CUDA_SUCCESS, CUdevice, CUdeviceptr, CUresult, DriverState, host_memory, initialized_call,
+    CUDA_SUCCESS, CUdevice, CUdeviceptr, CUresult, DriverState, answer_call, host_memory,
+    initialized_call,
 };
 
 /// The row alignment `cuMemAllocPitch_v2` pads to (the real driver's is device specific;
@@ -114,18 +115,8 @@ fn device_total(state: &DriverState, device: CUdevice) -> Result<u64, CUresult> 
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(pointer_out: *mut CUdeviceptr, bytes: usize) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(pointer_out) = (unsafe { pointer_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        match allocate_direct(state, bytes as u64, false) {
-            Ok(address) => {
-                *pointer_out = address;
-                CUDA_SUCCESS
-            }
-            Err(code) => code,
-        }
+    answer_call(pointer_out, |state| {
+        allocate_direct(state, bytes as u64, false)
     })
 }
 
@@ -137,28 +128,22 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     height: usize,
     element_size_bytes: c_uint,
 ) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: out-pointers are null or valid for writes.
-        let (Some(pointer_out), Some(pitch_out)) = (unsafe { pointer_out.as_mut() }, unsafe {
-            pitch_out.as_mut()
-        }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        if width_bytes == 0 || height == 0 || ![4, 8, 16].contains(&element_size_bytes) {
-            return CUDA_ERROR_INVALID_VALUE;
+    answer_call(pointer_out, |state| {
+        if pitch_out.is_null()
+            || width_bytes == 0
+            || height == 0
+            || ![4, 8, 16].contains(&element_size_bytes)
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let pitch = (width_bytes as u64).div_ceil(PITCH_ALIGNMENT) * PITCH_ALIGNMENT;
-        let Some(bytes) = pitch.checked_mul(height as u64) else {
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        };
-        match allocate_direct(state, bytes, false) {
-            Ok(address) => {
-                *pointer_out = address;
-                *pitch_out = pitch as usize;
-                CUDA_SUCCESS
-            }
-            Err(code) => code,
-        }
+        let bytes = pitch
+            .checked_mul(height as u64)
+            .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        let address = allocate_direct(state, bytes, false)?;
+        // SAFETY: checked non-null above; CUDA's contract: valid for writes.
+        unsafe { pitch_out.write(pitch as usize) };
+        Ok(address)
     })
 }
 
@@ -168,21 +153,11 @@ pub unsafe extern "C" fn cuMemAllocManaged(
     bytes: usize,
     flags: c_uint,
 ) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(pointer_out) = (unsafe { pointer_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
+    answer_call(pointer_out, |state| {
         if !MANAGED_ATTACH_FLAGS.contains(&flags) {
-            return CUDA_ERROR_INVALID_VALUE;
+            return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        match allocate_direct(state, bytes as u64, false) {
-            Ok(address) => {
-                *pointer_out = address;
-                CUDA_SUCCESS
-            }
-            Err(code) => code,
-        }
+        allocate_direct(state, bytes as u64, false)
     })
 }
 
@@ -191,54 +166,34 @@ pub unsafe extern "C" fn cuMemFree_v2(pointer: CUdeviceptr) -> CUresult {
     initialized_call(|state| free_now(state, pointer))
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemGetInfo_v2(free_out: *mut usize, total_out: *mut usize) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: out-pointers are null or valid for writes.
-        let (Some(free_out), Some(total_out)) =
-            (unsafe { free_out.as_mut() }, unsafe { total_out.as_mut() })
-        else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        *free_out = state.free_bytes() as usize;
-        *total_out = state.capacity_bytes() as usize;
-        CUDA_SUCCESS
+/// Both `cuMemGetInfo` versions: (free, total) converted by `convert`.
+fn memory_info<T>(free_out: *mut T, total_out: *mut T, convert: fn(u64) -> T) -> CUresult {
+    answer_call(free_out, |state| {
+        if total_out.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: checked non-null above; CUDA's contract: valid for writes.
+        unsafe { total_out.write(convert(state.capacity_bytes())) };
+        Ok(convert(state.free_bytes()))
     })
 }
 
 #[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free_out: *mut usize, total_out: *mut usize) -> CUresult {
+    memory_info(free_out, total_out, |bytes| bytes as usize)
+}
+
+#[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes_out: *mut usize, device: CUdevice) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(bytes_out) = (unsafe { bytes_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        match device_total(state, device) {
-            Ok(total) => {
-                *bytes_out = total as usize;
-                CUDA_SUCCESS
-            }
-            Err(code) => code,
-        }
-    })
+    answer_call(bytes_out, |state| Ok(device_total(state, device)? as usize))
 }
 
 /// The legacy `cuMemAlloc` (CUDA before 3.2): a 32-bit device pointer and size.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc(pointer_out: *mut u32, bytes: c_uint) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(pointer_out) = (unsafe { pointer_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        match allocate_direct(state, u64::from(bytes), true) {
-            Ok(address) => {
-                // map_below_4_gib only answers addresses that fit.
-                *pointer_out = address as u32;
-                CUDA_SUCCESS
-            }
-            Err(code) => code,
-        }
+    // map_below_4_gib only answers addresses that fit in 32 bits.
+    answer_call(pointer_out, |state| {
+        Ok(allocate_direct(state, u64::from(bytes), true)? as u32)
     })
 }
 
@@ -248,143 +203,86 @@ pub unsafe extern "C" fn cuMemFree(pointer: u32) -> CUresult {
     initialized_call(|state| free_now(state, u64::from(pointer)))
 }
 
+fn saturate_to_32_bits(bytes: u64) -> c_uint {
+    c_uint::try_from(bytes).unwrap_or(c_uint::MAX)
+}
+
 /// The legacy `cuMemGetInfo`: 32-bit numbers, saturated.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemGetInfo(free_out: *mut c_uint, total_out: *mut c_uint) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: out-pointers are null or valid for writes.
-        let (Some(free_out), Some(total_out)) =
-            (unsafe { free_out.as_mut() }, unsafe { total_out.as_mut() })
-        else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        *free_out = u32::try_from(state.free_bytes()).unwrap_or(u32::MAX);
-        *total_out = u32::try_from(state.capacity_bytes()).unwrap_or(u32::MAX);
-        CUDA_SUCCESS
-    })
+    memory_info(free_out, total_out, saturate_to_32_bits)
 }
 
 /// The legacy `cuDeviceTotalMem`: a 32-bit size, saturated.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDeviceTotalMem(bytes_out: *mut c_uint, device: CUdevice) -> CUresult {
+    answer_call(bytes_out, |state| {
+        Ok(saturate_to_32_bits(device_total(state, device)?))
+    })
+}
+
+/// Runs a copy or memset on `[device_pointer, device_pointer + length)` once it is known to
+/// be device memory the driver holds (checked under the lock, which stays held while
+/// `body` runs, so the memory cannot be freed meanwhile); `host` must be non-null.
+fn on_device_range(
+    device_pointer: CUdeviceptr,
+    length: usize,
+    host: *const c_void,
+    body: impl FnOnce(*mut u8),
+) -> CUresult {
     initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(bytes_out) = (unsafe { bytes_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        match device_total(state, device) {
-            Ok(total) => {
-                *bytes_out = u32::try_from(total).unwrap_or(u32::MAX);
-                CUDA_SUCCESS
-            }
-            Err(code) => code,
+        if length == 0 {
+            return CUDA_SUCCESS;
         }
+        if host.is_null() || !device_range_is_valid(state, device_pointer, length as u64) {
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        body(device_pointer as usize as *mut u8);
+        CUDA_SUCCESS
     })
 }
 
 fn copy_host_to_device(destination: CUdeviceptr, source: *const c_void, length: usize) -> CUresult {
-    initialized_call(|state| {
-        if length == 0 {
-            return CUDA_SUCCESS;
-        }
-        if source.is_null() || !device_range_is_valid(state, destination, length as u64) {
-            return CUDA_ERROR_INVALID_VALUE;
-        }
-        // SAFETY: the destination range is host memory this driver mapped and still holds
-        // (checked above, under the lock); the source is the caller's readable buffer of
-        // `length` bytes (CUDA's contract); the two cannot overlap unless the caller passes
-        // device memory as host memory, which ptr::copy tolerates.
-        unsafe { std::ptr::copy(source.cast::<u8>(), destination as usize as *mut u8, length) };
-        CUDA_SUCCESS
+    on_device_range(destination, length, source, |device| {
+        // SAFETY: the device range is host memory this driver mapped and holds
+        // (on_device_range); the source is the caller's readable buffer of `length` bytes
+        // (CUDA's contract). ptr::copy tolerates a caller passing overlapping ranges.
+        unsafe { std::ptr::copy(source.cast::<u8>(), device, length) }
     })
 }
 
 fn copy_device_to_host(destination: *mut c_void, source: CUdeviceptr, length: usize) -> CUresult {
-    initialized_call(|state| {
-        if length == 0 {
-            return CUDA_SUCCESS;
-        }
-        if destination.is_null() || !device_range_is_valid(state, source, length as u64) {
-            return CUDA_ERROR_INVALID_VALUE;
-        }
+    on_device_range(source, length, destination, |device| {
         // SAFETY: as in copy_host_to_device, with the roles swapped.
-        unsafe {
-            std::ptr::copy(
-                source as usize as *const u8,
-                destination.cast::<u8>(),
-                length,
-            )
-        };
-        CUDA_SUCCESS
+        unsafe { std::ptr::copy(device, destination.cast::<u8>(), length) }
     })
 }
 
 fn set_device_bytes(destination: CUdeviceptr, value: u8, length: usize) -> CUresult {
-    initialized_call(|state| {
-        if length == 0 {
-            return CUDA_SUCCESS;
-        }
-        if !device_range_is_valid(state, destination, length as u64) {
-            return CUDA_ERROR_INVALID_VALUE;
-        }
-        // SAFETY: the range is host memory this driver mapped and still holds (checked above,
-        // under the lock).
-        unsafe { std::ptr::write_bytes(destination as usize as *mut u8, value, length) };
-        CUDA_SUCCESS
+    // Any non-null host pointer: a memset has no host side.
+    on_device_range(destination, length, std::ptr::dangling(), |device| {
+        // SAFETY: the range is host memory this driver mapped and holds (on_device_range).
+        unsafe { std::ptr::write_bytes(device, value, length) }
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemcpyHtoD_v2(
-    destination: CUdeviceptr,
-    source: *const c_void,
-    length: usize,
-) -> CUresult {
-    copy_host_to_device(destination, source, length)
-}
+exports_alike!(
+    cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds =>
+    (destination: CUdeviceptr, source: *const c_void, length: usize) {
+        copy_host_to_device(destination, source, length)
+    }
+);
 
-/// The per-thread-default-stream variant; copies are synchronous here, so the same.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemcpyHtoD_v2_ptds(
-    destination: CUdeviceptr,
-    source: *const c_void,
-    length: usize,
-) -> CUresult {
-    copy_host_to_device(destination, source, length)
-}
+exports_alike!(
+    cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds =>
+    (destination: *mut c_void, source: CUdeviceptr, length: usize) {
+        copy_device_to_host(destination, source, length)
+    }
+);
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemcpyDtoH_v2(
-    destination: *mut c_void,
-    source: CUdeviceptr,
-    length: usize,
-) -> CUresult {
-    copy_device_to_host(destination, source, length)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemcpyDtoH_v2_ptds(
-    destination: *mut c_void,
-    source: CUdeviceptr,
-    length: usize,
-) -> CUresult {
-    copy_device_to_host(destination, source, length)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemsetD8_v2(
-    destination: CUdeviceptr,
-    value: u8,
-    length: usize,
-) -> CUresult {
-    set_device_bytes(destination, value, length)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemsetD8_v2_ptds(
-    destination: CUdeviceptr,
-    value: u8,
-    length: usize,
-) -> CUresult {
-    set_device_bytes(destination, value, length)
-}
+exports_alike!(
+    cuMemsetD8_v2, cuMemsetD8_v2_ptds =>
+    (destination: CUdeviceptr, value: u8, length: usize) {
+        set_device_bytes(destination, value, length)
+    }
+);

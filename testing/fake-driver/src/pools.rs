@@ -21,7 +21,7 @@ use std::ffi::{c_int, c_void};
 use crate::{
     CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUdevice, CUdeviceptr, CUresult, DriverState, Handle,
-    handle_pointer, handle_value, initialized_call, memory,
+    answer_call, handle_pointer, handle_value, initialized_call, memory,
 };
 
 // CUmemPool_attribute values.
@@ -145,19 +145,9 @@ fn allocate_async(
     pool: Option<Handle>,
     stream: Handle,
 ) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(pointer_out) = (unsafe { pointer_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
+    answer_call(pointer_out, |state| {
         let pool = pool.unwrap_or_else(|| handle_pointer(state.pools.current_pool));
-        match allocate_from_pool(state, pool, bytes as u64, stream) {
-            Ok(address) => {
-                *pointer_out = address;
-                CUDA_SUCCESS
-            }
-            Err(code) => code,
-        }
+        allocate_from_pool(state, pool, bytes as u64, stream)
     })
 }
 
@@ -178,53 +168,26 @@ fn free_async(pointer: CUdeviceptr, stream: Handle) -> CUresult {
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocAsync(
-    pointer_out: *mut CUdeviceptr,
-    bytes: usize,
-    stream: Handle,
-) -> CUresult {
-    allocate_async(pointer_out, bytes, None, stream)
-}
+exports_alike!(
+    cuMemAllocAsync, cuMemAllocAsync_ptsz =>
+    (pointer_out: *mut CUdeviceptr, bytes: usize, stream: Handle) {
+        allocate_async(pointer_out, bytes, None, stream)
+    }
+);
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
-    pointer_out: *mut CUdeviceptr,
-    bytes: usize,
-    stream: Handle,
-) -> CUresult {
-    allocate_async(pointer_out, bytes, None, stream)
-}
+exports_alike!(
+    cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz =>
+    (pointer_out: *mut CUdeviceptr, bytes: usize, pool: Handle, stream: Handle) {
+        allocate_async(pointer_out, bytes, Some(pool), stream)
+    }
+);
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
-    pointer_out: *mut CUdeviceptr,
-    bytes: usize,
-    pool: Handle,
-    stream: Handle,
-) -> CUresult {
-    allocate_async(pointer_out, bytes, Some(pool), stream)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
-    pointer_out: *mut CUdeviceptr,
-    bytes: usize,
-    pool: Handle,
-    stream: Handle,
-) -> CUresult {
-    allocate_async(pointer_out, bytes, Some(pool), stream)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeAsync(pointer: CUdeviceptr, stream: Handle) -> CUresult {
-    free_async(pointer, stream)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeAsync_ptsz(pointer: CUdeviceptr, stream: Handle) -> CUresult {
-    free_async(pointer, stream)
-}
+exports_alike!(
+    cuMemFreeAsync, cuMemFreeAsync_ptsz =>
+    (pointer: CUdeviceptr, stream: Handle) {
+        free_async(pointer, stream)
+    }
+);
 
 /// `cuMemPoolCreate`: the properties must be there; the fake has one device and one kind of
 /// memory, so their contents are not checked.
@@ -233,18 +196,13 @@ pub unsafe extern "C" fn cuMemPoolCreate(
     pool_out: *mut Handle,
     properties: *const c_void,
 ) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(pool_out) = (unsafe { pool_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
+    answer_call(pool_out, |state| {
         if properties.is_null() {
-            return CUDA_ERROR_INVALID_VALUE;
+            return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let handle = state.new_handle();
         state.pools.pools.insert(handle, Pool::default());
-        *pool_out = handle_pointer(handle);
-        CUDA_SUCCESS
+        Ok(handle_pointer(handle))
     })
 }
 
@@ -285,6 +243,18 @@ pub unsafe extern "C" fn cuMemPoolTrimTo(pool: Handle, bytes_to_keep: usize) -> 
     })
 }
 
+/// The get and set attribute calls: a live pool and a non-null value pointer.
+fn on_pool_attribute(
+    pool: Handle,
+    value: *mut c_void,
+    body: impl FnOnce(&mut Pool) -> CUresult,
+) -> CUresult {
+    initialized_call(|state| match state.pools.live(pool) {
+        Some((_, entry)) if !value.is_null() => body(entry),
+        _ => CUDA_ERROR_INVALID_VALUE,
+    })
+}
+
 /// `cuMemPoolGetAttribute`: the reuse flags are `int`, the byte counts `cuuint64_t`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemPoolGetAttribute(
@@ -292,13 +262,7 @@ pub unsafe extern "C" fn cuMemPoolGetAttribute(
     attribute: c_int,
     value: *mut c_void,
 ) -> CUresult {
-    initialized_call(|state| {
-        if value.is_null() {
-            return CUDA_ERROR_INVALID_VALUE;
-        }
-        let Some((_, entry)) = state.pools.live(pool) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
+    on_pool_attribute(pool, value, |entry| {
         let bytes = match attribute {
             ATTRIBUTE_REUSE_FOLLOW_EVENT_DEPENDENCIES
                 ..=ATTRIBUTE_REUSE_ALLOW_INTERNAL_DEPENDENCIES => {
@@ -328,13 +292,7 @@ pub unsafe extern "C" fn cuMemPoolSetAttribute(
     attribute: c_int,
     value: *mut c_void,
 ) -> CUresult {
-    initialized_call(|state| {
-        if value.is_null() {
-            return CUDA_ERROR_INVALID_VALUE;
-        }
-        let Some((_, entry)) = state.pools.live(pool) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
+    on_pool_attribute(pool, value, |entry| {
         if (ATTRIBUTE_REUSE_FOLLOW_EVENT_DEPENDENCIES..=ATTRIBUTE_REUSE_ALLOW_INTERNAL_DEPENDENCIES)
             .contains(&attribute)
         {
@@ -356,16 +314,11 @@ pub unsafe extern "C" fn cuMemPoolSetAttribute(
 }
 
 fn answer_pool(pool_out: *mut Handle, device: CUdevice, pick: fn(&PoolTable) -> u64) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(pool_out) = (unsafe { pool_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
+    answer_call(pool_out, |state| {
         if device != 0 {
-            return CUDA_ERROR_INVALID_DEVICE;
+            return Err(CUDA_ERROR_INVALID_DEVICE);
         }
-        *pool_out = handle_pointer(pick(&state.pools));
-        CUDA_SUCCESS
+        Ok(handle_pointer(pick(&state.pools)))
     })
 }
 

@@ -18,7 +18,7 @@ use std::ffi::{c_int, c_ulonglong, c_void};
 
 use crate::{
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUdeviceptr, CUresult,
-    GRANULARITY, host_memory, initialized_call,
+    GRANULARITY, answer_call, host_memory, initialized_call,
 };
 
 /// `CUmemGenericAllocationHandle`.
@@ -89,7 +89,7 @@ impl VirtualMemory {
     fn inside_one_reservation(&self, start: u64, length: u64) -> bool {
         self.reservations.range(..=start).next_back().is_some_and(
             |(reservation_start, reservation_length)| {
-                start + length <= reservation_start + reservation_length
+                start.saturating_add(length) <= reservation_start + reservation_length
             },
         )
     }
@@ -128,31 +128,24 @@ pub unsafe extern "C" fn cuMemCreate(
     properties: *const c_void,
     flags: c_ulonglong,
 ) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(handle_out) = (unsafe { handle_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
+    answer_call(handle_out, |state| {
         let bytes = bytes as u64;
         if properties.is_null() || flags != 0 || !is_granular(bytes) {
-            return CUDA_ERROR_INVALID_VALUE;
+            return Err(CUDA_ERROR_INVALID_VALUE);
         }
         if !state.fits(bytes) {
-            return CUDA_ERROR_OUT_OF_MEMORY;
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         let handle = state.new_handle();
         let memory = &mut state.virtual_memory;
-        memory.physical.insert(
-            handle,
-            Physical {
-                bytes,
-                released: false,
-                mapping_count: 0,
-            },
-        );
+        let physical = Physical {
+            bytes,
+            released: false,
+            mapping_count: 0,
+        };
+        memory.physical.insert(handle, physical);
         memory.physical_bytes += bytes;
-        *handle_out = handle;
-        CUDA_SUCCESS
+        Ok(handle)
     })
 }
 
@@ -179,27 +172,18 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     _address_hint: CUdeviceptr,
     flags: c_ulonglong,
 ) -> CUresult {
-    initialized_call(|state| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(pointer_out) = (unsafe { pointer_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
-        if flags != 0
-            || !is_granular(length as u64)
-            || !(alignment == 0 || alignment.is_power_of_two())
-        {
-            return CUDA_ERROR_INVALID_VALUE;
+    answer_call(pointer_out, |state| {
+        let alignment_is_valid = alignment == 0 || alignment.is_power_of_two();
+        if flags != 0 || !is_granular(length as u64) || !alignment_is_valid {
+            return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let alignment = alignment.max(GRANULARITY as usize);
-        let Some(start) = host_memory::map_aligned(length, alignment) else {
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        };
+        let start = host_memory::map_aligned(length, alignment).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
         state
             .virtual_memory
             .reservations
             .insert(start, length as u64);
-        *pointer_out = start;
-        CUDA_SUCCESS
+        Ok(start)
     })
 }
 
@@ -210,7 +194,7 @@ pub unsafe extern "C" fn cuMemAddressFree(start: CUdeviceptr, length: usize) -> 
         let memory = &mut state.virtual_memory;
         let length = length as u64;
         if memory.reservations.get(&start) != Some(&length)
-            || memory.overlaps_a_mapping(start, start + length)
+            || memory.overlaps_a_mapping(start, start.saturating_add(length))
         {
             return CUDA_ERROR_INVALID_VALUE;
         }
@@ -243,7 +227,7 @@ pub unsafe extern "C" fn cuMemMap(
             || !is_granular(length)
             || !fits_handle
             || !memory.inside_one_reservation(start, length)
-            || memory.overlaps_a_mapping(start, start + length)
+            || memory.overlaps_a_mapping(start, start.saturating_add(length))
         {
             return CUDA_ERROR_INVALID_VALUE;
         }
@@ -319,15 +303,10 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
     properties: *const c_void,
     option: c_int,
 ) -> CUresult {
-    initialized_call(|_| {
-        // SAFETY: CUDA's contract: the out-pointer is null or valid for writes.
-        let Some(granularity_out) = (unsafe { granularity_out.as_mut() }) else {
-            return CUDA_ERROR_INVALID_VALUE;
-        };
+    answer_call(granularity_out, |_| {
         if properties.is_null() || !(0..=1).contains(&option) {
-            return CUDA_ERROR_INVALID_VALUE;
+            return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        *granularity_out = GRANULARITY as usize;
-        CUDA_SUCCESS
+        Ok(GRANULARITY as usize)
     })
 }

@@ -495,3 +495,59 @@ fn nvml_reports_the_drivers_memory() {
     );
     assert_eq!(driver.free(pointer), CUDA_SUCCESS);
 }
+
+/// Programs load the driver as `libcuda.so.1` and NVML as `libnvidia-ml.so.1`, links to one
+/// file: the loader maps it once, so NVML reports what the CUDA side allocated.
+#[test]
+fn cuda_and_nvml_links_to_one_file_share_one_driver() {
+    let directory = std::env::temp_dir().join(format!(
+        "carve-fake-driver-tests-{}/links",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&directory).expect("links directory");
+    let copy = directory.join("libcarve_fake_driver.so");
+    std::fs::copy(library_path(), &copy).expect("a private copy");
+    let open = |name: &str| {
+        let link = directory.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&copy, &link).expect("symlink");
+        let path = std::ffi::CString::new(link.to_str().expect("UTF-8")).expect("no NUL");
+        // SAFETY: dlopen of the fake driver through a link to it.
+        unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) }
+    };
+    let cuda = open("libcuda.so.1");
+    let nvml = open("libnvidia-ml.so.1");
+    assert!(!cuda.is_null() && !nvml.is_null());
+    assert_eq!(cuda, nvml, "one file, one mapping");
+    let symbol = |handle: *mut c_void, name: &std::ffi::CStr| {
+        // SAFETY: dlsym on a live handle with a NUL-terminated name.
+        let address = unsafe { libc::dlsym(handle, name.as_ptr()) };
+        assert!(!address.is_null(), "{name:?}");
+        address
+    };
+    let mut pointer = 0u64;
+    let mut device: Handle = std::ptr::null_mut();
+    let mut memory = [0u64; 3];
+    // SAFETY: the signatures of cuInit, cuMemAlloc_v2, nvmlInit_v2,
+    // nvmlDeviceGetHandleByIndex_v2 and nvmlDeviceGetMemoryInfo (nvmlMemory_t: three u64).
+    unsafe {
+        let init: InitFn = std::mem::transmute(symbol(cuda, c"cuInit"));
+        assert_eq!(init(0), CUDA_SUCCESS);
+        let alloc: AllocFn = std::mem::transmute(symbol(cuda, c"cuMemAlloc_v2"));
+        assert_eq!(alloc(&mut pointer, (3 * MIB) as usize), CUDA_SUCCESS);
+        let nvml_init: unsafe extern "C" fn() -> u32 =
+            std::mem::transmute(symbol(nvml, c"nvmlInit_v2"));
+        assert_eq!(nvml_init(), 0);
+        let by_index: unsafe extern "C" fn(c_uint, *mut Handle) -> u32 =
+            std::mem::transmute(symbol(nvml, c"nvmlDeviceGetHandleByIndex_v2"));
+        assert_eq!(by_index(0, &mut device), 0);
+        let info: unsafe extern "C" fn(Handle, *mut [u64; 3]) -> u32 =
+            std::mem::transmute(symbol(nvml, c"nvmlDeviceGetMemoryInfo"));
+        assert_eq!(info(device, &mut memory), 0);
+    }
+    assert_eq!(
+        memory,
+        [16 * GIB, 16 * GIB - 3 * MIB, 3 * MIB],
+        "total, free, used"
+    );
+}

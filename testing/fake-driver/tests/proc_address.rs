@@ -134,23 +134,37 @@ fn each_base_name_maps_to_the_versioned_export() {
 #[test]
 fn unknown_names_and_too_old_versions_are_not_found() {
     let driver = Driver::load("not_found");
-    let (code, function, status) = query(&driver, "cuNoSuchFunction", 13000, 0);
-    assert_eq!(
-        (code, function, status),
-        (CUDA_ERROR_NOT_FOUND, std::ptr::null_mut(), 1)
-    );
-    let (code, function, status) = query(&driver, "cuMemAlloc_v2", 13000, 0);
-    assert_eq!(
-        (code, function, status),
-        (CUDA_ERROR_NOT_FOUND, std::ptr::null_mut(), 1),
-        "exports are not base names"
-    );
-    let (code, function, status) = query(&driver, "cuMemAllocAsync", 11000, 0);
-    assert_eq!(
-        (code, function, status),
-        (CUDA_ERROR_NOT_FOUND, std::ptr::null_mut(), 2),
-        "VERSION_NOT_SUFFICIENT"
-    );
+    // (name, version, flags, expected code, expected CUdriverProcAddressQueryResult, why)
+    let cases: &[(&str, c_int, u64, CUresult, c_int, &str)] = &[
+        (
+            "cuNoSuchFunction",
+            13000,
+            0,
+            CUDA_ERROR_NOT_FOUND,
+            1,
+            "unknown",
+        ),
+        (
+            "cuMemAlloc_v2",
+            13000,
+            0,
+            CUDA_ERROR_NOT_FOUND,
+            1,
+            "exports are not base names",
+        ),
+        (
+            "cuMemAllocAsync",
+            11000,
+            0,
+            CUDA_ERROR_NOT_FOUND,
+            2,
+            "VERSION_NOT_SUFFICIENT",
+        ),
+    ];
+    for (name, version, flags, code, status, why) in cases {
+        let answer = query(&driver, name, *version, *flags);
+        assert_eq!(answer, (*code, std::ptr::null_mut(), *status), "{why}");
+    }
     let (code, _, _) = query(&driver, "cuMemAlloc", 13000, 4);
     assert_eq!(code, CUDA_ERROR_INVALID_VALUE, "unknown flags");
 }
