@@ -226,6 +226,31 @@ pub(crate) fn guard() -> Result<Guard, CuResult> {
     }
 }
 
+/// At a normal exit the driver frees everything the process held, so its share goes back
+/// to the account now rather than when a later reservation finds the process dead (a
+/// killed process still waits for that). A forked child that never used CUDA has no
+/// state of its own and gives back nothing.
+extern "C" fn give_back_at_exit() {
+    let _ = std::panic::catch_unwind(|| {
+        let current = PROCESS.load(Ordering::Acquire);
+        // SAFETY: a published Process is leaked, so a non-null pointer stays valid forever.
+        let Some(process) = (unsafe { current.as_ref() }) else {
+            return;
+        };
+        if process.process_id == std::process::id()
+            && let Ok(config) = config()
+        {
+            config.account.release(process.slot, u64::MAX);
+        }
+    });
+}
+
+// SAFETY: `.fini_array` holds the functions the C runtime calls at exit; this entry is a
+// plain `extern "C" fn()` that never unwinds.
+#[used]
+#[unsafe(link_section = ".fini_array")]
+static GIVE_BACK_AT_EXIT: extern "C" fn() = give_back_at_exit;
+
 impl Guard {
     /// Charges `bytes` before the driver is asked, so that concurrent threads and
     /// processes never exceed the limit together. Over the limit it first credits what

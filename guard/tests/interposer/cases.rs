@@ -18,6 +18,7 @@ const CASES: &[(&str, Case)] = cases![
     refused_past_the_limit_through_every_lookup_path,
     memory_info_and_nvml_report_the_slice,
     two_processes_share_one_account,
+    an_exiting_process_gives_its_share_back,
     a_forked_child_registers_its_own_slot,
     virtual_memory_is_counted,
     pitched_and_managed_memory_are_counted,
@@ -517,4 +518,18 @@ fn a_destroyed_pool_is_credited_as_its_allocations_are_freed() {
     let in_use = |index| output.number("account", index, "in_use");
     assert_eq!([in_use(0), in_use(1), in_use(2)], [24 * MIB, 16 * MIB, 0]);
     assert_eq!(output.number("stats", 0, "bytes_in_use"), 0);
+}
+
+fn an_exiting_process_gives_its_share_back() {
+    let world = World::new(64 * MIB);
+    let output = run(world.probe(&["dlsym", "init", "ctx", "alloc:33554432", "account"]));
+    assert_eq!(
+        output.number("account", 0, "in_use"),
+        32 * MIB,
+        "{output:#?}"
+    );
+    let usage = carve_guard_account::Account::open(&world.account_path())
+        .expect("account")
+        .usage();
+    assert_eq!((usage.in_use_bytes, usage.peak_bytes), (0, 32 * MIB));
 }
