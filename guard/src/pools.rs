@@ -14,9 +14,11 @@
 
 use std::ffi::c_void;
 
+use carve_guard_account::OverLimit;
+
 use crate::driver_types::{
-    CUDA_SUCCESS, CuResult, DevicePointer, Handle, MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-    MEMPOOL_ATTR_USED_MEM_CURRENT,
+    CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CuResult, DevicePointer, Handle,
+    MEMPOOL_ATTR_RESERVED_MEM_CURRENT, MEMPOOL_ATTR_USED_MEM_CURRENT,
 };
 use crate::hook;
 use crate::real::call_real;
@@ -130,33 +132,20 @@ fn allocate_in_pool(
     // SAFETY: non-null out-pointer the driver wrote on success.
     let pointer = unsafe { dptr.read() };
     if charge.charged < reserved_after {
-        // The pool grew past what was charged and the account refused the rest: undo.
-        let over_by = reserved_after - charged_before;
-        // Stream 0 means a different stream to the `_ptsz` variants: free and wait on the
-        // one the program meant.
-        if entry_point.ends_with("_ptsz") {
-            call_real!(cuMemFreeAsync_ptsz(pointer, stream));
-            call_real!(cuStreamSynchronize_ptsz(stream));
-        } else {
-            call_real!(cuMemFreeAsync(pointer, stream));
-            call_real!(cuStreamSynchronize(stream));
-        }
-        call_real!(cuMemPoolTrimTo(pool, reserved_before as usize));
-        if let Ok((reserved, _)) = read_pool(pool) {
-            settle(guard, &mut charge, reserved);
-        }
-        let usage = guard.config.account.usage();
-        guard.record_out_of_memory(
+        let grown = Growth {
             entry_point,
+            pointer,
+            pool,
+            stream,
+            reserved_before,
+        };
+        return undo_refused_growth(
+            guard,
+            &mut charge,
+            grown,
             bytesize as u64,
-            carve_guard_account::OverLimit {
-                requested_bytes: over_by,
-                in_use_bytes: usage.in_use_bytes,
-                limit_bytes: usage.limit_bytes,
-                peak_bytes: usage.peak_bytes,
-            },
+            reserved_after - charged_before,
         );
-        return crate::driver_types::CUDA_ERROR_OUT_OF_MEMORY;
     }
     let pooled = Pooled {
         pool: pool as usize,
@@ -164,6 +153,57 @@ fn allocate_in_pool(
     };
     guard.process.remember_pooled(pointer, pooled);
     result
+}
+
+/// An allocation whose pool grew past what the account would take.
+struct Growth<'a> {
+    entry_point: &'a str,
+    pointer: DevicePointer,
+    pool: Handle,
+    stream: Handle,
+    reserved_before: u64,
+}
+
+/// The pool grew more than was charged ahead and the account refused the rest: the
+/// allocation is freed, its stream waited on and the pool trimmed back, then refused
+/// like any allocation past the limit. (What a trim cannot give back stays uncharged
+/// until the next reconcile.)
+fn undo_refused_growth(
+    guard: Guard,
+    charge: &mut PoolCharge,
+    grown: Growth,
+    requested_bytes: u64,
+    refused_bytes: u64,
+) -> CuResult {
+    let Growth {
+        entry_point,
+        pointer,
+        pool,
+        stream,
+        reserved_before,
+    } = grown;
+    // Stream 0 means a different stream to the `_ptsz` variants: free and wait on the one
+    // the program meant.
+    if entry_point.ends_with("_ptsz") {
+        call_real!(cuMemFreeAsync_ptsz(pointer, stream));
+        call_real!(cuStreamSynchronize_ptsz(stream));
+    } else {
+        call_real!(cuMemFreeAsync(pointer, stream));
+        call_real!(cuStreamSynchronize(stream));
+    }
+    call_real!(cuMemPoolTrimTo(pool, reserved_before as usize));
+    if let Ok((reserved, _)) = read_pool(pool) {
+        settle(guard, charge, reserved);
+    }
+    let usage = guard.config.account.usage();
+    let over = OverLimit {
+        requested_bytes: refused_bytes,
+        in_use_bytes: usage.in_use_bytes,
+        limit_bytes: usage.limit_bytes,
+        peak_bytes: usage.peak_bytes,
+    };
+    guard.record_out_of_memory(entry_point, requested_bytes, over);
+    CUDA_ERROR_OUT_OF_MEMORY
 }
 
 /// After a stream-ordered pointer was freed (or not): credit what its pool gave back,
