@@ -31,6 +31,7 @@ const CASES: &[(&str, Case)] = cases![
     many_threads_never_exceed_the_limit_together,
     hook_table_agrees_with_the_exports,
     dlsym_passes_everything_else_through,
+    a_program_without_cuda_never_loads_the_driver,
 ];
 
 /// Runs the cases whose name contains `filter`; the exit code.
@@ -532,4 +533,21 @@ fn an_exiting_process_gives_its_share_back() {
         .expect("account")
         .usage();
     assert_eq!((usage.in_use_bytes, usage.peak_bytes), (0, 32 * MIB));
+}
+
+fn a_program_without_cuda_never_loads_the_driver() {
+    let world = World::new(64 * MIB);
+    let output = run(world.probe(&["no_cuda"]));
+    assert!(output.success, "{output:#?}");
+    let field = |name: &str| output.number("no_cuda", 0, name);
+    assert_eq!(
+        [
+            field("found_getpid"),
+            field("found_hook"),
+            field("libcuda_loaded"),
+            field("nvml_loaded")
+        ],
+        [1, 1, 0, 0]
+    );
+    assert!(output.stderr.is_empty(), "{}", output.stderr);
 }

@@ -179,6 +179,10 @@ struct Held {
 }
 
 pub fn run(arguments: &[String]) {
+    if arguments[0] == "no_cuda" {
+        no_cuda();
+        return;
+    }
     let driver = Driver::load(&arguments[0]);
     emit("start", &[("pid", u64::from(std::process::id()))]);
     let mut held = Held::default();
@@ -722,6 +726,36 @@ fn dlsym_edges(driver: &Driver) {
                 flag(library_of(next_hooked).contains("libcarve_guard")),
             ),
             ("hooked_agree", flag(next_hooked == default_hooked)),
+        ],
+    );
+}
+
+/// A program that never uses CUDA but looks names up: the guard must not load the
+/// driver or NVML into it.
+fn no_cuda() {
+    // SAFETY: RTLD_DEFAULT and NUL-terminated names; RTLD_NOLOAD never loads anything.
+    let (getpid, hooked, cuda_loaded, nvml_loaded) = unsafe {
+        (
+            libc::dlsym(libc::RTLD_DEFAULT, c"getpid".as_ptr()),
+            libc::dlsym(libc::RTLD_DEFAULT, c"cuMemAlloc_v2".as_ptr()),
+            libc::dlopen(
+                c"libcuda.so.1".as_ptr(),
+                libc::RTLD_LAZY | libc::RTLD_NOLOAD,
+            ),
+            libc::dlopen(
+                c"libnvidia-ml.so.1".as_ptr(),
+                libc::RTLD_LAZY | libc::RTLD_NOLOAD,
+            ),
+        )
+    };
+    let flag = |condition: bool| u64::from(condition);
+    emit(
+        "no_cuda",
+        &[
+            ("found_getpid", flag(!getpid.is_null())),
+            ("found_hook", flag(!hooked.is_null())),
+            ("libcuda_loaded", flag(!cuda_loaded.is_null())),
+            ("nvml_loaded", flag(!nvml_loaded.is_null())),
         ],
     );
 }
