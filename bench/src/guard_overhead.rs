@@ -2,8 +2,9 @@
 //! API, straight into the fake driver and with the guard preloaded, in one run.
 //!
 //! The parent ([`run_guard_benchmark`]) makes a directory of `libcuda.so.1` (and friends)
-//! links to the fake driver and runs this same binary twice as a child ([`run_child`]):
-//! once plain, once with `LD_PRELOAD` of the guard and the guard's environment (limit,
+//! links to the fake driver and runs this same binary as a child ([`run_child`]), in turns
+//! (`child_runs` times each, so drift on a busy machine hits both alike): plain, and with
+//! `LD_PRELOAD` of the guard and the guard's environment (limit,
 //! account, OOM record in a temporary directory). Each child loads the driver the way the
 //! CUDA runtime and PyTorch do (`dlopen("libcuda.so.1")`, `dlsym` of
 //! `cuGetProcAddress_v2`, then `cuMemAlloc`/`cuMemFree` through it), times rounds of
@@ -39,6 +40,8 @@ pub struct GuardBenchSettings {
     pub rounds: usize,
     /// The guard's slice (`CARVE_GUARD_LIMIT_BYTES`).
     pub limit_bytes: u64,
+    /// Children run per side, alternating; the median is over all their rounds.
+    pub child_runs: usize,
 }
 
 /// What a child prints (one JSON line on stdout).
@@ -61,9 +64,10 @@ pub struct ChildReport {
 /// One side of the comparison.
 #[derive(Debug, Clone, Serialize)]
 pub struct SideReport {
+    /// Over every round of every run.
     pub median_ns_per_pair: f64,
     pub pairs_per_second: f64,
-    pub child: ChildReport,
+    pub runs: Vec<ChildReport>,
 }
 
 /// The run's result.
@@ -306,8 +310,12 @@ fn spawn_child(
         })
 }
 
-fn side(child: ChildReport) -> SideReport {
-    let median_ns_per_pair = median(&child.round_ns_per_pair);
+fn side(runs: Vec<ChildReport>) -> SideReport {
+    let rounds: Vec<f64> = runs
+        .iter()
+        .flat_map(|run| run.round_ns_per_pair.iter().copied())
+        .collect();
+    let median_ns_per_pair = median(&rounds);
     SideReport {
         median_ns_per_pair,
         pairs_per_second: if median_ns_per_pair > 0.0 {
@@ -315,7 +323,7 @@ fn side(child: ChildReport) -> SideReport {
         } else {
             0.0
         },
-        child,
+        runs,
     }
 }
 
@@ -331,12 +339,13 @@ pub fn run_guard_benchmark(
         .prefix("carve-guard-bench-account-")
         .tempdir()
         .map_err(|error| BenchError::Io(error.to_string()))?;
-    let direct = side(spawn_child(settings, drivers.path(), None)?);
-    let guarded = side(spawn_child(
-        settings,
-        drivers.path(),
-        Some((guard_library, guard_state.path())),
-    )?);
+    let (mut direct_runs, mut guarded_runs) = (Vec::new(), Vec::new());
+    for _ in 0..settings.child_runs.max(1) {
+        direct_runs.push(spawn_child(settings, drivers.path(), None)?);
+        let guard = Some((guard_library, guard_state.path()));
+        guarded_runs.push(spawn_child(settings, drivers.path(), guard)?);
+    }
+    let (direct, guarded) = (side(direct_runs), side(guarded_runs));
     let oom_lines = std::fs::read_to_string(guard_state.path().join("oom.jsonl"))
         .map(|text| text.lines().filter(|line| !line.trim().is_empty()).count())
         .unwrap_or(0);
@@ -373,33 +382,49 @@ pub fn run_guard_benchmark(
     Ok(report)
 }
 
-/// Whether the guarded child shows the guard at work, and the evidence in words.
+/// Whether every guarded run shows the guard at work, and the evidence in words.
 fn judge_interception(
     settings: &GuardBenchSettings,
     direct: &SideReport,
     guarded: &SideReport,
     oom_record_lines: usize,
 ) -> (bool, String) {
-    let child = &guarded.child;
-    if let Some(error) = &child.error {
+    if let Some(error) = guarded.runs.iter().find_map(|run| run.error.as_ref()) {
         return (false, format!("the guarded child failed: {error}"));
     }
-    if direct.child.error.is_some() || direct.child.over_limit_result != 0 {
+    if let Some(run) = direct
+        .runs
+        .iter()
+        .find(|run| run.error.is_some() || run.over_limit_result != 0)
+    {
         return (
             false,
             format!(
                 "the fake driver alone did not allow the over-limit allocation ({:?}, result {}), so the check means nothing",
-                direct.child.error, direct.child.over_limit_result
+                run.error, run.over_limit_result
             ),
         );
     }
-    let refused = child.over_limit_result == CUDA_ERROR_OUT_OF_MEMORY;
-    let slice_shown = child.reported_total_bytes == settings.limit_bytes;
+    let results: Vec<u32> = guarded
+        .runs
+        .iter()
+        .map(|run| run.over_limit_result)
+        .collect();
+    let totals: Vec<u64> = guarded
+        .runs
+        .iter()
+        .map(|run| run.reported_total_bytes)
+        .collect();
+    let refused = !results.is_empty()
+        && results
+            .iter()
+            .all(|result| *result == CUDA_ERROR_OUT_OF_MEMORY);
+    let slice_shown = totals.iter().all(|total| *total == settings.limit_bytes);
     let evidence = format!(
-        "over-limit allocation: result {} (2 = refused), OOM record lines: {oom_record_lines}, cuMemGetInfo total: {} (slice {})",
-        child.over_limit_result, child.reported_total_bytes, settings.limit_bytes
+        "over-limit allocation results {results:?} (2 = refused), OOM record lines: {oom_record_lines}, cuMemGetInfo totals {totals:?} (slice {})",
+        settings.limit_bytes
     );
-    if refused && oom_record_lines > 0 {
+    if refused && oom_record_lines >= guarded.runs.len() {
         (true, evidence)
     } else {
         let slice_note = if slice_shown {
@@ -418,10 +443,11 @@ fn judge_interception(
 pub fn render_guard_report(report: &GuardBenchReport) -> String {
     let settings = &report.settings;
     let mut text = format!(
-        "carve-guard-bench: {} pairs x {} rounds of cuMemAlloc_v2+cuMemFree_v2 of {} bytes (median round)\n\
+        "carve-guard-bench: {} runs x {} rounds x {} pairs of cuMemAlloc_v2+cuMemFree_v2 of {} bytes (median round)\n\
          machine: {} cpus, {}, load {:.2} -> {:.2}\n\n",
-        settings.pairs_per_round,
+        settings.child_runs,
         settings.rounds,
+        settings.pairs_per_round,
         settings.allocation_bytes,
         report.machine.cpus,
         report.machine.cpu_model,
@@ -434,9 +460,9 @@ pub fn render_guard_report(report: &GuardBenchReport) -> String {
         ("guard + fake driver", &report.guarded),
     ] {
         let rounds: Vec<String> = side
-            .child
-            .round_ns_per_pair
+            .runs
             .iter()
+            .flat_map(|run| run.round_ns_per_pair.iter())
             .map(|ns| format!("{ns:.0}"))
             .collect();
         text.push_str(&format!(
@@ -483,14 +509,14 @@ mod tests {
     }
 
     fn child(over_limit_result: u32, reported_total_bytes: u64) -> SideReport {
-        side(ChildReport {
+        side(vec![ChildReport {
             cu_init: 0,
             reported_total_bytes,
             round_ns_per_pair: vec![100.0],
             failed_pairs: 0,
             over_limit_result,
             error: None,
-        })
+        }])
     }
 
     #[test]
@@ -500,6 +526,7 @@ mod tests {
             pairs_per_round: 10,
             rounds: 1,
             limit_bytes: 1 << 30,
+            child_runs: 1,
         };
         let direct = child(0, 16 << 30);
         let (yes, _) = judge_interception(&settings, &direct, &child(2, 1 << 30), 1);

@@ -51,6 +51,9 @@ struct MeasureArguments {
 struct RunArguments {
     #[command(flatten)]
     measure: MeasureArguments,
+    /// Children per side, run in turns (direct, guarded, direct, ...).
+    #[arg(long, default_value_t = 3)]
+    child_runs: usize,
     /// The fake driver; default: libcarve_fake_driver.so next to this binary (deps/ first).
     #[arg(long)]
     fake_driver_library: Option<PathBuf>,
@@ -63,15 +66,20 @@ struct RunArguments {
 }
 
 impl MeasureArguments {
-    fn settings(&self) -> Result<GuardBenchSettings> {
-        if self.allocation_bytes == 0 || self.pairs_per_round == 0 || self.rounds == 0 {
-            bail!("--bytes, --pairs and --rounds must be positive");
+    fn settings(&self, child_runs: usize) -> Result<GuardBenchSettings> {
+        if self.allocation_bytes == 0
+            || self.pairs_per_round == 0
+            || self.rounds == 0
+            || child_runs == 0
+        {
+            bail!("--bytes, --pairs, --rounds and --child-runs must be positive");
         }
         Ok(GuardBenchSettings {
             allocation_bytes: self.allocation_bytes,
             pairs_per_round: self.pairs_per_round,
             rounds: self.rounds,
             limit_bytes: self.limit_bytes,
+            child_runs,
         })
     }
 }
@@ -88,12 +96,12 @@ fn library(flag: Option<PathBuf>, file_name: &str) -> Result<PathBuf> {
 fn main() -> Result<()> {
     let arguments = Arguments::parse();
     if let Some(Command::Child(measure)) = arguments.command {
-        let report = run_child(&measure.settings()?);
+        let report = run_child(&measure.settings(1)?);
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());
     }
     let run = arguments.run;
-    let settings = run.measure.settings()?;
+    let settings = run.measure.settings(run.child_runs)?;
     let fake_driver = library(run.fake_driver_library, "libcarve_fake_driver.so")?;
     let guard = library(run.guard_library, "libcarve_guard.so")?;
     if cfg!(debug_assertions) {

@@ -1,5 +1,5 @@
-//! CUDA arrays: `cuArrayCreate_v2`, `cuArray3DCreate_v2`, `cuMipmappedArrayCreate` and
-//! their destroys. Arrays are opaque to the program (no host memory behind them); they only
+//! CUDA arrays: `cuArrayCreate_v2`, `cuArray3DCreate_v2`, `cuMipmappedArrayCreate`, their
+//! destroys and `cu(Mipmapped)ArrayGetMemoryRequirements` (which answer the size counted). Arrays are opaque to the program (no host memory behind them); they only
 //! count against the capacity, sized from their descriptors: width x height x depth x
 //! channels x the format's element size (a zero height or depth counts as 1; layered and
 //! cubemap arrays carry their layers in the depth), and for a mipmapped array the sum over
@@ -14,8 +14,9 @@ use std::collections::HashMap;
 use std::ffi::c_uint;
 
 use crate::{
-    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUresult, DriverState,
-    Handle, answer_call, handle_pointer, handle_value, initialized_call,
+    CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
+    CUdevice, CUresult, DriverState, Handle, answer_call, handle_pointer, handle_value,
+    initialized_call,
 };
 
 /// `CUDA_ARRAY_DESCRIPTOR`.
@@ -39,6 +40,18 @@ pub struct Array3dDescriptor {
     pub channel_count: c_uint,
     pub flags: c_uint,
 }
+
+/// `CUDA_ARRAY_MEMORY_REQUIREMENTS`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ArrayMemoryRequirements {
+    pub size: usize,
+    pub alignment: usize,
+    pub reserved: [c_uint; 4],
+}
+
+/// The alignment the fake answers for array memory (a texture alignment real GPUs give).
+const ARRAY_ALIGNMENT: usize = 512;
 
 /// The live arrays and mipmapped arrays by handle, with their sizes.
 #[derive(Debug, Default)]
@@ -214,4 +227,50 @@ pub unsafe extern "C" fn cuArrayDestroy(handle: Handle) -> CUresult {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMipmappedArrayDestroy(handle: Handle) -> CUresult {
     initialized_call(|state| destroy(state, handle, true))
+}
+
+/// `cu(Mipmapped)ArrayGetMemoryRequirements`: the size the fake counts for the array.
+fn memory_requirements(
+    requirements_out: *mut ArrayMemoryRequirements,
+    handle: Handle,
+    device: CUdevice,
+    mipmapped: bool,
+) -> CUresult {
+    answer_call(requirements_out, |state| {
+        if device != 0 {
+            return Err(CUDA_ERROR_INVALID_DEVICE);
+        }
+        let table = &state.arrays;
+        let entries = if mipmapped {
+            &table.mipmapped_arrays
+        } else {
+            &table.arrays
+        };
+        let bytes = entries
+            .get(&handle_value(handle))
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        Ok(ArrayMemoryRequirements {
+            size: *bytes as usize,
+            alignment: ARRAY_ALIGNMENT,
+            reserved: [0; 4],
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayGetMemoryRequirements(
+    requirements_out: *mut ArrayMemoryRequirements,
+    array: Handle,
+    device: CUdevice,
+) -> CUresult {
+    memory_requirements(requirements_out, array, device, false)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMipmappedArrayGetMemoryRequirements(
+    requirements_out: *mut ArrayMemoryRequirements,
+    mipmapped_array: Handle,
+    device: CUdevice,
+) -> CUresult {
+    memory_requirements(requirements_out, mipmapped_array, device, true)
 }

@@ -11,15 +11,17 @@
 //!   `CARVE_FAKE_CUDA_TOTAL_BYTES` of memory (default 16 GiB), read once when the library
 //!   is first used. `cuDriverGetVersion` says 13000.
 //! - Device memory is host memory: every allocation is its own anonymous `MAP_NORESERVE`
-//!   mapping and the device pointer is its host address, so untouched pages cost nothing and
-//!   `cuMemcpy*` are plain copies.
+//!   mapping (freed ones are reused by length, see `host_memory.rs`) and the device pointer
+//!   is its host address, so untouched pages cost nothing and `cuMemcpy*` are plain copies.
 //! - Everything the driver holds counts against the capacity: plain, pitched and managed
 //!   allocations, virtual-memory physical handles, arrays, and the RESERVED bytes of every
 //!   memory pool. Past it: `CUDA_ERROR_OUT_OF_MEMORY`.
 //! - Calls before `cuInit` return `CUDA_ERROR_NOT_INITIALIZED`, except those the real
 //!   driver answers before it (`cuDriverGetVersion`, `cuGetProcAddress(_v2)`,
-//!   `cuGetErrorName/String`) and `carveFakeDriverStats`. Null out-pointers and unknown
-//!   pointers or handles are `CUDA_ERROR_INVALID_VALUE`, as the real driver answers.
+//!   `cuGetErrorName/String`) and `carveFakeDriverStats`. Null out-pointers, unknown device
+//!   pointers (a free, a copy) and unknown pool, array or physical handles are
+//!   `CUDA_ERROR_INVALID_VALUE`, as the real driver answers; an unknown stream is
+//!   `CUDA_ERROR_INVALID_HANDLE`, an unknown context `CUDA_ERROR_INVALID_CONTEXT`.
 //! - Lenient where the guard does not care: allocations need no current context and
 //!   `CUDA_VISIBLE_DEVICES` is ignored.
 //!

@@ -154,6 +154,16 @@ const ENTRY_POINTS: &[EntryPoint] = &[
     entry("cuArrayDestroy", 2000, "cuArrayDestroy"),
     entry("cuMipmappedArrayCreate", 5000, "cuMipmappedArrayCreate"),
     entry("cuMipmappedArrayDestroy", 5000, "cuMipmappedArrayDestroy"),
+    entry(
+        "cuArrayGetMemoryRequirements",
+        11060,
+        "cuArrayGetMemoryRequirements",
+    ),
+    entry(
+        "cuMipmappedArrayGetMemoryRequirements",
+        11060,
+        "cuMipmappedArrayGetMemoryRequirements",
+    ),
 ];
 
 /// `export_address(name)`: this library's function for an export name of
@@ -238,6 +248,8 @@ export_addresses!(
     arrays::cuArrayDestroy,
     arrays::cuMipmappedArrayCreate,
     arrays::cuMipmappedArrayDestroy,
+    arrays::cuArrayGetMemoryRequirements,
+    arrays::cuMipmappedArrayGetMemoryRequirements,
 );
 
 /// The export for `base_name` at `version`, or the query result saying why there is none.

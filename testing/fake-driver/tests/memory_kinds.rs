@@ -456,6 +456,22 @@ fn arrays_are_sized_from_their_descriptors() {
             160_000 + 98_304 + (64 + 16 + 4 + 1) * 4
         );
         assert_eq!(driver.stats().allocation_count, 3);
+        type RequirementsFn = unsafe extern "C" fn(*mut [usize; 4], Handle, c_int) -> CUresult;
+        let mut requirements = [0usize; 4];
+        let array_requirements = driver.function::<RequirementsFn>("cuArrayGetMemoryRequirements");
+        assert_eq!(array_requirements(&mut requirements, cube, 0), CUDA_SUCCESS);
+        assert_eq!(requirements[0], 98_304, "the size counted");
+        assert_eq!(
+            array_requirements(&mut requirements, mipmapped, 0),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        let mipmapped_requirements =
+            driver.function::<RequirementsFn>("cuMipmappedArrayGetMemoryRequirements");
+        assert_eq!(
+            mipmapped_requirements(&mut requirements, mipmapped, 0),
+            CUDA_SUCCESS
+        );
+        assert_eq!(requirements[0], (64 + 16 + 4 + 1) * 4);
         let destroy = driver.function::<HandleFn>("cuArrayDestroy");
         assert_eq!(destroy(flat), CUDA_SUCCESS);
         assert_eq!(destroy(flat), CUDA_ERROR_INVALID_VALUE);

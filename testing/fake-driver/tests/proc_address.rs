@@ -88,6 +88,12 @@ const EXPECTED: &[(&str, c_int, u64, &str)] = &[
     ("cuGetProcAddress", 11080, 0, "cuGetProcAddress"),
     ("cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2"),
     ("cuInit", 13000, 0, "cuInit"),
+    (
+        "cuArrayGetMemoryRequirements",
+        12000,
+        0,
+        "cuArrayGetMemoryRequirements",
+    ),
 ];
 
 fn query(
