@@ -308,10 +308,36 @@ impl Scheduler {
                 self.heartbeat(worker_id, session_id, &gpus);
                 Ok(())
             }
-            WorkerReport::AttemptStarted { attempt } => {
+            WorkerReport::AttemptStarted {
+                attempt,
+                resumed_from,
+            } => {
                 let _guard = self.job_changes.lock().await;
                 if self.current_attempt(worker_id, &attempt).is_none() {
                     return Err(self.fenced(&attempt));
+                }
+                // The attempt's own word on where it resumed: the checkpoint it loaded,
+                // which a checkpoint report lost with its worker may not have told.
+                let resumed = resumed_from
+                    .as_ref()
+                    .map(|checkpoint| (checkpoint.location.as_str(), checkpoint.step as i64));
+                self.store
+                    .record_attempt_started(
+                        &attempt.job_id,
+                        i64::from(attempt.attempt_number),
+                        attempt.lease_epoch as i64,
+                        now_ms(),
+                        resumed,
+                    )
+                    .await?;
+                if let Some(checkpoint) = &resumed_from {
+                    self.emit_attempt_line(
+                        &attempt,
+                        format!(
+                            "resumed from step {} (checkpoint {})",
+                            checkpoint.step, checkpoint.location
+                        ),
+                    );
                 }
                 let mut job = self.store.get_job(&attempt.job_id).await?;
                 if job.state == JobState::Placed {
@@ -324,10 +350,12 @@ impl Scheduler {
                 if self.current_attempt(worker_id, &attempt).is_none() {
                     return Err(self.fenced(&attempt));
                 }
-                if let Some(peak) = progress.map(|progress| progress.memory_peak_bytes)
+                if let Some(progress) = progress
                     && let Some(running) = self.live().running.get_mut(&attempt.job_id)
                 {
-                    running.measured_peak_bytes = running.measured_peak_bytes.max(peak);
+                    running.measured_peak_bytes =
+                        running.measured_peak_bytes.max(progress.memory_peak_bytes);
+                    running.latest_progress = Some(progress);
                 }
                 self.emit(
                     &attempt.job_id,
@@ -364,6 +392,13 @@ impl Scheduler {
                     return Err(self.fenced(&attempt));
                 }
                 if let Some(checkpoint) = checkpoint {
+                    self.emit_attempt_line(
+                        &attempt,
+                        format!(
+                            "checkpoint of step {} written to {}",
+                            checkpoint.step, checkpoint.location
+                        ),
+                    );
                     let mut job = self.store.get_job(&attempt.job_id).await?;
                     job.checkpoint_location = Some(checkpoint.location);
                     job.checkpoint_step = checkpoint.step as i64;
@@ -384,9 +419,17 @@ impl Scheduler {
                 outcome,
                 measured_peak_bytes,
                 message,
+                results,
             } => {
-                self.handle_finished(worker_id, attempt, outcome, measured_peak_bytes, &message)
-                    .await
+                self.handle_finished(
+                    worker_id,
+                    attempt,
+                    outcome,
+                    measured_peak_bytes,
+                    &message,
+                    results,
+                )
+                .await
             }
         }
     }
