@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use carve_core::plan::RunConfig;
 use carve_proto::v1;
 
+use super::attempt_results::{last_loss_text, print_results, progress_text};
 use super::connection::{Connection, ConnectionOptions};
 use super::failure::{ClientFailure, FailureKind};
 use super::output::{
@@ -305,7 +306,7 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let now = now_seconds();
-    let rows: Vec<[String; 8]> = jobs
+    let rows: Vec<[String; 9]> = jobs
         .iter()
         .map(|job| {
             let peak = job
@@ -318,6 +319,7 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
                 job.name.clone(),
                 job.tenant.clone(),
                 job_state_name(job.state),
+                last_loss_text(job),
                 config_text(job.current_config.as_ref()),
                 format!(
                     "{} / {}",
@@ -339,6 +341,7 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
             "NAME",
             "TENANT",
             "STATE",
+            "LOSS",
             "CONFIG",
             "ESTIMATE / PEAK",
             "AGE",
@@ -378,6 +381,9 @@ fn print_job_details(job: &v1::Job) {
     );
     if job.finished_at.is_some() {
         println!("  finished:   {}", timestamp_text(job.finished_at.as_ref()));
+    }
+    if let Some(progress) = progress_text(job) {
+        println!("  progress:   {progress}");
     }
     if let Some(written) = config_as_written(job) {
         println!("  as written: {}", config_text(Some(&written)));
@@ -439,6 +445,8 @@ fn print_job_details(job: &v1::Job) {
         ],
         &rows,
     );
+    println!();
+    print_results(job);
 }
 
 pub async fn cancel(arguments: CancelArguments) -> Result<ExitCode> {
