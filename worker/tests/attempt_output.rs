@@ -23,7 +23,7 @@ use tonic::transport::Channel;
 // The chaos test's helpers are not all used here.
 #[allow(dead_code)]
 mod support;
-use support::{authorized, poll_until, tiny_job_spec};
+use support::{alice_with_tokens, authorized, poll_until, tiny_job_spec};
 
 const ADMIN: &str = "carve_attempt_output_admin_secret";
 
@@ -109,16 +109,7 @@ impl Cluster {
             let _ = stopped.await;
         }));
         let channel = poll_channel(&address).await;
-        let [user, worker_token] = carve_testing::cluster::tenant_with_tokens(
-            &channel,
-            ADMIN,
-            "alice",
-            v1::Quota::default(),
-            &[v1::Role::User, v1::Role::Worker],
-        )
-        .await
-        .try_into()
-        .expect("two tokens");
+        let (user, worker_token) = alice_with_tokens(&channel, ADMIN).await;
         let gpus = vec![SimulatedGpu {
             total_bytes: 1 << 30,
         }];
