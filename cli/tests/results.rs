@@ -43,16 +43,14 @@ fn get_jobs_logs_and_watch_show_what_the_training_did() {
     watched.assert_stdout_contains("elapsed ");
 
     let details = cluster.carve(&["get", &job]).expect_code(0);
-    for column in [
-        "STARTED",
-        "ELAPSED",
-        "STEPS",
-        "LOSS",
-        "ACCURACY",
-        "SAMPLES/S",
-    ] {
-        details.assert_stdout_contains(column);
-    }
+    assert!(
+        details
+            .stdout
+            .lines()
+            .any(|line| line.starts_with("ATTEMPT  STARTED") && line.ends_with("SAMPLES/S")),
+        "no results table: {}",
+        details.context()
+    );
     let json = cluster
         .carve(&["get", &job, "-o", "json"])
         .expect_code(0)
