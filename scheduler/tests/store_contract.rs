@@ -905,6 +905,32 @@ async fn attempts_are_listed_by_number(db: &TestDb) {
     assert_eq!(store.list_attempts("j").await.unwrap().len(), 3);
 }
 
+/// Ends attempt `number` of `job_id` (under `lease_epoch`) with `outcome` at `at`, with
+/// no peak, report, message or results.
+async fn finish_plainly(
+    store: &Store,
+    job_id: &str,
+    number: i64,
+    lease_epoch: i64,
+    outcome: AttemptOutcome,
+    at: i64,
+) -> Result<(), SchedulerError> {
+    let results = AttemptResults::default();
+    store
+        .finish_attempt(
+            job_id,
+            number,
+            lease_epoch,
+            outcome,
+            None,
+            None,
+            "",
+            at,
+            &results,
+        )
+        .await
+}
+
 async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
     let store = open_with_acme(db).await;
     store
@@ -974,19 +1000,7 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
 
     // Finished attempts stay finished, whatever the epoch.
     assert_eq!(
-        store
-            .finish_attempt(
-                "j",
-                2,
-                3,
-                AttemptOutcome::Succeeded,
-                None,
-                None,
-                "",
-                T0 + 70,
-                &AttemptResults::default()
-            )
-            .await,
+        finish_plainly(&store, "j", 2, 3, AttemptOutcome::Succeeded, T0 + 70).await,
         Err(SchedulerError::Conflict(
             "attempt j/2 already ended (out_of_memory)".into()
         ))
@@ -994,25 +1008,11 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
     assert_eq!(store.list_attempts("j").await.unwrap()[1], finished);
 
     assert_eq!(
-        store
-            .finish_attempt(
-                "j",
-                9,
-                1,
-                AttemptOutcome::Failed,
-                None,
-                None,
-                "",
-                T0,
-                &AttemptResults::default()
-            )
-            .await,
+        finish_plainly(&store, "j", 9, 1, AttemptOutcome::Failed, T0).await,
         Err(SchedulerError::not_found("attempt", "j/9"))
     );
     assert!(matches!(
-        store
-            .finish_attempt("j", 1, 1, AttemptOutcome::Running, None, None, "", T0, &AttemptResults::default())
-            .await,
+        finish_plainly(&store, "j", 1, 1, AttemptOutcome::Running, T0).await,
         Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "outcome"
     ));
     store
@@ -1219,19 +1219,7 @@ async fn record_job_and_attempt_is_atomic(db: &TestDb) {
         vec![reassigned.clone()]
     );
     assert_eq!(
-        store
-            .finish_attempt(
-                "j",
-                1,
-                1,
-                AttemptOutcome::Succeeded,
-                None,
-                None,
-                "",
-                T0,
-                &AttemptResults::default()
-            )
-            .await,
+        finish_plainly(&store, "j", 1, 1, AttemptOutcome::Succeeded, T0).await,
         Err(SchedulerError::Conflict(
             "attempt j/1 was reassigned (lease epoch 4, reported 1)".into()
         ))
