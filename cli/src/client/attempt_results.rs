@@ -136,6 +136,13 @@ mod tests {
         prost_types::Timestamp { seconds, nanos: 0 }
     }
 
+    fn job_of(attempt: v1::Attempt) -> v1::Job {
+        v1::Job {
+            attempts: vec![attempt],
+            ..v1::Job::default()
+        }
+    }
+
     #[test]
     fn an_ended_attempt_shows_its_stored_results() {
         let attempt = v1::Attempt {
@@ -154,10 +161,7 @@ mod tests {
             row[2..],
             ["1m02s", "500", "0.1235", "91.23%", "1234"].map(String::from)
         );
-        let job = v1::Job {
-            attempts: vec![attempt],
-            ..v1::Job::default()
-        };
+        let job = job_of(attempt);
         assert_eq!(last_loss_text(&job), "0.1235");
         assert_eq!(progress_text(&job), None);
     }
@@ -182,10 +186,7 @@ mod tests {
             row[2..],
             ["30s", "120/500", "0.5000", "-", "64"].map(String::from)
         );
-        let job = v1::Job {
-            attempts: vec![attempt],
-            ..v1::Job::default()
-        };
+        let job = job_of(attempt);
         assert_eq!(last_loss_text(&job), "0.5000");
         let text = progress_text(&job).unwrap();
         assert!(

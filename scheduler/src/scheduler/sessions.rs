@@ -17,7 +17,8 @@ use crate::worker_session::{LiveSession, SessionHandle};
 
 use super::logs::JobUpdateKind;
 use super::worker_reports::{
-    AttemptRef, Gpu, GpuFreeBytes, Registered, WorkerCommand, WorkerRegistration, WorkerReport,
+    AttemptRef, Checkpoint, Gpu, GpuFreeBytes, Registered, WorkerCommand, WorkerRegistration,
+    WorkerReport,
 };
 use super::{LiveWorker, RunningAttempt, Scheduler, SessionSender, WorkerState, now_ms};
 
@@ -311,41 +312,7 @@ impl Scheduler {
             WorkerReport::AttemptStarted {
                 attempt,
                 resumed_from,
-            } => {
-                let _guard = self.job_changes.lock().await;
-                if self.current_attempt(worker_id, &attempt).is_none() {
-                    return Err(self.fenced(&attempt));
-                }
-                // The attempt's own word on where it resumed: the checkpoint it loaded,
-                // which a checkpoint report lost with its worker may not have told.
-                let resumed = resumed_from
-                    .as_ref()
-                    .map(|checkpoint| (checkpoint.location.as_str(), checkpoint.step as i64));
-                self.store
-                    .record_attempt_started(
-                        &attempt.job_id,
-                        i64::from(attempt.attempt_number),
-                        attempt.lease_epoch as i64,
-                        now_ms(),
-                        resumed,
-                    )
-                    .await?;
-                if let Some(checkpoint) = &resumed_from {
-                    self.emit_attempt_line(
-                        &attempt,
-                        format!(
-                            "resumed from step {} (checkpoint {})",
-                            checkpoint.step, checkpoint.location
-                        ),
-                    );
-                }
-                let mut job = self.store.get_job(&attempt.job_id).await?;
-                if job.state == JobState::Placed {
-                    self.move_job(&mut job, JobEvent::Started, "the attempt started")
-                        .await?;
-                }
-                Ok(())
-            }
+            } => self.attempt_started(worker_id, attempt, resumed_from).await,
             WorkerReport::Progress { attempt, progress } => {
                 if self.current_attempt(worker_id, &attempt).is_none() {
                     return Err(self.fenced(&attempt));
@@ -432,6 +399,49 @@ impl Scheduler {
                 .await
             }
         }
+    }
+
+    /// An attempt started training in its slice: the time it began and the checkpoint it
+    /// says it loaded are stored, and a placed job becomes running.
+    async fn attempt_started(
+        &self,
+        worker_id: &str,
+        attempt: AttemptRef,
+        resumed_from: Option<Checkpoint>,
+    ) -> Result<(), SchedulerError> {
+        let _guard = self.job_changes.lock().await;
+        if self.current_attempt(worker_id, &attempt).is_none() {
+            return Err(self.fenced(&attempt));
+        }
+        // The attempt's own word on where it resumed: the checkpoint it loaded,
+        // which a checkpoint report lost with its worker may not have told.
+        let resumed = resumed_from
+            .as_ref()
+            .map(|checkpoint| (checkpoint.location.as_str(), checkpoint.step as i64));
+        self.store
+            .record_attempt_started(
+                &attempt.job_id,
+                i64::from(attempt.attempt_number),
+                attempt.lease_epoch as i64,
+                now_ms(),
+                resumed,
+            )
+            .await?;
+        if let Some(checkpoint) = &resumed_from {
+            self.emit_attempt_line(
+                &attempt,
+                format!(
+                    "resumed from step {} (checkpoint {})",
+                    checkpoint.step, checkpoint.location
+                ),
+            );
+        }
+        let mut job = self.store.get_job(&attempt.job_id).await?;
+        if job.state == JobState::Placed {
+            self.move_job(&mut job, JobEvent::Started, "the attempt started")
+                .await?;
+        }
+        Ok(())
     }
 
     pub(super) fn fenced(&self, attempt: &AttemptRef) -> SchedulerError {
