@@ -11,7 +11,7 @@ use carve_scheduler::convert::attempt_to_proto;
 use carve_scheduler::store::{
     AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, JobState, Store,
 };
-use support::{T0, TestDb, attempt, job, open_with_acme};
+use support::{T0, TestDb, attempt, finish_plainly, job, open_with_acme};
 
 on_both_databases!(
     results_are_stored_with_the_outcome_and_shown,
@@ -136,18 +136,7 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
     let shown = attempt_to_proto(&resumed).resumed_from.unwrap();
     assert_eq!(shown.step, 300);
     // An attempt that ended is not started again.
-    store
-        .finish_attempt(
-            "j",
-            1,
-            1,
-            AttemptOutcome::Cancelled,
-            None,
-            None,
-            "cancelled",
-            T0 + 30,
-            &AttemptResults::default(),
-        )
+    finish_plainly(&store, "j", 1, 1, AttemptOutcome::Cancelled, T0 + 30)
         .await
         .unwrap();
     assert!(

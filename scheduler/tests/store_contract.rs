@@ -17,7 +17,7 @@ use carve_scheduler::store::{
     MAX_LOG_MESSAGE_BYTES, NewLogLine, Role, Store, SubmitBatcher, TenantRecord, TokenRecord,
     WorkerRecord, WorkerState,
 };
-use support::{T0, TestDb, attempt, job, open_with_acme, tenant};
+use support::{T0, TestDb, attempt, finish_plainly, job, open_with_acme, tenant};
 
 on_both_databases!(
     durability_settings_are_safe,
@@ -903,32 +903,6 @@ async fn attempts_are_listed_by_number(db: &TestDb) {
         "ghost",
     );
     assert_eq!(store.list_attempts("j").await.unwrap().len(), 3);
-}
-
-/// Ends attempt `number` of `job_id` (under `lease_epoch`) with `outcome` at `at`, with
-/// no peak, report, message or results.
-async fn finish_plainly(
-    store: &Store,
-    job_id: &str,
-    number: i64,
-    lease_epoch: i64,
-    outcome: AttemptOutcome,
-    at: i64,
-) -> Result<(), SchedulerError> {
-    let results = AttemptResults::default();
-    store
-        .finish_attempt(
-            job_id,
-            number,
-            lease_epoch,
-            outcome,
-            None,
-            None,
-            "",
-            at,
-            &results,
-        )
-        .await
 }
 
 async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {

@@ -136,6 +136,16 @@ mod tests {
         prost_types::Timestamp { seconds, nanos: 0 }
     }
 
+    /// Attempt `number`, started at second 1,000, now `outcome`.
+    fn started(number: u32, outcome: v1::AttemptOutcome) -> v1::Attempt {
+        v1::Attempt {
+            number,
+            outcome: outcome as i32,
+            started_at: Some(at(1_000)),
+            ..v1::Attempt::default()
+        }
+    }
+
     fn job_of(attempt: v1::Attempt) -> v1::Job {
         v1::Job {
             attempts: vec![attempt],
@@ -146,15 +156,12 @@ mod tests {
     #[test]
     fn an_ended_attempt_shows_its_stored_results() {
         let attempt = v1::Attempt {
-            number: 2,
-            outcome: v1::AttemptOutcome::Succeeded as i32,
-            started_at: Some(at(1_000)),
             finished_at: Some(at(1_062)),
             final_loss: Some(0.12345),
             test_accuracy: Some(0.9123),
             steps_done: Some(500),
             samples_per_second: Some(1234.4),
-            ..v1::Attempt::default()
+            ..started(2, v1::AttemptOutcome::Succeeded)
         };
         let row = results_row(&attempt, &at(5_000));
         assert_eq!(
@@ -169,9 +176,6 @@ mod tests {
     #[test]
     fn a_running_attempt_shows_its_latest_progress() {
         let attempt = v1::Attempt {
-            number: 1,
-            outcome: v1::AttemptOutcome::Running as i32,
-            started_at: Some(at(1_000)),
             progress: Some(v1::TrainingProgress {
                 step: 120,
                 total_steps: 500,
@@ -179,7 +183,7 @@ mod tests {
                 samples_per_second: 64.0,
                 ..v1::TrainingProgress::default()
             }),
-            ..v1::Attempt::default()
+            ..started(1, v1::AttemptOutcome::Running)
         };
         let row = results_row(&attempt, &at(1_030));
         assert_eq!(

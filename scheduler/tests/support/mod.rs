@@ -60,6 +60,7 @@ macro_rules! on_both_databases {
     };
 }
 
+use carve_scheduler::error::SchedulerError;
 use carve_scheduler::store::{
     AttemptOutcome, AttemptRecord, AttemptResults, Backend, JobRecord, JobState, Store,
     TenantRecord,
@@ -196,4 +197,30 @@ pub async fn open_with_acme(db: &TestDb) -> Store {
     let store = db.open().await;
     store.create_tenant(&tenant("acme")).await.unwrap();
     store
+}
+
+/// Ends attempt `number` of `job_id` (under `lease_epoch`) with `outcome` at `at`, with
+/// no peak, report, message or results.
+pub async fn finish_plainly(
+    store: &Store,
+    job_id: &str,
+    number: i64,
+    lease_epoch: i64,
+    outcome: AttemptOutcome,
+    at: i64,
+) -> Result<(), SchedulerError> {
+    let results = AttemptResults::default();
+    store
+        .finish_attempt(
+            job_id,
+            number,
+            lease_epoch,
+            outcome,
+            None,
+            None,
+            "",
+            at,
+            &results,
+        )
+        .await
 }
