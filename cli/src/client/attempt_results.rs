@@ -146,11 +146,14 @@ mod tests {
         }
     }
 
-    fn job_of(attempt: v1::Attempt) -> v1::Job {
-        v1::Job {
+    /// The attempt's row at second `now` from its elapsed time on, and a job of it.
+    fn shown_at(attempt: v1::Attempt, now: i64) -> (Vec<String>, v1::Job) {
+        let row = results_row(&attempt, &at(now))[2..].to_vec();
+        let job = v1::Job {
             attempts: vec![attempt],
             ..v1::Job::default()
-        }
+        };
+        (row, job)
     }
 
     #[test]
@@ -163,12 +166,8 @@ mod tests {
             samples_per_second: Some(1234.4),
             ..started(2, v1::AttemptOutcome::Succeeded)
         };
-        let row = results_row(&attempt, &at(5_000));
-        assert_eq!(
-            row[2..],
-            ["1m02s", "500", "0.1235", "91.23%", "1234"].map(String::from)
-        );
-        let job = job_of(attempt);
+        let (row, job) = shown_at(attempt, 5_000);
+        assert_eq!(row, ["1m02s", "500", "0.1235", "91.23%", "1234"]);
         assert_eq!(last_loss_text(&job), "0.1235");
         assert_eq!(progress_text(&job), None);
     }
@@ -185,12 +184,8 @@ mod tests {
             }),
             ..started(1, v1::AttemptOutcome::Running)
         };
-        let row = results_row(&attempt, &at(1_030));
-        assert_eq!(
-            row[2..],
-            ["30s", "120/500", "0.5000", "-", "64"].map(String::from)
-        );
-        let job = job_of(attempt);
+        let (row, job) = shown_at(attempt, 1_030);
+        assert_eq!(row, ["30s", "120/500", "0.5000", "-", "64"]);
         assert_eq!(last_loss_text(&job), "0.5000");
         let text = progress_text(&job).unwrap();
         assert!(
