@@ -8,6 +8,7 @@
 mod attempt;
 mod client;
 mod dev;
+mod elapsed;
 mod estimate;
 mod run;
 mod sim;

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use carve_core::FieldError;
@@ -18,10 +19,15 @@ use carve_engine::data::open_data_sets;
 use carve_engine::trainer::{Progress, TrainingOptions, train};
 use serde_json::json;
 
+use crate::elapsed::{duration_text, timing_text};
 use crate::estimate::config_json;
 use crate::spec_input::{
     data_base_directory, job_spec_name, print_job_spec_warnings, read_job_spec_text,
 };
+
+/// How often a long run prints its progress at least, besides every twentieth of it: a
+/// slow step must not leave the screen still for minutes.
+const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 
 #[derive(Debug, clap::Args)]
 pub struct RunArguments {
@@ -141,17 +147,34 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
             HumanBytes(estimate.peak_bytes)
         );
     }
+    let started = Instant::now();
+    // The step training starts from (after a resume, not 0): the pace counts only the
+    // steps this run does.
+    let mut first_step: Option<u64> = None;
+    let mut last_shown = started;
     let mut show_progress = |progress: &Progress| {
+        let first_step = *first_step.get_or_insert(progress.step.saturating_sub(1));
         let every = (progress.total_steps / 20).max(1);
-        if table && (progress.step.is_multiple_of(every) || progress.step == progress.total_steps) {
+        // Every twentieth of the run, and at least every few seconds on a slow one.
+        let due = progress.step.is_multiple_of(every)
+            || progress.step == progress.total_steps
+            || last_shown.elapsed() >= PROGRESS_INTERVAL;
+        if table && due {
+            last_shown = Instant::now();
             eprintln!(
-                "step {}/{}  loss {:.4}  {:.0} samples/s  memory {} (peak {}){}",
+                "step {}/{}  loss {:.4}  {:.0} samples/s  memory {} (peak {})  {}{}",
                 progress.step,
                 progress.total_steps,
                 progress.loss,
                 progress.samples_per_second,
                 HumanBytes(progress.memory_in_use_bytes),
                 HumanBytes(progress.memory_peak_bytes),
+                timing_text(
+                    first_step,
+                    progress.step,
+                    progress.total_steps,
+                    started.elapsed()
+                ),
                 if progress.skipped {
                     "  (update skipped: loss-scale overflow)"
                 } else {
@@ -191,6 +214,7 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
                     "throughput       {:.0} samples/s",
                     report.samples_per_second
                 );
+                println!("elapsed          {}", duration_text(started.elapsed()));
             } else {
                 let output = json!({
                     "job": job.spec.name,
@@ -206,6 +230,7 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
                     "required_bytes": report.estimate.required_bytes,
                     "slice_bytes": report.slice_bytes,
                     "samples_per_second": report.samples_per_second,
+                    "elapsed_seconds": started.elapsed().as_secs_f64(),
                     "skipped_steps": report.skipped_steps,
                     "checkpoint": report.checkpoint_path.map(|path| path.display().to_string()),
                 });

@@ -12,11 +12,8 @@ use std::time::Duration;
     reason = "this file needs only the IDX files of the local commands' helpers"
 )]
 mod support;
+use support::dev_cluster::{DevCluster, Outcome, submitted_job_id};
 use support::{RELATIVE_IDX_JOB, write_idx_digits};
-
-#[path = "support/dev_cluster.rs"]
-mod dev_cluster;
-use dev_cluster::{DevCluster, Outcome, submitted_job_id};
 
 /// Submits the small mnist job under `name` with `steps`; answers its id.
 fn submit_named(cluster: &DevCluster, name: &str, steps: u32) -> String {

@@ -7,9 +7,10 @@
 use std::io::Write;
 use std::process::Stdio;
 
-#[path = "support/dev_cluster.rs"]
-mod dev_cluster;
-use dev_cluster::{DevCluster, listed_ids, repository_root, run_carve, submitted_job_id, wait_for};
+// The local commands' helpers are not used here.
+#[allow(dead_code)]
+mod support;
+use support::dev_cluster::*;
 
 /// The small mnist job, cut to a few steps of a small batch.
 const SMALL_JOB: &[&str] = &[

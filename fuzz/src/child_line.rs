@@ -18,7 +18,7 @@ use std::sync::OnceLock;
 use carve_core::validate::{ValidatedJob, load_job_spec_toml};
 use carve_proto::ApiError;
 use carve_proto::v1;
-use carve_worker::attempt_process::final_reports;
+use carve_worker::attempt_process::{Observed, final_reports};
 use carve_worker::child_protocol::{CheckpointLine, ChildLine, ConfigArgument};
 
 use crate::floats_close;
@@ -95,7 +95,14 @@ fn read_lines(text: &str) {
     for exit_code in [0, 3, 1] {
         // A wait status holds the exit code in its second byte.
         let exit_status = ExitStatus::from_raw(exit_code << 8);
-        let reports = final_reports(&attempt, Ok(exit_status), final_line.clone(), None, 0, &[]);
+        let reports = final_reports(
+            &attempt,
+            Ok(exit_status),
+            final_line.clone(),
+            None,
+            Observed::default(),
+            &[],
+        );
         assert!(
             !reports.is_empty(),
             "no report for an attempt that exited {exit_code}"
@@ -141,6 +148,10 @@ fn write_line(data: &[u8]) {
         0 => ChildLine::Started {
             reserved_bytes: word(),
             pid: word() as u32,
+            resumed_from: (word() & 1 == 0).then(|| CheckpointLine {
+                step: word(),
+                location: String::from_utf8_lossy(rest).into_owned(),
+            }),
         },
         1 => ChildLine::Progress {
             step: word(),
@@ -161,6 +172,8 @@ fn write_line(data: &[u8]) {
                 final_loss,
                 test_accuracy: (accuracy.to_bits() & 1 == 0).then_some(accuracy),
                 peak_bytes: word(),
+                steps: word(),
+                samples_per_second: f64::from_bits(word()),
             }
         }
         _ => ChildLine::Oom {
@@ -223,13 +236,15 @@ fn parts(line: &ChildLine) -> (Vec<f64>, String) {
             final_loss,
             test_accuracy,
             peak_bytes,
+            steps,
+            samples_per_second,
         } => {
             let accuracy = test_accuracy.filter(|accuracy| accuracy.is_finite());
-            let mut floats = vec![*final_loss];
+            let mut floats = vec![*final_loss, *samples_per_second];
             floats.extend(accuracy);
             (
                 floats,
-                format!("finished {} {peak_bytes}", accuracy.is_some()),
+                format!("finished {} {peak_bytes} {steps}", accuracy.is_some()),
             )
         }
         other => (Vec::new(), format!("{other:?}")),

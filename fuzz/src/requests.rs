@@ -679,6 +679,10 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
         Body::AttemptStarted(v1::worker_message::AttemptStarted {
             attempt: attempt(),
             reserved_bytes: 1 << 30,
+            resumed_from: Some(v1::Checkpoint {
+                step: 10,
+                location: "/checkpoints/job.ckpt".into(),
+            }),
         }),
         Body::Progress(v1::worker_message::Progress {
             attempt: attempt(),
@@ -721,6 +725,8 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
             test_accuracy: Some(0.9),
             measured_peak_bytes: 1 << 29,
             message: String::new(),
+            steps_done: Some(200),
+            samples_per_second: Some(1000.0),
         }),
     ];
     let mut session = Vec::new();

@@ -25,7 +25,7 @@ use crate::scheduler::worker_reports::{
     WorkerRegistration, WorkerReport,
 };
 use crate::scheduler::{JobUpdate, JobUpdateKind, SliceView, SubmittedJob, WorkerView};
-use crate::store::{AttemptRecord, JobRecord, WorkerState};
+use crate::store::{AttemptRecord, AttemptResults, JobRecord, WorkerState};
 
 /// A run config as job and attempt rows store it (`config_json`). The keys are in
 /// alphabetical order, as the text has always been written (the admission cache keys
@@ -156,6 +156,21 @@ pub fn attempt_to_proto(attempt: &AttemptRecord) -> v1::Attempt {
             step: attempt.resumed_from_step.max(0) as u64,
             location,
         }),
+        final_loss: attempt.results.final_loss,
+        test_accuracy: attempt.results.test_accuracy,
+        steps_done: attempt.results.steps_done.map(|steps| steps.max(0) as u64),
+        samples_per_second: attempt.results.samples_per_second,
+        progress: None,
+    }
+}
+
+/// Puts a running attempt's latest progress (held in the scheduler's memory, not stored)
+/// on that attempt of `job`, when it is still running.
+pub fn attach_progress(job: &mut v1::Job, attempt_number: u32, progress: &TrainingProgress) {
+    if let Some(attempt) = job.attempts.iter_mut().find(|attempt| {
+        attempt.number == attempt_number && attempt.outcome == v1::AttemptOutcome::Running as i32
+    }) {
+        attempt.progress = Some(progress_to_proto(progress));
     }
 }
 
@@ -429,6 +444,7 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
         },
         Body::AttemptStarted(started) => WorkerReport::AttemptStarted {
             attempt: attempt_ref_from_proto(started.attempt),
+            resumed_from: started.resumed_from.map(checkpoint_from_proto),
         },
         Body::Progress(progress) => WorkerReport::Progress {
             attempt: attempt_ref_from_proto(progress.attempt),
@@ -455,6 +471,18 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
                 .and_then(outcome_from_proto),
             measured_peak_bytes: finished.measured_peak_bytes,
             message: finished.message,
+            results: AttemptResults {
+                final_loss: finished.final_loss.filter(|loss| loss.is_finite()),
+                test_accuracy: finished
+                    .test_accuracy
+                    .filter(|accuracy| accuracy.is_finite()),
+                steps_done: finished
+                    .steps_done
+                    .map(|steps| i64::try_from(steps).unwrap_or(i64::MAX)),
+                samples_per_second: finished
+                    .samples_per_second
+                    .filter(|rate| rate.is_finite() && *rate >= 0.0),
+            },
         },
     })
 }

@@ -22,9 +22,9 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{Caller, Role};
 use crate::convert::{
-    attempt_ref_from_proto, job_state_from_proto, job_to_proto, job_update_to_proto,
-    registered_to_proto, registration_from_proto, slice_to_proto, submitted_job_to_proto,
-    timestamp, worker_command_to_proto, worker_to_proto,
+    attach_progress, attempt_ref_from_proto, job_state_from_proto, job_to_proto,
+    job_update_to_proto, registered_to_proto, registration_from_proto, slice_to_proto,
+    submitted_job_to_proto, timestamp, worker_command_to_proto, worker_to_proto,
 };
 use crate::metrics::Metrics;
 use crate::scheduler::worker_reports::AttemptRef;
@@ -78,7 +78,11 @@ impl Services {
     /// A job as the API shows it, with its attempts.
     async fn job_message(&self, job: &JobRecord) -> Result<v1::Job, Status> {
         let attempts = self.scheduler.attempts(&job.id).await?;
-        Ok(job_to_proto(job, &attempts)?)
+        let mut message = job_to_proto(job, &attempts)?;
+        if let Some((attempt_number, progress)) = self.scheduler.latest_progress(&job.id) {
+            attach_progress(&mut message, attempt_number, &progress);
+        }
+        Ok(message)
     }
 }
 

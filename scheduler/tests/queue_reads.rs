@@ -2,6 +2,7 @@
 //! queued-job rows, the queue fingerprint, per-tenant counts and grouped waiting-reason
 //! writes), on SQLite and on PostgreSQL.
 
+#[macro_use]
 mod support;
 
 use carve_scheduler::store::{
@@ -9,27 +10,6 @@ use carve_scheduler::store::{
     WAITING_REASONS_PER_TRANSACTION,
 };
 use support::TestDb;
-
-macro_rules! on_both_databases {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    crate::$name(&crate::support::TestDb::sqlite().await).await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    crate::$name(&crate::support::TestDb::postgres().await).await;
-                }
-            )*
-        }
-    };
-}
 
 on_both_databases!(
     queued_jobs_are_read_narrow_in_submit_order,

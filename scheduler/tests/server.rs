@@ -176,6 +176,8 @@ async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
                     test_accuracy: None,
                     measured_peak_bytes: 1,
                     message: "late".into(),
+                    steps_done: None,
+                    samples_per_second: None,
                 },
             )),
         })
@@ -681,7 +683,9 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
         vec![
             "1 info step 1 loss 2.30",
             "1 warn loss scale halved",
-            "1 debug step 10 loss 0.91"
+            "1 debug step 10 loss 0.91",
+            // The results the worker reported at the end, as a line of the attempt.
+            "1 info ended: final loss 0.1000"
         ],
         "{text:#?}"
     );
@@ -709,7 +713,7 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
         ..request(0, 0)
     };
     let attempt_only = job_logs(&channel, &user, attempt_only).await.unwrap();
-    assert_eq!(attempt_only.lines.len(), 3);
+    assert_eq!(attempt_only.lines.len(), worker_lines.len());
     assert!(
         attempt_only
             .lines

@@ -12,12 +12,12 @@ use carve_proto::ApiError;
 use carve_scheduler::convert::{attempt_to_proto, job_to_proto};
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::store::{
-    AttemptOutcome, AttemptRecord, Backend, JobFilter, JobRecord, JobState, LogBatcher,
-    LogBatcherSettings, LogLineRecord, LogPage, LogQuery, MAX_LOG_LINES_PER_JOB,
+    AttemptOutcome, AttemptRecord, AttemptResults, Backend, JobFilter, JobRecord, JobState,
+    LogBatcher, LogBatcherSettings, LogLineRecord, LogPage, LogQuery, MAX_LOG_LINES_PER_JOB,
     MAX_LOG_MESSAGE_BYTES, NewLogLine, Role, Store, SubmitBatcher, TenantRecord, TokenRecord,
     WorkerRecord, WorkerState,
 };
-use support::TestDb;
+use support::{T0, TestDb, attempt, finish_plainly, job, open_with_acme, tenant};
 
 on_both_databases!(
     durability_settings_are_safe,
@@ -48,41 +48,6 @@ on_both_databases!(
     the_log_batcher_writes_groups_and_flush_makes_them_readable,
 );
 
-const T0: i64 = 1_700_000_000_000;
-
-fn tenant(name: &str) -> TenantRecord {
-    TenantRecord {
-        name: name.to_string(),
-        vram_quota_bytes: None,
-        max_running_jobs: None,
-        fair_share_weight: 1,
-        created_at_ms: T0,
-    }
-}
-
-fn job(id: &str, tenant: &str, name: &str) -> JobRecord {
-    JobRecord {
-        id: id.to_string(),
-        tenant: tenant.to_string(),
-        name: name.to_string(),
-        spec_json: format!(r#"{{"name":"{name}"}}"#),
-        state: JobState::Queued,
-        priority: 0,
-        submit_sequence: 0,
-        idempotency_key: None,
-        config_json: r#"{"batch_size":32}"#.to_string(),
-        estimate_json: r#"{"required_bytes":1048576}"#.to_string(),
-        required_bytes: 1 << 20,
-        waiting_reason: String::new(),
-        message: String::new(),
-        created_at_ms: T0,
-        finished_at_ms: None,
-        checkpoint_location: None,
-        checkpoint_step: 0,
-        attempts_count: 0,
-    }
-}
-
 /// Checks `answer` is the not-found error for the `what` named `id`.
 #[track_caller]
 fn assert_not_found<T: std::fmt::Debug + PartialEq>(
@@ -93,37 +58,9 @@ fn assert_not_found<T: std::fmt::Debug + PartialEq>(
     assert_eq!(answer, Err(SchedulerError::not_found(what, id)));
 }
 
-/// A store on `db` holding the tenant `acme`: where most job tests start.
-async fn open_with_acme(db: &TestDb) -> Store {
-    let store = db.open().await;
-    store.create_tenant(&tenant("acme")).await.unwrap();
-    store
-}
-
 fn keyed(mut job: JobRecord, key: &str) -> JobRecord {
     job.idempotency_key = Some(key.to_string());
     job
-}
-
-fn attempt(job_id: &str, number: i64, lease_epoch: i64) -> AttemptRecord {
-    AttemptRecord {
-        job_id: job_id.to_string(),
-        attempt_number: number,
-        config_json: r#"{"batch_size":32}"#.to_string(),
-        estimate_bytes: 1 << 20,
-        slice_bytes: 2 << 20,
-        worker_id: "w-1".to_string(),
-        gpu_id: "GPU-0".to_string(),
-        lease_epoch,
-        outcome: AttemptOutcome::Running,
-        measured_peak_bytes: None,
-        oom: None,
-        message: String::new(),
-        resumed_from: None,
-        resumed_from_step: 0,
-        started_at_ms: T0 + number,
-        finished_at_ms: None,
-    }
 }
 
 fn worker(id: &str, hostname: &str) -> WorkerRecord {
@@ -989,6 +926,7 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
             None,
             "done",
             T0 + 50,
+            &AttemptResults::default(),
         )
         .await;
     assert_eq!(
@@ -1020,6 +958,7 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
             Some(&oom),
             "oom in conv",
             T0 + 60,
+            &AttemptResults::default(),
         )
         .await
         .unwrap();
@@ -1035,18 +974,7 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
 
     // Finished attempts stay finished, whatever the epoch.
     assert_eq!(
-        store
-            .finish_attempt(
-                "j",
-                2,
-                3,
-                AttemptOutcome::Succeeded,
-                None,
-                None,
-                "",
-                T0 + 70
-            )
-            .await,
+        finish_plainly(&store, "j", 2, 3, AttemptOutcome::Succeeded, T0 + 70).await,
         Err(SchedulerError::Conflict(
             "attempt j/2 already ended (out_of_memory)".into()
         ))
@@ -1054,15 +982,11 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
     assert_eq!(store.list_attempts("j").await.unwrap()[1], finished);
 
     assert_eq!(
-        store
-            .finish_attempt("j", 9, 1, AttemptOutcome::Failed, None, None, "", T0)
-            .await,
+        finish_plainly(&store, "j", 9, 1, AttemptOutcome::Failed, T0).await,
         Err(SchedulerError::not_found("attempt", "j/9"))
     );
     assert!(matches!(
-        store
-            .finish_attempt("j", 1, 1, AttemptOutcome::Running, None, None, "", T0)
-            .await,
+        finish_plainly(&store, "j", 1, 1, AttemptOutcome::Running, T0).await,
         Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "outcome"
     ));
     store
@@ -1075,6 +999,7 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
             None,
             "worker w-1 lost its lease",
             T0 + 80,
+            &AttemptResults::default(),
         )
         .await
         .unwrap();
@@ -1268,9 +1193,7 @@ async fn record_job_and_attempt_is_atomic(db: &TestDb) {
         vec![reassigned.clone()]
     );
     assert_eq!(
-        store
-            .finish_attempt("j", 1, 1, AttemptOutcome::Succeeded, None, None, "", T0)
-            .await,
+        finish_plainly(&store, "j", 1, 1, AttemptOutcome::Succeeded, T0).await,
         Err(SchedulerError::Conflict(
             "attempt j/1 was reassigned (lease epoch 4, reported 1)".into()
         ))

@@ -14,7 +14,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use carve_engine::EngineError;
 use carve_engine::checkpoint::read_checkpoint;
@@ -189,6 +189,14 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
     emit(&ChildLine::Started {
         reserved_bytes,
         pid: std::process::id(),
+        // What was really loaded: the scheduler stores it as where this attempt resumed.
+        resumed_from: resume
+            .as_ref()
+            .zip(resumed_step)
+            .map(|(path, step)| CheckpointLine {
+                step,
+                location: path.display().to_string(),
+            }),
     });
     let checkpoint_every = job.spec.training.checkpoint_every_steps;
     let checkpoint_location = arguments.checkpoint.display().to_string();
@@ -216,19 +224,17 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
                 });
             }
         };
+    let mut progress_reports = ProgressCadence::new(options.config.batch_size);
     let result = {
         let mut on_progress = |progress: &Progress| {
             pending_checkpoint_becomes_written(&mut checkpoint_pending, &mut last_checkpoint);
-            let every = (progress.total_steps / 10).max(1);
-            if progress.step == 1
-                || progress.step.is_multiple_of(every)
-                || progress.step == progress.total_steps
+            if let Some(samples_per_second) = progress_reports.report_now(progress, Instant::now())
             {
                 emit(&ChildLine::Progress {
                     step: progress.step,
                     total_steps: progress.total_steps,
                     loss: progress.loss,
-                    samples_per_second: progress.samples_per_second,
+                    samples_per_second,
                     memory_in_use_bytes: progress.memory_in_use_bytes,
                     memory_peak_bytes: progress.memory_peak_bytes,
                 });
@@ -259,6 +265,8 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
                 final_loss: report.final_loss,
                 test_accuracy: report.test_accuracy,
                 peak_bytes: report.peak_bytes,
+                steps: report.steps,
+                samples_per_second: report.samples_per_second,
             });
             Ok(0)
         }
@@ -275,6 +283,51 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
             Ok(OUT_OF_MEMORY_EXIT_CODE)
         }
         Err(error) => Err(engine_error(error)),
+    }
+}
+
+/// How often a running attempt reports progress, besides its first step and its last:
+/// often enough that `carve watch` moves and shows a useful ETA on a long run (a report
+/// every tenth of the run left a 500-step job at "1/500" for minutes), rarely enough that
+/// a scheduler with thousands of attempts is not flooded (each report is a message, a
+/// watcher event and a job log line).
+pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Which steps an attempt reports, on a time basis: the first, then one at least every
+/// [`PROGRESS_INTERVAL`], and the last. The throughput it reports is the mean since the
+/// previous report, so a short slow step does not stand for the whole interval.
+#[derive(Debug)]
+pub struct ProgressCadence {
+    batch_size: u64,
+    /// The step and time of the previous report; `None` before the first.
+    previous: Option<(u64, Instant)>,
+}
+
+impl ProgressCadence {
+    pub fn new(batch_size: u64) -> ProgressCadence {
+        ProgressCadence {
+            batch_size,
+            previous: None,
+        }
+    }
+
+    /// The samples per second to report for `progress` at `now`, or `None` when this step
+    /// is not reported.
+    pub fn report_now(&mut self, progress: &Progress, now: Instant) -> Option<f64> {
+        let last = progress.step >= progress.total_steps;
+        let samples_per_second = match self.previous {
+            None => progress.samples_per_second,
+            Some((step, at)) => {
+                let elapsed = now.saturating_duration_since(at);
+                if elapsed < PROGRESS_INTERVAL && !last {
+                    return None;
+                }
+                let samples = progress.step.saturating_sub(step) * self.batch_size;
+                samples as f64 / elapsed.as_secs_f64().max(1e-9)
+            }
+        };
+        self.previous = Some((progress.step, now));
+        Some(samples_per_second)
     }
 }
 
@@ -296,4 +349,41 @@ fn cuda_device_from_environment() -> Result<Option<usize>, WorkerError> {
 
 fn engine_error(error: EngineError) -> WorkerError {
     WorkerError::Attempt(error.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(step: u64, total_steps: u64) -> Progress {
+        Progress {
+            step,
+            total_steps,
+            loss: 0.5,
+            samples_per_second: 7.0,
+            memory_in_use_bytes: 0,
+            memory_peak_bytes: 0,
+            skipped: false,
+        }
+    }
+
+    #[test]
+    fn progress_is_reported_at_the_first_step_every_interval_and_the_last() {
+        let start = Instant::now();
+        let mut cadence = ProgressCadence::new(4);
+        // The first step of the attempt (after a resume it is not step 1) reports its own
+        // throughput.
+        assert_eq!(cadence.report_now(&step(101, 500), start), Some(7.0));
+        let second = Duration::from_secs(1);
+        for (index, number) in (102..105).enumerate() {
+            let at = start + second * (index as u32 + 1);
+            assert_eq!(cadence.report_now(&step(number, 500), at), None, "{number}");
+        }
+        // Five seconds on: the mean throughput over the interval (10 steps of 4 samples).
+        let reported = cadence.report_now(&step(111, 500), start + PROGRESS_INTERVAL);
+        assert_eq!(reported, Some(40.0 / PROGRESS_INTERVAL.as_secs_f64()));
+        // The last step always reports, however soon.
+        let soon = start + PROGRESS_INTERVAL + Duration::from_millis(10);
+        assert!(cadence.report_now(&step(500, 500), soon).is_some());
+    }
 }

@@ -193,9 +193,14 @@ pub async fn watch_attempt_process(
     let stderr_tail: Arc<Mutex<VecDeque<String>>> = Arc::default();
     let stderr_reader = child.stderr.take().map(|stderr| {
         let tail = stderr_tail.clone();
+        let reports = reports.clone();
+        let attempt = attempt.clone();
         tokio::spawn(async move {
             let mut lines = BufReader::new(stderr).lines();
             while let Ok(Some(line)) = lines.next_line().await {
+                // The program's own output belongs in the job's logs; the worker's
+                // channel outlives this task, so a failed send means shutdown.
+                let _ = reports.send(output_log_line(&attempt, line.clone()));
                 let mut tail = tail.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
                 if tail.len() == STDERR_LINES_KEPT {
                     tail.pop_front();
@@ -210,6 +215,7 @@ pub async fn watch_attempt_process(
         .map(|stdout| BufReader::new(stdout).lines());
     let mut final_line: Option<ChildLine> = None;
     let mut measured_peak_bytes = 0u64;
+    let mut steps_reported: Option<u64> = None;
     let mut cancel_reason: Option<String> = None;
     let mut kill_at: Option<Instant> = None;
     let mut killed = false;
@@ -229,8 +235,16 @@ pub async fn watch_attempt_process(
                     Ok(Some(text)) => {
                         match serde_json::from_str::<ChildLine>(&text) {
                             Ok(line) => {
-                                if let ChildLine::Progress { memory_peak_bytes, .. } = &line {
-                                    measured_peak_bytes = measured_peak_bytes.max(*memory_peak_bytes);
+                                match &line {
+                                    ChildLine::Progress { memory_peak_bytes, step, .. } => {
+                                        measured_peak_bytes = measured_peak_bytes.max(*memory_peak_bytes);
+                                        steps_reported = steps_reported.max(Some(*step));
+                                    }
+                                    // Written after its step: as far as the attempt got.
+                                    ChildLine::Checkpoint { step, .. } => {
+                                        steps_reported = steps_reported.max(Some(*step));
+                                    }
+                                    _ => {}
                                 }
                                 if let Some(body) = report_for_line(&attempt, &line) {
                                     send(body);
@@ -239,11 +253,7 @@ pub async fn watch_attempt_process(
                                 }
                             }
                             // Not ours (a library printing): pass it on as a log line.
-                            Err(_) => send(Body::Log(v1::worker_message::LogLine {
-                                attempt: Some(attempt.clone()),
-                                level: "info".into(),
-                                message: text,
-                            })),
+                            Err(_) => send(output_log_line(&attempt, text)),
                         }
                     }
                     Ok(None) | Err(_) => stdout_lines = None,
@@ -292,16 +302,52 @@ pub async fn watch_attempt_process(
         .cloned()
         .collect();
     before_final_report();
+    let observed = Observed {
+        peak_bytes: measured_peak_bytes,
+        steps: steps_reported,
+    };
     for body in final_reports(
         &attempt,
         exit_status,
         final_line,
         cancel_reason,
-        measured_peak_bytes,
+        observed,
         &stderr_tail,
     ) {
         send(body);
     }
+}
+
+/// A line the attempt's program wrote that is not a protocol line, as a log line of the
+/// attempt; its level is guessed from its words (programs mark their warnings and errors
+/// in the text, and write them on either stream).
+fn output_log_line(attempt: &v1::AttemptRef, message: String) -> Body {
+    Body::Log(v1::worker_message::LogLine {
+        attempt: Some(attempt.clone()),
+        level: output_level(&message).into(),
+        message,
+    })
+}
+
+/// "error" or "warn" when the line says so near its start, "info" otherwise.
+fn output_level(line: &str) -> &'static str {
+    let start: String = line.chars().take(40).collect::<String>().to_lowercase();
+    if start.contains("error") || start.contains("panic") || start.contains("traceback") {
+        "error"
+    } else if start.contains("warn") {
+        "warn"
+    } else {
+        "info"
+    }
+}
+
+/// What the worker saw of an attempt from its progress lines, for its final report.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Observed {
+    /// The largest memory peak reported (0 when none).
+    pub peak_bytes: u64,
+    /// The step of the last progress line.
+    pub steps: Option<u64>,
 }
 
 /// SIGKILL to the attempt's process group, and to the process itself should the group
@@ -319,12 +365,18 @@ fn kill_group(child: &mut Child, process_group: u32) {
 fn report_for_line(attempt: &v1::AttemptRef, line: &ChildLine) -> Option<Body> {
     let attempt = Some(attempt.clone());
     match line {
-        ChildLine::Started { reserved_bytes, .. } => {
-            Some(Body::AttemptStarted(v1::worker_message::AttemptStarted {
-                attempt,
-                reserved_bytes: *reserved_bytes,
-            }))
-        }
+        ChildLine::Started {
+            reserved_bytes,
+            resumed_from,
+            ..
+        } => Some(Body::AttemptStarted(v1::worker_message::AttemptStarted {
+            attempt,
+            reserved_bytes: *reserved_bytes,
+            resumed_from: resumed_from.as_ref().map(|checkpoint| v1::Checkpoint {
+                step: checkpoint.step,
+                location: checkpoint.location.clone(),
+            }),
+        })),
         ChildLine::Progress {
             step,
             total_steps,
@@ -362,22 +414,23 @@ pub fn final_reports(
     exit_status: std::io::Result<ExitStatus>,
     final_line: Option<ChildLine>,
     cancel_reason: Option<String>,
-    measured_peak_bytes: u64,
+    observed: Observed,
     stderr_tail: &[String],
 ) -> Vec<Body> {
-    let finished = |outcome: v1::AttemptOutcome,
-                    final_loss: Option<f64>,
-                    test_accuracy: Option<f64>,
-                    peak: u64,
-                    message: String| {
-        Body::AttemptFinished(v1::worker_message::AttemptFinished {
+    let measured_peak_bytes = observed.peak_bytes;
+    // Ended early, an attempt says how far its progress lines got; the mean throughput
+    // is only known from a finished line.
+    let finished = |outcome: v1::AttemptOutcome, peak: u64, message: String| {
+        v1::worker_message::AttemptFinished {
             attempt: Some(attempt.clone()),
             outcome: outcome as i32,
-            final_loss,
-            test_accuracy,
+            final_loss: None,
+            test_accuracy: None,
             measured_peak_bytes: peak,
             message,
-        })
+            steps_done: observed.steps,
+            samples_per_second: None,
+        }
     };
     let exit_code = exit_status.as_ref().ok().and_then(|status| status.code());
     match (cancel_reason, final_line, exit_code) {
@@ -388,22 +441,28 @@ pub fn final_reports(
                 final_loss,
                 test_accuracy,
                 peak_bytes,
+                steps,
+                samples_per_second,
             }),
             Some(0),
-        ) => vec![finished(
-            v1::AttemptOutcome::Succeeded,
-            final_loss.is_finite().then_some(final_loss),
-            test_accuracy,
-            peak_bytes.max(measured_peak_bytes),
-            String::new(),
-        )],
-        (Some(reason), _, _) => vec![finished(
+        ) => vec![Body::AttemptFinished(v1::worker_message::AttemptFinished {
+            final_loss: final_loss.is_finite().then_some(final_loss),
+            test_accuracy: test_accuracy.filter(|accuracy| accuracy.is_finite()),
+            // 0 is what a line of an older attempt process reads as: unknown.
+            steps_done: (steps > 0).then_some(steps).or(observed.steps),
+            samples_per_second: (samples_per_second.is_finite() && samples_per_second > 0.0)
+                .then_some(samples_per_second),
+            ..finished(
+                v1::AttemptOutcome::Succeeded,
+                peak_bytes.max(measured_peak_bytes),
+                String::new(),
+            )
+        })],
+        (Some(reason), _, _) => vec![Body::AttemptFinished(finished(
             v1::AttemptOutcome::Cancelled,
-            None,
-            None,
             measured_peak_bytes,
             reason,
-        )],
+        ))],
         (
             None,
             Some(ChildLine::Oom {
@@ -432,13 +491,11 @@ pub fn final_reports(
             }),
             // The protocol's closing message; the scheduler already settled the attempt
             // on the report and only acknowledges it.
-            finished(
+            Body::AttemptFinished(finished(
                 v1::AttemptOutcome::OutOfMemory,
-                None,
-                None,
                 peak_bytes.max(measured_peak_bytes),
                 String::new(),
-            ),
+            )),
         ],
         (None, _, _) => {
             let (outcome, mut message) = classify_unreported_end(&exit_status);
@@ -446,7 +503,11 @@ pub fn final_reports(
                 message.push_str("; last lines of its stderr:\n");
                 message.push_str(&stderr_tail.join("\n"));
             }
-            vec![finished(outcome, None, None, measured_peak_bytes, message)]
+            vec![Body::AttemptFinished(finished(
+                outcome,
+                measured_peak_bytes,
+                message,
+            ))]
         }
     }
 }
@@ -548,173 +609,4 @@ fn signal_name(signal: i32) -> &'static str {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::unix::process::ExitStatusExt;
-
-    fn attempt() -> v1::AttemptRef {
-        v1::AttemptRef {
-            job_id: "job-1".into(),
-            attempt_number: 1,
-            lease_epoch: 1,
-        }
-    }
-
-    fn outcome(body: &Body) -> v1::AttemptOutcome {
-        match body {
-            Body::AttemptFinished(finished) => {
-                v1::AttemptOutcome::try_from(finished.outcome).unwrap()
-            }
-            other => panic!("not a finish: {other:?}"),
-        }
-    }
-
-    #[test]
-    fn an_oom_line_without_its_exit_code_is_a_crash_not_an_oom() {
-        let oom = ChildLine::Oom {
-            requested_bytes: 10,
-            in_use_bytes: 5,
-            limit_bytes: 12,
-            largest_free_bytes: 7,
-            peak_bytes: 5,
-            checkpoint: None,
-        };
-        let killed = final_reports(
-            &attempt(),
-            Ok(ExitStatus::from_raw(9)),
-            Some(oom.clone()),
-            None,
-            0,
-            &["boom".into()],
-        );
-        assert_eq!(killed.len(), 1);
-        assert_eq!(outcome(&killed[0]), v1::AttemptOutcome::Interrupted);
-        let Body::AttemptFinished(finished) = &killed[0] else {
-            unreachable!()
-        };
-        assert!(
-            finished
-                .message
-                .contains("killed by signal 9 (SIGKILL), which the worker did not send"),
-            "{}",
-            finished.message
-        );
-        assert!(finished.message.contains("boom"), "{}", finished.message);
-
-        let out_of_memory = final_reports(
-            &attempt(),
-            Ok(ExitStatus::from_raw(OUT_OF_MEMORY_EXIT_CODE << 8)),
-            Some(oom),
-            None,
-            0,
-            &[],
-        );
-        assert!(matches!(out_of_memory[0], Body::Oom(_)));
-        assert_eq!(outcome(&out_of_memory[1]), v1::AttemptOutcome::OutOfMemory);
-    }
-
-    fn finish_message(body: &Body) -> &str {
-        match body {
-            Body::AttemptFinished(finished) => &finished.message,
-            other => panic!("not a finish: {other:?}"),
-        }
-    }
-
-    /// The one report for a process that ended with `status` and no final line.
-    fn unreported_end(status: std::io::Result<ExitStatus>) -> (v1::AttemptOutcome, String) {
-        let reports = final_reports(&attempt(), status, None, None, 7, &["last words".into()]);
-        assert_eq!(reports.len(), 1);
-        let message = finish_message(&reports[0]).to_string();
-        assert!(
-            message.ends_with("last lines of its stderr:\nlast words"),
-            "{message}"
-        );
-        (outcome(&reports[0]), message)
-    }
-
-    #[test]
-    fn a_signal_from_outside_interrupts_and_the_program_s_own_end_fails() {
-        for (signal, name) in [
-            (9, "SIGKILL"),
-            (15, "SIGTERM"),
-            (1, "SIGHUP"),
-            (13, "SIGPIPE"),
-        ] {
-            let (outcome, message) = unreported_end(Ok(ExitStatus::from_raw(signal)));
-            assert_eq!(outcome, v1::AttemptOutcome::Interrupted, "{message}");
-            assert!(
-                message.contains(&format!("killed by signal {signal} ({name})")),
-                "{message}"
-            );
-        }
-        // Faults the program raised on itself would repeat on every retry.
-        for (signal, name) in [
-            (11, "SIGSEGV"),
-            (6, "SIGABRT"),
-            (4, "SIGILL"),
-            (7, "SIGBUS"),
-        ] {
-            let (outcome, message) = unreported_end(Ok(ExitStatus::from_raw(signal)));
-            assert_eq!(outcome, v1::AttemptOutcome::Failed, "{message}");
-            assert!(
-                message.contains(&format!("crashed with signal {signal} ({name})")),
-                "{message}"
-            );
-        }
-        // An exit code is the program's own word: failed, even 0 without its result.
-        for code in [1, 0, 101] {
-            let (outcome, message) = unreported_end(Ok(ExitStatus::from_raw(code << 8)));
-            assert_eq!(outcome, v1::AttemptOutcome::Failed, "{message}");
-            assert!(message.contains("ended without a result"), "{message}");
-        }
-        let (outcome, message) =
-            unreported_end(Ok(ExitStatus::from_raw(WORKER_GONE_EXIT_CODE << 8)));
-        assert_eq!(outcome, v1::AttemptOutcome::Interrupted, "{message}");
-        assert!(message.contains("lost its worker"), "{message}");
-        // Reaped by someone else: the process vanished.
-        let (outcome, message) = unreported_end(Err(std::io::Error::from_raw_os_error(10)));
-        assert_eq!(outcome, v1::AttemptOutcome::Interrupted, "{message}");
-        assert!(message.contains("vanished"), "{message}");
-    }
-
-    #[test]
-    fn a_signal_the_worker_sent_is_a_cancel_not_an_interruption() {
-        let reports = final_reports(
-            &attempt(),
-            Ok(ExitStatus::from_raw(9)),
-            None,
-            Some("the worker is shutting down".into()),
-            0,
-            &[],
-        );
-        assert_eq!(outcome(&reports[0]), v1::AttemptOutcome::Cancelled);
-    }
-
-    #[test]
-    fn group_ids_that_would_reach_other_processes_are_never_signalled() {
-        for group in [0, 1, u32::MAX] {
-            assert!(
-                signal_process_group(group, Signal::KILL).is_err(),
-                "{group}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_cancelled_attempt_is_cancelled_with_its_reason() {
-        let reports = final_reports(
-            &attempt(),
-            Ok(ExitStatus::from_raw(15)),
-            None,
-            Some("cancelled by alice".into()),
-            42,
-            &[],
-        );
-        let Body::AttemptFinished(finished) = &reports[0] else {
-            unreachable!()
-        };
-        assert_eq!(outcome(&reports[0]), v1::AttemptOutcome::Cancelled);
-        assert_eq!(finished.message, "cancelled by alice");
-        assert_eq!(finished.measured_peak_bytes, 42);
-    }
-}
+mod tests;

@@ -9,8 +9,14 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ChildLine {
-    /// The slice is reserved; training starts.
-    Started { reserved_bytes: u64, pid: u32 },
+    /// The slice is reserved; training starts. `resumed_from` is the checkpoint the
+    /// process loaded (absent when it starts from scratch, and in lines of older workers).
+    Started {
+        reserved_bytes: u64,
+        pid: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resumed_from: Option<CheckpointLine>,
+    },
     Progress {
         step: u64,
         total_steps: u64,
@@ -23,12 +29,18 @@ pub enum ChildLine {
     },
     /// A checkpoint is on disk.
     Checkpoint { step: u64, location: String },
-    /// Training completed; exit code 0 follows.
+    /// Training completed; exit code 0 follows. `steps` counts those before a resume
+    /// too; `samples_per_second` is the mean over this attempt's own steps. Both default
+    /// to 0 (unknown) in lines of older workers.
     Finished {
         #[serde(deserialize_with = "number_or_nan")]
         final_loss: f64,
         test_accuracy: Option<f64>,
         peak_bytes: u64,
+        #[serde(default)]
+        steps: u64,
+        #[serde(default, deserialize_with = "number_or_nan")]
+        samples_per_second: f64,
     },
     /// The slice could not hold a buffer; exit code 3 follows.
     Oom {
@@ -128,6 +140,34 @@ mod tests {
         assert!(matches!(oom, ChildLine::Oom { limit_bytes: 3, .. }));
     }
 
+    /// A worker reads the lines of an attempt process of the version before it: the
+    /// fields added since are optional.
+    #[test]
+    fn lines_without_the_newer_fields_are_read() {
+        let started: ChildLine =
+            serde_json::from_str(r#"{"type":"started","reserved_bytes":5,"pid":9}"#).unwrap();
+        assert_eq!(
+            started,
+            ChildLine::Started {
+                reserved_bytes: 5,
+                pid: 9,
+                resumed_from: None
+            }
+        );
+        let finished: ChildLine = serde_json::from_str(
+            r#"{"type":"finished","final_loss":0.5,"test_accuracy":null,"peak_bytes":7}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            finished,
+            ChildLine::Finished {
+                steps: 0,
+                samples_per_second,
+                ..
+            } if samples_per_second == 0.0
+        ));
+    }
+
     /// Found by the child_line fuzz target: a diverged run's NaN loss is written as
     /// `null`, which the worker could not read back, so a finished attempt failed.
     #[test]
@@ -136,16 +176,19 @@ mod tests {
             final_loss: f64::NAN,
             test_accuracy: Some(f64::INFINITY),
             peak_bytes: 7,
+            steps: 3,
+            samples_per_second: 2.5,
         };
         let text = serde_json::to_string(&finished).unwrap();
         assert_eq!(
             text,
-            r#"{"type":"finished","final_loss":null,"test_accuracy":null,"peak_bytes":7}"#
+            r#"{"type":"finished","final_loss":null,"test_accuracy":null,"peak_bytes":7,"steps":3,"samples_per_second":2.5}"#
         );
         let ChildLine::Finished {
             final_loss,
             test_accuracy,
             peak_bytes,
+            ..
         } = serde_json::from_str(&text).unwrap()
         else {
             panic!("{text} is not read back as a finished line");

@@ -614,6 +614,8 @@ impl Worker {
                 test_accuracy: None,
                 measured_peak_bytes: 0,
                 message: reason,
+                steps_done: None,
+                samples_per_second: None,
             }));
     }
 

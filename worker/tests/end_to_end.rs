@@ -27,7 +27,8 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
 mod support;
 use support::{
-    authorized, poll_until, process_command_lines, tiny_job_spec, worker_process_command,
+    alice_with_tokens, authorized, poll_until, process_command_lines, tiny_job_spec,
+    worker_process_command,
 };
 
 const ADMIN: &str = "carve_worker_test_admin_secret";
@@ -150,16 +151,7 @@ async fn start_cluster_with(lease: Duration, serve_tls: bool) -> Cluster {
     let address = format!("{scheme}://{}", listener.local_addr().unwrap());
     let (channel, shutdown, server) =
         start_scheduler_with_tls(directory.path(), listener, lease, tls).await;
-    let [user, worker_token] = carve_testing::cluster::tenant_with_tokens(
-        &channel,
-        ADMIN,
-        "alice",
-        v1::Quota::default(),
-        &[v1::Role::User, v1::Role::Worker],
-    )
-    .await
-    .try_into()
-    .expect("two tokens");
+    let (user, worker_token) = alice_with_tokens(&channel, ADMIN).await;
     Cluster {
         channel,
         address,

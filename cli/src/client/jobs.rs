@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use carve_core::plan::RunConfig;
 use carve_proto::v1;
 
+use super::attempt_results::{last_loss_text, print_results, progress_text};
 use super::connection::{Connection, ConnectionOptions};
 use super::failure::{ClientFailure, FailureKind, FailureTally};
 use super::output::{
@@ -321,12 +322,13 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let now = now_seconds();
-    let rows: Vec<[String; 10]> = jobs.iter().map(job_row_wide).collect();
+    let rows: Vec<[String; 11]> = jobs.iter().map(job_row_wide).collect();
     let header = [
         "ID",
         "NAME",
         "TENANT",
         "STATE",
+        "LOSS",
         "PRIORITY",
         "CONFIG",
         "ESTIMATE / PEAK",
@@ -338,16 +340,17 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
         print_wide_table(header, &rows);
         return Ok(ExitCode::SUCCESS);
     }
-    // The default table: the wide one's id, name, state and memory, the age and the
+    // The default table: the wide one's id, name, state, loss and memory, the age and the
     // waiting reason, which fit 100 columns beside a whole id.
-    let rows: Vec<[String; 6]> = jobs
+    let rows: Vec<[String; 7]> = jobs
         .iter()
         .zip(rows)
-        .map(|(job, [id, name, _, state, _, _, memory, _, _, _])| {
+        .map(|(job, [id, name, _, state, loss, _, _, memory, _, _, _])| {
             [
                 id,
                 name,
                 state,
+                loss,
                 memory,
                 age_text(job.created_at.as_ref(), now),
                 job.waiting_reason.clone(),
@@ -355,14 +358,22 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
         })
         .collect();
     print_table(
-        ["ID", "NAME", "STATE", "ESTIMATE / PEAK", "AGE", "WAITING"],
+        [
+            "ID",
+            "NAME",
+            "STATE",
+            "LOSS",
+            "ESTIMATE / PEAK",
+            "AGE",
+            "WAITING",
+        ],
         &rows,
     );
     Ok(ExitCode::SUCCESS)
 }
 
 /// A job's row of `carve jobs -o wide`; the default table takes some of its cells.
-fn job_row_wide(job: &v1::Job) -> [String; 10] {
+fn job_row_wide(job: &v1::Job) -> [String; 11] {
     let peak = job
         .attempts
         .iter()
@@ -377,6 +388,7 @@ fn job_row_wide(job: &v1::Job) -> [String; 10] {
         job.name.clone(),
         job.tenant.clone(),
         job_state_name(job.state),
+        last_loss_text(job),
         job.priority.to_string(),
         config_text(job.current_config.as_ref()),
         format!(
@@ -451,6 +463,9 @@ fn print_job_details(job: &v1::Job) {
     if job.finished_at.is_some() {
         println!("  finished:   {}", timestamp_text(job.finished_at.as_ref()));
     }
+    if let Some(progress) = progress_text(job) {
+        println!("  progress:   {progress}");
+    }
     if let Some(written) = config_as_written(job) {
         println!("  as written: {}", config_text(Some(&written)));
     }
@@ -511,6 +526,8 @@ fn print_job_details(job: &v1::Job) {
         ],
         &rows,
     );
+    println!();
+    print_results(job);
 }
 
 pub async fn cancel(arguments: CancelArguments) -> Result<ExitCode> {

@@ -7,6 +7,7 @@
 //! place). `carve dev` uses the same connection and output helpers.
 
 pub mod admin;
+pub mod attempt_results;
 pub mod cluster;
 pub mod connection;
 pub mod failure;

@@ -1,7 +1,8 @@
 //! `carve watch JOB` (and `carve submit --watch`): follows a job's event stream to its
-//! end. On a terminal, a live progress bar shows the step, the loss, the throughput and
-//! the slice's memory; state changes, attempts, out-of-memory reports and shrink
-//! decisions print as lines as they happen. Off a terminal everything is plain lines.
+//! end. On a terminal, a live progress bar shows the step, the loss, the throughput, the
+//! slice's memory, the elapsed time and an ETA; while the job is queued, why it waits;
+//! state changes, attempts, out-of-memory reports and shrink decisions print as lines as
+//! they happen. Off a terminal everything is plain lines.
 //! The exit code is the job's: 0 succeeded, 3 failed out of memory, 10 failed, 11
 //! cancelled.
 
@@ -21,6 +22,11 @@ use super::output::{
     attempt_note, bytes_text, config_text, is_terminal, is_terminal_state, job_state_name,
     oom_text, outcome_name,
 };
+use crate::elapsed::{between, now_timestamp, timing_text};
+
+/// How often a watch of a queued job reads the job again for its waiting reason, which
+/// changes with scheduling passes rather than with events.
+const WAITING_REASON_INTERVAL: Duration = Duration::from_secs(2);
 
 #[derive(Debug, clap::Args)]
 pub struct WatchArguments {
@@ -82,6 +88,19 @@ impl Display {
         }
     }
 
+    /// What the job is waiting for, until its first progress report: on a terminal the
+    /// spinner's text, off one a line (the caller only calls when it changed).
+    fn waiting(&self, text: &str) {
+        match self {
+            Display::Terminal { bar, showing_steps } => {
+                if !showing_steps.get() {
+                    bar.set_message(text.to_string());
+                }
+            }
+            Display::Lines { .. } => self.line(text),
+        }
+    }
+
     fn line(&self, text: &str) {
         match self {
             Display::Terminal { bar, .. } => bar.println(text),
@@ -90,8 +109,14 @@ impl Display {
         }
     }
 
-    fn progress(&self, attempt: u32, progress: &v1::TrainingProgress, slice_bytes: Option<u64>) {
-        let memory = match slice_bytes {
+    fn progress(
+        &self,
+        attempt: u32,
+        progress: &v1::TrainingProgress,
+        running: Option<&v1::Attempt>,
+    ) {
+        let running = running.filter(|running| running.number == attempt);
+        let memory = match running.map(|running| running.slice_bytes) {
             Some(slice) => format!(
                 "{} of {} slice (peak {})",
                 bytes_text(Some(progress.memory_in_use_bytes)),
@@ -104,8 +129,21 @@ impl Display {
                 bytes_text(Some(progress.memory_peak_bytes))
             ),
         };
+        let timing = running
+            .and_then(|running| {
+                let started = running.started_at.as_ref()?;
+                let first_step = running.resumed_from.as_ref().map_or(0, |from| from.step);
+                Some(timing_text(
+                    first_step,
+                    progress.step,
+                    progress.total_steps,
+                    between(started, &now_timestamp()),
+                ))
+            })
+            .map(|timing| format!("  {timing}"))
+            .unwrap_or_default();
         let message = format!(
-            "loss {:.4}  {:.0} samples/s  {memory}",
+            "loss {:.4}  {:.0} samples/s  {memory}{timing}",
             progress.loss, progress.samples_per_second
         );
         match self {
@@ -163,11 +201,13 @@ pub async fn follow_job(
     // `job_id` may be a prefix or a name: from here on, the job's own id.
     let job_id = job.id.as_str();
     let display = Display::new(to_stderr);
-    let mut slice_bytes = job
+    let mut running = job
         .attempts
         .last()
         .filter(|attempt| attempt.outcome == v1::AttemptOutcome::Running as i32)
-        .map(|attempt| attempt.slice_bytes);
+        .cloned();
+    let mut waiting = Waiting::default();
+    waiting.show(&display, &job);
     let result = async {
         loop {
             let mut stream = connection
@@ -181,11 +221,25 @@ pub async fn follow_job(
                     connection.failure(&status, &format!("cannot watch job {job_id}"))
                 })?
                 .into_inner();
+            let mut reread = tokio::time::interval(WAITING_REASON_INTERVAL);
+            reread.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                match stream.message().await {
+                let message = tokio::select! {
+                    message = stream.message() => message,
+                    _ = reread.tick(), if waiting.wants_rereads(running.as_ref()) => {
+                        if let Ok(now) = connection.fetch_job(job_id).await {
+                            waiting.show(&display, &now);
+                        }
+                        continue;
+                    }
+                };
+                match message {
                     Ok(Some(event)) => {
                         if let Some(event) = event.event {
-                            show_event(&display, &job, event, &mut slice_bytes);
+                            if let Event::StateChanged(changed) = &event {
+                                waiting.state = changed.state;
+                            }
+                            show_event(&display, &job, event, &mut running);
                         }
                     }
                     // The stream ends after the event that makes the job terminal.
@@ -224,9 +278,46 @@ fn attempt_placement(verb: &str, attempt: &v1::Attempt) -> String {
     )
 }
 
-fn show_event(display: &Display, job: &v1::Job, event: Event, slice_bytes: &mut Option<u64>) {
+/// What a watch says while the job waits in the queue: its waiting reason, read again
+/// every [`WAITING_REASON_INTERVAL`] while it is queued.
+#[derive(Debug, Default)]
+struct Waiting {
+    /// The job's state, as the stream last said.
+    state: i32,
+    /// The last text shown, so a line is printed only when it changes.
+    shown: String,
+}
+
+impl Waiting {
+    fn wants_rereads(&self, running: Option<&v1::Attempt>) -> bool {
+        self.state == v1::JobState::Queued as i32 && running.is_none()
+    }
+
+    /// Shows why `job` waits, when it is queued and the text changed.
+    fn show(&mut self, display: &Display, job: &v1::Job) {
+        self.state = job.state;
+        let text = match v1::JobState::try_from(job.state) {
+            Ok(v1::JobState::Queued) if job.waiting_reason.is_empty() => {
+                "queued: waiting for a scheduling pass".to_string()
+            }
+            Ok(v1::JobState::Queued) => format!("queued: {}", job.waiting_reason),
+            _ => return,
+        };
+        if text != self.shown {
+            display.waiting(&text);
+            self.shown = text;
+        }
+    }
+}
+
+fn show_event(display: &Display, job: &v1::Job, event: Event, running: &mut Option<v1::Attempt>) {
     match event {
         Event::StateChanged(changed) => {
+            if changed.state == v1::JobState::Queued as i32 {
+                // Back in the queue (an out-of-memory retry, a lost worker): the attempt
+                // that ran is over.
+                *running = None;
+            }
             let state = job_state_name(changed.state);
             if changed.previous_state == v1::JobState::Unspecified as i32
                 || changed.previous_state == changed.state
@@ -257,7 +348,7 @@ fn show_event(display: &Display, job: &v1::Job, event: Event, slice_bytes: &mut 
         }
         Event::Progress(progress) => {
             if let Some(training) = &progress.progress {
-                display.progress(progress.attempt_number, training, *slice_bytes);
+                display.progress(progress.attempt_number, training, running.as_ref());
             }
         }
         Event::Oom(oom) => display.line(&format!(
@@ -291,8 +382,15 @@ fn show_event(display: &Display, job: &v1::Job, event: Event, slice_bytes: &mut 
             ));
         }
         Event::AttemptStarted(attempt) => {
-            *slice_bytes = Some(attempt.slice_bytes);
             display.line(&attempt_placement("started", &attempt));
+            // The placement line says it off a terminal; the spinner says it on one.
+            if let Display::Terminal { .. } = display {
+                display.waiting(&format!(
+                    "attempt {} placed; waiting for its first progress report",
+                    attempt.number
+                ));
+            }
+            *running = Some(attempt);
         }
         Event::AttemptFinished(attempt) => {
             let note = attempt_note(&attempt);

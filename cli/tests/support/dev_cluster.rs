@@ -1,8 +1,8 @@
-//! The real `carve dev` as a child process (scheduler with SQLite, worker with simulated
-//! GPUs, attempt processes) and `carve` commands run against it as separate processes, as
-//! a person or a script would run them: what the client command tests share. Included
-//! with `#[path]` by the test files that need it.
+//! What the client tests share: a `carve dev` child process (its endpoint and tokens),
+//! `carve` runs against it with what they printed and their exit code, and the words
+//! tests read back from `submit` and `jobs -o json`.
 
+// Each test file uses some of these; the local commands' tests none.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read};
@@ -32,7 +32,7 @@ pub struct DevCluster {
     pub stderr: Arc<Mutex<String>>,
     /// No user config file may leak into the commands: this is their XDG_CONFIG_HOME.
     pub config_home: tempfile::TempDir,
-    _data: tempfile::TempDir,
+    pub _data: tempfile::TempDir,
 }
 
 impl DevCluster {

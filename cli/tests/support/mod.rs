@@ -1,6 +1,8 @@
 //! What the tests of the local `carve` commands (estimate, run, sim) share: running the
 //! real binary (with a stdin, if need be), checking that it succeeded, and writing its input
-//! files (IDX data among them).
+//! files (IDX data among them). The client commands' tests share `carve dev` ([`dev_cluster`]).
+
+pub mod dev_cluster;
 
 use std::io::Write as _;
 use std::path::Path;

@@ -1,5 +1,6 @@
-//! Job events and job logs: every event is sent to watchers and, but for progress, makes
-//! a log line telling the job's story.
+//! Job events and job logs: every event is sent to watchers and makes a log line telling
+//! the job's story: the scheduler's notes (attempt 0), and under each attempt's number its
+//! output, its progress, its checkpoints and its results.
 
 use std::sync::atomic::Ordering;
 
@@ -10,9 +11,9 @@ use carve_core::shrink::ShrinkDecision;
 
 use crate::auth::Caller;
 use crate::error::SchedulerError;
-use crate::store::AttemptRecord;
+use crate::store::{AttemptRecord, AttemptResults};
 
-use super::worker_reports::TrainingProgress;
+use super::worker_reports::{AttemptRef, TrainingProgress};
 use super::{Scheduler, StateChange, now_ms};
 
 /// What watchers of a job are told, as the scheduler's own type; the watch handler makes
@@ -106,6 +107,45 @@ impl Scheduler {
         self.logs.flush().await;
     }
 
+    /// A line of the attempt's story that no event of its own makes (where it resumed,
+    /// a checkpoint), under the attempt's number.
+    pub(super) fn emit_attempt_line(&self, attempt: &AttemptRef, message: String) {
+        self.emit(
+            &attempt.job_id,
+            JobUpdateKind::Log {
+                attempt_number: attempt.attempt_number,
+                level: "info".into(),
+                message,
+            },
+        );
+    }
+
+    /// The attempt's results as a line of its log, when it reported any.
+    pub(super) fn log_results(&self, job_id: &str, attempt_number: u32, results: &AttemptResults) {
+        let mut parts = Vec::new();
+        if let Some(steps) = results.steps_done {
+            parts.push(format!("{steps} steps"));
+        }
+        if let Some(loss) = results.final_loss {
+            parts.push(format!("final loss {loss:.4}"));
+        }
+        if let Some(accuracy) = results.test_accuracy {
+            parts.push(format!("test accuracy {:.2}%", accuracy * 100.0));
+        }
+        if let Some(rate) = results.samples_per_second {
+            parts.push(format!("{rate:.0} samples/s"));
+        }
+        if parts.is_empty() {
+            return;
+        }
+        let attempt = AttemptRef {
+            job_id: job_id.to_string(),
+            attempt_number,
+            lease_epoch: 0,
+        };
+        self.emit_attempt_line(&attempt, format!("ended: {}", parts.join(", ")));
+    }
+
     pub(super) fn emit_state(&self, job_id: &str, change: StateChange, reason: &str) {
         self.emit(
             job_id,
@@ -120,8 +160,9 @@ impl Scheduler {
 
 /// The job log line an event makes, if any: a worker's line under its attempt number, or
 /// one of the scheduler's notes (attempt 0) telling the job's story — state changes with
-/// their reasons, out-of-memory reports, shrink decisions and where attempts run.
-/// Progress is left out: it is frequent and `carve get` shows the latest.
+/// their reasons, out-of-memory reports, shrink decisions and where attempts run. A
+/// progress report is a line of its attempt: attempts report every few seconds, and the
+/// newest lines a job keeps are bounded.
 fn log_line_for_event(
     job_id: &str,
     time_ms: i64,
@@ -200,7 +241,25 @@ fn log_line_for_event(
                 ),
             )
         }
-        JobUpdateKind::Progress { .. } => return None,
+        JobUpdateKind::Progress {
+            attempt_number,
+            progress,
+        } => {
+            let progress = progress.as_ref()?;
+            (
+                *attempt_number,
+                "info",
+                format!(
+                    "step {}/{}: loss {:.4}, {:.0} samples/s, {} in use (peak {})",
+                    progress.step,
+                    progress.total_steps,
+                    progress.loss,
+                    progress.samples_per_second,
+                    HumanBytes(progress.memory_in_use_bytes),
+                    HumanBytes(progress.memory_peak_bytes)
+                ),
+            )
+        }
     };
     Some(crate::store::NewLogLine::normalized(
         job_id,

@@ -106,6 +106,22 @@ struct RunningAttempt {
     estimate_bytes: u64,
     /// The peak the attempt last reported in its progress.
     measured_peak_bytes: u64,
+    /// Its latest progress report: job reads show it (it is not stored), and an attempt
+    /// that ends without saying how far it got is stored with its step.
+    latest_progress: Option<worker_reports::TrainingProgress>,
+}
+
+impl RunningAttempt {
+    /// What is known of the attempt's results without its word: how far its progress
+    /// got. An attempt that runs out of memory or loses its worker is stored with it.
+    fn results_so_far(&self) -> crate::store::AttemptResults {
+        crate::store::AttemptResults {
+            steps_done: self
+                .latest_progress
+                .map(|progress| i64::try_from(progress.step).unwrap_or(i64::MAX)),
+            ..Default::default()
+        }
+    }
 }
 
 #[derive(Debug, Default)]

@@ -14,7 +14,7 @@ use crate::auth::Caller;
 use crate::convert::{config_from_json, config_to_json, estimate_to_json};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
-use crate::store::JobRecord;
+use crate::store::{AttemptResults, JobRecord};
 
 use super::admission::shape_key;
 use super::logs::JobUpdateKind;
@@ -97,6 +97,7 @@ impl Scheduler {
                 Some(&report),
                 &report.to_string(),
                 now,
+                &running.results_so_far(),
             )
             .await?;
         self.live().running.remove(&attempt.job_id);
@@ -202,6 +203,7 @@ impl Scheduler {
         outcome: Option<AttemptOutcome>,
         measured_peak_bytes: u64,
         message: &str,
+        mut results: AttemptResults,
     ) -> Result<(), SchedulerError> {
         let _guard = self.job_changes.lock().await;
         let running = self
@@ -223,6 +225,7 @@ impl Scheduler {
         };
         let now = now_ms();
         let measured = (measured_peak_bytes > 0).then_some(measured_peak_bytes as i64);
+        results.steps_done = results.steps_done.or(running.results_so_far().steps_done);
         self.store
             .finish_attempt(
                 &attempt.job_id,
@@ -233,8 +236,10 @@ impl Scheduler {
                 None,
                 message,
                 now,
+                &results,
             )
             .await?;
+        self.log_results(&attempt.job_id, attempt.attempt_number, &results);
         self.live().running.remove(&attempt.job_id);
         let mut job = self.store.get_job(&attempt.job_id).await?;
         if let (Some(measured), AttemptOutcome::Succeeded) = (measured, outcome) {
@@ -363,6 +368,7 @@ impl Scheduler {
                         None,
                         &format!("worker {worker_id} stopped heartbeating"),
                         now,
+                        &running.results_so_far(),
                     )
                     .await;
                 if let Err(error) = fenced

@@ -205,6 +205,7 @@ impl Scheduler {
             resumed_from_step: job.checkpoint_step,
             started_at_ms: now,
             finished_at_ms: None,
+            results: Default::default(),
         };
         self.store.record_job_and_attempt(&job, &attempt).await?;
         self.queue().remove(&job.id);
@@ -219,6 +220,7 @@ impl Scheduler {
                 tenant: job.tenant.clone(),
                 estimate_bytes,
                 measured_peak_bytes: 0,
+                latest_progress: None,
             },
         );
         let checkpoint_location = format!("{}/{}.ckpt", self.settings.checkpoint_directory, job.id);

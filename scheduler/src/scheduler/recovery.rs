@@ -39,6 +39,7 @@ impl Scheduler {
                         tenant: job.tenant.clone(),
                         estimate_bytes: attempt.estimate_bytes as u64,
                         measured_peak_bytes: 0,
+                        latest_progress: None,
                     },
                 );
             }

@@ -17,7 +17,8 @@ use crate::worker_session::{LiveSession, SessionHandle};
 
 use super::logs::JobUpdateKind;
 use super::worker_reports::{
-    AttemptRef, Gpu, GpuFreeBytes, Registered, WorkerCommand, WorkerRegistration, WorkerReport,
+    AttemptRef, Checkpoint, Gpu, GpuFreeBytes, Registered, WorkerCommand, WorkerRegistration,
+    WorkerReport,
 };
 use super::{LiveWorker, RunningAttempt, Scheduler, SessionSender, WorkerState, now_ms};
 
@@ -308,26 +309,20 @@ impl Scheduler {
                 self.heartbeat(worker_id, session_id, &gpus);
                 Ok(())
             }
-            WorkerReport::AttemptStarted { attempt } => {
-                let _guard = self.job_changes.lock().await;
-                if self.current_attempt(worker_id, &attempt).is_none() {
-                    return Err(self.fenced(&attempt));
-                }
-                let mut job = self.store.get_job(&attempt.job_id).await?;
-                if job.state == JobState::Placed {
-                    self.move_job(&mut job, JobEvent::Started, "the attempt started")
-                        .await?;
-                }
-                Ok(())
-            }
+            WorkerReport::AttemptStarted {
+                attempt,
+                resumed_from,
+            } => self.attempt_started(worker_id, attempt, resumed_from).await,
             WorkerReport::Progress { attempt, progress } => {
                 if self.current_attempt(worker_id, &attempt).is_none() {
                     return Err(self.fenced(&attempt));
                 }
-                if let Some(peak) = progress.map(|progress| progress.memory_peak_bytes)
+                if let Some(progress) = progress
                     && let Some(running) = self.live().running.get_mut(&attempt.job_id)
                 {
-                    running.measured_peak_bytes = running.measured_peak_bytes.max(peak);
+                    running.measured_peak_bytes =
+                        running.measured_peak_bytes.max(progress.memory_peak_bytes);
+                    running.latest_progress = Some(progress);
                 }
                 self.emit(
                     &attempt.job_id,
@@ -364,6 +359,13 @@ impl Scheduler {
                     return Err(self.fenced(&attempt));
                 }
                 if let Some(checkpoint) = checkpoint {
+                    self.emit_attempt_line(
+                        &attempt,
+                        format!(
+                            "checkpoint of step {} written to {}",
+                            checkpoint.step, checkpoint.location
+                        ),
+                    );
                     let mut job = self.store.get_job(&attempt.job_id).await?;
                     job.checkpoint_location = Some(checkpoint.location);
                     job.checkpoint_step = checkpoint.step as i64;
@@ -384,11 +386,62 @@ impl Scheduler {
                 outcome,
                 measured_peak_bytes,
                 message,
+                results,
             } => {
-                self.handle_finished(worker_id, attempt, outcome, measured_peak_bytes, &message)
-                    .await
+                self.handle_finished(
+                    worker_id,
+                    attempt,
+                    outcome,
+                    measured_peak_bytes,
+                    &message,
+                    results,
+                )
+                .await
             }
         }
+    }
+
+    /// An attempt started training in its slice: the time it began and the checkpoint it
+    /// says it loaded are stored, and a placed job becomes running.
+    async fn attempt_started(
+        &self,
+        worker_id: &str,
+        attempt: AttemptRef,
+        resumed_from: Option<Checkpoint>,
+    ) -> Result<(), SchedulerError> {
+        let _guard = self.job_changes.lock().await;
+        if self.current_attempt(worker_id, &attempt).is_none() {
+            return Err(self.fenced(&attempt));
+        }
+        // The attempt's own word on where it resumed: the checkpoint it loaded,
+        // which a checkpoint report lost with its worker may not have told.
+        let resumed = resumed_from
+            .as_ref()
+            .map(|checkpoint| (checkpoint.location.as_str(), checkpoint.step as i64));
+        self.store
+            .record_attempt_started(
+                &attempt.job_id,
+                i64::from(attempt.attempt_number),
+                attempt.lease_epoch as i64,
+                now_ms(),
+                resumed,
+            )
+            .await?;
+        if let Some(checkpoint) = &resumed_from {
+            self.emit_attempt_line(
+                &attempt,
+                format!(
+                    "resumed from step {} (checkpoint {})",
+                    checkpoint.step, checkpoint.location
+                ),
+            );
+        }
+        let mut job = self.store.get_job(&attempt.job_id).await?;
+        if job.state == JobState::Placed {
+            self.move_job(&mut job, JobEvent::Started, "the attempt started")
+                .await?;
+        }
+        Ok(())
     }
 
     pub(super) fn fenced(&self, attempt: &AttemptRef) -> SchedulerError {

@@ -8,7 +8,7 @@ use crate::error::SchedulerError;
 use crate::metrics::{ClusterGauges, Metrics, MetricsSource};
 use crate::store::{AttemptRecord, JobRecord};
 
-use super::worker_reports::Gpu;
+use super::worker_reports::{Gpu, TrainingProgress};
 use super::{RunningAttempt, Scheduler, WorkerState};
 
 impl Scheduler {
@@ -52,6 +52,14 @@ impl Scheduler {
     /// A job's attempts, by number.
     pub async fn attempts(&self, job_id: &str) -> Result<Vec<AttemptRecord>, SchedulerError> {
         self.store.list_attempts(job_id).await
+    }
+
+    /// The number and the latest progress report of the attempt of `job_id` running on
+    /// this scheduler, if it reported any.
+    pub fn latest_progress(&self, job_id: &str) -> Option<(u32, TrainingProgress)> {
+        let live = self.live();
+        let running = live.running.get(job_id)?;
+        Some((running.attempt_number, running.latest_progress?))
     }
 
     /// Every live worker with its GPUs and the slices running on them, by id.

@@ -9,6 +9,8 @@ use carve_core::allocator::OutOfMemory;
 use carve_core::job_state::AttemptOutcome;
 use carve_core::plan::RunConfig;
 
+use crate::store::AttemptResults;
+
 /// A GPU a worker offers: its memory as the worker measured it at registration, and its
 /// free memory as its heartbeats last said.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,6 +87,8 @@ pub enum WorkerReport {
     },
     AttemptStarted {
         attempt: AttemptRef,
+        /// The checkpoint the attempt loaded; `None` from scratch (or unsaid).
+        resumed_from: Option<Checkpoint>,
     },
     Progress {
         attempt: AttemptRef,
@@ -112,6 +116,8 @@ pub enum WorkerReport {
         /// 0 when not measured.
         measured_peak_bytes: u64,
         message: String,
+        /// Loss, accuracy, steps and throughput, as far as the worker knows them.
+        results: AttemptResults,
     },
 }
 

@@ -5,20 +5,22 @@ use carve_core::allocator::OutOfMemory;
 
 use super::columns::oom_to_json;
 use super::records::attempt_display_id;
-use super::{AttemptOutcome, AttemptRecord, JobRecord, Store, insert_error};
+use super::{AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, Store, insert_error};
 use crate::error::SchedulerError;
 
 const ATTEMPT_COLUMNS: &str = "job_id, attempt_number, config_json, estimate_bytes, \
      slice_bytes, worker_id, gpu_id, lease_epoch, outcome, measured_peak_bytes, oom_json, \
-     message, resumed_from, started_at_ms, finished_at_ms, resumed_from_step";
+     message, resumed_from, started_at_ms, finished_at_ms, resumed_from_step, final_loss, \
+     test_accuracy, steps_done, samples_per_second";
 
 const INSERT_ATTEMPT_SQL: &str = "INSERT INTO attempts (job_id, attempt_number, config_json, \
      estimate_bytes, slice_bytes, worker_id, gpu_id, lease_epoch, outcome, \
      measured_peak_bytes, oom_json, message, resumed_from, started_at_ms, finished_at_ms, \
-     resumed_from_step) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)";
+     resumed_from_step, final_loss, test_accuracy, steps_done, samples_per_second) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, \
+     $19, $20)";
 
-/// Binds an attempt's columns in the order of [`ATTEMPT_COLUMNS`] ($1 to $16).
+/// Binds an attempt's columns in the order of [`ATTEMPT_COLUMNS`] ($1 to $20).
 macro_rules! bind_attempt_columns {
     ($query:expr, $attempt:expr) => {
         $query
@@ -38,6 +40,10 @@ macro_rules! bind_attempt_columns {
             .bind($attempt.started_at_ms)
             .bind($attempt.finished_at_ms)
             .bind($attempt.resumed_from_step)
+            .bind($attempt.results.final_loss)
+            .bind($attempt.results.test_accuracy)
+            .bind($attempt.results.steps_done)
+            .bind($attempt.results.samples_per_second)
     };
 }
 
@@ -72,7 +78,8 @@ impl Store {
     /// running. A report quoting another epoch is `Conflict("attempt j/2 was reassigned
     /// (lease epoch 3, reported 2)")`, one about an attempt that already ended is
     /// `Conflict("attempt j/2 already ended (succeeded)")`, and one about an attempt
-    /// that does not exist is `NotFound`. `outcome` must not be running.
+    /// that does not exist is `NotFound`. `outcome` must not be running. `results` are
+    /// stored with the outcome.
     #[allow(clippy::too_many_arguments)]
     pub async fn finish_attempt(
         &self,
@@ -84,6 +91,7 @@ impl Store {
         oom: Option<&OutOfMemory>,
         message: &str,
         finished_at_ms: i64,
+        results: &AttemptResults,
     ) -> Result<(), SchedulerError> {
         if outcome == AttemptOutcome::Running {
             return Err(SchedulerError::invalid_argument(
@@ -94,7 +102,8 @@ impl Store {
         with_write_tx!(self, tx => {
             let updated = sqlx::query(
                 "UPDATE attempts SET outcome = $4, measured_peak_bytes = $5, oom_json = $6, \
-                 message = $7, finished_at_ms = $8 \
+                 message = $7, finished_at_ms = $8, final_loss = $10, test_accuracy = $11, \
+                 steps_done = $12, samples_per_second = $13 \
                  WHERE job_id = $1 AND attempt_number = $2 AND lease_epoch = $3 \
                  AND outcome = $9",
             )
@@ -107,6 +116,10 @@ impl Store {
             .bind(message)
             .bind(finished_at_ms)
             .bind(AttemptOutcome::Running.name())
+            .bind(results.final_loss)
+            .bind(results.test_accuracy)
+            .bind(results.steps_done)
+            .bind(results.samples_per_second)
             .execute(&mut *tx)
             .await?
             .rows_affected();
@@ -132,6 +145,43 @@ impl Store {
             }
         });
         Ok(())
+    }
+
+    /// Records that a running attempt started training at `started_at_ms`, FENCED like
+    /// [`Store::finish_attempt`] (an attempt reassigned or ended meanwhile is left as it
+    /// is, and so is an attempt that does not exist: `Ok(false)`). `resumed_from` is the
+    /// checkpoint the attempt itself loaded, with its step: it replaces the one the
+    /// scheduler expected when set, and leaves it when `None` (a worker that does not
+    /// say).
+    pub async fn record_attempt_started(
+        &self,
+        job_id: &str,
+        attempt_number: i64,
+        lease_epoch: i64,
+        started_at_ms: i64,
+        resumed_from: Option<(&str, i64)>,
+    ) -> Result<bool, SchedulerError> {
+        let (location, step) = resumed_from.unzip();
+        let updated = with_pool!(self, pool => {
+            sqlx::query(
+                "UPDATE attempts SET started_at_ms = $4, \
+                 resumed_from = COALESCE($5, resumed_from), \
+                 resumed_from_step = COALESCE($6, resumed_from_step) \
+                 WHERE job_id = $1 AND attempt_number = $2 AND lease_epoch = $3 \
+                 AND outcome = $7",
+            )
+            .bind(job_id)
+            .bind(attempt_number)
+            .bind(lease_epoch)
+            .bind(started_at_ms)
+            .bind(location)
+            .bind(step)
+            .bind(AttemptOutcome::Running.name())
+            .execute(pool)
+            .await?
+            .rows_affected()
+        });
+        Ok(updated > 0)
     }
 
     /// Writes a job and one of its attempts in one transaction (placing a job: the job
@@ -161,7 +211,10 @@ impl Store {
              oom_json = excluded.oom_json, message = excluded.message, \
              resumed_from = excluded.resumed_from, started_at_ms = excluded.started_at_ms, \
              finished_at_ms = excluded.finished_at_ms, \
-             resumed_from_step = excluded.resumed_from_step \
+             resumed_from_step = excluded.resumed_from_step, \
+             final_loss = excluded.final_loss, test_accuracy = excluded.test_accuracy, \
+             steps_done = excluded.steps_done, \
+             samples_per_second = excluded.samples_per_second \
              WHERE attempts.lease_epoch < excluded.lease_epoch"
         );
         with_write_tx!(self, tx => {

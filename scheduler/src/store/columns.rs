@@ -237,6 +237,7 @@ mod tests {
             resumed_from_step: 0,
             started_at_ms: 0,
             finished_at_ms: None,
+            results: Default::default(),
         };
         store.create_attempt(&attempt).await.unwrap();
         assert_eq!(store.list_attempts("j").await.unwrap(), vec![attempt]);

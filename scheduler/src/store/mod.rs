@@ -101,9 +101,9 @@ pub use logs::{
     LogQuery, MAX_LOG_LINES_PER_JOB, MAX_LOG_MESSAGE_BYTES, MAX_LOG_PAGE_SIZE, NewLogLine,
 };
 pub use records::{
-    AttemptOutcome, AttemptRecord, DEFAULT_PAGE_SIZE, JobFilter, JobRecord, JobState,
-    MAX_PAGE_SIZE, QueueFingerprint, QueuedJob, Role, SubmitOutcome, TenantRecord, TokenRecord,
-    WorkerRecord, WorkerState,
+    AttemptOutcome, AttemptRecord, AttemptResults, DEFAULT_PAGE_SIZE, JobFilter, JobRecord,
+    JobState, MAX_PAGE_SIZE, QueueFingerprint, QueuedJob, Role, SubmitOutcome, TenantRecord,
+    TokenRecord, WorkerRecord, WorkerState,
 };
 pub use tenants::{MAX_TENANT_NAME_LENGTH, check_tenant_name};
 

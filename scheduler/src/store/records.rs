@@ -149,8 +149,9 @@ pub const DEFAULT_PAGE_SIZE: u32 = 100;
 /// The most jobs one `list_jobs` page returns.
 pub const MAX_PAGE_SIZE: u32 = 1000;
 
-/// One try at running a job, identified by `(job_id, attempt_number)`.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+/// One try at running a job, identified by `(job_id, attempt_number)`. Not `Eq`: its
+/// results hold floats.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct AttemptRecord {
     pub job_id: String,
     /// 1 for the first attempt of a job, counting up.
@@ -174,8 +175,27 @@ pub struct AttemptRecord {
     pub resumed_from: Option<String>,
     /// The training step of `resumed_from` (0 when unknown).
     pub resumed_from_step: i64,
+    /// When it was placed, then when its worker reported it started training.
     pub started_at_ms: i64,
     pub finished_at_ms: Option<i64>,
+    /// What it achieved, stored when it ends.
+    #[sqlx(flatten)]
+    pub results: AttemptResults,
+}
+
+/// What an attempt achieved, as its worker reported at its end; every field is `None`
+/// when unknown (a running attempt, an attempt that ended before its first step, rows
+/// written before these columns existed).
+#[derive(Debug, Clone, Copy, Default, PartialEq, sqlx::FromRow)]
+pub struct AttemptResults {
+    /// Mean training loss of its last step (never NaN or infinite).
+    pub final_loss: Option<f64>,
+    /// Accuracy on the held-out test set, 0 to 1.
+    pub test_accuracy: Option<f64>,
+    /// Optimizer steps completed when it ended, counting those before a resume.
+    pub steps_done: Option<i64>,
+    /// Mean throughput over its own steps.
+    pub samples_per_second: Option<f64>,
 }
 
 impl AttemptRecord {

@@ -65,7 +65,11 @@ macro_rules! on_both_databases {
 
 use std::sync::OnceLock;
 
-use carve_scheduler::store::{Backend, Store};
+use carve_scheduler::error::SchedulerError;
+use carve_scheduler::store::{
+    AttemptOutcome, AttemptRecord, AttemptResults, Backend, JobRecord, JobState, Store,
+    TenantRecord,
+};
 pub use carve_testing::PgServer;
 
 /// A database for one test: a SQLite file, or a database of its own on the shared
@@ -130,4 +134,98 @@ pub fn shared_postgres() -> &'static PgServer {
         Ok(server) => server,
         Err(reason) => panic!("{reason}"),
     }
+}
+
+/// The time the store tests' records start at (milliseconds since the epoch).
+pub const T0: i64 = 1_700_000_000_000;
+
+/// A tenant with no limits, created at [`T0`].
+pub fn tenant(name: &str) -> TenantRecord {
+    TenantRecord {
+        name: name.to_string(),
+        vram_quota_bytes: None,
+        max_running_jobs: None,
+        fair_share_weight: 1,
+        created_at_ms: T0,
+    }
+}
+
+/// A queued job of `tenant` with a small estimate, created at [`T0`].
+pub fn job(id: &str, tenant: &str, name: &str) -> JobRecord {
+    JobRecord {
+        id: id.to_string(),
+        tenant: tenant.to_string(),
+        name: name.to_string(),
+        spec_json: format!(r#"{{"name":"{name}"}}"#),
+        state: JobState::Queued,
+        priority: 0,
+        submit_sequence: 0,
+        idempotency_key: None,
+        config_json: r#"{"batch_size":32}"#.to_string(),
+        estimate_json: r#"{"required_bytes":1048576}"#.to_string(),
+        required_bytes: 1 << 20,
+        waiting_reason: String::new(),
+        message: String::new(),
+        created_at_ms: T0,
+        finished_at_ms: None,
+        checkpoint_location: None,
+        checkpoint_step: 0,
+        attempts_count: 0,
+    }
+}
+
+/// Attempt `number` of `job_id`, running under `lease_epoch` on `w-1`'s `GPU-0`.
+pub fn attempt(job_id: &str, number: i64, lease_epoch: i64) -> AttemptRecord {
+    AttemptRecord {
+        job_id: job_id.to_string(),
+        attempt_number: number,
+        config_json: r#"{"batch_size":32}"#.to_string(),
+        estimate_bytes: 1 << 20,
+        slice_bytes: 2 << 20,
+        worker_id: "w-1".to_string(),
+        gpu_id: "GPU-0".to_string(),
+        lease_epoch,
+        outcome: AttemptOutcome::Running,
+        measured_peak_bytes: None,
+        oom: None,
+        message: String::new(),
+        resumed_from: None,
+        resumed_from_step: 0,
+        started_at_ms: T0 + number,
+        finished_at_ms: None,
+        results: AttemptResults::default(),
+    }
+}
+
+/// A store on `db` holding the tenant `acme`: where most job tests start.
+pub async fn open_with_acme(db: &TestDb) -> Store {
+    let store = db.open().await;
+    store.create_tenant(&tenant("acme")).await.unwrap();
+    store
+}
+
+/// Ends attempt `number` of `job_id` (under `lease_epoch`) with `outcome` at `at`, with
+/// no peak, report, message or results.
+pub async fn finish_plainly(
+    store: &Store,
+    job_id: &str,
+    number: i64,
+    lease_epoch: i64,
+    outcome: AttemptOutcome,
+    at: i64,
+) -> Result<(), SchedulerError> {
+    let results = AttemptResults::default();
+    store
+        .finish_attempt(
+            job_id,
+            number,
+            lease_epoch,
+            outcome,
+            None,
+            None,
+            "",
+            at,
+            &results,
+        )
+        .await
 }

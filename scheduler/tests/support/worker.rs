@@ -265,10 +265,21 @@ impl TestWorker {
         &mut self,
         assignment: &v1::scheduler_message::Assignment,
     ) -> Vec<v1::scheduler_message::Body> {
+        self.report_resumed(assignment, None).await
+    }
+
+    /// Reports the attempt of `assignment` started in its whole slice after loading
+    /// `resumed_from` (from scratch when `None`); returns what else the scheduler sent.
+    pub async fn report_resumed(
+        &mut self,
+        assignment: &v1::scheduler_message::Assignment,
+        resumed_from: Option<v1::Checkpoint>,
+    ) -> Vec<v1::scheduler_message::Body> {
         self.send(v1::worker_message::Body::AttemptStarted(
             v1::worker_message::AttemptStarted {
                 attempt: assignment.attempt.clone(),
                 reserved_bytes: assignment.slice_bytes,
+                resumed_from,
             },
         ))
         .await
@@ -328,16 +339,55 @@ impl TestWorker {
         outcome: v1::AttemptOutcome,
         peak: u64,
     ) -> Vec<v1::scheduler_message::Body> {
-        self.send(v1::worker_message::Body::AttemptFinished(
-            v1::worker_message::AttemptFinished {
+        self.report_finished(v1::worker_message::AttemptFinished {
+            attempt: Some(attempt.clone()),
+            outcome: outcome as i32,
+            final_loss: Some(0.1),
+            test_accuracy: None,
+            measured_peak_bytes: peak,
+            message: String::new(),
+            steps_done: None,
+            samples_per_second: None,
+        })
+        .await
+    }
+
+    /// Sends `finished` as it is; returns what else the scheduler sent meanwhile.
+    pub async fn report_finished(
+        &mut self,
+        finished: v1::worker_message::AttemptFinished,
+    ) -> Vec<v1::scheduler_message::Body> {
+        self.send(v1::worker_message::Body::AttemptFinished(finished))
+            .await
+    }
+
+    /// Reports `progress` for `attempt`; returns what else the scheduler sent meanwhile.
+    pub async fn report_progress(
+        &mut self,
+        attempt: &v1::AttemptRef,
+        progress: v1::TrainingProgress,
+    ) -> Vec<v1::scheduler_message::Body> {
+        self.send(v1::worker_message::Body::Progress(
+            v1::worker_message::Progress {
                 attempt: Some(attempt.clone()),
-                outcome: outcome as i32,
-                final_loss: Some(0.1),
-                test_accuracy: None,
-                measured_peak_bytes: peak,
-                message: String::new(),
+                progress: Some(progress),
             },
         ))
+        .await
+    }
+
+    /// Sends a line of the attempt's output; returns what else the scheduler sent.
+    pub async fn report_log(
+        &mut self,
+        attempt: &v1::AttemptRef,
+        level: &str,
+        message: &str,
+    ) -> Vec<v1::scheduler_message::Body> {
+        self.send(v1::worker_message::Body::Log(v1::worker_message::LogLine {
+            attempt: Some(attempt.clone()),
+            level: level.into(),
+            message: message.into(),
+        }))
         .await
     }
 }

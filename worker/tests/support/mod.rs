@@ -84,6 +84,26 @@ pub fn process_command_lines() -> Vec<(u32, Vec<String>)> {
         .collect()
 }
 
+/// A tenant `alice` made with the `admin` token on the scheduler behind `channel`, and
+/// the secrets of a user token and a worker token of hers.
+#[allow(dead_code, reason = "the chaos test makes its own tenant")]
+pub async fn alice_with_tokens(
+    channel: &tonic::transport::Channel,
+    admin: &str,
+) -> (String, String) {
+    let [user, worker] = carve_testing::cluster::tenant_with_tokens(
+        channel,
+        admin,
+        "alice",
+        carve_proto::v1::Quota::default(),
+        &[carve_proto::v1::Role::User, carve_proto::v1::Role::Worker],
+    )
+    .await
+    .try_into()
+    .expect("two tokens");
+    (user, worker)
+}
+
 /// Calls `check` every `interval` until it gives a value; fails the test with `what`
 /// once `limit` has passed without one.
 pub async fn poll_until<T>(

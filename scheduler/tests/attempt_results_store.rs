@@ -1,0 +1,148 @@
+//! What the store keeps of each attempt's results and start (issue 19): the final loss,
+//! test accuracy, steps and throughput stored with its outcome, and the start and
+//! checkpoint the attempt itself reported. Every test runs against SQLite and against the
+//! PostgreSQL server this binary starts (`support/mod.rs`), as `sqlite::NAME` and
+//! `postgres::NAME`, like the store contract suite.
+
+#[macro_use]
+mod support;
+
+use carve_scheduler::convert::attempt_to_proto;
+use carve_scheduler::store::{
+    AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, JobState, Store,
+};
+use support::{T0, TestDb, attempt, finish_plainly, job, open_with_acme};
+
+on_both_databases!(
+    results_are_stored_with_the_outcome_and_shown,
+    an_attempt_s_start_and_resume_step_are_its_own_word,
+);
+
+/// A store holding tenant `acme` and its placed job `j` with attempt 1 (lease epoch 1),
+/// which the scheduler expected to resume from step 100 of `/ckpt/j.ckpt`.
+async fn store_with_a_running_attempt(db: &TestDb) -> (Store, AttemptRecord) {
+    let store = open_with_acme(db).await;
+    let checkpointed = JobRecord {
+        checkpoint_location: Some("/ckpt/j.ckpt".into()),
+        checkpoint_step: 100,
+        ..job("j", "acme", "x")
+    };
+    let submitted = store.submit_jobs(vec![checkpointed]).await.unwrap();
+    let placed = JobRecord {
+        state: JobState::Placed,
+        attempts_count: 1,
+        ..submitted[0].job.clone()
+    };
+    let running = AttemptRecord {
+        resumed_from: Some("/ckpt/j.ckpt".into()),
+        resumed_from_step: 100,
+        started_at_ms: T0,
+        ..attempt("j", 1, 1)
+    };
+    store
+        .record_job_and_attempt(&placed, &running)
+        .await
+        .unwrap();
+    (store, running)
+}
+
+async fn results_are_stored_with_the_outcome_and_shown(db: &TestDb) {
+    let (store, running) = store_with_a_running_attempt(db).await;
+    assert_eq!(
+        store.list_attempts("j").await.unwrap(),
+        vec![running.clone()],
+        "a running attempt has no results yet"
+    );
+    let results = AttemptResults {
+        final_loss: Some(0.125),
+        test_accuracy: Some(0.875),
+        steps_done: Some(500),
+        samples_per_second: Some(1234.5),
+    };
+    store
+        .finish_attempt(
+            "j",
+            1,
+            1,
+            AttemptOutcome::Succeeded,
+            Some(3 << 20),
+            None,
+            "",
+            T0 + 9_000,
+            &results,
+        )
+        .await
+        .unwrap();
+    let stored = store.list_attempts("j").await.unwrap().remove(0);
+    assert_eq!(stored.results, results);
+    assert_eq!(stored.finished_at_ms, Some(T0 + 9_000));
+    let shown = attempt_to_proto(&stored);
+    assert_eq!(shown.final_loss, Some(0.125));
+    assert_eq!(shown.test_accuracy, Some(0.875));
+    assert_eq!(shown.steps_done, Some(500));
+    assert_eq!(shown.samples_per_second, Some(1234.5));
+    assert_eq!(
+        (
+            shown.started_at.unwrap().seconds,
+            shown.finished_at.unwrap().seconds
+        ),
+        (T0 / 1000, (T0 + 9_000) / 1000)
+    );
+    // Reopened, the results are still there (they are columns, not memory).
+    let reopened = db.open().await;
+    assert_eq!(
+        reopened.list_attempts("j").await.unwrap().remove(0).results,
+        results
+    );
+}
+
+async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
+    let (store, running) = store_with_a_running_attempt(db).await;
+    // A report quoting another lease epoch changes nothing.
+    let stale = store
+        .record_attempt_started("j", 1, 7, T0 + 5, Some(("/elsewhere.ckpt", 1)))
+        .await
+        .unwrap();
+    assert!(!stale);
+    assert_eq!(
+        store.list_attempts("j").await.unwrap(),
+        vec![running.clone()]
+    );
+    // A worker that does not say where it resumed leaves the expected checkpoint.
+    assert!(
+        store
+            .record_attempt_started("j", 1, 1, T0 + 10, None)
+            .await
+            .unwrap()
+    );
+    let started = store.list_attempts("j").await.unwrap().remove(0);
+    assert_eq!(started.started_at_ms, T0 + 10);
+    assert_eq!(
+        (started.resumed_from.as_deref(), started.resumed_from_step),
+        (Some("/ckpt/j.ckpt"), 100)
+    );
+    // The checkpoint the attempt really loaded wins over the scheduler's guess.
+    assert!(
+        store
+            .record_attempt_started("j", 1, 1, T0 + 20, Some(("/ckpt/j.attempt-1.ckpt", 300)))
+            .await
+            .unwrap()
+    );
+    let resumed = store.list_attempts("j").await.unwrap().remove(0);
+    assert_eq!(
+        (resumed.resumed_from.as_deref(), resumed.resumed_from_step),
+        (Some("/ckpt/j.attempt-1.ckpt"), 300)
+    );
+    let shown = attempt_to_proto(&resumed).resumed_from.unwrap();
+    assert_eq!(shown.step, 300);
+    // An attempt that ended is not started again.
+    finish_plainly(&store, "j", 1, 1, AttemptOutcome::Cancelled, T0 + 30)
+        .await
+        .unwrap();
+    assert!(
+        !store
+            .record_attempt_started("j", 1, 1, T0 + 40, None)
+            .await
+            .unwrap()
+    );
+}
