@@ -1,6 +1,7 @@
 //! The worker's side of one attempt: starts the attempt process (leading its own process
 //! group, armed to die with the worker), turns its stdout lines into worker messages,
-//! stops it on cancel (SIGTERM to its group, then SIGKILL after the grace period) and
+//! stops it on cancel (SIGTERM to its group, then SIGKILL after the grace period) or when
+//! the watchdog stops it for breaking its slice (the same, but it ends FAILED) and
 //! reports how it ended. A process that ends without its final line is never an
 //! out-of-memory: killed by a signal the worker did not send, or gone without a status,
 //! it was INTERRUPTED (an infrastructure failure the scheduler retries from the
@@ -43,13 +44,30 @@ pub struct AttemptLaunch {
 }
 
 /// What the worker can tell a running attempt.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AttemptControl {
-    /// Stop: SIGTERM now, SIGKILL once the grace period is over.
+    /// Stop: SIGTERM now, SIGKILL once the grace period is over. The attempt ends
+    /// CANCELLED with `reason`.
     Cancel {
         grace_period: Duration,
         reason: String,
     },
+    /// Stop for breaking the rules of its slice (the watchdog, [`crate::watchdog`]):
+    /// stopped as a cancel is, but the attempt ends FAILED with `reason`, since running
+    /// it again would break them again.
+    StopAsFailed {
+        grace_period: Duration,
+        reason: String,
+    },
+}
+
+/// Why the worker stopped an attempt, which decides how it ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkerStop {
+    /// Cancelled by the scheduler or by the worker shutting down: CANCELLED.
+    Cancelled(String),
+    /// Stopped by the watchdog: FAILED, with the watchdog's message.
+    Failed(String),
 }
 
 /// Starts the attempt process. Its stdout and stderr are piped; it dies with the
@@ -210,7 +228,7 @@ pub async fn watch_attempt_process(
         .map(|stdout| BufReader::new(stdout).lines());
     let mut final_line: Option<ChildLine> = None;
     let mut measured_peak_bytes = 0u64;
-    let mut cancel_reason: Option<String> = None;
+    let mut worker_stop: Option<WorkerStop> = None;
     let mut kill_at: Option<Instant> = None;
     let mut killed = false;
     let send = |body: Body| {
@@ -250,14 +268,22 @@ pub async fn watch_attempt_process(
                 }
             }
             status = child.wait(), if stdout_lines.is_none() => break status,
-            command = control.recv(), if cancel_reason.is_none() => {
-                let (grace_period, reason) = match command {
-                    Some(AttemptControl::Cancel { grace_period, reason }) => (grace_period, reason),
+            command = control.recv(), if worker_stop.is_none() => {
+                let (grace_period, stop) = match command {
+                    Some(AttemptControl::Cancel { grace_period, reason }) => {
+                        (grace_period, WorkerStop::Cancelled(reason))
+                    }
+                    Some(AttemptControl::StopAsFailed { grace_period, reason }) => {
+                        (grace_period, WorkerStop::Failed(reason))
+                    }
                     // The worker dropped its handle: it is going away.
-                    None => (Duration::ZERO, "the worker is shutting down".to_string()),
+                    None => (
+                        Duration::ZERO,
+                        WorkerStop::Cancelled("the worker is shutting down".to_string()),
+                    ),
                 };
-                tracing::info!(job = %attempt.job_id, process_id, ?grace_period, %reason, "stopping an attempt");
-                cancel_reason = Some(reason);
+                tracing::info!(job = %attempt.job_id, process_id, ?grace_period, ?stop, "stopping an attempt");
+                worker_stop = Some(stop);
                 if grace_period.is_zero() {
                     kill_group(&mut child, process_id);
                     killed = true;
@@ -296,7 +322,7 @@ pub async fn watch_attempt_process(
         &attempt,
         exit_status,
         final_line,
-        cancel_reason,
+        worker_stop,
         measured_peak_bytes,
         &stderr_tail,
     ) {
@@ -361,7 +387,7 @@ pub fn final_reports(
     attempt: &v1::AttemptRef,
     exit_status: std::io::Result<ExitStatus>,
     final_line: Option<ChildLine>,
-    cancel_reason: Option<String>,
+    worker_stop: Option<WorkerStop>,
     measured_peak_bytes: u64,
     stderr_tail: &[String],
 ) -> Vec<Body> {
@@ -380,8 +406,8 @@ pub fn final_reports(
         })
     };
     let exit_code = exit_status.as_ref().ok().and_then(|status| status.code());
-    match (cancel_reason, final_line, exit_code) {
-        // A cancelled attempt that still finished training in time did finish.
+    match (worker_stop, final_line, exit_code) {
+        // A stopped attempt that still finished training in time did finish.
         (
             _,
             Some(ChildLine::Finished {
@@ -397,8 +423,15 @@ pub fn final_reports(
             peak_bytes.max(measured_peak_bytes),
             String::new(),
         )],
-        (Some(reason), _, _) => vec![finished(
+        (Some(WorkerStop::Cancelled(reason)), _, _) => vec![finished(
             v1::AttemptOutcome::Cancelled,
+            None,
+            None,
+            measured_peak_bytes,
+            reason,
+        )],
+        (Some(WorkerStop::Failed(reason)), _, _) => vec![finished(
+            v1::AttemptOutcome::Failed,
             None,
             None,
             measured_peak_bytes,
@@ -683,7 +716,7 @@ mod tests {
             &attempt(),
             Ok(ExitStatus::from_raw(9)),
             None,
-            Some("the worker is shutting down".into()),
+            Some(WorkerStop::Cancelled("the worker is shutting down".into())),
             0,
             &[],
         );
@@ -706,7 +739,7 @@ mod tests {
             &attempt(),
             Ok(ExitStatus::from_raw(15)),
             None,
-            Some("cancelled by alice".into()),
+            Some(WorkerStop::Cancelled("cancelled by alice".into())),
             42,
             &[],
         );
@@ -716,5 +749,20 @@ mod tests {
         assert_eq!(outcome(&reports[0]), v1::AttemptOutcome::Cancelled);
         assert_eq!(finished.message, "cancelled by alice");
         assert_eq!(finished.measured_peak_bytes, 42);
+    }
+
+    #[test]
+    fn an_attempt_the_watchdog_stopped_fails_with_its_reason() {
+        let reports = final_reports(
+            &attempt(),
+            Ok(ExitStatus::from_raw(15)),
+            None,
+            Some(WorkerStop::Failed("over its slice".into())),
+            42,
+            &["ignored".into()],
+        );
+        assert_eq!(reports.len(), 1);
+        assert_eq!(outcome(&reports[0]), v1::AttemptOutcome::Failed);
+        assert_eq!(finish_message(&reports[0]), "over its slice");
     }
 }
