@@ -9,6 +9,8 @@
 //! - `leftover_processes`: records of running attempt processes, and killing those a
 //!   crashed worker left behind when it starts again;
 //! - `gpus`: the GPUs offered (real and simulated), `--sim-gpus` parsing, the slice book;
+//! - `guard_environment`: the guard for one attempt: its account, its environment, reading
+//!   the account and the OOM record;
 //! - `nvml`: real GPUs through NVML: discovery and the per-process memory watch.
 //!
 //! Architecture invariants: the worker never admits a slice its GPU cannot hold; an
@@ -20,6 +22,7 @@ pub mod attempt_process;
 pub mod child_protocol;
 pub mod error;
 pub mod gpus;
+pub mod guard_environment;
 pub mod leftover_processes;
 pub mod nvml;
 pub mod worker;
