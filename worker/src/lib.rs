@@ -11,7 +11,9 @@
 //! - `gpus`: the GPUs offered (real and simulated), `--sim-gpus` parsing, the slice book;
 //! - `guard_environment`: the guard for one attempt: its account, its environment, reading
 //!   the account and the OOM record;
-//! - `nvml`: real GPUs through NVML: discovery and the per-process memory watch.
+//! - `nvml`: real GPUs through NVML: discovery and each GPU's compute processes;
+//! - `watchdog`: stops an attempt whose process tree holds more than its slice and
+//!   context, or (under the guard) uses the GPU without the guard.
 //!
 //! Architecture invariants: the worker never admits a slice its GPU cannot hold; an
 //! attempt process that ends without its final line is a failed or an interrupted
@@ -25,6 +27,7 @@ pub mod gpus;
 pub mod guard_environment;
 pub mod leftover_processes;
 pub mod nvml;
+pub mod watchdog;
 pub mod worker;
 
 pub use error::WorkerError;
