@@ -70,6 +70,16 @@ pub enum WorkerStop {
     Failed(String),
 }
 
+impl WorkerStop {
+    /// How the stopped attempt ends, and the message it ends with.
+    pub fn outcome_and_reason(self) -> (v1::AttemptOutcome, String) {
+        match self {
+            WorkerStop::Cancelled(reason) => (v1::AttemptOutcome::Cancelled, reason),
+            WorkerStop::Failed(reason) => (v1::AttemptOutcome::Failed, reason),
+        }
+    }
+}
+
 /// Starts the attempt process. Its stdout and stderr are piped; it dies with the
 /// worker's handle if the worker drops it (`kill_on_drop`), and with the worker process
 /// itself (the parent-death signal). It leads its own process group, so a cancel reaches
@@ -423,20 +433,10 @@ pub fn final_reports(
             peak_bytes.max(measured_peak_bytes),
             String::new(),
         )],
-        (Some(WorkerStop::Cancelled(reason)), _, _) => vec![finished(
-            v1::AttemptOutcome::Cancelled,
-            None,
-            None,
-            measured_peak_bytes,
-            reason,
-        )],
-        (Some(WorkerStop::Failed(reason)), _, _) => vec![finished(
-            v1::AttemptOutcome::Failed,
-            None,
-            None,
-            measured_peak_bytes,
-            reason,
-        )],
+        (Some(stop), _, _) => {
+            let (outcome, reason) = stop.outcome_and_reason();
+            vec![finished(outcome, None, None, measured_peak_bytes, reason)]
+        }
         (
             None,
             Some(ChildLine::Oom {
@@ -734,35 +734,34 @@ mod tests {
     }
 
     #[test]
-    fn a_cancelled_attempt_is_cancelled_with_its_reason() {
-        let reports = final_reports(
-            &attempt(),
-            Ok(ExitStatus::from_raw(15)),
-            None,
-            Some(WorkerStop::Cancelled("cancelled by alice".into())),
-            42,
-            &[],
-        );
-        let Body::AttemptFinished(finished) = &reports[0] else {
-            unreachable!()
-        };
-        assert_eq!(outcome(&reports[0]), v1::AttemptOutcome::Cancelled);
-        assert_eq!(finished.message, "cancelled by alice");
-        assert_eq!(finished.measured_peak_bytes, 42);
-    }
-
-    #[test]
-    fn an_attempt_the_watchdog_stopped_fails_with_its_reason() {
-        let reports = final_reports(
-            &attempt(),
-            Ok(ExitStatus::from_raw(15)),
-            None,
-            Some(WorkerStop::Failed("over its slice".into())),
-            42,
-            &["ignored".into()],
-        );
-        assert_eq!(reports.len(), 1);
-        assert_eq!(outcome(&reports[0]), v1::AttemptOutcome::Failed);
-        assert_eq!(finish_message(&reports[0]), "over its slice");
+    fn a_stopped_attempt_is_cancelled_or_failed_with_its_reason() {
+        for (stop, expected) in [
+            (
+                WorkerStop::Cancelled("cancelled by alice".into()),
+                v1::AttemptOutcome::Cancelled,
+            ),
+            // The watchdog's stop: the stderr tail is not the story, the reason is.
+            (
+                WorkerStop::Failed("over its slice".into()),
+                v1::AttemptOutcome::Failed,
+            ),
+        ] {
+            let (_, reason) = stop.clone().outcome_and_reason();
+            let reports = final_reports(
+                &attempt(),
+                Ok(ExitStatus::from_raw(15)),
+                None,
+                Some(stop),
+                42,
+                &["ignored".into()],
+            );
+            let Body::AttemptFinished(finished) = &reports[0] else {
+                unreachable!()
+            };
+            assert_eq!(reports.len(), 1);
+            assert_eq!(outcome(&reports[0]), expected);
+            assert_eq!(finished.message, reason);
+            assert_eq!(finished.measured_peak_bytes, 42);
+        }
     }
 }

@@ -323,7 +323,13 @@ mod tests {
         .unwrap()
     }
 
-    fn environment_of(guard: &AttemptGuard, job: &[(&str, &str)]) -> BTreeMap<String, String> {
+    /// A prepared guard (in a temporary directory, kept alive by the caller) and the
+    /// variables it sets for a job with `job`'s environment, each set once.
+    fn environment_of(
+        job: &[(&str, &str)],
+    ) -> (tempfile::TempDir, AttemptGuard, BTreeMap<String, String>) {
+        let directory = tempfile::tempdir().unwrap();
+        let guard = prepared(directory.path());
         let job: BTreeMap<String, String> = job
             .iter()
             .map(|(name, value)| (name.to_string(), value.to_string()))
@@ -335,14 +341,12 @@ mod tests {
             variables.len(),
             "a variable set twice: {variables:?}"
         );
-        variables.into_iter().collect()
+        (directory, guard, variables.into_iter().collect())
     }
 
     #[test]
     fn the_environment_carries_the_guard_and_the_cooperative_caps() {
-        let directory = tempfile::tempdir().unwrap();
-        let guard = prepared(directory.path());
-        let environment = environment_of(&guard, &[]);
+        let (directory, _guard, environment) = environment_of(&[]);
         let account = directory.path().join("gpu-memory.account");
         let record = directory.path().join("gpu-oom.jsonl");
         let expected: BTreeMap<String, String> = [
@@ -364,18 +368,13 @@ mod tests {
 
     #[test]
     fn the_job_cannot_override_the_guard_and_its_own_preload_comes_after_it() {
-        let directory = tempfile::tempdir().unwrap();
-        let guard = prepared(directory.path());
-        let environment = environment_of(
-            &guard,
-            &[
-                ("LD_PRELOAD", "libjemalloc.so.2 /lib/libtcmalloc.so"),
-                ("CARVE_GUARD_LIMIT_BYTES", "999999999999"),
-                ("CARVE_GUARD_ACCOUNT", "/tmp/elsewhere"),
-                ("CARVE_GUARD_OOM_RECORD", "/dev/null"),
-                ("CUDA_VISIBLE_DEVICES", "0,1,2,3"),
-            ],
-        );
+        let (_directory, guard, environment) = environment_of(&[
+            ("LD_PRELOAD", "libjemalloc.so.2 /lib/libtcmalloc.so"),
+            ("CARVE_GUARD_LIMIT_BYTES", "999999999999"),
+            ("CARVE_GUARD_ACCOUNT", "/tmp/elsewhere"),
+            ("CARVE_GUARD_OOM_RECORD", "/dev/null"),
+            ("CUDA_VISIBLE_DEVICES", "0,1,2,3"),
+        ]);
         assert_eq!(
             environment["LD_PRELOAD"],
             "/opt/carve/libcarve_guard.so:libjemalloc.so.2 /lib/libtcmalloc.so"
@@ -394,22 +393,17 @@ mod tests {
         );
         assert_eq!(environment["CUDA_VISIBLE_DEVICES"], "GPU-1234");
         // A blank LD_PRELOAD leaves the guard alone, without a dangling separator.
-        let blank = environment_of(&guard, &[("LD_PRELOAD", "  ")]);
+        let (_directory, _guard, blank) = environment_of(&[("LD_PRELOAD", "  ")]);
         assert_eq!(blank["LD_PRELOAD"], "/opt/carve/libcarve_guard.so");
     }
 
     #[test]
     fn the_job_s_framework_settings_are_kept() {
-        let directory = tempfile::tempdir().unwrap();
-        let guard = prepared(directory.path());
-        let environment = environment_of(
-            &guard,
-            &[
-                ("TF_FORCE_GPU_ALLOW_GROWTH", "false"),
-                ("XLA_PYTHON_CLIENT_MEM_FRACTION", ".5"),
-                ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128"),
-            ],
-        );
+        let (_directory, _guard, environment) = environment_of(&[
+            ("TF_FORCE_GPU_ALLOW_GROWTH", "false"),
+            ("XLA_PYTHON_CLIENT_MEM_FRACTION", ".5"),
+            ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128"),
+        ]);
         // Set by the job: left out, so the job's own value stands.
         assert!(!environment.contains_key("TF_FORCE_GPU_ALLOW_GROWTH"));
         assert!(!environment.contains_key("XLA_PYTHON_CLIENT_MEM_FRACTION"));
@@ -443,9 +437,8 @@ mod tests {
         for (theirs, expected) in cases {
             assert_eq!(pytorch_allocator_options(theirs), expected, "{theirs:?}");
         }
-        let directory = tempfile::tempdir().unwrap();
-        let guard = prepared(directory.path());
-        let generic = environment_of(&guard, &[("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")]);
+        let (_directory, _guard, generic) =
+            environment_of(&[("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")]);
         assert_eq!(
             generic["PYTORCH_CUDA_ALLOC_CONF"],
             "backend:cudaMallocAsync"

@@ -2,7 +2,6 @@
 //! attempt process's final report, without NVML.
 
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 
 use super::*;
 use crate::attempt_process::watch_attempt_process;
@@ -79,6 +78,16 @@ fn overruns(findings: &[WatchFinding]) -> Vec<&SliceOverrun> {
         .collect()
 }
 
+/// A round with nothing remembered from before.
+fn first_round(attempts: &[WatchedAttempt], reading: &WatchReading) -> Vec<WatchFinding> {
+    judge_round(
+        attempts,
+        reading,
+        &mut WatchMemory::default(),
+        Instant::now(),
+    )
+}
+
 fn seconds(start: Instant, seconds: f64) -> Instant {
     start + Duration::from_secs_f64(seconds)
 }
@@ -148,12 +157,7 @@ fn an_attempt_over_its_slice_and_context_is_warned_about_with_a_clear_message() 
         ],
         &[],
     );
-    let findings = judge_round(
-        &attempts,
-        &readings,
-        &mut WatchMemory::default(),
-        Instant::now(),
-    );
+    let findings = first_round(&attempts, &readings);
     assert!(stops(&findings).is_empty(), "{findings:?}");
     let warned = overruns(&findings);
     assert_eq!(warned.len(), 1, "{findings:?}");
@@ -182,21 +186,11 @@ fn the_whole_tree_is_counted_and_processes_outside_it_are_not() {
         ],
         &parents,
     );
-    let findings = judge_round(
-        &attempts,
-        &readings,
-        &mut WatchMemory::default(),
-        Instant::now(),
-    );
+    let findings = first_round(&attempts, &readings);
     assert_eq!(overruns(&findings)[0].used_bytes, 1400 * MIB);
     // A process listed twice (once per MIG compute instance) is added up too.
     let twice = reading(vec![usage(100, 700 * MIB), usage(100, 700 * MIB)], &[]);
-    let findings = judge_round(
-        &attempts,
-        &twice,
-        &mut WatchMemory::default(),
-        Instant::now(),
-    );
+    let findings = first_round(&attempts, &twice);
     assert_eq!(overruns(&findings)[0].used_bytes, 1400 * MIB);
 }
 
@@ -404,20 +398,13 @@ fn ended_attempts_are_forgotten() {
     assert!(memory.attempts.is_empty());
 }
 
-/// Readings played back in order; the last one repeats.
+/// The same reading every round.
 #[derive(Debug, Clone)]
-struct ScriptedSource {
-    readings: Arc<Mutex<Vec<WatchReading>>>,
-}
+struct FixedSource(WatchReading);
 
-impl WatchSource for ScriptedSource {
+impl WatchSource for FixedSource {
     fn read(&self, _gpu_uuids: &[String], _guard_accounts: &[PathBuf]) -> WatchReading {
-        let mut readings = self.readings.lock().unwrap();
-        if readings.len() > 1 {
-            readings.remove(0)
-        } else {
-            readings[0].clone()
-        }
+        self.0.clone()
     }
 }
 
@@ -440,33 +427,62 @@ impl WatchedAttempts for TestAttempts {
     }
 }
 
+/// The wiring of [`watch_once`] around one attempt, job-a/2 on GPU-0 with a 1 GiB slice,
+/// whose tree is rooted at `process_id`; stops go to `control`, reports to `reports`.
+struct Rounds {
+    source: FixedSource,
+    attempts: TestAttempts,
+    memory: WatchMemory,
+    reports: mpsc::UnboundedSender<Body>,
+    start: Instant,
+}
+
+impl Rounds {
+    fn new(
+        reading: WatchReading,
+        process_id: u32,
+        control: mpsc::UnboundedSender<AttemptControl>,
+        reports: mpsc::UnboundedSender<Body>,
+    ) -> Rounds {
+        Rounds {
+            source: FixedSource(reading),
+            attempts: TestAttempts {
+                attempts: vec![watched("job-a", "GPU-0", process_id, 1024 * MIB)],
+                controls: HashMap::from([("job-a/2".to_string(), control)]),
+            },
+            memory: WatchMemory::default(),
+            reports,
+            start: Instant::now(),
+        }
+    }
+
+    /// One round, `time` seconds after the first.
+    async fn at(&mut self, time: f64) {
+        let now = seconds(self.start, time);
+        watch_once(
+            &self.source,
+            &self.attempts,
+            &mut self.memory,
+            &self.reports,
+            now,
+        )
+        .await;
+    }
+}
+
 #[tokio::test]
 async fn a_round_warns_through_the_reports_and_stops_through_the_control_channel() {
-    let source = ScriptedSource {
-        readings: Arc::new(Mutex::new(vec![reading(vec![usage(100, 2048 * MIB)], &[])])),
-    };
     let (control, mut controls) = mpsc::unbounded_channel();
-    let attempts = TestAttempts {
-        attempts: vec![watched("job-a", "GPU-0", 100, 1024 * MIB)],
-        controls: HashMap::from([("job-a/2".to_string(), control)]),
-    };
     let (reports, mut sent) = mpsc::unbounded_channel();
-    let mut memory = WatchMemory::default();
-    let start = Instant::now();
-    watch_once(&source, &attempts, &mut memory, &reports, start).await;
+    let over = reading(vec![usage(100, 2048 * MIB)], &[]);
+    let mut rounds = Rounds::new(over, 100, control, reports);
+    rounds.at(0.0).await;
     let Ok(Body::Log(line)) = sent.try_recv() else {
         panic!("no warning");
     };
     assert_eq!(line.level, "warn");
     assert!(controls.try_recv().is_err(), "stopped within the grace");
-    watch_once(
-        &source,
-        &attempts,
-        &mut memory,
-        &reports,
-        seconds(start, 4.0),
-    )
-    .await;
+    rounds.at(4.0).await;
     let Ok(AttemptControl::StopAsFailed {
         grace_period,
         reason,
@@ -515,28 +531,14 @@ async fn a_stopped_attempt_process_is_killed_and_ends_failed_with_the_watchdog_s
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let sleeper = sleeper.expect("the shell started its child");
-    let source = ScriptedSource {
-        readings: Arc::new(Mutex::new(vec![WatchReading {
-            gpu_processes: HashMap::from([("GPU-0".to_string(), vec![usage(sleeper, 2048 * MIB)])]),
-            parents: read_process_parents(Path::new("/proc")),
-            guard_slots: HashMap::new(),
-        }])),
+    let reading = WatchReading {
+        gpu_processes: HashMap::from([("GPU-0".to_string(), vec![usage(sleeper, 2048 * MIB)])]),
+        parents: read_process_parents(Path::new("/proc")),
+        guard_slots: HashMap::new(),
     };
-    let attempts = TestAttempts {
-        attempts: vec![watched("job-a", "GPU-0", shell, 1024 * MIB)],
-        controls: HashMap::from([("job-a/2".to_string(), control)]),
-    };
-    let mut memory = WatchMemory::default();
-    let start = Instant::now();
-    watch_once(&source, &attempts, &mut memory, &reports, start).await;
-    watch_once(
-        &source,
-        &attempts,
-        &mut memory,
-        &reports,
-        seconds(start, 4.0),
-    )
-    .await;
+    let mut rounds = Rounds::new(reading, shell, control, reports);
+    rounds.at(0.0).await;
+    rounds.at(4.0).await;
     tokio::time::timeout(Duration::from_secs(20), watcher)
         .await
         .expect("the attempt process was stopped")
