@@ -5,6 +5,7 @@ use std::process::Stdio;
 
 use super::*;
 use crate::attempt_process::watch_attempt_process;
+use crate::nvml::NvmlHandle;
 
 const MIB: u64 = 1 << 20;
 
@@ -571,4 +572,117 @@ async fn a_stopped_attempt_process_is_killed_and_ends_failed_with_the_watchdog_s
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("the attempt's child outlived the stop");
+}
+
+/// A program that takes 1 GiB of device memory through the driver alone (no framework
+/// needed), says so, and holds it.
+const GPU_HOLDER: &str = "import ctypes, time
+cuda = ctypes.CDLL('libcuda.so.1')
+assert cuda.cuInit(0) == 0
+device = ctypes.c_int()
+assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+context = ctypes.c_void_p()
+assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0
+assert cuda.cuCtxSetCurrent(context) == 0
+pointer = ctypes.c_uint64()
+assert cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(1 << 30)) == 0
+print('ready', flush=True)
+time.sleep(120)
+";
+
+#[tokio::test]
+#[ignore = "needs an NVIDIA GPU and python3: run by the device check"]
+async fn on_a_real_gpu_a_child_over_the_slice_is_seen_in_the_tree_and_stopped() {
+    let nvml = NvmlHandle::open().expect("nvml");
+    let gpu = nvml.discover().expect("gpus").remove(0);
+    // The holder is the shell's child, as a program's workers are the attempt's.
+    let child = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg("python3 -c \"$CARVE_TEST_PROGRAM\"; exit 1")
+        .env("CARVE_TEST_PROGRAM", GPU_HOLDER)
+        .env("CUDA_VISIBLE_DEVICES", &gpu.uuid)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let shell = child.id().unwrap();
+    let (control, control_receiver) = mpsc::unbounded_channel();
+    let (reports, mut sent) = mpsc::unbounded_channel();
+    let watcher = tokio::spawn(watch_attempt_process(
+        child,
+        attempt("job-a"),
+        reports.clone(),
+        control_receiver,
+        || {},
+    ));
+    let ready = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(body) = sent.recv().await {
+            match body {
+                Body::Log(line) if line.message == "ready" => return,
+                Body::AttemptFinished(finished) => panic!("ended early: {finished:?}"),
+                _ => {}
+            }
+        }
+    });
+    ready.await.expect("the holder took its memory");
+    let source = SystemWatchSource::new(nvml);
+    let reading = source.read(std::slice::from_ref(&gpu.uuid), &[]);
+    let tree = process_tree(shell, &reading.parents);
+    let on_gpu: Vec<ProcessUsage> = reading.gpu_processes[&gpu.uuid]
+        .iter()
+        .copied()
+        .filter(|process| tree.contains(&process.process_id))
+        .collect();
+    let used_bytes: u64 = on_gpu.iter().map(|process| process.used_bytes).sum();
+    println!(
+        "gpu {} ({}): the tree of {shell} is {tree:?}; on the gpu {on_gpu:?}, {} in all \
+         (1 GiB allocated: the rest is the context)",
+        gpu.uuid,
+        gpu.model_name,
+        HumanBytes(used_bytes)
+    );
+    assert!(
+        used_bytes >= 1 << 30,
+        "NVML did not see the child in the tree"
+    );
+    assert!(!on_gpu.iter().any(|process| process.process_id == shell));
+    // A 256 MiB slice with a 128 MiB context allowance: over, and stopped after the grace.
+    let attempts = TestAttempts {
+        attempts: vec![WatchedAttempt {
+            context_bytes: 128 * MIB,
+            ..watched("job-a", &gpu.uuid, shell, 256 * MIB)
+        }],
+        controls: HashMap::from([("job-a/2".to_string(), control)]),
+    };
+    let mut memory = WatchMemory::default();
+    let start = Instant::now();
+    watch_once(&source, &attempts, &mut memory, &reports, start).await;
+    watch_once(
+        &source,
+        &attempts,
+        &mut memory,
+        &reports,
+        seconds(start, 4.0),
+    )
+    .await;
+    tokio::time::timeout(Duration::from_secs(20), watcher)
+        .await
+        .expect("the attempt was stopped")
+        .unwrap();
+    let finished = std::iter::from_fn(|| sent.try_recv().ok())
+        .find_map(|body| match body {
+            Body::AttemptFinished(finished) => Some(finished),
+            _ => None,
+        })
+        .expect("a final report");
+    println!("final report: {finished:?}");
+    assert_eq!(finished.outcome, v1::AttemptOutcome::Failed as i32);
+    assert!(
+        finished
+            .message
+            .starts_with("stopped by the worker: attempt job-a/2 held")
+    );
 }
