@@ -64,7 +64,7 @@ pub struct WorkerConfig {
     pub scheduler_ca_certificate_pem: Option<Vec<u8>>,
     /// The guard (`libcarve_guard.so`) preloaded into programs that run under it
     /// (`--guard-library`); `None`: next to `attempt_program`. Checked at start only on
-    /// a worker with real GPUs (see [`check_guard_library`]).
+    /// a worker with real GPUs (see [`crate::guard_environment::find_guard_library`]).
     pub guard_library: Option<PathBuf>,
 }
 
