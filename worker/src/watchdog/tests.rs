@@ -428,27 +428,27 @@ impl WatchedAttempts for TestAttempts {
     }
 }
 
-/// The wiring of [`watch_once`] around one attempt, job-a/2 on GPU-0 with a 1 GiB slice,
-/// whose tree is rooted at `process_id`; stops go to `control`, reports to `reports`.
-struct Rounds {
-    source: FixedSource,
+/// The wiring of [`watch_once`] around one attempt (job-a/2) read through `source`;
+/// stops go to `control`, reports to `reports`.
+struct Rounds<S: WatchSource> {
+    source: S,
     attempts: TestAttempts,
     memory: WatchMemory,
     reports: mpsc::UnboundedSender<Body>,
     start: Instant,
 }
 
-impl Rounds {
+impl<S: WatchSource> Rounds<S> {
     fn new(
-        reading: WatchReading,
-        process_id: u32,
+        source: S,
+        watched: WatchedAttempt,
         control: mpsc::UnboundedSender<AttemptControl>,
         reports: mpsc::UnboundedSender<Body>,
-    ) -> Rounds {
+    ) -> Rounds<S> {
         Rounds {
-            source: FixedSource(reading),
+            source,
             attempts: TestAttempts {
-                attempts: vec![watched("job-a", "GPU-0", process_id, 1024 * MIB)],
+                attempts: vec![watched],
                 controls: HashMap::from([("job-a/2".to_string(), control)]),
             },
             memory: WatchMemory::default(),
@@ -475,8 +475,13 @@ impl Rounds {
 async fn a_round_warns_through_the_reports_and_stops_through_the_control_channel() {
     let (control, mut controls) = mpsc::unbounded_channel();
     let (reports, mut sent) = mpsc::unbounded_channel();
-    let over = reading(vec![usage(100, 2048 * MIB)], &[]);
-    let mut rounds = Rounds::new(over, 100, control, reports);
+    let over = FixedSource(reading(vec![usage(100, 2048 * MIB)], &[]));
+    let mut rounds = Rounds::new(
+        over,
+        watched("job-a", "GPU-0", 100, 1024 * MIB),
+        control,
+        reports,
+    );
     rounds.at(0.0).await;
     let Ok(Body::Log(line)) = sent.try_recv() else {
         panic!("no warning");
@@ -495,30 +500,69 @@ async fn a_round_warns_through_the_reports_and_stops_through_the_control_channel
     assert!(reason.contains("held 2 GiB of device memory"), "{reason}");
 }
 
+/// A real attempt process, as the worker starts them: `sh -c script` leading its own
+/// process group, watched by [`watch_attempt_process`].
+struct LiveAttempt {
+    shell: u32,
+    watcher: tokio::task::JoinHandle<()>,
+    control: mpsc::UnboundedSender<AttemptControl>,
+    reports: mpsc::UnboundedSender<Body>,
+    sent: mpsc::UnboundedReceiver<Body>,
+}
+
+impl LiveAttempt {
+    fn start(script: &str, environment: &[(&str, &str)]) -> LiveAttempt {
+        let child = tokio::process::Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .envs(environment.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let shell = child.id().unwrap();
+        let (control, control_receiver) = mpsc::unbounded_channel();
+        let (reports, sent) = mpsc::unbounded_channel();
+        let watcher = tokio::spawn(watch_attempt_process(
+            child,
+            attempt("job-a"),
+            reports.clone(),
+            control_receiver,
+            || {},
+        ));
+        LiveAttempt {
+            shell,
+            watcher,
+            control,
+            reports,
+            sent,
+        }
+    }
+
+    /// Waits for the stopped process to end; its final report.
+    async fn finished(mut self) -> v1::worker_message::AttemptFinished {
+        tokio::time::timeout(Duration::from_secs(20), self.watcher)
+            .await
+            .expect("the attempt process was stopped")
+            .unwrap();
+        std::iter::from_fn(|| self.sent.try_recv().ok())
+            .find_map(|body| match body {
+                Body::AttemptFinished(finished) => Some(finished),
+                _ => None,
+            })
+            .expect("a final report")
+    }
+}
+
 #[tokio::test]
 async fn a_stopped_attempt_process_is_killed_and_ends_failed_with_the_watchdog_s_reason() {
     // A real process tree in its own group, as the worker starts attempts: a shell
     // whose child holds "device memory" (the scripted reading) past the grace.
-    let child = tokio::process::Command::new("sh")
-        .arg("-c")
-        .arg("sleep 60 & wait")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    let shell = child.id().unwrap();
-    let (control, control_receiver) = mpsc::unbounded_channel();
-    let (reports, mut sent) = mpsc::unbounded_channel();
-    let watcher = tokio::spawn(watch_attempt_process(
-        child,
-        attempt("job-a"),
-        reports.clone(),
-        control_receiver,
-        || {},
-    ));
+    let live = LiveAttempt::start("sleep 60 & wait", &[]);
+    let shell = live.shell;
     // The sleeping child is the one on the GPU; find it in /proc as the watchdog does.
     let mut sleeper = None;
     for _ in 0..100 {
@@ -537,20 +581,15 @@ async fn a_stopped_attempt_process_is_killed_and_ends_failed_with_the_watchdog_s
         parents: read_process_parents(Path::new("/proc")),
         guard_slots: HashMap::new(),
     };
-    let mut rounds = Rounds::new(reading, shell, control, reports);
+    let mut rounds = Rounds::new(
+        FixedSource(reading),
+        watched("job-a", "GPU-0", shell, 1024 * MIB),
+        live.control.clone(),
+        live.reports.clone(),
+    );
     rounds.at(0.0).await;
     rounds.at(4.0).await;
-    tokio::time::timeout(Duration::from_secs(20), watcher)
-        .await
-        .expect("the attempt process was stopped")
-        .unwrap();
-    let mut finished = None;
-    while let Ok(body) = sent.try_recv() {
-        if let Body::AttemptFinished(body) = body {
-            finished = Some(body);
-        }
-    }
-    let finished = finished.expect("a final report");
+    let finished = live.finished().await;
     assert_eq!(finished.outcome, v1::AttemptOutcome::Failed as i32);
     assert!(
         finished
@@ -596,30 +635,16 @@ async fn on_a_real_gpu_a_child_over_the_slice_is_seen_in_the_tree_and_stopped() 
     let nvml = NvmlHandle::open().expect("nvml");
     let gpu = nvml.discover().expect("gpus").remove(0);
     // The holder is the shell's child, as a program's workers are the attempt's.
-    let child = tokio::process::Command::new("sh")
-        .arg("-c")
-        .arg("python3 -c \"$CARVE_TEST_PROGRAM\"; exit 1")
-        .env("CARVE_TEST_PROGRAM", GPU_HOLDER)
-        .env("CUDA_VISIBLE_DEVICES", &gpu.uuid)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    let shell = child.id().unwrap();
-    let (control, control_receiver) = mpsc::unbounded_channel();
-    let (reports, mut sent) = mpsc::unbounded_channel();
-    let watcher = tokio::spawn(watch_attempt_process(
-        child,
-        attempt("job-a"),
-        reports.clone(),
-        control_receiver,
-        || {},
-    ));
+    let mut live = LiveAttempt::start(
+        "python3 -c \"$CARVE_TEST_PROGRAM\"; exit 1",
+        &[
+            ("CARVE_TEST_PROGRAM", GPU_HOLDER),
+            ("CUDA_VISIBLE_DEVICES", &gpu.uuid),
+        ],
+    );
+    let shell = live.shell;
     let ready = tokio::time::timeout(Duration::from_secs(60), async {
-        while let Some(body) = sent.recv().await {
+        while let Some(body) = live.sent.recv().await {
             match body {
                 Body::Log(line) if line.message == "ready" => return,
                 Body::AttemptFinished(finished) => panic!("ended early: {finished:?}"),
@@ -650,34 +675,15 @@ async fn on_a_real_gpu_a_child_over_the_slice_is_seen_in_the_tree_and_stopped() 
     );
     assert!(!on_gpu.iter().any(|process| process.process_id == shell));
     // A 256 MiB slice with a 128 MiB context allowance: over, and stopped after the grace.
-    let attempts = TestAttempts {
-        attempts: vec![WatchedAttempt {
-            context_bytes: 128 * MIB,
-            ..watched("job-a", &gpu.uuid, shell, 256 * MIB)
-        }],
-        controls: HashMap::from([("job-a/2".to_string(), control)]),
+    let watched = WatchedAttempt {
+        context_bytes: 128 * MIB,
+        ..watched("job-a", &gpu.uuid, shell, 256 * MIB)
     };
-    let mut memory = WatchMemory::default();
-    let start = Instant::now();
-    watch_once(&source, &attempts, &mut memory, &reports, start).await;
-    watch_once(
-        &source,
-        &attempts,
-        &mut memory,
-        &reports,
-        seconds(start, 4.0),
-    )
-    .await;
-    tokio::time::timeout(Duration::from_secs(20), watcher)
-        .await
-        .expect("the attempt was stopped")
-        .unwrap();
-    let finished = std::iter::from_fn(|| sent.try_recv().ok())
-        .find_map(|body| match body {
-            Body::AttemptFinished(finished) => Some(finished),
-            _ => None,
-        })
-        .expect("a final report");
+    let control = live.control.clone();
+    let mut rounds = Rounds::new(source, watched, control, live.reports.clone());
+    rounds.at(0.0).await;
+    rounds.at(4.0).await;
+    let finished = live.finished().await;
     println!("final report: {finished:?}");
     assert_eq!(finished.outcome, v1::AttemptOutcome::Failed as i32);
     assert!(
