@@ -208,6 +208,18 @@ impl AttemptGuard {
         variables
     }
 
+    /// Sets the job's own environment and then the guard's on `command`, in the order
+    /// that lets the guard's win (see [`AttemptGuard::environment`]).
+    pub fn apply_environment(
+        &self,
+        command: &mut tokio::process::Command,
+        job_environment: &BTreeMap<String, String>,
+    ) {
+        command
+            .envs(job_environment)
+            .envs(self.environment(job_environment));
+    }
+
     /// The account now: in use and peak for the attempt and per process, for progress
     /// reports. `None` while there is no account file.
     pub fn read_usage(&self) -> Result<Option<AccountUsage>, WorkerError> {
@@ -395,6 +407,28 @@ mod tests {
         // A blank LD_PRELOAD leaves the guard alone, without a dangling separator.
         let (_directory, _guard, blank) = environment_of(&[("LD_PRELOAD", "  ")]);
         assert_eq!(blank["LD_PRELOAD"], "/opt/carve/libcarve_guard.so");
+    }
+
+    #[test]
+    fn applied_to_a_command_the_guard_s_variables_win() {
+        let directory = tempfile::tempdir().unwrap();
+        let guard = prepared(directory.path());
+        let job = BTreeMap::from([
+            ("CARVE_GUARD_LIMIT_BYTES".to_string(), "1".to_string()),
+            ("MY_SETTING".to_string(), "kept".to_string()),
+        ]);
+        let mut command = tokio::process::Command::new("true");
+        guard.apply_environment(&mut command, &job);
+        let set: BTreeMap<String, String> = command
+            .as_std()
+            .get_envs()
+            .filter_map(|(name, value)| {
+                Some((name.to_str()?.to_string(), value?.to_str()?.to_string()))
+            })
+            .collect();
+        assert_eq!(set["CARVE_GUARD_LIMIT_BYTES"], (3 * GIB).to_string());
+        assert_eq!(set["MY_SETTING"], "kept");
+        assert_eq!(set["LD_PRELOAD"], "/opt/carve/libcarve_guard.so");
     }
 
     #[test]
