@@ -1,4 +1,4 @@
-//! carve-bench: what `carve-submit-bench` is made of.
+//! carve-bench: what `carve-submit-bench` and `carve-guard-bench` are made of.
 //!
 //! - [`pacing`] and [`latency`] are pure: the send schedule of an open-loop run and the
 //!   summary of a latency histogram;
@@ -9,9 +9,12 @@
 //! - [`baseline`] measures the store's own limit (plain inserts through sqlx);
 //! - [`queue_memory`] fills the store with queued jobs and measures the scheduler's
 //!   memory and scheduling passes over them;
-//! - [`report`] holds the results and prints them as tables or JSON.
+//! - [`report`] holds the results and prints them as tables or JSON;
+//! - [`guard_overhead`] is `carve-guard-bench`: allocations through the guard against
+//!   straight into the fake CUDA driver.
 
 pub mod baseline;
+pub mod guard_overhead;
 pub mod latency;
 pub mod load;
 pub mod pacing;

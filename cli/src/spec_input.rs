@@ -1,6 +1,7 @@
 //! Where a command's job spec comes from: the file it names, or stdin when that name is
 //! `-` (`generate-spec | carve submit -`). Shared by estimate, run and submit so the three
-//! read, name and resolve a spec the same way.
+//! read, name and resolve a spec the same way: relative data paths mean the job file's
+//! folder (the current one for stdin), read there by `run` and made absolute by `submit`.
 
 use std::io::Read as _;
 use std::path::Path;
@@ -42,9 +43,84 @@ pub fn data_base_directory(path: &Path) -> &Path {
         .unwrap_or(Path::new("."))
 }
 
+/// Makes the relative data paths of a spec document (every path under `data.train` and
+/// `data.test`) absolute against `base`, for a job that a worker runs in a directory of
+/// its own: `carve submit` sends paths that mean what they meant beside the job file, as
+/// `carve run` reads them. A path that is not UTF-8 once joined is an error naming it.
+pub fn make_data_paths_absolute(document: &mut toml::Table, base: &Path) -> Result<(), String> {
+    let Some(toml::Value::Table(data)) = document.get_mut("data") else {
+        return Ok(());
+    };
+    for split in ["train", "test"] {
+        let Some(toml::Value::Table(files)) = data.get_mut(split) else {
+            continue;
+        };
+        for (field, value) in files.iter_mut() {
+            let paths: Vec<&mut String> = match value {
+                toml::Value::String(path) => vec![path],
+                toml::Value::Array(paths) => paths
+                    .iter_mut()
+                    .filter_map(|path| match path {
+                        toml::Value::String(path) => Some(path),
+                        _ => None,
+                    })
+                    .collect(),
+                // Not a path: validation names it.
+                _ => Vec::new(),
+            };
+            for path in paths {
+                if path.is_empty() || Path::new(path.as_str()).is_absolute() {
+                    continue;
+                }
+                let absolute = std::path::absolute(base.join(path.as_str()))
+                    .map_err(|error| format!("data.{split}.{field}: {error}"))?;
+                *path = absolute
+                    .to_str()
+                    .ok_or_else(|| {
+                        format!("data.{split}.{field}: {} is not UTF-8", absolute.display())
+                    })?
+                    .to_string();
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Shows a validated spec's warnings on stderr, named as its errors are; the job goes on.
 pub fn print_job_spec_warnings(job: &ValidatedJob, spec_name: &str) {
     for warning in job.warnings() {
         eprintln!("{spec_name}: warning: {warning}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_data_paths_become_absolute_against_the_base_and_others_stay() {
+        let mut document: toml::Table = toml::from_str(
+            "name = \"x\"\n[data]\nformat = \"cifar10\"\n\
+             train = { files = [\"batches/one.bin\", \"/srv/two.bin\"] }\n\
+             test = { images = \"../t10k\", labels = \"/srv/labels\" }\n",
+        )
+        .unwrap();
+        make_data_paths_absolute(&mut document, Path::new("/jobs/mnist")).unwrap();
+        let data = &document["data"];
+        assert_eq!(
+            data["train"]["files"],
+            toml::Value::Array(vec![
+                "/jobs/mnist/batches/one.bin".into(),
+                "/srv/two.bin".into()
+            ])
+        );
+        assert_eq!(data["test"]["images"].as_str(), Some("/jobs/mnist/../t10k"));
+        assert_eq!(data["test"]["labels"].as_str(), Some("/srv/labels"));
+        assert_eq!(data["format"].as_str(), Some("cifar10"));
+        // A relative base is taken from the current directory.
+        make_data_paths_absolute(&mut document, Path::new(".")).unwrap();
+        assert_eq!(data_base_directory(Path::new("-")), Path::new("."));
+        assert_eq!(data_base_directory(Path::new("job.toml")), Path::new("."));
+        assert_eq!(data_base_directory(Path::new("a/job.toml")), Path::new("a"));
     }
 }

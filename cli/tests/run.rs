@@ -8,7 +8,7 @@ use std::process::Output;
 use serde_json::Value;
 
 mod support;
-use support::{carve, carve_with_stdin, succeeded, write_file};
+use support::{RELATIVE_IDX_JOB, carve, carve_with_stdin, succeeded, write_file, write_idx_digits};
 
 const JOB: &str = include_str!("specs/cli-run.toml");
 
@@ -118,30 +118,10 @@ fn the_cuda_backend_trains_or_is_refused_with_the_reason() {
     }
 }
 
-/// An IDX file: a big-endian magic number and dimensions (the header), then the bytes.
-fn idx_file(magic: u32, dimensions: &[u32], payload: &[u8]) -> Vec<u8> {
-    std::iter::once(magic)
-        .chain(dimensions.iter().copied())
-        .flat_map(u32::to_be_bytes)
-        .chain(payload.iter().copied())
-        .collect()
-}
-
-/// A 4x4 job on IDX files named by relative paths (`digits/…`).
-const RELATIVE_IDX_JOB: &str = "name = \"stdin-idx\"\n[model]\ninput_shape = [4, 4, 1]\nloss = \"softmax_cross_entropy\"\nlayers = [{ flatten = {} }, { dense = { units = 2 } }]\n[training]\nbatch_size = 4\nsteps = 2\noptimizer = { sgd = { learning_rate = 0.1 } }\n[data]\nformat = \"idx\"\ntrain = { images = \"digits/images\", labels = \"digits/labels\" }\n";
-
 #[test]
 fn a_spec_from_stdin_finds_its_relative_data_in_the_current_directory() {
     let directory = tempfile::tempdir().unwrap();
-    let digits = directory.path().join("digits");
-    std::fs::create_dir(&digits).unwrap();
-    let pixels: Vec<u8> = (0..8 * 16).map(|index| (index * 7 % 256) as u8).collect();
-    std::fs::write(digits.join("images"), idx_file(0x0803, &[8, 4, 4], &pixels)).unwrap();
-    std::fs::write(
-        digits.join("labels"),
-        idx_file(0x0801, &[8], &[0, 1, 0, 1, 0, 1, 0, 1]),
-    )
-    .unwrap();
+    write_idx_digits(directory.path());
 
     let output = carve_with_stdin(
         &["run", "-", "-o", "json"],

@@ -2,6 +2,7 @@
 //! PostgreSQL (a database of its own on a server this binary starts; see
 //! `support/mod.rs`), as `sqlite::NAME` and `postgres::NAME`.
 
+#[macro_use]
 mod support;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -18,31 +19,7 @@ use carve_scheduler::store::{
 };
 use support::TestDb;
 
-/// Declares each contract test once per database.
-macro_rules! contract_tests {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let db = crate::support::TestDb::sqlite().await;
-                    crate::$name(&db).await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let db = crate::support::TestDb::postgres().await;
-                    crate::$name(&db).await;
-                }
-            )*
-        }
-    };
-}
-
-contract_tests!(
+on_both_databases!(
     durability_settings_are_safe,
     tenants_crud,
     tokens_are_found_by_hash_and_revoked,

@@ -14,7 +14,8 @@ use carve_proto::v1;
 use super::connection::{Connection, ConnectionOptions};
 use super::failure::{ClientFailure, FailureKind};
 use super::output::{
-    OutputFormat, bytes_text, print_message, print_table, role_name, timestamp_text,
+    ListFormat, OutputFormat, bytes_text, date_text, print_message, print_table, print_wide_table,
+    role_name, timestamp_text,
 };
 
 #[derive(Debug, clap::Args)]
@@ -113,9 +114,9 @@ fn parse_time_to_live(text: &str) -> Result<prost_types::Duration, String> {
 enum TenantAction {
     /// Every tenant with its quota and what it uses now.
     List {
-        /// Output format.
-        #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
-        output: OutputFormat,
+        /// Output format: `table` fits 100 columns, `wide` shows the creation time whole.
+        #[arg(short = 'o', long, value_enum, default_value_t = ListFormat::Table)]
+        output: ListFormat,
     },
     /// Creates a tenant (lowercase letters, digits and '-').
     Create {
@@ -188,9 +189,10 @@ enum TokenAction {
         /// Also revoked and expired tokens.
         #[arg(long)]
         all: bool,
-        /// Output format.
-        #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
-        output: OutputFormat,
+        /// Output format: `table` fits 100 columns (dates only, no creation or last use),
+        /// `wide` shows every time whole.
+        #[arg(short = 'o', long, value_enum, default_value_t = ListFormat::Table)]
+        output: ListFormat,
     },
     /// Creates a token and prints its secret, this once, alone on stdout.
     Create {
@@ -227,10 +229,9 @@ pub async fn admin(arguments: AdminArguments) -> Result<ExitCode> {
             action: TenantAction::List { output },
         } => {
             let tenants = list_tenants(&connection).await?;
-            if output == OutputFormat::Table {
-                print_tenants(&tenants.tenants);
-            } else {
-                print_message(&tenants, "carve.v1.ListTenantsResponse", output)?;
+            match output.document() {
+                None => print_tenants(&tenants.tenants, output == ListFormat::Wide),
+                Some(format) => print_message(&tenants, "carve.v1.ListTenantsResponse", format)?,
             }
         }
         AdminArea::Tenants {
@@ -338,7 +339,8 @@ fn quota_text(quota: Option<&v1::Quota>) -> [String; 3] {
     ]
 }
 
-fn print_tenants(tenants: &[v1::Tenant]) {
+/// The tenants' table; `wide` shows when each was created to the second.
+fn print_tenants(tenants: &[v1::Tenant], wide: bool) {
     if tenants.is_empty() {
         println!("no tenants");
         return;
@@ -357,22 +359,76 @@ fn print_tenants(tenants: &[v1::Tenant]) {
                     "{} running, {} queued",
                     tenant.running_jobs, tenant.queued_jobs
                 ),
-                timestamp_text(tenant.created_at.as_ref()),
+                if wide {
+                    timestamp_text(tenant.created_at.as_ref())
+                } else {
+                    date_text(tenant.created_at.as_ref())
+                },
             ]
         })
         .collect();
-    print_table(
-        [
-            "NAME",
-            "VRAM QUOTA",
-            "RUNNING QUOTA",
-            "WEIGHT",
-            "VRAM IN USE",
-            "JOBS",
-            "CREATED",
-        ],
-        &rows,
-    );
+    let header = [
+        "NAME",
+        "VRAM QUOTA",
+        "RUNNING QUOTA",
+        "WEIGHT",
+        "VRAM IN USE",
+        "JOBS",
+        "CREATED",
+    ];
+    if wide {
+        print_wide_table(header, &rows);
+    } else {
+        print_table(header, &rows);
+    }
+}
+
+/// The tokens' table: the wide one with every time whole, the default one with the dates
+/// of expiry and revocation, which fit 100 columns beside a whole id.
+fn print_tokens(tokens: &[v1::Token], wide: bool) {
+    // Times to the second in the wide table, to the day in the default one.
+    let time = if wide { timestamp_text } else { date_text };
+    let rows: Vec<[String; 8]> = tokens
+        .iter()
+        .map(|token| {
+            [
+                token.id.clone(),
+                if token.tenant.is_empty() {
+                    "-".to_string()
+                } else {
+                    token.tenant.clone()
+                },
+                role_name(token.role),
+                time(token.created_at.as_ref()),
+                time(token.expires_at.as_ref()),
+                time(token.last_used_at.as_ref()),
+                time(token.revoked_at.as_ref()),
+                token.description.clone(),
+            ]
+        })
+        .collect();
+    let header = [
+        "ID",
+        "TENANT",
+        "ROLE",
+        "CREATED",
+        "EXPIRES",
+        "LAST USED",
+        "REVOKED",
+        "DESCRIPTION",
+    ];
+    if wide {
+        print_wide_table(header, &rows);
+        return;
+    }
+    let [id, tenant, role, _, expires, _, revoked, description] = header;
+    let rows: Vec<[String; 6]> = rows
+        .into_iter()
+        .map(|[id, tenant, role, _, expires, _, revoked, description]| {
+            [id, tenant, role, expires, revoked, description]
+        })
+        .collect();
+    print_table([id, tenant, role, expires, revoked, description], &rows);
 }
 
 fn print_tenant_change(tenant: &v1::Tenant, output: OutputFormat, what: &str) -> Result<()> {
@@ -403,46 +459,14 @@ async fn tokens(connection: &Connection, action: TokenAction) -> Result<()> {
                 .await
                 .map_err(|status| connection.failure(&status, "cannot list tokens"))?
                 .into_inner();
-            if output != OutputFormat::Table {
-                return print_message(&tokens, "carve.v1.ListTokensResponse", output);
+            if let Some(format) = output.document() {
+                return print_message(&tokens, "carve.v1.ListTokensResponse", format);
             }
             if tokens.tokens.is_empty() {
                 println!("no tokens");
                 return Ok(());
             }
-            let rows: Vec<[String; 8]> = tokens
-                .tokens
-                .iter()
-                .map(|token| {
-                    [
-                        token.id.clone(),
-                        if token.tenant.is_empty() {
-                            "-".into()
-                        } else {
-                            token.tenant.clone()
-                        },
-                        role_name(token.role),
-                        timestamp_text(token.created_at.as_ref()),
-                        timestamp_text(token.expires_at.as_ref()),
-                        timestamp_text(token.last_used_at.as_ref()),
-                        timestamp_text(token.revoked_at.as_ref()),
-                        token.description.clone(),
-                    ]
-                })
-                .collect();
-            print_table(
-                [
-                    "ID",
-                    "TENANT",
-                    "ROLE",
-                    "CREATED",
-                    "EXPIRES",
-                    "LAST USED",
-                    "REVOKED",
-                    "DESCRIPTION",
-                ],
-                &rows,
-            );
+            print_tokens(&tokens.tokens, output == ListFormat::Wide);
         }
         TokenAction::Create {
             tenant,

@@ -10,7 +10,8 @@ use carve_proto::v1;
 
 use super::connection::{Connection, ConnectionOptions};
 use super::output::{
-    OutputFormat, age_text, bytes_text, now_seconds, print_message, worker_state_name,
+    ListFormat, OutputFormat, age_text, bytes_text, now_seconds, print_message, print_wide_table,
+    timestamp_text, worker_state_name,
 };
 
 /// Characters of a GPU's memory bar between its brackets.
@@ -20,9 +21,10 @@ const BAR_WIDTH: usize = 64;
 pub struct ClusterArguments {
     #[command(subcommand)]
     action: Option<ClusterAction>,
-    /// Output format (table or json; yaml works too).
-    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
-    output: OutputFormat,
+    /// Output format: `table` draws the GPUs; `wide` first lists the workers in a table
+    /// (id, host, state, version, GPUs, memory, slices, registered, last heartbeat).
+    #[arg(short = 'o', long, value_enum, default_value_t = ListFormat::Table)]
+    output: ListFormat,
     #[command(flatten)]
     connection: ConnectionOptions,
 }
@@ -46,6 +48,8 @@ enum ClusterAction {
 
 pub async fn cluster(arguments: ClusterArguments) -> Result<ExitCode> {
     let connection = Connection::open(&arguments.connection).await?;
+    // Drain and undrain answer with one worker: a line, or the document.
+    let change_format = arguments.output.document().unwrap_or(OutputFormat::Table);
     match arguments.action {
         None => show(&connection, arguments.output).await,
         Some(ClusterAction::Drain { worker, reason }) => {
@@ -62,7 +66,7 @@ pub async fn cluster(arguments: ClusterArguments) -> Result<ExitCode> {
                 .context("the scheduler answered a drain without the worker")?;
             print_worker_change(
                 &drained,
-                arguments.output,
+                change_format,
                 "draining: it takes no new attempts",
             )
         }
@@ -77,7 +81,7 @@ pub async fn cluster(arguments: ClusterArguments) -> Result<ExitCode> {
                 .into_inner()
                 .worker
                 .context("the scheduler answered an undrain without the worker")?;
-            print_worker_change(&undrained, arguments.output, "ready: it takes new attempts")
+            print_worker_change(&undrained, change_format, "ready: it takes new attempts")
         }
     }
 }
@@ -91,15 +95,15 @@ fn print_worker_change(worker: &v1::Worker, output: OutputFormat, what: &str) ->
     Ok(ExitCode::SUCCESS)
 }
 
-async fn show(connection: &Connection, output: OutputFormat) -> Result<ExitCode> {
+async fn show(connection: &Connection, output: ListFormat) -> Result<ExitCode> {
     let workers = connection
         .cluster()
         .list_workers(v1::ListWorkersRequest { states: Vec::new() })
         .await
         .map_err(|status| connection.failure(&status, "cannot list workers"))?
         .into_inner();
-    if output != OutputFormat::Table {
-        print_message(&workers, "carve.v1.ListWorkersResponse", output)?;
+    if let Some(format) = output.document() {
+        print_message(&workers, "carve.v1.ListWorkersResponse", format)?;
         return Ok(ExitCode::SUCCESS);
     }
     if workers.workers.is_empty() {
@@ -108,6 +112,10 @@ async fn show(connection: &Connection, output: OutputFormat) -> Result<ExitCode>
     }
     let names = running_job_names(connection).await;
     let now = now_seconds();
+    if output == ListFormat::Wide {
+        print_workers_table(&workers.workers, now);
+        println!();
+    }
     for worker in &workers.workers {
         println!(
             "{} ({})  {}  version {}  last heartbeat {} ago",
@@ -129,6 +137,45 @@ async fn show(connection: &Connection, output: OutputFormat) -> Result<ExitCode>
         println!();
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The workers as rows, every cell whole (`carve cluster -o wide`).
+fn print_workers_table(workers: &[v1::Worker], now: i64) {
+    let rows: Vec<[String; 9]> = workers
+        .iter()
+        .map(|worker| {
+            let total: u64 = worker.gpus.iter().map(|gpu| gpu.total_bytes).sum();
+            let free: u64 = worker.gpus.iter().map(|gpu| gpu.free_bytes).sum();
+            let slices: usize = worker.gpus.iter().map(|gpu| gpu.slices.len()).sum();
+            [
+                worker.id.clone(),
+                worker.hostname.clone(),
+                worker_state_name(worker.state),
+                if worker.version.is_empty() {
+                    "-".into()
+                } else {
+                    worker.version.clone()
+                },
+                worker.gpus.len().to_string(),
+                format!("{} / {}", bytes_text(Some(free)), bytes_text(Some(total))),
+                slices.to_string(),
+                timestamp_text(worker.registered_at.as_ref()),
+                format!("{} ago", age_text(worker.last_heartbeat_at.as_ref(), now)),
+            ]
+        })
+        .collect();
+    let header = [
+        "ID",
+        "HOSTNAME",
+        "STATE",
+        "VERSION",
+        "GPUS",
+        "FREE / TOTAL",
+        "SLICES",
+        "REGISTERED",
+        "LAST HEARTBEAT",
+    ];
+    print_wide_table(header, &rows);
 }
 
 /// The names of the jobs the caller may see that hold slices now, by id. Names only

@@ -16,7 +16,7 @@ pub const EXIT_CODES_HELP: &str = "\
 Exit codes:
   0   success (for watch and submit --watch: the job succeeded)
   1   any other error
-  2   usage error (bad arguments)
+  2   usage error (bad arguments; a job prefix or name that matches several jobs)
   3   the job ran out of memory (carve run, carve estimate; a watched job that failed
       out of memory)
   4   cannot connect to the scheduler
@@ -32,6 +32,9 @@ Exit codes:
 pub enum FailureKind {
     /// Anything without a more precise code.
     Other,
+    /// A bad argument on the command line that clap could not catch: a job reference
+    /// (prefix or name) that names several jobs.
+    Usage,
     /// The job (or the local run) ran out of memory.
     OutOfMemory,
     /// The scheduler could not be reached.
@@ -55,6 +58,7 @@ impl FailureKind {
     pub fn exit_code(self) -> u8 {
         match self {
             FailureKind::Other => 1,
+            FailureKind::Usage => 2,
             FailureKind::OutOfMemory => 3,
             FailureKind::CannotConnect => 4,
             FailureKind::Authentication => 5,
@@ -91,15 +95,41 @@ impl fmt::Display for ClientFailure {
 
 impl std::error::Error for ClientFailure {}
 
+/// The kind of the first [`ClientFailure`] in an error's chain, `Other` when there is none.
+fn failure_kind(error: &anyhow::Error) -> FailureKind {
+    error
+        .chain()
+        .find_map(|cause| cause.downcast_ref::<ClientFailure>())
+        .map_or(FailureKind::Other, |failure| failure.kind)
+}
+
 /// The exit code for an error that ended a command: the kind of the first
 /// [`ClientFailure`] in its chain, 1 when there is none.
 pub fn exit_code_for_error(error: &anyhow::Error) -> ExitCode {
-    let kind = error
-        .chain()
-        .find_map(|cause| cause.downcast_ref::<ClientFailure>())
-        .map_or(FailureKind::Other, |failure| failure.kind);
-    ExitCode::from(kind.exit_code())
+    ExitCode::from(failure_kind(error).exit_code())
 }
+
+/// The failures of a command that does the same to several jobs (`carve cancel J1 J2`):
+/// each is reported as it happens, as `main` reports an error, and the others still run;
+/// the exit code is the first failure's, 0 when none failed.
+#[derive(Debug, Default)]
+pub struct FailureTally {
+    first: Option<FailureKind>,
+}
+
+impl FailureTally {
+    pub fn record(&mut self, error: &anyhow::Error) {
+        eprintln!("error: {error:#}");
+        self.first.get_or_insert(failure_kind(error));
+    }
+
+    pub fn exit_code(&self) -> ExitCode {
+        ExitCode::from(self.first.map_or(0, FailureKind::exit_code))
+    }
+}
+
+/// The request field that names a job, which a person gives on the command line.
+const JOB_REFERENCE_FIELD: &str = "job_id";
 
 /// Turns a gRPC status from `endpoint` into a failure a person can act on. `action` says
 /// what was being done ("cannot get job j-1"), for the codes whose server message alone
@@ -117,6 +147,15 @@ pub fn status_failure(status: &tonic::Status, endpoint: &str, action: &str) -> C
         ),
         // The server's message already names the thing: "job j-1 not found".
         Code::NotFound => ClientFailure::new(FailureKind::NotFound, message),
+        // A job named by a prefix or name that fits several jobs: the command line is at
+        // fault, and the message lists the candidates.
+        Code::InvalidArgument if status_field(status) == Some(JOB_REFERENCE_FIELD) => {
+            let reason = message
+                .strip_prefix(JOB_REFERENCE_FIELD)
+                .and_then(|rest| rest.strip_prefix(": "))
+                .unwrap_or(message);
+            ClientFailure::new(FailureKind::Usage, format!("{action}: {reason}"))
+        }
         // The server's message names the field and the reason.
         Code::InvalidArgument => {
             ClientFailure::new(FailureKind::InvalidArgument, format!("{action}: {message}"))
@@ -149,6 +188,14 @@ pub fn status_failure(status: &tonic::Status, endpoint: &str, action: &str) -> C
         ),
         _ => ClientFailure::new(FailureKind::Other, format!("{action}: {message}")),
     }
+}
+
+/// The field an INVALID_ARGUMENT status names in its trailer.
+fn status_field(status: &tonic::Status) -> Option<&str> {
+    status
+        .metadata()
+        .get(carve_proto::status::FIELD_METADATA_KEY)
+        .and_then(|value| value.to_str().ok())
 }
 
 /// The advice for a scheduler that did not answer, when nothing more precise is known.
@@ -210,6 +257,25 @@ mod tests {
             let failure = status_failure(&tonic::Status::new(code, "x"), "http://h:1", "doing");
             assert_eq!(failure.kind.exit_code(), exit, "{code:?}");
         }
+    }
+
+    #[test]
+    fn a_job_reference_that_names_several_jobs_is_a_usage_error() {
+        let status = tonic::Status::from(carve_proto::ApiError::invalid_argument(
+            "job_id",
+            "\"again\" is ambiguous: it names 2 jobs: j-2 (again, queued), j-1 (again, failed)",
+        ));
+        let failure = status_failure(&status, "http://h:1", "cannot get job again");
+        assert_eq!(failure.kind.exit_code(), 2);
+        assert_eq!(
+            failure.message,
+            "cannot get job again: \"again\" is ambiguous: it names 2 jobs: \
+             j-2 (again, queued), j-1 (again, failed)"
+        );
+        // Another field stays an invalid argument.
+        let status = tonic::Status::from(carve_proto::ApiError::invalid_argument("tail", "x"));
+        let failure = status_failure(&status, "http://h:1", "doing");
+        assert_eq!(failure.kind.exit_code(), 7);
     }
 
     #[test]

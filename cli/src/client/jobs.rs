@@ -1,7 +1,7 @@
 //! `carve submit`, `carve jobs`, `carve get` and `carve cancel`: a researcher's view of
 //! jobs through the JobService.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
@@ -9,14 +9,17 @@ use carve_core::plan::RunConfig;
 use carve_proto::v1;
 
 use super::connection::{Connection, ConnectionOptions};
-use super::failure::{ClientFailure, FailureKind};
+use super::failure::{ClientFailure, FailureKind, FailureTally};
 use super::output::{
-    OutputFormat, age_text, attempt_note, bytes_text, config_text, job_state_name, now_seconds,
-    outcome_name, print_message, print_structured, print_table, timestamp_text,
+    ListFormat, OutputFormat, age_text, attempt_note, bytes_text, config_text, job_state_name,
+    message_json, now_seconds, outcome_name, print_message, print_structured, print_table,
+    print_wide_table, timestamp_text,
 };
 use super::overrides::{SpecOverride, apply_overrides, parse_override, toml_to_json};
 use super::watch::{follow_job, job_exit, watch_job};
-use crate::spec_input::{job_spec_name, read_job_spec_text};
+use crate::spec_input::{
+    data_base_directory, job_spec_name, make_data_paths_absolute, read_job_spec_text,
+};
 
 /// The job states, as `--state` spells them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -44,7 +47,10 @@ impl From<JobStateArgument> for v1::JobState {
 
 #[derive(Debug, clap::Args)]
 pub struct SubmitArguments {
-    /// The job spec (TOML); `-` reads it from stdin (a file named `-` is `./-`).
+    /// The job spec (TOML); `-` reads it from stdin (a file named `-` is `./-`). Relative
+    /// data paths are made absolute against the spec's directory (the current directory
+    /// for a spec from stdin and for --set values) before it is sent: the worker that
+    /// runs the job reads them from a directory of its own.
     file: PathBuf,
     /// Changes a value of the spec before it is sent: a dotted path and a TOML value
     /// (training.batch_size=32, resources.vram=8GiB, model.layers[0].conv2d.filters=16).
@@ -83,17 +89,20 @@ pub struct JobsArguments {
     /// The most jobs to list, newest first; 0 lists every one.
     #[arg(long, default_value_t = 200)]
     limit: u32,
-    /// Output format.
-    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
-    output: OutputFormat,
+    /// Output format: `table` fits 100 columns, `wide` adds the priority, config,
+    /// attempts and submit time and cuts nothing.
+    #[arg(short = 'o', long, value_enum, default_value_t = ListFormat::Table)]
+    output: ListFormat,
     #[command(flatten)]
     connection: ConnectionOptions,
 }
 
 #[derive(Debug, clap::Args)]
 pub struct GetArguments {
-    /// The job id.
-    job: String,
+    /// The jobs: each an id, a unique prefix of one, or a job's name. With several, each
+    /// is shown (json and yaml: a list) and the exit code is the first failure's.
+    #[arg(required = true, value_name = "JOB")]
+    jobs: Vec<String>,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
     output: OutputFormat,
@@ -103,8 +112,11 @@ pub struct GetArguments {
 
 #[derive(Debug, clap::Args)]
 pub struct CancelArguments {
-    /// The job id.
-    job: String,
+    /// The jobs: each an id, a unique prefix of one, or a job's name. With several, each
+    /// is cancelled and reported (json and yaml: a list); the exit code is the first
+    /// failure's.
+    #[arg(required = true, value_name = "JOB")]
+    jobs: Vec<String>,
     /// Why, for the job's message and its watchers.
     #[arg(long)]
     reason: Option<String>,
@@ -128,7 +140,11 @@ fn spec_json_from_file(arguments: &SubmitArguments) -> Result<String> {
     };
     let mut document: toml::Table =
         toml::from_str(&text).map_err(|error| invalid(error.to_string().trim_end().to_string()))?;
+    make_data_paths_absolute(&mut document, data_base_directory(&arguments.file))
+        .map_err(invalid)?;
     apply_overrides(&mut document, &arguments.overrides).map_err(invalid)?;
+    // What --set wrote is relative to where the command runs.
+    make_data_paths_absolute(&mut document, Path::new(".")).map_err(invalid)?;
     let json = toml_to_json(&toml::Value::Table(document), "").map_err(invalid)?;
     Ok(json.to_string())
 }
@@ -292,12 +308,12 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
     if arguments.limit != 0 {
         jobs.truncate(arguments.limit as usize);
     }
-    if arguments.output != OutputFormat::Table {
+    if let Some(format) = arguments.output.document() {
         let list = v1::ListJobsResponse {
             jobs,
             next_page_token: String::new(),
         };
-        return print_message(&list, "carve.v1.ListJobsResponse", arguments.output)
+        return print_message(&list, "carve.v1.ListJobsResponse", format)
             .map(|()| ExitCode::SUCCESS);
     }
     if jobs.is_empty() {
@@ -305,59 +321,115 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let now = now_seconds();
-    let rows: Vec<[String; 8]> = jobs
+    let rows: Vec<[String; 10]> = jobs.iter().map(job_row_wide).collect();
+    let header = [
+        "ID",
+        "NAME",
+        "TENANT",
+        "STATE",
+        "PRIORITY",
+        "CONFIG",
+        "ESTIMATE / PEAK",
+        "ATTEMPTS",
+        "SUBMITTED",
+        "WAITING / MESSAGE",
+    ];
+    if arguments.output == ListFormat::Wide {
+        print_wide_table(header, &rows);
+        return Ok(ExitCode::SUCCESS);
+    }
+    // The default table: the wide one's id, name, state and memory, the age and the
+    // waiting reason, which fit 100 columns beside a whole id.
+    let rows: Vec<[String; 6]> = jobs
         .iter()
-        .map(|job| {
-            let peak = job
-                .attempts
-                .iter()
-                .rev()
-                .find_map(|attempt| attempt.measured_peak_bytes);
+        .zip(rows)
+        .map(|(job, [id, name, _, state, _, _, memory, _, _, _])| {
             [
-                job.id.clone(),
-                job.name.clone(),
-                job.tenant.clone(),
-                job_state_name(job.state),
-                config_text(job.current_config.as_ref()),
-                format!(
-                    "{} / {}",
-                    bytes_text(
-                        job.estimate
-                            .as_ref()
-                            .map(|estimate| estimate.required_bytes)
-                    ),
-                    bytes_text(peak)
-                ),
+                id,
+                name,
+                state,
+                memory,
                 age_text(job.created_at.as_ref(), now),
                 job.waiting_reason.clone(),
             ]
         })
         .collect();
     print_table(
-        [
-            "ID",
-            "NAME",
-            "TENANT",
-            "STATE",
-            "CONFIG",
-            "ESTIMATE / PEAK",
-            "AGE",
-            "WAITING",
-        ],
+        ["ID", "NAME", "STATE", "ESTIMATE / PEAK", "AGE", "WAITING"],
         &rows,
     );
     Ok(ExitCode::SUCCESS)
 }
 
+/// A job's row of `carve jobs -o wide`; the default table takes some of its cells.
+fn job_row_wide(job: &v1::Job) -> [String; 10] {
+    let peak = job
+        .attempts
+        .iter()
+        .rev()
+        .find_map(|attempt| attempt.measured_peak_bytes);
+    let waiting_or_message = match (job.waiting_reason.is_empty(), job.message.is_empty()) {
+        (false, _) | (true, true) => job.waiting_reason.clone(),
+        (true, false) => job.message.clone(),
+    };
+    [
+        job.id.clone(),
+        job.name.clone(),
+        job.tenant.clone(),
+        job_state_name(job.state),
+        job.priority.to_string(),
+        config_text(job.current_config.as_ref()),
+        format!(
+            "{} / {}",
+            bytes_text(
+                job.estimate
+                    .as_ref()
+                    .map(|estimate| estimate.required_bytes)
+            ),
+            bytes_text(peak)
+        ),
+        job.attempts.len().to_string(),
+        timestamp_text(job.created_at.as_ref()),
+        waiting_or_message,
+    ]
+}
+
 pub async fn get(arguments: GetArguments) -> Result<ExitCode> {
     let connection = Connection::open(&arguments.connection).await?;
-    let job = connection.fetch_job(&arguments.job).await?;
-    if arguments.output == OutputFormat::Table {
-        print_job_details(&job);
-    } else {
-        print_message(&job, "carve.v1.Job", arguments.output)?;
+    let mut failures = FailureTally::default();
+    let mut found = Vec::new();
+    for reference in &arguments.jobs {
+        match connection.fetch_job(reference).await {
+            Ok(job) if arguments.output == OutputFormat::Table => {
+                if !found.is_empty() {
+                    println!();
+                }
+                print_job_details(&job);
+                found.push(job);
+            }
+            Ok(job) => found.push(job),
+            Err(error) if arguments.jobs.len() == 1 => return Err(error),
+            Err(error) => failures.record(&error),
+        }
     }
-    Ok(ExitCode::SUCCESS)
+    print_jobs_document(&found, arguments.jobs.len(), arguments.output)?;
+    Ok(failures.exit_code())
+}
+
+/// The jobs in `format` when it is a document format: one job as itself (as before
+/// several could be asked for), several as a list. Tables are printed as they come.
+fn print_jobs_document(jobs: &[v1::Job], asked: usize, format: OutputFormat) -> Result<()> {
+    match (format, jobs) {
+        (OutputFormat::Table, _) => Ok(()),
+        (format, [job]) if asked == 1 => print_message(job, "carve.v1.Job", format),
+        (format, jobs) => {
+            let list = jobs
+                .iter()
+                .map(|job| message_json(job, "carve.v1.Job"))
+                .collect::<Result<Vec<_>>>()?;
+            print_structured(&serde_json::Value::Array(list), format)
+        }
+    }
 }
 
 fn print_job_details(job: &v1::Job) {
@@ -443,16 +515,33 @@ fn print_job_details(job: &v1::Job) {
 
 pub async fn cancel(arguments: CancelArguments) -> Result<ExitCode> {
     let connection = Connection::open(&arguments.connection).await?;
+    let mut failures = FailureTally::default();
+    let mut cancelled = Vec::new();
+    for reference in &arguments.jobs {
+        match cancel_one(&connection, reference, &arguments).await {
+            Ok(job) => cancelled.push(job),
+            Err(error) if arguments.jobs.len() == 1 => return Err(error),
+            Err(error) => failures.record(&error),
+        }
+    }
+    print_jobs_document(&cancelled, arguments.jobs.len(), arguments.output)?;
+    Ok(failures.exit_code())
+}
+
+/// Cancels the job `reference` names; in a table, says so at once.
+async fn cancel_one(
+    connection: &Connection,
+    reference: &str,
+    arguments: &CancelArguments,
+) -> Result<v1::Job> {
     let job = connection
         .jobs()
         .cancel_job(v1::CancelJobRequest {
-            job_id: arguments.job.clone(),
+            job_id: reference.to_string(),
             reason: arguments.reason.clone().unwrap_or_default(),
         })
         .await
-        .map_err(|status| {
-            connection.failure(&status, &format!("cannot cancel job {}", arguments.job))
-        })?
+        .map_err(|status| connection.failure(&status, &format!("cannot cancel job {reference}")))?
         .into_inner()
         .job
         .context("the scheduler answered a cancel without the job")?;
@@ -466,9 +555,9 @@ pub async fn cancel(arguments: CancelArguments) -> Result<ExitCode> {
             job.name,
             job_state_name(job.state)
         ),
-        format => print_structured(&super::output::message_json(&job, "carve.v1.Job")?, format)?,
+        _ => {}
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(job)
 }
 
 #[cfg(test)]

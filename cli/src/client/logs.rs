@@ -20,7 +20,7 @@ const PAGE_SIZE: u32 = 10_000;
 
 #[derive(Debug, clap::Args)]
 pub struct LogsArguments {
-    /// The job id.
+    /// The job: its id, a unique prefix of it, or the job's name.
     job: String,
     /// Only this attempt's lines (which leaves out the scheduler's own notes).
     #[arg(long, value_name = "N")]
@@ -113,7 +113,11 @@ pub async fn logs(arguments: LogsArguments) -> Result<ExitCode> {
         )
         .into());
     }
+    let mut arguments = arguments;
     let connection = Connection::open(&arguments.connection).await?;
+    // A prefix or a name is resolved once: a job submitted under the same name while
+    // `--follow` runs does not make it ambiguous.
+    arguments.job = connection.fetch_job(&arguments.job).await?.id;
     let mut last_sequence = match arguments.tail {
         Some(tail) if tail > 0 => {
             let page = fetch_page(

@@ -28,15 +28,16 @@ pub enum ClientCommand {
     Submit(jobs::SubmitArguments),
     /// Lists jobs (the caller's tenant; every tenant for admins), newest first.
     Jobs(jobs::JobsArguments),
-    /// Shows one job: its state and why it waits, its estimate, every attempt with its
-    /// config, slice, measured peak and outcome, out-of-memory numbers and shrinks.
+    /// Shows jobs (each by id, unique id prefix or name): its state and why it waits, its
+    /// estimate, every attempt with its config, slice, measured peak and outcome,
+    /// out-of-memory numbers and shrinks.
     Get(jobs::GetArguments),
     /// Follows a job to its end: progress, out-of-memory reports, shrinks; the exit code
     /// is 0 when it succeeded, 3 out of memory, 10 failed, 11 cancelled.
     Watch(watch::WatchArguments),
     /// Prints a job's log lines; --follow keeps printing until the job ends.
     Logs(logs::LogsArguments),
-    /// Cancels a job.
+    /// Cancels jobs (each by id, unique id prefix or name).
     Cancel(jobs::CancelArguments),
     /// Shows the workers and every GPU as a bar of its memory carved into slices;
     /// `drain` and `undrain` a worker (admins).

@@ -75,39 +75,54 @@ pub fn print_message<M: prost::Message>(
     print_structured(&message_json(message, full_name)?, format)
 }
 
-/// A protobuf enum name without its prefix, lowercase: `JOB_STATE_RUNNING` -> `running`.
-fn enum_word(name: &str, prefix: &str) -> String {
-    name.trim_start_matches(prefix).to_lowercase()
+/// A protobuf enum value as a lowercase word, its name without `prefix`
+/// (`JOB_STATE_RUNNING` -> `running`), or `"{unknown} {value}"` for a value this build
+/// does not know.
+fn enum_word<E: TryFrom<i32>>(
+    value: i32,
+    name: fn(&E) -> &'static str,
+    prefix: &str,
+    unknown: &str,
+) -> String {
+    E::try_from(value).map_or_else(
+        |_| format!("{unknown} {value}"),
+        |known| name(&known).trim_start_matches(prefix).to_lowercase(),
+    )
 }
 
 pub fn job_state_name(state: i32) -> String {
-    v1::JobState::try_from(state)
-        .map(|state| enum_word(state.as_str_name(), "JOB_STATE_"))
-        .unwrap_or_else(|_| format!("state {state}"))
+    enum_word(state, v1::JobState::as_str_name, "JOB_STATE_", "state")
 }
 
 pub fn outcome_name(outcome: i32) -> String {
-    v1::AttemptOutcome::try_from(outcome)
-        .map(|outcome| enum_word(outcome.as_str_name(), "ATTEMPT_OUTCOME_"))
-        .unwrap_or_else(|_| format!("outcome {outcome}"))
+    enum_word(
+        outcome,
+        v1::AttemptOutcome::as_str_name,
+        "ATTEMPT_OUTCOME_",
+        "outcome",
+    )
 }
 
 pub fn precision_name(precision: i32) -> String {
-    v1::Precision::try_from(precision)
-        .map(|precision| enum_word(precision.as_str_name(), "PRECISION_"))
-        .unwrap_or_else(|_| format!("precision {precision}"))
+    enum_word(
+        precision,
+        v1::Precision::as_str_name,
+        "PRECISION_",
+        "precision",
+    )
 }
 
 pub fn worker_state_name(state: i32) -> String {
-    v1::WorkerState::try_from(state)
-        .map(|state| enum_word(state.as_str_name(), "WORKER_STATE_"))
-        .unwrap_or_else(|_| format!("state {state}"))
+    enum_word(
+        state,
+        v1::WorkerState::as_str_name,
+        "WORKER_STATE_",
+        "state",
+    )
 }
 
 pub fn role_name(role: i32) -> String {
-    v1::Role::try_from(role)
-        .map(|role| enum_word(role.as_str_name(), "ROLE_"))
-        .unwrap_or_else(|_| format!("role {role}"))
+    enum_word(role, v1::Role::as_str_name, "ROLE_", "role")
 }
 
 /// Whether a job is in a state it never leaves.
@@ -184,6 +199,14 @@ pub fn timestamp_text(timestamp: Option<&prost_types::Timestamp>) -> String {
     )
 }
 
+/// The day of a timestamp in UTC, `2026-11-26`, or `-`: where a table has no room for
+/// the time.
+pub fn date_text(timestamp: Option<&prost_types::Timestamp>) -> String {
+    let text = timestamp_text(timestamp);
+    text.split_once(' ')
+        .map_or(text.clone(), |(date, _)| date.to_string())
+}
+
 /// The proleptic Gregorian date of a day count since 1970-01-01 (Howard Hinnant's
 /// `civil_from_days`), so printing a date needs no calendar crate.
 fn civil_from_days(days: i64) -> (i64, u32, u32) {
@@ -204,31 +227,109 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     (year, month, day)
 }
 
-/// Prints rows under a header in aligned columns; the last column is not padded, so a
-/// long reason does not push trailing spaces.
+/// How a list command prints: `table` fits [`TABLE_WIDTH`] columns, `wide` shows more
+/// columns and every cell whole, `json` and `yaml` are the API's messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ListFormat {
+    /// Aligned columns that fit 100 characters; long cells are cut with `…`.
+    Table,
+    /// More columns, nothing cut.
+    Wide,
+    /// The API's messages as JSON (proto field names).
+    Json,
+    /// The same as YAML.
+    Yaml,
+}
+
+impl ListFormat {
+    /// The document format, or `None` for the tables.
+    pub fn document(self) -> Option<OutputFormat> {
+        match self {
+            ListFormat::Table | ListFormat::Wide => None,
+            ListFormat::Json => Some(OutputFormat::Json),
+            ListFormat::Yaml => Some(OutputFormat::Yaml),
+        }
+    }
+}
+
+/// The width default tables fit in: a terminal of 100 columns shows every row on one line.
+pub const TABLE_WIDTH: usize = 100;
+
+/// The narrowest a column is cut to: its header, or this many characters if more.
+const NARROWEST_COLUMN: usize = 6;
+
+/// Prints rows under a header in aligned columns that fit [`TABLE_WIDTH`]: when they do
+/// not, the widest columns are cut first, their long cells ending in `…`. The first
+/// column, which names the row (an id to copy), is never cut. See [`table_lines`].
 pub fn print_table<const COLUMNS: usize>(header: [&str; COLUMNS], rows: &[[String; COLUMNS]]) {
+    for line in table_lines(header, rows, Some(TABLE_WIDTH)) {
+        println!("{line}");
+    }
+}
+
+/// Prints rows under a header in aligned columns, every cell whole (`-o wide`).
+pub fn print_wide_table<const COLUMNS: usize>(header: [&str; COLUMNS], rows: &[[String; COLUMNS]]) {
+    for line in table_lines(header, rows, None) {
+        println!("{line}");
+    }
+}
+
+/// The lines of a table, within `max_width` characters when given (as far as cutting
+/// every column but the first to its narrowest allows). The last column is not padded, so
+/// a long reason does not push trailing spaces.
+pub fn table_lines<const COLUMNS: usize>(
+    header: [&str; COLUMNS],
+    rows: &[[String; COLUMNS]],
+    max_width: Option<usize>,
+) -> Vec<String> {
     let mut widths = header.map(|cell| cell.chars().count());
     for row in rows {
         for (width, cell) in widths.iter_mut().zip(row) {
             *width = (*width).max(cell.chars().count());
         }
     }
+    if let Some(max_width) = max_width {
+        let narrowest = header.map(|cell| cell.chars().count().max(NARROWEST_COLUMN));
+        let gaps = 2 * COLUMNS.saturating_sub(1);
+        while widths.iter().sum::<usize>() + gaps > max_width {
+            // The widest column that may still be cut; later ones first among equals, so
+            // a reason at the end gives way before a name.
+            let widest = (1..COLUMNS)
+                .filter(|&index| widths[index] > narrowest[index])
+                .max_by_key(|&index| (widths[index], index));
+            match widest {
+                Some(index) => widths[index] -= 1,
+                None => break,
+            }
+        }
+    }
     let line = |cells: [&str; COLUMNS]| {
         let mut text = String::new();
         for (index, (cell, width)) in cells.iter().zip(widths).enumerate() {
-            if index + 1 == COLUMNS {
-                text.push_str(cell);
-            } else {
-                text.push_str(cell);
+            let cell = elide(cell, width);
+            text.push_str(&cell);
+            if index + 1 < COLUMNS {
                 text.push_str(&" ".repeat(width - cell.chars().count() + 2));
             }
         }
-        println!("{}", text.trim_end());
+        text.trim_end().to_string()
     };
-    line(header);
-    for row in rows {
-        line(std::array::from_fn(|index| row[index].as_str()));
+    let mut lines = vec![line(header)];
+    lines.extend(
+        rows.iter()
+            .map(|row| line(std::array::from_fn(|index| row[index].as_str()))),
+    );
+    lines
+}
+
+/// `text` in at most `width` characters: whole, or cut with `…` as its last character.
+fn elide(text: &str, width: usize) -> String {
+    if text.chars().count() <= width {
+        return text.to_string();
     }
+    let mut cut: String = text.chars().take(width.saturating_sub(1)).collect();
+    cut.push('…');
+    cut
 }
 
 /// What to say about an attempt beyond its outcome: the out-of-memory numbers, why it
@@ -312,6 +413,8 @@ mod tests {
             "2000-02-29 00:00:00Z"
         );
         assert_eq!(timestamp_text(None), "-");
+        assert_eq!(date_text(Some(&at(1_795_653_005))), "2026-11-26");
+        assert_eq!(date_text(None), "-");
     }
 
     #[test]
@@ -323,6 +426,67 @@ mod tests {
         assert_eq!(age_text(Some(&at(0)), 3 * 86_400), "3d");
         // A clock behind the server's never shows a negative age.
         assert_eq!(age_text(Some(&at(500)), 100), "0s");
+    }
+
+    #[test]
+    fn a_table_too_wide_cuts_its_widest_columns_but_never_the_first() {
+        let id = "job-0123456789abcdef0123456789abcdef".to_string();
+        let rows = [[
+            id.clone(),
+            "a-rather-long-job-name-for-a-table".to_string(),
+            "queued".to_string(),
+            "no gpu has 6 GiB free (largest hole 4 GiB on node-3); tenant quota: 30 GiB of 32 GiB"
+                .to_string(),
+        ]];
+        let header = ["ID", "NAME", "STATE", "WAITING"];
+        let lines = table_lines(header, &rows, Some(TABLE_WIDTH));
+        for line in &lines {
+            assert!(line.chars().count() <= TABLE_WIDTH, "{line}");
+        }
+        assert!(
+            lines[1].starts_with(&format!("{id}  a-rather-long-job-name")),
+            "{lines:?}"
+        );
+        assert!(lines[1].contains("  queued  no gpu has"), "{lines:?}");
+        assert!(lines[1].ends_with('…'), "{lines:?}");
+        // Wide tables, and tables that fit, keep every cell whole.
+        let wide = table_lines(header, &rows, None);
+        assert!(wide[1].ends_with("30 GiB of 32 GiB"), "{wide:?}");
+        let narrow = [[
+            "j".to_string(),
+            "n".to_string(),
+            "s".to_string(),
+            "w".to_string(),
+        ]];
+        assert_eq!(
+            table_lines(header, &narrow, Some(TABLE_WIDTH)),
+            ["ID  NAME  STATE  WAITING", "j   n     s      w"]
+        );
+    }
+
+    #[test]
+    fn a_table_that_cannot_fit_stops_at_its_narrowest_columns() {
+        let rows = [std::array::from_fn::<String, 12, _>(|_| "x".repeat(40))];
+        let header = ["COLUMN"; 12];
+        let lines = table_lines(header, &rows, Some(TABLE_WIDTH));
+        // The first column whole, every other one cut to its header's width.
+        assert!(
+            lines[1].starts_with(&format!("{}  xxxxx…  ", "x".repeat(40))),
+            "{lines:?}"
+        );
+        assert_eq!(elide("abcdef", 3), "ab…");
+        assert_eq!(elide("abc", 3), "abc");
+    }
+
+    #[test]
+    fn enum_values_read_as_words_and_unknown_ones_say_their_number() {
+        assert_eq!(job_state_name(v1::JobState::Running as i32), "running");
+        assert_eq!(
+            outcome_name(v1::AttemptOutcome::OutOfMemory as i32),
+            "out_of_memory"
+        );
+        assert_eq!(role_name(v1::Role::Worker as i32), "worker");
+        assert_eq!(job_state_name(99), "state 99");
     }
 
     #[test]

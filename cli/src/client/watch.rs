@@ -24,7 +24,7 @@ use super::output::{
 
 #[derive(Debug, clap::Args)]
 pub struct WatchArguments {
-    /// The job id.
+    /// The job: its id, a unique prefix of it, or the job's name.
     job: String,
     /// Also print the attempts' log lines.
     #[arg(long)]
@@ -160,6 +160,8 @@ pub async fn follow_job(
     to_stderr: bool,
 ) -> Result<v1::Job> {
     let job = connection.fetch_job(job_id).await?;
+    // `job_id` may be a prefix or a name: from here on, the job's own id.
+    let job_id = job.id.as_str();
     let display = Display::new(to_stderr);
     let mut slice_bytes = job
         .attempts

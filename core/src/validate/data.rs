@@ -141,3 +141,43 @@ fn check_split_files(format: DataFormat, path: &str, files: &DataFiles) -> Resul
         DataFormat::Synthetic => Ok(()),
     }
 }
+
+/// Refuses a relative data path, for a job that a worker runs: the worker would read it
+/// from its own directory, which has nothing to do with the job file's. `carve run` reads
+/// relative paths against the job file and does not ask this; `carve submit` makes them
+/// absolute before sending, so only a spec written by another client meets it.
+pub fn require_absolute_data_paths(spec: &JobSpec) -> Result<(), FieldError> {
+    let splits = [
+        ("data.train", &spec.data.train),
+        ("data.test", &spec.data.test),
+    ];
+    for (split, files) in splits {
+        let Some(files) = files else { continue };
+        let named = [
+            ("images", &files.images),
+            ("labels", &files.labels),
+            ("inputs", &files.inputs),
+            ("targets", &files.targets),
+        ]
+        .into_iter()
+        .filter_map(|(field, path)| Some((field.to_string(), path.as_ref()?)));
+        let listed = files
+            .files
+            .iter()
+            .enumerate()
+            .map(|(index, path)| (format!("files[{index}]"), path));
+        for (field, path) in named.chain(listed) {
+            if !std::path::Path::new(path).is_absolute() {
+                return Err(FieldError::new(
+                    format!("{split}.{field}"),
+                    format!(
+                        "\"{path}\" is a relative path, which a worker would read from its own \
+                         directory, not the job file's: give an absolute path (carve submit \
+                         makes a job file's relative paths absolute)"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}

@@ -19,6 +19,7 @@ mod model;
 mod parse;
 mod training;
 
+pub use data::require_absolute_data_paths;
 pub use parse::{load_job_spec_toml, parse_job_spec_json, parse_job_spec_toml};
 
 /// Per-sample elements above this are refused: 2^40 fp32 values is 4 TiB for one sample,

@@ -105,6 +105,14 @@ pub(super) fn shape_key(model: &carve_core::spec::ModelSpec, config: &RunConfig)
 /// admission needs of a spec's text alone.
 fn analyse_spec_text(spec_json: &str) -> Result<AnalysedSpec, SchedulerError> {
     let job = carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)?;
+    // A worker runs the job in a directory of its own, where a relative path means
+    // nothing the person who wrote it had in mind.
+    carve_core::validate::require_absolute_data_paths(&job.spec).map_err(|error| {
+        ApiError::InvalidArgument {
+            field: format!("spec.{}", error.field),
+            reason: error.reason,
+        }
+    })?;
     let config = RunConfig::from_spec(&job.spec);
     let estimate = estimate_job(&job, &config).map_err(|error| ApiError::InvalidArgument {
         field: format!("spec.{}", error.field),

@@ -83,16 +83,22 @@ impl Scheduler {
         });
     }
 
-    /// Lines of a job the caller may see (NotFound for another tenant's job), after
+    /// Lines of a job the caller may see (NotFound for another tenant's job; the query's
+    /// `job_id` may be any reference [`Scheduler::visible_job`] takes), after
     /// writing every line received so far, so a reader sees what the scheduler has.
     pub async fn job_logs(
         &self,
         caller: &Caller,
         query: &crate::store::LogQuery,
     ) -> Result<crate::store::LogPage, SchedulerError> {
-        self.visible_job(caller, &query.job_id).await?;
+        let job = self.visible_job(caller, &query.job_id).await?;
         self.logs.flush().await;
-        self.store.read_log_lines(query).await
+        self.store
+            .read_log_lines(&crate::store::LogQuery {
+                job_id: job.id,
+                ..query.clone()
+            })
+            .await
     }
 
     /// Writes the log lines received so far (a graceful shutdown calls it last).

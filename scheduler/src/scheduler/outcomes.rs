@@ -25,16 +25,19 @@ use super::{
 };
 
 impl Scheduler {
-    /// Cancels a job the caller may see that has not ended: it is cancelled at once, and
+    /// Cancels the job `reference` names (as [`Scheduler::visible_job`] reads it) if it has
+    /// not ended: it is cancelled at once, and
     /// a running attempt is asked to stop (its slice is freed when its worker confirms).
     pub async fn cancel(
         &self,
         caller: &Caller,
-        job_id: &str,
+        reference: &str,
         reason: &str,
     ) -> Result<JobRecord, SchedulerError> {
         let _guard = self.job_changes.lock().await;
-        let mut job = self.visible_job(caller, job_id).await?;
+        let mut job = self.visible_job(caller, reference).await?;
+        // The reference may be a prefix or a name: from here on, the job's own id.
+        let job_id = &job.id.clone();
         if job.state.is_terminal() {
             return Err(ApiError::FailedPrecondition(format!(
                 "job {job_id} already {}",

@@ -12,29 +12,41 @@ use super::worker_reports::Gpu;
 use super::{RunningAttempt, Scheduler, WorkerState};
 
 impl Scheduler {
-    /// A job the caller may see, or NotFound (also for another tenant's job).
+    /// The job `reference` names among those the caller may see: its whole id, a prefix
+    /// of its id, or its name; NotFound when it names none (another tenant's job included),
+    /// INVALID_ARGUMENT on `job_id` listing the candidates when it names several. A whole
+    /// id costs one lookup by key, as before references were accepted.
     pub async fn visible_job(
         &self,
         caller: &Caller,
-        job_id: &str,
+        reference: &str,
     ) -> Result<JobRecord, SchedulerError> {
         caller.require(&[Role::User, Role::Admin])?;
-        if job_id.is_empty() {
-            return Err(ApiError::InvalidArgument {
-                field: "job_id".into(),
-                reason: "must not be empty".into(),
-            }
-            .into());
+        if reference.is_empty() {
+            return Err(SchedulerError::invalid_argument(
+                "job_id",
+                "must not be empty",
+            ));
         }
-        let job = self.store.get_job(job_id).await?;
-        if !caller.may_access_tenant(&job.tenant) {
-            return Err(ApiError::NotFound {
-                what: "job",
-                id: job_id.to_string(),
-            }
-            .into());
+        match self.store.get_job(reference).await {
+            Ok(job) if caller.may_access_tenant(&job.tenant) => return Ok(job),
+            Ok(_) | Err(SchedulerError::Api(ApiError::NotFound { .. })) => {}
+            Err(other) => return Err(other),
         }
-        Ok(job)
+        let tenant = (caller.role != Role::Admin).then_some(caller.tenant.as_str());
+        let mut candidates = self
+            .store
+            .jobs_matching_reference(tenant, reference, LISTED_CANDIDATES + 1)
+            .await?;
+        match candidates.len() {
+            0 => Err(SchedulerError::not_found("job", reference)),
+            1 => Ok(candidates.remove(0)),
+            _ => Err(ambiguous_reference(
+                reference,
+                &candidates,
+                tenant.is_none(),
+            )),
+        }
     }
 
     /// A job's attempts, by number.
@@ -261,4 +273,43 @@ impl MetricsSource for Scheduler {
     async fn cluster_gauges(&self) -> ClusterGauges {
         self.cluster_gauges_now().await
     }
+}
+
+/// The most jobs an ambiguous reference's error lists.
+const LISTED_CANDIDATES: usize = 10;
+
+/// The error for a reference that names several jobs: each candidate's id (to copy), name
+/// and state, and its tenant when the caller sees every tenant's jobs.
+fn ambiguous_reference(
+    reference: &str,
+    candidates: &[JobRecord],
+    with_tenant: bool,
+) -> SchedulerError {
+    let mut listed: Vec<String> = candidates
+        .iter()
+        .take(LISTED_CANDIDATES)
+        .map(|job| {
+            let tenant = if with_tenant {
+                format!(", tenant {}", job.tenant)
+            } else {
+                String::new()
+            };
+            format!("{} ({}, {}{tenant})", job.id, job.name, job.state)
+        })
+        .collect();
+    if candidates.len() > LISTED_CANDIDATES {
+        listed.push("and more".into());
+    }
+    SchedulerError::invalid_argument(
+        "job_id",
+        format!(
+            "\"{reference}\" is ambiguous: it names {}: {}; use more of the id, or the whole id",
+            if candidates.len() > LISTED_CANDIDATES {
+                format!("more than {LISTED_CANDIDATES} jobs")
+            } else {
+                format!("{} jobs", candidates.len())
+            },
+            listed.join(", ")
+        ),
+    )
 }

@@ -336,6 +336,56 @@ impl Store {
         job.ok_or_else(|| SchedulerError::not_found("job", id))
     }
 
+    /// The jobs a person may mean by `reference`: those whose id starts with it and those
+    /// named exactly it, of `tenant` (every tenant's for `None`), at most `limit` of each
+    /// kind, newest first and without repeats.
+    ///
+    /// The id prefix is a range of the primary key: from the prefix itself to the prefix
+    /// followed by `z`s, past any id's length. Ids are lowercase letters, digits and
+    /// dashes, which sort the same by bytes and in PostgreSQL's collations (where a dash
+    /// may be ignored), so the range holds every id with the prefix on both databases;
+    /// the `substr` test then keeps exactly those.
+    pub async fn jobs_matching_reference(
+        &self,
+        tenant: Option<&str>,
+        reference: &str,
+        limit: usize,
+    ) -> Result<Vec<JobRecord>, SchedulerError> {
+        let tenant_condition = |placeholder: &str| match tenant {
+            Some(_) => format!("AND tenant = {placeholder}"),
+            None => String::new(),
+        };
+        let by_id = format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE id >= $1 AND id <= $2 \
+             AND substr(id, 1, length($1)) = $1 {} ORDER BY id LIMIT {limit}",
+            tenant_condition("$3")
+        );
+        let by_name = format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE name = $1 {} \
+             ORDER BY submit_sequence DESC LIMIT {limit}",
+            tenant_condition("$2")
+        );
+        let id_upper_bound = format!("{reference}{}", "z".repeat(64));
+        let (mut jobs, named): (Vec<JobRecord>, Vec<JobRecord>) = with_pool!(self, pool => {
+            let by_id = sqlx::query_as(&by_id).bind(reference).bind(&id_upper_bound);
+            let by_name = sqlx::query_as(&by_name).bind(reference);
+            match tenant {
+                Some(tenant) => (
+                    by_id.bind(tenant).fetch_all(pool).await?,
+                    by_name.bind(tenant).fetch_all(pool).await?,
+                ),
+                None => (by_id.fetch_all(pool).await?, by_name.fetch_all(pool).await?),
+            }
+        });
+        for job in named {
+            if !jobs.iter().any(|seen| seen.id == job.id) {
+                jobs.push(job);
+            }
+        }
+        jobs.sort_by_key(|job| std::cmp::Reverse(job.submit_sequence));
+        Ok(jobs)
+    }
+
     /// One page of the jobs that match `filter`, newest (highest `submit_sequence`)
     /// first, and the token of the next page (`None` on the last page). Paging is by
     /// key, so jobs submitted while a client pages do not shift or repeat its pages.

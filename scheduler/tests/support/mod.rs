@@ -33,6 +33,36 @@
 
 #![allow(dead_code)]
 
+/// Declares each named test once per database, as `sqlite::NAME` and `postgres::NAME`:
+/// `NAME` is an `async fn(&TestDb)` at the test file's root. Test files that use it
+/// declare `#[macro_use] mod support;`.
+#[allow(
+    unused_macros,
+    reason = "not every test file runs tests on both databases"
+)]
+macro_rules! on_both_databases {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let db = crate::support::TestDb::sqlite().await;
+                    crate::$name(&db).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let db = crate::support::TestDb::postgres().await;
+                    crate::$name(&db).await;
+                }
+            )*
+        }
+    };
+}
+
 use std::sync::OnceLock;
 
 use carve_scheduler::store::{Backend, Store};
