@@ -1,6 +1,7 @@
 //! The worker's side of one attempt: starts the attempt process (leading its own process
 //! group, armed to die with the worker), turns its stdout lines into worker messages,
-//! stops it on cancel (SIGTERM to its group, then SIGKILL after the grace period) and
+//! stops it on cancel (SIGTERM to its group, then SIGKILL after the grace period) or when
+//! the watchdog stops it for breaking its slice (the same, but it ends FAILED) and
 //! reports how it ended. A process that ends without its final line is never an
 //! out-of-memory: killed by a signal the worker did not send, or gone without a status,
 //! it was INTERRUPTED (an infrastructure failure the scheduler retries from the
@@ -43,13 +44,40 @@ pub struct AttemptLaunch {
 }
 
 /// What the worker can tell a running attempt.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AttemptControl {
-    /// Stop: SIGTERM now, SIGKILL once the grace period is over.
+    /// Stop: SIGTERM now, SIGKILL once the grace period is over. The attempt ends
+    /// CANCELLED with `reason`.
     Cancel {
         grace_period: Duration,
         reason: String,
     },
+    /// Stop for breaking the rules of its slice (the watchdog, [`crate::watchdog`]):
+    /// stopped as a cancel is, but the attempt ends FAILED with `reason`, since running
+    /// it again would break them again.
+    StopAsFailed {
+        grace_period: Duration,
+        reason: String,
+    },
+}
+
+/// Why the worker stopped an attempt, which decides how it ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkerStop {
+    /// Cancelled by the scheduler or by the worker shutting down: CANCELLED.
+    Cancelled(String),
+    /// Stopped by the watchdog: FAILED, with the watchdog's message.
+    Failed(String),
+}
+
+impl WorkerStop {
+    /// How the stopped attempt ends, and the message it ends with.
+    pub fn outcome_and_reason(self) -> (v1::AttemptOutcome, String) {
+        match self {
+            WorkerStop::Cancelled(reason) => (v1::AttemptOutcome::Cancelled, reason),
+            WorkerStop::Failed(reason) => (v1::AttemptOutcome::Failed, reason),
+        }
+    }
 }
 
 /// Starts the attempt process. Its stdout and stderr are piped; it dies with the
@@ -216,7 +244,7 @@ pub async fn watch_attempt_process(
     let mut final_line: Option<ChildLine> = None;
     let mut measured_peak_bytes = 0u64;
     let mut steps_reported: Option<u64> = None;
-    let mut cancel_reason: Option<String> = None;
+    let mut worker_stop: Option<WorkerStop> = None;
     let mut kill_at: Option<Instant> = None;
     let mut killed = false;
     let send = |body: Body| {
@@ -260,14 +288,22 @@ pub async fn watch_attempt_process(
                 }
             }
             status = child.wait(), if stdout_lines.is_none() => break status,
-            command = control.recv(), if cancel_reason.is_none() => {
-                let (grace_period, reason) = match command {
-                    Some(AttemptControl::Cancel { grace_period, reason }) => (grace_period, reason),
+            command = control.recv(), if worker_stop.is_none() => {
+                let (grace_period, stop) = match command {
+                    Some(AttemptControl::Cancel { grace_period, reason }) => {
+                        (grace_period, WorkerStop::Cancelled(reason))
+                    }
+                    Some(AttemptControl::StopAsFailed { grace_period, reason }) => {
+                        (grace_period, WorkerStop::Failed(reason))
+                    }
                     // The worker dropped its handle: it is going away.
-                    None => (Duration::ZERO, "the worker is shutting down".to_string()),
+                    None => (
+                        Duration::ZERO,
+                        WorkerStop::Cancelled("the worker is shutting down".to_string()),
+                    ),
                 };
-                tracing::info!(job = %attempt.job_id, process_id, ?grace_period, %reason, "stopping an attempt");
-                cancel_reason = Some(reason);
+                tracing::info!(job = %attempt.job_id, process_id, ?grace_period, ?stop, "stopping an attempt");
+                worker_stop = Some(stop);
                 if grace_period.is_zero() {
                     kill_group(&mut child, process_id);
                     killed = true;
@@ -310,7 +346,7 @@ pub async fn watch_attempt_process(
         &attempt,
         exit_status,
         final_line,
-        cancel_reason,
+        worker_stop,
         observed,
         &stderr_tail,
     ) {
@@ -413,7 +449,7 @@ pub fn final_reports(
     attempt: &v1::AttemptRef,
     exit_status: std::io::Result<ExitStatus>,
     final_line: Option<ChildLine>,
-    cancel_reason: Option<String>,
+    worker_stop: Option<WorkerStop>,
     observed: Observed,
     stderr_tail: &[String],
 ) -> Vec<Body> {
@@ -433,8 +469,8 @@ pub fn final_reports(
         }
     };
     let exit_code = exit_status.as_ref().ok().and_then(|status| status.code());
-    match (cancel_reason, final_line, exit_code) {
-        // A cancelled attempt that still finished training in time did finish.
+    match (worker_stop, final_line, exit_code) {
+        // A stopped attempt that still finished training in time did finish.
         (
             _,
             Some(ChildLine::Finished {
@@ -458,11 +494,14 @@ pub fn final_reports(
                 String::new(),
             )
         })],
-        (Some(reason), _, _) => vec![Body::AttemptFinished(finished(
-            v1::AttemptOutcome::Cancelled,
-            measured_peak_bytes,
-            reason,
-        ))],
+        (Some(stop), _, _) => {
+            let (outcome, reason) = stop.outcome_and_reason();
+            vec![Body::AttemptFinished(finished(
+                outcome,
+                measured_peak_bytes,
+                reason,
+            ))]
+        }
         (
             None,
             Some(ChildLine::Oom {

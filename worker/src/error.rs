@@ -18,6 +18,10 @@ pub enum WorkerError {
     /// An attempt's process could not be started or watched.
     #[error("attempt process: {0}")]
     AttemptProcess(String),
+    /// The guard could not be set up for an attempt, or its account or OOM record
+    /// cannot be read.
+    #[error("guard: {0}")]
+    Guard(String),
     /// The attempt process (child side) got an unusable assignment.
     #[error("attempt: {0}")]
     Attempt(String),

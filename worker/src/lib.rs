@@ -9,7 +9,11 @@
 //! - `leftover_processes`: records of running attempt processes, and killing those a
 //!   crashed worker left behind when it starts again;
 //! - `gpus`: the GPUs offered (real and simulated), `--sim-gpus` parsing, the slice book;
-//! - `nvml`: real GPUs through NVML: discovery and the per-process memory watch.
+//! - `guard_environment`: the guard for one attempt: its account, its environment, reading
+//!   the account and the OOM record;
+//! - `nvml`: real GPUs through NVML: discovery and each GPU's compute processes;
+//! - `watchdog`: stops an attempt whose process tree holds more than its slice and
+//!   context, or (under the guard) uses the GPU without the guard.
 //!
 //! Architecture invariants: the worker never admits a slice its GPU cannot hold; an
 //! attempt process that ends without its final line is a failed or an interrupted
@@ -20,8 +24,10 @@ pub mod attempt_process;
 pub mod child_protocol;
 pub mod error;
 pub mod gpus;
+pub mod guard_environment;
 pub mod leftover_processes;
 pub mod nvml;
+pub mod watchdog;
 pub mod worker;
 
 pub use error::WorkerError;

@@ -50,6 +50,10 @@ struct Arguments {
     /// real and simulated GPUs (default 640MiB, measured on an H200 with CUDA 13 and cuDNN 9).
     #[arg(long, env = "CARVE_CONTEXT_BYTES", value_parser = parse_byte_size_argument)]
     context_bytes: Option<u64>,
+    /// The guard (libcarve_guard.so) preloaded into programs run under it; defaults to
+    /// the one next to carve-worker. Checked at start only on a worker with real GPUs.
+    #[arg(long, env = "CARVE_GUARD_LIBRARY")]
+    guard_library: Option<PathBuf>,
     /// The node name to register with; defaults to the host name.
     #[arg(long, env = "CARVE_HOSTNAME")]
     hostname: Option<String>,
@@ -119,6 +123,7 @@ fn run(arguments: Arguments) -> Result<()> {
     config.checkpoint_directory = arguments.checkpoint_dir;
     config.context_bytes = arguments.context_bytes.unwrap_or(DEFAULT_CONTEXT_BYTES);
     config.scheduler_ca_certificate_pem = scheduler_ca_certificate_pem;
+    config.guard_library = arguments.guard_library;
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
         let shutdown = carve_proto::client::shutdown_signal();
@@ -158,5 +163,16 @@ mod tests {
         );
         let error = parse(&["--log-format", "colour"]).unwrap_err().to_string();
         assert!(error.contains("--log-format"), "{error}");
+    }
+
+    #[test]
+    fn the_guard_library_is_optional_and_taken_from_the_flag() {
+        assert_eq!(parse(&[]).unwrap().guard_library, None);
+        assert_eq!(
+            parse(&["--guard-library", "/opt/carve/libcarve_guard.so"])
+                .unwrap()
+                .guard_library,
+            Some(PathBuf::from("/opt/carve/libcarve_guard.so"))
+        );
     }
 }

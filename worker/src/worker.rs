@@ -7,7 +7,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -25,13 +24,12 @@ use crate::attempt_process::{
 use crate::child_protocol::ConfigArgument;
 use crate::error::WorkerError;
 use crate::gpus::{SimulatedGpu, SliceBook, WorkerGpu, discover_gpus};
+use crate::guard_environment::find_guard_library;
 use crate::leftover_processes::{
     LeftoverOutcome, kill_leftover_processes, record_directory, record_for, write_record,
 };
-use crate::nvml::{
-    DiscoveredGpu, NvmlHandle, WatchedAttempt, find_slice_overruns, open_nvml,
-    read_compute_processes,
-};
+use crate::nvml::{DiscoveredGpu, NvmlHandle, open_nvml};
+use crate::watchdog::{SystemWatchSource, WatchedAttempt, WatchedAttempts, run_watchdog};
 
 /// Everything the worker needs to start.
 #[derive(Debug, Clone)]
@@ -64,6 +62,10 @@ pub struct WorkerConfig {
     /// The certificate (PEM) to trust for an `https://` scheduler, for private CAs and
     /// self-signed certificates; without it the system's roots are trusted.
     pub scheduler_ca_certificate_pem: Option<Vec<u8>>,
+    /// The guard (`libcarve_guard.so`) preloaded into programs that run under it
+    /// (`--guard-library`); `None`: next to `attempt_program`. Checked at start only on
+    /// a worker with real GPUs (see [`crate::guard_environment::find_guard_library`]).
+    pub guard_library: Option<PathBuf>,
 }
 
 /// The default context reservation, on real and simulated GPUs alike: what an attempt
@@ -96,6 +98,7 @@ impl WorkerConfig {
             reconnect_backoff_max: Duration::from_secs(5),
             process_observer: None,
             scheduler_ca_certificate_pem: None,
+            guard_library: None,
         }
     }
 }
@@ -116,6 +119,9 @@ struct RunningAttempt {
     gpu_uuid: String,
     process_id: u32,
     slice_bytes: u64,
+    /// The guard account of an attempt whose program runs under the guard; `None` for
+    /// engine attempts (see [`WatchedAttempt::guard_account`]).
+    guard_account: Option<PathBuf>,
 }
 
 /// What the session loop and the attempt watchers share.
@@ -125,9 +131,6 @@ struct SharedState {
     /// By [`attempt_key`]: after a reconnect an old attempt of a job may still be
     /// stopping while its new attempt starts here.
     running: HashMap<String, RunningAttempt>,
-    /// The device memory last reported as outside its slice, by [`attempt_key`]
-    /// (see [`find_slice_overruns`]).
-    memory_warnings: HashMap<String, u64>,
 }
 
 type Shared = Arc<Mutex<SharedState>>;
@@ -178,10 +181,12 @@ struct Worker {
     process_records: PathBuf,
     /// Set by a drain: the scheduler places nothing new here.
     draining: bool,
-    /// NVML, when this node has it: the per-process memory watch reads through it.
-    nvml: Option<NvmlHandle>,
-    /// Set while a memory watch reads NVML, so slow readings never pile up.
-    memory_watch_running: Arc<AtomicBool>,
+    /// The checked guard library, on a worker with real GPUs where it was found.
+    #[expect(
+        dead_code,
+        reason = "command jobs (issue 16) will run their programs under it"
+    )]
+    guard_library: Option<PathBuf>,
 }
 
 /// Runs the worker until `shutdown` completes; then stops its attempts.
@@ -213,20 +218,42 @@ pub async fn run_worker(
                 error,
             )
         })?;
+    let guard_library = find_guard_library(
+        config.guard_library.as_deref(),
+        &config.attempt_program,
+        &gpus,
+    )?;
     let process_records = record_directory(&config.checkpoint_directory, &config.hostname);
     kill_leftovers_of_a_previous_life(&process_records);
     let (reports, mut incoming_reports) = mpsc::unbounded_channel();
+    let shared = Shared::default();
+    // The watchdog watches real GPUs only: a simulated GPU has no device memory to take.
+    let context_bytes: HashMap<String, u64> = gpus
+        .iter()
+        .filter(|gpu| !gpu.simulated)
+        .map(|gpu| (gpu.uuid.clone(), gpu.context_bytes))
+        .collect();
+    let watchdog = match nvml {
+        Some(nvml) if !context_bytes.is_empty() => Some(tokio::spawn(run_watchdog(
+            SystemWatchSource::new(nvml),
+            WorkerAttempts {
+                shared: shared.clone(),
+                context_bytes,
+            },
+            reports.clone(),
+        ))),
+        _ => None,
+    };
     let mut worker = Worker {
         process_records,
         config,
         gpus,
-        shared: Arc::default(),
+        shared,
         reports,
         unacknowledged: VecDeque::new(),
         worker_id: String::new(),
         draining: false,
-        nvml,
-        memory_watch_running: Arc::default(),
+        guard_library,
     };
     tokio::pin!(shutdown);
     let mut backoff = worker.config.reconnect_backoff_initial;
@@ -245,6 +272,9 @@ pub async fn run_worker(
             _ = tokio::time::sleep(backoff) => {}
         }
         backoff = (backoff * 2).min(worker.config.reconnect_backoff_max);
+    }
+    if let Some(watchdog) = watchdog {
+        watchdog.abort();
     }
     // Shutting down: the attempts die with the worker (their processes would outlive it
     // otherwise); the scheduler requeues them when the lease runs out.
@@ -284,6 +314,39 @@ fn kill_leftovers_of_a_previous_life(process_records: &Path) {
                 %reason,
                 "an unreadable attempt process record: removed"
             ),
+        }
+    }
+}
+
+/// The watchdog's view of the worker's attempts: those on real GPUs, each with its GPU's
+/// context allowance.
+struct WorkerAttempts {
+    shared: Shared,
+    /// By GPU uuid, real GPUs only.
+    context_bytes: HashMap<String, u64>,
+}
+
+impl WatchedAttempts for WorkerAttempts {
+    fn running(&self) -> Vec<WatchedAttempt> {
+        lock(&self.shared)
+            .running
+            .values()
+            .filter_map(|running| {
+                Some(WatchedAttempt {
+                    attempt: running.attempt.clone(),
+                    gpu_uuid: running.gpu_uuid.clone(),
+                    process_id: running.process_id,
+                    slice_bytes: running.slice_bytes,
+                    context_bytes: *self.context_bytes.get(&running.gpu_uuid)?,
+                    guard_account: running.guard_account.clone(),
+                })
+            })
+            .collect()
+    }
+
+    fn stop(&self, attempt: &v1::AttemptRef, control: AttemptControl) {
+        if let Some(running) = lock(&self.shared).running.get(&attempt_key(attempt)) {
+            let _ = running.control.send(control);
         }
     }
 }
@@ -462,7 +525,6 @@ impl Worker {
                         })
                         .await
                         .map_err(|_| closed())?;
-                    self.watch_device_memory();
                 }
                 Some(body) = incoming_reports.recv() => {
                     sequence += 1;
@@ -535,71 +597,6 @@ impl Worker {
             }
             None => {}
         }
-    }
-
-    /// The per-process usage watch (real GPUs, with NVML): reads each real GPU's compute
-    /// processes on a blocking thread and sends a warning log line for every attempt
-    /// process using more than its slice and context. Runs in its own task, so the
-    /// session loop never waits for NVML; a reading still running is not doubled.
-    fn watch_device_memory(&self) {
-        let Some(nvml) = self.nvml.clone() else {
-            return;
-        };
-        let context_bytes: HashMap<String, u64> = self
-            .gpus
-            .iter()
-            .filter(|gpu| !gpu.simulated)
-            .map(|gpu| (gpu.uuid.clone(), gpu.context_bytes))
-            .collect();
-        let attempts: Vec<WatchedAttempt> = lock(&self.shared)
-            .running
-            .values()
-            .filter_map(|running| {
-                Some(WatchedAttempt {
-                    attempt: running.attempt.clone(),
-                    gpu_uuid: running.gpu_uuid.clone(),
-                    process_id: running.process_id,
-                    slice_bytes: running.slice_bytes,
-                    context_bytes: *context_bytes.get(&running.gpu_uuid)?,
-                })
-            })
-            .collect();
-        if attempts.is_empty() || self.memory_watch_running.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let mut gpu_uuids: Vec<String> = attempts
-            .iter()
-            .map(|watched| watched.gpu_uuid.clone())
-            .collect();
-        gpu_uuids.sort();
-        gpu_uuids.dedup();
-        let shared = self.shared.clone();
-        let reports = self.reports.clone();
-        let running = self.memory_watch_running.clone();
-        tokio::spawn(async move {
-            let readings = read_compute_processes(nvml, gpu_uuids).await;
-            let overruns = {
-                let mut shared = lock(&shared);
-                // Only attempts that still run: one may have ended during the reading.
-                let attempts: Vec<WatchedAttempt> = attempts
-                    .into_iter()
-                    .filter(|watched| shared.running.contains_key(&attempt_key(&watched.attempt)))
-                    .collect();
-                find_slice_overruns(&attempts, &readings, &mut shared.memory_warnings)
-            };
-            for overrun in overruns {
-                tracing::warn!(
-                    job = %overrun.attempt.job_id,
-                    attempt = overrun.attempt.attempt_number,
-                    process_id = overrun.process_id,
-                    used_bytes = overrun.used_bytes,
-                    slice_bytes = overrun.slice_bytes,
-                    "an attempt uses device memory outside its slice"
-                );
-                let _ = reports.send(Body::Log(overrun.to_log_line()));
-            }
-            running.store(false, Ordering::Release);
-        });
     }
 
     /// Refuses an assignment: the attempt ends at once as failed, with the reason.
@@ -732,6 +729,7 @@ impl Worker {
                 gpu_uuid: assignment.gpu_uuid.clone(),
                 process_id,
                 slice_bytes: assignment.slice_bytes,
+                guard_account: None,
             },
         );
         if let Some(observer) = &self.config.process_observer {
@@ -752,7 +750,6 @@ impl Worker {
             move || {
                 let mut shared = lock(&shared);
                 shared.running.remove(&key);
-                shared.memory_warnings.remove(&key);
                 shared.slices.release(&gpu_uuid, &key);
                 // The spec file and the record were only for the process.
                 let _ = std::fs::remove_file(&spec_file);

@@ -143,7 +143,7 @@ fn a_signal_the_worker_sent_is_a_cancel_not_an_interruption() {
         &attempt(),
         Ok(ExitStatus::from_raw(9)),
         None,
-        Some("the worker is shutting down".into()),
+        Some(WorkerStop::Cancelled("the worker is shutting down".into())),
         Observed::default(),
         &[],
     );
@@ -161,25 +161,39 @@ fn group_ids_that_would_reach_other_processes_are_never_signalled() {
 }
 
 #[test]
-fn a_cancelled_attempt_is_cancelled_with_its_reason() {
-    let reports = final_reports(
-        &attempt(),
-        Ok(ExitStatus::from_raw(15)),
-        None,
-        Some("cancelled by alice".into()),
-        Observed {
-            peak_bytes: 42,
-            steps: Some(30),
-        },
-        &[],
-    );
-    let Body::AttemptFinished(finished) = &reports[0] else {
-        unreachable!()
-    };
-    assert_eq!(outcome(&reports[0]), v1::AttemptOutcome::Cancelled);
-    assert_eq!(finished.message, "cancelled by alice");
-    assert_eq!(finished.measured_peak_bytes, 42);
-    assert_eq!(finished.steps_done, Some(30));
+fn a_stopped_attempt_is_cancelled_or_failed_with_its_reason() {
+    for (stop, expected) in [
+        (
+            WorkerStop::Cancelled("cancelled by alice".into()),
+            v1::AttemptOutcome::Cancelled,
+        ),
+        // The watchdog's stop: the stderr tail is not the story, the reason is.
+        (
+            WorkerStop::Failed("over its slice".into()),
+            v1::AttemptOutcome::Failed,
+        ),
+    ] {
+        let (_, reason) = stop.clone().outcome_and_reason();
+        let reports = final_reports(
+            &attempt(),
+            Ok(ExitStatus::from_raw(15)),
+            None,
+            Some(stop),
+            Observed {
+                peak_bytes: 42,
+                steps: Some(30),
+            },
+            &["ignored".into()],
+        );
+        let Body::AttemptFinished(finished) = &reports[0] else {
+            unreachable!()
+        };
+        assert_eq!(reports.len(), 1);
+        assert_eq!(outcome(&reports[0]), expected);
+        assert_eq!(finished.message, reason);
+        assert_eq!(finished.measured_peak_bytes, 42);
+        assert_eq!(finished.steps_done, Some(30));
+    }
 }
 
 #[test]
