@@ -18,8 +18,9 @@ COPY . .
 # Built on Debian bookworm (glibc 2.36), run on Ubuntu 24.04 (glibc 2.39): compatible.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p carve-worker \
- && install -D -m 0755 target/release/carve-worker /out/carve-worker
+    cargo build --release --locked -p carve-worker -p carve-guard \
+ && install -D -m 0755 target/release/carve-worker /out/carve-worker \
+ && install -D -m 0755 target/release/libcarve_guard.so /out/libcarve_guard.so
 
 FROM ${CUDA_IMAGE} AS runtime
 RUN apt-get update \
@@ -32,6 +33,9 @@ RUN apt-get update \
 # found through /proc/self/exe). The worker stops an attempt with kill(1) (SIGTERM, then
 # SIGKILL after the grace period): procps provides it.
 COPY --from=builder /out/carve-worker /usr/local/bin/carve-worker
+# The guard the worker preloads into programs it runs on real GPUs (--guard-library's
+# default: next to carve-worker).
+COPY --from=builder /out/libcarve_guard.so /usr/local/bin/libcarve_guard.so
 
 # The base image sets NVIDIA_DRIVER_CAPABILITIES=compute,utility (utility brings NVML).
 # Which GPUs the container sees is the runtime's choice: `docker run --gpus ...`, or the
