@@ -114,8 +114,8 @@ fn token_proto(token: &TokenRecord) -> v1::Token {
         description: token.description.clone(),
         created_at: Some(timestamp(token.created_at_ms)),
         expires_at: token.expires_at_ms.map(timestamp),
-        last_used_at: None,
-        revoked_at: None,
+        last_used_at: token.last_used_at_ms.map(timestamp),
+        revoked_at: token.revoked_at_ms.map(timestamp),
     }
 }
 
@@ -587,14 +587,12 @@ impl AdminService for Services {
             .tokens(
                 &caller,
                 (!request.tenant.is_empty()).then_some(request.tenant.as_str()),
+                request.include_inactive,
+                now_ms(),
             )
             .await?;
         Ok(Response::new(v1::ListTokensResponse {
-            tokens: tokens
-                .iter()
-                .filter(|token| request.include_inactive || !token.revoked)
-                .map(token_proto)
-                .collect(),
+            tokens: tokens.iter().map(token_proto).collect(),
         }))
     }
 
@@ -604,7 +602,10 @@ impl AdminService for Services {
     ) -> Result<Response<v1::RevokeTokenResponse>, Status> {
         let caller = self.caller(&request).await?;
         let token_id = request.into_inner().token_id;
-        let token = self.scheduler.revoke_token(&caller, &token_id).await?;
+        let token = self
+            .scheduler
+            .revoke_token(&caller, &token_id, now_ms())
+            .await?;
         Ok(Response::new(v1::RevokeTokenResponse {
             token: Some(token_proto(&token)),
         }))
