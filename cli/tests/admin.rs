@@ -1,6 +1,6 @@
 //! `carve admin` as an operator uses it, the real binary against `carve dev`: tokens list
 //! their state and last use, revoked and expired ones on request (`--all`); tenant names
-//! are lowercase.
+//! are lowercase; a tenant is deleted with its tokens, but not while it has jobs running.
 
 #[path = "support/dev_cluster.rs"]
 mod dev_cluster;
@@ -12,7 +12,7 @@ fn row_of<'table>(table: &'table str, id: &str) -> Option<&'table str> {
 }
 
 #[test]
-fn tokens_show_their_state_and_last_use_and_tenant_names_are_lowercase() {
+fn tokens_show_their_state_names_are_lowercase_and_only_idle_tenants_are_deleted() {
     let cluster = DevCluster::start();
     let admin = &cluster.admin_token;
 
@@ -96,4 +96,33 @@ fn tokens_show_their_state_and_last_use_and_tenant_names_are_lowercase() {
         "{}",
         everything.context()
     );
+
+    // Deleting a tenant: admins only, never while it has jobs not finished.
+    cluster
+        .carve(&["admin", "tenants", "delete", "team-b"])
+        .expect_code(5);
+    cluster
+        .carve(&[
+            "submit",
+            "examples/mnist-cnn.toml",
+            "--set",
+            "training.steps=1000000",
+            "--set",
+            "training.batch_size=8",
+        ])
+        .expect_code(0);
+    cluster
+        .carve_with_token(admin, &["admin", "tenants", "delete", "dev"])
+        .expect_code(1)
+        .assert_stderr_contains("has 1 job not finished");
+    let deleted = cluster
+        .carve_with_token(admin, &["admin", "tenants", "delete", "team-b"])
+        .expect_code(0);
+    deleted.assert_stdout_contains("tenant team-b deleted: 1 tokens revoked, 0 finished jobs");
+    cluster
+        .carve_with_token(&secrets[0], &["jobs"])
+        .expect_code(5);
+    cluster
+        .carve_with_token(admin, &["admin", "tenants", "delete", "team-b"])
+        .expect_code(6);
 }

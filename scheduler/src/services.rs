@@ -537,6 +537,26 @@ impl AdminService for Services {
         }))
     }
 
+    async fn delete_tenant(
+        &self,
+        request: Request<v1::DeleteTenantRequest>,
+    ) -> Result<Response<v1::DeleteTenantResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let name = request.into_inner().name;
+        let deletion = self
+            .scheduler
+            .delete_tenant(&caller, &name, now_ms())
+            .await?;
+        Ok(Response::new(v1::DeleteTenantResponse {
+            revoked_token_ids: deletion
+                .revoked_tokens
+                .into_iter()
+                .map(|token| token.id)
+                .collect(),
+            deleted_jobs: deletion.deleted_jobs,
+        }))
+    }
+
     async fn create_token(
         &self,
         request: Request<v1::CreateTokenRequest>,

@@ -135,6 +135,15 @@ enum TenantAction {
         #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
         output: OutputFormat,
     },
+    /// Deletes a tenant with its quota and finished jobs, and revokes its user and worker
+    /// tokens; refused while it has jobs that are not finished.
+    Delete {
+        /// The tenant's name.
+        name: String,
+        /// Output format.
+        #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
+        output: OutputFormat,
+    },
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -263,6 +272,27 @@ pub async fn admin(arguments: AdminArguments) -> Result<ExitCode> {
                 .tenant
                 .context("the scheduler answered without the tenant")?;
             print_tenant_change(&tenant, output, "created")?;
+        }
+        AdminArea::Tenants {
+            action: TenantAction::Delete { name, output },
+        } => {
+            let deleted = connection
+                .admin()
+                .delete_tenant(v1::DeleteTenantRequest { name: name.clone() })
+                .await
+                .map_err(|status| {
+                    connection.failure(&status, &format!("cannot delete tenant {name}"))
+                })?
+                .into_inner();
+            if output == OutputFormat::Table {
+                println!(
+                    "tenant {name} deleted: {} tokens revoked, {} finished jobs removed",
+                    deleted.revoked_token_ids.len(),
+                    deleted.deleted_jobs
+                );
+            } else {
+                print_message(&deleted, "carve.v1.DeleteTenantResponse", output)?;
+            }
         }
         AdminArea::Quota {
             action:

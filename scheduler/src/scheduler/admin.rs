@@ -7,7 +7,7 @@ use carve_proto::ApiError;
 
 use crate::auth::{Caller, Role, generate_id, generate_secret, hash_secret};
 use crate::error::SchedulerError;
-use crate::store::{JobFilter, JobRecord, JobState, TenantRecord, TokenRecord};
+use crate::store::{JobFilter, JobRecord, JobState, TenantDeletion, TenantRecord, TokenRecord};
 
 use super::Scheduler;
 
@@ -71,6 +71,24 @@ impl Scheduler {
         self.lookups.tenants.invalidate(&record.name);
         self.wake();
         Ok(record)
+    }
+
+    /// Deletes a tenant with its quota and finished jobs, and revokes its user and worker
+    /// tokens, which this scheduler refuses from the next call on (their sessions and
+    /// watches end). Refused while the tenant has jobs that have not finished.
+    pub async fn delete_tenant(
+        &self,
+        caller: &Caller,
+        name: &str,
+        now_ms: i64,
+    ) -> Result<TenantDeletion, SchedulerError> {
+        caller.require(&[Role::Admin])?;
+        let deletion = self.store.delete_tenant(name, now_ms).await?;
+        self.lookups.tenants.invalidate(&name.to_string());
+        for token in &deletion.revoked_tokens {
+            self.forget_revoked_token(token);
+        }
+        Ok(deletion)
     }
 
     /// A new token, with a new secret. A user token acts for an existing tenant; admin
