@@ -137,6 +137,8 @@ fn harness() -> &'static Harness {
                         created_at_ms: now_ms(),
                         expires_at_ms: None,
                         revoked: false,
+                        revoked_at_ms: None,
+                        last_used_at_ms: None,
                     })
                     .await
                     .expect("create the fuzz tokens");

@@ -107,6 +107,7 @@ mod tests {
                     "CreateTenant",
                     "ListTenants",
                     "SetQuota",
+                    "DeleteTenant",
                     "CreateToken",
                     "ListTokens",
                     "RevokeToken",

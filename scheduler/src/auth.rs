@@ -100,9 +100,13 @@ pub fn hash_secret(secret: &str) -> Vec<u8> {
 /// `Scheduler::revoke_token`); one revoked through another replica, within
 /// [`crate::cache::LOOKUP_TIME_TO_LIVE`]. Unknown secrets are never cached, so a token created anywhere
 /// works at once.
+///
+/// A token that authenticates has its last use recorded in the store, unless `uses` says
+/// this scheduler recorded it less than [`crate::cache::TOKEN_USE_RECORD_INTERVAL`] ago.
 pub async fn authenticate(
     store: &Store,
     tokens: &ShortLivedCache<Vec<u8>, TokenRecord>,
+    uses: &ShortLivedCache<String, ()>,
     metadata: &MetadataMap,
     now_ms: i64,
 ) -> Result<Caller, SchedulerError> {
@@ -132,7 +136,29 @@ pub async fn authenticate(
             token
         }
     };
-    caller_of_token(token, now_ms)
+    let caller = caller_of_token(token, now_ms)?;
+    record_use(store, uses, &caller.token_id, now_ms).await;
+    Ok(caller)
+}
+
+/// Writes the token's last use, at most once per [`crate::cache::TOKEN_USE_RECORD_INTERVAL`] per token
+/// and scheduler. A failed write is logged, not returned: the call it came with is
+/// authenticated all the same, and the time is only for people.
+async fn record_use(
+    store: &Store,
+    uses: &ShortLivedCache<String, ()>,
+    token_id: &str,
+    now_ms: i64,
+) {
+    let now = Instant::now();
+    if uses.get(&token_id.to_string(), now).is_some() {
+        return;
+    }
+    let ticket = uses.begin_fill();
+    match store.record_token_use(token_id, now_ms).await {
+        Ok(()) => uses.insert(ticket, token_id.to_string(), (), now),
+        Err(error) => tracing::warn!(%error, token = token_id, "cannot record the token's use"),
+    }
 }
 
 /// The caller a stored token stands for, if it is still valid at `now_ms`.

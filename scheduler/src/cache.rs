@@ -23,6 +23,13 @@ use std::time::{Duration, Instant};
 /// this time.
 pub const LOOKUP_TIME_TO_LIVE: Duration = Duration::from_secs(2);
 
+/// How often a token's last use is written to the store, at most, per token and
+/// scheduler. Every call authenticates, and writing the time each time would put a
+/// database write (SQLite's one write lock, a PostgreSQL row lock) on every read-only
+/// call; "last used" is for people deciding which tokens are stale, for whom a minute is
+/// precise enough.
+pub const TOKEN_USE_RECORD_INTERVAL: Duration = Duration::from_secs(60);
+
 /// How many entries a lookup cache holds before it drops expired ones (and, if that is
 /// not enough, everything): tokens and tenants are few; this only stops a pathological
 /// number of distinct keys from growing memory without end.

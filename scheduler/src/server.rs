@@ -185,6 +185,8 @@ async fn bootstrap(
                 created_at_ms: now,
                 expires_at_ms: None,
                 revoked: false,
+                revoked_at_ms: None,
+                last_used_at_ms: None,
             })
             .await?;
     }

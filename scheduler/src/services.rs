@@ -118,8 +118,8 @@ fn token_proto(token: &TokenRecord) -> v1::Token {
         description: token.description.clone(),
         created_at: Some(timestamp(token.created_at_ms)),
         expires_at: token.expires_at_ms.map(timestamp),
-        last_used_at: None,
-        revoked_at: None,
+        last_used_at: token.last_used_at_ms.map(timestamp),
+        revoked_at: token.revoked_at_ms.map(timestamp),
     }
 }
 
@@ -541,6 +541,26 @@ impl AdminService for Services {
         }))
     }
 
+    async fn delete_tenant(
+        &self,
+        request: Request<v1::DeleteTenantRequest>,
+    ) -> Result<Response<v1::DeleteTenantResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let name = request.into_inner().name;
+        let deletion = self
+            .scheduler
+            .delete_tenant(&caller, &name, now_ms())
+            .await?;
+        Ok(Response::new(v1::DeleteTenantResponse {
+            revoked_token_ids: deletion
+                .revoked_tokens
+                .into_iter()
+                .map(|token| token.id)
+                .collect(),
+            deleted_jobs: deletion.deleted_jobs,
+        }))
+    }
+
     async fn create_token(
         &self,
         request: Request<v1::CreateTokenRequest>,
@@ -591,14 +611,12 @@ impl AdminService for Services {
             .tokens(
                 &caller,
                 (!request.tenant.is_empty()).then_some(request.tenant.as_str()),
+                request.include_inactive,
+                now_ms(),
             )
             .await?;
         Ok(Response::new(v1::ListTokensResponse {
-            tokens: tokens
-                .iter()
-                .filter(|token| request.include_inactive || !token.revoked)
-                .map(token_proto)
-                .collect(),
+            tokens: tokens.iter().map(token_proto).collect(),
         }))
     }
 
@@ -608,7 +626,10 @@ impl AdminService for Services {
     ) -> Result<Response<v1::RevokeTokenResponse>, Status> {
         let caller = self.caller(&request).await?;
         let token_id = request.into_inner().token_id;
-        let token = self.scheduler.revoke_token(&caller, &token_id).await?;
+        let token = self
+            .scheduler
+            .revoke_token(&caller, &token_id, now_ms())
+            .await?;
         Ok(Response::new(v1::RevokeTokenResponse {
             token: Some(token_proto(&token)),
         }))

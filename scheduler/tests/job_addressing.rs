@@ -9,8 +9,6 @@
 #[macro_use]
 mod support;
 
-use std::time::Duration;
-
 use carve_proto::v1;
 use tonic::Code;
 use tonic::transport::Channel;
@@ -32,18 +30,7 @@ on_both_databases!(
 
 /// A scheduler on `db`, and a channel to it; it stops when the sender drops.
 async fn start_on(db: &TestDb) -> (tokio::sync::oneshot::Sender<()>, Channel) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = format!("http://{}", listener.local_addr().unwrap());
-    let config = cluster::test_config(db.url().to_string(), Duration::from_secs(30), None);
-    let (shutdown, signal) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        carve_scheduler::server::run(config, listener, async {
-            let _ = signal.await;
-        })
-        .await
-        .unwrap();
-    });
-    (shutdown, cluster::connect(&address).await)
+    cluster::start_on_database(db.url()).await
 }
 
 /// Submits [`JOB`] under `name` as `token`; answers the new job.

@@ -202,6 +202,8 @@ async fn tokens_are_found_by_hash_and_revoked(db: &TestDb) {
         created_at_ms: T0,
         expires_at_ms: Some(T0 + 86_400_000),
         revoked: false,
+        revoked_at_ms: None,
+        last_used_at_ms: None,
     };
     let bob = TokenRecord {
         id: "tok-bob".into(),
@@ -220,6 +222,8 @@ async fn tokens_are_found_by_hash_and_revoked(db: &TestDb) {
         created_at_ms: T0 + 20,
         expires_at_ms: None,
         revoked: false,
+        revoked_at_ms: None,
+        last_used_at_ms: None,
     };
     for token in [&alice, &bob, &admin] {
         store.create_token(token).await.unwrap();
@@ -266,9 +270,24 @@ async fn tokens_are_found_by_hash_and_revoked(db: &TestDb) {
         Err(SchedulerError::already_exists("token", "tok-other"))
     );
 
-    let revoked = store.revoke_token("tok-alice").await.unwrap();
+    // A use is recorded, and never moves back in time.
+    store.record_token_use("tok-alice", T0 + 500).await.unwrap();
+    store.record_token_use("tok-alice", T0 + 400).await.unwrap();
+    store.record_token_use("tok-nope", T0 + 500).await.unwrap();
+    let alice = TokenRecord {
+        last_used_at_ms: Some(T0 + 500),
+        ..alice
+    };
+    assert_eq!(
+        store.get_token("tok-alice").await.unwrap(),
+        alice,
+        "the latest use is kept"
+    );
+
+    let revoked = store.revoke_token("tok-alice", T0 + 1000).await.unwrap();
     let expected = TokenRecord {
         revoked: true,
+        revoked_at_ms: Some(T0 + 1000),
         ..alice.clone()
     };
     assert_eq!(revoked, expected);
@@ -278,16 +297,20 @@ async fn tokens_are_found_by_hash_and_revoked(db: &TestDb) {
         "a revoked token is still found, marked revoked"
     );
     assert_eq!(
-        store.revoke_token("tok-alice").await.unwrap(),
+        store.revoke_token("tok-alice", T0 + 2000).await.unwrap(),
         expected,
-        "revoking twice changes nothing"
+        "revoking twice changes nothing, not even the time"
     );
     assert_eq!(
         store.find_token_by_hash(&bob.secret_hash).await.unwrap(),
         Some(bob.clone()),
         "other tokens stay valid"
     );
-    assert_not_found(store.revoke_token("tok-nope").await, "token", "tok-nope");
+    assert_not_found(
+        store.revoke_token("tok-nope", T0).await,
+        "token",
+        "tok-nope",
+    );
 }
 
 async fn submit_group_commit_assigns_increasing_sequences(db: &TestDb) {
@@ -1343,6 +1366,8 @@ async fn data_survives_reopening(db: &TestDb) {
         created_at_ms: T0,
         expires_at_ms: None,
         revoked: false,
+        revoked_at_ms: None,
+        last_used_at_ms: None,
     };
     let node = worker("w-1", "node-1");
     let before;

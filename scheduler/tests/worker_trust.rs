@@ -207,7 +207,10 @@ async fn a_token_revoked_through_another_replica_ends_its_sessions_within_second
     let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     let other_replica = cluster.other_replica().await;
     let revoked_at = Instant::now();
-    other_replica.revoke_token(&worker_token_id).await.unwrap();
+    other_replica
+        .revoke_token(&worker_token_id, 0)
+        .await
+        .unwrap();
     let ended =
         session_ends_with(&mut worker, Duration::from_secs(10), Code::Unauthenticated).await;
     assert!(ended.message().contains("revoked"), "{ended:?}");

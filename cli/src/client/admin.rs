@@ -135,6 +135,15 @@ enum TenantAction {
         #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
         output: OutputFormat,
     },
+    /// Deletes a tenant with its quota and finished jobs, and revokes its user and worker
+    /// tokens; refused while it has jobs that are not finished.
+    Delete {
+        /// The tenant's name.
+        name: String,
+        /// Output format.
+        #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
+        output: OutputFormat,
+    },
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -264,6 +273,27 @@ pub async fn admin(arguments: AdminArguments) -> Result<ExitCode> {
                 .context("the scheduler answered without the tenant")?;
             print_tenant_change(&tenant, output, "created")?;
         }
+        AdminArea::Tenants {
+            action: TenantAction::Delete { name, output },
+        } => {
+            let deleted = connection
+                .admin()
+                .delete_tenant(v1::DeleteTenantRequest { name: name.clone() })
+                .await
+                .map_err(|status| {
+                    connection.failure(&status, &format!("cannot delete tenant {name}"))
+                })?
+                .into_inner();
+            if output == OutputFormat::Table {
+                println!(
+                    "tenant {name} deleted: {} tokens revoked, {} finished jobs removed",
+                    deleted.revoked_token_ids.len(),
+                    deleted.deleted_jobs
+                );
+            } else {
+                print_message(&deleted, "carve.v1.DeleteTenantResponse", output)?;
+            }
+        }
         AdminArea::Quota {
             action:
                 QuotaAction::Set {
@@ -383,11 +413,34 @@ fn print_tenants(tenants: &[v1::Tenant], wide: bool) {
     }
 }
 
-/// The tokens' table: the wide one with every time whole, the default one with the dates
-/// of expiry and revocation, which fit 100 columns beside a whole id.
+/// What a token's STATE cell says at `now_seconds`: `active`, `expired`, or `revoked`
+/// with the revoke time as `time` writes it (when the scheduler kept one).
+fn token_state(
+    token: &v1::Token,
+    now_seconds: i64,
+    time: fn(Option<&prost_types::Timestamp>) -> String,
+) -> String {
+    if let Some(revoked_at) = &token.revoked_at {
+        format!("revoked {}", time(Some(revoked_at)))
+    } else if token
+        .expires_at
+        .as_ref()
+        .is_some_and(|expires| expires.seconds <= now_seconds)
+    {
+        "expired".into()
+    } else {
+        "active".into()
+    }
+}
+
+/// The tokens' table: the wide one with every time whole, the default one with dates and
+/// without the creation time, which fit 100 columns beside a whole id.
 fn print_tokens(tokens: &[v1::Token], wide: bool) {
     // Times to the second in the wide table, to the day in the default one.
     let time = if wide { timestamp_text } else { date_text };
+    let now_seconds = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs() as i64);
     let rows: Vec<[String; 8]> = tokens
         .iter()
         .map(|token| {
@@ -399,10 +452,10 @@ fn print_tokens(tokens: &[v1::Token], wide: bool) {
                     token.tenant.clone()
                 },
                 role_name(token.role),
+                token_state(token, now_seconds, time),
                 time(token.created_at.as_ref()),
                 time(token.expires_at.as_ref()),
                 time(token.last_used_at.as_ref()),
-                time(token.revoked_at.as_ref()),
                 token.description.clone(),
             ]
         })
@@ -411,24 +464,29 @@ fn print_tokens(tokens: &[v1::Token], wide: bool) {
         "ID",
         "TENANT",
         "ROLE",
+        "STATE",
         "CREATED",
         "EXPIRES",
         "LAST USED",
-        "REVOKED",
         "DESCRIPTION",
     ];
     if wide {
         print_wide_table(header, &rows);
         return;
     }
-    let [id, tenant, role, _, expires, _, revoked, description] = header;
-    let rows: Vec<[String; 6]> = rows
+    let [id, tenant, role, state, _, expires, last_used, description] = header;
+    let rows: Vec<[String; 7]> = rows
         .into_iter()
-        .map(|[id, tenant, role, _, expires, _, revoked, description]| {
-            [id, tenant, role, expires, revoked, description]
-        })
+        .map(
+            |[id, tenant, role, state, _, expires, last_used, description]| {
+                [id, tenant, role, state, expires, last_used, description]
+            },
+        )
         .collect();
-    print_table([id, tenant, role, expires, revoked, description], &rows);
+    print_table(
+        [id, tenant, role, state, expires, last_used, description],
+        &rows,
+    );
 }
 
 fn print_tenant_change(tenant: &v1::Tenant, output: OutputFormat, what: &str) -> Result<()> {
@@ -513,7 +571,7 @@ async fn tokens(connection: &Connection, action: TokenAction) -> Result<()> {
                 .token
                 .context("the scheduler answered without the token")?;
             if output == OutputFormat::Table {
-                // Today's scheduler leaves revoked_at unset: then no time rather than "-".
+                // A scheduler older than the revoke time sends none: then no time, not "-".
                 match revoked.revoked_at.as_ref() {
                     Some(time) => println!(
                         "token {} revoked at {}",

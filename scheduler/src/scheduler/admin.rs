@@ -7,7 +7,7 @@ use carve_proto::ApiError;
 
 use crate::auth::{Caller, Role, generate_id, generate_secret, hash_secret};
 use crate::error::SchedulerError;
-use crate::store::{JobFilter, JobRecord, JobState, TenantRecord, TokenRecord};
+use crate::store::{JobFilter, JobRecord, JobState, TenantDeletion, TenantRecord, TokenRecord};
 
 use super::Scheduler;
 
@@ -73,6 +73,24 @@ impl Scheduler {
         Ok(record)
     }
 
+    /// Deletes a tenant with its quota and finished jobs, and revokes its user and worker
+    /// tokens, which this scheduler refuses from the next call on (their sessions and
+    /// watches end). Refused while the tenant has jobs that have not finished.
+    pub async fn delete_tenant(
+        &self,
+        caller: &Caller,
+        name: &str,
+        now_ms: i64,
+    ) -> Result<TenantDeletion, SchedulerError> {
+        caller.require(&[Role::Admin])?;
+        let deletion = self.store.delete_tenant(name, now_ms).await?;
+        self.lookups.tenants.invalidate(&name.to_string());
+        for token in &deletion.revoked_tokens {
+            self.forget_revoked_token(token);
+        }
+        Ok(deletion)
+    }
+
     /// A new token, with a new secret. A user token acts for an existing tenant; admin
     /// and worker tokens need none (`tenant` empty), and one given must exist.
     pub async fn create_token(
@@ -105,19 +123,28 @@ impl Scheduler {
             created_at_ms,
             expires_at_ms,
             revoked: false,
+            revoked_at_ms: None,
+            last_used_at_ms: None,
         };
         self.store.create_token(&token).await?;
         Ok(CreatedToken { token, secret })
     }
 
-    /// Tokens of `tenant` (every token when `None`), newest first, revoked ones included.
+    /// Tokens of `tenant` (every token when `None`), newest first: only those active at
+    /// `now_ms` unless `include_inactive`, which adds the revoked and expired ones.
     pub async fn tokens(
         &self,
         caller: &Caller,
         tenant: Option<&str>,
+        include_inactive: bool,
+        now_ms: i64,
     ) -> Result<Vec<TokenRecord>, SchedulerError> {
         caller.require(&[Role::Admin])?;
-        self.store.list_tokens(tenant).await
+        let mut tokens = self.store.list_tokens(tenant).await?;
+        if !include_inactive {
+            tokens.retain(|token| token.is_active(now_ms));
+        }
+        Ok(tokens)
     }
 
     /// Revokes a token; this scheduler refuses it from the next call on, and ends the
@@ -126,13 +153,20 @@ impl Scheduler {
         &self,
         caller: &Caller,
         token_id: &str,
+        now_ms: i64,
     ) -> Result<TokenRecord, SchedulerError> {
         caller.require(&[Role::Admin])?;
-        let token = self.store.revoke_token(token_id).await?;
+        let token = self.store.revoke_token(token_id, now_ms).await?;
+        self.forget_revoked_token(&token);
+        Ok(token)
+    }
+
+    /// Stops honouring a token the store now holds revoked: its cached copy, the worker
+    /// sessions and the job watches opened with it.
+    fn forget_revoked_token(&self, token: &TokenRecord) {
         self.lookups.tokens.invalidate(&token.secret_hash);
         self.end_sessions_of_token(&token.id, "token rejected: revoked");
         let _ = self.revoked_tokens.send(token.id.clone());
-        Ok(token)
     }
 
     /// One page of the jobs the caller may see. `filter.tenant` is the tenant asked for

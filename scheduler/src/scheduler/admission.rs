@@ -16,7 +16,9 @@ use carve_proto::ApiError;
 use sha2::{Digest, Sha256};
 
 use crate::auth::{Caller, Role, authenticate, generate_id};
-use crate::cache::{BoundedCache, LOOKUP_CAPACITY, LOOKUP_TIME_TO_LIVE, ShortLivedCache};
+use crate::cache::{
+    BoundedCache, LOOKUP_CAPACITY, LOOKUP_TIME_TO_LIVE, ShortLivedCache, TOKEN_USE_RECORD_INTERVAL,
+};
 use crate::convert::{config_to_json, estimate_to_json};
 use crate::error::SchedulerError;
 use crate::store::{AttemptRecord, JobRecord, TenantRecord, TokenRecord};
@@ -50,6 +52,9 @@ struct AnalysedSpec {
 pub(super) struct Lookups {
     /// By secret hash: invalidated by `Scheduler::revoke_token`.
     pub(super) tokens: ShortLivedCache<Vec<u8>, TokenRecord>,
+    /// Token ids whose last use this scheduler wrote less than
+    /// [`TOKEN_USE_RECORD_INTERVAL`] ago: those are not written again yet.
+    token_uses: ShortLivedCache<String, ()>,
     /// By name: invalidated by `Scheduler::set_quota`.
     pub(super) tenants: ShortLivedCache<String, TenantRecord>,
     /// By shape key (`None`: nothing measured yet): invalidated when this scheduler
@@ -63,6 +68,7 @@ impl Lookups {
     pub(super) fn new() -> Lookups {
         Lookups {
             tokens: ShortLivedCache::new(LOOKUP_TIME_TO_LIVE, LOOKUP_CAPACITY),
+            token_uses: ShortLivedCache::new(TOKEN_USE_RECORD_INTERVAL, LOOKUP_CAPACITY),
             tenants: ShortLivedCache::new(LOOKUP_TIME_TO_LIVE, LOOKUP_CAPACITY),
             peak_corrections: ShortLivedCache::new(LOOKUP_TIME_TO_LIVE, LOOKUP_CAPACITY),
             specs: BoundedCache::new(ANALYSED_SPECS_CAPACITY),
@@ -389,7 +395,14 @@ impl Scheduler {
         metadata: &tonic::metadata::MetadataMap,
         now_ms: i64,
     ) -> Result<Caller, SchedulerError> {
-        authenticate(&self.store, &self.lookups.tokens, metadata, now_ms).await
+        authenticate(
+            &self.store,
+            &self.lookups.tokens,
+            &self.lookups.token_uses,
+            metadata,
+            now_ms,
+        )
+        .await
     }
 
     /// A tenant as admission checks it: read from the store at most

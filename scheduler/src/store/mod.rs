@@ -105,7 +105,7 @@ pub use records::{
     JobState, MAX_PAGE_SIZE, QueueFingerprint, QueuedJob, Role, SubmitOutcome, TenantRecord,
     TokenRecord, WorkerRecord, WorkerState,
 };
-pub use tenants::{MAX_TENANT_NAME_LENGTH, check_tenant_name};
+pub use tenants::{MAX_TENANT_NAME_LENGTH, TenantDeletion, check_tenant_name};
 
 static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");

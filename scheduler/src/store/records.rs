@@ -64,6 +64,19 @@ pub struct TokenRecord {
     pub created_at_ms: i64,
     pub expires_at_ms: Option<i64>,
     pub revoked: bool,
+    /// When it was revoked; `None` while valid, and for tokens revoked before the store
+    /// kept the time.
+    pub revoked_at_ms: Option<i64>,
+    /// When it last authenticated a call, to about a minute (see
+    /// `crate::cache::TOKEN_USE_RECORD_INTERVAL`); `None` if never.
+    pub last_used_at_ms: Option<i64>,
+}
+
+impl TokenRecord {
+    /// Whether it still authenticates calls at `now_ms`: neither revoked nor expired.
+    pub fn is_active(&self, now_ms: i64) -> bool {
+        !self.revoked && self.expires_at_ms.is_none_or(|expires| expires > now_ms)
+    }
 }
 
 /// A job. `submit_sequence` is assigned by the store at submit (whatever the caller put

@@ -1,6 +1,11 @@
 //! Tenants and their quotas.
 
-use super::{Store, TenantRecord, insert_error};
+use carve_proto::ApiError;
+
+use super::tokens::TOKEN_COLUMNS;
+use super::{
+    JobState, Role, Store, TenantRecord, TokenRecord, insert_error, is_foreign_key_violation,
+};
 use crate::error::SchedulerError;
 
 const TENANT_COLUMNS: &str =
@@ -30,6 +35,18 @@ pub fn check_tenant_name(field: &str, name: &str) -> Result<(), SchedulerError> 
         return Ok(());
     };
     Err(SchedulerError::invalid_argument(field, reason))
+}
+
+/// What deleting a tenant took with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantDeletion {
+    /// Its user and worker tokens that were still valid, now revoked (admin tokens act
+    /// across tenants and stay valid, so deleting the tenant an admin token names cannot
+    /// lock the operators out).
+    pub revoked_tokens: Vec<TokenRecord>,
+    /// Its finished jobs, removed with their attempts and log lines: a job must name an
+    /// existing tenant.
+    pub deleted_jobs: u64,
 }
 
 impl Store {
@@ -94,4 +111,86 @@ impl Store {
         });
         tenant.ok_or_else(|| SchedulerError::not_found("tenant", name))
     }
+
+    /// Deletes the tenant `name` in one transaction: its quota, its finished jobs, and
+    /// it; its user and worker tokens are revoked at `now_ms` (see [`TenantDeletion`]).
+    /// `NotFound` when there is no such tenant; `FailedPrecondition`, counting them,
+    /// while it has jobs that have not finished.
+    pub async fn delete_tenant(
+        &self,
+        name: &str,
+        now_ms: i64,
+    ) -> Result<TenantDeletion, SchedulerError> {
+        let unfinished: Vec<&str> = JobState::ALL
+            .into_iter()
+            .filter(|state| !state.is_terminal())
+            .map(JobState::name)
+            .collect();
+        let unfinished_list = unfinished
+            .iter()
+            .map(|state| format!("'{state}'"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let count_sql =
+            format!("SELECT count(*) FROM jobs WHERE tenant = $1 AND state IN ({unfinished_list})");
+        let revoke_sql = format!(
+            "UPDATE tokens SET revoked = $2, revoked_at_ms = $3 \
+             WHERE tenant = $1 AND role <> $4 AND revoked = $5 RETURNING {TOKEN_COLUMNS}"
+        );
+        let deletion = with_write_tx!(self, tx => {
+            let exists: Option<(String,)> =
+                sqlx::query_as("SELECT name FROM tenants WHERE name = $1")
+                    .bind(name)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            if exists.is_none() {
+                return Err(SchedulerError::not_found("tenant", name));
+            }
+            let (count,): (i64,) = sqlx::query_as(&count_sql)
+                .bind(name)
+                .fetch_one(&mut *tx)
+                .await?;
+            if count > 0 {
+                return Err(unfinished_jobs_error(name, count));
+            }
+            let deleted_jobs = sqlx::query("DELETE FROM jobs WHERE tenant = $1")
+                .bind(name)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            let revoked_tokens: Vec<TokenRecord> = sqlx::query_as(&revoke_sql)
+                .bind(name)
+                .bind(true)
+                .bind(now_ms)
+                .bind(Role::Admin.name())
+                .bind(false)
+                .fetch_all(&mut *tx)
+                .await?;
+            let deleted = sqlx::query("DELETE FROM tenants WHERE name = $1")
+                .bind(name)
+                .execute(&mut *tx)
+                .await;
+            match deleted {
+                // A PostgreSQL replica committed a job for it since the count.
+                Err(error) if is_foreign_key_violation(&error) => {
+                    return Err(unfinished_jobs_error(name, 1));
+                }
+                other => other?,
+            };
+            TenantDeletion {
+                revoked_tokens,
+                deleted_jobs,
+            }
+        });
+        Ok(deletion)
+    }
+}
+
+/// Why a tenant with `count` unfinished jobs is not deleted.
+fn unfinished_jobs_error(name: &str, count: i64) -> SchedulerError {
+    let jobs = if count == 1 { "job" } else { "jobs" };
+    SchedulerError::Api(ApiError::FailedPrecondition(format!(
+        "tenant {name} has {count} {jobs} not finished (queued, placed or running); \
+         cancel them or wait for them to end, then delete it"
+    )))
 }

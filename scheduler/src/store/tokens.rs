@@ -3,8 +3,8 @@
 use super::{Store, TokenRecord, insert_error};
 use crate::error::SchedulerError;
 
-const TOKEN_COLUMNS: &str =
-    "id, tenant, role, secret_hash, description, created_at_ms, expires_at_ms, revoked";
+pub(super) const TOKEN_COLUMNS: &str = "id, tenant, role, secret_hash, description, created_at_ms, \
+     expires_at_ms, revoked, revoked_at_ms, last_used_at_ms";
 
 impl Store {
     /// Stores a token. `AlreadyExists` when its id or its secret hash is taken.
@@ -18,8 +18,8 @@ impl Store {
         let result = with_pool!(self, pool => {
             sqlx::query(
                 "INSERT INTO tokens (id, tenant, role, secret_hash, description, \
-                 created_at_ms, expires_at_ms, revoked) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                 created_at_ms, expires_at_ms, revoked, revoked_at_ms, last_used_at_ms) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
             )
             .bind(&token.id)
             .bind(&token.tenant)
@@ -29,6 +29,8 @@ impl Store {
             .bind(token.created_at_ms)
             .bind(token.expires_at_ms)
             .bind(token.revoked)
+            .bind(token.revoked_at_ms)
+            .bind(token.last_used_at_ms)
             .execute(pool)
             .await
             .map(drop)
@@ -77,13 +79,32 @@ impl Store {
         })
     }
 
-    /// Revokes a token and returns it. Revoking a revoked token changes nothing;
-    /// `NotFound` when there is no such token.
-    pub async fn revoke_token(&self, id: &str) -> Result<TokenRecord, SchedulerError> {
-        let sql = format!("UPDATE tokens SET revoked = $2 WHERE id = $1 RETURNING {TOKEN_COLUMNS}");
+    /// Revokes a token at `now_ms` and returns it. Revoking a revoked token changes
+    /// nothing (it keeps its first revoke time); `NotFound` when there is no such token.
+    pub async fn revoke_token(&self, id: &str, now_ms: i64) -> Result<TokenRecord, SchedulerError> {
+        let sql = format!(
+            "UPDATE tokens SET revoked = $2, revoked_at_ms = COALESCE(revoked_at_ms, $3) \
+             WHERE id = $1 RETURNING {TOKEN_COLUMNS}"
+        );
         let token: Option<TokenRecord> = with_pool!(self, pool => {
-            sqlx::query_as(&sql).bind(id).bind(true).fetch_optional(pool).await?
+            sqlx::query_as(&sql).bind(id).bind(true).bind(now_ms).fetch_optional(pool).await?
         });
         token.ok_or_else(|| SchedulerError::not_found("token", id))
+    }
+
+    /// Records that the token `id` authenticated a call at `used_at_ms`. Never moves the
+    /// time back (two replicas may record out of order); an unknown id changes nothing.
+    pub async fn record_token_use(&self, id: &str, used_at_ms: i64) -> Result<(), SchedulerError> {
+        with_pool!(self, pool => {
+            sqlx::query(
+                "UPDATE tokens SET last_used_at_ms = $2 \
+                 WHERE id = $1 AND (last_used_at_ms IS NULL OR last_used_at_ms < $2)",
+            )
+            .bind(id)
+            .bind(used_at_ms)
+            .execute(pool)
+            .await?;
+        });
+        Ok(())
     }
 }

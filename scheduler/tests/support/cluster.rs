@@ -139,6 +139,23 @@ pub async fn connect_within(address: &str, patience: Duration) -> Channel {
     }
 }
 
+/// A scheduler on `database_url` (either database), and a channel to it; it stops when
+/// the sender drops.
+pub async fn start_on_database(database_url: &str) -> (tokio::sync::oneshot::Sender<()>, Channel) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    let config = test_config(database_url.to_string(), Duration::from_secs(30), None);
+    let (shutdown, signal) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        run(config, listener, async {
+            let _ = signal.await;
+        })
+        .await
+        .unwrap();
+    });
+    (shutdown, connect(&address).await)
+}
+
 /// A new token of `role` for `tenant`, made with the admin token.
 pub async fn create_token(
     channel: &Channel,
