@@ -1,7 +1,7 @@
 //! What users and operators expect of the real server (in-process on 127.0.0.1:0, a real
 //! SQLite file, real gRPC clients): an idempotency key reused with another spec is
 //! refused, not answered with the first job; the metrics page shows every gauge, at 0
-//! when there is nothing to count, for every tenant.
+//! when there is nothing to count, for every tenant, and says why submits were refused.
 
 use std::time::Duration;
 
@@ -73,7 +73,7 @@ async fn a_fresh_server_exports_every_gauge_at_zero_for_every_tenant() {
             "{metrics}"
         );
     }
-    for state in ["ready", "lost"] {
+    for state in ["ready", "draining", "lost"] {
         assert_eq!(
             metric(&metrics, &format!("carve_workers{{state=\"{state}\"}}")),
             0,
@@ -82,7 +82,8 @@ async fn a_fresh_server_exports_every_gauge_at_zero_for_every_tenant() {
     }
     for counter in [
         "carve_submits_accepted_total",
-        "carve_submits_rejected_total",
+        "carve_submits_rejected_total{reason=\"invalid_spec\"}",
+        "carve_submits_rejected_total{reason=\"quota\"}",
         "carve_placements_total",
         "carve_out_of_memory_total",
         "carve_retries_total",
@@ -97,5 +98,40 @@ async fn a_fresh_server_exports_every_gauge_at_zero_for_every_tenant() {
         "carve_submit_latency_seconds_count",
     ] {
         assert_eq!(metric(&metrics, counter), 0, "{counter}: {metrics}");
+    }
+}
+
+#[tokio::test]
+async fn a_refused_submit_is_counted_under_its_reason() {
+    let (cluster, channel, user, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
+    let refused = submit(&channel, &user, "{ not json", "").await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    let refused = submit(&channel, "no-such-token", JOB, "")
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    submit(&channel, &user, JOB, "nightly").await.unwrap();
+    let other_spec = JOB.replace("\"steps\": 10", "\"steps\": 20");
+    let refused = submit(&channel, &user, &other_spec, "nightly")
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::AlreadyExists, "{refused:?}");
+
+    let metrics = scrape(cluster.metrics_address).await;
+    for (reason, count) in [
+        ("invalid_spec", 1),
+        ("unauthenticated", 1),
+        ("idempotency_conflict", 1),
+        ("quota", 0),
+        ("too_large", 0),
+    ] {
+        assert_eq!(
+            metric(
+                &metrics,
+                &format!("carve_submits_rejected_total{{reason=\"{reason}\"}}")
+            ),
+            count,
+            "{reason}: {metrics}"
+        );
     }
 }
