@@ -540,7 +540,10 @@ mod tests {
             .filter(|line| !line.starts_with('#'))
             .filter_map(|line| line.split(['{', ' ']).next())
             .collect();
-        for (file, at_least) in [("deploy/grafana/carve-dashboard.json", 10)] {
+        for (file, at_least) in [
+            ("deploy/grafana/carve-dashboard.json", 10),
+            ("deploy/k8s/components/monitoring/prometheus-rules.yaml", 4),
+        ] {
             let path = format!("{}/../{file}", env!("CARGO_MANIFEST_DIR"));
             let queries = std::fs::read_to_string(&path).unwrap();
             let queried: std::collections::BTreeSet<&str> = queries
