@@ -348,35 +348,27 @@ impl Metrics {
             ),
         ];
         for (name, help, values) in per_tenant {
-            let family = Family::<TenantLabel, U64Gauge>::default();
-            for (tenant, value) in values {
-                family
-                    .get_or_create(&TenantLabel {
-                        tenant: tenant.clone(),
-                    })
-                    .set(*value);
-            }
-            registry.register(name, help, family);
+            let series = values.iter().map(|(tenant, value)| {
+                let tenant = tenant.clone();
+                (TenantLabel { tenant }, *value)
+            });
+            registry.register(name, help, gauge_family(series));
         }
-        let workers = Family::<WorkerStateLabel, U64Gauge>::default();
-        for (state, value) in [
+        let workers = [
             ("ready", gauges.workers_ready),
             ("draining", gauges.workers_draining),
             ("lost", gauges.workers_lost),
-        ] {
-            workers
-                .get_or_create(&WorkerStateLabel { state })
-                .set(value);
-        }
-        registry.register("carve_workers", "workers by state", workers);
+        ]
+        .map(|(state, value)| (WorkerStateLabel { state }, value));
+        registry.register("carve_workers", "workers by state", gauge_family(workers));
         register_gpu_capacity(&mut registry, &gauges.gpu_capacity);
-        let build_info = Family::<BuildInfoLabel, U64Gauge>::default();
-        build_info
-            .get_or_create(&BuildInfoLabel {
+        let build_info = gauge_family([(
+            BuildInfoLabel {
                 version: env!("CARGO_PKG_VERSION"),
                 git_commit: GIT_COMMIT,
-            })
-            .set(1);
+            },
+            1,
+        )]);
         registry.register(
             "carve_build_info",
             "the scheduler's version and commit, at 1",
@@ -409,16 +401,24 @@ fn register_gpu_capacity(registry: &mut Registry, capacity: &BTreeMap<String, Gp
         ),
     ];
     for (name, help, reading) in readings {
-        let family = Family::<GpuModelLabel, U64Gauge>::default();
-        for (model, values) in capacity {
-            family
-                .get_or_create(&GpuModelLabel {
-                    model: model.clone(),
-                })
-                .set(reading(values));
-        }
-        registry.register(name, help, family);
+        let series = capacity.iter().map(|(model, values)| {
+            let model = model.clone();
+            (GpuModelLabel { model }, reading(values))
+        });
+        registry.register(name, help, gauge_family(series));
     }
+}
+
+/// A gauge family holding each of `series` at its value.
+fn gauge_family<Label>(series: impl IntoIterator<Item = (Label, u64)>) -> Family<Label, U64Gauge>
+where
+    Label: Clone + std::hash::Hash + Eq + EncodeLabelSet + std::fmt::Debug + Send + Sync,
+{
+    let family = Family::<Label, U64Gauge>::default();
+    for (label, value) in series {
+        family.get_or_create(&label).set(value);
+    }
+    family
 }
 
 /// Serves `GET /metrics` until the task is dropped.
