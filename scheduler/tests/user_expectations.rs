@@ -1,7 +1,8 @@
 //! What users and operators expect of the real server (in-process on 127.0.0.1:0, a real
 //! SQLite file, real gRPC clients): an idempotency key reused with another spec is
 //! refused, not answered with the first job; the metrics page shows every gauge, at 0
-//! when there is nothing to count, for every tenant, and says why submits were refused.
+//! when there is nothing to count, for every tenant, says why submits were refused, and
+//! counts a draining worker and its GPUs apart from the ready ones.
 
 use std::time::Duration;
 
@@ -12,7 +13,10 @@ mod test_worker;
 
 #[path = "support/cluster.rs"]
 mod cluster;
-use cluster::{JOB, metric, scrape, start_for_tenant, submit};
+use carve_proto::v1;
+use carve_proto::v1::cluster_service_client::ClusterServiceClient;
+use cluster::{ADMIN, JOB, metric, scrape, start_for_tenant, start_with_worker, submit};
+use test_worker::authorized;
 
 #[tokio::test]
 async fn an_idempotency_key_reused_with_another_spec_is_refused() {
@@ -134,4 +138,53 @@ async fn a_refused_submit_is_counted_under_its_reason() {
             "{reason}: {metrics}"
         );
     }
+}
+
+#[tokio::test]
+async fn a_draining_worker_is_not_ready_and_offers_no_allocatable_memory() {
+    let (cluster, channel, _, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
+    let metrics = scrape(cluster.metrics_address).await;
+    assert_eq!(metric(&metrics, "carve_workers{state=\"ready\"}"), 1);
+    assert!(
+        sum_of(&metrics, "carve_gpu_memory_allocatable_bytes") > 0,
+        "{metrics}"
+    );
+
+    ClusterServiceClient::new(channel.clone())
+        .drain_worker(authorized(
+            v1::DrainWorkerRequest {
+                worker_id: worker.id.clone(),
+                reason: "maintenance".into(),
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap();
+    assert!(matches!(
+        worker.next().await,
+        v1::scheduler_message::Body::Drain(_)
+    ));
+    let metrics = scrape(cluster.metrics_address).await;
+    assert_eq!(metric(&metrics, "carve_workers{state=\"draining\"}"), 1);
+    assert_eq!(metric(&metrics, "carve_workers{state=\"ready\"}"), 0);
+    assert!(sum_of(&metrics, "carve_gpus") >= 1, "{metrics}");
+    assert!(
+        sum_of(&metrics, "carve_gpu_memory_total_bytes") > 0,
+        "{metrics}"
+    );
+    assert_eq!(
+        sum_of(&metrics, "carve_gpu_memory_allocatable_bytes"),
+        0,
+        "{metrics}"
+    );
+}
+
+/// The sum of a gauge's series over all its labels.
+fn sum_of(metrics: &str, name: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
 }
