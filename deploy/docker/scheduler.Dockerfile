@@ -8,6 +8,9 @@ ARG RUST_VERSION=1.95
 
 FROM rust:${RUST_VERSION}-bookworm AS builder
 WORKDIR /src
+# The commit carve_build_info reports (.git is not in the build context):
+#   docker build --build-arg CARVE_GIT_COMMIT=$(git rev-parse HEAD) ...
+ARG CARVE_GIT_COMMIT=unknown
 # The whole workspace (less what .dockerignore leaves out): cargo needs every member's
 # manifest, carve-scheduler embeds migrations/ (sqlx::migrate!), the CLI embeds examples/.
 COPY . .

@@ -33,7 +33,9 @@ const LATENCY_BUCKETS: [f64; 11] = [
 #[derive(Debug)]
 pub struct Metrics {
     pub submits_accepted: Counter,
-    pub submits_rejected: Counter,
+    /// Refused submits, by [`SubmitRejection`]: every reason is on the page from the
+    /// start, so a rate over it is 0 rather than absent.
+    submits_rejected: Family<RejectionLabel, Counter>,
     pub placements: Counter,
     pub out_of_memory_reports: Counter,
     pub retries: Counter,
@@ -48,7 +50,17 @@ impl Default for Metrics {
     fn default() -> Metrics {
         Metrics {
             submits_accepted: Counter::default(),
-            submits_rejected: Counter::default(),
+            submits_rejected: {
+                let family = Family::<RejectionLabel, Counter>::default();
+                for reason in SubmitRejection::ALL {
+                    family
+                        .get_or_create(&RejectionLabel {
+                            reason: reason.label(),
+                        })
+                        .inc_by(0);
+                }
+                family
+            },
             placements: Counter::default(),
             out_of_memory_reports: Counter::default(),
             retries: Counter::default(),
@@ -61,6 +73,70 @@ impl Default for Metrics {
     }
 }
 
+/// Why a submit was refused: the `reason` label of `carve_submits_rejected_total`. A closed
+/// set, so the label's values stay few whatever callers send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitRejection {
+    /// The spec or another request field is malformed (INVALID_ARGUMENT).
+    InvalidSpec,
+    /// No token, or an unknown, expired or revoked one.
+    Unauthenticated,
+    /// The token's role may not submit.
+    PermissionDenied,
+    /// Over the tenant's VRAM or running-jobs quota however long it waits.
+    Quota,
+    /// Larger than every GPU, even after shrinking where the job allows it.
+    TooLarge,
+    /// The tenant spent its budget of validation and estimation compute for now.
+    ComputeBudget,
+    /// An idempotency key reused with another spec.
+    IdempotencyConflict,
+    /// The store or another dependency is down; a retry may succeed.
+    Unavailable,
+    /// Anything else (an unknown tenant, a bug).
+    Other,
+}
+
+impl SubmitRejection {
+    pub const ALL: [SubmitRejection; 9] = [
+        SubmitRejection::InvalidSpec,
+        SubmitRejection::Unauthenticated,
+        SubmitRejection::PermissionDenied,
+        SubmitRejection::Quota,
+        SubmitRejection::TooLarge,
+        SubmitRejection::ComputeBudget,
+        SubmitRejection::IdempotencyConflict,
+        SubmitRejection::Unavailable,
+        SubmitRejection::Other,
+    ];
+
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            SubmitRejection::InvalidSpec => "invalid_spec",
+            SubmitRejection::Unauthenticated => "unauthenticated",
+            SubmitRejection::PermissionDenied => "permission_denied",
+            SubmitRejection::Quota => "quota",
+            SubmitRejection::TooLarge => "too_large",
+            SubmitRejection::ComputeBudget => "compute_budget",
+            SubmitRejection::IdempotencyConflict => "idempotency_conflict",
+            SubmitRejection::Unavailable => "unavailable",
+            SubmitRejection::Other => "other",
+        }
+    }
+}
+
+/// The GPUs of one model on the workers that are not lost.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GpuCapacity {
+    pub gpus: u64,
+    /// Every byte of those GPUs.
+    pub total_bytes: u64,
+    /// What slices may use on the GPUs of ready workers: total minus the CUDA context.
+    /// A draining worker's GPUs take no new slices, so they count here as 0.
+    pub allocatable_bytes: u64,
+}
+
 /// Gauges of one moment, by tenant: each map holds every tenant, at 0 when it has
 /// nothing, so a dashboard never loses a tenant's series.
 #[derive(Debug, Default)]
@@ -71,7 +147,13 @@ pub struct ClusterGauges {
     pub vram_estimated_bytes: BTreeMap<String, u64>,
     pub vram_measured_bytes: BTreeMap<String, u64>,
     pub workers_ready: u64,
+    /// Finishing their attempts, taking no new ones: not counted as ready.
+    pub workers_draining: u64,
     pub workers_lost: u64,
+    /// GPU capacity by model name. By model rather than by worker or GPU: the series stay
+    /// as few as the kinds of hardware, where one per node would grow with the cluster
+    /// and leave a stale series behind every replaced node.
+    pub gpu_capacity: BTreeMap<String, GpuCapacity>,
     /// The submit batcher's transactions so far (a counter, read at scrape time).
     pub submit_groups_committed: u64,
     /// The submits those transactions answered (a counter, read at scrape time).
@@ -102,11 +184,42 @@ struct WorkerStateLabel {
     state: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RejectionLabel {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuModelLabel {
+    model: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildInfoLabel {
+    version: &'static str,
+    git_commit: &'static str,
+}
+
+/// The commit the binary was built from, when the build said (`CARVE_GIT_COMMIT` set
+/// in cargo's environment, as the Dockerfiles do): no build script needed.
+const GIT_COMMIT: &str = match option_env!("CARVE_GIT_COMMIT") {
+    Some(commit) => commit,
+    None => "unknown",
+};
+
 type U64Gauge = Gauge<u64, std::sync::atomic::AtomicU64>;
 
 impl Metrics {
     pub fn count(counter: &Counter) {
         counter.inc();
+    }
+
+    pub fn count_rejected_submit(&self, reason: SubmitRejection) {
+        self.submits_rejected
+            .get_or_create(&RejectionLabel {
+                reason: reason.label(),
+            })
+            .inc();
     }
 
     pub fn observe_submit_latency(&self, latency: Duration) {
@@ -131,11 +244,6 @@ impl Metrics {
                 "carve_submits_accepted",
                 "jobs admitted",
                 &self.submits_accepted,
-            ),
-            (
-                "carve_submits_rejected",
-                "submits refused (bad spec, quota, does not fit)",
-                &self.submits_rejected,
             ),
             (
                 "carve_placements",
@@ -172,6 +280,11 @@ impl Metrics {
         for (name, help, counter) in counters {
             registry.register(name, help, counter.clone());
         }
+        registry.register(
+            "carve_submits_rejected",
+            "submits refused, by reason",
+            self.submits_rejected.clone(),
+        );
         let read_at_scrape = [
             (
                 "carve_submit_groups_committed",
@@ -235,28 +348,77 @@ impl Metrics {
             ),
         ];
         for (name, help, values) in per_tenant {
-            let family = Family::<TenantLabel, U64Gauge>::default();
-            for (tenant, value) in values {
-                family
-                    .get_or_create(&TenantLabel {
-                        tenant: tenant.clone(),
-                    })
-                    .set(*value);
-            }
-            registry.register(name, help, family);
+            let series = values.iter().map(|(tenant, value)| {
+                let tenant = tenant.clone();
+                (TenantLabel { tenant }, *value)
+            });
+            registry.register(name, help, gauge_family(series));
         }
-        let workers = Family::<WorkerStateLabel, U64Gauge>::default();
-        for (state, value) in [
+        let workers = [
             ("ready", gauges.workers_ready),
+            ("draining", gauges.workers_draining),
             ("lost", gauges.workers_lost),
-        ] {
-            workers
-                .get_or_create(&WorkerStateLabel { state })
-                .set(value);
-        }
-        registry.register("carve_workers", "workers by state", workers);
+        ]
+        .map(|(state, value)| (WorkerStateLabel { state }, value));
+        registry.register("carve_workers", "workers by state", gauge_family(workers));
+        register_gpu_capacity(&mut registry, &gauges.gpu_capacity);
+        let build_info = gauge_family([(
+            BuildInfoLabel {
+                version: env!("CARGO_PKG_VERSION"),
+                git_commit: GIT_COMMIT,
+            },
+            1,
+        )]);
+        registry.register(
+            "carve_build_info",
+            "the scheduler's version and commit, at 1",
+            build_info,
+        );
         registry
     }
+}
+
+/// One number of a [`GpuCapacity`].
+type CapacityReading = fn(&GpuCapacity) -> u64;
+
+/// The GPU capacity gauges, by model.
+fn register_gpu_capacity(registry: &mut Registry, capacity: &BTreeMap<String, GpuCapacity>) {
+    let readings: [(&str, &str, CapacityReading); 3] = [
+        (
+            "carve_gpus",
+            "GPUs on the workers that are not lost, by model",
+            |capacity| capacity.gpus,
+        ),
+        (
+            "carve_gpu_memory_total_bytes",
+            "memory of the GPUs on the workers that are not lost, by model",
+            |capacity| capacity.total_bytes,
+        ),
+        (
+            "carve_gpu_memory_allocatable_bytes",
+            "memory slices may use on the GPUs of ready workers (total minus the CUDA context), by model",
+            |capacity| capacity.allocatable_bytes,
+        ),
+    ];
+    for (name, help, reading) in readings {
+        let series = capacity.iter().map(|(model, values)| {
+            let model = model.clone();
+            (GpuModelLabel { model }, reading(values))
+        });
+        registry.register(name, help, gauge_family(series));
+    }
+}
+
+/// A gauge family holding each of `series` at its value.
+fn gauge_family<Label>(series: impl IntoIterator<Item = (Label, u64)>) -> Family<Label, U64Gauge>
+where
+    Label: Clone + std::hash::Hash + Eq + EncodeLabelSet + std::fmt::Debug + Send + Sync,
+{
+    let family = Family::<Label, U64Gauge>::default();
+    for (label, value) in series {
+        family.get_or_create(&label).set(value);
+    }
+    family
 }
 
 /// Serves `GET /metrics` until the task is dropped.
@@ -300,8 +462,32 @@ mod tests {
             ..ClusterGauges::default()
         };
         gauges.queued_jobs.insert("alpha".to_string(), 4);
+        metrics.count_rejected_submit(SubmitRejection::Quota);
+        gauges.workers_draining = 1;
+        gauges.gpu_capacity.insert(
+            "NVIDIA H100 80GB HBM3".to_string(),
+            GpuCapacity {
+                gpus: 8,
+                total_bytes: 8 << 30,
+                allocatable_bytes: 7 << 30,
+            },
+        );
         let text = metrics.render(&gauges);
+        let build_info = format!(
+            "carve_build_info{{version=\"{}\",git_commit=\"{GIT_COMMIT}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        );
         let expected = [
+            build_info.as_str(),
+            "# TYPE carve_submits_rejected_total counter",
+            "carve_submits_rejected_total{reason=\"quota\"} 1",
+            "carve_submits_rejected_total{reason=\"too_large\"} 0",
+            "carve_submits_rejected_total{reason=\"invalid_spec\"} 0",
+            "# TYPE carve_gpus gauge",
+            "carve_gpus{model=\"NVIDIA H100 80GB HBM3\"} 8",
+            "carve_gpu_memory_total_bytes{model=\"NVIDIA H100 80GB HBM3\"} 8589934592",
+            "carve_gpu_memory_allocatable_bytes{model=\"NVIDIA H100 80GB HBM3\"} 7516192768",
+            "carve_workers{state=\"draining\"} 1",
             "# HELP carve_submits_accepted_total jobs admitted.",
             "# TYPE carve_submits_accepted_total counter",
             "carve_submits_accepted_total 1",
@@ -328,12 +514,13 @@ mod tests {
         assert!(missing.is_empty(), "{missing:?} missing from:\n{text}");
     }
 
-    /// The dashboard queries series by the names the encoder writes (a counter with its
-    /// `_total`, a histogram's `_bucket`, `_sum` and `_count`): every name it queries is
-    /// on the page, as rendered with one tenant present. `.ci/check-deploy` reads this
-    /// file's source text and can only check the names up to those suffixes.
+    /// The dashboard and the alert rules query series by the names the encoder writes (a
+    /// counter with its `_total`, a histogram's `_bucket`, `_sum` and `_count`): every
+    /// name they query is on the page, as rendered with one tenant and one GPU model
+    /// present. `.ci/check-deploy` reads this file's source text and can only check the
+    /// names up to those suffixes.
     #[test]
-    fn every_series_the_dashboard_queries_is_on_the_page() {
+    fn every_series_the_dashboard_and_alerts_query_is_on_the_page() {
         let mut gauges = ClusterGauges::default();
         for values in [
             &mut gauges.queued_jobs,
@@ -344,42 +531,47 @@ mod tests {
         ] {
             values.insert("alpha".to_string(), 0);
         }
+        gauges
+            .gpu_capacity
+            .insert("model".to_string(), GpuCapacity::default());
         let text = Metrics::default().render(&gauges);
         let on_the_page: std::collections::HashSet<&str> = text
             .lines()
             .filter(|line| !line.starts_with('#'))
             .filter_map(|line| line.split(['{', ' ']).next())
             .collect();
-        let dashboard = std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../deploy/grafana/carve-dashboard.json"
-        ))
-        .unwrap();
-        let queried: std::collections::BTreeSet<&str> = dashboard
-            .match_indices("carve_")
-            .map(|(start, _)| {
-                let rest = &dashboard[start..];
-                let end = rest
-                    .find(|character: char| {
-                        !(character.is_ascii_lowercase()
-                            || character.is_ascii_digit()
-                            || character == '_')
-                    })
-                    .unwrap_or(rest.len());
-                &rest[..end]
-            })
-            .collect();
-        assert!(
-            queried.len() >= 10,
-            "found only {queried:?} in the dashboard"
-        );
-        let missing: Vec<&str> = queried
-            .into_iter()
-            .filter(|name| !on_the_page.contains(name))
-            .collect();
-        assert!(
-            missing.is_empty(),
-            "the dashboard queries {missing:?}, not on:\n{text}"
-        );
+        for (file, at_least) in [
+            ("deploy/grafana/carve-dashboard.json", 10),
+            ("deploy/k8s/components/monitoring/prometheus-rules.yaml", 4),
+        ] {
+            let path = format!("{}/../{file}", env!("CARGO_MANIFEST_DIR"));
+            let queries = std::fs::read_to_string(&path).unwrap();
+            let queried: std::collections::BTreeSet<&str> = queries
+                .match_indices("carve_")
+                .map(|(start, _)| {
+                    let rest = &queries[start..];
+                    let end = rest
+                        .find(|character: char| {
+                            !(character.is_ascii_lowercase()
+                                || character.is_ascii_digit()
+                                || character == '_')
+                        })
+                        .unwrap_or(rest.len());
+                    &rest[..end]
+                })
+                .collect();
+            assert!(
+                queried.len() >= at_least,
+                "found only {queried:?} in {file}"
+            );
+            let missing: Vec<&str> = queried
+                .into_iter()
+                .filter(|name| !on_the_page.contains(name))
+                .collect();
+            assert!(
+                missing.is_empty(),
+                "{file} queries {missing:?}, not on:\n{text}"
+            );
+        }
     }
 }

@@ -18,7 +18,7 @@ use carve_proto::v1::worker_service_server::WorkerService;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::auth::{Caller, Role};
 use crate::convert::{
@@ -26,7 +26,7 @@ use crate::convert::{
     job_update_to_proto, registered_to_proto, registration_from_proto, slice_to_proto,
     submitted_job_to_proto, timestamp, worker_command_to_proto, worker_to_proto,
 };
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, SubmitRejection};
 use crate::scheduler::worker_reports::AttemptRef;
 use crate::scheduler::{JobUpdate, JobUpdateKind, Scheduler, now_ms};
 use crate::store::{JobFilter, JobRecord, LogLineRecord, LogQuery, TenantRecord, TokenRecord};
@@ -226,9 +226,23 @@ impl JobService for Services {
         &self,
         request: Request<v1::SubmitJobRequest>,
     ) -> Result<Response<v1::SubmitJobResponse>, Status> {
-        let caller = self.caller(&request).await?;
+        let metrics = &self.scheduler.metrics;
+        let caller = match self.caller(&request).await {
+            Ok(caller) => caller,
+            Err(status) => {
+                let reason = match status.code() {
+                    Code::Unauthenticated => SubmitRejection::Unauthenticated,
+                    Code::PermissionDenied => SubmitRejection::PermissionDenied,
+                    Code::Unavailable => SubmitRejection::Unavailable,
+                    _ => SubmitRejection::Other,
+                };
+                metrics.count_rejected_submit(reason);
+                return Err(status);
+            }
+        };
         let request = request.into_inner();
         if request.spec_json.trim().is_empty() {
+            metrics.count_rejected_submit(SubmitRejection::InvalidSpec);
             return Err(invalid("spec_json", "must not be empty"));
         }
         let started = std::time::Instant::now();
@@ -236,7 +250,6 @@ impl JobService for Services {
             .scheduler
             .submit(&caller, &request.spec_json, &request.idempotency_key)
             .await;
-        let metrics = &self.scheduler.metrics;
         let submitted = match submitted.and_then(|submitted| {
             let job = submitted_job_to_proto(&submitted)?;
             Ok((job, submitted.created))
@@ -248,9 +261,9 @@ impl JobService for Services {
                 }
                 submitted
             }
-            Err(error) => {
-                Metrics::count(&metrics.submits_rejected);
-                return Err(error.into());
+            Err(refused) => {
+                metrics.count_rejected_submit(refused.reason);
+                return Err(refused.error.into());
             }
         };
         let (job, created) = submitted;

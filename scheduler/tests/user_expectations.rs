@@ -1,7 +1,8 @@
 //! What users and operators expect of the real server (in-process on 127.0.0.1:0, a real
 //! SQLite file, real gRPC clients): an idempotency key reused with another spec is
 //! refused, not answered with the first job; the metrics page shows every gauge, at 0
-//! when there is nothing to count, for every tenant.
+//! when there is nothing to count, for every tenant, says why submits were refused, and
+//! counts a draining worker and its GPUs apart from the ready ones.
 
 use std::time::Duration;
 
@@ -12,7 +13,10 @@ mod test_worker;
 
 #[path = "support/cluster.rs"]
 mod cluster;
-use cluster::{JOB, metric, scrape, start_for_tenant, submit};
+use carve_proto::v1;
+use carve_proto::v1::cluster_service_client::ClusterServiceClient;
+use cluster::{ADMIN, JOB, metric, scrape, start_for_tenant, start_with_worker, submit};
+use test_worker::authorized;
 
 #[tokio::test]
 async fn an_idempotency_key_reused_with_another_spec_is_refused() {
@@ -73,7 +77,7 @@ async fn a_fresh_server_exports_every_gauge_at_zero_for_every_tenant() {
             "{metrics}"
         );
     }
-    for state in ["ready", "lost"] {
+    for state in ["ready", "draining", "lost"] {
         assert_eq!(
             metric(&metrics, &format!("carve_workers{{state=\"{state}\"}}")),
             0,
@@ -82,7 +86,8 @@ async fn a_fresh_server_exports_every_gauge_at_zero_for_every_tenant() {
     }
     for counter in [
         "carve_submits_accepted_total",
-        "carve_submits_rejected_total",
+        "carve_submits_rejected_total{reason=\"invalid_spec\"}",
+        "carve_submits_rejected_total{reason=\"quota\"}",
         "carve_placements_total",
         "carve_out_of_memory_total",
         "carve_retries_total",
@@ -98,4 +103,88 @@ async fn a_fresh_server_exports_every_gauge_at_zero_for_every_tenant() {
     ] {
         assert_eq!(metric(&metrics, counter), 0, "{counter}: {metrics}");
     }
+}
+
+#[tokio::test]
+async fn a_refused_submit_is_counted_under_its_reason() {
+    let (cluster, channel, user, _) = start_for_tenant(Duration::from_secs(30), "alice").await;
+    let refused = submit(&channel, &user, "{ not json", "").await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    let refused = submit(&channel, "no-such-token", JOB, "")
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    submit(&channel, &user, JOB, "nightly").await.unwrap();
+    let other_spec = JOB.replace("\"steps\": 10", "\"steps\": 20");
+    let refused = submit(&channel, &user, &other_spec, "nightly")
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::AlreadyExists, "{refused:?}");
+
+    let metrics = scrape(cluster.metrics_address).await;
+    for (reason, count) in [
+        ("invalid_spec", 1),
+        ("unauthenticated", 1),
+        ("idempotency_conflict", 1),
+        ("quota", 0),
+        ("too_large", 0),
+    ] {
+        assert_eq!(
+            metric(
+                &metrics,
+                &format!("carve_submits_rejected_total{{reason=\"{reason}\"}}")
+            ),
+            count,
+            "{reason}: {metrics}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_draining_worker_is_not_ready_and_offers_no_allocatable_memory() {
+    let (cluster, channel, _, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
+    let metrics = scrape(cluster.metrics_address).await;
+    assert_eq!(metric(&metrics, "carve_workers{state=\"ready\"}"), 1);
+    assert!(
+        sum_of(&metrics, "carve_gpu_memory_allocatable_bytes") > 0,
+        "{metrics}"
+    );
+
+    ClusterServiceClient::new(channel.clone())
+        .drain_worker(authorized(
+            v1::DrainWorkerRequest {
+                worker_id: worker.id.clone(),
+                reason: "maintenance".into(),
+            },
+            ADMIN,
+        ))
+        .await
+        .unwrap();
+    assert!(matches!(
+        worker.next().await,
+        v1::scheduler_message::Body::Drain(_)
+    ));
+    let metrics = scrape(cluster.metrics_address).await;
+    assert_eq!(metric(&metrics, "carve_workers{state=\"draining\"}"), 1);
+    assert_eq!(metric(&metrics, "carve_workers{state=\"ready\"}"), 0);
+    assert!(sum_of(&metrics, "carve_gpus") >= 1, "{metrics}");
+    assert!(
+        sum_of(&metrics, "carve_gpu_memory_total_bytes") > 0,
+        "{metrics}"
+    );
+    assert_eq!(
+        sum_of(&metrics, "carve_gpu_memory_allocatable_bytes"),
+        0,
+        "{metrics}"
+    );
+}
+
+/// The sum of a gauge's series over all its labels.
+fn sum_of(metrics: &str, name: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
 }

@@ -21,6 +21,7 @@ use crate::cache::{
 };
 use crate::convert::{config_to_json, estimate_to_json};
 use crate::error::SchedulerError;
+use crate::metrics::SubmitRejection;
 use crate::store::{AttemptRecord, JobRecord, TenantRecord, TokenRecord};
 
 use super::{Scheduler, StateChange, now_ms, spec_error};
@@ -199,6 +200,52 @@ fn reused_key_refusal(idempotency_key: &str, job_id: &str) -> SchedulerError {
     )
 }
 
+/// A submit refused, and why, for the metrics page. Where the kind of error says it
+/// (a bad spec, no token) the reason comes from the kind; admission names the reasons
+/// the kind cannot tell apart (RESOURCE_EXHAUSTED is a quota, a job too large, or a
+/// spent compute budget).
+#[derive(Debug)]
+pub struct SubmitRefused {
+    pub reason: SubmitRejection,
+    pub error: SchedulerError,
+}
+
+impl SubmitRefused {
+    fn new(reason: SubmitRejection, error: impl Into<SchedulerError>) -> SubmitRefused {
+        SubmitRefused {
+            reason,
+            error: error.into(),
+        }
+    }
+}
+
+impl From<SchedulerError> for SubmitRefused {
+    fn from(error: SchedulerError) -> SubmitRefused {
+        let reason = match &error {
+            SchedulerError::Api(ApiError::InvalidArgument { .. }) => SubmitRejection::InvalidSpec,
+            SchedulerError::Api(ApiError::Unauthenticated(_)) => SubmitRejection::Unauthenticated,
+            SchedulerError::Api(ApiError::PermissionDenied(_)) => SubmitRejection::PermissionDenied,
+            // Admission names quota and too-large refusals itself: what reaches here
+            // exhausted is the compute pool's budget.
+            SchedulerError::Api(ApiError::ResourceExhausted(_)) => SubmitRejection::ComputeBudget,
+            SchedulerError::Api(ApiError::AlreadyExists { .. }) => {
+                SubmitRejection::IdempotencyConflict
+            }
+            SchedulerError::Api(ApiError::Unavailable(_)) | SchedulerError::Database(_) => {
+                SubmitRejection::Unavailable
+            }
+            _ => SubmitRejection::Other,
+        };
+        SubmitRefused { reason, error }
+    }
+}
+
+impl From<ApiError> for SubmitRefused {
+    fn from(error: ApiError) -> SubmitRefused {
+        SubmitRefused::from(SchedulerError::Api(error))
+    }
+}
+
 /// Why sizing at admission stopped before it was done.
 enum AdmissionSizing {
     /// The job does not fit as written: the shrink planner must find a configuration
@@ -216,7 +263,7 @@ impl Scheduler {
         caller: &Caller,
         spec_json: &str,
         idempotency_key: &str,
-    ) -> Result<SubmittedJob, SchedulerError> {
+    ) -> Result<SubmittedJob, SubmitRefused> {
         caller.require(&[Role::User, Role::Admin])?;
         if idempotency_key.len() > 256 {
             return Err(ApiError::InvalidArgument {
@@ -270,10 +317,13 @@ impl Scheduler {
                     })
                     .await?
                     .map_err(|error| {
-                        ApiError::ResourceExhausted(format!(
-                            "job {} cannot fit: {error}",
-                            job.spec.name
-                        ))
+                        SubmitRefused::new(
+                            SubmitRejection::TooLarge,
+                            ApiError::ResourceExhausted(format!(
+                                "job {} cannot fit: {error}",
+                                job.spec.name
+                            )),
+                        )
                     })?;
                 let admitted = size(Some(&decision))
                     .map_err(|_| ApiError::Internal("sizing asked for a second shrink".into()))?;
@@ -290,11 +340,19 @@ impl Scheduler {
             running_jobs: 0,
         };
         if let Err(reason) = can_ever_fit(slice_bytes, &gpus, &tenant_state) {
-            return Err(ApiError::ResourceExhausted(format!(
-                "job {} can never run: {reason}",
-                job.spec.name
-            ))
-            .into());
+            let rejection = match reason {
+                WaitReason::TenantVramQuota { .. } | WaitReason::TenantRunningJobsQuota { .. } => {
+                    SubmitRejection::Quota
+                }
+                _ => SubmitRejection::TooLarge,
+            };
+            return Err(SubmitRefused::new(
+                rejection,
+                ApiError::ResourceExhausted(format!(
+                    "job {} can never run: {reason}",
+                    job.spec.name
+                )),
+            ));
         }
         let now = now_ms();
         let record = JobRecord {
@@ -330,7 +388,7 @@ impl Scheduler {
             // the same spec; another spec under the same key is a different job, and
             // answering with the first one would hide that it was never created.
             if !same_spec(&outcome.job.spec_json, spec_json) {
-                return Err(reused_key_refusal(idempotency_key, &outcome.job.id));
+                return Err(reused_key_refusal(idempotency_key, &outcome.job.id).into());
             }
             // The job may have attempts and another configuration by now: answer with
             // it as stored.

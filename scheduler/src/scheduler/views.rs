@@ -170,8 +170,26 @@ impl Scheduler {
             }
             for worker in live.workers.values() {
                 match worker.state {
-                    WorkerState::Lost => gauges.workers_lost += 1,
-                    _ => gauges.workers_ready += 1,
+                    WorkerState::Ready => gauges.workers_ready += 1,
+                    WorkerState::Draining => gauges.workers_draining += 1,
+                    WorkerState::Lost => {
+                        gauges.workers_lost += 1;
+                        continue;
+                    }
+                }
+                // The same test placement uses for a GPU that takes new slices.
+                let schedulable = worker.state == WorkerState::Ready && worker.session.is_some();
+                for gpu in &worker.gpus {
+                    let capacity = gauges
+                        .gpu_capacity
+                        .entry(gpu.model_name.clone())
+                        .or_default();
+                    capacity.gpus += 1;
+                    capacity.total_bytes += gpu.total_bytes;
+                    if schedulable {
+                        capacity.allocatable_bytes +=
+                            gpu.total_bytes.saturating_sub(gpu.context_bytes);
+                    }
                 }
             }
         }
