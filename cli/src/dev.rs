@@ -27,7 +27,8 @@ use tokio::task::JoinHandle;
 
 use crate::client::connection::connect_channel;
 use crate::client::output::{
-    bytes_text, config_text, is_terminal, job_state_name, outcome_name, precision_name, print_table,
+    bytes_text, config_text, is_terminal, job_state_name, outcome_name, precision_name,
+    print_wide_table,
 };
 
 /// The tenant `carve dev` creates and hands out a user token for.
@@ -460,7 +461,8 @@ fn print_summary(jobs: &[v1::Job]) {
             ]
         })
         .collect();
+    // Whole cells, not cut to 100 columns: the demo's point is these numbers and notes.
     println!();
-    print_table(header, &rows);
+    print_wide_table(header, &rows);
     println!();
 }

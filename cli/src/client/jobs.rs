@@ -520,7 +520,8 @@ fn print_job_details(job: &v1::Job) {
             ]
         })
         .collect();
-    print_table(
+    // One job's detail, not a list: whole cells (the worker and GPU ids are there to copy).
+    print_wide_table(
         [
             "ATTEMPT", "OUTCOME", "CONFIG", "SLICE", "ESTIMATE", "PEAK", "WORKER", "GPU", "NOTE",
         ],
