@@ -12,9 +12,16 @@ pub enum WorkerError {
     /// NVML (the NVIDIA driver's management library) is missing or failed.
     #[error("nvml: {0}")]
     Nvml(String),
-    /// The scheduler could not be reached or refused the worker.
+    /// The scheduler could not be reached or failed; the worker tries again.
     #[error("scheduler: {0}")]
     Scheduler(String),
+    /// The scheduler refused the worker's token (unknown, revoked, expired, or not a
+    /// worker's): trying again cannot help, so the worker stops and says so.
+    #[error(
+        "the scheduler refused this worker's token: {0} (check --token / CARVE_TOKEN; a \
+         revoked or expired token needs a new one: carve admin tokens create --role worker)"
+    )]
+    TokenRefused(String),
     /// An attempt's process could not be started or watched.
     #[error("attempt process: {0}")]
     AttemptProcess(String),
@@ -35,6 +42,14 @@ pub enum WorkerError {
 }
 
 impl WorkerError {
+    /// Whether trying again cannot help: the worker stops instead of reconnecting.
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            WorkerError::TokenRefused(_) | WorkerError::InvalidSetting { .. }
+        )
+    }
+
     pub fn invalid_setting(setting: impl Into<String>, reason: impl Into<String>) -> Self {
         WorkerError::InvalidSetting {
             setting: setting.into(),

@@ -257,6 +257,7 @@ pub async fn run_worker(
     };
     tokio::pin!(shutdown);
     let mut backoff = worker.config.reconnect_backoff_initial;
+    let mut stopped_by: Option<WorkerError> = None;
     loop {
         let ended = tokio::select! {
             _ = &mut shutdown => break,
@@ -264,6 +265,10 @@ pub async fn run_worker(
         };
         let reason = match ended {
             Ok(()) => "the scheduler ended the session".to_string(),
+            Err(error) if error.is_permanent() => {
+                stopped_by = Some(error);
+                break;
+            }
             Err(error) => error.to_string(),
         };
         tracing::warn!(%reason, retry_in = ?backoff, "no session with the scheduler");
@@ -285,7 +290,7 @@ pub async fn run_worker(
         });
     }
     tracing::info!("worker stopped");
-    Ok(())
+    stopped_by.map_or(Ok(()), Err)
 }
 
 /// SIGKILLs the attempt processes a previous run of this worker left running (see
@@ -450,7 +455,12 @@ impl Worker {
                 previous_worker_id: self.worker_id.clone(),
             })
             .await
-            .map_err(|status| WorkerError::Scheduler(format!("register: {}", status.message())))?
+            .map_err(|status| match status.code() {
+                tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
+                    WorkerError::TokenRefused(status.message().to_string())
+                }
+                _ => WorkerError::Scheduler(format!("register: {}", status.message())),
+            })?
             .into_inner();
         if !self.worker_id.is_empty() && self.worker_id != registered.worker_id {
             tracing::warn!(
