@@ -91,11 +91,12 @@ impl Services {
     async fn set_draining(
         &self,
         caller: &Caller,
-        worker_id: &str,
+        reference: &str,
         draining: bool,
     ) -> Result<Option<v1::Worker>, Status> {
-        self.scheduler
-            .set_draining(caller, worker_id, draining)
+        let worker_id = self
+            .scheduler
+            .set_draining(caller, reference, draining)
             .await?;
         Ok(self
             .scheduler

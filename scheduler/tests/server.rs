@@ -566,11 +566,11 @@ async fn a_drained_worker_takes_nothing_new_until_undrained() {
         start_with_worker(Duration::from_secs(30), "alice").await;
     let worker_id = worker.id.clone();
     let mut cluster_client = ClusterServiceClient::new(channel.clone());
-    let drained = cluster_client
-        .drain_worker(authorized(
-            v1::DrainWorkerRequest {
-                worker_id: worker.id.clone(),
-                reason: "maintenance".into(),
+    // Operators know their nodes by name: a drain takes the node's name as well as the id.
+    let hostname = cluster_client
+        .get_worker(authorized(
+            v1::GetWorkerRequest {
+                worker_id: worker_id.clone(),
             },
             ADMIN,
         ))
@@ -578,8 +578,31 @@ async fn a_drained_worker_takes_nothing_new_until_undrained() {
         .unwrap()
         .into_inner()
         .worker
+        .unwrap()
+        .hostname;
+    let drain = |reference: &str| {
+        authorized(
+            v1::DrainWorkerRequest {
+                worker_id: reference.into(),
+                reason: "maintenance".into(),
+            },
+            ADMIN,
+        )
+    };
+    let error = cluster_client
+        .drain_worker(drain("no-such-node"))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::NotFound, "{}", error.message());
+    let drained = cluster_client
+        .drain_worker(drain(&hostname))
+        .await
+        .unwrap()
+        .into_inner()
+        .worker
         .unwrap();
     assert_eq!(drained.state, v1::WorkerState::Draining as i32);
+    assert_eq!(drained.id, worker_id);
     assert!(matches!(
         worker.next().await,
         v1::scheduler_message::Body::Drain(_)

@@ -33,7 +33,7 @@ pub struct ClusterArguments {
 enum ClusterAction {
     /// Stops placing new attempts on a worker; its running attempts finish (admins).
     Drain {
-        /// The worker id (see `carve cluster`).
+        /// The worker id (see `carve cluster`), or its node's name.
         worker: String,
         /// Why, for the audit log.
         #[arg(long)]
@@ -41,7 +41,7 @@ enum ClusterAction {
     },
     /// Lets a drained worker take new attempts again (admins).
     Undrain {
-        /// The worker id.
+        /// The worker id, or its node's name.
         worker: String,
     },
 }

@@ -141,6 +141,39 @@ impl Live {
             .get_mut(worker_id)
             .ok_or_else(|| SchedulerError::not_found("worker", worker_id))
     }
+
+    /// The id of the worker `reference` names: a worker id, or the node name (hostname)
+    /// of exactly one worker that is not lost, since operators know their nodes by name.
+    fn resolve_worker(&self, reference: &str) -> Result<String, SchedulerError> {
+        if self.workers.contains_key(reference) {
+            return Ok(reference.to_string());
+        }
+        let mut named: Vec<&String> = self
+            .workers
+            .iter()
+            .filter(|(_, worker)| {
+                worker.record.hostname == reference && worker.state != WorkerState::Lost
+            })
+            .map(|(id, _)| id)
+            .collect();
+        named.sort();
+        match named.as_slice() {
+            [id] => Ok((*id).clone()),
+            [] => Err(SchedulerError::not_found("worker", reference)),
+            several => Err(SchedulerError::invalid_argument(
+                "worker_id",
+                format!(
+                    "node {reference} has {} workers ({}); name one by its id",
+                    several.len(),
+                    several
+                        .iter()
+                        .map(|id| id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )),
+        }
+    }
 }
 
 /// Infrastructure failures (lost worker, interrupted process) a job is retried after;

@@ -452,29 +452,32 @@ impl Scheduler {
     }
 
     /// Drain and undrain: admins only.
+    /// Drains or undrains the worker `reference` names (its id, or its node's name);
+    /// answers its id.
     pub async fn set_draining(
         &self,
         caller: &Caller,
-        worker_id: &str,
+        reference: &str,
         draining: bool,
-    ) -> Result<(), SchedulerError> {
+    ) -> Result<String, SchedulerError> {
         caller.require(&[Role::Admin])?;
-        let state = {
+        let (worker_id, state) = {
             let mut live = self.live();
-            let worker = live.worker_mut(worker_id)?;
+            let worker_id = live.resolve_worker(reference)?;
+            let worker = live.worker_mut(&worker_id)?;
             worker.state = if draining {
                 WorkerState::Draining
             } else {
                 WorkerState::Ready
             };
-            worker.state
+            (worker_id, worker.state)
         };
-        self.store.set_worker_state(worker_id, state).await?;
+        self.store.set_worker_state(&worker_id, state).await?;
         if draining {
-            self.send_to_worker(worker_id, WorkerCommand::Drain);
+            self.send_to_worker(&worker_id, WorkerCommand::Drain);
         }
         self.wake();
-        Ok(())
+        Ok(worker_id)
     }
 }
 
