@@ -168,6 +168,22 @@ pub struct ClusterGauges {
     pub log_lines_dropped: u64,
 }
 
+impl ClusterGauges {
+    /// Gives `tenant` a 0 in every per-tenant gauge it has no value in: a missing series
+    /// reads as "No data" on a dashboard and drops the tenant from its drop-down.
+    pub fn include_tenant(&mut self, tenant: &str) {
+        for values in [
+            &mut self.queued_jobs,
+            &mut self.running_jobs,
+            &mut self.vram_allocated_bytes,
+            &mut self.vram_estimated_bytes,
+            &mut self.vram_measured_bytes,
+        ] {
+            values.entry(tenant.to_string()).or_insert(0);
+        }
+    }
+}
+
 /// What the metrics page is read from: the counters, and the gauges of now.
 pub trait MetricsSource: Send + Sync + 'static {
     fn metrics(&self) -> &Metrics;
@@ -522,15 +538,7 @@ mod tests {
     #[test]
     fn every_series_the_dashboard_and_alerts_query_is_on_the_page() {
         let mut gauges = ClusterGauges::default();
-        for values in [
-            &mut gauges.queued_jobs,
-            &mut gauges.running_jobs,
-            &mut gauges.vram_allocated_bytes,
-            &mut gauges.vram_estimated_bytes,
-            &mut gauges.vram_measured_bytes,
-        ] {
-            values.insert("alpha".to_string(), 0);
-        }
+        gauges.include_tenant("alpha");
         gauges
             .gpu_capacity
             .insert("model".to_string(), GpuCapacity::default());

@@ -193,20 +193,10 @@ impl Scheduler {
                 }
             }
         }
-        // Every tenant has every per-tenant gauge, at 0 when it has nothing: a series
-        // that is missing reads as "No data" on a dashboard and drops the tenant from
-        // its drop-down.
+        // Every tenant has every per-tenant gauge, at 0 when it has nothing.
         if let Ok(tenants) = self.store.list_tenants().await {
             for tenant in tenants {
-                for values in [
-                    &mut gauges.queued_jobs,
-                    &mut gauges.running_jobs,
-                    &mut gauges.vram_allocated_bytes,
-                    &mut gauges.vram_estimated_bytes,
-                    &mut gauges.vram_measured_bytes,
-                ] {
-                    values.entry(tenant.name.clone()).or_insert(0);
-                }
+                gauges.include_tenant(&tenant.name);
             }
         }
         gauges
