@@ -67,15 +67,7 @@ fn tokens_show_their_state_names_are_lowercase_and_only_idle_tenants_are_deleted
     let used_row = row_of(&listed.stdout, used).unwrap_or_else(|| panic!("{}", listed.context()));
     assert!(used_row.contains("active"), "{}", listed.context());
     // Its last use is today's date, not "-".
-    let last_used = cluster
-        .carve_with_token(
-            admin,
-            &[
-                "admin", "tokens", "list", "--tenant", "team-b", "-o", "json",
-            ],
-        )
-        .expect_code(0)
-        .json();
+    let last_used = cluster.tenant_tokens_json(admin, "team-b");
     assert!(
         last_used["tokens"][0]["last_used_at"].is_string(),
         "{last_used}"

@@ -272,15 +272,7 @@ fn a_user_submits_watches_inspects_and_cancels_jobs_and_tenants_stay_apart() {
         .expect_code(6);
 
     // Revoked, B's token stops working.
-    let tokens = cluster
-        .carve_with_token(
-            admin,
-            &[
-                "admin", "tokens", "list", "--tenant", "team-b", "-o", "json",
-            ],
-        )
-        .expect_code(0)
-        .json();
+    let tokens = cluster.tenant_tokens_json(admin, "team-b");
     let listed = tokens["tokens"]
         .as_array()
         .unwrap()

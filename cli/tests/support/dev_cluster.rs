@@ -122,6 +122,16 @@ impl DevCluster {
         )
     }
 
+    /// `carve admin tokens list --tenant TENANT -o json` with `admin`'s token, parsed.
+    pub fn tenant_tokens_json(&self, admin: &str, tenant: &str) -> serde_json::Value {
+        self.carve_with_token(
+            admin,
+            &["admin", "tokens", "list", "--tenant", tenant, "-o", "json"],
+        )
+        .expect_code(0)
+        .json()
+    }
+
     /// Starts `carve ARGS` as the `dev` tenant's user, without waiting for it.
     pub fn spawn_carve(&self, arguments: &[&str]) -> Child {
         self.spawn_carve_with_stdin(arguments, Stdio::null())
