@@ -389,10 +389,22 @@ fn write_new_file(path: &Path, limit_bytes: u64) -> Result<PathBuf, AccountError
         std::process::id()
     ));
     let mut bytes = vec![0u8; FILE_BYTES];
-    bytes[0..8].copy_from_slice(&MAGIC.to_ne_bytes());
-    bytes[8..12].copy_from_slice(&LAYOUT_VERSION.to_ne_bytes());
-    bytes[12..16].copy_from_slice(&(SLOT_COUNT as u32).to_ne_bytes());
-    bytes[16..24].copy_from_slice(&limit_bytes.to_ne_bytes());
+    let mut put = |offset: usize, value: &[u8]| {
+        bytes[offset..offset + value.len()].copy_from_slice(value);
+    };
+    put(std::mem::offset_of!(Header, magic), &MAGIC.to_ne_bytes());
+    put(
+        std::mem::offset_of!(Header, layout_version),
+        &LAYOUT_VERSION.to_ne_bytes(),
+    );
+    put(
+        std::mem::offset_of!(Header, slot_count),
+        &(SLOT_COUNT as u32).to_ne_bytes(),
+    );
+    put(
+        std::mem::offset_of!(Header, limit_bytes),
+        &limit_bytes.to_ne_bytes(),
+    );
     let mut file = File::create(&staged).map_err(|source| io_error(&staged, source))?;
     file.write_all(&bytes)
         .map_err(|source| io_error(&staged, source))?;
