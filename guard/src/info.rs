@@ -20,7 +20,7 @@ const NVML_ERROR_FUNCTION_NOT_FOUND: NvmlReturn = 13;
 /// first so memory they gave back shows as free.
 fn slice_view(guard: Guard, real_total: u64, real_free: u64) -> (u64, u64, u64) {
     pools::reconcile_all(guard);
-    let total = guard.config.limit_bytes.min(real_total);
+    let total = guard.config.account.limit_bytes().min(real_total);
     let used = guard.in_use_bytes();
     let free = total.saturating_sub(used).min(real_free);
     (total, used, free)
@@ -58,7 +58,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: Device) 
             && let Ok(guard) = state::guard()
         {
             // SAFETY: non-null out-pointer the driver just wrote.
-            unsafe { *bytes = (*bytes as u64).min(guard.config.limit_bytes) as usize };
+            unsafe { *bytes = (*bytes as u64).min(guard.config.account.limit_bytes()) as usize };
         }
         result
     })

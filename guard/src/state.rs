@@ -26,8 +26,8 @@ use crate::pools::PoolCharge;
 /// What the worker's environment says, with the account opened.
 #[derive(Debug)]
 pub(crate) struct Config {
+    /// Opened with the environment's limit, which it holds (`Account::limit_bytes`).
     pub(crate) account: Account,
-    pub(crate) limit_bytes: u64,
     oom_record: Option<PathBuf>,
 }
 
@@ -60,7 +60,6 @@ fn load_config() -> Result<Config, String> {
         .map(PathBuf::from);
     Ok(Config {
         account,
-        limit_bytes,
         oom_record,
     })
 }
