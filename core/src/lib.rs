@@ -7,6 +7,7 @@
 pub mod admission;
 pub mod allocator;
 pub mod bytes;
+pub mod command;
 pub mod error;
 pub mod estimator;
 pub mod job_state;

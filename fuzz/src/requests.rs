@@ -685,6 +685,7 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
                 step: 10,
                 location: "/checkpoints/job.ckpt".into(),
             }),
+            command_argv: Vec::new(),
         }),
         Body::Progress(v1::worker_message::Progress {
             attempt: attempt(),
@@ -719,6 +720,8 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
                 peak_bytes: 1 << 29,
             }),
             checkpoint: None,
+            detected_by: "guard".into(),
+            evidence: "refused 1 MiB".into(),
         }),
         Body::AttemptFinished(v1::worker_message::AttemptFinished {
             attempt: attempt(),
@@ -729,6 +732,7 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
             message: String::new(),
             steps_done: Some(200),
             samples_per_second: Some(1000.0),
+            profile_points: Vec::new(),
         }),
     ];
     let mut session = Vec::new();

@@ -161,6 +161,11 @@ pub fn attempt_to_proto(attempt: &AttemptRecord) -> v1::Attempt {
         steps_done: attempt.results.steps_done.map(|steps| steps.max(0) as u64),
         samples_per_second: attempt.results.samples_per_second,
         progress: None,
+        command_argv: Vec::new(),
+        chosen_because: String::new(),
+        profile: false,
+        profile_points: Vec::new(),
+        oom_detected_by: String::new(),
     }
 }
 
@@ -317,6 +322,7 @@ pub fn job_proto_from_parts(
         current_config: config.map(Into::into),
         finished_at: job.finished_at_ms.map(timestamp),
         message: job.message.clone(),
+        memory_model: None,
     }
 }
 
@@ -556,6 +562,7 @@ pub fn worker_command_to_proto(command: WorkerCommand) -> v1::SchedulerMessage {
                     step: assignment.resume_from.step,
                     location: assignment.resume_from.location,
                 }),
+                profile: false,
             })
         }
         WorkerCommand::Cancel {

@@ -271,6 +271,7 @@ impl JobService for Services {
         Ok(Response::new(v1::SubmitJobResponse {
             job: Some(job),
             created,
+            warnings: Vec::new(),
         }))
     }
 

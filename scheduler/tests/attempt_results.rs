@@ -134,6 +134,7 @@ async fn results_progress_and_the_resume_step_are_kept_and_shown(db: &TestDb) {
             message: String::new(),
             steps_done: Some(500),
             samples_per_second: Some(321.5),
+            profile_points: Vec::new(),
         })
         .await;
     let ended = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
@@ -186,6 +187,7 @@ async fn an_attempt_ended_early_is_stored_with_the_step_it_reached(db: &TestDb) 
             message: "the program crashed".into(),
             steps_done: None,
             samples_per_second: None,
+            profile_points: Vec::new(),
         })
         .await;
     let ended = wait_for_state(&channel, &user, &job.id, v1::JobState::Failed).await;

@@ -115,6 +115,8 @@ async fn an_oom_is_retried_with_the_planners_config_from_the_checkpoint() {
                     step: 4,
                     location: "/checkpoints/a.ckpt".into(),
                 }),
+                detected_by: String::new(),
+                evidence: String::new(),
             },
         ))
         .await;
@@ -178,6 +180,7 @@ async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
                     message: "late".into(),
                     steps_done: None,
                     samples_per_second: None,
+                    profile_points: Vec::new(),
                 },
             )),
         })
@@ -856,6 +859,8 @@ async fn job_logs_tell_an_oom_retry_and_a_cancel() {
                 attempt: first.attempt.clone(),
                 report: Some(out_of_memory_in(first.slice_bytes)),
                 checkpoint: None,
+                detected_by: String::new(),
+                evidence: String::new(),
             },
         ))
         .await;

@@ -412,6 +412,7 @@ fn report_for_line(attempt: &v1::AttemptRef, line: &ChildLine) -> Option<Body> {
                 step: checkpoint.step,
                 location: checkpoint.location.clone(),
             }),
+            command_argv: Vec::new(),
         })),
         ChildLine::Progress {
             step,
@@ -466,6 +467,7 @@ pub fn final_reports(
             message,
             steps_done: observed.steps,
             samples_per_second: None,
+            profile_points: Vec::new(),
         }
     };
     let exit_code = exit_status.as_ref().ok().and_then(|status| status.code());
@@ -527,6 +529,8 @@ pub fn final_reports(
                     step: checkpoint.step,
                     location: checkpoint.location,
                 }),
+                detected_by: "allocator".to_string(),
+                evidence: String::new(),
             }),
             // The protocol's closing message; the scheduler already settled the attempt
             // on the report and only acknowledges it.

@@ -623,6 +623,7 @@ impl Worker {
                 message: reason,
                 steps_done: None,
                 samples_per_second: None,
+                profile_points: Vec::new(),
             }));
     }
 

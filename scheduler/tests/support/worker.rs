@@ -280,6 +280,7 @@ impl TestWorker {
                 attempt: assignment.attempt.clone(),
                 reserved_bytes: assignment.slice_bytes,
                 resumed_from,
+                command_argv: Vec::new(),
             },
         ))
         .await
@@ -348,6 +349,7 @@ impl TestWorker {
             message: String::new(),
             steps_done: None,
             samples_per_second: None,
+            profile_points: Vec::new(),
         })
         .await
     }
