@@ -79,6 +79,7 @@ impl Services {
     async fn job_message(&self, job: &JobRecord) -> Result<v1::Job, Status> {
         let attempts = self.scheduler.attempts(&job.id).await?;
         let mut message = job_to_proto(job, &attempts)?;
+        message.memory_model = self.scheduler.job_memory_model(job).await?.map(Into::into);
         if let Some((attempt_number, progress)) = self.scheduler.latest_progress(&job.id) {
             attach_progress(&mut message, attempt_number, &progress);
         }

@@ -19,7 +19,8 @@ use super::output::{
 use super::overrides::{SpecOverride, apply_overrides, parse_override, toml_to_json};
 use super::watch::{follow_job, job_exit, watch_job};
 use crate::spec_input::{
-    data_base_directory, job_spec_name, make_data_paths_absolute, read_job_spec_text,
+    data_base_directory, job_spec_name, make_command_directory_absolute, make_data_paths_absolute,
+    read_job_spec_text,
 };
 
 /// The job states, as `--state` spells them.
@@ -142,6 +143,8 @@ fn spec_json_from_file(arguments: &SubmitArguments) -> Result<String> {
     let mut document: toml::Table =
         toml::from_str(&text).map_err(|error| invalid(error.to_string().trim_end().to_string()))?;
     make_data_paths_absolute(&mut document, data_base_directory(&arguments.file))
+        .map_err(invalid)?;
+    make_command_directory_absolute(&mut document, data_base_directory(&arguments.file))
         .map_err(invalid)?;
     apply_overrides(&mut document, &arguments.overrides).map_err(invalid)?;
     // What --set wrote is relative to where the command runs.
