@@ -1,4 +1,8 @@
 //! Placeholders to the argv and environment of one run of a command job.
+//!
+//! One tokenizer, [`parse_template`], reads every templated string: validation runs it
+//! to refuse an unknown placeholder or an unclosed brace with the field's path, and
+//! rendering runs it again on the validated spec, so the two cannot disagree.
 
 use std::collections::BTreeMap;
 
@@ -43,8 +47,108 @@ impl RenderedCommand {
     /// The argv as one line a person can read (and paste into a shell): arguments with
     /// spaces or quotes are quoted.
     pub fn display_line(&self) -> String {
-        todo!()
+        self.argv
+            .iter()
+            .map(|argument| shell_quoted(argument))
+            .collect::<Vec<_>>()
+            .join(" ")
     }
+}
+
+/// `argument` as a POSIX shell reads it back: as it is when it holds only characters no
+/// shell treats specially, else in single quotes (a single quote inside written `'\''`).
+fn shell_quoted(argument: &str) -> String {
+    let plain = !argument.is_empty()
+        && argument.chars().all(|character| {
+            character.is_ascii_alphanumeric()
+                || matches!(
+                    character,
+                    '-' | '_' | '.' | '/' | ':' | '=' | ',' | '+' | '@' | '%'
+                )
+        });
+    if plain {
+        argument.to_string()
+    } else {
+        format!("'{}'", argument.replace('\'', r"'\''"))
+    }
+}
+
+/// A piece of a templated string: text to keep (literal braces already unescaped) or a
+/// known placeholder's name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum TemplatePiece<'a> {
+    Text(String),
+    Placeholder(&'a str),
+}
+
+/// Splits `template` into text and placeholders. The error is the reason alone (the
+/// caller knows the field): an unknown placeholder (listing the known ones), a `{` never
+/// closed, a `}` that closes nothing.
+pub(crate) fn parse_template(template: &str) -> Result<Vec<TemplatePiece<'_>>, String> {
+    let mut pieces = Vec::new();
+    let mut text = String::new();
+    let mut characters = template.char_indices().peekable();
+    while let Some((index, character)) = characters.next() {
+        match character {
+            '{' if characters.peek().is_some_and(|(_, next)| *next == '{') => {
+                characters.next();
+                text.push('{');
+            }
+            '}' if characters.peek().is_some_and(|(_, next)| *next == '}') => {
+                characters.next();
+                text.push('}');
+            }
+            '{' => {
+                let start = index + 1;
+                let end = template[start..]
+                    .find(['{', '}'])
+                    .map(|offset| start + offset)
+                    .filter(|end| template[*end..].starts_with('}'))
+                    .ok_or_else(|| {
+                        format!(
+                            "the `{{` at character {} is not closed; write `{{{{` for a literal brace",
+                            template[..index].chars().count() + 1
+                        )
+                    })?;
+                let name = &template[start..end];
+                if !PLACEHOLDERS.contains(&name) {
+                    return Err(format!(
+                        "unknown placeholder `{{{name}}}`; the known ones are {}",
+                        known_placeholders()
+                    ));
+                }
+                if !text.is_empty() {
+                    pieces.push(TemplatePiece::Text(std::mem::take(&mut text)));
+                }
+                pieces.push(TemplatePiece::Placeholder(name));
+                // Skip the name and its closing brace.
+                while characters
+                    .next_if(|(position, _)| *position <= end)
+                    .is_some()
+                {}
+            }
+            '}' => {
+                return Err(format!(
+                    "the `}}` at character {} closes nothing; write `}}}}` for a literal brace",
+                    template[..index].chars().count() + 1
+                ));
+            }
+            other => text.push(other),
+        }
+    }
+    if !text.is_empty() {
+        pieces.push(TemplatePiece::Text(text));
+    }
+    Ok(pieces)
+}
+
+/// `{micro_batch}, {accumulation_steps}, ...`, for messages.
+fn known_placeholders() -> String {
+    PLACEHOLDERS
+        .iter()
+        .map(|name| format!("{{{name}}}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Renders `job` for a run with `config`. `max_steps` is the profile's step count in a
