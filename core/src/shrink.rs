@@ -384,7 +384,8 @@ fn segment_lengths(layer_count: u64) -> Vec<u64> {
     lengths
 }
 
-fn divisors_descending(number: u64) -> Vec<u64> {
+/// The divisors of `number`, largest first.
+pub(crate) fn divisors_descending(number: u64) -> Vec<u64> {
     let mut small = Vec::new();
     let mut large = Vec::new();
     let mut divisor = 1;

@@ -12,7 +12,7 @@ use std::collections::HashSet;
 
 use crate::error::FieldError;
 use crate::model::ModelGraph;
-use crate::spec::{JobSpec, Precision, VramRequest};
+use crate::spec::{JobSpec, OomPolicySpec, Precision, ResourcesSpec, VramRequest};
 
 mod data;
 mod model;
@@ -21,6 +21,7 @@ mod training;
 
 pub use data::require_absolute_data_paths;
 pub use parse::{load_job_spec_toml, parse_job_spec_json, parse_job_spec_toml};
+pub(crate) use parse::{parse_json, parse_toml};
 
 /// Per-sample elements above this are refused: 2^40 fp32 values is 4 TiB for one sample,
 /// far beyond any GPU, and keeping a bound leaves room for batch and byte multiplication.
@@ -33,6 +34,10 @@ pub const MAX_ELEMENTS_PER_SAMPLE: u64 = 1 << 40;
 /// models a few thousand. The scheduler may refuse a larger spec early with this same
 /// number.
 pub const MAX_MODEL_LAYERS: usize = 4096;
+
+/// Batches above this are refused (`training.batch_size`, `command.global_batch`): the
+/// shrink planners enumerate a batch's divisors, and no GPU trains 16M samples at once.
+pub const MAX_BATCH_SIZE: u64 = 1 << 24;
 
 /// A spec that passed every check, with its model's shapes.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,12 +76,13 @@ pub fn validate_job_spec(spec: JobSpec) -> Result<ValidatedJob, FieldError> {
     let graph = model::infer_model_graph(&spec)?;
     training::validate_training(&spec)?;
     data::validate_data(&spec, &graph)?;
-    validate_resources_and_policy(&spec)?;
+    validate_resources(&spec.resources)?;
+    validate_oom_policy(&spec.oom, spec.training.batch_size, "training.batch_size")?;
     Ok(ValidatedJob { spec, graph })
 }
 
 /// A job name is short and safe in paths and logs.
-fn validate_name(name: &str) -> Result<(), FieldError> {
+pub(crate) fn validate_name(name: &str) -> Result<(), FieldError> {
     if name.is_empty() {
         return Err(FieldError::new("name", "must not be empty"));
     }
@@ -130,24 +136,33 @@ fn non_negative_finite(value: f64, field: &str) -> Result<(), FieldError> {
     }
 }
 
-/// The `[resources]` and `[oom]` checks.
-fn validate_resources_and_policy(spec: &JobSpec) -> Result<(), FieldError> {
-    if spec.resources.gpus != 1 {
+/// The `[resources]` checks, the same for every kind of job.
+pub(crate) fn validate_resources(resources: &ResourcesSpec) -> Result<(), FieldError> {
+    if resources.gpus != 1 {
         return Err(FieldError::new(
             "resources.gpus",
             format!(
                 "{} GPUs asked; a job runs on exactly 1 GPU slice for now",
-                spec.resources.gpus
+                resources.gpus
             ),
         ));
     }
-    if spec.resources.vram == VramRequest::Bytes(0) {
+    if resources.vram == VramRequest::Bytes(0) {
         return Err(FieldError::new(
             "resources.vram",
             "must be \"auto\" or more than 0 bytes",
         ));
     }
-    let policy = &spec.oom;
+    Ok(())
+}
+
+/// The `[oom]` checks, the same for every kind of job; `batch_size` is the effective
+/// batch the micro-batch floor must fit in, named `batch_field` in the message.
+pub(crate) fn validate_oom_policy(
+    policy: &OomPolicySpec,
+    batch_size: u64,
+    batch_field: &str,
+) -> Result<(), FieldError> {
     let mut seen = HashSet::new();
     for (index, strategy) in policy.strategies.iter().enumerate() {
         if !seen.insert(*strategy) {
@@ -160,12 +175,12 @@ fn validate_resources_and_policy(spec: &JobSpec) -> Result<(), FieldError> {
     if policy.min_micro_batch == 0 {
         return Err(FieldError::new("oom.min_micro_batch", "must be at least 1"));
     }
-    if policy.min_micro_batch > spec.training.batch_size {
+    if policy.min_micro_batch > batch_size {
         return Err(FieldError::new(
             "oom.min_micro_batch",
             format!(
-                "{} is larger than training.batch_size {}",
-                policy.min_micro_batch, spec.training.batch_size
+                "{} is larger than {batch_field} {batch_size}",
+                policy.min_micro_batch
             ),
         ));
     }

@@ -1,12 +1,25 @@
 //! From text to `JobSpec`: TOML (the job file) and JSON (the API), strict, with the path
 //! of the field that is wrong.
 
+use serde::de::DeserializeOwned;
+
 use super::{ValidatedJob, validate_job_spec};
 use crate::error::FieldError;
 use crate::spec::JobSpec;
 
 /// Reads a job spec from TOML, rejecting unknown fields with their path.
 pub fn parse_job_spec_toml(text: &str) -> Result<JobSpec, FieldError> {
+    parse_toml(text)
+}
+
+/// Reads a job spec from JSON (how it travels over the API).
+pub fn parse_job_spec_json(text: &str) -> Result<JobSpec, FieldError> {
+    parse_json(text)
+}
+
+/// Reads any spec type from TOML: a syntax error names no field, a bad value names its
+/// path and line.
+pub(crate) fn parse_toml<T: DeserializeOwned>(text: &str) -> Result<T, FieldError> {
     let deserializer = toml::Deserializer::parse(text)
         .map_err(|error| FieldError::new("", error.to_string().trim()))?;
     serde_path_to_error::deserialize(deserializer).map_err(|error| {
@@ -16,8 +29,8 @@ pub fn parse_job_spec_toml(text: &str) -> Result<JobSpec, FieldError> {
     })
 }
 
-/// Reads a job spec from JSON (how it travels over the API).
-pub fn parse_job_spec_json(text: &str) -> Result<JobSpec, FieldError> {
+/// Reads any spec type from JSON, a bad value naming its path.
+pub(crate) fn parse_json<T: DeserializeOwned>(text: &str) -> Result<T, FieldError> {
     let mut deserializer = serde_json::Deserializer::from_str(text);
     serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
         let reason = error.inner().to_string();

@@ -1,7 +1,7 @@
 //! The `[training]` checks: batch and step counts, accumulation, recomputation, the
 //! optimizer's hyperparameters.
 
-use super::{in_unit_interval, non_negative_finite, positive_finite};
+use super::{MAX_BATCH_SIZE, in_unit_interval, non_negative_finite, positive_finite};
 use crate::error::FieldError;
 use crate::spec::{JobSpec, OptimizerSpec};
 
@@ -10,13 +10,12 @@ pub(super) fn validate_training(spec: &JobSpec) -> Result<(), FieldError> {
     if training.batch_size == 0 {
         return Err(FieldError::new("training.batch_size", "must be at least 1"));
     }
-    if training.batch_size > 1 << 24 {
+    if training.batch_size > MAX_BATCH_SIZE {
         return Err(FieldError::new(
             "training.batch_size",
             format!(
-                "{} is larger than the limit of {}",
-                training.batch_size,
-                1u64 << 24
+                "{} is larger than the limit of {MAX_BATCH_SIZE}",
+                training.batch_size
             ),
         ));
     }
