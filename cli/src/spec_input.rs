@@ -86,6 +86,18 @@ pub fn make_data_paths_absolute(document: &mut toml::Table, base: &Path) -> Resu
     Ok(())
 }
 
+/// Refuses a command job (a TOML spec with a `[command]` table) where only a model job
+/// makes sense: `carve estimate` and `carve run`.
+pub fn refuse_command_job(text: &str, spec_name: &str) -> Result<(), String> {
+    match toml::from_str::<toml::Table>(text) {
+        Ok(document) if document.contains_key("command") => Err(format!(
+            "{spec_name} {}",
+            carve_proto::convert::COMMAND_JOB_HAS_NO_ESTIMATE
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Gives a command job (a spec with a `[command]` table) an absolute working directory:
 /// a relative one is made absolute against `base` (the job file's folder), and none
 /// means `base` itself, so `argv = ["python3", "train.py"]` runs the script beside the

@@ -114,6 +114,20 @@ pub fn validated_job_from_json(spec_json: &str) -> Result<ValidatedJob, ApiError
     validate_job_spec(spec).map_err(|error| ApiError::from(error).prefix_field(SPEC_FIELD))
 }
 
+/// Why a command job has no estimate ahead of time, for the commands that estimate or
+/// train model jobs (`carve estimate`, `carve run`, EstimateJob).
+pub const COMMAND_JOB_HAS_NO_ESTIMATE: &str = "is a command job: Carve cannot see inside \
+     the program, so its memory is measured by a short profile when it is submitted \
+     (carve submit), or taken from resources.vram; there is nothing to estimate or train \
+     here";
+
+/// Whether a spec text is a command job's (it has a top-level `command`), read without
+/// validating it.
+pub fn is_command_spec_json(spec_json: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(spec_json)
+        .is_ok_and(|document| document.get("command").is_some())
+}
+
 /// Parses and validates a spec of either kind (a model job, or a command job: one with a
 /// `command` table) from the API's `spec_json`. Errors name the field under
 /// [`SPEC_FIELD`].

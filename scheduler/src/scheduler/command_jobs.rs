@@ -12,7 +12,6 @@ use carve_core::command::validate::{ValidatedCommandJob, validate_command_job_sp
 use carve_core::job_state::{AttemptOutcome, JobEvent};
 use carve_core::plan::RunConfig;
 use carve_core::spec::VramRequest;
-use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use crate::convert::{config_from_json, config_to_json, estimate_to_json};
@@ -51,15 +50,7 @@ pub(super) fn display_argv(argv: &[String]) -> String {
     .display_line()
 }
 
-/// Whether a spec text is a command job's (it has a top-level `command`), read without
-/// validating it: placement and the end of an attempt ask this of every job.
-pub(super) fn is_command_spec(spec_json: &str) -> bool {
-    #[derive(Deserialize)]
-    struct Probe {
-        command: Option<serde::de::IgnoredAny>,
-    }
-    serde_json::from_str::<Probe>(spec_json).is_ok_and(|probe| probe.command.is_some())
-}
+pub(super) use carve_proto::convert::is_command_spec_json as is_command_spec;
 
 /// A stored command job's spec, parsed and checked again (cheap: no model to infer).
 pub(super) fn stored_command_job(spec_json: &str) -> Result<ValidatedCommandJob, SchedulerError> {

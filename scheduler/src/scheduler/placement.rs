@@ -282,11 +282,11 @@ impl Scheduler {
                 .await?;
             let profile = needs_profile(&command, model.as_ref());
             if profile {
-                let [small, large] = command.profile_micro_batches();
+                let [first, second] = command.profile_micro_batches();
                 return Ok((
                     true,
                     format!(
-                        "profile: {} steps at micro-batches {large} and {small} measure the program's memory",
+                        "profile: {} steps at micro-batches {first} and {second} measure the program's memory",
                         command.spec.command.profile.steps
                     ),
                 ));
