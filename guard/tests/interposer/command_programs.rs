@@ -254,7 +254,7 @@ pub fn standin_simulated_memory_runs_out_against_the_slice() {
 }
 
 /// The programs the command examples' job files run.
-const EXPECTED_PROGRAMS: &[&str] = &["standin_train.py"];
+const EXPECTED_PROGRAMS: &[&str] = &["standin_train.py", "pytorch/train.py", "keras/train.py"];
 
 /// Compiles (without running) every Python program under `examples/command/`: the GPU
 /// examples need PyTorch or TensorFlow and run only on GPU machines, but a syntax error
