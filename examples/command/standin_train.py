@@ -31,6 +31,9 @@ It trains nothing. It plays a training script's DEVICE MEMORY and its bookkeepin
                  "memory": "cuda"}, ...]}
   "every optimizer step saw global_batch samples" is: `step` == the steps asked for,
   `optimizer_steps[i].step == i + 1`, and every `samples == global_batch`.
+- other endings, for tests of how Carve classifies them: --catch-out-of-memory handles
+  a refused late allocation (prints the same line, goes on, exits 0), --fail-at-step S
+  raises an ordinary error at step S (a traceback, exit 1).
 - progress: one `CARVE_PROGRESS step=.. total_steps=.. loss=.. samples_per_s=..` line per
   optimizer step on stdout. The loss is made up (a decreasing function of the step
   alone, so a resumed run continues the same curve); it is a stand-in.
@@ -265,6 +268,17 @@ def parse_arguments(argv):
         "--step-seconds", type=float, default=0.0, help="sleep per step, for a demo to watch"
     )
     parser.add_argument(
+        "--catch-out-of-memory",
+        action="store_true",
+        help="handle a refused late allocation and go on (exits 0)",
+    )
+    parser.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=0,
+        help="raise an ordinary error after this step's micro-batches (exits 1, no OOM)",
+    )
+    parser.add_argument(
         "--device-memory",
         choices=["auto", "cuda", "simulated"],
         default="auto",
@@ -286,6 +300,20 @@ def per_sample_share(arguments):
     if arguments.recompute:
         share *= RECOMPUTE_PER_SAMPLE_SHARE
     return share
+
+
+def allocate_late(memory, size, catch_out_of_memory):
+    """The late per-sample memory; with --catch-out-of-memory a refusal is printed as a
+    framework's warning would be and the step goes on without it (a program that
+    handles its own OOM and exits 0 is not an OOM to Carve)."""
+    try:
+        return memory.allocate(size)
+    except OutOfMemory as error:
+        if not catch_out_of_memory:
+            raise
+        print(torch_out_of_memory_line(error), file=sys.stderr, flush=True)
+        print("standin: caught the out-of-memory error; going on without it", file=sys.stderr)
+        return None
 
 
 def train(arguments):
@@ -319,12 +347,14 @@ def train(arguments):
             activations = memory.allocate(activation_bytes)
             late = None
             if late_bytes and step >= arguments.late_from_step:
-                late = memory.allocate(late_bytes)
+                late = allocate_late(memory, late_bytes, arguments.catch_out_of_memory)
             samples += arguments.micro_batch
             if late is not None:
                 memory.free(late)
             memory.free(activations)
         assert samples == arguments.global_batch, (samples, arguments.global_batch)
+        if step == arguments.fail_at_step:
+            raise RuntimeError(f"a bug in the training script at step {step}")
         if arguments.step_seconds > 0:
             time.sleep(arguments.step_seconds)
         loss = made_up_loss(step)

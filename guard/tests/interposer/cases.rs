@@ -4,7 +4,8 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use crate::command_programs::{
-    command_example_programs_compile, standin_out_of_memory_then_resumed_with_accumulation,
+    command_example_programs_compile, standin_other_endings_for_the_classifier,
+    standin_out_of_memory_then_resumed_with_accumulation,
     standin_simulated_memory_runs_out_against_the_slice,
     standin_under_the_limit_trains_every_step_at_the_global_batch,
 };
@@ -40,6 +41,7 @@ const CASES: &[(&str, Case)] = cases![
     standin_under_the_limit_trains_every_step_at_the_global_batch,
     standin_out_of_memory_then_resumed_with_accumulation,
     standin_simulated_memory_runs_out_against_the_slice,
+    standin_other_endings_for_the_classifier,
     command_example_programs_compile,
 ];
 

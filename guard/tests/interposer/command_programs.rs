@@ -253,6 +253,53 @@ pub fn standin_simulated_memory_runs_out_against_the_slice() {
     assert_eq!(micro_batches, [64, 64, 16, 16, 16, 16]);
 }
 
+pub fn standin_other_endings_for_the_classifier() {
+    if !python_available() {
+        return;
+    }
+    // A program that catches its refusals and goes on: the guard records each one, the
+    // PyTorch line is on stderr, and it still exits 0 with every step done.
+    let world = roomy_world(1000 * MIB);
+    let checkpoint_dir = world.dir.path().join("checkpoint");
+    let mut command = world.with_guard(standin(&world, &checkpoint_dir, 64));
+    command.arg("--catch-out-of-memory");
+    let output = run(command);
+    assert!(output.success, "{output:#?}");
+    assert!(
+        output
+            .stderr
+            .contains("torch.OutOfMemoryError: CUDA out of memory.")
+    );
+    assert_eq!(
+        world.oom_record().len(),
+        4,
+        "one refusal in each of steps 3 to 6"
+    );
+    assert_eq!(read_checkpoint(&checkpoint_dir).step, STEPS);
+
+    // An ordinary crash: exit 1, a traceback, no OOM anywhere.
+    let world = roomy_world(1280 * MIB);
+    let checkpoint_dir = world.dir.path().join("checkpoint");
+    let mut command = world.with_guard(standin(&world, &checkpoint_dir, 64));
+    command.args(["--fail-at-step", "2"]);
+    let output = run(command);
+    assert_eq!(output.exit_code, Some(1), "{output:#?}");
+    assert!(
+        output
+            .stderr
+            .contains("RuntimeError: a bug in the training script at step 2"),
+        "{}",
+        output.stderr
+    );
+    assert!(
+        !output.stderr.contains("out of memory"),
+        "{}",
+        output.stderr
+    );
+    assert!(world.oom_record().is_empty());
+    assert_eq!(read_checkpoint(&checkpoint_dir).step, 1);
+}
+
 /// The programs the command examples' job files run.
 const EXPECTED_PROGRAMS: &[&str] = &["standin_train.py", "pytorch/train.py", "keras/train.py"];
 
