@@ -204,9 +204,12 @@ def main(arguments):
     optimizer = keras.optimizers.Adam(learning_rate=arguments.learning_rate)
     if loss_scaling:
         optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
-    if hasattr(optimizer, "build"):
-        # Creates the slot variables now, so a checkpoint restores them at once.
+    try:
+        # Creates the slot variables now, so a checkpoint restores them at once (Keras 3
+        # and tf.keras 2.11+); older optimizers restore them when they are created.
         optimizer.build(model.trainable_variables)
+    except (AttributeError, NotImplementedError, ValueError, TypeError):
+        pass
     model.compile(optimizer=optimizer)
 
     step = tf.Variable(0, dtype=tf.int64, trainable=False)

@@ -203,9 +203,8 @@ def train(arguments):
     torch.manual_seed(arguments.seed)
     device = torch.device(arguments.device)
     os.makedirs(arguments.checkpoint_dir, exist_ok=True)
+    # On the host, as a data loader's would be: each micro-batch is copied over.
     images, labels = synthetic_dataset(arguments.samples, arguments.seed)
-    if device.type == "cuda":
-        images, labels = images.pin_memory(), labels.pin_memory()
     model = ResNet(
         arguments.width, arguments.blocks_per_stage, arguments.norm, arguments.grad_checkpointing
     ).to(device)
@@ -229,8 +228,8 @@ def train(arguments):
         step_loss = torch.zeros((), device=device)
         for part in range(accumulation):
             chosen = indices[part * micro : (part + 1) * micro]
-            x = images[chosen].to(device, non_blocking=True)
-            y = labels[chosen].to(device, non_blocking=True)
+            x = images[chosen].to(device)
+            y = labels[chosen].to(device)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 # The mean over the micro-batch, divided by the accumulation steps: the
                 # summed gradients are those of the mean over the global batch.
