@@ -174,17 +174,21 @@ pub fn plan_shrink_with_budget(
         available_bytes: budget_bytes,
         smallest_required_bytes: estimate.required_bytes,
         smallest_config: config.to_string(),
-        strategies: if policy.strategies.is_empty() {
-            "none allowed".to_string()
-        } else {
-            policy
-                .strategies
-                .iter()
-                .map(|strategy| strategy.name())
-                .collect::<Vec<_>>()
-                .join(", ")
-        },
+        strategies: strategy_names(&policy.strategies),
     })
+}
+
+/// The strategies as a `DoesNotFit` error lists them.
+pub(crate) fn strategy_names(strategies: &[ShrinkStrategy]) -> String {
+    if strategies.is_empty() {
+        "none allowed".to_string()
+    } else {
+        strategies
+            .iter()
+            .map(|strategy| strategy.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// The planner's candidates, each compiled and estimated at most once, with the work
@@ -286,14 +290,7 @@ fn candidate_configs(
                 Vec::new()
             }
         }
-        ShrinkStrategy::Accumulate => divisors_descending(config.batch_size)
-            .into_iter()
-            .filter(|micro| *micro < config.micro_batch_size && *micro >= policy.min_micro_batch)
-            .map(|micro_batch_size| RunConfig {
-                micro_batch_size,
-                ..*config
-            })
-            .collect(),
+        ShrinkStrategy::Accumulate => accumulate_candidates(config, policy.min_micro_batch),
         ShrinkStrategy::Recompute => {
             let layer_count = job.graph.layers.len() as u64;
             let current_segment = config.recompute_segment_layers.unwrap_or(1);
@@ -350,24 +347,41 @@ fn candidate_configs(
                 .filter(|candidate| samples_by_layer(candidate) != current_samples)
                 .collect()
         }
-        ShrinkStrategy::ShrinkBatch => {
-            let mut candidates = Vec::new();
-            let mut batch_size = config.batch_size / 2;
-            while batch_size >= policy.min_micro_batch.max(1) {
-                let micro_batch_size = divisors_descending(batch_size)
-                    .into_iter()
-                    .find(|micro| *micro <= config.micro_batch_size)
-                    .unwrap_or(1);
-                candidates.push(RunConfig {
-                    batch_size,
-                    micro_batch_size,
-                    ..*config
-                });
-                batch_size /= 2;
-            }
-            candidates
-        }
+        ShrinkStrategy::ShrinkBatch => shrink_batch_candidates(config, policy.min_micro_batch),
     })
+}
+
+/// `accumulate`'s levels, gentlest first: every smaller micro-batch that divides the
+/// batch, down to `min_micro_batch`.
+pub(crate) fn accumulate_candidates(config: &RunConfig, min_micro_batch: u64) -> Vec<RunConfig> {
+    divisors_descending(config.batch_size)
+        .into_iter()
+        .filter(|micro| *micro < config.micro_batch_size && *micro >= min_micro_batch)
+        .map(|micro_batch_size| RunConfig {
+            micro_batch_size,
+            ..*config
+        })
+        .collect()
+}
+
+/// `shrink_batch`'s levels, gentlest first: the batch halved again and again, down to
+/// `min_micro_batch`, each with the largest micro-batch at most the current one.
+pub(crate) fn shrink_batch_candidates(config: &RunConfig, min_micro_batch: u64) -> Vec<RunConfig> {
+    let mut candidates = Vec::new();
+    let mut batch_size = config.batch_size / 2;
+    while batch_size >= min_micro_batch.max(1) {
+        let micro_batch_size = divisors_descending(batch_size)
+            .into_iter()
+            .find(|micro| *micro <= config.micro_batch_size)
+            .unwrap_or(1);
+        candidates.push(RunConfig {
+            batch_size,
+            micro_batch_size,
+            ..*config
+        });
+        batch_size /= 2;
+    }
+    candidates
 }
 
 /// Segment lengths worth trying: all of them for small models, a spread for deep ones.
@@ -409,38 +423,21 @@ fn describe_step(
     to: &RunConfig,
 ) -> ShrinkStep {
     let description = match strategy {
-        ShrinkStrategy::MixedPrecision => format!(
-            "{} -> {} activations and gradients, fp32 master weights{}",
-            from.precision,
-            to.precision,
-            if to.precision == Precision::Fp16 {
-                ", dynamic loss scaling"
-            } else {
-                ""
-            }
-        ),
+        ShrinkStrategy::MixedPrecision => describe_precision_change(from, to),
         ShrinkStrategy::Accumulate => {
             let has_batch_norm = job
                 .graph
                 .layers
                 .iter()
                 .any(|layer| matches!(layer.op, LayerOp::BatchNorm { .. }));
-            format!(
-                "{} micro-batches of {} (was {} of {}), effective batch {} unchanged{}",
-                to.accumulation_steps(),
-                to.micro_batch_size,
-                from.accumulation_steps(),
-                from.micro_batch_size,
-                to.batch_size,
-                if has_batch_norm {
-                    format!(
-                        "; batch norm now normalizes over {} samples instead of {}",
-                        to.micro_batch_size, from.micro_batch_size
-                    )
-                } else {
-                    String::new()
-                }
-            )
+            let mut description = describe_micro_batch_change(from, to);
+            if has_batch_norm {
+                description.push_str(&format!(
+                    "; batch norm now normalizes over {} samples instead of {}",
+                    to.micro_batch_size, from.micro_batch_size
+                ));
+            }
+            description
         }
         ShrinkStrategy::Recompute => format!(
             "keep every {}th layer's input and recompute the rest in backward (about one extra forward pass)",
@@ -451,13 +448,44 @@ fn describe_step(
             HumanBytes(from.workspace_limit_bytes),
             HumanBytes(to.workspace_limit_bytes)
         ),
-        ShrinkStrategy::ShrinkBatch => format!(
-            "batch {} -> {}: this changes the training (the job allowed it)",
-            from.batch_size, to.batch_size
-        ),
+        ShrinkStrategy::ShrinkBatch => describe_batch_change(from, to),
     };
     ShrinkStep {
         strategy,
         description,
     }
+}
+
+/// `mixed_precision`'s change, as every planner words it.
+pub(crate) fn describe_precision_change(from: &RunConfig, to: &RunConfig) -> String {
+    format!(
+        "{} -> {} activations and gradients, fp32 master weights{}",
+        from.precision,
+        to.precision,
+        if to.precision == Precision::Fp16 {
+            ", dynamic loss scaling"
+        } else {
+            ""
+        }
+    )
+}
+
+/// `accumulate`'s change, as every planner words it.
+pub(crate) fn describe_micro_batch_change(from: &RunConfig, to: &RunConfig) -> String {
+    format!(
+        "{} micro-batches of {} (was {} of {}), effective batch {} unchanged",
+        to.accumulation_steps(),
+        to.micro_batch_size,
+        from.accumulation_steps(),
+        from.micro_batch_size,
+        to.batch_size,
+    )
+}
+
+/// `shrink_batch`'s change, as every planner words it.
+pub(crate) fn describe_batch_change(from: &RunConfig, to: &RunConfig) -> String {
+    format!(
+        "batch {} -> {}: this changes the training (the job allowed it)",
+        from.batch_size, to.batch_size
+    )
 }

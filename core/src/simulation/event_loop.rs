@@ -354,7 +354,7 @@ impl<'a> Simulation<'a> {
             .unwrap_or(1.0);
         let (oracle, workload) = (&mut self.oracle, self.workload);
         let admitted = size_slice_at_admission(
-            entry.job.spec.resources.vram,
+            entry.job.vram(),
             config,
             entry.own_required_bytes,
             correction,
@@ -596,7 +596,7 @@ impl<'a> Simulation<'a> {
         let need = self.need_bytes(job, Some(config));
         let estimated = self.oracle.required_bytes(self.workload, model, &config);
         let observation = oom_observation(need, slice, estimated);
-        let max_retries = self.workload.models[model].job.spec.oom.max_retries;
+        let max_retries = self.workload.models[model].job.max_retries();
         let retries_left = self.runs[job].out_of_memory_attempts <= max_retries;
         let shrunk = self
             .oracle

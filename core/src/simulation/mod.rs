@@ -23,6 +23,9 @@
 //!   config the estimate plus the same difference (memory the estimator does not see,
 //!   such as a library's private buffers, does not shrink with the batch);
 //! - with `actual_peak_bytes` alone, that number; such a job cannot be shrunk.
+//! - a command job (a `spec` with `[command]`) has the fixed + per-sample memory model
+//!   its row gives (`command_model`) in place of the estimator, for Carve's decisions
+//!   (through [`crate::command::shrink::plan_command_shrink`]) and for the truth alike.
 //!
 //! An attempt whose slice is smaller than its need runs out of memory after
 //! `oom_after_fraction` of the run time it had left (the peak may come late: the first

@@ -278,3 +278,106 @@ proptest! {
         }
     }
 }
+
+/// A command job of a global batch of 64 that may accumulate, declared at 8 GiB.
+const COMMAND_JOB: &str = r#"
+name = "standin"
+[command]
+argv = ["python3", "standin_train.py", "--micro-batch", "{micro_batch}"]
+global_batch = 64
+[resources]
+vram = "8GiB"
+[oom]
+strategies = ["accumulate"]
+"#;
+
+fn command_trace(rows: &str) -> Result<Workload, CoreError> {
+    let header =
+        "submit_time_s,duration_s,tenant,gpus,requested_bytes,spec,actual_peak_bytes,command_model";
+    let texts = BTreeMap::from([("jobs/standin.toml".to_string(), COMMAND_JOB.to_string())]);
+    Workload::prepare(&parse_trace(&format!("{header}\n{rows}")).unwrap(), &texts)
+}
+
+#[test]
+fn a_command_job_runs_by_the_memory_model_its_row_gives() {
+    // 1 GiB + 64 MiB x 64 = 5 GiB: fits its 8 GiB slice as it is.
+    let workload =
+        command_trace("0,100,alice,1,8GiB,jobs/standin.toml,,fixed=1GiB:per_sample=64MiB\n")
+            .unwrap();
+    assert_eq!(workload.models.len(), 1);
+    assert_eq!(workload.models[0].own_required_bytes, 5 * GIB);
+    assert_eq!(workload.models[0].own_config.micro_batch_size, 64);
+    let carve = run(&workload, "1x80GiB", Policy::Carve);
+    assert_eq!((carve.succeeded_jobs, carve.failed_jobs), (1, 0));
+    // 1 GiB + 160 MiB x 64 = 11 GiB does not fit the 8 GiB it asks for: shrunk ahead of
+    // time to micro-batches of 32 (6 GiB).
+    let workload =
+        command_trace("0,100,alice,1,8GiB,jobs/standin.toml,,fixed=1GiB:per_sample=160MiB\n")
+            .unwrap();
+    let carve = run(&workload, "1x80GiB", Policy::Carve);
+    assert_eq!((carve.succeeded_jobs, carve.failed_jobs), (1, 0));
+    assert_eq!((carve.out_of_memory_attempts, carve.shrunk_jobs), (0, 1));
+}
+
+#[test]
+fn a_command_job_that_needs_more_than_its_profile_saw_is_shrunk_after_its_oom() {
+    // The profile saw 1 GiB + 64 MiB x 64 = 5 GiB; the run needs 9 GiB, more than its
+    // 8 GiB slice: it runs out, and accumulation brings it under.
+    let workload =
+        command_trace("0,100,alice,1,8GiB,jobs/standin.toml,9GiB,fixed=1GiB:per_sample=64MiB\n")
+            .unwrap();
+    let whole = run(&workload, "1x8GiB", Policy::WholeGpu);
+    assert_eq!(whole.failed_jobs, 1);
+    let carve = run(&workload, "1x8GiB", Policy::Carve);
+    assert_eq!((carve.succeeded_jobs, carve.failed_jobs), (1, 0));
+    // Exactly one retry: the planner's raised model put it at micro-batches of 32.
+    assert_eq!((carve.out_of_memory_attempts, carve.shrunk_jobs), (1, 1));
+}
+
+#[test]
+fn command_models_are_checked_with_their_row_and_column() {
+    for (rows, expected) in [
+        (
+            "0,100,alice,1,8GiB,jobs/standin.toml,,\n",
+            "row 2 column command_model: `jobs/standin.toml` is a command job",
+        ),
+        (
+            "0,100,alice,1,8GiB,jobs/standin.toml,,fixed=1GiB\n",
+            "row 2 column command_model: needs fixed and per_sample",
+        ),
+        (
+            "0,100,alice,1,8GiB,jobs/standin.toml,,fixed=1GiB:per_sample=3 parsecs\n",
+            "row 2 column command_model: per_sample: unknown unit",
+        ),
+        (
+            "0,100,alice,1,8GiB,,1GiB,fixed=1GiB:per_sample=1MiB\n",
+            "row 2 column command_model: needs a spec",
+        ),
+    ] {
+        let header = "submit_time_s,duration_s,tenant,gpus,requested_bytes,spec,actual_peak_bytes,command_model";
+        let texts = BTreeMap::from([("jobs/standin.toml".to_string(), COMMAND_JOB.to_string())]);
+        let error = parse_trace(&format!("{header}\n{rows}"))
+            .and_then(|trace| Workload::prepare(&trace, &texts))
+            .unwrap_err()
+            .to_string();
+        assert!(error.starts_with(expected), "{error}");
+    }
+    let model = ModelFamilyParameters::parse("cnn:width=8:depth=2:batch=4:image=8").unwrap();
+    let trace = parse_trace(&format!(
+        "{HEADER},spec,command_model\n0,10,alice,1,1GiB,,,jobs/a.toml,fixed=1GiB:per_sample=1MiB\n"
+    ))
+    .unwrap();
+    let texts = BTreeMap::from([("jobs/a.toml".to_string(), model.job_spec_toml())]);
+    let error = Workload::prepare(&trace, &texts).unwrap_err().to_string();
+    assert!(
+        error.starts_with("row 2 column command_model: `jobs/a.toml` is a model job"),
+        "{error}"
+    );
+    let error = parse_trace(&format!(
+        "{HEADER},command_model\n0,10,alice,1,1GiB,{},,fixed=1GiB:per_sample=1MiB\n",
+        "cnn:width=8:depth=2:batch=4:image=8"
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(error.starts_with("row 2 column command_model"), "{error}");
+}

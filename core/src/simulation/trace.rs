@@ -14,9 +14,12 @@
 //! | `spec`              | no       | a job TOML file, relative to the trace file                   |
 //! | `model`             | no       | the built-in CNN family: `cnn:width=64:depth=8:batch=128:image=64` |
 //! | `actual_peak_bytes` | no       | the job's true need when the estimator does not see all of it |
+//! | `command_model`     | no       | a command job's memory, `fixed=1GiB:per_sample=35MiB` (with `spec`) |
 //!
 //! A row names its model with `spec` or `model` (not both) or with neither, and then it
-//! must give `actual_peak_bytes`. A value may be quoted as a spreadsheet writes it
+//! must give `actual_peak_bytes`. A `spec` that is a command job (`[command]`) needs
+//! `command_model`: what its profile would measure, since the simulator runs no program.
+//! A value may be quoted as a spreadsheet writes it
 //! (`"team a, west"`, a quote inside doubled), so it can hold a comma; it cannot span
 //! lines. The `csv` crate splits the fields; this module keeps the trace's own line
 //! rules (comments, blank lines, surrounding spaces). Errors name the row (the line
@@ -31,7 +34,7 @@ use crate::bytes::parse_byte_size;
 use crate::error::{CoreError, FieldError};
 
 /// The columns a trace may have, in the order the generator writes them.
-pub const TRACE_COLUMNS: [&str; 8] = [
+pub const TRACE_COLUMNS: [&str; 9] = [
     "submit_time_s",
     "duration_s",
     "tenant",
@@ -40,6 +43,7 @@ pub const TRACE_COLUMNS: [&str; 8] = [
     "spec",
     "model",
     "actual_peak_bytes",
+    "command_model",
 ];
 
 const REQUIRED_COLUMNS: [&str; 5] = [
@@ -73,6 +77,58 @@ pub struct TraceRow {
     pub requested_bytes: u64,
     pub model: ModelSource,
     pub actual_peak_bytes: Option<u64>,
+    /// A command job's memory (only with a `spec`).
+    pub command_model: Option<CommandModelParameters>,
+}
+
+/// A command job's memory as a trace row gives it: `need(micro) = fixed + per_sample x
+/// micro` at the job's own precision, without recomputation (what a profile measures).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CommandModelParameters {
+    pub fixed_bytes: u64,
+    pub per_sample_bytes: u64,
+}
+
+impl CommandModelParameters {
+    /// Reads `fixed=1GiB:per_sample=35MiB` (both keys, in any order).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let (mut fixed_bytes, mut per_sample_bytes) = (None, None);
+        for part in text.split(':') {
+            let Some((key, value)) = part.split_once('=') else {
+                return Err(format!("`{part}` is not key=value"));
+            };
+            let slot = match key.trim() {
+                "fixed" => &mut fixed_bytes,
+                "per_sample" => &mut per_sample_bytes,
+                other => {
+                    return Err(format!(
+                        "unknown key `{other}`; expected fixed and per_sample"
+                    ));
+                }
+            };
+            let bytes = parse_byte_size(value).map_err(|error| format!("{key}: {error}"))?;
+            if slot.replace(bytes).is_some() {
+                return Err(format!("{key} is given twice"));
+            }
+        }
+        match (fixed_bytes, per_sample_bytes) {
+            (Some(fixed_bytes), Some(per_sample_bytes)) => Ok(CommandModelParameters {
+                fixed_bytes,
+                per_sample_bytes,
+            }),
+            _ => Err("needs fixed and per_sample, e.g. fixed=1GiB:per_sample=35MiB".to_string()),
+        }
+    }
+}
+
+impl fmt::Display for CommandModelParameters {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            formatter,
+            "fixed={}B:per_sample={}B",
+            self.fixed_bytes, self.per_sample_bytes
+        )
+    }
 }
 
 /// A parsed trace, rows in the order of the text.
@@ -208,6 +264,12 @@ pub fn parse_trace(text: &str) -> Result<Trace, CoreError> {
         let actual_peak_bytes = cell("actual_peak_bytes")
             .map(|text| parse_bytes(row, "actual_peak_bytes", text))
             .transpose()?;
+        let command_model = cell("command_model")
+            .map(|text| {
+                CommandModelParameters::parse(text)
+                    .map_err(|reason| cell_error(row, "command_model", reason))
+            })
+            .transpose()?;
         let model = match (cell("spec"), cell("model")) {
             (Some(_), Some(_)) => {
                 return Err(cell_error(
@@ -217,11 +279,25 @@ pub fn parse_trace(text: &str) -> Result<Trace, CoreError> {
                 ));
             }
             (Some(path), None) => ModelSource::SpecFile(path.to_string()),
+            (None, Some(_)) if command_model.is_some() => {
+                return Err(cell_error(
+                    row,
+                    "command_model",
+                    "is for a command job's spec, not a model family",
+                ));
+            }
             (None, Some(text)) => ModelSource::Family(
                 ModelFamilyParameters::parse(text)
                     .map_err(|reason| cell_error(row, "model", reason))?,
             ),
             (None, None) => {
+                if command_model.is_some() {
+                    return Err(cell_error(
+                        row,
+                        "command_model",
+                        "needs a spec naming the command job it is the memory of",
+                    ));
+                }
                 if actual_peak_bytes.is_none() {
                     return Err(cell_error(
                         row,
@@ -240,6 +316,7 @@ pub fn parse_trace(text: &str) -> Result<Trace, CoreError> {
             requested_bytes,
             model,
             actual_peak_bytes,
+            command_model,
         });
     }
     Ok(Trace { rows })

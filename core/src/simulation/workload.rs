@@ -7,23 +7,97 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::command::memory_model::CommandMemoryModel;
+use crate::command::shrink::plan_command_shrink;
+use crate::command::validate::{ValidatedCommandJob, ValidatedSpec, load_spec_toml};
 use crate::error::CoreError;
 use crate::estimator::estimate_job;
 use crate::plan::RunConfig;
-use crate::shrink::{OomObservation, plan_shrink};
-use crate::simulation::trace::{ModelSource, Trace, cell_error};
-use crate::validate::{ValidatedJob, parse_job_spec_toml, validate_job_spec};
+use crate::shrink::{OomObservation, ShrinkDecision, plan_shrink};
+use crate::simulation::trace::{CommandModelParameters, ModelSource, Trace, cell_error};
+use crate::spec::VramRequest;
+use crate::validate::ValidatedJob;
 
 /// One distinct model of the trace.
 #[derive(Debug, Clone)]
 pub struct SimulatedModel {
     /// The spec path or the family parameters, as the trace wrote them.
     pub label: String,
-    pub job: ValidatedJob,
+    pub job: SimulatedSpec,
     /// The configuration the job asks for.
     pub own_config: RunConfig,
-    /// The estimator's `required_bytes` at `own_config`.
+    /// The estimator's `required_bytes` at `own_config` (a command job's: its memory
+    /// model's need).
     pub own_required_bytes: u64,
+}
+
+/// A model job, judged by the estimator, or a command job, judged by the memory model
+/// its trace row gave (what Carve's profile would have measured).
+// One per distinct model of a trace (a few hundred at most), so the variants' sizes do
+// not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum SimulatedSpec {
+    Model(ValidatedJob),
+    Command {
+        job: ValidatedCommandJob,
+        memory: CommandMemoryModel,
+    },
+}
+
+impl SimulatedSpec {
+    pub fn priority(&self) -> i32 {
+        match self {
+            SimulatedSpec::Model(job) => job.spec.priority,
+            SimulatedSpec::Command { job, .. } => job.spec.priority,
+        }
+    }
+
+    pub fn vram(&self) -> VramRequest {
+        match self {
+            SimulatedSpec::Model(job) => job.spec.resources.vram,
+            SimulatedSpec::Command { job, .. } => job.spec.resources.vram,
+        }
+    }
+
+    pub fn max_retries(&self) -> u32 {
+        match self {
+            SimulatedSpec::Model(job) => job.spec.oom.max_retries,
+            SimulatedSpec::Command { job, .. } => job.spec.oom.max_retries,
+        }
+    }
+
+    /// The configuration the job asks for.
+    pub fn own_config(&self) -> RunConfig {
+        match self {
+            SimulatedSpec::Model(job) => RunConfig::from_spec(&job.spec),
+            SimulatedSpec::Command { job, .. } => job.initial_config(),
+        }
+    }
+
+    /// What Carve would size a slice by for `config`: the estimator's `required_bytes`,
+    /// or the command job's modelled need.
+    pub fn required_bytes(&self, config: &RunConfig) -> Result<u64, CoreError> {
+        match self {
+            SimulatedSpec::Model(job) => Ok(estimate_job(job, config)?.required_bytes),
+            SimulatedSpec::Command { memory, .. } => Ok(memory.need_bytes(config)),
+        }
+    }
+
+    /// The shrink planner of the job's kind.
+    pub fn plan_shrink(
+        &self,
+        config: &RunConfig,
+        observation: Option<&OomObservation>,
+        slice_bytes: u64,
+    ) -> Result<ShrinkDecision, CoreError> {
+        match self {
+            SimulatedSpec::Model(job) => plan_shrink(job, config, observation, slice_bytes),
+            SimulatedSpec::Command { job, memory } => {
+                plan_command_shrink(job, memory, config, observation, slice_bytes)
+            }
+        }
+    }
 }
 
 /// One job to simulate.
@@ -58,18 +132,19 @@ impl Workload {
         trace: &Trace,
         spec_texts: &BTreeMap<String, String>,
     ) -> Result<Workload, CoreError> {
-        let mut model_index: HashMap<ModelSource, usize> = HashMap::new();
+        let mut model_index: HashMap<(ModelSource, Option<CommandModelParameters>), usize> =
+            HashMap::new();
         let mut models: Vec<SimulatedModel> = Vec::new();
         let mut jobs = Vec::with_capacity(trace.rows.len());
         for row in &trace.rows {
             let model = match &row.model {
                 ModelSource::None => None,
-                source => match model_index.get(source) {
+                source => match model_index.get(&(source.clone(), row.command_model)) {
                     Some(&index) => Some(index),
                     None => {
-                        let model = load_model(row.row, source, spec_texts)?;
+                        let model = load_model(row.row, source, row.command_model, spec_texts)?;
                         models.push(model);
-                        model_index.insert(source.clone(), models.len() - 1);
+                        model_index.insert((source.clone(), row.command_model), models.len() - 1);
                         Some(models.len() - 1)
                     }
                 },
@@ -80,7 +155,7 @@ impl Workload {
                 duration_s: row.duration_s,
                 tenant: row.tenant.clone(),
                 requested_bytes: row.requested_bytes,
-                priority: model.map_or(0, |index| models[index].job.spec.priority),
+                priority: model.map_or(0, |index| models[index].job.priority()),
                 model,
                 actual_peak_bytes: row.actual_peak_bytes,
             });
@@ -104,6 +179,7 @@ impl Workload {
 fn load_model(
     row: usize,
     source: &ModelSource,
+    command_model: Option<CommandModelParameters>,
     spec_texts: &BTreeMap<String, String>,
 ) -> Result<SimulatedModel, CoreError> {
     let (column, label, text) = match source {
@@ -122,17 +198,46 @@ fn load_model(
         }
         ModelSource::None => return Err(cell_error(row, "", "has no model to load")),
     };
-    let job = parse_job_spec_toml(&text)
-        .and_then(validate_job_spec)
+    let spec = load_spec_toml(&text)
         .map_err(|error| cell_error(row, column, format!("`{label}`: {error}")))?;
-    let own_config = RunConfig::from_spec(&job.spec);
-    let estimate = estimate_job(&job, &own_config)
+    let job = match (spec, command_model) {
+        (ValidatedSpec::Model(job), None) => SimulatedSpec::Model(job),
+        (ValidatedSpec::Command(job), Some(parameters)) => {
+            let own_config = job.initial_config();
+            let memory = CommandMemoryModel {
+                fixed_bytes: parameters.fixed_bytes,
+                per_sample_bytes: parameters.per_sample_bytes,
+                precision: own_config.precision,
+                recompute: false,
+            };
+            SimulatedSpec::Command { job, memory }
+        }
+        (ValidatedSpec::Model(_), Some(_)) => {
+            return Err(cell_error(
+                row,
+                "command_model",
+                format!("`{label}` is a model job; command_model is for command jobs"),
+            ));
+        }
+        (ValidatedSpec::Command(_), None) => {
+            return Err(cell_error(
+                row,
+                "command_model",
+                format!(
+                    "`{label}` is a command job: the row must give its memory, e.g. fixed=1GiB:per_sample=35MiB"
+                ),
+            ));
+        }
+    };
+    let own_config = job.own_config();
+    let own_required_bytes = job
+        .required_bytes(&own_config)
         .map_err(|error| cell_error(row, column, format!("`{label}`: {error}")))?;
     Ok(SimulatedModel {
         label,
         job,
         own_config,
-        own_required_bytes: estimate.required_bytes,
+        own_required_bytes,
     })
 }
 
@@ -159,11 +264,11 @@ impl MemoryOracle {
         }
         *self.required.entry((model, *config)).or_insert_with(|| {
             // Configs come from the shrink planner, which estimated them already.
-            estimate_job(&entry.job, config).map_or(u64::MAX, |estimate| estimate.required_bytes)
+            entry.job.required_bytes(config).unwrap_or(u64::MAX)
         })
     }
 
-    /// `plan_shrink` for `model` at `config` in a slice of `slice_bytes`; `None` when no
+    /// The shrink planner of the model's kind for `model` at `config` in a slice of `slice_bytes`; `None` when no
     /// allowed configuration fits.
     pub fn shrink(
         &mut self,
@@ -173,25 +278,28 @@ impl MemoryOracle {
         observation: Option<&OomObservation>,
         slice_bytes: u64,
     ) -> Option<ShrunkConfig> {
-        // The planner depends on the observation only through the limit it reports (equal
-        // to the slice here) and the bytes the estimator missed.
+        // Both planners depend on the observation only through the limit it reports
+        // (equal to the slice here) and the bytes the estimate missed, which with the
+        // model and config fix `in_use + requested` too.
         let margin = observation.map_or(0, OomObservation::unaccounted_bytes);
         let key = (model, *config, margin, slice_bytes);
         if let Some(answer) = self.shrinks.get(&key) {
             return *answer;
         }
-        let answer = plan_shrink(
-            &workload.models[model].job,
-            config,
-            observation,
-            slice_bytes,
-        )
-        .ok()
-        .map(|decision| ShrunkConfig {
-            config: decision.config,
-            required_bytes: decision.estimate.required_bytes,
-        });
-        if let Some(shrunk) = answer {
+        let answer = workload.models[model]
+            .job
+            .plan_shrink(config, observation, slice_bytes)
+            .ok()
+            .map(|decision| ShrunkConfig {
+                config: decision.config,
+                required_bytes: decision.estimate.required_bytes,
+            });
+        // A model job's decision carries the estimator's answer for its config, worth
+        // keeping. A command job's comes from its memory model raised by the OOM: Carve's
+        // view after the failure, not the row's model that the truth is built on.
+        if let Some(shrunk) = answer
+            && matches!(workload.models[model].job, SimulatedSpec::Model(_))
+        {
             self.required
                 .insert((model, shrunk.config), shrunk.required_bytes);
         }
