@@ -4,6 +4,7 @@
 //! other exit is a failure with the last lines of stderr.
 
 use crate::allocator::OutOfMemory;
+use crate::bytes::HumanBytes;
 
 /// Who said the run was out of memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,8 +58,152 @@ pub struct FrameworkOom {
 pub fn find_framework_oom<'a>(
     stderr_lines: impl IntoIterator<Item = &'a str>,
 ) -> Option<FrameworkOom> {
-    let _ = stderr_lines;
-    todo!()
+    stderr_lines.into_iter().find_map(framework_oom_in_line)
+}
+
+/// The longest line kept as evidence.
+const EVIDENCE_LINE_CHARACTERS: usize = 300;
+
+/// One line's out-of-memory message, the most specific pattern first (a JAX line may
+/// quote the driver's `CUDA_ERROR_OUT_OF_MEMORY`, a TensorFlow one cuDNN's status).
+fn framework_oom_in_line(line: &str) -> Option<FrameworkOom> {
+    let (source, requested_bytes, in_use_bytes) = if line.contains("CUDA out of memory") {
+        (
+            OomSource::PyTorch,
+            size_after(line, "Tried to allocate "),
+            pytorch_in_use(line),
+        )
+    } else if line.contains("CUDA error: out of memory") {
+        (OomSource::PyTorch, None, None)
+    } else if line.contains("OOM when allocating tensor") {
+        (OomSource::TensorFlow, tensorflow_tensor_bytes(line), None)
+    } else if line.contains("ran out of memory trying to allocate") {
+        (
+            OomSource::TensorFlow,
+            size_after(line, "ran out of memory trying to allocate "),
+            None,
+        )
+    } else if line.contains("RESOURCE_EXHAUSTED")
+        && line.to_ascii_lowercase().contains("out of memory")
+    {
+        let requested = size_after(line, "trying to allocate ")
+            .or_else(|| size_after(line, "allocating "))
+            .or_else(|| size_after(line, "allocate "));
+        (OomSource::Jax, requested, None)
+    } else if line.contains("CUDNN_STATUS_ALLOC_FAILED") {
+        (OomSource::Cudnn, None, None)
+    } else if line.contains("CUBLAS_STATUS_ALLOC_FAILED") {
+        (OomSource::Cublas, None, None)
+    } else if line.contains("STATUS_ALLOC_FAILED") {
+        (OomSource::TensorFlow, None, None)
+    } else if line.contains("CUDA_ERROR_OUT_OF_MEMORY")
+        || line.contains("cudaErrorMemoryAllocation")
+    {
+        (OomSource::Cuda, None, None)
+    } else {
+        return None;
+    };
+    Some(FrameworkOom {
+        source,
+        requested_bytes,
+        in_use_bytes,
+        line: line.trim().chars().take(EVIDENCE_LINE_CHARACTERS).collect(),
+    })
+}
+
+/// What PyTorch says its caching allocator held: 2.x gives "X is allocated by PyTorch,
+/// and Y is reserved by PyTorch but unallocated" (held = X + Y); 1.x gives "X reserved in
+/// total by PyTorch" (all it held) and "Z already allocated" (the part in tensors).
+fn pytorch_in_use(line: &str) -> Option<u64> {
+    if let Some(allocated) = size_before(line, " is allocated by PyTorch") {
+        let unallocated = size_before(line, " is reserved by PyTorch but unallocated").unwrap_or(0);
+        return Some(allocated.saturating_add(unallocated));
+    }
+    size_before(line, " reserved in total by PyTorch")
+        .or_else(|| size_before(line, " already allocated"))
+}
+
+/// TensorFlow's "OOM when allocating tensor with shape[32,64,512,512] and type float":
+/// the elements times the type's size.
+fn tensorflow_tensor_bytes(line: &str) -> Option<u64> {
+    let after_shape = &line[line.find("shape[")? + "shape[".len()..];
+    let dimensions = &after_shape[..after_shape.find(']')?];
+    let elements = dimensions
+        .split(',')
+        .map(str::trim)
+        .filter(|dimension| !dimension.is_empty())
+        .try_fold(1u64, |product, dimension| {
+            product.checked_mul(dimension.parse::<u64>().ok()?)
+        })?;
+    let after_type = &after_shape[after_shape.find(" type ")? + " type ".len()..];
+    let type_name = after_type
+        .split(|character: char| !(character.is_ascii_alphanumeric() || character == '_'))
+        .next()?;
+    elements.checked_mul(tensorflow_type_bytes(type_name)?)
+}
+
+/// The size of one element of a TensorFlow dtype, by the name its messages print.
+fn tensorflow_type_bytes(type_name: &str) -> Option<u64> {
+    Some(match type_name {
+        "bool" | "int8" | "uint8" | "qint8" | "quint8" => 1,
+        "half" | "float16" | "bfloat16" | "int16" | "uint16" | "qint16" | "quint16" => 2,
+        "float" | "float32" | "int32" | "uint32" | "qint32" => 4,
+        "double" | "float64" | "int64" | "uint64" | "complex64" => 8,
+        "complex128" => 16,
+        _ => return None,
+    })
+}
+
+/// The size written right after `marker`: "2.00 GiB", "20.00 MiB", "2.00GiB",
+/// "1073741824 bytes", "512B", a bare number of bytes.
+fn size_after(line: &str, marker: &str) -> Option<u64> {
+    let rest = line[line.find(marker)? + marker.len()..].trim_start();
+    let number_end = rest
+        .find(|character: char| !(character.is_ascii_digit() || character == '.'))
+        .unwrap_or(rest.len());
+    let unit: String = rest[number_end..]
+        .trim_start()
+        .chars()
+        .take_while(char::is_ascii_alphabetic)
+        .collect();
+    size_in_bytes(&rest[..number_end], &unit)
+}
+
+/// The size written right before `marker`: "76.50 GiB is allocated", "14.56GiB already".
+fn size_before(line: &str, marker: &str) -> Option<u64> {
+    let before = line[..line.find(marker)?].trim_end();
+    let unit_start = before
+        .rfind(|character: char| !character.is_ascii_alphabetic())
+        .map_or(0, |index| index + 1);
+    let (number_text, unit) = before.split_at(unit_start);
+    let number_text = number_text.trim_end();
+    let number_start = number_text
+        .rfind(|character: char| !(character.is_ascii_digit() || character == '.'))
+        .map_or(0, |index| index + 1);
+    size_in_bytes(&number_text[number_start..], unit)
+}
+
+/// `number` of `unit` as bytes, rounded; frameworks print two decimals of a binary
+/// unit, so the answer is within half a hundredth of that unit.
+fn size_in_bytes(number: &str, unit: &str) -> Option<u64> {
+    if number.is_empty() || !number.starts_with(|character: char| character.is_ascii_digit()) {
+        return None;
+    }
+    let value: f64 = number.parse().ok()?;
+    let multiplier: f64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" | "byte" | "bytes" => 1.0,
+        "kib" | "k" => 1024.0,
+        "mib" | "m" => 1024.0 * 1024.0,
+        "gib" | "g" => 1024.0 * 1024.0 * 1024.0,
+        "tib" | "t" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => return None,
+    };
+    // `as` saturates: an absurd size becomes u64::MAX, never a wrap.
+    Some((value * multiplier).round() as u64)
 }
 
 /// How a run of a command job ended, as the scheduler is told.
@@ -100,6 +245,103 @@ pub struct CommandExit<'a> {
 /// message an OOM from its numbers (missing ones filled from the slice and the peak);
 /// else a failure with at most the last 20 lines of stderr.
 pub fn classify_command_exit(exit: &CommandExit<'_>) -> CommandRunEnd {
-    let _ = exit;
-    todo!()
+    if exit.exit_code == Some(0) {
+        return CommandRunEnd::Succeeded;
+    }
+    if let Some(refusal) = exit.guard_refusal {
+        return CommandRunEnd::OutOfMemory {
+            source: OomSource::Guard,
+            report: refusal,
+            evidence: format!(
+                "the guard refused an allocation of {} with {} of the {} slice in use",
+                HumanBytes(refusal.requested),
+                HumanBytes(refusal.in_use),
+                HumanBytes(refusal.limit)
+            ),
+        };
+    }
+    if let Some(oom) = find_framework_oom(exit.stderr_tail.iter().map(String::as_str)) {
+        let in_use = oom.in_use_bytes.unwrap_or(exit.peak_bytes);
+        // Without the request's size, the run needed at least the whole slice.
+        let requested = oom
+            .requested_bytes
+            .unwrap_or_else(|| exit.slice_bytes.saturating_sub(in_use));
+        return CommandRunEnd::OutOfMemory {
+            source: oom.source,
+            report: OutOfMemory {
+                requested,
+                in_use,
+                limit: exit.slice_bytes,
+                largest_free: exit.slice_bytes.saturating_sub(in_use),
+                peak: exit.peak_bytes.max(in_use),
+            },
+            evidence: oom.line,
+        };
+    }
+    CommandRunEnd::Failed {
+        message: failure_message(exit),
+    }
 }
+
+/// Lines of stderr a failure message keeps.
+const FAILURE_STDERR_LINES: usize = 20;
+/// Bytes of one stderr line a failure message keeps: 20 of them and the first line stay
+/// under 4 KiB, small enough for a job's row and a terminal.
+const FAILURE_LINE_BYTES: usize = 176;
+
+/// "exited with status 2" / "killed by signal 9 (SIGKILL)", then the last lines of
+/// stderr, each cut to [`FAILURE_LINE_BYTES`].
+fn failure_message(exit: &CommandExit<'_>) -> String {
+    let how = match (exit.exit_code, exit.signal) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(signal)) => match signal_name(signal) {
+            Some(name) => format!("killed by signal {signal} ({name})"),
+            None => format!("killed by signal {signal}"),
+        },
+        (None, None) => "ended without an exit status".to_string(),
+    };
+    let skip = exit.stderr_tail.len().saturating_sub(FAILURE_STDERR_LINES);
+    let lines: Vec<String> = exit.stderr_tail[skip..]
+        .iter()
+        .map(|line| cut_to_bytes(line.trim_end(), FAILURE_LINE_BYTES))
+        .collect();
+    if lines.iter().all(String::is_empty) {
+        format!("{how}; stderr was empty")
+    } else {
+        format!("{how}; the last lines of stderr:\n{}", lines.join("\n"))
+    }
+}
+
+/// `text` cut to at most `limit` bytes at a character boundary, marked with "..." when cut.
+fn cut_to_bytes(text: &str, limit: usize) -> String {
+    if text.len() <= limit {
+        return text.to_string();
+    }
+    let mut end = limit - 3;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &text[..end])
+}
+
+/// The names of the signals a training program is usually ended by.
+fn signal_name(signal: i32) -> Option<&'static str> {
+    Some(match signal {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        11 => "SIGSEGV",
+        13 => "SIGPIPE",
+        14 => "SIGALRM",
+        15 => "SIGTERM",
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests;

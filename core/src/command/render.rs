@@ -163,6 +163,333 @@ pub fn render_command(
     checkpoint_dir: &str,
     max_steps: Option<u64>,
 ) -> Result<RenderedCommand, FieldError> {
-    let _ = (job, config, checkpoint_dir, max_steps);
-    todo!()
+    let command = &job.spec.command;
+    if !command.precisions.contains(&config.precision) {
+        return Err(FieldError::new(
+            "command.precisions",
+            format!(
+                "the program does not accept {} (it accepts {})",
+                config.precision,
+                command
+                    .precisions
+                    .iter()
+                    .map(|precision| precision.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ));
+    }
+    if config.micro_batch_size == 0 || !config.batch_size.is_multiple_of(config.micro_batch_size) {
+        return Err(FieldError::new(
+            "command.global_batch",
+            format!(
+                "micro-batch {} does not divide the global batch {}",
+                config.micro_batch_size, config.batch_size
+            ),
+        ));
+    }
+    let values = PlaceholderValues {
+        micro_batch: config.micro_batch_size.to_string(),
+        accumulation_steps: config.accumulation_steps().to_string(),
+        global_batch: config.batch_size.to_string(),
+        precision: config.precision.name().to_string(),
+        checkpoint_dir: checkpoint_dir.to_string(),
+        max_steps: max_steps.or(command.steps).map(|steps| steps.to_string()),
+    };
+    let recompute_argv = command
+        .recompute
+        .as_ref()
+        .filter(|_| config.recompute_segment_layers.is_some())
+        .map(|recompute| recompute.argv.as_slice())
+        .unwrap_or_default();
+    let argv = command
+        .argv
+        .iter()
+        .enumerate()
+        .map(|(index, argument)| (format!("command.argv[{index}]"), argument))
+        .chain(
+            recompute_argv
+                .iter()
+                .enumerate()
+                .map(|(index, argument)| (format!("command.recompute.argv[{index}]"), argument)),
+        )
+        .map(|(field, argument)| values.render(argument, &field))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut env = BTreeMap::new();
+    for (name, value) in &command.env {
+        env.insert(
+            name.clone(),
+            values.render(value, &format!("command.env.{name}"))?,
+        );
+    }
+    let carve_variables = [
+        (ENVIRONMENT_MICRO_BATCH, Some(&values.micro_batch)),
+        (
+            ENVIRONMENT_ACCUMULATION_STEPS,
+            Some(&values.accumulation_steps),
+        ),
+        (ENVIRONMENT_GLOBAL_BATCH, Some(&values.global_batch)),
+        (ENVIRONMENT_PRECISION, Some(&values.precision)),
+        (ENVIRONMENT_CHECKPOINT_DIR, Some(&values.checkpoint_dir)),
+        (ENVIRONMENT_MAX_STEPS, values.max_steps.as_ref()),
+    ];
+    for (name, value) in carve_variables {
+        if let Some(value) = value {
+            env.insert(name.to_string(), value.clone());
+        }
+    }
+    let recompute = if config.recompute_segment_layers.is_some() {
+        "1"
+    } else {
+        "0"
+    };
+    env.insert(ENVIRONMENT_RECOMPUTE.to_string(), recompute.to_string());
+    Ok(RenderedCommand {
+        argv,
+        env,
+        working_directory: command.working_directory.clone(),
+    })
+}
+
+/// What each placeholder renders to in one run.
+struct PlaceholderValues {
+    micro_batch: String,
+    accumulation_steps: String,
+    global_batch: String,
+    precision: String,
+    checkpoint_dir: String,
+    /// `None` when the run has no step limit.
+    max_steps: Option<String>,
+}
+
+impl PlaceholderValues {
+    /// `template` with its placeholders replaced; `field` names it in an error.
+    fn render(&self, template: &str, field: &str) -> Result<String, FieldError> {
+        let pieces = parse_template(template).map_err(|reason| FieldError::new(field, reason))?;
+        let mut rendered = String::with_capacity(template.len());
+        for piece in pieces {
+            match piece {
+                TemplatePiece::Text(text) => rendered.push_str(&text),
+                TemplatePiece::Placeholder(name) => {
+                    let value = match name {
+                        "micro_batch" => &self.micro_batch,
+                        "accumulation_steps" => &self.accumulation_steps,
+                        "global_batch" => &self.global_batch,
+                        "precision" => &self.precision,
+                        "checkpoint_dir" => &self.checkpoint_dir,
+                        _ => self.max_steps.as_ref().ok_or_else(|| {
+                            FieldError::new(
+                                field,
+                                "{max_steps} has no value: the run has no step limit and \
+                                 command.steps is not set",
+                            )
+                        })?,
+                    };
+                    rendered.push_str(value);
+                }
+            }
+        }
+        Ok(rendered)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::command::validate::{ValidatedSpec, load_spec_toml};
+    use crate::spec::Precision;
+
+    const JOB: &str = r#"
+name = "standin"
+[command]
+argv = ["python3", "train.py", "--micro-batch", "{micro_batch}",
+        "--accumulation-steps", "{accumulation_steps}", "--global-batch={global_batch}",
+        "--precision", "{precision}", "--checkpoint-dir", "{checkpoint_dir}",
+        "--steps", "{max_steps}", "--json={{\"mb\": {micro_batch}}}"]
+env = { TRAIN_NOTE = "mb {micro_batch} of {global_batch}" }
+working_directory = "/srv/standin"
+global_batch = 64
+micro_batch = 16
+steps = 100
+precisions = ["fp32", "bf16"]
+recompute = { argv = ["--recompute", "--segments={accumulation_steps}"] }
+"#;
+
+    fn job(text: &str) -> ValidatedCommandJob {
+        match load_spec_toml(text).unwrap() {
+            ValidatedSpec::Command(job) => job,
+            ValidatedSpec::Model(_) => panic!("expected a command job"),
+        }
+    }
+
+    #[test]
+    fn renders_every_placeholder_and_the_escaped_braces() {
+        let job = job(JOB);
+        let rendered = render_command(&job, &job.initial_config(), "/ckpt/job-1", None).unwrap();
+        assert_eq!(
+            rendered.argv,
+            [
+                "python3",
+                "train.py",
+                "--micro-batch",
+                "16",
+                "--accumulation-steps",
+                "4",
+                "--global-batch=64",
+                "--precision",
+                "fp32",
+                "--checkpoint-dir",
+                "/ckpt/job-1",
+                "--steps",
+                "100",
+                "--json={\"mb\": 16}",
+            ]
+        );
+        assert_eq!(rendered.working_directory.as_deref(), Some("/srv/standin"));
+        let expected_env: BTreeMap<String, String> = [
+            ("TRAIN_NOTE", "mb 16 of 64"),
+            ("CARVE_MICRO_BATCH", "16"),
+            ("CARVE_ACCUMULATION_STEPS", "4"),
+            ("CARVE_GLOBAL_BATCH", "64"),
+            ("CARVE_PRECISION", "fp32"),
+            ("CARVE_CHECKPOINT_DIR", "/ckpt/job-1"),
+            ("CARVE_MAX_STEPS", "100"),
+            ("CARVE_RECOMPUTE", "0"),
+        ]
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), value.to_string()))
+        .collect();
+        assert_eq!(rendered.env, expected_env);
+    }
+
+    #[test]
+    fn a_profile_run_renders_its_own_step_count() {
+        let job = job(JOB);
+        let rendered = render_command(&job, &job.initial_config(), "/scratch", Some(2)).unwrap();
+        assert_eq!(rendered.argv[12], "2");
+        assert_eq!(rendered.env["CARVE_MAX_STEPS"], "2");
+    }
+
+    #[test]
+    fn recomputation_appends_its_arguments_and_a_shrunk_config_renders_again() {
+        let job = job(JOB);
+        let config = RunConfig {
+            micro_batch_size: 4,
+            precision: Precision::Bf16,
+            recompute_segment_layers: Some(1),
+            ..job.initial_config()
+        };
+        let rendered = render_command(&job, &config, "/ckpt", None).unwrap();
+        assert_eq!(rendered.argv[3], "4");
+        assert_eq!(rendered.argv[5], "16");
+        assert_eq!(rendered.argv[8], "bf16");
+        assert_eq!(
+            rendered.argv[rendered.argv.len() - 2..],
+            ["--recompute", "--segments=16"]
+        );
+        assert_eq!(rendered.env["CARVE_RECOMPUTE"], "1");
+        assert_eq!(rendered.env["CARVE_PRECISION"], "bf16");
+    }
+
+    #[test]
+    fn without_steps_there_is_no_step_limit_outside_the_profile() {
+        let text = JOB
+            .replace("steps = 100\n", "")
+            .replace(r#""--steps", "{max_steps}", "#, "")
+            .replace("[command]", "[resources]\nvram = \"4GiB\"\n[command]");
+        let job = job(&text);
+        let rendered = render_command(&job, &job.initial_config(), "/ckpt", None).unwrap();
+        assert!(!rendered.env.contains_key("CARVE_MAX_STEPS"));
+        let profile = render_command(&job, &job.initial_config(), "/ckpt", Some(3)).unwrap();
+        assert_eq!(profile.env["CARVE_MAX_STEPS"], "3");
+    }
+
+    #[test]
+    fn a_config_the_job_does_not_allow_is_refused() {
+        let job = job(JOB);
+        let fp16 = RunConfig {
+            precision: Precision::Fp16,
+            ..job.initial_config()
+        };
+        let error = render_command(&job, &fp16, "/ckpt", None).unwrap_err();
+        assert_eq!(error.field, "command.precisions");
+        let uneven = RunConfig {
+            micro_batch_size: 24,
+            ..job.initial_config()
+        };
+        let error = render_command(&job, &uneven, "/ckpt", None).unwrap_err();
+        assert_eq!(error.field, "command.global_batch");
+    }
+
+    #[test]
+    fn the_tokenizer_reads_text_placeholders_and_escapes() {
+        assert_eq!(
+            parse_template("a{micro_batch}b{{c}}").unwrap(),
+            [
+                TemplatePiece::Text("a".to_string()),
+                TemplatePiece::Placeholder("micro_batch"),
+                TemplatePiece::Text("b{c}".to_string()),
+            ]
+        );
+        assert_eq!(parse_template("").unwrap(), []);
+        assert_eq!(
+            parse_template("{precision}{max_steps}").unwrap(),
+            [
+                TemplatePiece::Placeholder("precision"),
+                TemplatePiece::Placeholder("max_steps"),
+            ]
+        );
+        assert!(
+            parse_template("{}")
+                .unwrap_err()
+                .contains("unknown placeholder `{}`")
+        );
+        assert!(
+            parse_template("x{micro_batch")
+                .unwrap_err()
+                .contains("the `{` at character 2 is not closed")
+        );
+        assert!(
+            parse_template("é{a{micro_batch}")
+                .unwrap_err()
+                .contains("character 2 is not closed")
+        );
+        assert!(
+            parse_template("ab}")
+                .unwrap_err()
+                .contains("character 3 closes nothing")
+        );
+        assert_eq!(
+            parse_template("{{{micro_batch}}}").unwrap(),
+            [
+                TemplatePiece::Text("{".to_string()),
+                TemplatePiece::Placeholder("micro_batch"),
+                TemplatePiece::Text("}".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    fn display_line_quotes_what_a_shell_would_split() {
+        let rendered = RenderedCommand {
+            argv: [
+                "python3",
+                "train.py",
+                "--note",
+                "two words",
+                "it's",
+                "",
+                "--lr=0.1",
+                "$HOME",
+            ]
+            .map(String::from)
+            .to_vec(),
+            env: BTreeMap::new(),
+            working_directory: None,
+        };
+        assert_eq!(
+            rendered.display_line(),
+            r#"python3 train.py --note 'two words' 'it'\''s' '' --lr=0.1 '$HOME'"#
+        );
+    }
 }
