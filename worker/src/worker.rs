@@ -65,9 +65,11 @@ pub struct WorkerConfig {
     /// The certificate (PEM) to trust for an `https://` scheduler, for private CAs and
     /// self-signed certificates; without it the system's roots are trusted.
     pub scheduler_ca_certificate_pem: Option<Vec<u8>>,
-    /// The guard (`libcarve_guard.so`) preloaded into programs that run under it
-    /// (`--guard-library`); `None`: next to `attempt_program`. Checked at start only on
-    /// a worker with real GPUs (see [`crate::guard_environment::find_guard_library`]).
+    /// The guard (`libcarve_guard.so`) preloaded into command jobs' programs
+    /// (`--guard-library`); `None`: next to `attempt_program`. Checked at start on a
+    /// worker with real GPUs (see [`crate::guard_environment::find_guard_library`]); on
+    /// simulated GPUs used when it passes the check, else their programs run without it
+    /// ([`crate::guard_environment::find_simulated_guard_library`]).
     pub guard_library: Option<PathBuf>,
 }
 

@@ -439,7 +439,8 @@ fn guard_world(directory: &Path) -> (PathBuf, PathBuf) {
     (guard, libraries)
 }
 
-/// Allocates 16 MiB a step through the driver API for `sys.argv[1]` steps; a refused
+/// Allocates `sys.argv[2]` x `sys.argv[3]` MiB a step (samples x MiB per sample)
+/// through the driver API for `sys.argv[1]` steps, holding all of it; a refused
 /// allocation is reported as the driver's error and exit 1. (No braces: they would be
 /// placeholders.)
 const ALLOCATING_PROGRAM: &str = r#"
@@ -455,9 +456,10 @@ check('cuDeviceGet', cuda.cuDeviceGet(ctypes.byref(device), 0))
 context = ctypes.c_void_p()
 check('cuCtxCreate_v2', cuda.cuCtxCreate_v2(ctypes.byref(context), 0, device))
 held = []
+step_bytes = int(sys.argv[2]) * int(sys.argv[3]) << 20
 for step in range(1, int(sys.argv[1]) + 1):
     pointer = ctypes.c_uint64()
-    check('cuMemAlloc_v2', cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(16 << 20)))
+    check('cuMemAlloc_v2', cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(step_bytes)))
     held.append(pointer)
     print('CARVE_PROGRESS step=%d total_steps=%s' % (step, sys.argv[1]), flush=True)
 "#;
@@ -468,7 +470,14 @@ async fn under_the_guard_its_peak_is_measured_and_its_refusal_is_the_oom() {
     let (guard, libraries) = guard_world(directory.path());
     let program = |steps: u64| {
         job(
-            &["python3", "-c", ALLOCATING_PROGRAM, "{max_steps}"],
+            &[
+                "python3",
+                "-c",
+                ALLOCATING_PROGRAM,
+                "{max_steps}",
+                "1",
+                "16",
+            ],
             json!({
                 "steps": steps,
                 "env": { "LD_LIBRARY_PATH": libraries.to_str().unwrap() },
@@ -521,4 +530,37 @@ async fn under_the_guard_its_peak_is_measured_and_its_refusal_is_the_oom() {
     );
     assert_eq!(finish(&runs_out).measured_peak_bytes, 64 * MIB);
     assert_eq!(finish(&runs_out).steps_done, Some(4));
+}
+
+#[tokio::test]
+async fn each_profile_run_is_measured_by_the_guard_in_a_fresh_account() {
+    let directory = tempfile::tempdir().unwrap();
+    let (guard, libraries) = guard_world(directory.path());
+    // 5 MiB per sample, 2 profile steps, in the 64 MiB slice: micro-batch 8 needs 80 MiB
+    // and runs out at its second step (40 MiB held, 40 asked); micro-batch 4 peaks at 40.
+    let job = job(
+        &[
+            "python3",
+            "-c",
+            ALLOCATING_PROGRAM,
+            "{max_steps}",
+            "{micro_batch}",
+            "5",
+        ],
+        json!({ "env": { "LD_LIBRARY_PATH": libraries.to_str().unwrap() } }),
+    );
+    let reports = run(launch(directory.path(), job, true, Some(guard))).await;
+    assert_eq!(
+        outcome(&reports),
+        v1::AttemptOutcome::Succeeded,
+        "{reports:#?}"
+    );
+    let points: Vec<(u64, u64, bool)> = finish(&reports)
+        .profile_points
+        .iter()
+        .map(|point| (point.micro_batch, point.peak_bytes, point.ran_out))
+        .collect();
+    // A fresh account per run: the second run's peak is its own, not 40 MiB more.
+    assert_eq!(points, vec![(8, 80 * MIB, true), (4, 40 * MIB, false)]);
+    assert!(oom_reports(&reports).is_empty());
 }
