@@ -30,6 +30,8 @@ use crate::client::output::{
     bytes_text, config_text, is_terminal, job_state_name, outcome_name, precision_name,
     print_wide_table,
 };
+use crate::client::overrides::toml_to_json;
+use crate::spec_input::make_command_directory_absolute;
 
 /// The tenant `carve dev` creates and hands out a user token for.
 pub const DEV_TENANT: &str = "dev";
@@ -86,6 +88,15 @@ const DEMO_EXAMPLES: &[DemoExample] = &[
         steps: 5,
     },
 ];
+
+/// The command job the demo submits: a user's program (the CI stand-in, simulating its
+/// device memory against its slice) that runs out of memory at run time and is retried
+/// with gradient accumulation. The script is written into the data directory, where the
+/// job runs it, so the demo works from any folder.
+const DEMO_COMMAND_FILE: &str = "examples/command/standin-demo.toml";
+const DEMO_COMMAND_TOML: &str = include_str!("../../examples/command/standin-demo.toml");
+const DEMO_COMMAND_SCRIPT_NAME: &str = "standin_train.py";
+const DEMO_COMMAND_SCRIPT: &str = include_str!("../../examples/command/standin_train.py");
 
 pub fn run(arguments: DevArguments) -> Result<ExitCode> {
     // Check what was typed, and that there are GPUs, before starting anything.
@@ -209,7 +220,7 @@ async fn run_cluster(
         println!("  export CARVE_ENDPOINT={endpoint} CARVE_TOKEN={user_token}");
         let code = if arguments.demo {
             tokio::select! {
-                code = run_demo(&channel) => code?,
+                code = run_demo(&channel, &data_dir) => code?,
                 () = shutdown_signal() => {
                     println!("interrupted; stopping");
                     ExitCode::from(130)
@@ -307,13 +318,51 @@ fn demo_spec_json(example: &DemoExample) -> Result<String> {
         .map_err(|error| anyhow!("{}: {error}", example.file))
 }
 
+/// The spec JSON of the demo's command job, its program written to `data_dir/programs`
+/// and run there; `None` (said on stdout) when this machine has no `python3` to run it.
+fn demo_command_spec_json(data_dir: &Path) -> Result<Option<String>> {
+    let has_python = std::process::Command::new("python3")
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success());
+    if !has_python {
+        println!("skipping {DEMO_COMMAND_FILE}: no python3 on this machine to run its program");
+        return Ok(None);
+    }
+    let programs = data_dir.join("programs");
+    std::fs::create_dir_all(&programs)
+        .with_context(|| format!("cannot create {}", programs.display()))?;
+    let script = programs.join(DEMO_COMMAND_SCRIPT_NAME);
+    std::fs::write(&script, DEMO_COMMAND_SCRIPT)
+        .with_context(|| format!("cannot write {}", script.display()))?;
+    let mut document: toml::Table = toml::from_str(DEMO_COMMAND_TOML)
+        .map_err(|error| anyhow!("{DEMO_COMMAND_FILE}: {error}"))?;
+    make_command_directory_absolute(&mut document, &programs)
+        .map_err(|error| anyhow!("{DEMO_COMMAND_FILE}: {error}"))?;
+    let json = toml_to_json(&toml::Value::Table(document), "")
+        .map_err(|error| anyhow!("{DEMO_COMMAND_FILE}: {error}"))?;
+    Ok(Some(json.to_string()))
+}
+
 /// Submits the demo examples, follows them to their end and prints the summary.
-async fn run_demo(channel: &AuthenticatedChannel) -> Result<ExitCode> {
+async fn run_demo(channel: &AuthenticatedChannel, data_dir: &Path) -> Result<ExitCode> {
     let started = Instant::now();
     let mut client = JobServiceClient::new(channel.clone());
     let mut jobs = Vec::new();
+    let mut submissions = Vec::new();
     for example in DEMO_EXAMPLES {
-        let spec_json = demo_spec_json(example)?;
+        submissions.push((
+            example.file,
+            format!("{} steps", example.steps),
+            demo_spec_json(example)?,
+        ));
+    }
+    if let Some(spec_json) = demo_command_spec_json(data_dir)? {
+        submissions.push((DEMO_COMMAND_FILE, "a user's program".to_string(), spec_json));
+    }
+    for (file, what, spec_json) in submissions {
         let request = v1::SubmitJobRequest {
             spec_json,
             idempotency_key: String::new(),
@@ -321,15 +370,13 @@ async fn run_demo(channel: &AuthenticatedChannel) -> Result<ExitCode> {
         let job = client
             .submit_job(request)
             .await
-            .map_err(|status| anyhow!("cannot submit {}: {}", example.file, status.message()))?
+            .map_err(|status| anyhow!("cannot submit {file}: {}", status.message()))?
             .into_inner()
             .job
             .context("the scheduler answered a submit without the job")?;
         println!(
-            "submitted {} as {} ({} steps): {}, estimate {}",
-            example.file,
+            "submitted {file} as {} ({what}): {}, estimate {}",
             job.id,
-            example.steps,
             config_text(job.current_config.as_ref()),
             bytes_text(
                 job.estimate
@@ -430,9 +477,19 @@ fn job_note(job: &v1::Job) -> String {
         }
         _ => false,
     };
+    let seen_by: Vec<&str> = job
+        .attempts
+        .iter()
+        .map(|attempt| attempt.oom_detected_by.as_str())
+        .filter(|detector| !detector.is_empty() && *detector != "allocator")
+        .collect();
     match (ooms, shrunk) {
         (0, true) => "shrunk at submit to fit its slice".into(),
         (0, false) => "ran as written".into(),
+        (count, _) if !seen_by.is_empty() => format!(
+            "shrunk after {count} out-of-memory attempt(s), seen by {}",
+            seen_by.join(", ")
+        ),
         (count, _) => format!("shrunk after {count} out-of-memory attempt(s)"),
     }
 }

@@ -14,7 +14,9 @@ use carve_core::validate::{parse_job_spec_toml, validate_job_spec};
 use carve_core::{CoreError, FieldError};
 use serde_json::{Value, json};
 
-use crate::spec_input::{job_spec_name, print_job_spec_warnings, read_job_spec_text};
+use crate::spec_input::{
+    job_spec_name, print_job_spec_warnings, read_job_spec_text, refuse_command_job,
+};
 
 #[derive(Debug, clap::Args)]
 pub struct EstimateArguments {
@@ -61,6 +63,7 @@ pub fn run(arguments: EstimateArguments) -> Result<ExitCode> {
     let text =
         read_job_spec_text(&arguments.job).with_context(|| format!("cannot read {spec_name}"))?;
     let in_file = |error: FieldError| anyhow::anyhow!("{spec_name}: {error}");
+    refuse_command_job(&text, &spec_name).map_err(anyhow::Error::msg)?;
     let mut spec = parse_job_spec_toml(&text).map_err(in_file)?;
     // Overrides go into the spec and through the same validation, so an override that
     // breaks the spec is rejected with the field it changed.

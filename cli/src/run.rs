@@ -23,6 +23,7 @@ use crate::elapsed::{duration_text, timing_text};
 use crate::estimate::config_json;
 use crate::spec_input::{
     data_base_directory, job_spec_name, print_job_spec_warnings, read_job_spec_text,
+    refuse_command_job,
 };
 
 /// How often a long run prints its progress at least, besides every twentieth of it: a
@@ -99,6 +100,7 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
     let spec_name = job_spec_name(job_path);
     let text = read_job_spec_text(job_path).with_context(|| format!("cannot read {spec_name}"))?;
     let in_file = |error: FieldError| anyhow::anyhow!("{spec_name}: {error}");
+    refuse_command_job(&text, &spec_name).map_err(anyhow::Error::msg)?;
     let job = validate_job_spec(parse_job_spec_toml(&text).map_err(in_file)?).map_err(in_file)?;
     print_job_spec_warnings(&job, &spec_name);
     let mut config = RunConfig::from_spec(&job.spec);

@@ -86,6 +86,51 @@ pub fn make_data_paths_absolute(document: &mut toml::Table, base: &Path) -> Resu
     Ok(())
 }
 
+/// Refuses a command job (a TOML spec with a `[command]` table) where only a model job
+/// makes sense: `carve estimate` and `carve run`.
+pub fn refuse_command_job(text: &str, spec_name: &str) -> Result<(), String> {
+    match toml::from_str::<toml::Table>(text) {
+        Ok(document) if document.contains_key("command") => Err(format!(
+            "{spec_name} {}",
+            carve_proto::convert::COMMAND_JOB_HAS_NO_ESTIMATE
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Gives a command job (a spec with a `[command]` table) an absolute working directory:
+/// a relative one is made absolute against `base` (the job file's folder), and none
+/// means `base` itself, so `argv = ["python3", "train.py"]` runs the script beside the
+/// job file. The worker runs the program there; on a cluster, that folder must be on a
+/// file system the workers share.
+pub fn make_command_directory_absolute(
+    document: &mut toml::Table,
+    base: &Path,
+) -> Result<(), String> {
+    let Some(toml::Value::Table(command)) = document.get_mut("command") else {
+        return Ok(());
+    };
+    let directory = match command.get("working_directory") {
+        Some(toml::Value::String(directory)) if Path::new(directory).is_absolute() => {
+            return Ok(());
+        }
+        Some(toml::Value::String(directory)) => base.join(directory),
+        // Not a string: validation names it.
+        Some(_) => return Ok(()),
+        None => base.to_path_buf(),
+    };
+    let absolute = std::path::absolute(&directory)
+        .map_err(|error| format!("command.working_directory: {error}"))?;
+    let text = absolute.to_str().ok_or_else(|| {
+        format!(
+            "command.working_directory: {} is not UTF-8",
+            absolute.display()
+        )
+    })?;
+    command.insert("working_directory".into(), toml::Value::String(text.into()));
+    Ok(())
+}
+
 /// Shows a validated spec's warnings on stderr, named as its errors are; the job goes on.
 pub fn print_job_spec_warnings(job: &ValidatedJob, spec_name: &str) {
     for warning in job.warnings() {
@@ -122,5 +167,34 @@ mod tests {
         assert_eq!(data_base_directory(Path::new("-")), Path::new("."));
         assert_eq!(data_base_directory(Path::new("job.toml")), Path::new("."));
         assert_eq!(data_base_directory(Path::new("a/job.toml")), Path::new("a"));
+    }
+
+    #[test]
+    fn a_command_runs_beside_its_job_file_unless_it_says_where() {
+        let mut document: toml::Table =
+            toml::from_str("name = \"x\"\n[command]\nargv = [\"python3\", \"t.py\"]\n").unwrap();
+        make_command_directory_absolute(&mut document, Path::new("/jobs/cnn")).unwrap();
+        assert_eq!(
+            document["command"]["working_directory"].as_str(),
+            Some("/jobs/cnn")
+        );
+        let mut relative: toml::Table =
+            toml::from_str("[command]\nworking_directory = \"src\"\n").unwrap();
+        make_command_directory_absolute(&mut relative, Path::new("/jobs/cnn")).unwrap();
+        assert_eq!(
+            relative["command"]["working_directory"].as_str(),
+            Some("/jobs/cnn/src")
+        );
+        let mut absolute: toml::Table =
+            toml::from_str("[command]\nworking_directory = \"/srv\"\n").unwrap();
+        make_command_directory_absolute(&mut absolute, Path::new("/jobs")).unwrap();
+        assert_eq!(
+            absolute["command"]["working_directory"].as_str(),
+            Some("/srv")
+        );
+        // A model job has no command to place.
+        let mut model: toml::Table = toml::from_str("name = \"m\"\n").unwrap();
+        make_command_directory_absolute(&mut model, Path::new("/jobs")).unwrap();
+        assert!(!model.contains_key("command"));
     }
 }

@@ -170,6 +170,9 @@ pub enum JobEvent {
     AttemptFailed,
     /// The worker lost its lease; the job is requeued and resumes from its checkpoint.
     AttemptLost,
+    /// A command job's profile measured its memory: the job is queued again, now sized,
+    /// to train.
+    ProfileMeasured,
     CancelRequested,
 }
 
@@ -183,6 +186,7 @@ impl JobEvent {
             JobEvent::AttemptOutOfMemory { .. } => "attempt_out_of_memory",
             JobEvent::AttemptFailed => "attempt_failed",
             JobEvent::AttemptLost => "attempt_lost",
+            JobEvent::ProfileMeasured => "profile_measured",
             JobEvent::CancelRequested => "cancel_requested",
         }
     }
@@ -207,7 +211,8 @@ pub struct InvalidTransition {
 /// - queued --placed--> placed --started--> running;
 /// - placed or running: attempt_succeeded -> succeeded; attempt_failed -> failed;
 ///   attempt_out_of_memory -> queued when a retry is allowed, else failed;
-///   attempt_lost -> queued (requeued, resumes from its checkpoint);
+///   attempt_lost -> queued (requeued, resumes from its checkpoint); profile_measured ->
+///   queued (a command job's profile ended; it trains next);
 /// - any non-terminal state --cancel_requested--> cancelled;
 /// - terminal states accept nothing, and every other pair is an [`InvalidTransition`].
 pub fn next_state(current: JobState, event: JobEvent) -> Result<JobState, InvalidTransition> {
@@ -224,7 +229,9 @@ pub fn next_state(current: JobState, event: JobEvent) -> Result<JobState, Invali
             })
         }
         (_, JobEvent::AttemptFailed) if attempt_in_flight => Some(JobState::Failed),
-        (_, JobEvent::AttemptLost) if attempt_in_flight => Some(JobState::Queued),
+        (_, JobEvent::AttemptLost | JobEvent::ProfileMeasured) if attempt_in_flight => {
+            Some(JobState::Queued)
+        }
         (_, JobEvent::CancelRequested) if !current.is_terminal() => Some(JobState::Cancelled),
         _ => None,
     };

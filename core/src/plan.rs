@@ -71,6 +71,51 @@ impl RunConfig {
         self.batch_size / self.micro_batch_size.max(1)
     }
 
+    /// What differs from `before`, for people: "precision fp32 -> bf16, micro-batch 64 ->
+    /// 16 (4 accumulation steps), recompute on"; empty when nothing does.
+    pub fn describe_change_from(&self, before: &RunConfig) -> String {
+        let mut changes = Vec::new();
+        if self.batch_size != before.batch_size {
+            changes.push(format!(
+                "batch {} -> {}",
+                before.batch_size, self.batch_size
+            ));
+        }
+        if self.precision != before.precision {
+            changes.push(format!(
+                "precision {} -> {}",
+                before.precision, self.precision
+            ));
+        }
+        if self.micro_batch_size != before.micro_batch_size {
+            changes.push(format!(
+                "micro-batch {} -> {} ({} accumulation steps)",
+                before.micro_batch_size,
+                self.micro_batch_size,
+                self.accumulation_steps()
+            ));
+        }
+        match (
+            before.recompute_segment_layers,
+            self.recompute_segment_layers,
+        ) {
+            (None, Some(_)) => changes.push("recompute on".to_string()),
+            (Some(_), None) => changes.push("recompute off".to_string()),
+            (Some(old), Some(new)) if old != new => {
+                changes.push(format!("recompute segments {old} -> {new} layers"))
+            }
+            _ => {}
+        }
+        if self.workspace_limit_bytes != before.workspace_limit_bytes {
+            changes.push(format!(
+                "workspace {} -> {}",
+                crate::bytes::HumanBytes(before.workspace_limit_bytes),
+                crate::bytes::HumanBytes(self.workspace_limit_bytes)
+            ));
+        }
+        changes.join(", ")
+    }
+
     /// Checks the settings that need no model: what a worker or a store reading a config
     /// back can check on its own.
     pub fn check_settings(&self) -> Result<(), FieldError> {

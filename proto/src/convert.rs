@@ -10,6 +10,8 @@
 //! both the `*_UNSPECIFIED` zero and numbers this version does not know.
 
 use carve_core::allocator::OutOfMemory;
+use carve_core::command::memory_model::{CommandMemoryModel, ProfilePoint};
+use carve_core::command::validate::{ValidatedSpec, parse_spec_json};
 use carve_core::estimator::MemoryEstimate;
 use carve_core::plan::RunConfig;
 use carve_core::shrink::{ShrinkDecision, ShrinkStep};
@@ -110,6 +112,58 @@ pub fn job_spec_from_json(spec_json: &str) -> Result<JobSpec, ApiError> {
 pub fn validated_job_from_json(spec_json: &str) -> Result<ValidatedJob, ApiError> {
     let spec = job_spec_from_json(spec_json)?;
     validate_job_spec(spec).map_err(|error| ApiError::from(error).prefix_field(SPEC_FIELD))
+}
+
+/// Why a command job has no estimate ahead of time, for the commands that estimate or
+/// train model jobs (`carve estimate`, `carve run`, EstimateJob).
+pub const COMMAND_JOB_HAS_NO_ESTIMATE: &str = "is a command job: Carve cannot see inside \
+     the program, so its memory is measured by a short profile when it is submitted \
+     (carve submit), or taken from resources.vram; there is nothing to estimate or train \
+     here";
+
+/// Whether a spec text is a command job's (it has a top-level `command`), read without
+/// validating it.
+pub fn is_command_spec_json(spec_json: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(spec_json)
+        .is_ok_and(|document| document.get("command").is_some())
+}
+
+/// Parses and validates a spec of either kind (a model job, or a command job: one with a
+/// `command` table) from the API's `spec_json`. Errors name the field under
+/// [`SPEC_FIELD`].
+pub fn validated_spec_from_json(spec_json: &str) -> Result<ValidatedSpec, ApiError> {
+    parse_spec_json(spec_json).map_err(|error| ApiError::from(error).prefix_field(SPEC_FIELD))
+}
+
+impl From<CommandMemoryModel> for v1::CommandMemoryModel {
+    fn from(model: CommandMemoryModel) -> Self {
+        v1::CommandMemoryModel {
+            fixed_bytes: model.fixed_bytes,
+            per_sample_bytes: model.per_sample_bytes,
+            precision: v1::Precision::from(model.precision).into(),
+            recompute: model.recompute,
+        }
+    }
+}
+
+impl From<ProfilePoint> for v1::ProfilePoint {
+    fn from(point: ProfilePoint) -> Self {
+        v1::ProfilePoint {
+            micro_batch: point.micro_batch,
+            peak_bytes: point.peak_bytes,
+            ran_out: point.ran_out,
+        }
+    }
+}
+
+impl From<v1::ProfilePoint> for ProfilePoint {
+    fn from(point: v1::ProfilePoint) -> Self {
+        ProfilePoint {
+            micro_batch: point.micro_batch,
+            peak_bytes: point.peak_bytes,
+            ran_out: point.ran_out,
+        }
+    }
 }
 
 /// Writes a job spec as the API's `spec_json`; [`job_spec_from_json`] reads it back to an

@@ -11,6 +11,7 @@
 use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
+use carve_core::command::memory_model::ProfilePoint;
 use carve_core::estimator::MemoryEstimate;
 use carve_core::job_state::{AttemptOutcome, JobState};
 use carve_core::plan::RunConfig;
@@ -161,11 +162,18 @@ pub fn attempt_to_proto(attempt: &AttemptRecord) -> v1::Attempt {
         steps_done: attempt.results.steps_done.map(|steps| steps.max(0) as u64),
         samples_per_second: attempt.results.samples_per_second,
         progress: None,
-        command_argv: Vec::new(),
-        chosen_because: String::new(),
-        profile: false,
-        profile_points: Vec::new(),
-        oom_detected_by: String::new(),
+        // Written by this scheduler as JSON lists: a row it cannot read shows none.
+        command_argv: serde_json::from_str(&attempt.details.command_argv_json).unwrap_or_default(),
+        chosen_because: attempt.details.chosen_because.clone(),
+        profile: attempt.details.profile,
+        profile_points: serde_json::from_str::<Vec<ProfilePoint>>(
+            &attempt.details.profile_points_json,
+        )
+        .unwrap_or_default()
+        .into_iter()
+        .map(Into::into)
+        .collect(),
+        oom_detected_by: attempt.details.oom_detected_by.clone(),
     }
 }
 
@@ -451,6 +459,7 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
         Body::AttemptStarted(started) => WorkerReport::AttemptStarted {
             attempt: attempt_ref_from_proto(started.attempt),
             resumed_from: started.resumed_from.map(checkpoint_from_proto),
+            command_argv: started.command_argv,
         },
         Body::Progress(progress) => WorkerReport::Progress {
             attempt: attempt_ref_from_proto(progress.attempt),
@@ -469,6 +478,12 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
             attempt: attempt_ref_from_proto(oom.attempt),
             report: oom.report.unwrap_or_default().into(),
             checkpoint: oom.checkpoint.map(checkpoint_from_proto),
+            detected_by: if oom.detected_by.is_empty() {
+                "allocator".to_string()
+            } else {
+                oom.detected_by
+            },
+            evidence: oom.evidence,
         },
         Body::AttemptFinished(finished) => WorkerReport::AttemptFinished {
             attempt: attempt_ref_from_proto(finished.attempt),
@@ -489,6 +504,11 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
                     .samples_per_second
                     .filter(|rate| rate.is_finite() && *rate >= 0.0),
             },
+            profile_points: finished
+                .profile_points
+                .into_iter()
+                .map(Into::into)
+                .collect(),
         },
     })
 }
@@ -562,7 +582,7 @@ pub fn worker_command_to_proto(command: WorkerCommand) -> v1::SchedulerMessage {
                     step: assignment.resume_from.step,
                     location: assignment.resume_from.location,
                 }),
-                profile: false,
+                profile: assignment.profile,
             })
         }
         WorkerCommand::Cancel {

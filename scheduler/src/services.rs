@@ -79,6 +79,7 @@ impl Services {
     async fn job_message(&self, job: &JobRecord) -> Result<v1::Job, Status> {
         let attempts = self.scheduler.attempts(&job.id).await?;
         let mut message = job_to_proto(job, &attempts)?;
+        message.memory_model = self.scheduler.job_memory_model(job).await?.map(Into::into);
         if let Some((attempt_number, progress)) = self.scheduler.latest_progress(&job.id) {
             attach_progress(&mut message, attempt_number, &progress);
         }
@@ -437,6 +438,12 @@ impl JobService for Services {
         crate::scheduler::check_spec_size(&request.spec_json)?;
         if request.slice_bytes == Some(0) {
             return Err(invalid("slice_bytes", "must be larger than 0"));
+        }
+        if carve_proto::convert::is_command_spec_json(&request.spec_json) {
+            return Err(invalid(
+                "spec",
+                carve_proto::convert::COMMAND_JOB_HAS_NO_ESTIMATE,
+            ));
         }
         let mut spec =
             carve_proto::convert::job_spec_from_json(&request.spec_json).map_err(Status::from)?;

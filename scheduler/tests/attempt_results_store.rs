@@ -9,7 +9,7 @@ mod support;
 
 use carve_scheduler::convert::attempt_to_proto;
 use carve_scheduler::store::{
-    AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, JobState, Store,
+    AttemptEndDetails, AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, JobState, Store,
 };
 use support::{T0, TestDb, attempt, finish_plainly, job, open_with_acme};
 
@@ -70,6 +70,10 @@ async fn results_are_stored_with_the_outcome_and_shown(db: &TestDb) {
             "",
             T0 + 9_000,
             &results,
+            &AttemptEndDetails {
+                profile_points_json: String::new(),
+                oom_detected_by: "guard".into(),
+            },
         )
         .await
         .unwrap();
@@ -81,6 +85,7 @@ async fn results_are_stored_with_the_outcome_and_shown(db: &TestDb) {
     assert_eq!(shown.test_accuracy, Some(0.875));
     assert_eq!(shown.steps_done, Some(500));
     assert_eq!(shown.samples_per_second, Some(1234.5));
+    assert_eq!(shown.oom_detected_by, "guard");
     assert_eq!(
         (
             shown.started_at.unwrap().seconds,
@@ -100,7 +105,7 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
     let (store, running) = store_with_a_running_attempt(db).await;
     // A report quoting another lease epoch changes nothing.
     let stale = store
-        .record_attempt_started("j", 1, 7, T0 + 5, Some(("/elsewhere.ckpt", 1)))
+        .record_attempt_started("j", 1, 7, T0 + 5, Some(("/elsewhere.ckpt", 1)), "")
         .await
         .unwrap();
     assert!(!stale);
@@ -111,7 +116,7 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
     // A worker that does not say where it resumed leaves the expected checkpoint.
     assert!(
         store
-            .record_attempt_started("j", 1, 1, T0 + 10, None)
+            .record_attempt_started("j", 1, 1, T0 + 10, None, "")
             .await
             .unwrap()
     );
@@ -124,7 +129,14 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
     // The checkpoint the attempt really loaded wins over the scheduler's guess.
     assert!(
         store
-            .record_attempt_started("j", 1, 1, T0 + 20, Some(("/ckpt/j.attempt-1.ckpt", 300)))
+            .record_attempt_started(
+                "j",
+                1,
+                1,
+                T0 + 20,
+                Some(("/ckpt/j.attempt-1.ckpt", 300)),
+                r#"["python3","train.py"]"#
+            )
             .await
             .unwrap()
     );
@@ -132,6 +144,11 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
     assert_eq!(
         (resumed.resumed_from.as_deref(), resumed.resumed_from_step),
         (Some("/ckpt/j.attempt-1.ckpt"), 300)
+    );
+    // A command job's worker says what it ran.
+    assert_eq!(
+        attempt_to_proto(&resumed).command_argv,
+        vec!["python3".to_string(), "train.py".to_string()]
     );
     let shown = attempt_to_proto(&resumed).resumed_from.unwrap();
     assert_eq!(shown.step, 300);
@@ -141,8 +158,10 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
         .unwrap();
     assert!(
         !store
-            .record_attempt_started("j", 1, 1, T0 + 40, None)
+            .record_attempt_started("j", 1, 1, T0 + 40, None, r#"["sh"]"#)
             .await
             .unwrap()
     );
+    let ended = store.list_attempts("j").await.unwrap().remove(0);
+    assert_eq!(ended.details.command_argv_json, r#"["python3","train.py"]"#);
 }

@@ -950,6 +950,7 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
             "done",
             T0 + 50,
             &AttemptResults::default(),
+            &Default::default(),
         )
         .await;
     assert_eq!(
@@ -982,6 +983,7 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
             "oom in conv",
             T0 + 60,
             &AttemptResults::default(),
+            &Default::default(),
         )
         .await
         .unwrap();
@@ -1023,6 +1025,7 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
             "worker w-1 lost its lease",
             T0 + 80,
             &AttemptResults::default(),
+            &Default::default(),
         )
         .await
         .unwrap();

@@ -5,7 +5,6 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
-use carve_core::plan::RunConfig;
 use carve_proto::v1;
 
 use super::attempt_results::{last_loss_text, print_results, progress_text};
@@ -13,13 +12,14 @@ use super::connection::{Connection, ConnectionOptions};
 use super::failure::{ClientFailure, FailureKind, FailureTally};
 use super::output::{
     ListFormat, OutputFormat, age_text, attempt_note, bytes_text, config_text, job_state_name,
-    message_json, now_seconds, outcome_name, print_message, print_structured, print_table,
-    print_wide_table, timestamp_text,
+    message_json, now_seconds, outcome_name, precision_name, print_message, print_structured,
+    print_table, print_wide_table, timestamp_text,
 };
 use super::overrides::{SpecOverride, apply_overrides, parse_override, toml_to_json};
 use super::watch::{follow_job, job_exit, watch_job};
 use crate::spec_input::{
-    data_base_directory, job_spec_name, make_data_paths_absolute, read_job_spec_text,
+    data_base_directory, job_spec_name, make_command_directory_absolute, make_data_paths_absolute,
+    read_job_spec_text,
 };
 
 /// The job states, as `--state` spells them.
@@ -143,6 +143,8 @@ fn spec_json_from_file(arguments: &SubmitArguments) -> Result<String> {
         toml::from_str(&text).map_err(|error| invalid(error.to_string().trim_end().to_string()))?;
     make_data_paths_absolute(&mut document, data_base_directory(&arguments.file))
         .map_err(invalid)?;
+    make_command_directory_absolute(&mut document, data_base_directory(&arguments.file))
+        .map_err(invalid)?;
     apply_overrides(&mut document, &arguments.overrides).map_err(invalid)?;
     // What --set wrote is relative to where the command runs.
     make_data_paths_absolute(&mut document, Path::new(".")).map_err(invalid)?;
@@ -190,8 +192,8 @@ pub async fn submit(arguments: SubmitArguments) -> Result<ExitCode> {
 /// The configuration the spec asks for, as the API writes configs; `None` when the stored
 /// spec does not read back (it always should).
 fn config_as_written(job: &v1::Job) -> Option<v1::RunConfig> {
-    let spec = carve_proto::convert::job_spec_from_json(&job.spec_json).ok()?;
-    Some(RunConfig::from_spec(&spec).into())
+    let spec = carve_proto::convert::validated_spec_from_json(&job.spec_json).ok()?;
+    Some(spec.initial_config().into())
 }
 
 /// Whether two configs differ in what the shrink planner turns.
@@ -491,6 +493,19 @@ fn print_job_details(job: &v1::Job) {
             println!("  at peak:    {}", categories.join(", "));
         }
     }
+    if let Some(model) = &job.memory_model {
+        println!(
+            "  memory:     {} + {} per sample of the micro-batch (measured at {}{})",
+            bytes_text(Some(model.fixed_bytes)),
+            bytes_text(Some(model.per_sample_bytes)),
+            precision_name(model.precision),
+            if model.recompute {
+                ", recompute on"
+            } else {
+                ""
+            }
+        );
+    }
     let history = shrink_history(job);
     if !history.is_empty() {
         println!("  shrunk:");
@@ -527,8 +542,50 @@ fn print_job_details(job: &v1::Job) {
         ],
         &rows,
     );
+    print_attempt_stories(job);
     println!();
     print_results(job);
+}
+
+/// Why each attempt ran as it did and, for command jobs, what ran and what a profile
+/// measured: the lines `get` prints under the attempts table.
+fn print_attempt_stories(job: &v1::Job) {
+    for attempt in &job.attempts {
+        let mut lines = Vec::new();
+        if !attempt.chosen_because.is_empty() {
+            lines.push(format!("why:      {}", attempt.chosen_because));
+        }
+        if !attempt.command_argv.is_empty() {
+            lines.push(format!("ran:      {}", attempt.command_argv.join(" ")));
+        }
+        if !attempt.profile_points.is_empty() {
+            let points: Vec<String> = attempt
+                .profile_points
+                .iter()
+                .map(|point| {
+                    format!(
+                        "micro-batch {}: {}{}",
+                        point.micro_batch,
+                        bytes_text(Some(point.peak_bytes)),
+                        if point.ran_out { " (ran out)" } else { "" }
+                    )
+                })
+                .collect();
+            lines.push(format!("measured: {}", points.join(", ")));
+        }
+        if !attempt.oom_detected_by.is_empty() {
+            lines.push(format!("oom seen by {}", attempt.oom_detected_by));
+        }
+        if lines.is_empty() {
+            continue;
+        }
+        println!();
+        let label = if attempt.profile { " (profile)" } else { "" };
+        println!("  attempt {}{label}:", attempt.number);
+        for line in lines {
+            println!("    {line}");
+        }
+    }
 }
 
 pub async fn cancel(arguments: CancelArguments) -> Result<ExitCode> {

@@ -3,6 +3,12 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use crate::command_programs::{
+    command_example_programs_compile, standin_other_endings_for_the_classifier,
+    standin_out_of_memory_then_resumed_with_accumulation,
+    standin_simulated_memory_runs_out_against_the_slice,
+    standin_under_the_limit_trains_every_step_at_the_global_batch,
+};
 use crate::harness::{MIB, World, exported_symbols, finish, guard_library, run, start};
 
 type Case = fn();
@@ -32,6 +38,11 @@ const CASES: &[(&str, Case)] = cases![
     hook_table_agrees_with_the_exports,
     dlsym_passes_everything_else_through,
     a_program_without_cuda_never_loads_the_driver,
+    standin_under_the_limit_trains_every_step_at_the_global_batch,
+    standin_out_of_memory_then_resumed_with_accumulation,
+    standin_simulated_memory_runs_out_against_the_slice,
+    standin_other_endings_for_the_classifier,
+    command_example_programs_compile,
 ];
 
 /// Runs the cases whose name contains `filter`; the exit code.

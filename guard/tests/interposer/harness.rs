@@ -1,6 +1,7 @@
 //! Running the probe under the guard: the fake driver's library directory, the guard's
 //! environment, a timeout, and reading the probe's JSON lines.
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -85,7 +86,11 @@ impl World {
 
     /// The probe with the guard's full environment.
     pub fn probe(&self, operations: &[&str]) -> Command {
-        let mut command = self.bare_probe(operations);
+        self.with_guard(self.bare_probe(operations))
+    }
+
+    /// `command` with the guard preloaded and its variables set for this world.
+    pub fn with_guard(&self, mut command: Command) -> Command {
         command
             .env("LD_PRELOAD", guard_library())
             .env(ENV_LIMIT_BYTES, self.limit_bytes.to_string())
@@ -96,10 +101,16 @@ impl World {
 
     /// The probe against the fake driver, without the guard or its variables.
     pub fn bare_probe(&self, operations: &[&str]) -> Command {
-        let mut command = Command::new(std::env::current_exe().expect("test binary"));
+        let mut command = self.program(std::env::current_exe().expect("test binary"));
+        command.arg("probe").args(operations);
         command
-            .arg("probe")
-            .args(operations)
+    }
+
+    /// `program` against the fake driver (first on `LD_LIBRARY_PATH`), without the guard
+    /// or its variables, its output piped.
+    pub fn program(&self, program: impl AsRef<OsStr>) -> Command {
+        let mut command = Command::new(program);
+        command
             .env_remove("LD_PRELOAD")
             .env_remove(ENV_LIMIT_BYTES)
             .env_remove(ENV_ACCOUNT)
@@ -125,6 +136,8 @@ impl World {
 #[derive(Debug)]
 pub struct Output {
     pub success: bool,
+    /// `None` when a signal ended it.
+    pub exit_code: Option<i32>,
     pub lines: Vec<String>,
     pub stderr: String,
 }
@@ -214,6 +227,7 @@ pub fn finish(mut child: Child) -> Output {
     );
     Output {
         success: status.is_some_and(|status| status.success()),
+        exit_code: status.and_then(|status| status.code()),
         lines,
         stderr,
     }

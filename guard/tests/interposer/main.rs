@@ -7,6 +7,7 @@
 #![allow(unsafe_code)] // The probe calls the driver through C function pointers.
 
 mod cases;
+mod command_programs;
 mod harness;
 mod probe;
 

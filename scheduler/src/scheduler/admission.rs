@@ -6,12 +6,14 @@
 use std::sync::Arc;
 
 use carve_core::admission::{AdmittedSlice, size_slice_at_admission};
+use carve_core::command::shrink::plan_command_shrink;
+use carve_core::command::validate::ValidatedSpec;
 use carve_core::estimator::{MemoryEstimate, estimate_job};
 use carve_core::job_state::JobState;
 use carve_core::plan::RunConfig;
 use carve_core::scheduling::{GpuState, TenantState, WaitReason, can_ever_fit};
 use carve_core::shrink::{ShrinkDecision, plan_shrink};
-use carve_core::validate::ValidatedJob;
+use carve_core::spec::VramRequest;
 use carve_proto::ApiError;
 use sha2::{Digest, Sha256};
 
@@ -24,6 +26,10 @@ use crate::error::SchedulerError;
 use crate::metrics::SubmitRejection;
 use crate::store::{AttemptRecord, JobRecord, TenantRecord, TokenRecord};
 
+use super::command_jobs::{
+    PROFILE_SLICE_WITHOUT_GPUS, command_peak_key, command_shape_key, needs_profile,
+    unmeasured_estimate,
+};
 use super::{Scheduler, StateChange, now_ms, spec_error};
 
 /// How many distinct spec texts keep their analysis; specs are resubmitted verbatim
@@ -37,11 +43,17 @@ const ANALYSED_SPEC_MAX_BYTES: usize = 64 * 1024;
 /// A spec as admission sees it before sizing: everything here depends on the spec's
 /// text alone (validation, the configuration it asks for, the estimate and the shape
 /// key are pure functions of it), so a spec submitted again reuses it.
+///
+/// A command job's memory is not a function of its text (it comes from the model a
+/// profile stored for its command, or from its declared `vram`): its `estimate` is
+/// `None`, and admission looks the model up.
 #[derive(Debug)]
 struct AnalysedSpec {
-    job: ValidatedJob,
+    job: ValidatedSpec,
     config: RunConfig,
-    estimate: Arc<MemoryEstimate>,
+    estimate: Option<Arc<MemoryEstimate>>,
+    /// The key measured peaks of this shape are kept under (model jobs; command jobs
+    /// key theirs by the command and the configuration admitted).
     shape_key: String,
     /// `config` and `estimate` as a job row stores them, used as they are when admission
     /// keeps the spec's own configuration.
@@ -78,7 +90,7 @@ impl Lookups {
 }
 
 /// The largest slice any GPU not lost could hold (after its CUDA context).
-fn largest_usable_gpu(gpus: &[GpuState]) -> Option<u64> {
+pub(super) fn largest_usable_gpu(gpus: &[GpuState]) -> Option<u64> {
     gpus.iter()
         .map(|gpu| gpu.total_bytes.saturating_sub(gpu.context_bytes))
         .max()
@@ -111,7 +123,20 @@ pub(super) fn shape_key(model: &carve_core::spec::ModelSpec, config: &RunConfig)
 /// Validation, the configuration the spec asks for, its estimate and shape key: what
 /// admission needs of a spec's text alone.
 fn analyse_spec_text(spec_json: &str) -> Result<AnalysedSpec, SchedulerError> {
-    let job = carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)?;
+    let job = match carve_proto::convert::validated_spec_from_json(spec_json).map_err(spec_error)? {
+        ValidatedSpec::Model(job) => job,
+        ValidatedSpec::Command(command) => {
+            let config = command.initial_config();
+            return Ok(AnalysedSpec {
+                shape_key: command_peak_key(&command, &config),
+                config_json: config_to_json(&config),
+                job: ValidatedSpec::Command(command),
+                config,
+                estimate: None,
+                estimate_json: String::new(),
+            });
+        }
+    };
     // A worker runs the job in a directory of its own, where a relative path means
     // nothing the person who wrote it had in mind.
     carve_core::validate::require_absolute_data_paths(&job.spec).map_err(|error| {
@@ -129,9 +154,9 @@ fn analyse_spec_text(spec_json: &str) -> Result<AnalysedSpec, SchedulerError> {
     let config_json = config_to_json(&config);
     let estimate_json = estimate_to_json(&estimate);
     Ok(AnalysedSpec {
-        job,
+        job: ValidatedSpec::Model(job),
         config,
-        estimate: Arc::new(estimate),
+        estimate: Some(Arc::new(estimate)),
         shape_key,
         config_json,
         estimate_json,
@@ -283,13 +308,42 @@ impl Scheduler {
             .await?
             .unwrap_or(1.0);
         let gpus = self.gpu_states();
+        // What the job needs as written: the estimator's answer for a model job; for a
+        // command job, its command's model (a profile measured it), else its declared
+        // vram, else the profile it runs first in a roomy slice.
+        let (spec_estimate, command_model) = match job {
+            ValidatedSpec::Model(_) => (
+                analysed.estimate.clone().ok_or_else(|| {
+                    ApiError::Internal("a model job was analysed without an estimate".into())
+                })?,
+                None,
+            ),
+            ValidatedSpec::Command(command) => {
+                let model = self
+                    .command_memory_model(&command_shape_key(command))
+                    .await?;
+                let estimate = match (&model, command.spec.resources.vram) {
+                    (Some(model), _) => model.estimate(&analysed.config),
+                    (None, VramRequest::Bytes(bytes)) => {
+                        unmeasured_estimate(analysed.config, bytes, "the declared vram")
+                    }
+                    (None, VramRequest::Auto) => unmeasured_estimate(
+                        analysed.config,
+                        largest_usable_gpu(&gpus).unwrap_or(PROFILE_SLICE_WITHOUT_GPUS),
+                        "a profile measures it first, in a roomy slice",
+                    ),
+                };
+                (Arc::new(estimate), model)
+            }
+        };
+        let profile = matches!(job, ValidatedSpec::Command(command) if needs_profile(command, command_model.as_ref()));
         // Sizing asks for a shrink only when the job does not fit as written; the shrink
         // planner then runs on the compute pool, and sizing is done again with its answer.
         let size = |shrink: Option<&ShrinkDecision>| {
             size_slice_at_admission(
-                job.spec.resources.vram,
+                job.resources().vram,
                 analysed.config,
-                analysed.estimate.required_bytes,
+                spec_estimate.required_bytes,
                 correction,
                 largest_usable_gpu(&gpus),
                 |_, limit| match shrink {
@@ -307,13 +361,36 @@ impl Scheduler {
             slice_bytes,
             ..
         } = match size(None) {
+            // A profile runs the job as written in its roomy slice.
+            _ if profile => AdmittedSlice {
+                config: analysed.config,
+                slice_bytes: spec_estimate.required_bytes,
+                shrunk: false,
+            },
             Ok(admitted) => admitted,
             Err(AdmissionSizing::NeedsShrink { limit }) => {
                 let shrinking = Arc::clone(&analysed);
                 let decision = self
                     .compute
-                    .run(&caller.tenant, move || {
-                        plan_shrink(&shrinking.job, &shrinking.config, None, limit)
+                    .run(&caller.tenant, move || match &shrinking.job {
+                        ValidatedSpec::Model(model_job) => {
+                            plan_shrink(model_job, &shrinking.config, None, limit)
+                                .map_err(|error| error.to_string())
+                        }
+                        ValidatedSpec::Command(command) => match command_model {
+                            Some(model) => plan_command_shrink(
+                                command,
+                                &model,
+                                &shrinking.config,
+                                None,
+                                limit,
+                            )
+                            .map_err(|error| error.to_string()),
+                            None => Err(format!(
+                                "its declared vram is more than the {} a GPU of this cluster can give",
+                                carve_core::bytes::HumanBytes(limit)
+                            )),
+                        },
                     })
                     .await?
                     .map_err(|error| {
@@ -321,7 +398,7 @@ impl Scheduler {
                             SubmitRejection::TooLarge,
                             ApiError::ResourceExhausted(format!(
                                 "job {} cannot fit: {error}",
-                                job.spec.name
+                                job.name()
                             )),
                         )
                     })?;
@@ -348,20 +425,17 @@ impl Scheduler {
             };
             return Err(SubmitRefused::new(
                 rejection,
-                ApiError::ResourceExhausted(format!(
-                    "job {} can never run: {reason}",
-                    job.spec.name
-                )),
+                ApiError::ResourceExhausted(format!("job {} can never run: {reason}", job.name())),
             ));
         }
         let now = now_ms();
         let record = JobRecord {
             id: generate_id("job"),
             tenant: caller.tenant.clone(),
-            name: job.spec.name.clone(),
+            name: job.name().to_string(),
             spec_json: spec_json.to_string(),
             state: JobState::Queued,
-            priority: i64::from(job.spec.priority),
+            priority: i64::from(job.priority()),
             submit_sequence: 0,
             idempotency_key: (!idempotency_key.is_empty()).then(|| idempotency_key.to_string()),
             config_json: if config == analysed.config {
@@ -370,9 +444,11 @@ impl Scheduler {
                 config_to_json(&config)
             },
             // The estimate of the configuration stored: reads show it as it is.
-            estimate_json: shrunk_estimate
-                .as_deref()
-                .map_or_else(|| analysed.estimate_json.clone(), estimate_to_json),
+            estimate_json: match shrunk_estimate.as_deref() {
+                Some(estimate) => estimate_to_json(estimate),
+                None if analysed.estimate_json.is_empty() => estimate_to_json(&spec_estimate),
+                None => analysed.estimate_json.clone(),
+            },
             required_bytes: slice_bytes as i64,
             waiting_reason: waiting_reason_at_submit(&gpus),
             message: String::new(),
@@ -415,7 +491,7 @@ impl Scheduler {
             created: true,
             admitted: Some(AdmittedConfig {
                 config,
-                estimate: shrunk_estimate.unwrap_or_else(|| Arc::clone(&analysed.estimate)),
+                estimate: shrunk_estimate.unwrap_or(spec_estimate),
             }),
         })
     }

@@ -17,6 +17,7 @@
 
 mod admin;
 mod admission;
+mod command_jobs;
 mod logs;
 mod outcomes;
 mod placement;

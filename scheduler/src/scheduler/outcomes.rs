@@ -5,6 +5,8 @@
 use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
+use carve_core::command::memory_model::CommandMemoryModel;
+use carve_core::command::shrink::plan_command_shrink;
 use carve_core::job_state::{AttemptOutcome, JobEvent, JobState};
 use carve_core::shrink::{OomObservation, plan_shrink};
 use carve_proto::ApiError;
@@ -14,9 +16,12 @@ use crate::auth::Caller;
 use crate::convert::{config_from_json, config_to_json, estimate_to_json};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
-use crate::store::{AttemptResults, JobRecord};
+use crate::store::{AttemptEndDetails, AttemptResults, JobRecord};
 
 use super::admission::shape_key;
+use super::command_jobs::{
+    OomDetected, command_peak_key, command_shape_key, is_command_spec, stored_command_job,
+};
 use super::logs::JobUpdateKind;
 use super::worker_reports::{AttemptRef, Checkpoint, WorkerCommand};
 use super::{
@@ -81,6 +86,7 @@ impl Scheduler {
         attempt: AttemptRef,
         report: OutOfMemory,
         checkpoint: Option<Checkpoint>,
+        detected: OomDetected,
     ) -> Result<(), SchedulerError> {
         let _guard = self.job_changes.lock().await;
         let running = self
@@ -95,9 +101,17 @@ impl Scheduler {
                 AttemptOutcome::OutOfMemory,
                 Some(report.peak as i64),
                 Some(&report),
-                &report.to_string(),
+                &if detected.evidence.is_empty() {
+                    report.to_string()
+                } else {
+                    detected.evidence.clone()
+                },
                 now,
                 &running.results_so_far(),
+                &AttemptEndDetails {
+                    profile_points_json: String::new(),
+                    oom_detected_by: detected.by.clone(),
+                },
             )
             .await?;
         self.live().running.remove(&attempt.job_id);
@@ -130,19 +144,40 @@ impl Scheduler {
             report,
             estimated_required_bytes: running.estimate_bytes,
         };
-        // Validation and the shrink planner grow with the model: the compute pool runs
-        // them (the scheduler's own work, charged to no tenant's budget).
-        let spec_json = job.spec_json.clone();
         let slice_bytes = running.slice_bytes;
-        let (validated, planned) = self
-            .compute
-            .run_for_scheduler(move || {
-                let validated = stored_spec_text(&spec_json)?;
-                let planned = plan_shrink(&validated, &old_config, Some(&observation), slice_bytes);
-                Ok::<_, SchedulerError>((validated, planned))
-            })
-            .await??;
-        let retries_left = out_of_memory_attempts <= validated.spec.oom.max_retries as usize;
+        let (max_retries, planned) = if is_command_spec(&job.spec_json) {
+            // A command job's next configuration comes from its memory model, raised to
+            // what this attempt showed it needed (without a profile, from the OOM alone).
+            let command = stored_command_job(&job.spec_json)?;
+            let needed = report.in_use.saturating_add(report.requested);
+            self.refine_command_memory_model(&command, &old_config, needed)
+                .await?;
+            let model = self
+                .command_memory_model(&command_shape_key(&command))
+                .await?
+                .unwrap_or_else(|| CommandMemoryModel::from_out_of_memory(&old_config, &report));
+            let planned = plan_command_shrink(
+                &command,
+                &model,
+                &old_config,
+                Some(&observation),
+                slice_bytes,
+            );
+            (command.spec.oom.max_retries, planned)
+        } else {
+            // Validation and the shrink planner grow with the model: the compute pool
+            // runs them (the scheduler's own work, charged to no tenant's budget).
+            let spec_json = job.spec_json.clone();
+            self.compute
+                .run_for_scheduler(move || {
+                    let validated = stored_spec_text(&spec_json)?;
+                    let planned =
+                        plan_shrink(&validated, &old_config, Some(&observation), slice_bytes);
+                    Ok::<_, SchedulerError>((validated.spec.oom.max_retries, planned))
+                })
+                .await??
+        };
+        let retries_left = out_of_memory_attempts <= max_retries as usize;
         match planned {
             Ok(decision) if retries_left && decision.config != old_config => {
                 job.config_json = config_to_json(&decision.config);
@@ -172,10 +207,9 @@ impl Scheduler {
             outcome => {
                 let why = match outcome {
                     Err(error) => error.to_string(),
-                    Ok(_) if !retries_left => format!(
-                        "the retry limit of {} is reached",
-                        validated.spec.oom.max_retries
-                    ),
+                    Ok(_) if !retries_left => {
+                        format!("the retry limit of {max_retries} is reached")
+                    }
                     Ok(_) => "the shrink planner found nothing smaller that fits".to_string(),
                 };
                 let message = format!("out of memory ({report}); {why}");
@@ -237,17 +271,25 @@ impl Scheduler {
                 message,
                 now,
                 &results,
+                &AttemptEndDetails::default(),
             )
             .await?;
         self.log_results(&attempt.job_id, attempt.attempt_number, &results);
         self.live().running.remove(&attempt.job_id);
         let mut job = self.store.get_job(&attempt.job_id).await?;
         if let (Some(measured), AttemptOutcome::Succeeded) = (measured, outcome) {
-            // The model as written is all the key needs: parsed, not validated again.
-            let spec =
-                carve_proto::convert::job_spec_from_json(&job.spec_json).map_err(spec_error)?;
             let config = config_from_json(&job.config_json)?;
-            let shape_key = shape_key(&spec.model, &config);
+            let shape_key = if is_command_spec(&job.spec_json) {
+                let command = stored_command_job(&job.spec_json)?;
+                self.refine_command_memory_model(&command, &config, measured as u64)
+                    .await?;
+                command_peak_key(&command, &config)
+            } else {
+                // The model as written is all the key needs: parsed, not validated again.
+                let spec =
+                    carve_proto::convert::job_spec_from_json(&job.spec_json).map_err(spec_error)?;
+                shape_key(&spec.model, &config)
+            };
             self.store
                 .record_peak(&shape_key, running.estimate_bytes as i64, measured, now)
                 .await?;
@@ -369,6 +411,7 @@ impl Scheduler {
                         &format!("worker {worker_id} stopped heartbeating"),
                         now,
                         &running.results_so_far(),
+                        &AttemptEndDetails::default(),
                     )
                     .await;
                 if let Err(error) = fenced

@@ -14,11 +14,14 @@ use tokio::time::Instant;
 use crate::convert::{config_from_json, estimate_from_json};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
-use crate::store::{AttemptRecord, QueueFingerprint, TenantRecord};
+use carve_core::plan::RunConfig;
 
+use crate::store::{AttemptDetails, AttemptRecord, JobRecord, QueueFingerprint, TenantRecord};
+
+use super::command_jobs::{command_shape_key, is_command_spec, needs_profile, stored_command_job};
 use super::logs::JobUpdateKind;
 use super::worker_reports::{Assignment, AttemptRef, Checkpoint, WorkerCommand};
-use super::{RunningAttempt, Scheduler, now_ms, transition};
+use super::{RunningAttempt, Scheduler, now_ms, spec_error, transition};
 
 /// What a scheduling pass decides from, as far as it can tell cheaply: a pass with the
 /// same inputs as the last one that finished is skipped.
@@ -185,6 +188,9 @@ impl Scheduler {
         // OOM shrinks keep it current): nothing is validated or estimated here.
         let estimate_bytes = estimate_from_json(&job.estimate_json, None)?.required_bytes;
         // Not `move_job`: the placed job is stored with its attempt, in one transaction.
+        let (profile, chosen_because) = self
+            .why_this_configuration(&job, &config, attempt_number)
+            .await?;
         let change = transition(&mut job, JobEvent::Placed)?;
         job.attempts_count = attempt_number;
         job.waiting_reason.clear();
@@ -206,6 +212,11 @@ impl Scheduler {
             started_at_ms: now,
             finished_at_ms: None,
             results: Default::default(),
+            details: AttemptDetails {
+                profile,
+                chosen_because,
+                ..Default::default()
+            },
         };
         self.store.record_job_and_attempt(&job, &attempt).await?;
         self.queue().remove(&job.id);
@@ -243,6 +254,7 @@ impl Scheduler {
                         .clone()
                         .unwrap_or(checkpoint_location),
                 },
+                profile,
             }),
         );
         self.emit_state(
@@ -252,6 +264,75 @@ impl Scheduler {
         );
         self.emit(&job.id, JobUpdateKind::AttemptStarted(attempt));
         Ok(true)
+    }
+
+    /// Whether the next attempt of `job` (number `attempt_number`, to run `config`) is a
+    /// command job's profile, and why it runs with that configuration, for people: the
+    /// spec's own, shrunk at submit, sized by a profile, or shrunk after an OOM.
+    async fn why_this_configuration(
+        &self,
+        job: &JobRecord,
+        config: &RunConfig,
+        attempt_number: i64,
+    ) -> Result<(bool, String), SchedulerError> {
+        let (spec_config, profile) = if is_command_spec(&job.spec_json) {
+            let command = stored_command_job(&job.spec_json)?;
+            let model = self
+                .command_memory_model(&command_shape_key(&command))
+                .await?;
+            let profile = needs_profile(&command, model.as_ref());
+            if profile {
+                let [first, second] = command.profile_micro_batches();
+                return Ok((
+                    true,
+                    format!(
+                        "profile: {} steps at micro-batches {first} and {second} measure the program's memory",
+                        command.spec.command.profile.steps
+                    ),
+                ));
+            }
+            (command.initial_config(), profile)
+        } else {
+            let spec =
+                carve_proto::convert::job_spec_from_json(&job.spec_json).map_err(spec_error)?;
+            (RunConfig::from_spec(&spec), false)
+        };
+        let previous = if attempt_number > 1 {
+            self.store.list_attempts(&job.id).await?.pop()
+        } else {
+            None
+        };
+        let with_change = |text: String, before: &RunConfig| {
+            let change = config.describe_change_from(before);
+            if change.is_empty() {
+                text
+            } else {
+                format!("{text}: {change}")
+            }
+        };
+        let why = match previous {
+            None if *config == spec_config => "the spec's configuration".to_string(),
+            None => with_change("shrunk at submit to fit".to_string(), &spec_config),
+            Some(previous) if previous.details.profile => {
+                with_change("sized by the profile".to_string(), &spec_config)
+            }
+            Some(previous) => {
+                let before = config_from_json(&previous.config_json).unwrap_or(spec_config);
+                let text = if previous.outcome == AttemptOutcome::OutOfMemory {
+                    format!(
+                        "after attempt {} ran out of memory",
+                        previous.attempt_number
+                    )
+                } else {
+                    format!(
+                        "again after attempt {} ended {}",
+                        previous.attempt_number, previous.outcome
+                    )
+                };
+                with_change(text, &before)
+            }
+        };
+        Ok((profile, why))
     }
 
     /// Stores the waiting reasons that changed since the last pass, grouped by reason.

@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use carve_core::job_state::{JobEvent, JobState};
+use carve_core::job_state::{AttemptOutcome, JobEvent, JobState};
 use carve_proto::ApiError;
 use tokio::time::Instant;
 
@@ -15,6 +15,7 @@ use crate::error::SchedulerError;
 use crate::store::WorkerRecord;
 use crate::worker_session::{LiveSession, SessionHandle};
 
+use super::command_jobs::{OomDetected, command_argv_to_json, display_argv};
 use super::logs::JobUpdateKind;
 use super::worker_reports::{
     AttemptRef, Checkpoint, Gpu, GpuFreeBytes, Registered, WorkerCommand, WorkerRegistration,
@@ -312,7 +313,11 @@ impl Scheduler {
             WorkerReport::AttemptStarted {
                 attempt,
                 resumed_from,
-            } => self.attempt_started(worker_id, attempt, resumed_from).await,
+                command_argv,
+            } => {
+                self.attempt_started(worker_id, attempt, resumed_from, &command_argv)
+                    .await
+            }
             WorkerReport::Progress { attempt, progress } => {
                 if self.current_attempt(worker_id, &attempt).is_none() {
                     return Err(self.fenced(&attempt));
@@ -377,8 +382,14 @@ impl Scheduler {
                 attempt,
                 report,
                 checkpoint,
+                detected_by,
+                evidence,
             } => {
-                self.handle_oom(worker_id, attempt, report, checkpoint)
+                let detected = OomDetected {
+                    by: detected_by,
+                    evidence,
+                };
+                self.handle_oom(worker_id, attempt, report, checkpoint, detected)
                     .await
             }
             WorkerReport::AttemptFinished {
@@ -387,7 +398,13 @@ impl Scheduler {
                 measured_peak_bytes,
                 message,
                 results,
+                profile_points,
             } => {
+                if !profile_points.is_empty() && outcome == Some(AttemptOutcome::Succeeded) {
+                    return self
+                        .handle_profile_finished(worker_id, attempt, profile_points)
+                        .await;
+                }
                 self.handle_finished(
                     worker_id,
                     attempt,
@@ -408,6 +425,7 @@ impl Scheduler {
         worker_id: &str,
         attempt: AttemptRef,
         resumed_from: Option<Checkpoint>,
+        command_argv: &[String],
     ) -> Result<(), SchedulerError> {
         let _guard = self.job_changes.lock().await;
         if self.current_attempt(worker_id, &attempt).is_none() {
@@ -425,8 +443,12 @@ impl Scheduler {
                 attempt.lease_epoch as i64,
                 now_ms(),
                 resumed,
+                &command_argv_to_json(command_argv),
             )
             .await?;
+        if !command_argv.is_empty() {
+            self.emit_attempt_line(&attempt, format!("running {}", display_argv(command_argv)));
+        }
         if let Some(checkpoint) = &resumed_from {
             self.emit_attempt_line(
                 &attempt,

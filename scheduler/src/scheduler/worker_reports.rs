@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
+use carve_core::command::memory_model::ProfilePoint;
 use carve_core::job_state::AttemptOutcome;
 use carve_core::plan::RunConfig;
 
@@ -89,6 +90,8 @@ pub enum WorkerReport {
         attempt: AttemptRef,
         /// The checkpoint the attempt loaded; `None` from scratch (or unsaid).
         resumed_from: Option<Checkpoint>,
+        /// A command job's argv as the worker rendered it; empty for model jobs.
+        command_argv: Vec<String>,
     },
     Progress {
         attempt: AttemptRef,
@@ -108,6 +111,10 @@ pub enum WorkerReport {
         report: OutOfMemory,
         /// The last checkpoint the attempt wrote, to resume from.
         checkpoint: Option<Checkpoint>,
+        /// Who detected it ("allocator", "guard", "pytorch", ...).
+        detected_by: String,
+        /// For people: the guard's numbers or the framework's line; may be empty.
+        evidence: String,
     },
     AttemptFinished {
         attempt: AttemptRef,
@@ -118,6 +125,8 @@ pub enum WorkerReport {
         message: String,
         /// Loss, accuracy, steps and throughput, as far as the worker knows them.
         results: AttemptResults,
+        /// A command job's profile: one point per run; empty otherwise.
+        profile_points: Vec<ProfilePoint>,
     },
 }
 
@@ -148,4 +157,6 @@ pub struct Assignment {
     pub slice_bytes: u64,
     /// Where to resume from when the file exists, and where to write checkpoints.
     pub resume_from: Checkpoint,
+    /// Run a command job's profile instead of training.
+    pub profile: bool,
 }

@@ -6,21 +6,31 @@ use carve_core::allocator::OutOfMemory;
 use super::columns::oom_to_json;
 use super::records::attempt_display_id;
 use super::{AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, Store, insert_error};
+
+/// What an attempt's end adds to its details (`AttemptDetails`): a profile's points and
+/// who detected an out-of-memory; both empty otherwise.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AttemptEndDetails {
+    pub profile_points_json: String,
+    pub oom_detected_by: String,
+}
 use crate::error::SchedulerError;
 
 const ATTEMPT_COLUMNS: &str = "job_id, attempt_number, config_json, estimate_bytes, \
      slice_bytes, worker_id, gpu_id, lease_epoch, outcome, measured_peak_bytes, oom_json, \
      message, resumed_from, started_at_ms, finished_at_ms, resumed_from_step, final_loss, \
-     test_accuracy, steps_done, samples_per_second";
+     test_accuracy, steps_done, samples_per_second, profile, chosen_because, command_argv_json, \
+     profile_points_json, oom_detected_by";
 
 const INSERT_ATTEMPT_SQL: &str = "INSERT INTO attempts (job_id, attempt_number, config_json, \
      estimate_bytes, slice_bytes, worker_id, gpu_id, lease_epoch, outcome, \
      measured_peak_bytes, oom_json, message, resumed_from, started_at_ms, finished_at_ms, \
-     resumed_from_step, final_loss, test_accuracy, steps_done, samples_per_second) \
+     resumed_from_step, final_loss, test_accuracy, steps_done, samples_per_second, profile, \
+     chosen_because, command_argv_json, profile_points_json, oom_detected_by) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, \
-     $19, $20)";
+     $19, $20, $21, $22, $23, $24, $25)";
 
-/// Binds an attempt's columns in the order of [`ATTEMPT_COLUMNS`] ($1 to $20).
+/// Binds an attempt's columns in the order of [`ATTEMPT_COLUMNS`] ($1 to $25).
 macro_rules! bind_attempt_columns {
     ($query:expr, $attempt:expr) => {
         $query
@@ -44,6 +54,11 @@ macro_rules! bind_attempt_columns {
             .bind($attempt.results.test_accuracy)
             .bind($attempt.results.steps_done)
             .bind($attempt.results.samples_per_second)
+            .bind($attempt.details.profile)
+            .bind(&$attempt.details.chosen_because)
+            .bind(&$attempt.details.command_argv_json)
+            .bind(&$attempt.details.profile_points_json)
+            .bind(&$attempt.details.oom_detected_by)
     };
 }
 
@@ -78,8 +93,8 @@ impl Store {
     /// running. A report quoting another epoch is `Conflict("attempt j/2 was reassigned
     /// (lease epoch 3, reported 2)")`, one about an attempt that already ended is
     /// `Conflict("attempt j/2 already ended (succeeded)")`, and one about an attempt
-    /// that does not exist is `NotFound`. `outcome` must not be running. `results` are
-    /// stored with the outcome.
+    /// that does not exist is `NotFound`. `outcome` must not be running. `results` and
+    /// `ended` are stored with the outcome.
     #[allow(clippy::too_many_arguments)]
     pub async fn finish_attempt(
         &self,
@@ -92,6 +107,7 @@ impl Store {
         message: &str,
         finished_at_ms: i64,
         results: &AttemptResults,
+        ended: &AttemptEndDetails,
     ) -> Result<(), SchedulerError> {
         if outcome == AttemptOutcome::Running {
             return Err(SchedulerError::invalid_argument(
@@ -103,7 +119,8 @@ impl Store {
             let updated = sqlx::query(
                 "UPDATE attempts SET outcome = $4, measured_peak_bytes = $5, oom_json = $6, \
                  message = $7, finished_at_ms = $8, final_loss = $10, test_accuracy = $11, \
-                 steps_done = $12, samples_per_second = $13 \
+                 steps_done = $12, samples_per_second = $13, profile_points_json = $14, \
+                 oom_detected_by = $15 \
                  WHERE job_id = $1 AND attempt_number = $2 AND lease_epoch = $3 \
                  AND outcome = $9",
             )
@@ -120,6 +137,8 @@ impl Store {
             .bind(results.test_accuracy)
             .bind(results.steps_done)
             .bind(results.samples_per_second)
+            .bind(&ended.profile_points_json)
+            .bind(&ended.oom_detected_by)
             .execute(&mut *tx)
             .await?
             .rows_affected();
@@ -152,7 +171,7 @@ impl Store {
     /// is, and so is an attempt that does not exist: `Ok(false)`). `resumed_from` is the
     /// checkpoint the attempt itself loaded, with its step: it replaces the one the
     /// scheduler expected when set, and leaves it when `None` (a worker that does not
-    /// say).
+    /// say). `command_argv_json` is what a command job's worker ran ('' for none).
     pub async fn record_attempt_started(
         &self,
         job_id: &str,
@@ -160,13 +179,15 @@ impl Store {
         lease_epoch: i64,
         started_at_ms: i64,
         resumed_from: Option<(&str, i64)>,
+        command_argv_json: &str,
     ) -> Result<bool, SchedulerError> {
         let (location, step) = resumed_from.unzip();
         let updated = with_pool!(self, pool => {
             sqlx::query(
                 "UPDATE attempts SET started_at_ms = $4, \
                  resumed_from = COALESCE($5, resumed_from), \
-                 resumed_from_step = COALESCE($6, resumed_from_step) \
+                 resumed_from_step = COALESCE($6, resumed_from_step), \
+                 command_argv_json = $8 \
                  WHERE job_id = $1 AND attempt_number = $2 AND lease_epoch = $3 \
                  AND outcome = $7",
             )
@@ -177,6 +198,7 @@ impl Store {
             .bind(location)
             .bind(step)
             .bind(AttemptOutcome::Running.name())
+            .bind(command_argv_json)
             .execute(pool)
             .await?
             .rows_affected()
@@ -214,7 +236,11 @@ impl Store {
              resumed_from_step = excluded.resumed_from_step, \
              final_loss = excluded.final_loss, test_accuracy = excluded.test_accuracy, \
              steps_done = excluded.steps_done, \
-             samples_per_second = excluded.samples_per_second \
+             samples_per_second = excluded.samples_per_second, \
+             profile = excluded.profile, chosen_because = excluded.chosen_because, \
+             command_argv_json = excluded.command_argv_json, \
+             profile_points_json = excluded.profile_points_json, \
+             oom_detected_by = excluded.oom_detected_by \
              WHERE attempts.lease_epoch < excluded.lease_epoch"
         );
         with_write_tx!(self, tx => {

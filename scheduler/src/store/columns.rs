@@ -238,6 +238,7 @@ mod tests {
             started_at_ms: 0,
             finished_at_ms: None,
             results: Default::default(),
+            details: Default::default(),
         };
         store.create_attempt(&attempt).await.unwrap();
         assert_eq!(store.list_attempts("j").await.unwrap(), vec![attempt]);

@@ -94,6 +94,7 @@ mod tenants;
 mod tokens;
 mod workers;
 
+pub use attempts::AttemptEndDetails;
 pub use batcher::SubmitBatcher;
 pub use jobs::{WAITING_REASON_IDS_PER_STATEMENT, WAITING_REASONS_PER_TRANSACTION};
 pub use logs::{
@@ -101,9 +102,9 @@ pub use logs::{
     LogQuery, MAX_LOG_LINES_PER_JOB, MAX_LOG_MESSAGE_BYTES, MAX_LOG_PAGE_SIZE, NewLogLine,
 };
 pub use records::{
-    AttemptOutcome, AttemptRecord, AttemptResults, DEFAULT_PAGE_SIZE, JobFilter, JobRecord,
-    JobState, MAX_PAGE_SIZE, QueueFingerprint, QueuedJob, Role, SubmitOutcome, TenantRecord,
-    TokenRecord, WorkerRecord, WorkerState,
+    AttemptDetails, AttemptOutcome, AttemptRecord, AttemptResults, DEFAULT_PAGE_SIZE, JobFilter,
+    JobRecord, JobState, MAX_PAGE_SIZE, QueueFingerprint, QueuedJob, Role, SubmitOutcome,
+    TenantRecord, TokenRecord, WorkerRecord, WorkerState,
 };
 pub use tenants::{MAX_TENANT_NAME_LENGTH, TenantDeletion, check_tenant_name};
 

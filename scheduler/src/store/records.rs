@@ -194,6 +194,27 @@ pub struct AttemptRecord {
     /// What it achieved, stored when it ends.
     #[sqlx(flatten)]
     pub results: AttemptResults,
+    /// Why it ran as it did and, for command jobs, what ran.
+    #[sqlx(flatten)]
+    pub details: AttemptDetails,
+}
+
+/// The rest of an attempt's story: written at placement (`profile`, `chosen_because`),
+/// at start (`command_argv_json`) and at its end (`profile_points_json`,
+/// `oom_detected_by`). Empty for rows from before these columns, and the command fields
+/// for model jobs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, sqlx::FromRow)]
+pub struct AttemptDetails {
+    /// A command job's profile run, not training.
+    pub profile: bool,
+    /// Why the attempt ran with its configuration, for people.
+    pub chosen_because: String,
+    /// The argv the worker rendered, as a JSON list of strings ('' when unknown).
+    pub command_argv_json: String,
+    /// What a profile measured, as a JSON list of `ProfilePoint`s ('' otherwise).
+    pub profile_points_json: String,
+    /// Who detected an out-of-memory ("allocator", "guard", "pytorch", ...).
+    pub oom_detected_by: String,
 }
 
 /// What an attempt achieved, as its worker reported at its end; every field is `None`

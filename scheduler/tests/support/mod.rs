@@ -194,6 +194,7 @@ pub fn attempt(job_id: &str, number: i64, lease_epoch: i64) -> AttemptRecord {
         started_at_ms: T0 + number,
         finished_at_ms: None,
         results: AttemptResults::default(),
+        details: Default::default(),
     }
 }
 
@@ -226,6 +227,7 @@ pub async fn finish_plainly(
             "",
             at,
             &results,
+            &Default::default(),
         )
         .await
 }

@@ -1,0 +1,312 @@
+//! Command jobs in the scheduler: the memory models of commands (by shape, fitted from
+//! profiles and raised by what later runs measured), a profile's end (the model fitted,
+//! the job sized and queued to train), and the small helpers the session and placement
+//! code share for them. Every decision is core's (`carve_core::command`).
+
+use carve_core::admission::size_slice_at_admission;
+use carve_core::command::memory_model::{CommandMemoryModel, ProfilePoint};
+use carve_core::command::render::RenderedCommand;
+use carve_core::command::shrink::plan_command_shrink;
+use carve_core::command::spec::CommandJobSpec;
+use carve_core::command::validate::{ValidatedCommandJob, validate_command_job_spec};
+use carve_core::job_state::{AttemptOutcome, JobEvent};
+use carve_core::plan::RunConfig;
+use carve_core::spec::VramRequest;
+use sha2::{Digest, Sha256};
+
+use crate::convert::{config_from_json, config_to_json, estimate_to_json};
+use crate::error::SchedulerError;
+use crate::metrics::Metrics;
+use crate::store::{AttemptEndDetails, AttemptResults};
+
+use super::admission::largest_usable_gpu;
+use super::worker_reports::AttemptRef;
+use super::{Scheduler, now_ms};
+
+/// Who detected an attempt's out-of-memory, and what they said.
+#[derive(Debug, Clone, Default)]
+pub(super) struct OomDetected {
+    /// "allocator" (Carve's engine), "guard", "pytorch", ...
+    pub by: String,
+    /// The guard's numbers or the framework's line; may be empty.
+    pub evidence: String,
+}
+
+/// A rendered argv as its attempt row stores it: a JSON list, '' for none.
+pub(super) fn command_argv_to_json(argv: &[String]) -> String {
+    if argv.is_empty() {
+        return String::new();
+    }
+    serde_json::to_string(argv).unwrap_or_default()
+}
+
+/// A rendered argv as one line a person can read.
+pub(super) fn display_argv(argv: &[String]) -> String {
+    RenderedCommand {
+        argv: argv.to_vec(),
+        env: Default::default(),
+        working_directory: None,
+    }
+    .display_line()
+}
+
+pub(super) use carve_proto::convert::is_command_spec_json as is_command_spec;
+
+/// A stored command job's spec, parsed and checked again (cheap: no model to infer).
+pub(super) fn stored_command_job(spec_json: &str) -> Result<ValidatedCommandJob, SchedulerError> {
+    let spec: CommandJobSpec = serde_json::from_str(spec_json).map_err(|error| {
+        SchedulerError::invalid_argument("spec_json", format!("stored command job: {error}"))
+    })?;
+    validate_command_job_spec(spec).map_err(|error| {
+        SchedulerError::invalid_argument(format!("spec.{}", error.field), error.reason)
+    })
+}
+
+fn short_digest(text: &str) -> String {
+    Sha256::digest(text.as_bytes())
+        .iter()
+        .take(16)
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
+/// The key a command's memory model is stored under: what decides its memory apart from
+/// the knobs Carve turns (argv, environment, working directory, the precisions and the
+/// recompute arguments); not its name, priority or batch sizes.
+pub(super) fn command_shape_key(job: &ValidatedCommandJob) -> String {
+    let command = &job.spec.command;
+    let shape = serde_json::json!({
+        "argv": command.argv,
+        "env": command.env,
+        "working_directory": command.working_directory,
+        "precisions": command.precisions,
+        "recompute": command.recompute,
+    });
+    short_digest(&format!("command|{shape}"))
+}
+
+/// The key measured peaks of a command job are kept under (its command shape and its
+/// configuration), like `admission::shape_key` for model jobs.
+pub(super) fn command_peak_key(job: &ValidatedCommandJob, config: &RunConfig) -> String {
+    short_digest(&format!(
+        "{}|{}",
+        command_shape_key(job),
+        config_to_json(config)
+    ))
+}
+
+/// Whether a command job's next attempt must be a profile: its memory is not known yet
+/// (`vram = "auto"` and no model for its shape) and none of its attempts measured it.
+pub(super) fn needs_profile(job: &ValidatedCommandJob, model: Option<&CommandMemoryModel>) -> bool {
+    job.spec.resources.vram == VramRequest::Auto && model.is_none()
+}
+
+impl Scheduler {
+    /// The memory model stored for a command shape, if a profile measured one.
+    pub(super) async fn command_memory_model(
+        &self,
+        shape_key: &str,
+    ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
+        let Some(json) = self.store.command_memory_model(shape_key).await? else {
+            return Ok(None);
+        };
+        serde_json::from_str(&json).map(Some).map_err(|error| {
+            SchedulerError::Api(carve_proto::ApiError::Internal(format!(
+                "corrupt row: command_memory_models {shape_key:?}: {error}"
+            )))
+        })
+    }
+
+    /// Stores a command shape's memory model, replacing the one it had.
+    pub(super) async fn put_command_memory_model(
+        &self,
+        shape_key: &str,
+        model: &CommandMemoryModel,
+    ) -> Result<(), SchedulerError> {
+        let json = serde_json::to_string(model).map_err(|error| {
+            SchedulerError::Api(carve_proto::ApiError::Internal(format!(
+                "cannot write a memory model: {error}"
+            )))
+        })?;
+        self.store
+            .put_command_memory_model(shape_key, &json, now_ms())
+            .await
+    }
+
+    /// Raises a command shape's stored model so that it covers `needed_bytes` at
+    /// `config` (a measured peak, or what an out-of-memory showed was needed). A shape
+    /// with no model yet gets none: only a profile fits one.
+    pub(super) async fn refine_command_memory_model(
+        &self,
+        job: &ValidatedCommandJob,
+        config: &RunConfig,
+        needed_bytes: u64,
+    ) -> Result<(), SchedulerError> {
+        let shape_key = command_shape_key(job);
+        if let Some(model) = self.command_memory_model(&shape_key).await? {
+            let refined = model.refined(config, needed_bytes);
+            if refined != model {
+                self.put_command_memory_model(&shape_key, &refined).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The memory model a command job is sized by (its command's, once a profile
+    /// measured it); `None` for model jobs and before the profile.
+    pub async fn job_memory_model(
+        &self,
+        job: &crate::store::JobRecord,
+    ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
+        if !is_command_spec(&job.spec_json) {
+            return Ok(None);
+        }
+        let command = stored_command_job(&job.spec_json)?;
+        self.command_memory_model(&command_shape_key(&command))
+            .await
+    }
+
+    /// A command job's profile ended with its points: the attempt is stored as a
+    /// succeeded profile, the model is fitted and kept for the command's shape, and the
+    /// job, sized by it (shrunk ahead of time when it cannot fit as written), is queued
+    /// to train. A model that cannot be fitted, or a job that cannot fit, fails it.
+    pub(super) async fn handle_profile_finished(
+        &self,
+        worker_id: &str,
+        attempt: AttemptRef,
+        points: Vec<ProfilePoint>,
+    ) -> Result<(), SchedulerError> {
+        let _guard = self.job_changes.lock().await;
+        if self.current_attempt(worker_id, &attempt).is_none() {
+            return Err(self.fenced(&attempt));
+        }
+        let mut job = self.store.get_job(&attempt.job_id).await?;
+        let command = stored_command_job(&job.spec_json)?;
+        let config = config_from_json(&job.config_json)?;
+        let fitted = CommandMemoryModel::fit(
+            &points,
+            config.precision,
+            config.recompute_segment_layers.is_some(),
+        );
+        let points_text = points
+            .iter()
+            .map(|point| {
+                format!(
+                    "micro-batch {}: {}{}",
+                    point.micro_batch,
+                    carve_core::bytes::HumanBytes(point.peak_bytes),
+                    if point.ran_out { " (ran out)" } else { "" }
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let now = now_ms();
+        let peak = points
+            .iter()
+            .map(|point| point.peak_bytes)
+            .max()
+            .unwrap_or(0);
+        self.store
+            .finish_attempt(
+                &attempt.job_id,
+                i64::from(attempt.attempt_number),
+                attempt.lease_epoch as i64,
+                AttemptOutcome::Succeeded,
+                Some(peak as i64),
+                None,
+                &format!("profile measured {points_text}"),
+                now,
+                &AttemptResults::default(),
+                &AttemptEndDetails {
+                    profile_points_json: serde_json::to_string(&points).unwrap_or_default(),
+                    oom_detected_by: String::new(),
+                },
+            )
+            .await?;
+        self.live().running.remove(&attempt.job_id);
+        self.emit_attempt_line(&attempt, format!("profile measured {points_text}"));
+        if job.state.is_terminal() {
+            // Cancelled meanwhile: the slice is free, nothing to size.
+            self.wake();
+            return Ok(());
+        }
+        let gpus = self.gpu_states();
+        let sized = fitted.map_err(|error| error.to_string()).and_then(|model| {
+            let admitted = size_slice_at_admission(
+                VramRequest::Auto,
+                config,
+                model.need_bytes(&config),
+                1.0,
+                largest_usable_gpu(&gpus),
+                |current, limit| {
+                    plan_command_shrink(&command, &model, current, None, limit)
+                        .map(|decision| (decision.config, decision.estimate.required_bytes))
+                },
+            )
+            .map_err(|error| error.to_string())?;
+            Ok((model, admitted))
+        });
+        match sized {
+            Ok((model, admitted)) => {
+                self.put_command_memory_model(&command_shape_key(&command), &model)
+                    .await?;
+                let estimate = model.estimate(&admitted.config);
+                job.config_json = config_to_json(&admitted.config);
+                job.estimate_json = estimate_to_json(&estimate);
+                job.required_bytes = admitted.slice_bytes as i64;
+                job.waiting_reason.clear();
+                let change = admitted.config.describe_change_from(&config);
+                let message = format!(
+                    "profile: needs {} + {} per sample; slice {}{}",
+                    carve_core::bytes::HumanBytes(model.fixed_bytes),
+                    carve_core::bytes::HumanBytes(model.per_sample_bytes),
+                    carve_core::bytes::HumanBytes(admitted.slice_bytes),
+                    if change.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", shrunk to fit: {change}")
+                    }
+                );
+                self.move_job(&mut job, JobEvent::ProfileMeasured, &message)
+                    .await?;
+            }
+            Err(why) => {
+                let message = format!("the profile cannot size the job: {why}");
+                job.message.clone_from(&message);
+                job.finished_at_ms = Some(now);
+                self.move_job(&mut job, JobEvent::AttemptFailed, &message)
+                    .await?;
+                Metrics::count(&self.metrics.jobs_failed);
+            }
+        }
+        self.wake();
+        Ok(())
+    }
+}
+
+/// The slice a command job's profile gets when no GPU is known at submit (the job waits
+/// for one anyway; a profile that runs out in it still gives a lower bound).
+pub(super) const PROFILE_SLICE_WITHOUT_GPUS: u64 = 16 << 30;
+
+/// The estimate a command job is stored with while nothing measured its memory: `bytes`
+/// (its declared vram, or its profile's slice) and where that number comes from.
+pub(super) fn unmeasured_estimate(
+    config: RunConfig,
+    bytes: u64,
+    source: &str,
+) -> carve_core::estimator::MemoryEstimate {
+    carve_core::estimator::MemoryEstimate {
+        config,
+        peak_bytes: bytes,
+        required_bytes: bytes,
+        persistent_bytes: 0,
+        fragmentation_bytes_at_peak: 0,
+        fragmentation_at_peak: 0.0,
+        by_category: carve_core::plan::MemoryCategory::ALL
+            .iter()
+            .map(|category| (*category, 0))
+            .collect(),
+        by_layer: Vec::new(),
+        peak_during: format!("command: {source}"),
+    }
+}
