@@ -80,10 +80,8 @@ impl WorkerStop {
     }
 }
 
-/// Starts the attempt process. Its stdout and stderr are piped; it dies with the
-/// worker's handle if the worker drops it (`kill_on_drop`), and with the worker process
-/// itself (the parent-death signal). It leads its own process group, so a cancel reaches
-/// whatever it starts too.
+/// Starts the engine's attempt process (`PROGRAM attempt ...`), supervised as
+/// [`spawn_supervised`] says.
 pub async fn spawn_attempt_process(launch: &AttemptLaunch) -> Result<Child, WorkerError> {
     let mut command = Command::new(&launch.program);
     command
@@ -107,6 +105,19 @@ pub async fn spawn_attempt_process(launch: &AttemptLaunch) -> Result<Child, Work
             .env("CUDA_VISIBLE_DEVICES", uuid)
             .env(crate::attempt_child::CUDA_DEVICE_VARIABLE, "0");
     }
+    spawn_supervised(command).await.map_err(|error| {
+        WorkerError::AttemptProcess(format!(
+            "cannot start {}: {error}",
+            launch.program.display()
+        ))
+    })
+}
+
+/// Starts `command` as an attempt's process, engine or command job alike: stdin closed,
+/// stdout and stderr piped, killed with the worker's handle if the worker drops it
+/// (`kill_on_drop`) and with the worker process itself (the parent-death signal), and
+/// leading its own process group, so a stop reaches whatever it starts too.
+pub async fn spawn_supervised(mut command: Command) -> std::io::Result<Child> {
     command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -114,14 +125,7 @@ pub async fn spawn_attempt_process(launch: &AttemptLaunch) -> Result<Child, Work
         .kill_on_drop(true)
         .process_group(0);
     die_with_this_process(&mut command);
-    spawn_from_long_lived_thread(command)
-        .await
-        .map_err(|error| {
-            WorkerError::AttemptProcess(format!(
-                "cannot start {}: {error}",
-                launch.program.display()
-            ))
-        })
+    spawn_from_long_lived_thread(command).await
 }
 
 /// Asks the kernel to SIGKILL the child when the worker dies, whatever kills the worker
@@ -244,9 +248,7 @@ pub async fn watch_attempt_process(
     let mut final_line: Option<ChildLine> = None;
     let mut measured_peak_bytes = 0u64;
     let mut steps_reported: Option<u64> = None;
-    let mut worker_stop: Option<WorkerStop> = None;
-    let mut kill_at: Option<Instant> = None;
-    let mut killed = false;
+    let mut stopper = ProcessStopper::new(process_id);
     let send = |body: Body| {
         // The receiver lives as long as the worker; a send fails only at shutdown.
         let _ = reports.send(body);
@@ -288,41 +290,11 @@ pub async fn watch_attempt_process(
                 }
             }
             status = child.wait(), if stdout_lines.is_none() => break status,
-            command = control.recv(), if worker_stop.is_none() => {
-                let (grace_period, stop) = match command {
-                    Some(AttemptControl::Cancel { grace_period, reason }) => {
-                        (grace_period, WorkerStop::Cancelled(reason))
-                    }
-                    Some(AttemptControl::StopAsFailed { grace_period, reason }) => {
-                        (grace_period, WorkerStop::Failed(reason))
-                    }
-                    // The worker dropped its handle: it is going away.
-                    None => (
-                        Duration::ZERO,
-                        WorkerStop::Cancelled("the worker is shutting down".to_string()),
-                    ),
-                };
-                tracing::info!(job = %attempt.job_id, process_id, ?grace_period, ?stop, "stopping an attempt");
-                worker_stop = Some(stop);
-                if grace_period.is_zero() {
-                    kill_group(&mut child, process_id);
-                    killed = true;
-                } else {
-                    if let Err(error) = signal_process_group(process_id, Signal::TERM) {
-                        tracing::warn!(process_id, %error, "cannot send sigterm");
-                    }
-                    kill_at = Some(Instant::now() + grace_period);
-                }
+            command = control.recv(), if !stopper.is_stopping() => {
+                stopper.begin(&mut child, command, &attempt.job_id);
             }
-            _ = async {
-                match kill_at {
-                    Some(deadline) => tokio::time::sleep_until(deadline).await,
-                    None => std::future::pending().await,
-                }
-            }, if kill_at.is_some() && !killed => {
-                tracing::info!(job = %attempt.job_id, process_id, "grace period over: killing the attempt");
-                kill_group(&mut child, process_id);
-                killed = true;
+            _ = sleep_until_or_never(stopper.kill_deadline()) => {
+                stopper.kill(&mut child, &attempt.job_id);
             }
         }
     };
@@ -346,7 +318,7 @@ pub async fn watch_attempt_process(
         &attempt,
         exit_status,
         final_line,
-        worker_stop,
+        stopper.into_stop(),
         observed,
         &stderr_tail,
     ) {
@@ -384,6 +356,90 @@ pub struct Observed {
     pub peak_bytes: u64,
     /// The step of the last progress line.
     pub steps: Option<u64>,
+}
+
+/// A stop the worker asked for, as it goes: SIGTERM to the process group at once, SIGKILL
+/// when the grace period is over (at once without one). One per process: the process
+/// group is the process's id.
+#[derive(Debug)]
+pub struct ProcessStopper {
+    process_group: u32,
+    stop: Option<WorkerStop>,
+    kill_at: Option<Instant>,
+    killed: bool,
+}
+
+impl ProcessStopper {
+    pub fn new(process_group: u32) -> ProcessStopper {
+        ProcessStopper {
+            process_group,
+            stop: None,
+            kill_at: None,
+            killed: false,
+        }
+    }
+
+    /// Whether a stop has begun (a second control message changes nothing).
+    pub fn is_stopping(&self) -> bool {
+        self.stop.is_some()
+    }
+
+    /// Begins the stop `control` asks for; `None` (the worker dropped its handle: it is
+    /// going away) kills at once.
+    pub fn begin(&mut self, child: &mut Child, control: Option<AttemptControl>, job_id: &str) {
+        let (grace_period, stop) = match control {
+            Some(AttemptControl::Cancel {
+                grace_period,
+                reason,
+            }) => (grace_period, WorkerStop::Cancelled(reason)),
+            Some(AttemptControl::StopAsFailed {
+                grace_period,
+                reason,
+            }) => (grace_period, WorkerStop::Failed(reason)),
+            None => (
+                Duration::ZERO,
+                WorkerStop::Cancelled("the worker is shutting down".to_string()),
+            ),
+        };
+        let process_id = self.process_group;
+        tracing::info!(job = %job_id, process_id, ?grace_period, ?stop, "stopping an attempt");
+        self.stop = Some(stop);
+        if grace_period.is_zero() {
+            kill_group(child, process_id);
+            self.killed = true;
+        } else {
+            if let Err(error) = signal_process_group(process_id, Signal::TERM) {
+                tracing::warn!(process_id, %error, "cannot send sigterm");
+            }
+            self.kill_at = Some(Instant::now() + grace_period);
+        }
+    }
+
+    /// When the SIGKILL is due; `None` while none is (no stop, or killed already).
+    pub fn kill_deadline(&self) -> Option<Instant> {
+        self.kill_at.filter(|_| !self.killed)
+    }
+
+    /// The grace period is over: SIGKILL.
+    pub fn kill(&mut self, child: &mut Child, job_id: &str) {
+        let process_id = self.process_group;
+        tracing::info!(job = %job_id, process_id, "grace period over: killing the attempt");
+        kill_group(child, process_id);
+        self.killed = true;
+    }
+
+    /// Why the worker stopped the process; `None` when it did not.
+    pub fn into_stop(self) -> Option<WorkerStop> {
+        self.stop
+    }
+}
+
+/// Sleeps until `deadline`; without one, never wakes (a `select!` branch that is off).
+pub async fn sleep_until_or_never(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// SIGKILL to the attempt's process group, and to the process itself should the group

@@ -111,6 +111,26 @@ pub fn find_guard_library(
     }
 }
 
+/// The guard for command jobs on simulated GPUs: the library named with
+/// `--guard-library`, or the default one next to `worker_program`, when it passes the
+/// check. Never an error: without it such programs run without the guard (`carve dev
+/// --demo`), and a named one that fails the check is a warning.
+pub fn find_simulated_guard_library(
+    named: Option<&Path>,
+    worker_program: &Path,
+) -> Option<PathBuf> {
+    let path = named.map_or_else(|| default_guard_library(worker_program), Path::to_path_buf);
+    match check_guard_library(&path) {
+        Ok(library) => Some(library),
+        Err(error) => {
+            if named.is_some() {
+                tracing::warn!(%error, "command jobs on simulated gpus run without the guard");
+            }
+            None
+        }
+    }
+}
+
 /// The guard set up for one attempt: its account exists, and [`AttemptGuard::environment`]
 /// says what the program must be started with.
 #[derive(Debug, Clone, PartialEq, Eq)]

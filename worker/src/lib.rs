@@ -4,6 +4,9 @@
 //!
 //! - `worker`: `run_worker(config, shutdown)`, the session loop, admission, reconnects;
 //! - `attempt_process`: the worker's side of one attempt process (start, watch, stop);
+//! - `command_attempt`: the worker's side of a command job's attempt (the user's own
+//!   program under the guard, its output, its profile runs, its end classified);
+//! - `command_output`: a command's output: bounded lines, `CARVE_PROGRESS` lines;
 //! - `attempt_child`: the attempt process itself (`carve-worker attempt ...`);
 //! - `child_protocol`: the JSON lines between the two;
 //! - `leftover_processes`: records of running attempt processes, and killing those a
@@ -22,6 +25,8 @@
 pub mod attempt_child;
 pub mod attempt_process;
 pub mod child_protocol;
+pub mod command_attempt;
+pub mod command_output;
 pub mod error;
 pub mod gpus;
 pub mod guard_environment;

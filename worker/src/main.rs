@@ -50,8 +50,10 @@ struct Arguments {
     /// real and simulated GPUs (default 640MiB, measured on an H200 with CUDA 13 and cuDNN 9).
     #[arg(long, env = "CARVE_CONTEXT_BYTES", value_parser = parse_byte_size_argument)]
     context_bytes: Option<u64>,
-    /// The guard (libcarve_guard.so) preloaded into programs run under it; defaults to
-    /// the one next to carve-worker. Checked at start only on a worker with real GPUs.
+    /// The guard (libcarve_guard.so) preloaded into command jobs' programs; defaults to
+    /// the one next to carve-worker. Required on a worker with real GPUs (checked at
+    /// start); on simulated GPUs used when it is there (over a fake driver), else their
+    /// programs run without it.
     #[arg(long, env = "CARVE_GUARD_LIBRARY")]
     guard_library: Option<PathBuf>,
     /// The node name to register with; defaults to the host name.

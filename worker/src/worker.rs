@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use carve_core::command::validate::{ValidatedSpec, parse_spec_json};
 use carve_proto::ApiError;
 use carve_proto::client::{BearerToken, connect};
 use carve_proto::v1;
@@ -24,12 +25,14 @@ use crate::attempt_process::{
 use crate::child_protocol::ConfigArgument;
 use crate::error::WorkerError;
 use crate::gpus::{SimulatedGpu, SliceBook, WorkerGpu, discover_gpus};
-use crate::guard_environment::find_guard_library;
+use crate::guard_environment::{find_guard_library, find_simulated_guard_library};
 use crate::leftover_processes::{
     LeftoverOutcome, kill_leftover_processes, record_directory, record_for, write_record,
 };
 use crate::nvml::{DiscoveredGpu, NvmlHandle, open_nvml};
 use crate::watchdog::{SystemWatchSource, WatchedAttempt, WatchedAttempts, run_watchdog};
+
+mod command_launch;
 
 /// Everything the worker needs to start.
 #[derive(Debug, Clone)]
@@ -62,9 +65,11 @@ pub struct WorkerConfig {
     /// The certificate (PEM) to trust for an `https://` scheduler, for private CAs and
     /// self-signed certificates; without it the system's roots are trusted.
     pub scheduler_ca_certificate_pem: Option<Vec<u8>>,
-    /// The guard (`libcarve_guard.so`) preloaded into programs that run under it
-    /// (`--guard-library`); `None`: next to `attempt_program`. Checked at start only on
-    /// a worker with real GPUs (see [`crate::guard_environment::find_guard_library`]).
+    /// The guard (`libcarve_guard.so`) preloaded into command jobs' programs
+    /// (`--guard-library`); `None`: next to `attempt_program`. Checked at start on a
+    /// worker with real GPUs (see [`crate::guard_environment::find_guard_library`]); on
+    /// simulated GPUs used when it passes the check, else their programs run without it
+    /// ([`crate::guard_environment::find_simulated_guard_library`]).
     pub guard_library: Option<PathBuf>,
 }
 
@@ -182,11 +187,10 @@ struct Worker {
     /// Set by a drain: the scheduler places nothing new here.
     draining: bool,
     /// The checked guard library, on a worker with real GPUs where it was found.
-    #[expect(
-        dead_code,
-        reason = "command jobs (issue 16) will run their programs under it"
-    )]
     guard_library: Option<PathBuf>,
+    /// The guard for command jobs on simulated GPUs, when one was named or is in its
+    /// default place (the fake driver's tests); without it they run without the guard.
+    simulated_guard_library: Option<PathBuf>,
 }
 
 /// Runs the worker until `shutdown` completes; then stops its attempts.
@@ -223,6 +227,8 @@ pub async fn run_worker(
         &config.attempt_program,
         &gpus,
     )?;
+    let simulated_guard_library =
+        find_simulated_guard_library(config.guard_library.as_deref(), &config.attempt_program);
     let process_records = record_directory(&config.checkpoint_directory, &config.hostname);
     kill_leftovers_of_a_previous_life(&process_records);
     let (reports, mut incoming_reports) = mpsc::unbounded_channel();
@@ -254,6 +260,7 @@ pub async fn run_worker(
         worker_id: String::new(),
         draining: false,
         guard_library,
+        simulated_guard_library,
     };
     tokio::pin!(shutdown);
     let mut backoff = worker.config.reconnect_backoff_initial;
@@ -336,6 +343,8 @@ impl WatchedAttempts for WorkerAttempts {
         lock(&self.shared)
             .running
             .values()
+            // 0: a command attempt between two of its programs' runs.
+            .filter(|running| running.process_id != 0)
             .filter_map(|running| {
                 Some(WatchedAttempt {
                     attempt: running.attempt.clone(),
@@ -671,8 +680,28 @@ impl Worker {
         }
     }
 
-    /// Writes the spec file, starts the process and a task that watches it.
+    /// Starts the attempt: a model job's attempt process, or a command job's program
+    /// ([`crate::command_attempt`]).
     async fn launch(
+        &self,
+        assignment: &v1::scheduler_message::Assignment,
+        attempt: &v1::AttemptRef,
+        config: &v1::RunConfig,
+        gpu: &WorkerGpu,
+    ) -> Result<(), WorkerError> {
+        match parse_spec_json(&assignment.spec_json) {
+            Ok(ValidatedSpec::Model(_)) => {
+                self.launch_model(assignment, attempt, config, gpu).await
+            }
+            Ok(ValidatedSpec::Command(job)) => {
+                self.launch_command(assignment, attempt, config, gpu, job)
+            }
+            Err(error) => Err(WorkerError::Attempt(format!("the job spec: {error}"))),
+        }
+    }
+
+    /// Writes the spec file, starts the process and a task that watches it.
+    async fn launch_model(
         &self,
         assignment: &v1::scheduler_message::Assignment,
         attempt: &v1::AttemptRef,

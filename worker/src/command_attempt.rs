@@ -1,0 +1,647 @@
+//! The worker's side of a command job's attempt: the user's own program, started directly
+//! (no shell) in its own process group with the guard's environment, its output turned
+//! into the job's log lines and progress, and its end classified (`carve_core::command::
+//! oom`) into success, an OOM with its numbers, or a failure with the tail of stderr.
+//!
+//! A training attempt is one run of the program. A profile attempt
+//! ([`CommandAttemptLaunch::profile`]) is one short run per profile micro-batch, one
+//! after the other in the same slice, each with a fresh guard account, and ends with the
+//! guard's peak of each run as profile points.
+//!
+//! Reports, in order: `AttemptStarted` once the (first) program started; log lines and
+//! progress while it runs; at the end either `OomReport` then `AttemptFinished
+//! (OUT_OF_MEMORY)`, or one `AttemptFinished`. A program that cannot be started ends the
+//! attempt FAILED without an `AttemptStarted`.
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::time::Duration;
+
+use carve_core::allocator::OutOfMemory;
+use carve_core::command::oom::{CommandExit, CommandRunEnd, classify_command_exit};
+use carve_core::command::render::render_command;
+use carve_core::command::validate::ValidatedCommandJob;
+use carve_core::plan::RunConfig;
+use carve_proto::v1;
+use carve_proto::v1::worker_message::Body;
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::attempt_process::{
+    AttemptControl, ProcessStopper, WorkerStop, sleep_until_or_never, spawn_supervised,
+};
+use crate::command_output::{
+    BoundedLines, LineTail, MOST_LINE_BYTES, ProgressLine, STDERR_TAIL_LINES, parse_progress_line,
+    start_error_text,
+};
+use crate::guard_environment::AttemptGuard;
+
+/// The variable that tells the program its slice's size, with or without the guard (a
+/// program on a simulated GPU without the guard can account for itself against it).
+pub const ENVIRONMENT_SLICE_BYTES: &str = "CARVE_SLICE_BYTES";
+
+/// How often a run that prints no progress lines gets a progress report with the guard's
+/// memory figures.
+pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How long the output pipes may stay open after the program exited (a process it left
+/// behind holds them) before the worker stops reading them.
+const OUTPUT_DRAIN: Duration = Duration::from_secs(2);
+
+/// Everything needed to run one attempt of a command job.
+#[derive(Debug, Clone)]
+pub struct CommandAttemptLaunch {
+    pub attempt: v1::AttemptRef,
+    pub job: ValidatedCommandJob,
+    /// The configuration the scheduler chose for this attempt.
+    pub config: RunConfig,
+    pub slice_bytes: u64,
+    /// The slice's GPU (`CUDA_VISIBLE_DEVICES` under the guard).
+    pub gpu_uuid: String,
+    /// The checked guard library; `None` runs the program without the guard (a simulated
+    /// GPU on a worker without one: no peaks are measured then).
+    pub guard_library: Option<PathBuf>,
+    /// `{checkpoint_dir}`: the job's own directory, the same for every attempt of the job
+    /// so that a retry resumes from what the last one wrote.
+    pub checkpoint_dir: PathBuf,
+    /// This attempt's directory: the guard's account and OOM record, the program's
+    /// working directory when the spec names none, the profile's scratch checkpoints.
+    pub attempt_directory: PathBuf,
+    /// Run the profile instead of training.
+    pub profile: bool,
+}
+
+/// What the worker learns of the processes an attempt starts (a profile starts one per
+/// run): it records them, and lets the watchdog watch them.
+pub trait CommandProcesses: Send {
+    fn started(&mut self, process_id: u32, guard_account: Option<&Path>);
+    fn exited(&mut self, process_id: u32);
+}
+
+/// Nobody to tell (tests).
+impl CommandProcesses for () {
+    fn started(&mut self, _process_id: u32, _guard_account: Option<&Path>) {}
+    fn exited(&mut self, _process_id: u32) {}
+}
+
+/// Runs the attempt to its end and sends every report about it to `reports`, the final
+/// one last. `before_final_report` runs once no process of the attempt runs any more and
+/// before the final reports: the caller frees the slice there.
+pub async fn run_command_attempt(
+    launch: CommandAttemptLaunch,
+    reports: mpsc::UnboundedSender<Body>,
+    mut control: mpsc::UnboundedReceiver<AttemptControl>,
+    mut processes: impl CommandProcesses,
+    before_final_report: impl FnOnce(),
+) {
+    let mut runner = Runner {
+        launch: &launch,
+        reports: &reports,
+        control: &mut control,
+        processes: &mut processes,
+        announced: false,
+    };
+    let finals = if launch.profile {
+        runner.profile().await
+    } else {
+        runner.train().await
+    };
+    before_final_report();
+    for body in finals {
+        // The receiver lives as long as the worker; a send fails only at shutdown.
+        let _ = reports.send(body);
+    }
+}
+
+/// How one run of the program ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunEnd {
+    /// It could not be set up or started.
+    NotStarted(String),
+    /// The worker stopped it (cancel, shutdown, the watchdog).
+    Stopped(WorkerStop),
+    /// It exited by itself (or the worker could not wait for it), classified.
+    Exited(CommandRunEnd),
+}
+
+/// What one run left: how it ended, the guard's peak, and its last progress.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunRecord {
+    pub end: RunEnd,
+    /// The guard account's peak (or the program's own figure without the guard; 0 when
+    /// neither is known).
+    pub peak_bytes: u64,
+    pub progress: ProgressSummary,
+}
+
+/// The progress lines of a run, summed up.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ProgressSummary {
+    pub step: Option<u64>,
+    pub total_steps: Option<u64>,
+    pub loss: Option<f64>,
+    pub samples_per_second: Option<f64>,
+    pub memory_in_use_bytes: Option<u64>,
+    pub memory_peak_bytes: Option<u64>,
+}
+
+impl ProgressSummary {
+    fn update(&mut self, line: &ProgressLine) {
+        self.step = line.step.or(self.step);
+        self.total_steps = line.total_steps.or(self.total_steps);
+        self.loss = line.loss.or(self.loss);
+        self.samples_per_second = line.samples_per_second.or(self.samples_per_second);
+        self.memory_in_use_bytes = line.memory_in_use_bytes.or(self.memory_in_use_bytes);
+        self.memory_peak_bytes = self
+            .memory_peak_bytes
+            .max(line.memory_peak_bytes)
+            .max(line.memory_in_use_bytes);
+    }
+}
+
+/// One run's settings.
+struct RunPlan {
+    config: RunConfig,
+    max_steps: Option<u64>,
+    checkpoint_dir: PathBuf,
+    /// Before every log line ("profile micro-batch 8: "), empty for training.
+    log_prefix: String,
+    /// Whether progress lines become progress reports (training) or only count (profile).
+    report_progress: bool,
+}
+
+struct Runner<'a, P: CommandProcesses> {
+    launch: &'a CommandAttemptLaunch,
+    reports: &'a mpsc::UnboundedSender<Body>,
+    control: &'a mut mpsc::UnboundedReceiver<AttemptControl>,
+    processes: &'a mut P,
+    /// Whether `AttemptStarted` went out.
+    announced: bool,
+}
+
+impl<P: CommandProcesses> Runner<'_, P> {
+    fn send(&self, body: Body) {
+        let _ = self.reports.send(body);
+    }
+
+    async fn train(&mut self) -> Vec<Body> {
+        let plan = RunPlan {
+            config: self.launch.config,
+            max_steps: None,
+            checkpoint_dir: self.launch.checkpoint_dir.clone(),
+            log_prefix: String::new(),
+            report_progress: true,
+        };
+        let record = self.run(&plan).await;
+        training_final_reports(&self.launch.attempt, record)
+    }
+
+    /// One short run per profile micro-batch; see the module docs.
+    async fn profile(&mut self) -> Vec<Body> {
+        let attempt = &self.launch.attempt;
+        let mut micro_batches = self.launch.job.profile_micro_batches().to_vec();
+        micro_batches.dedup();
+        let mut points = Vec::new();
+        for micro_batch in micro_batches {
+            // A stop that came between two runs ends the profile before the next.
+            if let Ok(control) = self.control.try_recv() {
+                let (outcome, reason) = stop_of(control).outcome_and_reason();
+                return ended(attempt, outcome, reason);
+            }
+            let scratch = self
+                .launch
+                .attempt_directory
+                .join(format!("profile-checkpoints-micro-batch-{micro_batch}"));
+            // Each run starts from nothing: no checkpoint of an earlier try is resumed.
+            let _ = std::fs::remove_dir_all(&scratch);
+            let plan = RunPlan {
+                config: RunConfig {
+                    micro_batch_size: micro_batch,
+                    ..self.launch.config
+                },
+                max_steps: Some(self.launch.job.spec.command.profile.steps),
+                checkpoint_dir: scratch.clone(),
+                log_prefix: format!("profile micro-batch {micro_batch}: "),
+                report_progress: false,
+            };
+            let record = self.run(&plan).await;
+            let _ = std::fs::remove_dir_all(&scratch);
+            let point = match record.end {
+                RunEnd::Exited(CommandRunEnd::Succeeded) => v1::ProfilePoint {
+                    micro_batch,
+                    peak_bytes: record.peak_bytes,
+                    ran_out: false,
+                },
+                // What it held and asked for when it ran out is a lower bound.
+                RunEnd::Exited(CommandRunEnd::OutOfMemory { report, .. }) => v1::ProfilePoint {
+                    micro_batch,
+                    peak_bytes: report
+                        .in_use
+                        .saturating_add(report.requested)
+                        .max(record.peak_bytes),
+                    ran_out: true,
+                },
+                RunEnd::Exited(CommandRunEnd::Failed { message }) | RunEnd::NotStarted(message) => {
+                    return ended(
+                        attempt,
+                        v1::AttemptOutcome::Failed,
+                        format!("the profile run at micro-batch {micro_batch} failed: {message}"),
+                    );
+                }
+                RunEnd::Stopped(stop) => {
+                    let (outcome, reason) = stop.outcome_and_reason();
+                    return ended(attempt, outcome, reason);
+                }
+            };
+            tracing::info!(
+                job = %attempt.job_id,
+                micro_batch,
+                peak_bytes = point.peak_bytes,
+                ran_out = point.ran_out,
+                "profile run measured"
+            );
+            points.push(point);
+        }
+        // The peaks are in the points; the attempt's own peak stays 0 so that nothing
+        // takes it for the peak of the configuration it was assigned.
+        let mut done = finished(attempt, v1::AttemptOutcome::Succeeded, String::new(), None);
+        done.profile_points = points;
+        vec![Body::AttemptFinished(done)]
+    }
+
+    /// Sets up, starts and watches one run of the program to its end.
+    async fn run(&mut self, plan: &RunPlan) -> RunRecord {
+        let not_started = |message: String| RunRecord {
+            end: RunEnd::NotStarted(message),
+            peak_bytes: 0,
+            progress: ProgressSummary::default(),
+        };
+        let (command, argv, guard) = match self.prepare(plan) {
+            Ok(prepared) => prepared,
+            Err(message) => return not_started(message),
+        };
+        let child = match spawn_supervised(command).await {
+            Ok(child) => child,
+            Err(error) => {
+                return not_started(format!(
+                    "could not start {}: {}",
+                    argv[0],
+                    start_error_text(&error)
+                ));
+            }
+        };
+        let process_id = child.id().unwrap_or(0);
+        let attempt = &self.launch.attempt;
+        tracing::info!(
+            job = %attempt.job_id,
+            attempt = attempt.attempt_number,
+            process_id,
+            under_guard = guard.is_some(),
+            argv = ?argv,
+            "command started"
+        );
+        self.processes
+            .started(process_id, guard.as_ref().map(AttemptGuard::account_file));
+        if !self.announced {
+            self.announced = true;
+            self.send(Body::AttemptStarted(v1::worker_message::AttemptStarted {
+                attempt: Some(attempt.clone()),
+                reserved_bytes: self.launch.slice_bytes,
+                resumed_from: None,
+                command_argv: argv,
+            }));
+        }
+        let record = self.watch(child, process_id, plan, guard.as_ref()).await;
+        self.processes.exited(process_id);
+        record
+    }
+
+    /// The directories, the guard's account and the command of one run.
+    fn prepare(
+        &self,
+        plan: &RunPlan,
+    ) -> Result<(Command, Vec<String>, Option<AttemptGuard>), String> {
+        let launch = self.launch;
+        for directory in [&plan.checkpoint_dir, &launch.attempt_directory] {
+            std::fs::create_dir_all(directory)
+                .map_err(|error| format!("cannot create {}: {error}", directory.display()))?;
+        }
+        let guard = launch
+            .guard_library
+            .as_deref()
+            .map(|library| {
+                AttemptGuard::prepare(
+                    library,
+                    &launch.attempt_directory,
+                    launch.slice_bytes,
+                    &launch.gpu_uuid,
+                )
+            })
+            .transpose()
+            .map_err(|error| error.to_string())?;
+        let rendered = render_command(
+            &launch.job,
+            &plan.config,
+            &plan.checkpoint_dir.to_string_lossy(),
+            plan.max_steps,
+        )
+        .map_err(|error| format!("cannot render the command: {error}"))?;
+        let Some((program, arguments)) = rendered.argv.split_first() else {
+            return Err("the command is empty".to_string());
+        };
+        let working_directory = rendered
+            .working_directory
+            .as_ref()
+            .map_or_else(|| launch.attempt_directory.clone(), PathBuf::from);
+        if !working_directory.is_dir() {
+            return Err(format!(
+                "could not start {program}: its working directory {} does not exist",
+                working_directory.display()
+            ));
+        }
+        let mut command = Command::new(program);
+        command.args(arguments).current_dir(&working_directory);
+        match &guard {
+            Some(guard) => guard.apply_environment(&mut command, &rendered.env),
+            None => {
+                command.envs(&rendered.env);
+            }
+        }
+        command.env(ENVIRONMENT_SLICE_BYTES, launch.slice_bytes.to_string());
+        Ok((command, rendered.argv, guard))
+    }
+
+    /// Reads the run's output and controls until it has exited, then classifies its end.
+    async fn watch(
+        &mut self,
+        mut child: Child,
+        process_id: u32,
+        plan: &RunPlan,
+        guard: Option<&AttemptGuard>,
+    ) -> RunRecord {
+        let job_id = self.launch.attempt.job_id.clone();
+        let mut stdout = child
+            .stdout
+            .take()
+            .map(|stream| BoundedLines::new(stream, MOST_LINE_BYTES));
+        let mut stderr = child
+            .stderr
+            .take()
+            .map(|stream| BoundedLines::new(stream, MOST_LINE_BYTES));
+        let mut output = RunOutput {
+            progress: ProgressSummary::default(),
+            stderr_tail: LineTail::new(STDERR_TAIL_LINES),
+            progress_since_tick: false,
+        };
+        let mut stopper = ProcessStopper::new(process_id);
+        let mut status: Option<std::io::Result<ExitStatus>> = None;
+        let mut drain_until: Option<Instant> = None;
+        let mut ticks =
+            tokio::time::interval_at(Instant::now() + PROGRESS_INTERVAL, PROGRESS_INTERVAL);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        while status.is_none() || stdout.is_some() || stderr.is_some() {
+            tokio::select! {
+                line = next_line(&mut stdout), if stdout.is_some() => match line {
+                    Some(line) => self.on_line(line, false, plan, guard, &mut output),
+                    None => stdout = None,
+                },
+                line = next_line(&mut stderr), if stderr.is_some() => match line {
+                    Some(line) => self.on_line(line, true, plan, guard, &mut output),
+                    None => stderr = None,
+                },
+                exited = child.wait(), if status.is_none() => {
+                    status = Some(exited);
+                    drain_until = Some(Instant::now() + OUTPUT_DRAIN);
+                }
+                // A process the program left behind holds the pipes: stop reading.
+                _ = sleep_until_or_never(drain_until) => break,
+                control = self.control.recv(), if status.is_none() && !stopper.is_stopping() => {
+                    stopper.begin(&mut child, control, &job_id);
+                }
+                _ = sleep_until_or_never(stopper.kill_deadline()), if status.is_none() => {
+                    stopper.kill(&mut child, &job_id);
+                }
+                _ = ticks.tick(), if plan.report_progress && guard.is_some() => {
+                    if !std::mem::take(&mut output.progress_since_tick) {
+                        self.report_progress(&output.progress, guard);
+                    }
+                }
+            }
+        }
+        let status = status.unwrap_or_else(|| Err(std::io::Error::other("not waited for")));
+        let usage = guard.and_then(|guard| {
+            guard
+                .read_usage()
+                .inspect_err(
+                    |error| tracing::warn!(job = %job_id, %error, "cannot read the guard account"),
+                )
+                .ok()
+                .flatten()
+        });
+        let peak_bytes = match usage {
+            Some(usage) => usage.peak_bytes,
+            None if guard.is_none() => output.progress.memory_peak_bytes.unwrap_or(0),
+            None => 0,
+        };
+        let end = match stopper.into_stop() {
+            Some(stop) => RunEnd::Stopped(stop),
+            None => RunEnd::Exited(self.classify(
+                &status,
+                guard,
+                &output.stderr_tail.to_vec(),
+                peak_bytes,
+            )),
+        };
+        RunRecord {
+            end,
+            peak_bytes,
+            progress: output.progress,
+        }
+    }
+
+    /// One line of the program's output: a progress line counts (and is reported), any
+    /// other is a log line, info from stdout and warn from stderr.
+    fn on_line(
+        &self,
+        line: String,
+        from_stderr: bool,
+        plan: &RunPlan,
+        guard: Option<&AttemptGuard>,
+        output: &mut RunOutput,
+    ) {
+        if let Some(progress) = parse_progress_line(&line) {
+            output.progress.update(&progress);
+            if plan.report_progress {
+                output.progress_since_tick = true;
+                self.report_progress(&output.progress, guard);
+            }
+            return;
+        }
+        if from_stderr {
+            output.stderr_tail.push(line.clone());
+        }
+        self.send(Body::Log(v1::worker_message::LogLine {
+            attempt: Some(self.launch.attempt.clone()),
+            level: if from_stderr { "warn" } else { "info" }.to_string(),
+            message: format!("{}{line}", plan.log_prefix),
+        }));
+    }
+
+    /// A progress report: the program's last figures, and the guard account's memory
+    /// (the program's own figures without the guard).
+    fn report_progress(&self, progress: &ProgressSummary, guard: Option<&AttemptGuard>) {
+        let usage = guard.and_then(|guard| guard.read_usage().ok().flatten());
+        let (in_use, peak) = match (&usage, guard) {
+            (Some(usage), _) => (usage.in_use_bytes, usage.peak_bytes),
+            (None, None) => (
+                progress.memory_in_use_bytes.unwrap_or(0),
+                progress.memory_peak_bytes.unwrap_or(0),
+            ),
+            (None, Some(_)) => (0, 0),
+        };
+        self.send(Body::Progress(v1::worker_message::Progress {
+            attempt: Some(self.launch.attempt.clone()),
+            progress: Some(v1::TrainingProgress {
+                step: progress.step.unwrap_or(0),
+                total_steps: progress
+                    .total_steps
+                    .or(self.launch.job.spec.command.steps)
+                    .unwrap_or(0),
+                loss: progress.loss.unwrap_or(0.0),
+                samples_per_second: progress.samples_per_second.unwrap_or(0.0),
+                memory_in_use_bytes: in_use,
+                memory_peak_bytes: peak,
+            }),
+        }));
+    }
+
+    /// How an exited run ended: the guard's first OOM record, the stderr tail and the
+    /// exit status, as `carve_core::command::oom` decides.
+    fn classify(
+        &self,
+        status: &std::io::Result<ExitStatus>,
+        guard: Option<&AttemptGuard>,
+        stderr_tail: &[String],
+        peak_bytes: u64,
+    ) -> CommandRunEnd {
+        let status = match status {
+            Ok(status) => status,
+            Err(error) => {
+                return CommandRunEnd::Failed {
+                    message: format!("the program vanished: it cannot be waited for ({error})"),
+                };
+            }
+        };
+        let guard_refusal = guard.and_then(|guard| match guard.read_oom_record() {
+            Ok(record) => record.first().map(|line| OutOfMemory {
+                requested: line.requested_bytes,
+                in_use: line.in_use_bytes,
+                limit: line.limit_bytes,
+                largest_free: line.limit_bytes.saturating_sub(line.in_use_bytes),
+                peak: line.peak_bytes,
+            }),
+            Err(error) => {
+                tracing::warn!(job = %self.launch.attempt.job_id, %error, "cannot read the guard's OOM record");
+                None
+            }
+        });
+        classify_command_exit(&CommandExit {
+            exit_code: status.code(),
+            signal: status.signal(),
+            guard_refusal,
+            stderr_tail,
+            slice_bytes: self.launch.slice_bytes,
+            peak_bytes,
+        })
+    }
+}
+
+/// What a run's output built up while it ran.
+struct RunOutput {
+    progress: ProgressSummary,
+    stderr_tail: LineTail,
+    /// A progress line came since the last tick (no account-only report needed).
+    progress_since_tick: bool,
+}
+
+/// The next line of a stream that is open; `None` at its end or on an error reading it.
+async fn next_line<R: tokio::io::AsyncRead + Unpin>(
+    lines: &mut Option<BoundedLines<R>>,
+) -> Option<String> {
+    match lines.as_mut() {
+        Some(lines) => lines.next_line().await.ok().flatten(),
+        None => None,
+    }
+}
+
+/// The stop a control message asks for (a profile stopped between two runs).
+fn stop_of(control: AttemptControl) -> WorkerStop {
+    match control {
+        AttemptControl::Cancel { reason, .. } => WorkerStop::Cancelled(reason),
+        AttemptControl::StopAsFailed { reason, .. } => WorkerStop::Failed(reason),
+    }
+}
+
+/// The one final report of an attempt that ends without results.
+fn ended(attempt: &v1::AttemptRef, outcome: v1::AttemptOutcome, message: String) -> Vec<Body> {
+    vec![Body::AttemptFinished(finished(
+        attempt, outcome, message, None,
+    ))]
+}
+
+fn finished(
+    attempt: &v1::AttemptRef,
+    outcome: v1::AttemptOutcome,
+    message: String,
+    record: Option<&RunRecord>,
+) -> v1::worker_message::AttemptFinished {
+    v1::worker_message::AttemptFinished {
+        attempt: Some(attempt.clone()),
+        outcome: outcome as i32,
+        final_loss: record.and_then(|record| record.progress.loss),
+        test_accuracy: None,
+        measured_peak_bytes: record.map_or(0, |record| record.peak_bytes),
+        message,
+        steps_done: record.and_then(|record| record.progress.step),
+        samples_per_second: record.and_then(|record| record.progress.samples_per_second),
+        profile_points: Vec::new(),
+    }
+}
+
+/// The final reports of a training attempt's run.
+pub fn training_final_reports(attempt: &v1::AttemptRef, record: RunRecord) -> Vec<Body> {
+    let end = |outcome, message| {
+        Body::AttemptFinished(finished(attempt, outcome, message, Some(&record)))
+    };
+    match &record.end {
+        RunEnd::NotStarted(message) => vec![end(v1::AttemptOutcome::Failed, message.clone())],
+        RunEnd::Stopped(stop) => {
+            let (outcome, reason) = stop.clone().outcome_and_reason();
+            vec![end(outcome, reason)]
+        }
+        RunEnd::Exited(CommandRunEnd::Succeeded) => {
+            vec![end(v1::AttemptOutcome::Succeeded, String::new())]
+        }
+        RunEnd::Exited(CommandRunEnd::Failed { message }) => {
+            vec![end(v1::AttemptOutcome::Failed, message.clone())]
+        }
+        RunEnd::Exited(CommandRunEnd::OutOfMemory {
+            source,
+            report,
+            evidence,
+        }) => vec![
+            Body::Oom(v1::worker_message::OomReport {
+                attempt: Some(attempt.clone()),
+                report: Some(v1::OutOfMemoryReport::from(*report)),
+                // The program resumes from its own checkpoint directory, which the
+                // scheduler does not track.
+                checkpoint: None,
+                detected_by: source.name().to_string(),
+                evidence: evidence.clone(),
+            }),
+            end(v1::AttemptOutcome::OutOfMemory, String::new()),
+        ],
+    }
+}

@@ -1,0 +1,162 @@
+//! Starting a command job's attempt from the worker's tables: which guard it runs under,
+//! its directories, and keeping the running attempt's process (one per profile run) known
+//! to the watchdog and recorded for a worker that comes back after a crash.
+
+use std::path::{Path, PathBuf};
+
+use carve_core::command::validate::ValidatedCommandJob;
+use carve_core::plan::RunConfig;
+use carve_proto::convert::precision_from_proto;
+use carve_proto::v1;
+use tokio::sync::mpsc;
+
+use super::{RunningAttempt, Shared, StartedAttemptProcess, Worker, attempt_key, lock};
+use crate::command_attempt::{CommandAttemptLaunch, CommandProcesses, run_command_attempt};
+use crate::error::WorkerError;
+use crate::gpus::WorkerGpu;
+use crate::leftover_processes::{record_for, write_record};
+
+impl Worker {
+    /// Starts a command job's attempt: a task runs its program (or its profile runs)
+    /// and reports; the slice is released when the last of them has exited.
+    pub(super) fn launch_command(
+        &self,
+        assignment: &v1::scheduler_message::Assignment,
+        attempt: &v1::AttemptRef,
+        config: &v1::RunConfig,
+        gpu: &WorkerGpu,
+        job: ValidatedCommandJob,
+    ) -> Result<(), WorkerError> {
+        let guard_library = if gpu.simulated {
+            self.simulated_guard_library.clone()
+        } else {
+            Some(self.guard_library.clone().ok_or_else(|| {
+                WorkerError::Guard(
+                    "a command job on a real gpu runs under the guard, and this worker has \
+                     none: install libcarve_guard.so next to carve-worker or name it with \
+                     --guard-library"
+                        .to_string(),
+                )
+            })?)
+        };
+        let directory = &self.config.checkpoint_directory;
+        let launch = CommandAttemptLaunch {
+            attempt: attempt.clone(),
+            job,
+            config: command_run_config(config)?,
+            slice_bytes: assignment.slice_bytes,
+            gpu_uuid: gpu.uuid.clone(),
+            guard_library,
+            checkpoint_dir: directory.join(&attempt.job_id),
+            attempt_directory: directory.join(format!(
+                "{}.attempt-{}.run",
+                attempt.job_id, attempt.attempt_number
+            )),
+            profile: assignment.profile,
+        };
+        tracing::info!(
+            job = %attempt.job_id,
+            attempt = attempt.attempt_number,
+            gpu = %gpu.uuid,
+            slice_bytes = assignment.slice_bytes,
+            profile = assignment.profile,
+            under_guard = launch.guard_library.is_some(),
+            "command attempt starting"
+        );
+        let key = attempt_key(attempt);
+        let (control, control_receiver) = mpsc::unbounded_channel();
+        lock(&self.shared).running.insert(
+            key.clone(),
+            RunningAttempt {
+                attempt: attempt.clone(),
+                control,
+                gpu_uuid: gpu.uuid.clone(),
+                // Set while one of its programs runs.
+                process_id: 0,
+                slice_bytes: assignment.slice_bytes,
+                guard_account: None,
+            },
+        );
+        let processes = WorkerCommandProcesses {
+            shared: self.shared.clone(),
+            key: key.clone(),
+            attempt: attempt.clone(),
+            process_records: self.process_records.clone(),
+            observer: self.config.process_observer.clone(),
+            record_file: None,
+        };
+        let shared = self.shared.clone();
+        let gpu_uuid = gpu.uuid.clone();
+        tokio::spawn(run_command_attempt(
+            launch,
+            self.reports.clone(),
+            control_receiver,
+            processes,
+            move || {
+                let mut shared = lock(&shared);
+                shared.running.remove(&key);
+                shared.slices.release(&gpu_uuid, &key);
+            },
+        ));
+        Ok(())
+    }
+}
+
+/// A command job's config from the wire. Not `run_config_from_proto`: its checks are a
+/// model job's (prefetch 1 to 16), and a command job's config has 0 there.
+fn command_run_config(config: &v1::RunConfig) -> Result<RunConfig, WorkerError> {
+    Ok(RunConfig {
+        batch_size: config.batch_size,
+        micro_batch_size: config.micro_batch_size,
+        precision: precision_from_proto(config.precision, "config.precision")
+            .map_err(|error| WorkerError::Attempt(error.to_string()))?,
+        recompute_segment_layers: config.recompute_segment_layers,
+        workspace_limit_bytes: config.workspace_limit_bytes,
+        prefetch_batches: config.prefetch_batches,
+    })
+}
+
+/// The worker's tables kept up to date with a command attempt's processes.
+struct WorkerCommandProcesses {
+    shared: Shared,
+    key: String,
+    attempt: v1::AttemptRef,
+    process_records: PathBuf,
+    observer: Option<mpsc::UnboundedSender<StartedAttemptProcess>>,
+    record_file: Option<PathBuf>,
+}
+
+impl CommandProcesses for WorkerCommandProcesses {
+    fn started(&mut self, process_id: u32, guard_account: Option<&Path>) {
+        if let Some(running) = lock(&self.shared).running.get_mut(&self.key) {
+            running.process_id = process_id;
+            running.guard_account = guard_account.map(Path::to_path_buf);
+        }
+        // Without a record a worker that crashes and comes back could not find this
+        // process; the parent-death signal still covers it, so go on.
+        self.record_file = record_for(&self.attempt.job_id, self.attempt.attempt_number, process_id)
+            .ok_or_else(|| WorkerError::AttemptProcess(format!("process {process_id} ended at once")))
+            .and_then(|record| write_record(&self.process_records, &record))
+            .inspect_err(|error| {
+                tracing::warn!(job = %self.attempt.job_id, %error, "cannot record the command's process");
+            })
+            .ok();
+        if let Some(observer) = &self.observer {
+            let _ = observer.send(StartedAttemptProcess {
+                job_id: self.attempt.job_id.clone(),
+                attempt_number: self.attempt.attempt_number,
+                process_id,
+            });
+        }
+    }
+
+    fn exited(&mut self, _process_id: u32) {
+        if let Some(running) = lock(&self.shared).running.get_mut(&self.key) {
+            running.process_id = 0;
+            running.guard_account = None;
+        }
+        if let Some(record_file) = self.record_file.take() {
+            let _ = std::fs::remove_file(record_file);
+        }
+    }
+}
