@@ -11,7 +11,6 @@ use carve_core::command::validate::{ValidatedSpec, load_spec_toml, parse_spec_js
 use carve_core::shrink::OomObservation;
 
 const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
 
 /// The stand-in's job file, as CI submits it.
 const STANDIN_JOB: &str = r#"
