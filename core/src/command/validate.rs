@@ -137,11 +137,11 @@ pub fn validate_command_job_spec(
     let uses_max_steps = validate_templates(command)?;
     validate_environment_names(command)?;
     if let Some(directory) = &command.working_directory
-        && !directory.starts_with('/')
+        && (!directory.starts_with('/') || directory.contains('\0'))
     {
         return Err(FieldError::new(
             "command.working_directory",
-            format!("{directory:?} must be an absolute path"),
+            format!("{directory:?} must be an absolute path without NUL characters"),
         ));
     }
     validate_batches(command)?;

@@ -37,6 +37,15 @@ strategies = {strategies}
     }
 }
 
+/// The plan before a first attempt: `job`'s own config in a slice of `slice_bytes`.
+fn first_shrink(
+    job: &ValidatedCommandJob,
+    model: &CommandMemoryModel,
+    slice_bytes: u64,
+) -> Result<ShrinkDecision, CoreError> {
+    plan_command_shrink(job, model, &job.initial_config(), None, slice_bytes)
+}
+
 fn fp32_model(fixed_bytes: u64, per_sample_bytes: u64) -> CommandMemoryModel {
     CommandMemoryModel {
         fixed_bytes,
@@ -88,7 +97,7 @@ fn accumulate_picks_the_largest_divisor_that_fits_and_keeps_the_global_batch() {
 fn a_config_that_fits_is_kept_without_steps() {
     let job = job(256, r#"["fp32"]"#, r#"["accumulate"]"#, "");
     let model = fp32_model(GIB, MIB);
-    let decision = plan_command_shrink(&job, &model, &job.initial_config(), None, 4 * GIB).unwrap();
+    let decision = first_shrink(&job, &model, 4 * GIB).unwrap();
     assert_eq!(decision.config, job.initial_config());
     assert!(decision.steps.is_empty());
     assert_eq!(decision.estimate.required_bytes, GIB + 256 * MIB);
@@ -104,14 +113,7 @@ fn strategies_are_tried_in_the_jobs_order() {
         r#"["mixed_precision", "accumulate"]"#,
         "",
     );
-    let decision = plan_command_shrink(
-        &precision_first,
-        &model,
-        &precision_first.initial_config(),
-        None,
-        3 * GIB,
-    )
-    .unwrap();
+    let decision = first_shrink(&precision_first, &model, 3 * GIB).unwrap();
     assert_eq!(decision.config.precision, Precision::Bf16);
     assert_eq!(decision.config.micro_batch_size, 128);
     assert_eq!(decision.steps.len(), 1);
@@ -126,14 +128,7 @@ fn strategies_are_tried_in_the_jobs_order() {
         r#"["accumulate", "mixed_precision"]"#,
         "",
     );
-    let decision = plan_command_shrink(
-        &accumulate_first,
-        &model,
-        &accumulate_first.initial_config(),
-        None,
-        3 * GIB,
-    )
-    .unwrap();
+    let decision = first_shrink(&accumulate_first, &model, 3 * GIB).unwrap();
     assert_eq!(decision.config.precision, Precision::Fp32);
     assert_eq!(decision.config.micro_batch_size, 64);
 }
@@ -149,7 +144,7 @@ fn a_strategy_that_does_not_fit_alone_keeps_its_strongest_level() {
         r#"["mixed_precision", "accumulate"]"#,
         "",
     );
-    let decision = plan_command_shrink(&job, &model, &job.initial_config(), None, 2 * GIB).unwrap();
+    let decision = first_shrink(&job, &model, 2 * GIB).unwrap();
     assert_eq!(decision.config.precision, Precision::Bf16);
     assert_eq!(decision.config.micro_batch_size, 32);
     let strategies: Vec<_> = decision.steps.iter().map(|step| step.strategy).collect();
@@ -164,7 +159,7 @@ fn recompute_turns_on_only_when_the_program_can() {
     // 1 GiB + 8 MiB x 256 = 3 GiB; recomputing: 1 GiB + 4 MiB x 256 = 2 GiB.
     let model = fp32_model(GIB, 8 * MIB);
     let can = job(256, r#"["fp32"]"#, r#"["recompute", "accumulate"]"#, "");
-    let decision = plan_command_shrink(&can, &model, &can.initial_config(), None, 2 * GIB).unwrap();
+    let decision = first_shrink(&can, &model, 2 * GIB).unwrap();
     assert_eq!(decision.config.recompute_segment_layers, Some(1));
     assert_eq!(decision.config.micro_batch_size, 256);
     assert_eq!(decision.steps[0].strategy, ShrinkStrategy::Recompute);
@@ -172,8 +167,7 @@ fn recompute_turns_on_only_when_the_program_can() {
     // the planner still must not turn on what the program cannot do).
     let mut cannot = can.clone();
     cannot.spec.command.recompute = None;
-    let decision =
-        plan_command_shrink(&cannot, &model, &cannot.initial_config(), None, 2 * GIB).unwrap();
+    let decision = first_shrink(&cannot, &model, 2 * GIB).unwrap();
     assert_eq!(decision.config.recompute_segment_layers, None);
     assert_eq!(decision.config.micro_batch_size, 128);
     // Already recomputing: nothing more to turn on.
@@ -202,8 +196,7 @@ fn the_micro_batch_floor_is_respected() {
         r#"["accumulate"]"#,
         "min_micro_batch = 32",
     );
-    let error =
-        plan_command_shrink(&job, &model, &job.initial_config(), None, 2 * GIB).unwrap_err();
+    let error = first_shrink(&job, &model, 2 * GIB).unwrap_err();
     match error {
         CoreError::DoesNotFit {
             available_bytes,
@@ -229,8 +222,7 @@ fn nothing_that_fits_is_does_not_fit_with_the_smallest_need_reached() {
         r#"["mixed_precision", "accumulate", "recompute"]"#,
         "",
     );
-    let error =
-        plan_command_shrink(&job, &model, &job.initial_config(), None, 4 * GIB).unwrap_err();
+    let error = first_shrink(&job, &model, 4 * GIB).unwrap_err();
     match error {
         CoreError::DoesNotFit {
             smallest_required_bytes,
@@ -258,8 +250,7 @@ fn shrink_batch_only_when_listed() {
     // 1 GiB + 512 MiB per sample: only 2 samples at a time fit in 2 GiB.
     let model = fp32_model(GIB, 512 * MIB);
     let without = job(8, r#"["fp32"]"#, "[]", "min_micro_batch = 2");
-    let error = plan_command_shrink(&without, &model, &without.initial_config(), None, 2 * GIB)
-        .unwrap_err();
+    let error = first_shrink(&without, &model, 2 * GIB).unwrap_err();
     assert!(
         matches!(&error, CoreError::DoesNotFit { strategies, .. } if strategies == "none allowed"),
         "{error:?}"
@@ -270,8 +261,7 @@ fn shrink_batch_only_when_listed() {
         r#"["shrink_batch"]"#,
         "min_micro_batch = 2",
     );
-    let decision =
-        plan_command_shrink(&with, &model, &with.initial_config(), None, 2 * GIB).unwrap();
+    let decision = first_shrink(&with, &model, 2 * GIB).unwrap();
     assert_eq!(decision.config.batch_size, 2);
     assert_eq!(decision.config.micro_batch_size, 2);
     assert_eq!(decision.steps.len(), 1);
@@ -287,8 +277,7 @@ fn shrink_batch_only_when_listed() {
         r#"["accumulate", "shrink_batch"]"#,
         "min_micro_batch = 2",
     );
-    let decision =
-        plan_command_shrink(&both, &model, &both.initial_config(), None, 2 * GIB).unwrap();
+    let decision = first_shrink(&both, &model, 2 * GIB).unwrap();
     assert_eq!(decision.config.batch_size, 8);
     assert_eq!(decision.config.micro_batch_size, 2);
 }

@@ -289,6 +289,11 @@ fn working_directory_must_be_absolute() {
         "steps = 1000\nworking_directory = \"runs/a\"\n",
     ));
     assert_eq!(error.field, "command.working_directory");
+    let error = refused(&edited(
+        "steps = 1000\n",
+        "steps = 1000\nworking_directory = \"/srv/\\u0000runs\"\n",
+    ));
+    assert_eq!(error.field, "command.working_directory");
     command_job(&edited(
         "steps = 1000\n",
         "steps = 1000\nworking_directory = \"/srv/runs\"\n",
