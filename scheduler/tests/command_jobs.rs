@@ -15,7 +15,7 @@ use test_worker::TestWorker;
 
 #[path = "support/cluster.rs"]
 mod cluster;
-use cluster::{get, start_with_worker, submit, wait_for_state};
+use cluster::{get, start_for_tenant, start_with_worker, submit, wait_for_state};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -211,5 +211,26 @@ async fn a_declared_vram_skips_the_profile_and_bad_commands_name_their_field() {
         refused.message().contains("spec.command"),
         "{}",
         refused.message()
+    );
+}
+
+#[tokio::test]
+async fn a_profile_submitted_before_any_gpu_is_known_gets_the_largest_gpu_once_one_is() {
+    let (_cluster, channel, user, worker_token) =
+        start_for_tenant(Duration::from_secs(30), "carol").await;
+    // No worker yet: the profile's slice is a guess, larger than the GPU that comes.
+    let job = submit(&channel, &user, &command_job("auto"), "")
+        .await
+        .unwrap()
+        .job
+        .unwrap();
+    let mut worker = TestWorker::connect(&channel, &worker_token, "gpu-small", 8 * GIB).await;
+    let profile = worker.next_assignment().await;
+    assert_eq!(attempt_of(&profile).job_id, job.id);
+    assert!(profile.profile);
+    assert!(
+        profile.slice_bytes <= 8 * GIB && profile.slice_bytes > 7 * GIB,
+        "the largest slice the 8 GiB GPU gives, not {}",
+        profile.slice_bytes
     );
 }

@@ -27,8 +27,8 @@ use crate::metrics::SubmitRejection;
 use crate::store::{AttemptRecord, JobRecord, TenantRecord, TokenRecord};
 
 use super::command_jobs::{
-    PROFILE_SLICE_WITHOUT_GPUS, command_peak_key, command_shape_key, needs_profile,
-    unmeasured_estimate,
+    PROFILE_ESTIMATE_SOURCE, PROFILE_SLICE_WITHOUT_GPUS, command_peak_key, command_shape_key,
+    needs_profile, unmeasured_estimate,
 };
 use super::{Scheduler, StateChange, now_ms, spec_error};
 
@@ -330,7 +330,7 @@ impl Scheduler {
                     (None, VramRequest::Auto) => unmeasured_estimate(
                         analysed.config,
                         largest_usable_gpu(&gpus).unwrap_or(PROFILE_SLICE_WITHOUT_GPUS),
-                        "a profile measures it first, in a roomy slice",
+                        PROFILE_ESTIMATE_SOURCE,
                     ),
                 };
                 (Arc::new(estimate), model)

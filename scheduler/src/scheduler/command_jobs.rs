@@ -166,6 +166,44 @@ impl Scheduler {
             .await
     }
 
+    /// Gives the profile of each job in `waiting` (queued jobs larger than every GPU,
+    /// with the largest GPU's usable bytes) that is a command job still to be profiled
+    /// the largest slice the cluster has: its slice was chosen at submit, roomy for the
+    /// GPUs known then (or [`PROFILE_SLICE_WITHOUT_GPUS`] before any registered), and a
+    /// profile needs room, not a size. Returns how many it changed.
+    pub(super) async fn fit_profiles_to_the_cluster(
+        &self,
+        waiting: &[(String, u64)],
+    ) -> Result<usize, SchedulerError> {
+        let mut refitted = 0;
+        for (job_id, largest_gpu) in waiting {
+            let mut job = self.store.get_job(job_id).await?;
+            if job.state != carve_core::job_state::JobState::Queued
+                || !is_command_spec(&job.spec_json)
+            {
+                continue;
+            }
+            let command = stored_command_job(&job.spec_json)?;
+            let model = self
+                .command_memory_model(&command_shape_key(&command))
+                .await?;
+            if !needs_profile(&command, model.as_ref()) {
+                continue;
+            }
+            let config = config_from_json(&job.config_json)?;
+            job.required_bytes = *largest_gpu as i64;
+            job.estimate_json = estimate_to_json(&unmeasured_estimate(
+                config,
+                *largest_gpu,
+                PROFILE_ESTIMATE_SOURCE,
+            ));
+            job.waiting_reason.clear();
+            self.update_job(&job).await?;
+            refitted += 1;
+        }
+        Ok(refitted)
+    }
+
     /// A command job's profile ended with its points: the attempt is stored as a
     /// succeeded profile, the model is fitted and kept for the command's shape, and the
     /// job, sized by it (shrunk ahead of time when it cannot fit as written), is queued
@@ -283,6 +321,10 @@ impl Scheduler {
         Ok(())
     }
 }
+
+/// Where a to-be-profiled command job's slice size comes from, as its estimate says.
+pub(super) const PROFILE_ESTIMATE_SOURCE: &str =
+    "a profile measures it first, in the largest slice a GPU gives";
 
 /// The slice a command job's profile gets when no GPU is known at submit (the job waits
 /// for one anyway; a profile that runs out in it still gives a lower bound).

@@ -79,11 +79,29 @@ impl Scheduler {
                 Metrics::count(&self.metrics.placements);
             }
         }
+        let larger_than_every_gpu: Vec<(String, u64)> = decision
+            .waiting
+            .iter()
+            .filter_map(|(job_id, reason)| match reason {
+                WaitReason::NoGpuLargeEnough { largest_gpu, .. } if *largest_gpu > 0 => {
+                    Some((job_id.clone(), *largest_gpu))
+                }
+                _ => None,
+            })
+            .collect();
         self.write_waiting_reasons(decision.waiting).await?;
+        let refitted = self
+            .fit_profiles_to_the_cluster(&larger_than_every_gpu)
+            .await?;
+        // A refitted profile changed the queue under the same fingerprint: the next pass
+        // must solve again rather than skip as unchanged.
         *self
             .last_pass_inputs
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(inputs);
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = (refitted == 0).then_some(inputs);
+        if refitted > 0 {
+            self.wake();
+        }
         Ok(placed)
     }
 
