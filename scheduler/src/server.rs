@@ -73,8 +73,7 @@ pub const GENERATED_ADMIN_TOKEN_FILE: &str = "admin-token";
 /// Where a first start of the store at `database_url` writes a generated admin token:
 /// next to a SQLite file; `None` for PostgreSQL and in-memory SQLite.
 pub fn generated_admin_token_path(database_url: &str) -> Option<std::path::PathBuf> {
-    if database_url.starts_with("postgres://")
-        || database_url.starts_with("postgresql://")
+    if crate::store::is_postgres_url(database_url)
         || database_url.contains(":memory:")
         || database_url.contains("mode=memory")
     {
