@@ -357,6 +357,36 @@ fn commands_without_a_scheduler_fail_with_the_codes_scripts_expect() {
     }
 }
 
+/// A scheduler in this process serving `tls` (admin token `carve_tls_admin`) with its
+/// database in `directory`: its port, the sender that stops it, and its task. `carve
+/// dev` has no TLS, and the certificates are the point where this is used.
+fn start_tls_scheduler(
+    runtime: &tokio::runtime::Runtime,
+    directory: &std::path::Path,
+    tls: carve_scheduler::server::TlsIdentity,
+) -> (
+    u16,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), carve_scheduler::error::SchedulerError>>,
+) {
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let config = carve_scheduler::server::SchedulerConfig {
+        database_url: format!("sqlite://{}", directory.join("carve.db").display()),
+        settings: carve_scheduler::scheduler::SchedulerSettings::default(),
+        admin_token: Some("carve_tls_admin".into()),
+        metrics_address: None,
+        tls: Some(tls),
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = runtime.spawn(carve_scheduler::server::run(config, listener, async {
+        let _ = stopped.await;
+    }));
+    (port, stop, server)
+}
+
 #[test]
 fn https_endpoints_are_verified_against_the_given_certificate_authority() {
     // A scheduler serving TLS with a self-signed certificate for localhost, in this
@@ -366,24 +396,15 @@ fn https_endpoints_are_verified_against_the_given_certificate_authority() {
     let ca_cert = directory.path().join("ca.pem");
     std::fs::write(&ca_cert, certified.cert.pem()).unwrap();
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let config = carve_scheduler::server::SchedulerConfig {
-        database_url: format!("sqlite://{}", directory.path().join("carve.db").display()),
-        settings: carve_scheduler::scheduler::SchedulerSettings::default(),
-        admin_token: Some("carve_tls_admin".into()),
-        metrics_address: None,
-        tls: Some(carve_scheduler::server::TlsIdentity {
+    let (port, stop, server) = start_tls_scheduler(
+        &runtime,
+        directory.path(),
+        carve_scheduler::server::TlsIdentity {
             certificate_chain_pem: certified.cert.pem().into_bytes(),
             private_key_pem: certified.signing_key.serialize_pem().into_bytes(),
-        }),
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = runtime.spawn(carve_scheduler::server::run(config, listener, async {
-        let _ = stopped.await;
-    }));
+            client_ca_certificate_pem: None,
+        },
+    );
     let endpoint = format!("https://localhost:{port}");
     let config_home = directory.path().display().to_string();
     let environment = [
@@ -432,6 +453,73 @@ fn https_endpoints_are_verified_against_the_given_certificate_authority() {
     let plain_to_tls = run_carve(&["jobs", "--endpoint", &plain], &environment).expect_code(4);
     plain_to_tls.assert_stderr_contains(&format!("cannot reach the scheduler at {plain}"));
     plain_to_tls.assert_stderr_contains("use https://");
+
+    let _ = stop.send(());
+    runtime.block_on(server).unwrap().unwrap();
+}
+
+#[test]
+fn a_scheduler_requiring_client_certificates_serves_carve_with_tls_cert_and_tls_key() {
+    let authority = carve_testing::TestAuthority::new("carve test CA").unwrap();
+    let server_certificate = authority.issue_server(&["localhost"]).unwrap();
+    let client_certificate = authority.issue_client("operator").unwrap();
+    let directory = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = directory.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let ca_cert = write("ca.pem", &authority.certificate_pem());
+    let tls_cert = write("client.pem", &client_certificate.certificate_pem);
+    let tls_key = write("client.key", &client_certificate.private_key_pem);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (port, stop, server) = start_tls_scheduler(
+        &runtime,
+        directory.path(),
+        carve_scheduler::server::TlsIdentity {
+            certificate_chain_pem: server_certificate.certificate_pem.into_bytes(),
+            private_key_pem: server_certificate.private_key_pem.into_bytes(),
+            client_ca_certificate_pem: Some(authority.certificate_pem().into_bytes()),
+        },
+    );
+    let endpoint = format!("https://localhost:{port}");
+    let config_home = directory.path().display().to_string();
+    let environment = [
+        ("CARVE_ENDPOINT", endpoint.as_str()),
+        ("CARVE_TOKEN", "carve_tls_admin"),
+        ("CARVE_CA_CERT", ca_cert.as_str()),
+        ("XDG_CONFIG_HOME", config_home.as_str()),
+    ];
+    let tenants = run_carve(
+        &[
+            "admin",
+            "tenants",
+            "list",
+            "-o",
+            "json",
+            "--tls-cert",
+            &tls_cert,
+            "--tls-key",
+            &tls_key,
+        ],
+        &environment,
+    )
+    .expect_code(0)
+    .json();
+    assert_eq!(tenants["tenants"][0]["name"], "default", "{tenants}");
+
+    // Without a client certificate the handshake is refused: not reached (exit 4), and
+    // the advice names the flags.
+    let refused = run_carve(&["admin", "tenants", "list"], &environment).expect_code(4);
+    refused.assert_stderr_contains(&format!("cannot reach the scheduler at {endpoint}"));
+    refused.assert_stderr_contains("--tls-cert");
+    // A certificate without its key is a usage mistake named before connecting.
+    run_carve(
+        &["admin", "tenants", "list", "--tls-cert", &tls_cert],
+        &environment,
+    )
+    .expect_code(7)
+    .assert_stderr_contains("tls_key");
 
     let _ = stop.send(());
     runtime.block_on(server).unwrap().unwrap();
