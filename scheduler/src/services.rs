@@ -93,10 +93,11 @@ impl Services {
         caller: &Caller,
         reference: &str,
         draining: bool,
+        reason: &str,
     ) -> Result<Option<v1::Worker>, Status> {
         let worker_id = self
             .scheduler
-            .set_draining(caller, reference, draining)
+            .set_draining(caller, reference, draining, reason)
             .await?;
         Ok(self
             .scheduler
@@ -697,8 +698,9 @@ impl ClusterService for Services {
         request: Request<v1::DrainWorkerRequest>,
     ) -> Result<Response<v1::DrainWorkerResponse>, Status> {
         let caller = self.caller(&request).await?;
+        let request = request.into_inner();
         let worker = self
-            .set_draining(&caller, &request.into_inner().worker_id, true)
+            .set_draining(&caller, &request.worker_id, true, &request.reason)
             .await?;
         Ok(Response::new(v1::DrainWorkerResponse { worker }))
     }
@@ -709,9 +711,23 @@ impl ClusterService for Services {
     ) -> Result<Response<v1::UndrainWorkerResponse>, Status> {
         let caller = self.caller(&request).await?;
         let worker = self
-            .set_draining(&caller, &request.into_inner().worker_id, false)
+            .set_draining(&caller, &request.into_inner().worker_id, false, "")
             .await?;
         Ok(Response::new(v1::UndrainWorkerResponse { worker }))
+    }
+
+    async fn remove_worker(
+        &self,
+        request: Request<v1::RemoveWorkerRequest>,
+    ) -> Result<Response<v1::RemoveWorkerResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let removed = self
+            .scheduler
+            .remove_worker(&caller, &request.into_inner().worker_id)
+            .await?;
+        Ok(Response::new(v1::RemoveWorkerResponse {
+            worker: Some(worker_to_proto(&removed)),
+        }))
     }
 
     async fn list_slices(
