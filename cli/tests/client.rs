@@ -524,3 +524,53 @@ fn a_scheduler_requiring_client_certificates_serves_carve_with_tls_cert_and_tls_
     let _ = stop.send(());
     runtime.block_on(server).unwrap().unwrap();
 }
+
+#[test]
+fn submit_shows_the_spec_warnings_the_scheduler_found() {
+    let cluster = DevCluster::start();
+    let directory = tempfile::tempdir().unwrap();
+    let spec = directory.path().join("chw.toml");
+    std::fs::write(
+        &spec,
+        r#"name = "channels-first"
+
+[model]
+input_shape = [3, 16, 16]
+loss = "softmax_cross_entropy"
+layers = [{ flatten = {} }, { dense = { units = 4 } }]
+
+[training]
+batch_size = 8
+steps = 2
+optimizer = { sgd = { learning_rate = 0.1 } }
+
+[data]
+format = "synthetic"
+samples = 32
+"#,
+    )
+    .unwrap();
+    let spec = spec.display().to_string();
+
+    // Admitted, with the warning on stderr, named as `carve estimate` names it.
+    let submitted = cluster.carve(&["submit", &spec]).expect_code(0);
+    submitted.assert_stderr_contains(
+        "chw.toml: warning: model.input_shape: [3, 16, 16] looks channels-first",
+    );
+    submitted_job_id(&submitted);
+    // In the document too, and stdout stays the document alone.
+    let document = cluster
+        .carve(&["submit", &spec, "-o", "json"])
+        .expect_code(0);
+    document.assert_stderr_contains("warning: model.input_shape:");
+    let warnings = document.json()["warnings"].clone();
+    assert!(
+        warnings[0]
+            .as_str()
+            .is_some_and(|warning| warning.starts_with("model.input_shape: [3, 16, 16]")),
+        "{warnings}"
+    );
+    // A spec without anything odd: no warning.
+    let plain = cluster.carve(SMALL_JOB).expect_code(0);
+    assert!(!plain.stderr.contains("warning"), "{}", plain.context());
+}

@@ -254,7 +254,7 @@ impl JobService for Services {
             .await;
         let submitted = match submitted.and_then(|submitted| {
             let job = submitted_job_to_proto(&submitted)?;
-            Ok((job, submitted.created))
+            Ok((job, submitted.created, submitted.warnings))
         }) {
             Ok(submitted) => {
                 metrics.observe_submit_latency(started.elapsed());
@@ -268,11 +268,11 @@ impl JobService for Services {
                 return Err(refused.error.into());
             }
         };
-        let (job, created) = submitted;
+        let (job, created, warnings) = submitted;
         Ok(Response::new(v1::SubmitJobResponse {
             job: Some(job),
             created,
-            warnings: Vec::new(),
+            warnings,
         }))
     }
 
