@@ -387,6 +387,14 @@ fn start_tls_scheduler(
     (port, stop, server)
 }
 
+/// `carve admin tenants list -o json` with `flags` succeeds and lists the tenant `default`.
+fn lists_the_default_tenant(flags: &[&str], environment: &[(&str, &str)]) {
+    let mut arguments = vec!["admin", "tenants", "list", "-o", "json"];
+    arguments.extend_from_slice(flags);
+    let tenants = run_carve(&arguments, environment).expect_code(0).json();
+    assert_eq!(tenants["tenants"][0]["name"], "default", "{tenants}");
+}
+
 #[test]
 fn https_endpoints_are_verified_against_the_given_certificate_authority() {
     // A scheduler serving TLS with a self-signed certificate for localhost, in this
@@ -414,21 +422,7 @@ fn https_endpoints_are_verified_against_the_given_certificate_authority() {
     ];
     let ca_cert = ca_cert.display().to_string();
     // The listener is bound already, so the first connection is served.
-    let tenants = run_carve(
-        &[
-            "admin",
-            "tenants",
-            "list",
-            "-o",
-            "json",
-            "--ca-cert",
-            &ca_cert,
-        ],
-        &environment,
-    )
-    .expect_code(0)
-    .json();
-    assert_eq!(tenants["tenants"][0]["name"], "default", "{tenants}");
+    lists_the_default_tenant(&["--ca-cert", &ca_cert], &environment);
 
     // Without the authority, the self-signed certificate is not trusted: no connection.
     let untrusted = run_carve(&["admin", "tenants", "list"], &environment).expect_code(4);
@@ -490,23 +484,10 @@ fn a_scheduler_requiring_client_certificates_serves_carve_with_tls_cert_and_tls_
         ("CARVE_CA_CERT", ca_cert.as_str()),
         ("XDG_CONFIG_HOME", config_home.as_str()),
     ];
-    let tenants = run_carve(
-        &[
-            "admin",
-            "tenants",
-            "list",
-            "-o",
-            "json",
-            "--tls-cert",
-            &tls_cert,
-            "--tls-key",
-            &tls_key,
-        ],
+    lists_the_default_tenant(
+        &["--tls-cert", &tls_cert, "--tls-key", &tls_key],
         &environment,
-    )
-    .expect_code(0)
-    .json();
-    assert_eq!(tenants["tenants"][0]["name"], "default", "{tenants}");
+    );
 
     // Without a client certificate the handshake is refused: not reached (exit 4), and
     // the advice names the flags.

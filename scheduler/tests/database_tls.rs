@@ -6,9 +6,11 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use carve_scheduler::store::{DATABASE_CHECK_TIMEOUT, Store, TenantRecord, check_database};
+use carve_scheduler::store::{DATABASE_CHECK_TIMEOUT, Store, check_database};
 use carve_testing::{PgServer, TestAuthority};
 use sqlx::Connection;
+
+mod support;
 
 #[tokio::test]
 async fn the_store_works_over_tls_under_sslmode_require_and_verify_full() {
@@ -23,13 +25,7 @@ async fn the_store_works_over_tls_under_sslmode_require_and_verify_full() {
         .unwrap();
     let store = Store::open(&require).await.unwrap();
     store
-        .create_tenant(&TenantRecord {
-            name: "encrypted".into(),
-            vram_quota_bytes: None,
-            max_running_jobs: None,
-            fair_share_weight: 1,
-            created_at_ms: 1,
-        })
+        .create_tenant(&support::tenant("encrypted"))
         .await
         .unwrap();
     let tenants = store.list_tenants().await.unwrap();

@@ -18,28 +18,59 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
 const ADMIN: &str = "carve_tls_admin";
 
+/// The scheduler in this process on SQLite, serving `tls` on a port of its own.
+struct TlsScheduler {
+    port: u16,
+    shutdown: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<Result<(), carve_scheduler::error::SchedulerError>>,
+    _directory: tempfile::TempDir,
+}
+
+impl TlsScheduler {
+    async fn start(tls: TlsIdentity) -> TlsScheduler {
+        let directory = tempfile::tempdir().unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (shutdown, shutdown_signal) = tokio::sync::oneshot::channel::<()>();
+        let config = SchedulerConfig {
+            database_url: format!("sqlite://{}", directory.path().join("carve.db").display()),
+            settings: SchedulerSettings::default(),
+            admin_token: Some(ADMIN.into()),
+            metrics_address: None,
+            tls: Some(tls),
+        };
+        let server = tokio::spawn(run(config, listener, async {
+            let _ = shutdown_signal.await;
+        }));
+        TlsScheduler {
+            port,
+            shutdown,
+            server,
+            _directory: directory,
+        }
+    }
+
+    async fn stop(self) {
+        let _ = self.shutdown.send(());
+        tokio::time::timeout(Duration::from_secs(10), self.server)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+}
+
 #[tokio::test]
 async fn clients_that_trust_the_certificate_are_served_over_tls() {
     let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
     let certificate_pem = certified.cert.pem();
-    let directory = tempfile::tempdir().unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (shutdown, shutdown_signal) = tokio::sync::oneshot::channel::<()>();
-    let config = SchedulerConfig {
-        database_url: format!("sqlite://{}", directory.path().join("carve.db").display()),
-        settings: SchedulerSettings::default(),
-        admin_token: Some(ADMIN.into()),
-        metrics_address: None,
-        tls: Some(TlsIdentity {
-            certificate_chain_pem: certificate_pem.clone().into_bytes(),
-            private_key_pem: certified.signing_key.serialize_pem().into_bytes(),
-            client_ca_certificate_pem: None,
-        }),
-    };
-    let server = tokio::spawn(run(config, listener, async {
-        let _ = shutdown_signal.await;
-    }));
+    let server = TlsScheduler::start(TlsIdentity {
+        certificate_chain_pem: certificate_pem.clone().into_bytes(),
+        private_key_pem: certified.signing_key.serialize_pem().into_bytes(),
+        client_ca_certificate_pem: None,
+    })
+    .await;
+    let port = server.port;
 
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&certificate_pem))
@@ -81,12 +112,7 @@ async fn clients_that_trust_the_certificate_are_served_over_tls() {
     };
     assert!(!plain_answered);
 
-    let _ = shutdown.send(());
-    tokio::time::timeout(Duration::from_secs(10), server)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    server.stop().await;
 }
 
 fn identity(pair: &PemPair) -> ClientIdentity {
@@ -128,25 +154,13 @@ async fn with_a_client_ca_only_workers_showing_its_certificates_are_served() {
         .unwrap()
         .issue_client("gpu-node-2")
         .unwrap();
-    let directory = tempfile::tempdir().unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (shutdown, shutdown_signal) = tokio::sync::oneshot::channel::<()>();
-    let config = SchedulerConfig {
-        database_url: format!("sqlite://{}", directory.path().join("carve.db").display()),
-        settings: SchedulerSettings::default(),
-        admin_token: Some(ADMIN.into()),
-        metrics_address: None,
-        tls: Some(TlsIdentity {
-            certificate_chain_pem: server_certificate.certificate_pem.into_bytes(),
-            private_key_pem: server_certificate.private_key_pem.into_bytes(),
-            client_ca_certificate_pem: Some(authority.certificate_pem().into_bytes()),
-        }),
-    };
-    let server = tokio::spawn(run(config, listener, async {
-        let _ = shutdown_signal.await;
-    }));
-    let endpoint = format!("https://localhost:{port}");
+    let server = TlsScheduler::start(TlsIdentity {
+        certificate_chain_pem: server_certificate.certificate_pem.into_bytes(),
+        private_key_pem: server_certificate.private_key_pem.into_bytes(),
+        client_ca_certificate_pem: Some(authority.certificate_pem().into_bytes()),
+    })
+    .await;
+    let endpoint = format!("https://localhost:{}", server.port);
     let trusted = authority.certificate_pem().into_bytes();
     let open = |identity: Option<ClientIdentity>, token: String| {
         let endpoint = endpoint.clone();
@@ -197,10 +211,5 @@ async fn with_a_client_ca_only_workers_showing_its_certificates_are_served() {
         );
     }
 
-    let _ = shutdown.send(());
-    tokio::time::timeout(Duration::from_secs(10), server)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    server.stop().await;
 }

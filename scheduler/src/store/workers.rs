@@ -106,10 +106,7 @@ impl Store {
                 .await?
                 .rows_affected()
         });
-        if done == 0 {
-            return Err(SchedulerError::not_found("worker", id));
-        }
-        Ok(())
+        found_worker(done, id)
     }
 
     /// Records a heartbeat: sets `last_heartbeat_ms`. `NotFound` when there is no such
@@ -123,9 +120,14 @@ impl Store {
                 .await?
                 .rows_affected()
         });
-        if done == 0 {
-            return Err(SchedulerError::not_found("worker", id));
-        }
-        Ok(())
+        found_worker(done, id)
     }
+}
+
+/// `NotFound` for `id` when a statement on it touched no row.
+fn found_worker(rows_affected: u64, id: &str) -> Result<(), SchedulerError> {
+    if rows_affected == 0 {
+        return Err(SchedulerError::not_found("worker", id));
+    }
+    Ok(())
 }
