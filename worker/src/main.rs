@@ -182,6 +182,15 @@ mod tests {
     }
 
     #[test]
+    fn a_client_certificate_needs_its_key() {
+        assert!(parse(&["--tls-cert", "worker.crt"]).is_err());
+        assert!(parse(&["--tls-key", "worker.key"]).is_err());
+        let both = parse(&["--tls-cert", "worker.crt", "--tls-key", "worker.key"]).unwrap();
+        assert_eq!(both.tls_cert, Some(PathBuf::from("worker.crt")));
+        assert_eq!(both.tls_key, Some(PathBuf::from("worker.key")));
+    }
+
+    #[test]
     fn the_guard_library_is_optional_and_taken_from_the_flag() {
         assert_eq!(parse(&[]).unwrap().guard_library, None);
         assert_eq!(
