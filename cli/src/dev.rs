@@ -193,9 +193,9 @@ async fn run_cluster(
     let scheduler = start_scheduler(&data_dir, &checkpoints, listener, admin_token.clone());
     let result = async {
         // The listener is bound already, so connecting succeeds at once.
-        let admin = connect_channel(&endpoint, None, &admin_token).await?;
+        let admin = connect_channel(&endpoint, None, None, &admin_token).await?;
         let (user_token, worker_token) = create_tenant_and_tokens(admin).await?;
-        let channel = connect_channel(&endpoint, None, &user_token).await?;
+        let channel = connect_channel(&endpoint, None, None, &user_token).await?;
         let real_gpus = arguments.real_gpus;
         let worker = start_worker(
             &endpoint,

@@ -1,6 +1,7 @@
 //! `carve admin` as an operator uses it, the real binary against `carve dev`: tokens list
 //! their state and last use, revoked and expired ones on request (`--all`); tenant names
-//! are lowercase; a tenant is deleted with its tokens, but not while it has jobs running.
+//! are lowercase; a tenant is deleted with its tokens, but not while it has jobs running;
+//! a node drained with a reason shows it, and a connected worker is not removed.
 
 #[path = "support/dev_cluster.rs"]
 mod dev_cluster;
@@ -117,4 +118,74 @@ fn tokens_show_their_state_names_are_lowercase_and_only_idle_tenants_are_deleted
     cluster
         .carve_with_token(admin, &["admin", "tenants", "delete", "team-b"])
         .expect_code(6);
+}
+
+#[test]
+fn a_drained_node_shows_its_reason_and_a_connected_worker_is_not_removed() {
+    let cluster = DevCluster::start();
+    let admin = &cluster.admin_token;
+    // The dev worker registers a moment after the scheduler starts.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while cluster
+        .carve(&["cluster", "-o", "json"])
+        .expect_code(0)
+        .json()["workers"]
+        .as_array()
+        .is_none_or(Vec::is_empty)
+    {
+        assert!(std::time::Instant::now() < deadline, "no worker registered");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+
+    let drained = cluster
+        .carve_with_token(
+            admin,
+            &["cluster", "drain", "dev-node", "--reason", "kernel upgrade"],
+        )
+        .expect_code(0);
+    drained.assert_stdout_contains("is draining (kernel upgrade): it takes no new attempts");
+    cluster
+        .carve(&["cluster"])
+        .expect_code(0)
+        .assert_stdout_contains("draining (kernel upgrade)");
+    cluster
+        .carve(&["cluster", "-o", "wide"])
+        .expect_code(0)
+        .assert_stdout_contains("draining (kernel upgrade)");
+    let workers = cluster
+        .carve(&["cluster", "-o", "json"])
+        .expect_code(0)
+        .json();
+    assert_eq!(
+        workers["workers"][0]["drain_reason"], "kernel upgrade",
+        "{workers}"
+    );
+
+    // The dev node's worker is connected: removing it is refused, saying why.
+    let refused = cluster
+        .carve_with_token(admin, &["admin", "workers", "remove", "dev-node"])
+        .expect_code(1);
+    refused.assert_stderr_contains("is connected");
+    cluster
+        .carve_with_token(admin, &["admin", "workers", "remove", "no-such-node"])
+        .expect_code(6);
+    // Removing is for admins.
+    cluster
+        .carve(&["admin", "workers", "remove", "dev-node"])
+        .expect_code(5);
+
+    // Undrained, the reason goes with the drain.
+    cluster
+        .carve_with_token(admin, &["cluster", "undrain", "dev-node"])
+        .expect_code(0);
+    let workers = cluster
+        .carve(&["cluster", "-o", "json"])
+        .expect_code(0)
+        .json();
+    assert!(
+        workers["workers"][0]["drain_reason"]
+            .as_str()
+            .is_none_or(str::is_empty),
+        "{workers}"
+    );
 }

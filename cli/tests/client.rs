@@ -357,6 +357,44 @@ fn commands_without_a_scheduler_fail_with_the_codes_scripts_expect() {
     }
 }
 
+/// A scheduler in this process serving `tls` (admin token `carve_tls_admin`) with its
+/// database in `directory`: its port, the sender that stops it, and its task. `carve
+/// dev` has no TLS, and the certificates are the point where this is used.
+fn start_tls_scheduler(
+    runtime: &tokio::runtime::Runtime,
+    directory: &std::path::Path,
+    tls: carve_scheduler::server::TlsIdentity,
+) -> (
+    u16,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), carve_scheduler::error::SchedulerError>>,
+) {
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let config = carve_scheduler::server::SchedulerConfig {
+        database_url: format!("sqlite://{}", directory.join("carve.db").display()),
+        settings: carve_scheduler::scheduler::SchedulerSettings::default(),
+        admin_token: Some("carve_tls_admin".into()),
+        metrics_address: None,
+        tls: Some(tls),
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = runtime.spawn(carve_scheduler::server::run(config, listener, async {
+        let _ = stopped.await;
+    }));
+    (port, stop, server)
+}
+
+/// `carve admin tenants list -o json` with `flags` succeeds and lists the tenant `default`.
+fn lists_the_default_tenant(flags: &[&str], environment: &[(&str, &str)]) {
+    let mut arguments = vec!["admin", "tenants", "list", "-o", "json"];
+    arguments.extend_from_slice(flags);
+    let tenants = run_carve(&arguments, environment).expect_code(0).json();
+    assert_eq!(tenants["tenants"][0]["name"], "default", "{tenants}");
+}
+
 #[test]
 fn https_endpoints_are_verified_against_the_given_certificate_authority() {
     // A scheduler serving TLS with a self-signed certificate for localhost, in this
@@ -366,24 +404,15 @@ fn https_endpoints_are_verified_against_the_given_certificate_authority() {
     let ca_cert = directory.path().join("ca.pem");
     std::fs::write(&ca_cert, certified.cert.pem()).unwrap();
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let config = carve_scheduler::server::SchedulerConfig {
-        database_url: format!("sqlite://{}", directory.path().join("carve.db").display()),
-        settings: carve_scheduler::scheduler::SchedulerSettings::default(),
-        admin_token: Some("carve_tls_admin".into()),
-        metrics_address: None,
-        tls: Some(carve_scheduler::server::TlsIdentity {
+    let (port, stop, server) = start_tls_scheduler(
+        &runtime,
+        directory.path(),
+        carve_scheduler::server::TlsIdentity {
             certificate_chain_pem: certified.cert.pem().into_bytes(),
             private_key_pem: certified.signing_key.serialize_pem().into_bytes(),
-        }),
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = runtime.spawn(carve_scheduler::server::run(config, listener, async {
-        let _ = stopped.await;
-    }));
+            client_ca_certificate_pem: None,
+        },
+    );
     let endpoint = format!("https://localhost:{port}");
     let config_home = directory.path().display().to_string();
     let environment = [
@@ -393,21 +422,7 @@ fn https_endpoints_are_verified_against_the_given_certificate_authority() {
     ];
     let ca_cert = ca_cert.display().to_string();
     // The listener is bound already, so the first connection is served.
-    let tenants = run_carve(
-        &[
-            "admin",
-            "tenants",
-            "list",
-            "-o",
-            "json",
-            "--ca-cert",
-            &ca_cert,
-        ],
-        &environment,
-    )
-    .expect_code(0)
-    .json();
-    assert_eq!(tenants["tenants"][0]["name"], "default", "{tenants}");
+    lists_the_default_tenant(&["--ca-cert", &ca_cert], &environment);
 
     // Without the authority, the self-signed certificate is not trusted: no connection.
     let untrusted = run_carve(&["admin", "tenants", "list"], &environment).expect_code(4);
@@ -435,4 +450,108 @@ fn https_endpoints_are_verified_against_the_given_certificate_authority() {
 
     let _ = stop.send(());
     runtime.block_on(server).unwrap().unwrap();
+}
+
+#[test]
+fn a_scheduler_requiring_client_certificates_serves_carve_with_tls_cert_and_tls_key() {
+    let authority = carve_testing::TestAuthority::new("carve test CA").unwrap();
+    let server_certificate = authority.issue_server(&["localhost"]).unwrap();
+    let client_certificate = authority.issue_client("operator").unwrap();
+    let directory = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = directory.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let ca_cert = write("ca.pem", &authority.certificate_pem());
+    let tls_cert = write("client.pem", &client_certificate.certificate_pem);
+    let tls_key = write("client.key", &client_certificate.private_key_pem);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (port, stop, server) = start_tls_scheduler(
+        &runtime,
+        directory.path(),
+        carve_scheduler::server::TlsIdentity {
+            certificate_chain_pem: server_certificate.certificate_pem.into_bytes(),
+            private_key_pem: server_certificate.private_key_pem.into_bytes(),
+            client_ca_certificate_pem: Some(authority.certificate_pem().into_bytes()),
+        },
+    );
+    let endpoint = format!("https://localhost:{port}");
+    let config_home = directory.path().display().to_string();
+    let environment = [
+        ("CARVE_ENDPOINT", endpoint.as_str()),
+        ("CARVE_TOKEN", "carve_tls_admin"),
+        ("CARVE_CA_CERT", ca_cert.as_str()),
+        ("XDG_CONFIG_HOME", config_home.as_str()),
+    ];
+    lists_the_default_tenant(
+        &["--tls-cert", &tls_cert, "--tls-key", &tls_key],
+        &environment,
+    );
+
+    // Without a client certificate the handshake is refused: not reached (exit 4), and
+    // the advice names the flags.
+    let refused = run_carve(&["admin", "tenants", "list"], &environment).expect_code(4);
+    refused.assert_stderr_contains(&format!("cannot reach the scheduler at {endpoint}"));
+    refused.assert_stderr_contains("--tls-cert");
+    // A certificate without its key is a usage mistake named before connecting.
+    run_carve(
+        &["admin", "tenants", "list", "--tls-cert", &tls_cert],
+        &environment,
+    )
+    .expect_code(7)
+    .assert_stderr_contains("tls_key");
+
+    let _ = stop.send(());
+    runtime.block_on(server).unwrap().unwrap();
+}
+
+#[test]
+fn submit_shows_the_spec_warnings_the_scheduler_found() {
+    let cluster = DevCluster::start();
+    let directory = tempfile::tempdir().unwrap();
+    let spec = directory.path().join("chw.toml");
+    std::fs::write(
+        &spec,
+        r#"name = "channels-first"
+
+[model]
+input_shape = [3, 16, 16]
+loss = "softmax_cross_entropy"
+layers = [{ flatten = {} }, { dense = { units = 4 } }]
+
+[training]
+batch_size = 8
+steps = 2
+optimizer = { sgd = { learning_rate = 0.1 } }
+
+[data]
+format = "synthetic"
+samples = 32
+"#,
+    )
+    .unwrap();
+    let spec = spec.display().to_string();
+
+    // Admitted, with the warning on stderr, named as `carve estimate` names it.
+    let submitted = cluster.carve(&["submit", &spec]).expect_code(0);
+    submitted.assert_stderr_contains(
+        "chw.toml: warning: model.input_shape: [3, 16, 16] looks channels-first",
+    );
+    submitted_job_id(&submitted);
+    // In the document too, and stdout stays the document alone.
+    let document = cluster
+        .carve(&["submit", &spec, "-o", "json"])
+        .expect_code(0);
+    document.assert_stderr_contains("warning: model.input_shape:");
+    let warnings = document.json()["warnings"].clone();
+    assert!(
+        warnings[0]
+            .as_str()
+            .is_some_and(|warning| warning.starts_with("model.input_shape: [3, 16, 16]")),
+        "{warnings}"
+    );
+    // A spec without anything odd: no warning.
+    let plain = cluster.carve(SMALL_JOB).expect_code(0);
+    assert!(!plain.stderr.contains("warning"), "{}", plain.context());
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tonic::Request;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::ApiError;
 use crate::v1;
@@ -61,9 +61,32 @@ impl tonic::service::Interceptor for BearerToken {
 /// generated clients (`JobServiceClient::new(channel)`).
 pub type AuthenticatedChannel = InterceptedService<Channel, BearerToken>;
 
+/// A client's own certificate chain and private key (PEM), shown to a scheduler that
+/// requires client certificates (mutual TLS, its `--tls-client-ca`).
+#[derive(Clone)]
+pub struct ClientIdentity {
+    pub certificate_chain_pem: Vec<u8>,
+    pub private_key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for ClientIdentity {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the key.
+        formatter
+            .debug_struct("ClientIdentity")
+            .field(
+                "certificate_chain_pem",
+                &format!("{} bytes", self.certificate_chain_pem.len()),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
 /// Opens a channel to the scheduler at `endpoint` whose calls carry `token`. An https://
 /// endpoint is reached over TLS, trusting `ca_certificate_pem` (a private authority or a
-/// self-signed certificate) when given and the system's roots otherwise.
+/// self-signed certificate) when given and the system's roots otherwise, and showing
+/// `client_identity` when given (mutual TLS; an http:// endpoint with one is an
+/// `InvalidArgument` on `tls_cert`, since it would never be shown).
 ///
 /// A malformed endpoint is an `InvalidArgument` on `endpoint`, an unusable certificate
 /// one on `ca_cert`; a scheduler that cannot be reached in `connect_timeout` is
@@ -72,6 +95,7 @@ pub type AuthenticatedChannel = InterceptedService<Channel, BearerToken>;
 pub async fn connect(
     endpoint: &str,
     ca_certificate_pem: Option<&[u8]>,
+    client_identity: Option<&ClientIdentity>,
     token: BearerToken,
     connect_timeout: Duration,
 ) -> Result<AuthenticatedChannel, ApiError> {
@@ -84,13 +108,28 @@ pub async fn connect(
         })?
         .connect_timeout(connect_timeout);
     if endpoint.starts_with("https://") {
-        let tls = match ca_certificate_pem {
+        let mut tls = match ca_certificate_pem {
             Some(pem) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)),
             None => ClientTlsConfig::new().with_native_roots(),
         };
-        builder = builder.tls_config(tls).map_err(|error| {
-            ApiError::invalid_argument("ca_cert", format!("cannot set up tls: {error}"))
+        if let Some(identity) = client_identity {
+            tls = tls.identity(Identity::from_pem(
+                &identity.certificate_chain_pem,
+                &identity.private_key_pem,
+            ));
+        }
+        builder = builder.tls_config(tls).map_err(|error| match client_identity {
+            Some(_) => ApiError::invalid_argument(
+                "tls_cert",
+                format!("cannot set up tls with the ca certificate and client certificate and key: {error}"),
+            ),
+            None => ApiError::invalid_argument("ca_cert", format!("cannot set up tls: {error}")),
         })?;
+    } else if client_identity.is_some() {
+        return Err(ApiError::invalid_argument(
+            "tls_cert",
+            format!("a client certificate is given but the endpoint {endpoint} is not https://"),
+        ));
     }
     let channel = builder
         .connect()

@@ -634,6 +634,7 @@ pub fn worker_to_proto(worker: &WorkerView) -> v1::Worker {
         last_heartbeat_at: Some(timestamp(worker.last_heartbeat_ms)),
         registered_at: Some(timestamp(worker.registered_at_ms)),
         version: worker.version.clone(),
+        drain_reason: worker.drain_reason.clone(),
     }
 }
 

@@ -5,6 +5,7 @@ mod settings;
 
 use anyhow::{Context, Result};
 use carve_scheduler::server::run;
+use carve_scheduler::store::{DATABASE_CHECK_TIMEOUT, check_database};
 use clap::Parser;
 
 use crate::settings::Arguments;
@@ -14,6 +15,9 @@ async fn main() -> Result<()> {
     let arguments = Arguments::parse();
     carve_proto::logging::init_logging(arguments.log_format);
     let (listen, config) = arguments.settings()?.load()?;
+    // A database that cannot be reached is reported now, naming its host, rather than
+    // after "listening" when the first query gives up.
+    check_database(&config.database_url, DATABASE_CHECK_TIMEOUT).await?;
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;

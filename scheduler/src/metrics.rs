@@ -39,6 +39,9 @@ pub struct Metrics {
     pub placements: Counter,
     pub out_of_memory_reports: Counter,
     pub retries: Counter,
+    /// Jobs failed out of memory with no retry left: their retry limit reached, or
+    /// nothing smaller fits.
+    pub oom_retries_exhausted: Counter,
     pub attempts_lost: Counter,
     pub jobs_succeeded: Counter,
     pub jobs_failed: Counter,
@@ -64,6 +67,7 @@ impl Default for Metrics {
             placements: Counter::default(),
             out_of_memory_reports: Counter::default(),
             retries: Counter::default(),
+            oom_retries_exhausted: Counter::default(),
             attempts_lost: Counter::default(),
             jobs_succeeded: Counter::default(),
             jobs_failed: Counter::default(),
@@ -275,6 +279,12 @@ impl Metrics {
                 "carve_retries",
                 "jobs requeued with a smaller configuration",
                 &self.retries,
+            ),
+            (
+                "carve_oom_retries_exhausted",
+                "jobs failed out of memory with no retry left (the retry limit reached, or \
+                 nothing smaller fits)",
+                &self.oom_retries_exhausted,
             ),
             (
                 "carve_attempts_lost",
@@ -508,6 +518,8 @@ mod tests {
             "# TYPE carve_submits_accepted_total counter",
             "carve_submits_accepted_total 1",
             "carve_jobs_failed_total 0",
+            "# TYPE carve_oom_retries_exhausted_total counter",
+            "carve_oom_retries_exhausted_total 0",
             "# TYPE carve_log_lines_stored_total counter",
             "carve_log_lines_stored_total 7",
             "# TYPE carve_submit_latency_seconds histogram",

@@ -42,11 +42,14 @@ pub struct SchedulerConfig {
     pub tls: Option<TlsIdentity>,
 }
 
-/// The server's certificate chain and private key, PEM-encoded.
+/// The server's certificate chain and private key, PEM-encoded, and the CA whose
+/// certificates clients must show when it requires them (mutual TLS).
 #[derive(Clone)]
 pub struct TlsIdentity {
     pub certificate_chain_pem: Vec<u8>,
     pub private_key_pem: Vec<u8>,
+    /// Require a client certificate signed by this CA (PEM) on every connection.
+    pub client_ca_certificate_pem: Option<Vec<u8>>,
 }
 
 impl std::fmt::Debug for TlsIdentity {
@@ -57,6 +60,10 @@ impl std::fmt::Debug for TlsIdentity {
             .field(
                 "certificate_chain_pem",
                 &format!("{} bytes", self.certificate_chain_pem.len()),
+            )
+            .field(
+                "requires_client_certificates",
+                &self.client_ca_certificate_pem.is_some(),
             )
             .finish_non_exhaustive()
     }
@@ -73,8 +80,7 @@ pub const GENERATED_ADMIN_TOKEN_FILE: &str = "admin-token";
 /// Where a first start of the store at `database_url` writes a generated admin token:
 /// next to a SQLite file; `None` for PostgreSQL and in-memory SQLite.
 pub fn generated_admin_token_path(database_url: &str) -> Option<std::path::PathBuf> {
-    if database_url.starts_with("postgres://")
-        || database_url.starts_with("postgresql://")
+    if crate::store::is_postgres_url(database_url)
         || database_url.contains(":memory:")
         || database_url.contains("mode=memory")
     {
@@ -254,13 +260,17 @@ pub async fn run(
     tracing::info!(?address, "scheduler listening");
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &config.tls {
+        let mut tls_config = tonic::transport::ServerTlsConfig::new().identity(
+            tonic::transport::Identity::from_pem(&tls.certificate_chain_pem, &tls.private_key_pem),
+        );
+        if let Some(client_ca) = &tls.client_ca_certificate_pem {
+            // Required, not optional: a connection without such a certificate is refused
+            // in the handshake, before any call (and its token) is read.
+            tls_config =
+                tls_config.client_ca_root(tonic::transport::Certificate::from_pem(client_ca));
+        }
         builder = builder
-            .tls_config(tonic::transport::ServerTlsConfig::new().identity(
-                tonic::transport::Identity::from_pem(
-                    &tls.certificate_chain_pem,
-                    &tls.private_key_pem,
-                ),
-            ))
+            .tls_config(tls_config)
             .map_err(|error| ApiError::InvalidArgument {
                 field: "tls".into(),
                 reason: format!("the certificate or key is not usable: {error}"),

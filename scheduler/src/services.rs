@@ -94,10 +94,11 @@ impl Services {
         caller: &Caller,
         reference: &str,
         draining: bool,
+        reason: &str,
     ) -> Result<Option<v1::Worker>, Status> {
         let worker_id = self
             .scheduler
-            .set_draining(caller, reference, draining)
+            .set_draining(caller, reference, draining, reason)
             .await?;
         Ok(self
             .scheduler
@@ -254,7 +255,7 @@ impl JobService for Services {
             .await;
         let submitted = match submitted.and_then(|submitted| {
             let job = submitted_job_to_proto(&submitted)?;
-            Ok((job, submitted.created))
+            Ok((job, submitted.created, submitted.warnings))
         }) {
             Ok(submitted) => {
                 metrics.observe_submit_latency(started.elapsed());
@@ -268,11 +269,11 @@ impl JobService for Services {
                 return Err(refused.error.into());
             }
         };
-        let (job, created) = submitted;
+        let (job, created, warnings) = submitted;
         Ok(Response::new(v1::SubmitJobResponse {
             job: Some(job),
             created,
-            warnings: Vec::new(),
+            warnings,
         }))
     }
 
@@ -704,8 +705,9 @@ impl ClusterService for Services {
         request: Request<v1::DrainWorkerRequest>,
     ) -> Result<Response<v1::DrainWorkerResponse>, Status> {
         let caller = self.caller(&request).await?;
+        let request = request.into_inner();
         let worker = self
-            .set_draining(&caller, &request.into_inner().worker_id, true)
+            .set_draining(&caller, &request.worker_id, true, &request.reason)
             .await?;
         Ok(Response::new(v1::DrainWorkerResponse { worker }))
     }
@@ -716,9 +718,23 @@ impl ClusterService for Services {
     ) -> Result<Response<v1::UndrainWorkerResponse>, Status> {
         let caller = self.caller(&request).await?;
         let worker = self
-            .set_draining(&caller, &request.into_inner().worker_id, false)
+            .set_draining(&caller, &request.into_inner().worker_id, false, "")
             .await?;
         Ok(Response::new(v1::UndrainWorkerResponse { worker }))
+    }
+
+    async fn remove_worker(
+        &self,
+        request: Request<v1::RemoveWorkerRequest>,
+    ) -> Result<Response<v1::RemoveWorkerResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let removed = self
+            .scheduler
+            .remove_worker(&caller, &request.into_inner().worker_id)
+            .await?;
+        Ok(Response::new(v1::RemoveWorkerResponse {
+            worker: Some(worker_to_proto(&removed)),
+        }))
     }
 
     async fn list_slices(

@@ -83,6 +83,10 @@ pub struct GivenSettings {
     /// The private key (PEM) of --tls-cert.
     #[arg(long, env = "CARVE_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// Require every client (workers, carve) to show a certificate signed by this CA
+    /// (PEM): mutual TLS. Needs --tls-cert.
+    #[arg(long, env = "CARVE_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
 }
 
 impl GivenSettings {
@@ -125,6 +129,8 @@ pub struct Settings {
     pub metrics_listen: Option<SocketAddr>,
     /// The certificate chain and key files, when serving TLS.
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// The CA client certificates must be signed by, when requiring them.
+    pub tls_client_ca: Option<PathBuf>,
 }
 
 /// `value`, refused when it is 0; `setting` names it (flag, variable, key).
@@ -174,6 +180,10 @@ pub fn resolve(
         (None, None) => None,
         _ => bail!("TLS needs both a certificate and a key (tls_cert and tls_key)"),
     };
+    let tls_client_ca = given.tls_client_ca.or(file.tls_client_ca);
+    if tls_client_ca.is_some() && tls.is_none() {
+        bail!("client certificates (tls_client_ca) need TLS: set tls_cert and tls_key too");
+    }
     let admin_token = match given.admin_token_file.or(file.admin_token_file) {
         Some(path) => Some(AdminTokenSource::File(path)),
         None => admin_token.map(AdminTokenSource::Secret),
@@ -197,6 +207,7 @@ pub fn resolve(
         },
         metrics_listen: given.metrics_listen.or(file.metrics_listen),
         tls,
+        tls_client_ca,
     })
 }
 
@@ -239,6 +250,12 @@ impl Settings {
                 })?,
                 private_key_pem: std::fs::read(&key)
                     .with_context(|| format!("cannot read the TLS key {}", key.display()))?,
+                client_ca_certificate_pem: match &self.tls_client_ca {
+                    Some(path) => Some(std::fs::read(path).with_context(|| {
+                        format!("cannot read the TLS client CA {}", path.display())
+                    })?),
+                    None => None,
+                },
             }),
             None => None,
         };
@@ -524,6 +541,19 @@ mod tests {
         assert!(error.contains("tls_key"), "{error}");
     }
 
+    #[test]
+    fn a_client_ca_without_tls_is_refused() {
+        assert!(parse(&["--tls-client-ca", "clients.pem"]).is_err());
+        let file = GivenSettings {
+            tls_client_ca: Some("clients.pem".into()),
+            ..GivenSettings::default()
+        };
+        let error = resolve(GivenSettings::default(), file, None)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("tls_client_ca"), "{error}");
+    }
+
     /// As before this type existed: a token file, from any source, wins over the secret.
     #[test]
     fn an_admin_token_file_wins_over_the_secret() {
@@ -573,6 +603,7 @@ mod tests {
             "CARVE_METRICS_LISTEN",
             "CARVE_TLS_CERT",
             "CARVE_TLS_KEY",
+            "CARVE_TLS_CLIENT_CA",
         ] {
             assert!(
                 help.contains(&format!("[env: {variable}")),

@@ -6,7 +6,7 @@
 mod support;
 
 use carve_scheduler::store::{
-    JobRecord, JobState, QueueFingerprint, Store, TenantRecord, WAITING_REASON_IDS_PER_STATEMENT,
+    JobRecord, JobState, QueueFingerprint, Store, WAITING_REASON_IDS_PER_STATEMENT,
     WAITING_REASONS_PER_TRANSACTION,
 };
 use support::TestDb;
@@ -22,16 +22,7 @@ on_both_databases!(
 async fn store_with_tenants(db: &TestDb) -> Store {
     let store = db.open().await;
     for name in ["alpha", "beta"] {
-        store
-            .create_tenant(&TenantRecord {
-                name: name.into(),
-                vram_quota_bytes: None,
-                max_running_jobs: None,
-                fair_share_weight: 1,
-                created_at_ms: 1,
-            })
-            .await
-            .unwrap();
+        store.create_tenant(&support::tenant(name)).await.unwrap();
     }
     store
 }

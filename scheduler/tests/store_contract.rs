@@ -73,6 +73,7 @@ fn worker(id: &str, hostname: &str) -> WorkerRecord {
         registered_at_ms: T0,
         version: "0.1.0".to_string(),
         token_id: "token-node".to_string(),
+        drain_reason: String::new(),
     }
 }
 

@@ -1,8 +1,9 @@
 //! What users and operators expect of the real server (in-process on 127.0.0.1:0, a real
 //! SQLite file, real gRPC clients): an idempotency key reused with another spec is
 //! refused, not answered with the first job; the metrics page shows every gauge, at 0
-//! when there is nothing to count, for every tenant, says why submits were refused, and
-//! counts a draining worker and its GPUs apart from the ready ones.
+//! when there is nothing to count, for every tenant, says why submits were refused,
+//! counts a draining worker and its GPUs apart from the ready ones, and counts a job that
+//! failed out of memory with no retry left.
 
 use std::time::Duration;
 
@@ -15,7 +16,9 @@ mod test_worker;
 mod cluster;
 use carve_proto::v1;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
-use cluster::{ADMIN, JOB, metric, scrape, start_for_tenant, start_with_worker, submit};
+use cluster::{
+    ADMIN, JOB, metric, scrape, start_for_tenant, start_with_worker, submit, wait_for_state,
+};
 use test_worker::authorized;
 
 #[tokio::test]
@@ -91,6 +94,7 @@ async fn a_fresh_server_exports_every_gauge_at_zero_for_every_tenant() {
         "carve_placements_total",
         "carve_out_of_memory_total",
         "carve_retries_total",
+        "carve_oom_retries_exhausted_total",
         "carve_attempts_lost_total",
         "carve_jobs_succeeded_total",
         "carve_jobs_failed_total",
@@ -187,4 +191,50 @@ fn sum_of(metrics: &str, name: &str) -> u64 {
         .filter(|line| line.starts_with(&format!("{name}{{")))
         .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
         .sum()
+}
+
+#[tokio::test]
+async fn a_job_failed_out_of_memory_with_no_retry_left_is_counted() {
+    let (cluster, channel, user, _, mut worker) =
+        start_with_worker(Duration::from_secs(30), "alice").await;
+    let no_retries = JOB.replacen('{', "{ \"oom\": { \"max_retries\": 0 },", 1);
+    let job = submit(&channel, &user, &no_retries, "")
+        .await
+        .unwrap()
+        .job
+        .unwrap();
+    let assignment = worker.next_assignment().await;
+    let slice = assignment.slice_bytes;
+    worker
+        .send(v1::worker_message::Body::Oom(
+            v1::worker_message::OomReport {
+                attempt: assignment.attempt.clone(),
+                report: Some(v1::OutOfMemoryReport {
+                    requested_bytes: slice / 2,
+                    in_use_bytes: slice / 4 * 3,
+                    limit_bytes: slice,
+                    largest_free_bytes: slice / 4,
+                    peak_bytes: slice / 4 * 3,
+                }),
+                checkpoint: None,
+                detected_by: String::new(),
+                evidence: String::new(),
+            },
+        ))
+        .await;
+    let failed = wait_for_state(&channel, &user, &job.id, v1::JobState::Failed).await;
+    assert!(failed.message.contains("retry limit"), "{failed:?}");
+
+    let metrics = scrape(cluster.metrics_address).await;
+    assert_eq!(
+        metric(&metrics, "carve_oom_retries_exhausted_total"),
+        1,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "carve_out_of_memory_total"),
+        1,
+        "{metrics}"
+    );
+    assert_eq!(metric(&metrics, "carve_retries_total"), 0, "{metrics}");
 }

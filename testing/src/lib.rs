@@ -24,6 +24,12 @@
 //!   process exits for any reason (success, panic, abort, kill), so the server never
 //!   outlives the process that started it.
 //!
+//! [`PgServer::start_with_tls`] also turns on `ssl` with a given certificate.
+//!
+//! # Certificates
+//!
+//! [`certificates::TestAuthority`] is a private CA issuing server and client certificates.
+//!
 //! # A tenant on a running scheduler
 //!
 //! [`cluster::tenant_with_tokens`] creates a tenant and its tokens through the admin API.
@@ -44,8 +50,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use sqlx::Connection;
 
+pub mod certificates;
 pub mod cluster;
 pub mod examples;
+
+pub use certificates::{PemPair, TestAuthority};
 
 /// Why a [`PgServer`] could not start or serve: the message says what failed and, where
 /// it can, what to do about it.
@@ -71,6 +80,16 @@ pub struct PgServer {
 impl PgServer {
     /// Initializes a cluster in a fresh temp dir and starts a server on it.
     pub fn start() -> Result<PgServer, TestingError> {
+        PgServer::start_configured(None)
+    }
+
+    /// Like [`PgServer::start`], with `ssl=on` and `server` as the server's certificate
+    /// and key: clients may then ask for TLS (`sslmode=require`, `verify-full`).
+    pub fn start_with_tls(server: &PemPair) -> Result<PgServer, TestingError> {
+        PgServer::start_configured(Some(server))
+    }
+
+    fn start_configured(tls: Option<&PemPair>) -> Result<PgServer, TestingError> {
         let bin_dir = find_postgres_bin_dir()?;
         let run_as = RunAs::choose()?;
         let nanos = SystemTime::now()
@@ -133,12 +152,30 @@ impl PgServer {
             ],
         )?;
 
+        let tls_options = match tls {
+            Some(server) => {
+                // Relative paths are read from the data directory; the server insists its
+                // key be its own user's and private.
+                for (name, text, mode) in [
+                    ("server.crt", &server.certificate_pem, 0o644),
+                    ("server.key", &server.private_key_pem, 0o600),
+                ] {
+                    let path = data.join(name);
+                    fs::write(&path, text)
+                        .and_then(|()| fs::set_permissions(&path, fs::Permissions::from_mode(mode)))
+                        .map_err(|error| format!("write {}: {error}", path.display()))?;
+                    run_as.give(&path)?;
+                }
+                " -c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key"
+            }
+            None => "",
+        };
         let mut last_error = String::new();
         for _ in 0..5 {
             let port = free_port()?;
             let options = format!(
                 "-c listen_addresses=127.0.0.1 -p {port} -k {} -c fsync=on \
-                 -c synchronous_commit=on -c max_connections=300",
+                 -c synchronous_commit=on -c max_connections=300{tls_options}",
                 socket.to_string_lossy()
             );
             let started = run_as.run(

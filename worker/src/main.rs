@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use carve_core::bytes::parse_byte_size;
+use carve_proto::client::ClientIdentity;
 use carve_proto::logging::{LogFormat, init_logging};
 use carve_worker::attempt_child::{AttemptArguments, attempt_command};
 use carve_worker::gpus::parse_simulated_gpus;
@@ -35,6 +36,13 @@ struct Arguments {
     /// self-signed certificate); without it the system's roots are trusted.
     #[arg(long, env = "CARVE_CA_CERT")]
     ca_cert: Option<PathBuf>,
+    /// This worker's client certificate chain (PEM), for a scheduler that requires client
+    /// certificates (its --tls-client-ca); needs --tls-key.
+    #[arg(long, env = "CARVE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "CARVE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// GPUs to simulate: `2x16GiB` or `16GiB,8GiB`. Offered alone when there is no NVML,
     /// after the real GPUs when there is.
     #[arg(long, env = "CARVE_SIM_GPUS")]
@@ -107,12 +115,19 @@ fn run(arguments: Arguments) -> Result<()> {
         Some(text) => parse_simulated_gpus(text)?,
         None => Vec::new(),
     };
+    let read = |flag: &str, path: &PathBuf| {
+        std::fs::read(path).with_context(|| format!("{flag}: cannot read {}", path.display()))
+    };
     let scheduler_ca_certificate_pem = match &arguments.ca_cert {
-        Some(path) => Some(
-            std::fs::read(path)
-                .with_context(|| format!("--ca-cert: cannot read {}", path.display()))?,
-        ),
+        Some(path) => Some(read("--ca-cert", path)?),
         None => None,
+    };
+    let client_identity = match (&arguments.tls_cert, &arguments.tls_key) {
+        (Some(certificate), Some(key)) => Some(ClientIdentity {
+            certificate_chain_pem: read("--tls-cert", certificate)?,
+            private_key_pem: read("--tls-key", key)?,
+        }),
+        _ => None,
     };
     let program = std::env::current_exe().context("cannot find the carve-worker binary")?;
     let mut config = WorkerConfig::new(
@@ -125,6 +140,7 @@ fn run(arguments: Arguments) -> Result<()> {
     config.checkpoint_directory = arguments.checkpoint_dir;
     config.context_bytes = arguments.context_bytes.unwrap_or(DEFAULT_CONTEXT_BYTES);
     config.scheduler_ca_certificate_pem = scheduler_ca_certificate_pem;
+    config.client_identity = client_identity;
     config.guard_library = arguments.guard_library;
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
@@ -165,6 +181,15 @@ mod tests {
         );
         let error = parse(&["--log-format", "colour"]).unwrap_err().to_string();
         assert!(error.contains("--log-format"), "{error}");
+    }
+
+    #[test]
+    fn a_client_certificate_needs_its_key() {
+        assert!(parse(&["--tls-cert", "worker.crt"]).is_err());
+        assert!(parse(&["--tls-key", "worker.key"]).is_err());
+        let both = parse(&["--tls-cert", "worker.crt", "--tls-key", "worker.key"]).unwrap();
+        assert_eq!(both.tls_cert, Some(PathBuf::from("worker.crt")));
+        assert_eq!(both.tls_key, Some(PathBuf::from("worker.key")));
     }
 
     #[test]

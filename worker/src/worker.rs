@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use carve_core::command::validate::{ValidatedSpec, parse_spec_json};
 use carve_proto::ApiError;
-use carve_proto::client::{BearerToken, connect};
+use carve_proto::client::{BearerToken, ClientIdentity, connect};
 use carve_proto::v1;
 use carve_proto::v1::worker_message::Body;
 use carve_proto::v1::worker_service_client::WorkerServiceClient;
@@ -65,6 +65,9 @@ pub struct WorkerConfig {
     /// The certificate (PEM) to trust for an `https://` scheduler, for private CAs and
     /// self-signed certificates; without it the system's roots are trusted.
     pub scheduler_ca_certificate_pem: Option<Vec<u8>>,
+    /// This worker's client certificate and key (`--tls-cert`, `--tls-key`), for a
+    /// scheduler that requires client certificates (`--tls-client-ca`).
+    pub client_identity: Option<ClientIdentity>,
     /// The guard (`libcarve_guard.so`) preloaded into command jobs' programs
     /// (`--guard-library`); `None`: next to `attempt_program`. Checked at start on a
     /// worker with real GPUs (see [`crate::guard_environment::find_guard_library`]); on
@@ -103,6 +106,7 @@ impl WorkerConfig {
             reconnect_backoff_max: Duration::from_secs(5),
             process_observer: None,
             scheduler_ca_certificate_pem: None,
+            client_identity: None,
             guard_library: None,
         }
     }
@@ -437,16 +441,17 @@ impl Worker {
         let channel = connect(
             &self.config.scheduler_url,
             self.config.scheduler_ca_certificate_pem.as_deref(),
+            self.config.client_identity.as_ref(),
             token,
             Duration::from_secs(5),
         )
         .await
         .map_err(|error| match error {
             ApiError::InvalidArgument { field, reason } => WorkerError::invalid_setting(
-                if field == "ca_cert" {
-                    "--ca-cert"
-                } else {
-                    "--scheduler"
+                match field.as_str() {
+                    "ca_cert" => "--ca-cert",
+                    "tls_cert" => "--tls-cert",
+                    _ => "--scheduler",
                 },
                 reason,
             ),

@@ -108,6 +108,7 @@ async fn start_scheduler_with_tls(
         tls: tls.map(|(certificate, key)| TlsIdentity {
             certificate_chain_pem: certificate.into_bytes(),
             private_key_pem: key.into_bytes(),
+            client_ca_certificate_pem: None,
         }),
     };
     let server = tokio::spawn(async move {

@@ -1,5 +1,5 @@
-//! `carve admin`: tenants, their quotas and the bearer tokens, through the AdminService
-//! (admin tokens only).
+//! `carve admin`: tenants, their quotas and the bearer tokens, through the AdminService,
+//! and removing a gone worker, through the ClusterService (admin tokens only).
 //!
 //! `carve admin tokens create` prints the new secret alone on stdout (details go to
 //! stderr), so `TOKEN=$(carve admin tokens create ...)` captures exactly the secret; with
@@ -42,6 +42,24 @@ enum AdminArea {
     Tokens {
         #[command(subcommand)]
         action: TokenAction,
+    },
+    /// Workers the cluster should forget.
+    Workers {
+        #[command(subcommand)]
+        action: WorkerAction,
+    },
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum WorkerAction {
+    /// Forgets a gone worker (a lost one, or one on a retired node): refused while it is
+    /// connected or runs attempts. Its attempts stay in their jobs' history.
+    Remove {
+        /// The worker id (see `carve cluster`), or its node's name.
+        worker: String,
+        /// Output format.
+        #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
+        output: OutputFormat,
     },
 }
 
@@ -339,6 +357,27 @@ pub async fn admin(arguments: AdminArguments) -> Result<ExitCode> {
             print_tenant_change(&updated, output, "updated")?;
         }
         AdminArea::Tokens { action } => tokens(&connection, action).await?,
+        AdminArea::Workers {
+            action: WorkerAction::Remove { worker, output },
+        } => {
+            let removed = connection
+                .cluster()
+                .remove_worker(v1::RemoveWorkerRequest {
+                    worker_id: worker.clone(),
+                })
+                .await
+                .map_err(|status| {
+                    connection.failure(&status, &format!("cannot remove worker {worker}"))
+                })?
+                .into_inner()
+                .worker
+                .context("the scheduler answered without the worker")?;
+            if output == OutputFormat::Table {
+                println!("worker {} ({}) removed", removed.id, removed.hostname);
+            } else {
+                print_message(&removed, "carve.v1.Worker", output)?;
+            }
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,6 +1,7 @@
 //! `carve cluster`: the workers and their GPUs, each GPU drawn as a bar of its memory
 //! carved into the slices of the jobs that run on it, the CUDA context, and the free
-//! space; `carve cluster drain WORKER` and `undrain WORKER` for operators.
+//! space, and a drained worker's reason; `carve cluster drain WORKER [--reason TEXT]` and
+//! `undrain WORKER` for operators.
 
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -35,7 +36,7 @@ enum ClusterAction {
     Drain {
         /// The worker id (see `carve cluster`), or its node's name.
         worker: String,
-        /// Why, for the audit log.
+        /// Why: kept with the worker and shown by `carve cluster`.
         #[arg(long)]
         reason: Option<String>,
     },
@@ -67,7 +68,7 @@ pub async fn cluster(arguments: ClusterArguments) -> Result<ExitCode> {
             print_worker_change(
                 &drained,
                 change_format,
-                "draining: it takes no new attempts",
+                &format!("{}: it takes no new attempts", state_with_reason(&drained)),
             )
         }
         Some(ClusterAction::Undrain { worker }) => {
@@ -121,7 +122,7 @@ async fn show(connection: &Connection, output: ListFormat) -> Result<ExitCode> {
             "{} ({})  {}  version {}  last heartbeat {} ago",
             worker.hostname,
             worker.id,
-            worker_state_name(worker.state),
+            state_with_reason(worker),
             if worker.version.is_empty() {
                 "-"
             } else {
@@ -139,6 +140,17 @@ async fn show(connection: &Connection, output: ListFormat) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// A worker's state, with the reason it was drained when one was given:
+/// `draining (kernel upgrade)`.
+fn state_with_reason(worker: &v1::Worker) -> String {
+    let state = worker_state_name(worker.state);
+    if worker.drain_reason.is_empty() {
+        state
+    } else {
+        format!("{state} ({})", worker.drain_reason)
+    }
+}
+
 /// The workers as rows, every cell whole (`carve cluster -o wide`).
 fn print_workers_table(workers: &[v1::Worker], now: i64) {
     let rows: Vec<[String; 9]> = workers
@@ -150,7 +162,7 @@ fn print_workers_table(workers: &[v1::Worker], now: i64) {
             [
                 worker.id.clone(),
                 worker.hostname.clone(),
-                worker_state_name(worker.state),
+                state_with_reason(worker),
                 if worker.version.is_empty() {
                     "-".into()
                 } else {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use carve_proto::ApiError;
-use carve_proto::client::{AuthenticatedChannel, BearerToken, connect};
+use carve_proto::client::{AuthenticatedChannel, BearerToken, ClientIdentity, connect};
 use carve_proto::v1;
 use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
@@ -43,7 +43,15 @@ pub struct ConnectionOptions {
     /// certificate (https:// endpoints; without it the system's roots are used).
     #[arg(long, env = "CARVE_CA_CERT", global = true)]
     pub ca_cert: Option<PathBuf>,
-    /// The config file with `endpoint`, `token` (or `token_file`) and `ca_cert`
+    /// A PEM file with this client's certificate chain, for a scheduler that requires
+    /// client certificates (mutual TLS); needs --tls-key.
+    #[arg(long, env = "CARVE_TLS_CERT", global = true)]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "CARVE_TLS_KEY", global = true)]
+    pub tls_key: Option<PathBuf>,
+    /// The config file with `endpoint`, `token` (or `token_file`), `ca_cert`, `tls_cert`
+    /// and `tls_key`
     /// [default: $XDG_CONFIG_HOME/carve/config.toml or ~/.config/carve/config.toml]
     #[arg(long, env = "CARVE_CLI_CONFIG", global = true)]
     pub config: Option<PathBuf>,
@@ -57,6 +65,8 @@ struct ConfigFile {
     token: Option<String>,
     token_file: Option<PathBuf>,
     ca_cert: Option<PathBuf>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
 }
 
 /// The settings after every source was consulted.
@@ -65,6 +75,15 @@ pub struct ResolvedConnection {
     pub endpoint: String,
     pub token: Option<String>,
     pub ca_cert: Option<PathBuf>,
+    /// The client certificate chain and key files, for mutual TLS.
+    pub client_certificate: Option<ClientCertificateFiles>,
+}
+
+/// A client certificate chain and its key, as files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientCertificateFiles {
+    pub certificate: PathBuf,
+    pub key: PathBuf,
 }
 
 /// The config file used when none is named: under `$XDG_CONFIG_HOME`, else `~/.config`.
@@ -146,10 +165,29 @@ impl ConnectionOptions {
             .ca_cert
             .clone()
             .or_else(|| file.ca_cert.map(relative_to_file));
+        let client_certificate = match (
+            self.tls_cert
+                .clone()
+                .or_else(|| file.tls_cert.map(relative_to_file)),
+            self.tls_key
+                .clone()
+                .or_else(|| file.tls_key.map(relative_to_file)),
+        ) {
+            (Some(certificate), Some(key)) => Some(ClientCertificateFiles { certificate, key }),
+            (None, None) => None,
+            _ => {
+                return Err(ClientFailure::new(
+                    FailureKind::InvalidArgument,
+                    "tls_cert and tls_key: a client certificate needs its key (set both)",
+                )
+                .into());
+            }
+        };
         Ok(ResolvedConnection {
             endpoint,
             token: token.filter(|token| !token.is_empty()),
             ca_cert,
+            client_certificate,
         })
     }
 }
@@ -181,12 +219,13 @@ pub fn normalize_endpoint(text: &str) -> Result<String, ClientFailure> {
 }
 
 /// Opens a channel to `endpoint` whose calls carry `token`, with TLS for https://
-/// (trusting `ca_cert`, or the system's roots without it). A token that cannot be a
-/// header is an authentication failure; failing to connect is a
-/// [`FailureKind::CannotConnect`].
+/// (trusting `ca_cert`, or the system's roots without it, and showing
+/// `client_certificate` when given). A token that cannot be a header is an
+/// authentication failure; failing to connect is a [`FailureKind::CannotConnect`].
 pub async fn connect_channel(
     endpoint: &str,
     ca_cert: Option<&Path>,
+    client_certificate: Option<&ClientCertificateFiles>,
     token: &str,
 ) -> Result<AuthenticatedChannel> {
     let token = BearerToken::new(token)
@@ -208,16 +247,30 @@ pub async fn connect_channel(
         }
         None => None,
     };
+    let read = |what: &str, path: &Path| {
+        std::fs::read(path).with_context(|| format!("cannot read the {what} {}", path.display()))
+    };
+    let client_identity = match client_certificate {
+        Some(files) => Some(ClientIdentity {
+            certificate_chain_pem: read("client certificate", &files.certificate)?,
+            private_key_pem: read("client key", &files.key)?,
+        }),
+        None => None,
+    };
     connect(
         endpoint,
         ca_certificate_pem.as_deref(),
+        client_identity.as_ref(),
         token,
         CONNECT_TIMEOUT,
     )
     .await
     .map_err(|error| match error {
         ApiError::Unavailable(cause) => {
-            let advice = if cause.contains("certificate") {
+            let advice = if cause.contains("CaUsedAsEndEntity") {
+                "the scheduler's certificate is a CA's, as a plain `openssl req -x509` makes: \
+                 serve a leaf certificate (CA:FALSE, with subjectAltName), see deploy/README.md"
+            } else if cause.contains("certificate") {
                 "is --ca-cert the authority that signed the scheduler's certificate?"
             } else {
                 IS_IT_RUNNING
@@ -247,8 +300,13 @@ impl Connection {
                  (~/.config/carve/config.toml)",
             )
         })?;
-        let channel =
-            connect_channel(&resolved.endpoint, resolved.ca_cert.as_deref(), &token).await?;
+        let channel = connect_channel(
+            &resolved.endpoint,
+            resolved.ca_cert.as_deref(),
+            resolved.client_certificate.as_ref(),
+            &token,
+        )
+        .await?;
         Ok(Connection {
             endpoint: resolved.endpoint,
             channel,
@@ -318,7 +376,8 @@ mod tests {
         std::fs::write(directory.path().join("token"), "carve_from_file\n").unwrap();
         std::fs::write(
             &config,
-            "endpoint = \"http://file:1\"\ntoken_file = \"token\"\nca_cert = \"ca.pem\"\n",
+            "endpoint = \"http://file:1\"\ntoken_file = \"token\"\nca_cert = \"ca.pem\"\n\
+             tls_cert = \"client.pem\"\ntls_key = \"client.key\"\n",
         )
         .unwrap();
         let from_file = ConnectionOptions {
@@ -330,17 +389,39 @@ mod tests {
         assert_eq!(from_file.endpoint, "http://file:1");
         assert_eq!(from_file.token.as_deref(), Some("carve_from_file"));
         assert_eq!(from_file.ca_cert, Some(directory.path().join("ca.pem")));
+        assert_eq!(
+            from_file.client_certificate,
+            Some(ClientCertificateFiles {
+                certificate: directory.path().join("client.pem"),
+                key: directory.path().join("client.key"),
+            })
+        );
 
         let from_flags = ConnectionOptions {
             endpoint: Some("http://flag:2".into()),
             token: Some("carve_flag".into()),
-            ca_cert: None,
             config: Some(config),
+            ..ConnectionOptions::default()
         }
         .resolve()
         .unwrap();
         assert_eq!(from_flags.endpoint, "http://flag:2");
         assert_eq!(from_flags.token.as_deref(), Some("carve_flag"));
+    }
+
+    #[test]
+    fn a_client_certificate_without_its_key_is_refused() {
+        let directory = tempfile::tempdir().unwrap();
+        let config = directory.path().join("config.toml");
+        std::fs::write(&config, "endpoint = \"https://h:1\"\n").unwrap();
+        let error = ConnectionOptions {
+            tls_cert: Some("client.pem".into()),
+            config: Some(config),
+            ..ConnectionOptions::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(format!("{error:#}").contains("tls_key"), "{error:#}");
     }
 
     #[test]

@@ -167,12 +167,16 @@ pub fn status_failure(status: &tonic::Status, endpoint: &str, action: &str) -> C
         Code::Unavailable => cannot_reach(endpoint, &unavailable_reason(status), IS_IT_RUNNING),
         // A status tonic made from a broken connection, not one the scheduler sent: the
         // scheduler was not reached. Plain http to a TLS port ends this way, the server
-        // hanging up on a client that does not speak TLS.
-        Code::Unknown | Code::Internal if std::error::Error::source(status).is_some() => {
+        // hanging up on a client that does not speak TLS; so does (CANCELLED) a TLS
+        // connection the scheduler closed for want of a client certificate.
+        Code::Unknown | Code::Internal | Code::Cancelled
+            if std::error::Error::source(status).is_some() =>
+        {
             let advice = if endpoint.starts_with("http://") {
                 "if the scheduler serves TLS, use https://"
             } else {
-                IS_IT_RUNNING
+                "if the scheduler requires client certificates, set --tls-cert and \
+                 --tls-key; is it running?"
             };
             cannot_reach(endpoint, &unavailable_reason(status), advice)
         }

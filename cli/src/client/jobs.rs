@@ -165,6 +165,11 @@ pub async fn submit(arguments: SubmitArguments) -> Result<ExitCode> {
         .await
         .map_err(|status| connection.failure(&status, &action))?
         .into_inner();
+    // Named as `carve estimate` and `carve run` name them; the job was admitted anyway.
+    let spec_name = job_spec_name(&arguments.file);
+    for warning in &response.warnings {
+        eprintln!("{spec_name}: warning: {warning}");
+    }
     let job = response
         .job
         .clone()

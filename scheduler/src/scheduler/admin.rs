@@ -1,4 +1,5 @@
-//! What admins do (tenants, quotas, tokens), the job listing, and the role checks the
+//! What admins do (tenants, quotas, tokens, removing a gone worker), the job listing, and
+//! the role checks the
 //! handlers ask for before work of their own. Like every operation of the scheduler,
 //! each is authorized here from the caller's role and tenant; the handlers only
 //! authenticate the caller and convert messages.
@@ -7,9 +8,12 @@ use carve_proto::ApiError;
 
 use crate::auth::{Caller, Role, generate_id, generate_secret, hash_secret};
 use crate::error::SchedulerError;
-use crate::store::{JobFilter, JobRecord, JobState, TenantDeletion, TenantRecord, TokenRecord};
+use crate::store::{
+    JobFilter, JobRecord, JobState, TenantDeletion, TenantRecord, TokenRecord, WorkerRecord,
+};
 
-use super::Scheduler;
+use super::sessions::GpuJson;
+use super::{GpuView, Scheduler, WorkerView};
 
 /// A new token and its secret, shown this once.
 #[derive(Debug, Clone)]
@@ -189,5 +193,116 @@ impl Scheduler {
             }
         };
         self.store.list_jobs(&filter).await
+    }
+
+    /// Forgets the worker `reference` names: its id, or the name of a node with one
+    /// worker (or one that holds no session: a lost one, typically). Admins only. Refused
+    /// (FAILED_PRECONDITION) while it holds a session or runs attempts: those would be
+    /// orphaned. Answers the worker as it was.
+    pub async fn remove_worker(
+        &self,
+        caller: &Caller,
+        reference: &str,
+    ) -> Result<WorkerView, SchedulerError> {
+        caller.require(&[Role::Admin])?;
+        // No placement on it while it goes: passes run under this lock.
+        let _guard = self.job_changes.lock().await;
+        let stored = self.store.list_workers().await?;
+        let record = self.worker_to_remove(&stored, reference)?;
+        let view = {
+            let live = self.live();
+            if let Some(worker) = live.workers.get(&record.id)
+                && worker.session.is_some()
+            {
+                return Err(ApiError::FailedPrecondition(format!(
+                    "worker {} ({}) is connected: stop carve-worker there first (drain it to \
+                     let its attempts finish)",
+                    record.id, record.hostname
+                ))
+                .into());
+            }
+            let running = live
+                .running
+                .values()
+                .filter(|running| running.worker_id == record.id)
+                .count();
+            if running > 0 {
+                return Err(ApiError::FailedPrecondition(format!(
+                    "worker {} ({}) runs {running} attempt(s): they must end first (its \
+                     lease runs out if it is gone)",
+                    record.id, record.hostname
+                ))
+                .into());
+            }
+            drop(live);
+            self.workers()
+                .into_iter()
+                .find(|worker| worker.id == record.id)
+                .unwrap_or_else(|| stored_worker_view(record))
+        };
+        self.store.delete_worker(&record.id).await?;
+        self.live().workers.remove(&record.id);
+        Ok(view)
+    }
+
+    /// The stored worker `reference` names for [`Scheduler::remove_worker`].
+    fn worker_to_remove<'a>(
+        &self,
+        stored: &'a [WorkerRecord],
+        reference: &str,
+    ) -> Result<&'a WorkerRecord, SchedulerError> {
+        if let Some(worker) = stored.iter().find(|worker| worker.id == reference) {
+            return Ok(worker);
+        }
+        let mut named: Vec<&WorkerRecord> = stored
+            .iter()
+            .filter(|worker| worker.hostname == reference)
+            .collect();
+        if named.len() > 1 {
+            // The node's connected worker is not the one to remove.
+            let live = self.live();
+            named.retain(|worker| {
+                live.workers
+                    .get(&worker.id)
+                    .is_none_or(|live_worker| live_worker.session.is_none())
+            });
+        }
+        match named.as_slice() {
+            [worker] => Ok(worker),
+            [] => Err(SchedulerError::not_found("worker", reference)),
+            several => Err(SchedulerError::invalid_argument(
+                "worker_id",
+                format!(
+                    "node {reference} has {} workers without a session ({}); name one by its id",
+                    several.len(),
+                    several
+                        .iter()
+                        .map(|worker| worker.id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )),
+        }
+    }
+}
+
+/// A worker only the store knows (lost before this scheduler started), as reads show it.
+fn stored_worker_view(record: &WorkerRecord) -> WorkerView {
+    WorkerView {
+        id: record.id.clone(),
+        hostname: record.hostname.clone(),
+        state: record.state,
+        gpus: serde_json::from_str::<Vec<GpuJson>>(&record.gpus_json)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|gpu| GpuView {
+                gpu: gpu.into_gpu(),
+                slices: Vec::new(),
+            })
+            .collect(),
+        last_heartbeat_ms: record.last_heartbeat_ms,
+        registered_at_ms: record.registered_at_ms,
+        version: record.version.clone(),
+        drain_reason: record.drain_reason.clone(),
     }
 }

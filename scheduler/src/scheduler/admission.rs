@@ -172,6 +172,8 @@ pub struct SubmittedJob {
     pub attempts: Vec<AttemptRecord>,
     pub created: bool,
     pub admitted: Option<AdmittedConfig>,
+    /// What in the spec is allowed but looks like a mistake, each "field: message".
+    pub warnings: Vec<String>,
 }
 
 /// The configuration admission gave a new job, and its estimate.
@@ -458,6 +460,7 @@ impl Scheduler {
             checkpoint_step: 0,
             attempts_count: 0,
         };
+        let warnings = job.warnings().iter().map(ToString::to_string).collect();
         let outcome = self.batcher.submit(record).await?;
         if !outcome.created {
             // The idempotency key matched an earlier job. A retry of that submit sends
@@ -474,6 +477,7 @@ impl Scheduler {
                 attempts,
                 created: false,
                 admitted: None,
+                warnings,
             });
         }
         // A new job has no state before: its event goes from queued to queued.
@@ -493,6 +497,7 @@ impl Scheduler {
                 config,
                 estimate: shrunk_estimate.unwrap_or(spec_estimate),
             }),
+            warnings,
         })
     }
 

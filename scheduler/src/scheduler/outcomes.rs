@@ -224,6 +224,7 @@ impl Scheduler {
                 )
                 .await?;
                 Metrics::count(&self.metrics.jobs_failed);
+                Metrics::count(&self.metrics.oom_retries_exhausted);
             }
         }
         self.wake();

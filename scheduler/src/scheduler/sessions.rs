@@ -5,14 +5,14 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use carve_core::job_state::{AttemptOutcome, JobEvent, JobState};
+use carve_core::job_state::{JobEvent, JobState};
 use carve_proto::ApiError;
 use tokio::time::Instant;
 
 use crate::auth::{Caller, Role, generate_id};
 use crate::cache::LOOKUP_TIME_TO_LIVE;
 use crate::error::SchedulerError;
-use crate::store::WorkerRecord;
+use crate::store::{AttemptOutcome, AttemptResults, WorkerRecord};
 use crate::worker_session::{LiveSession, SessionHandle};
 
 use super::command_jobs::{OomDetected, command_argv_to_json, display_argv};
@@ -67,8 +67,18 @@ impl Scheduler {
                 .is_some_and(|worker| {
                     worker.record.token_id.is_empty() || worker.record.token_id == caller.token_id
                 });
+        let same_node = if known || !request.previous_worker_id.is_empty() {
+            None
+        } else {
+            self.same_node_worker(&request.hostname, &caller.token_id)
+                .await?
+        };
         let worker_id = if known {
             request.previous_worker_id.clone()
+        } else if let Some(worker_id) = same_node {
+            // A new process on the node: what its previous process ran died with it.
+            self.interrupt_attempts_of(&worker_id).await?;
+            worker_id
         } else {
             generate_id("worker")
         };
@@ -89,6 +99,7 @@ impl Scheduler {
             registered_at_ms: now,
             version: request.version.clone(),
             token_id: caller.token_id.clone(),
+            drain_reason: String::new(),
         };
         self.store.upsert_worker(&record).await?;
         {
@@ -113,6 +124,67 @@ impl Scheduler {
             heartbeat_interval: self.settings.heartbeat_interval,
             lease_duration: self.settings.lease_duration,
         })
+    }
+
+    /// The worker a fresh process (no previous id) on node `hostname` with the token
+    /// `token_id` is: the most recently heard-from worker of that node registered with
+    /// the same token that holds no session (one that does is another process, running
+    /// now), so a restarted worker keeps its identity instead of leaving a lost one.
+    async fn same_node_worker(
+        &self,
+        hostname: &str,
+        token_id: &str,
+    ) -> Result<Option<String>, SchedulerError> {
+        let mut candidates: Vec<WorkerRecord> = self
+            .store
+            .list_workers()
+            .await?
+            .into_iter()
+            .filter(|worker| worker.hostname == hostname && worker.token_id == token_id)
+            .collect();
+        candidates.sort_by_key(|worker| std::cmp::Reverse(worker.last_heartbeat_ms));
+        let live = self.live();
+        Ok(candidates.into_iter().map(|worker| worker.id).find(|id| {
+            live.workers
+                .get(id)
+                .is_none_or(|worker| worker.session.is_none())
+        }))
+    }
+
+    /// Ends, as interrupted, the attempts the scheduler counts as running on `worker_id`:
+    /// its process was replaced, and a restarted worker kills what its previous life
+    /// left. Each goes back to the queue to resume from its checkpoint, as after any
+    /// interruption.
+    async fn interrupt_attempts_of(&self, worker_id: &str) -> Result<(), SchedulerError> {
+        let attempts: Vec<AttemptRef> = self
+            .live()
+            .running
+            .iter()
+            .filter(|(_, running)| running.worker_id == worker_id)
+            .map(|(job_id, running)| AttemptRef {
+                job_id: job_id.clone(),
+                attempt_number: running.attempt_number,
+                lease_epoch: running.lease_epoch,
+            })
+            .collect();
+        for attempt in attempts {
+            let interrupted = self
+                .handle_finished(
+                    worker_id,
+                    attempt,
+                    Some(AttemptOutcome::Interrupted),
+                    0,
+                    &format!("worker {worker_id} restarted; its previous process stopped"),
+                    AttemptResults::default(),
+                )
+                .await;
+            match interrupted {
+                // Finished meanwhile by another path: nothing left to do.
+                Ok(()) | Err(SchedulerError::Conflict(_)) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(())
     }
 
     /// Binds a session stream to a registered worker and reconciles what it still runs.
@@ -474,16 +546,18 @@ impl Scheduler {
     }
 
     /// Drain and undrain: admins only.
-    /// Drains or undrains the worker `reference` names (its id, or its node's name);
-    /// answers its id.
+    /// Drains (for `reason`, kept and shown with the worker; empty: none given) or
+    /// undrains the worker `reference` names (its id, or its node's name); answers its id.
     pub async fn set_draining(
         &self,
         caller: &Caller,
         reference: &str,
         draining: bool,
+        reason: &str,
     ) -> Result<String, SchedulerError> {
         caller.require(&[Role::Admin])?;
-        let (worker_id, state) = {
+        let reason = if draining { reason.trim() } else { "" };
+        let worker_id = {
             let mut live = self.live();
             let worker_id = live.resolve_worker(reference)?;
             let worker = live.worker_mut(&worker_id)?;
@@ -492,9 +566,12 @@ impl Scheduler {
             } else {
                 WorkerState::Ready
             };
-            (worker_id, worker.state)
+            worker.record.drain_reason = reason.to_string();
+            worker_id
         };
-        self.store.set_worker_state(&worker_id, state).await?;
+        self.store
+            .set_worker_draining(&worker_id, draining, reason)
+            .await?;
         if draining {
             self.send_to_worker(&worker_id, WorkerCommand::Drain);
         }

@@ -90,6 +90,7 @@ impl Scheduler {
                 last_heartbeat_ms: worker.record.last_heartbeat_ms,
                 registered_at_ms: worker.record.registered_at_ms,
                 version: worker.record.version.clone(),
+                drain_reason: worker.record.drain_reason.clone(),
             })
             .collect();
         workers.sort_by(|left, right| left.id.cmp(&right.id));
@@ -237,6 +238,8 @@ pub struct WorkerView {
     pub last_heartbeat_ms: i64,
     pub registered_at_ms: i64,
     pub version: String,
+    /// Why it was drained; empty when not draining or when no reason was given.
+    pub drain_reason: String,
 }
 
 /// A worker's GPU with the slices running on it.

@@ -41,7 +41,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use carve_proto::ApiError;
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::Connection;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
@@ -162,7 +163,7 @@ impl Store {
     /// a SQLite URL (`sqlite://carve.db`, `sqlite::memory:`), and otherwise the path of a
     /// SQLite file, created when missing.
     pub async fn open_with(url: &str, options: &StoreOptions) -> Result<Store, SchedulerError> {
-        let store = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let store = if is_postgres_url(url) {
             let pool = PgPoolOptions::new()
                 .max_connections(options.max_connections.unwrap_or(10))
                 .acquire_timeout(Duration::from_secs(30))
@@ -280,6 +281,48 @@ impl Store {
             }
         }
     }
+}
+
+/// How long [`check_database`] waits for the database to answer when the scheduler
+/// starts: long enough for a managed database across a region, short enough that a
+/// wrong host is reported before anyone waits on a scheduler that cannot work.
+pub const DATABASE_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Whether `url` names a PostgreSQL database rather than a SQLite one.
+pub fn is_postgres_url(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+/// Checks that the PostgreSQL database at `url` answers a trivial query within
+/// `timeout`, over one connection made as the pool would make it (TLS included, per
+/// `sslmode`). The error names the host and port (never the URL, which may hold a
+/// password). A SQLite URL passes: its file is opened, or refused, by [`Store::open`].
+pub async fn check_database(url: &str, timeout: Duration) -> Result<(), SchedulerError> {
+    if !is_postgres_url(url) {
+        return Ok(());
+    }
+    let options = PgConnectOptions::from_str(url).map_err(|error| {
+        SchedulerError::invalid_argument(
+            "database_url",
+            format!("not a usable PostgreSQL URL: {error}"),
+        )
+    })?;
+    let place = format!("{}:{}", options.get_host(), options.get_port());
+    let answered = async {
+        let mut connection = PgConnection::connect_with(&options).await?;
+        let _: i32 = sqlx::query_scalar("SELECT 1")
+            .fetch_one(&mut connection)
+            .await?;
+        connection.close().await
+    };
+    let reason = match tokio::time::timeout(timeout, answered).await {
+        Ok(Ok(())) => return Ok(()),
+        Ok(Err(error)) => error.to_string(),
+        Err(_) => format!("no answer within {} s", timeout.as_secs_f64()),
+    };
+    Err(SchedulerError::Api(ApiError::Unavailable(format!(
+        "cannot reach the PostgreSQL database at {place}: {reason}"
+    ))))
 }
 
 /// Creates a missing SQLite database file readable and writable by its owner alone

@@ -257,4 +257,6 @@ pub struct WorkerRecord {
     pub version: String,
     /// The token that registered it (its id): the only one that may speak for it.
     pub token_id: String,
+    /// Why it was drained; empty when it is not draining or no reason was given.
+    pub drain_reason: String,
 }

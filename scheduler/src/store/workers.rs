@@ -3,8 +3,8 @@
 use super::{Store, WorkerRecord, WorkerState};
 use crate::error::SchedulerError;
 
-const WORKER_COLUMNS: &str =
-    "id, hostname, gpus_json, state, last_heartbeat_ms, registered_at_ms, version, token_id";
+const WORKER_COLUMNS: &str = "id, hostname, gpus_json, state, last_heartbeat_ms, \
+     registered_at_ms, version, token_id, drain_reason";
 
 impl Store {
     /// Inserts a worker, or replaces the stored one with the same id (a worker that
@@ -15,11 +15,11 @@ impl Store {
         worker: &WorkerRecord,
     ) -> Result<WorkerRecord, SchedulerError> {
         let sql = format!(
-            "INSERT INTO workers ({WORKER_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+            "INSERT INTO workers ({WORKER_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
              ON CONFLICT (id) DO UPDATE SET hostname = excluded.hostname, \
              gpus_json = excluded.gpus_json, state = excluded.state, \
              last_heartbeat_ms = excluded.last_heartbeat_ms, version = excluded.version, \
-             token_id = excluded.token_id \
+             token_id = excluded.token_id, drain_reason = excluded.drain_reason \
              RETURNING {WORKER_COLUMNS}"
         );
         Ok(with_pool!(self, pool => {
@@ -32,6 +32,7 @@ impl Store {
                 .bind(worker.registered_at_ms)
                 .bind(&worker.version)
                 .bind(&worker.token_id)
+                .bind(&worker.drain_reason)
                 .fetch_one(pool)
                 .await?
         }))
@@ -66,6 +67,48 @@ impl Store {
         worker.ok_or_else(|| SchedulerError::not_found("worker", id))
     }
 
+    /// Drains a worker with `reason` (empty: none given), or takes the drain back
+    /// (`Ready`, the reason cleared), and returns the worker. `NotFound` when there is no
+    /// such worker.
+    pub async fn set_worker_draining(
+        &self,
+        id: &str,
+        draining: bool,
+        reason: &str,
+    ) -> Result<WorkerRecord, SchedulerError> {
+        let (state, reason) = if draining {
+            (WorkerState::Draining, reason)
+        } else {
+            (WorkerState::Ready, "")
+        };
+        let sql = format!(
+            "UPDATE workers SET state = $2, drain_reason = $3 WHERE id = $1 \
+             RETURNING {WORKER_COLUMNS}"
+        );
+        let worker: Option<WorkerRecord> = with_pool!(self, pool => {
+            sqlx::query_as(&sql)
+                .bind(id)
+                .bind(state.name())
+                .bind(reason)
+                .fetch_optional(pool)
+                .await?
+        });
+        worker.ok_or_else(|| SchedulerError::not_found("worker", id))
+    }
+
+    /// Deletes a worker's record (its attempts keep its id in their history). `NotFound`
+    /// when there is no such worker.
+    pub async fn delete_worker(&self, id: &str) -> Result<(), SchedulerError> {
+        let done = with_pool!(self, pool => {
+            sqlx::query("DELETE FROM workers WHERE id = $1")
+                .bind(id)
+                .execute(pool)
+                .await?
+                .rows_affected()
+        });
+        found_worker(done, id)
+    }
+
     /// Records a heartbeat: sets `last_heartbeat_ms`. `NotFound` when there is no such
     /// worker.
     pub async fn record_heartbeat(&self, id: &str, at_ms: i64) -> Result<(), SchedulerError> {
@@ -77,9 +120,14 @@ impl Store {
                 .await?
                 .rows_affected()
         });
-        if done == 0 {
-            return Err(SchedulerError::not_found("worker", id));
-        }
-        Ok(())
+        found_worker(done, id)
     }
+}
+
+/// `NotFound` for `id` when a statement on it touched no row.
+fn found_worker(rows_affected: u64, id: &str) -> Result<(), SchedulerError> {
+    if rows_affected == 0 {
+        return Err(SchedulerError::not_found("worker", id));
+    }
+    Ok(())
 }
