@@ -12,9 +12,12 @@ use carve_proto::v1;
 use carve_proto::v1::worker_message::Body;
 use carve_worker::attempt_process::AttemptControl;
 use carve_worker::command_attempt::{CommandAttemptLaunch, run_command_attempt};
-use carve_worker::guard_environment::check_guard_library;
 use serde_json::json;
 use tokio::sync::mpsc;
+
+#[path = "support/guard_world.rs"]
+mod guard_world;
+use guard_world::guard_world;
 
 const MIB: u64 = 1 << 20;
 const SLICE_BYTES: u64 = 64 * MIB;
@@ -418,25 +421,6 @@ async fn a_profile_run_that_runs_out_gives_a_lower_bound_and_one_that_fails_fail
     );
     assert!(message.contains("KeyError: labels"), "{message}");
     assert!(finish(&reports).profile_points.is_empty());
-}
-
-/// The guard and the fake driver as this test binary's build wrote them, and a directory
-/// where the fake driver is `libcuda.so.1`.
-fn guard_world(directory: &Path) -> (PathBuf, PathBuf) {
-    let deps = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .expect("target/<profile>/deps")
-        .to_path_buf();
-    let fake = deps.join("libcarve_fake_driver.so");
-    assert!(fake.exists(), "{} is missing", fake.display());
-    let libraries = directory.join("lib");
-    std::fs::create_dir_all(&libraries).unwrap();
-    for name in ["libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1"] {
-        std::os::unix::fs::symlink(&fake, libraries.join(name)).unwrap();
-    }
-    let guard = check_guard_library(&deps.join("libcarve_guard.so")).expect("the guard is built");
-    (guard, libraries)
 }
 
 /// Allocates `sys.argv[2]` x `sys.argv[3]` MiB a step (samples x MiB per sample)
