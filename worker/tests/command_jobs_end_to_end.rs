@@ -7,9 +7,11 @@
 //! step having seen the global batch.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use carve_core::command::validate::{ValidatedSpec, load_spec_toml};
 use carve_proto::v1;
+use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_worker::gpus::SimulatedGpu;
 
 #[path = "support/cluster.rs"]
@@ -20,8 +22,9 @@ mod guard_world;
 #[allow(dead_code, reason = "the chaos test's helpers are not all used here")]
 mod support;
 
-use cluster::Cluster;
+use cluster::{Cluster, WAIT};
 use guard_world::guard_world;
+use support::{authorized, poll_until};
 
 const ADMIN: &str = "carve_command_jobs_admin_secret";
 const GIB: u64 = 1 << 30;
@@ -52,26 +55,32 @@ fn outcome(attempt: &v1::Attempt) -> v1::AttemptOutcome {
     v1::AttemptOutcome::try_from(attempt.outcome).unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_profiled_command_runs_out_under_the_guard_and_one_retry_keeps_the_global_batch() {
-    let directory = tempfile::tempdir().unwrap();
-    let (guard, libraries) = guard_world(directory.path());
-    let url = format!("sqlite://{}", directory.path().join("carve.db").display());
-    let cluster = Cluster::start(
-        directory.path(),
+/// The scheduler and a worker with one simulated GPU of `gpu_bytes`, under `guard`
+/// when given.
+async fn cluster(directory: &Path, gpu_bytes: u64, guard: Option<PathBuf>) -> Cluster {
+    let url = format!("sqlite://{}", directory.join("carve.db").display());
+    Cluster::start(
+        directory,
         url,
         PathBuf::from(env!("CARGO_BIN_EXE_carve-worker")),
         ADMIN,
         |config| {
-            // Larger than the 16 GiB profile slice the scheduler picks when the job is
-            // submitted before the worker registered (the test does not wait for it).
             config.simulated_gpus = vec![SimulatedGpu {
-                total_bytes: 20 * GIB,
+                total_bytes: gpu_bytes,
             }];
-            config.guard_library = Some(guard);
+            config.guard_library = guard;
         },
     )
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profiled_command_runs_out_under_the_guard_and_one_retry_keeps_the_global_batch() {
+    let directory = tempfile::tempdir().unwrap();
+    let (guard, libraries) = guard_world(directory.path());
+    // Larger than the 16 GiB profile slice the scheduler picks when the job is submitted
+    // before the worker registered (the test does not wait for it).
+    let cluster = cluster(directory.path(), 20 * GIB, Some(guard)).await;
     let job = cluster.submit(standin_job(&libraries)).await;
     let job = cluster
         .wait_for_state(&job.id, v1::JobState::Succeeded)
@@ -147,6 +156,77 @@ async fn a_profiled_command_runs_out_under_the_guard_and_one_retry_keeps_the_glo
         lines
             .iter()
             .any(|line| line.message.contains("standin: done at step 6")),
+        "{lines:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_command_is_stopped_and_leaves_no_process_or_record() {
+    let directory = tempfile::tempdir().unwrap();
+    // No guard on simulated GPUs: the program runs as it is.
+    let mut cluster = cluster(directory.path(), 4 * GIB, None).await;
+    let spec = serde_json::json!({
+        "name": "sleeper",
+        "command": {
+            "argv": ["sh", "-c", "echo ready; exec sleep 600"],
+            "global_batch": 1,
+        },
+        "resources": { "vram": "1GiB" },
+    });
+    let job = cluster.submit(spec.to_string()).await;
+    let process = cluster.next_process().await;
+    assert_eq!(process.job_id, job.id);
+    let record = cluster
+        .checkpoints
+        .join("attempt-processes/test-node")
+        .join(format!("{}.attempt-1.json", job.id));
+    poll_until(
+        WAIT,
+        Duration::from_millis(20),
+        "the process is recorded",
+        || record.is_file().then_some(()),
+    )
+    .await;
+    cluster.wait_for_state(&job.id, v1::JobState::Running).await;
+    JobServiceClient::new(cluster.channel.clone())
+        .cancel_job(authorized(
+            v1::CancelJobRequest {
+                job_id: job.id.clone(),
+                reason: "enough".into(),
+            },
+            &cluster.user,
+        ))
+        .await
+        .unwrap();
+    // The job is cancelled at once; its attempt once the worker reports it stopped.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let job = cluster.get(&job.id).await;
+        if job.attempts[0].outcome == v1::AttemptOutcome::Cancelled as i32 {
+            assert_eq!(job.state, v1::JobState::Cancelled as i32);
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{job:#?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let process_entry = PathBuf::from(format!("/proc/{}", process.process_id));
+    poll_until(
+        WAIT,
+        Duration::from_millis(20),
+        "the program is gone",
+        || (!process_entry.exists()).then_some(()),
+    )
+    .await;
+    poll_until(
+        WAIT,
+        Duration::from_millis(20),
+        "its record is removed",
+        || (!record.exists()).then_some(()),
+    )
+    .await;
+    let lines = cluster.attempt_lines(&job.id, 1).await;
+    assert!(
+        lines.iter().any(|line| line.message == "ready"),
         "{lines:#?}"
     );
 }
