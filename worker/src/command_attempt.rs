@@ -133,32 +133,8 @@ pub struct RunRecord {
     /// The guard account's peak (or the program's own figure without the guard; 0 when
     /// neither is known).
     pub peak_bytes: u64,
-    pub progress: ProgressSummary,
-}
-
-/// The progress lines of a run, summed up.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct ProgressSummary {
-    pub step: Option<u64>,
-    pub total_steps: Option<u64>,
-    pub loss: Option<f64>,
-    pub samples_per_second: Option<f64>,
-    pub memory_in_use_bytes: Option<u64>,
-    pub memory_peak_bytes: Option<u64>,
-}
-
-impl ProgressSummary {
-    fn update(&mut self, line: &ProgressLine) {
-        self.step = line.step.or(self.step);
-        self.total_steps = line.total_steps.or(self.total_steps);
-        self.loss = line.loss.or(self.loss);
-        self.samples_per_second = line.samples_per_second.or(self.samples_per_second);
-        self.memory_in_use_bytes = line.memory_in_use_bytes.or(self.memory_in_use_bytes);
-        self.memory_peak_bytes = self
-            .memory_peak_bytes
-            .max(line.memory_peak_bytes)
-            .max(line.memory_in_use_bytes);
-    }
+    /// Every progress line of the run, merged: the latest value of each key.
+    pub progress: ProgressLine,
 }
 
 /// One run's settings.
@@ -276,7 +252,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
         let not_started = |message: String| RunRecord {
             end: RunEnd::NotStarted(message),
             peak_bytes: 0,
-            progress: ProgressSummary::default(),
+            progress: ProgressLine::default(),
         };
         let (command, argv, guard) = match self.prepare(plan) {
             Ok(prepared) => prepared,
@@ -391,7 +367,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
             .take()
             .map(|stream| BoundedLines::new(stream, MOST_LINE_BYTES));
         let mut output = RunOutput {
-            progress: ProgressSummary::default(),
+            progress: ProgressLine::default(),
             stderr_tail: LineTail::new(STDERR_TAIL_LINES),
             progress_since_tick: false,
         };
@@ -472,7 +448,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
         output: &mut RunOutput,
     ) {
         if let Some(progress) = parse_progress_line(&line) {
-            output.progress.update(&progress);
+            output.progress.merge(&progress);
             if plan.report_progress {
                 output.progress_since_tick = true;
                 self.report_progress(&output.progress, guard);
@@ -491,7 +467,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
 
     /// A progress report: the program's last figures, and the guard account's memory
     /// (the program's own figures without the guard).
-    fn report_progress(&self, progress: &ProgressSummary, guard: Option<&AttemptGuard>) {
+    fn report_progress(&self, progress: &ProgressLine, guard: Option<&AttemptGuard>) {
         let usage = guard.and_then(|guard| guard.read_usage().ok().flatten());
         let (in_use, peak) = match (&usage, guard) {
             (Some(usage), _) => (usage.in_use_bytes, usage.peak_bytes),
@@ -560,7 +536,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
 
 /// What a run's output built up while it ran.
 struct RunOutput {
-    progress: ProgressSummary,
+    progress: ProgressLine,
     stderr_tail: LineTail,
     /// A progress line came since the last tick (no account-only report needed).
     progress_since_tick: bool,

@@ -120,6 +120,22 @@ pub struct ProgressLine {
     pub memory_peak_bytes: Option<u64>,
 }
 
+impl ProgressLine {
+    /// Takes what a later line says, key by key (a key it lacks keeps its value); the
+    /// peak is the largest memory figure seen.
+    pub fn merge(&mut self, later: &ProgressLine) {
+        self.step = later.step.or(self.step);
+        self.total_steps = later.total_steps.or(self.total_steps);
+        self.loss = later.loss.or(self.loss);
+        self.samples_per_second = later.samples_per_second.or(self.samples_per_second);
+        self.memory_in_use_bytes = later.memory_in_use_bytes.or(self.memory_in_use_bytes);
+        self.memory_peak_bytes = self
+            .memory_peak_bytes
+            .max(later.memory_peak_bytes)
+            .max(later.memory_in_use_bytes);
+    }
+}
+
 /// Reads a progress line: `CARVE_PROGRESS` (anywhere in the line, so that a logging
 /// prefix such as `INFO:root:` is allowed) followed by space separated `key=value` pairs:
 /// `step`, `total_steps`, `loss`, `samples_per_s`, `memory_in_use_bytes`,
@@ -246,6 +262,28 @@ mod tests {
         );
         assert_eq!(parse_progress_line("step=1 loss=2"), None);
         assert_eq!(parse_progress_line("CARVE_PROGRESSED step=1"), None);
+    }
+
+    #[test]
+    fn merged_progress_keeps_the_latest_of_each_key_and_the_largest_memory() {
+        let mut merged = ProgressLine::default();
+        for line in [
+            "CARVE_PROGRESS step=1 loss=2.0 memory_in_use_bytes=300",
+            "CARVE_PROGRESS step=2 memory_in_use_bytes=100 memory_peak_bytes=200",
+        ] {
+            merged.merge(&parse_progress_line(line).unwrap());
+        }
+        assert_eq!(
+            merged,
+            ProgressLine {
+                step: Some(2),
+                total_steps: None,
+                loss: Some(2.0),
+                samples_per_second: None,
+                memory_in_use_bytes: Some(100),
+                memory_peak_bytes: Some(300),
+            }
+        );
     }
 
     #[test]

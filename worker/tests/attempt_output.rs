@@ -11,24 +11,18 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use carve_proto::v1;
-use carve_proto::v1::job_service_client::JobServiceClient;
-use carve_scheduler::scheduler::SchedulerSettings;
-use carve_scheduler::server::SchedulerConfig;
 use carve_testing::PgServer;
-use carve_worker::gpus::SimulatedGpu;
-use carve_worker::{StartedAttemptProcess, WorkerConfig, run_worker};
-use tokio::sync::{mpsc, oneshot};
-use tonic::transport::Channel;
+
+#[path = "support/cluster.rs"]
+mod cluster;
+use cluster::{Cluster, WAIT};
 
 // The chaos test's helpers are not all used here.
 #[allow(dead_code)]
 mod support;
-use support::{alice_with_tokens, authorized, poll_until, tiny_job_spec};
+use support::{poll_until, tiny_job_spec};
 
 const ADMIN: &str = "carve_attempt_output_admin_secret";
-
-/// How long any one wait may take before the test fails.
-const WAIT: Duration = Duration::from_secs(60);
 
 /// Declares each test once per database: `sqlite::NAME` and `postgres::NAME`.
 macro_rules! on_both_databases {
@@ -74,142 +68,6 @@ async fn postgres_database() -> String {
         .unwrap_or_else(|error| panic!("{error}"))
 }
 
-/// The scheduler on `database_url` and a worker whose attempts run `program`, with the
-/// user's token and the worker's started attempt processes.
-struct Cluster {
-    channel: Channel,
-    user: String,
-    checkpoints: PathBuf,
-    started_processes: mpsc::UnboundedReceiver<StartedAttemptProcess>,
-    _stop_scheduler: oneshot::Sender<()>,
-    _stop_worker: oneshot::Sender<()>,
-}
-
-impl Cluster {
-    async fn start(directory: &Path, database_url: String, program: PathBuf) -> Cluster {
-        let checkpoints = directory.join("checkpoints");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = format!("http://{}", listener.local_addr().unwrap());
-        let (stop_scheduler, stopped) = oneshot::channel::<()>();
-        let settings = SchedulerSettings {
-            lease_duration: Duration::from_secs(30),
-            heartbeat_interval: Duration::from_millis(200),
-            scheduling_interval: Duration::from_millis(50),
-            checkpoint_directory: checkpoints.display().to_string(),
-            infrastructure_retry_backoff: Duration::from_millis(100),
-        };
-        let config = SchedulerConfig {
-            database_url,
-            settings,
-            admin_token: Some(ADMIN.into()),
-            metrics_address: None,
-            tls: None,
-        };
-        tokio::spawn(carve_scheduler::server::run(config, listener, async {
-            let _ = stopped.await;
-        }));
-        let channel = poll_channel(&address).await;
-        let (user, worker_token) = alice_with_tokens(&channel, ADMIN).await;
-        let gpus = vec![SimulatedGpu {
-            total_bytes: 1 << 30,
-        }];
-        let mut config = WorkerConfig::new(address, worker_token, gpus, program);
-        config.hostname = "output-node".into();
-        config.discover_real_gpus = false;
-        config.context_bytes = 64 << 20;
-        config.checkpoint_directory = checkpoints.clone();
-        let (observer, started_processes) = mpsc::unbounded_channel();
-        config.process_observer = Some(observer);
-        let (stop_worker, worker_stopped) = oneshot::channel::<()>();
-        tokio::spawn(run_worker(config, async {
-            let _ = worker_stopped.await;
-        }));
-        Cluster {
-            channel,
-            user,
-            checkpoints,
-            started_processes,
-            _stop_scheduler: stop_scheduler,
-            _stop_worker: stop_worker,
-        }
-    }
-
-    fn jobs(&self) -> JobServiceClient<Channel> {
-        JobServiceClient::new(self.channel.clone())
-    }
-
-    async fn submit(&self, spec: String) -> v1::Job {
-        let request = v1::SubmitJobRequest {
-            spec_json: spec,
-            idempotency_key: String::new(),
-        };
-        let response = self
-            .jobs()
-            .submit_job(authorized(request, &self.user))
-            .await;
-        response.unwrap().into_inner().job.unwrap()
-    }
-
-    async fn get(&self, job_id: &str) -> v1::Job {
-        let request = v1::GetJobRequest {
-            job_id: job_id.into(),
-        };
-        let response = self.jobs().get_job(authorized(request, &self.user)).await;
-        response.unwrap().into_inner().job.unwrap()
-    }
-
-    async fn wait_for_state(&self, job_id: &str, state: v1::JobState) -> v1::Job {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let job = self.get(job_id).await;
-            if job.state == state as i32 {
-                return job;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "job {job_id} never became {state:?}: {job:#?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// The log lines of attempt `attempt_number` of the job, as `carve logs --attempt`.
-    async fn attempt_lines(&self, job_id: &str, attempt_number: u32) -> Vec<v1::JobLogLine> {
-        let request = v1::GetJobLogsRequest {
-            job_id: job_id.into(),
-            attempt_number,
-            ..Default::default()
-        };
-        let response = self
-            .jobs()
-            .get_job_logs(authorized(request, &self.user))
-            .await;
-        response.unwrap().into_inner().lines
-    }
-
-    async fn next_process(&mut self) -> StartedAttemptProcess {
-        tokio::time::timeout(WAIT, self.started_processes.recv())
-            .await
-            .expect("an attempt process starts")
-            .expect("the worker runs")
-    }
-}
-
-/// A channel to `address` once the scheduler there accepts connections.
-async fn poll_channel(address: &str) -> Channel {
-    for _ in 0..250 {
-        if let Ok(channel) = Channel::from_shared(address.to_string())
-            .unwrap()
-            .connect()
-            .await
-        {
-            return channel;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("the scheduler did not come up at {address}")
-}
-
 fn worker_binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_carve-worker"))
 }
@@ -233,7 +91,7 @@ async fn a_finished_attempt_keeps_its_results_and_its_output_is_in_the_logs(
     database_url: String,
 ) {
     let program = program_warning_first(directory);
-    let cluster = Cluster::start(directory, database_url, program).await;
+    let cluster = Cluster::start(directory, database_url, program, ADMIN, |_| {}).await;
     let job = cluster.submit(tiny_job_spec("results", 20, 50, "")).await;
     let finished = cluster
         .wait_for_state(&job.id, v1::JobState::Succeeded)
@@ -276,7 +134,7 @@ async fn a_finished_attempt_keeps_its_results_and_its_output_is_in_the_logs(
 }
 
 async fn a_resumed_attempt_shows_the_step_it_loaded(directory: &Path, database_url: String) {
-    let mut cluster = Cluster::start(directory, database_url, worker_binary()).await;
+    let mut cluster = Cluster::start(directory, database_url, worker_binary(), ADMIN, |_| {}).await;
     let job = cluster.submit(tiny_job_spec("resumed", 400, 25, "")).await;
     let first = cluster.next_process().await;
     let checkpoint = cluster

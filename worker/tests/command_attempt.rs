@@ -15,10 +15,9 @@ use carve_worker::command_attempt::{CommandAttemptLaunch, run_command_attempt};
 use serde_json::json;
 use tokio::sync::mpsc;
 
-// The end-to-end tests' helpers are not all used here.
-#[allow(dead_code)]
-mod support;
-use support::guard_world;
+#[path = "support/guard_world.rs"]
+mod guard_world;
+use guard_world::guard_world;
 
 const MIB: u64 = 1 << 20;
 const SLICE_BYTES: u64 = 64 * MIB;

@@ -1,268 +1,232 @@
-//! A command job end to end (issue 16): the real scheduler in-process, the real worker
-//! in-process with a simulated GPU, the real guard (`libcarve_guard.so`) preloaded into
-//! the program in front of the fake CUDA driver, and the CI stand-in
-//! (`examples/command/standin.toml`) as the user's program. Its memory is unknown, so it is
-//! profiled, admitted in the slice the profile sized, runs out of memory at run time
-//! (memory the two-step profile did not see), and is retried exactly once with gradient
-//! accumulation that keeps the global batch; the stand-in's checkpoint shows that every
-//! optimizer step saw the global batch.
+//! A command job end to end, without a GPU: the real scheduler and the real worker
+//! in-process (one simulated GPU, the guard named as with `--guard-library`), the CI
+//! stand-in program (`examples/command/standin_train.py`, its job file as it is) under
+//! the real guard in front of the fake driver. The story of issue 16: profile -> admitted
+//! by the fitted model -> out of memory at run time (the guard refuses) -> exactly one
+//! retry with gradient accumulation keeping the global batch -> success, every optimizer
+//! step having seen the global batch.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use carve_core::command::validate::{ValidatedSpec, load_spec_toml};
 use carve_proto::v1;
 use carve_proto::v1::job_service_client::JobServiceClient;
-use carve_scheduler::scheduler::SchedulerSettings;
-use carve_scheduler::server::SchedulerConfig;
 use carve_worker::gpus::SimulatedGpu;
-use carve_worker::{WorkerConfig, run_worker};
-use tokio::sync::oneshot;
-use tonic::transport::Channel;
 
-// The other end-to-end tests' helpers are not all used here.
-#[allow(dead_code)]
+#[path = "support/cluster.rs"]
+#[allow(dead_code, reason = "not every helper is used here")]
+mod cluster;
+#[path = "support/guard_world.rs"]
+mod guard_world;
+#[allow(dead_code, reason = "the chaos test's helpers are not all used here")]
 mod support;
-use support::{alice_with_tokens, authorized, guard_world};
+
+use cluster::{Cluster, WAIT};
+use guard_world::guard_world;
+use support::{authorized, poll_until};
 
 const ADMIN: &str = "carve_command_jobs_admin_secret";
+const GIB: u64 = 1 << 30;
 
-/// How long the job may take (a profile of two runs, then two training attempts of a
-/// few steps each, in Python).
-const WAIT: Duration = Duration::from_secs(120);
-
-fn repository_root() -> PathBuf {
+fn examples() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the worker crate is in the repository")
-        .to_path_buf()
+        .join("../examples/command")
+        .canonicalize()
+        .expect("examples/command")
 }
 
-/// The stand-in's job file as `carve submit` sends it: run in its own folder, with the
-/// fake driver as the `libcuda.so.1` its ctypes finds.
-fn standin_spec_json(libraries: &Path) -> String {
-    let folder = repository_root().join("examples/command");
-    let text = std::fs::read_to_string(folder.join("standin.toml")).unwrap();
-    let mut document: toml::Table = toml::from_str(&text).unwrap();
-    let command = document["command"].as_table_mut().unwrap();
-    command.insert(
-        "working_directory".into(),
-        folder.display().to_string().into(),
-    );
-    let mut environment = toml::Table::new();
-    environment.insert(
-        "LD_LIBRARY_PATH".into(),
-        libraries.display().to_string().into(),
-    );
-    command.insert("env".into(), toml::Value::Table(environment));
-    serde_json::to_string(&document).unwrap()
+/// `examples/command/standin.toml` as it is, run in its folder as `carve submit` does,
+/// with the fake driver on its library path.
+fn standin_job(libraries: &Path) -> String {
+    let text = std::fs::read_to_string(examples().join("standin.toml")).unwrap();
+    let ValidatedSpec::Command(job) = load_spec_toml(&text).expect("the example is valid") else {
+        panic!("standin.toml is a command job");
+    };
+    let mut spec = job.spec;
+    spec.command.working_directory = Some(examples().display().to_string());
+    spec.command
+        .env
+        .insert("LD_LIBRARY_PATH".into(), libraries.display().to_string());
+    serde_json::to_string(&spec).unwrap()
+}
+
+fn outcome(attempt: &v1::Attempt) -> v1::AttemptOutcome {
+    v1::AttemptOutcome::try_from(attempt.outcome).unwrap()
+}
+
+/// The scheduler and a worker with one simulated GPU of `gpu_bytes`, under `guard`
+/// when given.
+async fn cluster(directory: &Path, gpu_bytes: u64, guard: Option<PathBuf>) -> Cluster {
+    let url = format!("sqlite://{}", directory.join("carve.db").display());
+    Cluster::start(
+        directory,
+        url,
+        PathBuf::from(env!("CARGO_BIN_EXE_carve-worker")),
+        ADMIN,
+        |config| {
+            config.simulated_gpus = vec![SimulatedGpu {
+                total_bytes: gpu_bytes,
+            }];
+            config.guard_library = guard;
+        },
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_program_is_profiled_runs_out_at_run_time_and_succeeds_after_one_retry() {
+async fn a_profiled_command_runs_out_under_the_guard_and_one_retry_keeps_the_global_batch() {
     let directory = tempfile::tempdir().unwrap();
     let (guard, libraries) = guard_world(directory.path());
-    let checkpoints = directory.path().join("checkpoints");
+    // Larger than the 16 GiB profile slice the scheduler picks when the job is submitted
+    // before the worker registered (the test does not wait for it).
+    let cluster = cluster(directory.path(), 20 * GIB, Some(guard)).await;
+    let job = cluster.submit(standin_job(&libraries)).await;
+    let job = cluster
+        .wait_for_state(&job.id, v1::JobState::Succeeded)
+        .await;
+    let attempts = &job.attempts;
+    let summary: Vec<_> = attempts
+        .iter()
+        .map(|attempt| {
+            (
+                attempt.profile,
+                outcome(attempt),
+                attempt.config.map(|config| config.micro_batch_size),
+                attempt.oom_detected_by.as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(summary.len(), 3, "{job:#?}");
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = format!("http://{}", listener.local_addr().unwrap());
-    let (_stop_scheduler, scheduler_stopped) = oneshot::channel::<()>();
-    let config = SchedulerConfig {
-        database_url: format!("sqlite://{}", directory.path().join("carve.db").display()),
-        settings: SchedulerSettings {
-            lease_duration: Duration::from_secs(30),
-            heartbeat_interval: Duration::from_millis(200),
-            scheduling_interval: Duration::from_millis(50),
-            checkpoint_directory: checkpoints.display().to_string(),
-            infrastructure_retry_backoff: Duration::from_millis(100),
-        },
-        admin_token: Some(ADMIN.into()),
-        metrics_address: None,
-        tls: None,
-    };
-    tokio::spawn(carve_scheduler::server::run(config, listener, async {
-        let _ = scheduler_stopped.await;
-    }));
-    let channel = connect(&address).await;
-    let (user, worker_token) = alice_with_tokens(&channel, ADMIN).await;
-    let gpus = vec![SimulatedGpu {
-        total_bytes: 4 << 30,
-    }];
-    let mut worker = WorkerConfig::new(
-        address,
-        worker_token,
-        gpus,
-        PathBuf::from(env!("CARGO_BIN_EXE_carve-worker")),
-    );
-    worker.hostname = "command-node".into();
-    worker.discover_real_gpus = false;
-    worker.context_bytes = 64 << 20;
-    worker.checkpoint_directory = checkpoints.clone();
-    worker.guard_library = Some(guard);
-    let (_stop_worker, worker_stopped) = oneshot::channel::<()>();
-    tokio::spawn(run_worker(worker, async {
-        let _ = worker_stopped.await;
-    }));
-
-    let mut jobs = JobServiceClient::new(channel.clone());
-    let submitted = jobs
-        .submit_job(authorized(
-            v1::SubmitJobRequest {
-                spec_json: standin_spec_json(&libraries),
-                idempotency_key: String::new(),
-            },
-            &user,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .job
-        .unwrap();
-    let job = wait_until_ended(&mut jobs, &user, &submitted.id).await;
-    assert_eq!(job.state, v1::JobState::Succeeded as i32, "{job:#?}");
-
-    // profile -> admitted -> out of memory at micro-batch 64 -> one retry -> success.
-    let outcomes: Vec<i32> = job.attempts.iter().map(|attempt| attempt.outcome).collect();
-    assert_eq!(
-        outcomes,
-        [
-            v1::AttemptOutcome::Succeeded as i32,
-            v1::AttemptOutcome::OutOfMemory as i32,
-            v1::AttemptOutcome::Succeeded as i32,
-        ],
-        "{job:#?}"
-    );
-    let [profile, ran_out, retry] = &job.attempts[..] else {
-        unreachable!()
-    };
-    assert!(profile.profile);
-    let measured: Vec<u64> = profile
+    // The profile: micro-batches 64 and 32 for 2 steps, peaks 200 + 12 MiB per sample.
+    let profile = &attempts[0];
+    assert!(profile.profile, "{profile:#?}");
+    assert_eq!(outcome(profile), v1::AttemptOutcome::Succeeded);
+    let points: Vec<(u64, u64, bool)> = profile
         .profile_points
         .iter()
-        .map(|point| point.micro_batch)
+        .map(|point| (point.micro_batch, point.peak_bytes >> 20, point.ran_out))
         .collect();
-    assert_eq!(measured, [64, 32]);
-    // 200 MiB fixed + 12 MiB per sample, as the guard counted the stand-in's allocations.
-    assert_eq!(profile.profile_points[0].peak_bytes, (200 + 64 * 12) << 20);
-    let model = job.memory_model.as_ref().unwrap();
-    assert!(model.per_sample_bytes >= 12 << 20, "{model:?}");
+    assert_eq!(points, vec![(64, 968, false), (32, 584, false)]);
 
-    let sized = ran_out.config.as_ref().unwrap();
-    assert_eq!((sized.batch_size, sized.micro_batch_size), (64, 64));
-    assert_eq!(ran_out.slice_bytes, (200 + 64 * 12) << 20);
-    assert_eq!(ran_out.oom_detected_by, "guard");
-    assert!(
-        ran_out.command_argv.contains(&"64".to_string()),
-        "{ran_out:?}"
-    );
-
-    let retried = retry.config.as_ref().unwrap();
-    assert_eq!(retried.batch_size, 64, "the global batch is kept");
-    assert!(retried.micro_batch_size < 64, "{retried:?}");
-    assert!(
-        retry
-            .chosen_because
-            .starts_with("after attempt 2 ran out of memory: micro-batch 64 ->"),
-        "{retry:?}"
-    );
-    assert!(retry.slice_bytes <= ran_out.slice_bytes);
-
-    // The stand-in resumed from its checkpoint, and every optimizer step saw 64 samples.
-    let checkpoint: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(checkpoints.join(&job.id).join("standin.json")).unwrap(),
-    )
-    .unwrap();
-    assert_eq!(checkpoint["step"], 6);
-    let steps = checkpoint["optimizer_steps"].as_array().unwrap();
-    assert_eq!(steps.len(), 6);
-    for (index, step) in steps.iter().enumerate() {
-        assert_eq!(step["step"], index as u64 + 1);
-        assert_eq!(step["samples"], 64, "{step}");
-    }
-    let micro_batches: Vec<u64> = steps
-        .iter()
-        .map(|step| step["micro_batch"].as_u64().unwrap())
-        .collect();
+    // Admitted at micro-batch 64, it runs out at step 3, which the profile could not see.
+    let ran_out = &attempts[1];
+    assert!(!ran_out.profile);
     assert_eq!(
-        &micro_batches[..2],
-        [64, 64],
-        "the first attempt did two steps"
+        outcome(ran_out),
+        v1::AttemptOutcome::OutOfMemory,
+        "{ran_out:#?}"
     );
+    assert_eq!(ran_out.config.unwrap().micro_batch_size, 64);
+    assert_eq!(ran_out.oom_detected_by, "guard");
+    assert_eq!(ran_out.oom.unwrap().requested_bytes, 256 << 20);
     assert!(
-        micro_batches[2..]
-            .iter()
-            .all(|micro| *micro == retried.micro_batch_size),
-        "{micro_batches:?}"
+        ran_out.command_argv.iter().any(|argument| argument == "64"),
+        "{:?}",
+        ran_out.command_argv
     );
 
-    // The program's own output is in the job's logs, under its attempt.
-    let lines = jobs
-        .get_job_logs(authorized(
-            v1::GetJobLogsRequest {
-                job_id: job.id.clone(),
-                attempt_number: 3,
-                ..Default::default()
-            },
-            &user,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .lines;
+    // One retry, with accumulation: the same global batch in smaller micro-batches.
+    let retry = &attempts[2];
+    assert_eq!(outcome(retry), v1::AttemptOutcome::Succeeded, "{retry:#?}");
+    let config = retry.config.unwrap();
+    assert_eq!(config.batch_size, 64);
+    assert!(config.micro_batch_size < 64, "{config:?}");
+    assert!(retry.measured_peak_bytes.unwrap_or(0) > 0, "{retry:#?}");
+    assert!(retry.measured_peak_bytes.unwrap() <= retry.slice_bytes);
+    assert_eq!(retry.steps_done, Some(6));
+
+    // The stand-in's own record: it resumed, and every optimizer step saw 64 samples.
+    let checkpoint = cluster.checkpoints.join(&job.id).join("standin.json");
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&checkpoint).unwrap()).unwrap();
+    assert_eq!(record["step"], 6, "{record:#}");
+    let steps = record["optimizer_steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 6, "{record:#}");
+    for (index, step) in steps.iter().enumerate() {
+        assert_eq!(step["step"], index as u64 + 1, "{record:#}");
+        assert_eq!(step["samples"], 64, "{record:#}");
+    }
+    assert!(record["runs"].as_array().unwrap().len() >= 2, "{record:#}");
+
+    // The program's own output is in the job's logs.
+    let lines = cluster.attempt_lines(&job.id, 3).await;
     assert!(
         lines
             .iter()
-            .any(|line| line.message.contains("resumed from step 2")),
+            .any(|line| line.message.contains("standin: done at step 6")),
         "{lines:#?}"
     );
 }
 
-async fn wait_until_ended(
-    jobs: &mut JobServiceClient<Channel>,
-    user: &str,
-    job_id: &str,
-) -> v1::Job {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_command_is_stopped_and_leaves_no_process_or_record() {
+    let directory = tempfile::tempdir().unwrap();
+    // No guard on simulated GPUs: the program runs as it is.
+    let mut cluster = cluster(directory.path(), 4 * GIB, None).await;
+    let spec = serde_json::json!({
+        "name": "sleeper",
+        "command": {
+            "argv": ["sh", "-c", "echo ready; exec sleep 600"],
+            "global_batch": 1,
+        },
+        "resources": { "vram": "1GiB" },
+    });
+    let job = cluster.submit(spec.to_string()).await;
+    let process = cluster.next_process().await;
+    assert_eq!(process.job_id, job.id);
+    let record = cluster
+        .checkpoints
+        .join("attempt-processes/test-node")
+        .join(format!("{}.attempt-1.json", job.id));
+    poll_until(
+        WAIT,
+        Duration::from_millis(20),
+        "the process is recorded",
+        || record.is_file().then_some(()),
+    )
+    .await;
+    cluster.wait_for_state(&job.id, v1::JobState::Running).await;
+    JobServiceClient::new(cluster.channel.clone())
+        .cancel_job(authorized(
+            v1::CancelJobRequest {
+                job_id: job.id.clone(),
+                reason: "enough".into(),
+            },
+            &cluster.user,
+        ))
+        .await
+        .unwrap();
+    // The job is cancelled at once; its attempt once the worker reports it stopped.
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let job = jobs
-            .get_job(authorized(
-                v1::GetJobRequest {
-                    job_id: job_id.into(),
-                },
-                user,
-            ))
-            .await
-            .unwrap()
-            .into_inner()
-            .job
-            .unwrap();
-        let ended = [
-            v1::JobState::Succeeded,
-            v1::JobState::Failed,
-            v1::JobState::Cancelled,
-        ]
-        .iter()
-        .any(|state| job.state == *state as i32);
-        if ended {
-            return job;
+        let job = cluster.get(&job.id).await;
+        if job.attempts[0].outcome == v1::AttemptOutcome::Cancelled as i32 {
+            assert_eq!(job.state, v1::JobState::Cancelled as i32);
+            break;
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "job {job_id} did not end within {WAIT:?}: {job:#?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-async fn connect(address: &str) -> Channel {
-    for _ in 0..250 {
-        if let Ok(channel) = Channel::from_shared(address.to_string())
-            .unwrap()
-            .connect()
-            .await
-        {
-            return channel;
-        }
+        assert!(tokio::time::Instant::now() < deadline, "{job:#?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    panic!("the scheduler did not come up at {address}")
+    let process_entry = PathBuf::from(format!("/proc/{}", process.process_id));
+    poll_until(
+        WAIT,
+        Duration::from_millis(20),
+        "the program is gone",
+        || (!process_entry.exists()).then_some(()),
+    )
+    .await;
+    poll_until(
+        WAIT,
+        Duration::from_millis(20),
+        "its record is removed",
+        || (!record.exists()).then_some(()),
+    )
+    .await;
+    let lines = cluster.attempt_lines(&job.id, 1).await;
+    assert!(
+        lines.iter().any(|line| line.message == "ready"),
+        "{lines:#?}"
+    );
 }

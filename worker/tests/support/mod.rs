@@ -2,7 +2,7 @@
 //! request with its bearer token, the `carve-worker` command line of a worker process,
 //! and the command lines of the processes running now (how both find attempt processes).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use tonic::Request;
@@ -120,27 +120,4 @@ pub async fn poll_until<T>(
         assert!(tokio::time::Instant::now() < deadline, "{what}");
         tokio::time::sleep(interval).await;
     }
-}
-
-/// The guard and the fake driver as this test binary's build wrote them, and a directory
-/// where the fake driver is `libcuda.so.1`.
-// Only the command-job tests run programs under the guard.
-#[allow(dead_code)]
-pub fn guard_world(directory: &Path) -> (PathBuf, PathBuf) {
-    let deps = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .expect("target/<profile>/deps")
-        .to_path_buf();
-    let fake = deps.join("libcarve_fake_driver.so");
-    assert!(fake.exists(), "{} is missing", fake.display());
-    let libraries = directory.join("lib");
-    std::fs::create_dir_all(&libraries).unwrap();
-    for name in ["libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1"] {
-        std::os::unix::fs::symlink(&fake, libraries.join(name)).unwrap();
-    }
-    let guard =
-        carve_worker::guard_environment::check_guard_library(&deps.join("libcarve_guard.so"))
-            .expect("the guard is built");
-    (guard, libraries)
 }
