@@ -131,7 +131,7 @@ def parse_arguments(argv):
     parser.add_argument("--width", type=int, default=64, help="channels of the first stage")
     parser.add_argument("--blocks-per-stage", type=int, default=2)
     parser.add_argument("--norm", choices=["group", "batch"], default="group")
-    parser.add_argument("--learning-rate", type=float, default=0.05)
+    parser.add_argument("--learning-rate", type=float, default=0.01)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     arguments = parser.parse_args(argv)
     global_batch = arguments.batch_size * arguments.accumulation_steps
