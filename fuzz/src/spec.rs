@@ -3,14 +3,22 @@
 //! half of that; and the path a submit takes (TOML read by `carve`, sent as JSON, read
 //! back by the scheduler), which must give back the same spec and the same estimate.
 
+use carve_core::command::memory_model::CommandMemoryModel;
+use carve_core::command::render::render_command;
+use carve_core::command::shrink::plan_command_shrink;
+use carve_core::command::validate::{
+    ValidatedCommandJob, ValidatedSpec, load_spec_toml, parse_spec_json,
+};
 use carve_core::estimator::{estimate_job, try_plan_in_slice};
 use carve_core::plan::{RunConfig, compile_step_plan};
 use carve_core::shrink::plan_shrink;
 use carve_core::validate::{ValidatedJob, load_job_spec_toml};
 use carve_proto::ApiError;
-use carve_proto::convert::{job_spec_to_json, validated_job_from_json};
+use carve_proto::convert::{
+    is_command_spec_json, job_spec_to_json, validated_job_from_json, validated_spec_from_json,
+};
 
-use carve_core::spec::JobSpec;
+use carve_core::spec::{JobSpec, ShrinkStrategy};
 use serde_json::Value;
 
 use crate::{MAX_INPUT_BYTES, floats_close};
@@ -41,6 +49,16 @@ pub const SPEC_DICTIONARY: &[&[u8]] = &[
     b"workspace_limit",
     b"oom",
     b"strategies",
+    b"command",
+    b"argv",
+    b"global_batch",
+    b"micro_batch",
+    b"precisions",
+    b"\"{micro_batch}\"",
+    b"\"{max_steps}\"",
+    b"\"{precision}\"",
+    b"{",
+    b"}",
     b"0",
     b"-1",
     b"4294967296",
@@ -59,9 +77,24 @@ pub const SPEC_DICTIONARY: &[&[u8]] = &[
     b"\"",
 ];
 
-/// A job file as `carve` reads it.
+/// A job file as `carve` reads it: a command job (a `[command]` table) through its own
+/// checks, every other through the model job's.
 pub fn fuzz_spec_toml(data: &[u8]) {
     let Some(text) = text_of(data) else { return };
+    if let Ok(document) = toml::from_str::<toml::Table>(text)
+        && document.contains_key("command")
+    {
+        match load_spec_toml(text) {
+            Ok(ValidatedSpec::Command(job)) => check_valid_command_job(&job),
+            Ok(ValidatedSpec::Model(_)) => panic!("a spec with [command] was read as a model job"),
+            Err(error) => assert!(
+                !error.reason.trim().is_empty(),
+                "a rejection without a reason (field {:?})",
+                error.field
+            ),
+        }
+        return;
+    }
     match load_job_spec_toml(text) {
         Ok(job) => {
             check_valid_job(&job);
@@ -86,9 +119,28 @@ pub fn fuzz_spec_toml(data: &[u8]) {
     }
 }
 
-/// The API's `spec_json`, as SubmitJob and EstimateJob read it.
+/// The API's `spec_json`, as SubmitJob and EstimateJob read it (and, for a command job,
+/// as SubmitJob reads either kind).
 pub fn fuzz_spec_json(data: &[u8]) {
     let Some(text) = text_of(data) else { return };
+    if is_command_spec_json(text) {
+        match validated_spec_from_json(text) {
+            Ok(ValidatedSpec::Command(job)) => check_valid_command_job(&job),
+            Ok(ValidatedSpec::Model(_)) => panic!("a spec with command was read as a model job"),
+            Err(ApiError::InvalidArgument { field, reason }) => {
+                assert!(
+                    field.starts_with("spec"),
+                    "a spec rejection names {field:?}"
+                );
+                assert!(
+                    !reason.trim().is_empty(),
+                    "a rejection without a reason ({field:?})"
+                );
+            }
+            Err(other) => panic!("bad spec_json is not an invalid argument: {other:?}"),
+        }
+        return;
+    }
     match validated_job_from_json(text) {
         Ok(job) => {
             check_valid_job(&job);
@@ -143,6 +195,55 @@ fn check_valid_job(job: &ValidatedJob) {
             decision.budget_bytes,
             decision.config
         );
+    }
+}
+
+/// The checks every valid command job must pass: it reads back the same from its JSON,
+/// its first configuration renders, and the command shrink planner's answer for half of
+/// what a plausible model says it needs really fits by that model, keeps the global
+/// batch unless the job allows shrink_batch, and renders too.
+fn check_valid_command_job(job: &ValidatedCommandJob) {
+    let json = serde_json::to_string(&job.spec)
+        .unwrap_or_else(|error| panic!("a valid command job does not write as JSON: {error}"));
+    match parse_spec_json(&json) {
+        Ok(ValidatedSpec::Command(again)) => {
+            assert_eq!(again.spec, job.spec, "on its way through JSON")
+        }
+        other => {
+            panic!("a valid command job is refused once sent as JSON: {other:?}\nJSON: {json}")
+        }
+    }
+    let config = job.initial_config();
+    let rendered = render_command(job, &config, "/checkpoints/job", None)
+        .unwrap_or_else(|error| panic!("the first configuration does not render: {error}"));
+    assert!(!rendered.argv.is_empty(), "rendered to no program");
+    let _ = rendered.display_line();
+    let model = CommandMemoryModel {
+        fixed_bytes: 1 << 30,
+        per_sample_bytes: 16 << 20,
+        precision: config.precision,
+        recompute: false,
+    };
+    let half = model.need_bytes(&config) / 2;
+    if let Ok(decision) = plan_command_shrink(job, &model, &config, None, half) {
+        assert!(
+            model.need_bytes(&decision.config) <= decision.budget_bytes,
+            "the command shrink planner chose {:?}, which its model says needs more than {}",
+            decision.config,
+            decision.budget_bytes
+        );
+        let allows_smaller_batch = job
+            .spec
+            .oom
+            .strategies
+            .contains(&ShrinkStrategy::ShrinkBatch);
+        assert!(
+            allows_smaller_batch || decision.config.batch_size == config.batch_size,
+            "the global batch changed without shrink_batch: {:?}",
+            decision.config
+        );
+        render_command(job, &decision.config, "/checkpoints/job", None)
+            .unwrap_or_else(|error| panic!("the planner's configuration does not render: {error}"));
     }
 }
 

@@ -180,8 +180,9 @@ fn generated_seeds_are_checked_in() {
     for (name, bytes) in carve_fuzz::requests::seed_inputs() {
         expected.push(("request", format!("{name}.bin"), bytes));
     }
-    let mut example_files: Vec<_> = std::fs::read_dir(&examples)
-        .expect("read examples/")
+    let mut example_files: Vec<_> = [examples.clone(), examples.join("command")]
+        .iter()
+        .flat_map(|folder| std::fs::read_dir(folder).expect("read an examples folder"))
         .map(|entry| entry.expect("an examples entry").path())
         .filter(|path| {
             path.extension()
@@ -192,8 +193,15 @@ fn generated_seeds_are_checked_in() {
     for path in example_files {
         let text = std::fs::read_to_string(&path).expect("read an example");
         let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
-        let job = carve_core::validate::load_job_spec_toml(&text).expect("a valid example");
-        let json = carve_proto::convert::job_spec_to_json(&job.spec).expect("as JSON");
+        let json =
+            match carve_core::command::validate::load_spec_toml(&text).expect("a valid example") {
+                carve_core::command::validate::ValidatedSpec::Model(job) => {
+                    carve_proto::convert::job_spec_to_json(&job.spec).expect("as JSON")
+                }
+                carve_core::command::validate::ValidatedSpec::Command(job) => {
+                    serde_json::to_string(&job.spec).expect("as JSON")
+                }
+            };
         expected.push(("spec_toml", format!("{stem}.toml"), text.into_bytes()));
         expected.push(("spec_json", format!("{stem}.json"), json.into_bytes()));
     }
