@@ -183,6 +183,12 @@ fn describe_next_operation(plan: &StepPlan, phase_index: usize, rest: &[PlanStep
         OperationKind::LossForward => "loss forward".to_string(),
         OperationKind::LossBackward => "loss backward".to_string(),
         OperationKind::LayerBackward { layer } => format!("backward {}", plan.layer_labels[layer]),
+        OperationKind::AccumulateGradient { layer } => {
+            format!("gradient sum {}", plan.layer_labels[layer])
+        }
+        OperationKind::CopyGradient { layer } => {
+            format!("gradient copy {}", plan.layer_labels[layer])
+        }
         OperationKind::CheckOverflow => "loss-scale overflow check".to_string(),
         OperationKind::LayerInference { layer } => {
             format!("evaluation {}", plan.layer_labels[layer])

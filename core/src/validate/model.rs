@@ -8,12 +8,17 @@ use super::{
 };
 use crate::error::FieldError;
 use crate::model::{
-    ActivationKind, FeatureShape, LayerNode, LayerOp, ModelGraph, ParameterTensor, WindowGeometry,
+    ActivationKind, FeatureShape, LayerNode, LayerOp, ModelGraph, ParameterTensor, TensorSource,
+    WindowGeometry,
 };
 use crate::spec::{
     BatchNormSpec, Conv2dSpec, DenseSpec, Dimensions, JobSpec, LayerSpec, LossKind, Padding,
     PaddingMode, PoolSpec,
 };
+
+mod graph;
+
+use graph::{check_every_output_is_read, merged_shape, resolve_layer_inputs};
 
 pub(super) fn infer_model_graph(spec: &JobSpec) -> Result<ModelGraph, FieldError> {
     let model = &spec.model;
@@ -58,13 +63,26 @@ pub(super) fn infer_model_graph(spec: &JobSpec) -> Result<ModelGraph, FieldError
             ),
         ));
     }
-    let mut layers = Vec::with_capacity(model.layers.len());
-    let mut current = input_shape;
-    for (index, layer) in model.layers.iter().enumerate() {
-        let node = infer_layer(index, layer, current)?;
-        current = node.output_shape;
+    let sources = resolve_layer_inputs(&model.layers)?;
+    let mut layers: Vec<LayerNode> = Vec::with_capacity(model.layers.len());
+    for ((index, entry), inputs) in model.layers.iter().enumerate().zip(sources) {
+        let shapes: Vec<FeatureShape> = inputs
+            .iter()
+            .map(|source| match source {
+                TensorSource::ModelInput => input_shape,
+                TensorSource::Layer(producer) => layers[*producer].output_shape,
+            })
+            .collect();
+        let mut node = infer_layer(index, &entry.layer, &shapes, &inputs, &layers)?;
+        node.name = entry.name.clone();
+        node.inputs = inputs;
         layers.push(node);
     }
+    check_every_output_is_read(&layers)?;
+    let current = layers
+        .last()
+        .map(|layer| layer.output_shape)
+        .unwrap_or(input_shape);
     match (model.loss, current) {
         (LossKind::SoftmaxCrossEntropy, FeatureShape::Flat { features }) if features >= 2 => {}
         (LossKind::SoftmaxCrossEntropy, FeatureShape::Flat { features }) => {
@@ -248,10 +266,23 @@ fn same_padding_total(input: u64, kernel: u64, stride: u64) -> Option<u64> {
 fn infer_layer(
     index: usize,
     layer: &LayerSpec,
-    input: FeatureShape,
+    input_shapes: &[FeatureShape],
+    sources: &[TensorSource],
+    earlier: &[LayerNode],
 ) -> Result<LayerNode, FieldError> {
     let path = format!("model.layers[{index}].{}", layer.kind_name());
+    let input = input_shapes[0];
     let (op, output_shape, parameters) = match layer {
+        LayerSpec::Add(_) | LayerSpec::Concat(_) => {
+            let is_add = matches!(layer, LayerSpec::Add(_));
+            let output = merged_shape(&path, is_add, input_shapes, sources, earlier)?;
+            let op = if is_add {
+                LayerOp::Add
+            } else {
+                LayerOp::Concat
+            };
+            (op, output, Vec::new())
+        }
         LayerSpec::Conv2d(conv) => infer_conv2d(&path, conv, input)?,
         LayerSpec::MaxPool(pool) => {
             infer_pool(&path, pool, input, |window| LayerOp::MaxPool { window })?
@@ -293,6 +324,8 @@ fn infer_layer(
         index,
         kind_name: layer.kind_name(),
         op,
+        name: None,
+        inputs: Vec::new(),
         input_shape: input,
         output_shape,
         parameters,

@@ -69,6 +69,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "pool_backward_direct",
     "global_avg_pool_forward",
     "global_avg_pool_backward",
+    "add_elements",
+    "concat_rows",
 ];
 
 /// The CUDA C source of every kernel.
@@ -115,6 +117,16 @@ extern "C" __global__ void convert_elements(const void* src, int src_t, void* ds
     GRID_STRIDE(i, n) { store_element(dst, dst_t, i, load_element(src, src_t, i)); }
 }
 
+extern "C" __global__ void add_elements(const void* a, const void* b, void* dst, int t, i64 n) {
+    GRID_STRIDE(i, n) { store_element(dst, t, i, load_element(a, t, i) + load_element(b, t, i)); }
+}
+extern "C" __global__ void concat_rows(const void* src, void* dst, int t, i64 rows, i64 width, i64 total, i64 offset, int split) {
+    GRID_STRIDE(i, rows * width) {
+        i64 joined = (i / width) * total + offset + i % width;
+        if (split) store_element(dst, t, i, load_element(src, t, joined));
+        else store_element(dst, t, joined, load_element(src, t, i));
+    }
+}
 extern "C" __global__ void add_into_f32(float* dst, const void* src, int src_t, i64 n) {
     GRID_STRIDE(i, n) { dst[i] = dst[i] + load_element(src, src_t, i); }
 }

@@ -49,6 +49,7 @@ mod dropout;
 mod error;
 mod kernels;
 mod loss;
+mod merge;
 mod optimizer;
 mod pool;
 mod slice;

@@ -17,6 +17,7 @@ pub mod dense;
 pub mod dropout;
 pub mod gemm;
 pub mod loss;
+pub mod merge;
 pub mod optimizer;
 pub mod pool;
 

@@ -1,0 +1,272 @@
+//! Graph models: layers that name their inputs, `add` and `concat`, and what the step plan
+//! makes of them — a tensor read by two layers lives until the later one, its gradient is
+//! the sum of both readers' (summed in place), recomputation segments start only where
+//! one tensor carries everything after, and a sequential list means what it always did.
+
+use carve_core::estimator::estimate_job;
+use carve_core::model::TensorSource;
+use carve_core::plan::{BufferId, OperationKind, PlanStep, RunConfig, StepPlan, compile_step_plan};
+use carve_core::validate::{ValidatedJob, load_job_spec_toml, parse_job_spec_json};
+
+const SMALL_RESNET: &str = include_str!("../../engine/tests/specs/small-resnet.toml");
+
+fn job(text: &str) -> ValidatedJob {
+    load_job_spec_toml(text).unwrap_or_else(|error| panic!("{error}\n{text}"))
+}
+
+/// A spec around `layers` on an 8x8x2 input.
+fn spec_with_layers(layers: &[&str]) -> String {
+    format!(
+        "name = \"graph\"\n[model]\ninput_shape = [8, 8, 2]\nloss = \"mse\"\nlayers = [\n{}\n]\n[training]\nbatch_size = 4\nsteps = 1\noptimizer = {{ sgd = {{ learning_rate = 0.1 }} }}\n[data]\nformat = \"synthetic\"\nsamples = 8\n",
+        layers.join(",\n")
+    )
+}
+
+fn rejected(layers: &[&str]) -> carve_core::FieldError {
+    let text = spec_with_layers(layers);
+    match load_job_spec_toml(&text) {
+        Ok(_) => panic!("accepted:\n{text}"),
+        Err(error) => error,
+    }
+}
+
+fn plan(job: &ValidatedJob, config: &RunConfig) -> StepPlan {
+    compile_step_plan(job, config).unwrap()
+}
+
+fn operations(steps: &[PlanStep]) -> Vec<&carve_core::plan::Operation> {
+    steps
+        .iter()
+        .filter_map(|step| match step {
+            PlanStep::Run(operation) => Some(operation),
+            _ => None,
+        })
+        .collect()
+}
+
+fn position_of_free(steps: &[PlanStep], id: BufferId) -> usize {
+    steps
+        .iter()
+        .position(|step| *step == PlanStep::Free(id))
+        .unwrap()
+}
+
+#[test]
+fn a_residual_graph_infers_its_shapes_and_reads() {
+    let job = job(SMALL_RESNET);
+    let graph = &job.graph;
+    let add = &graph.layers[6];
+    assert_eq!(
+        add.inputs,
+        vec![TensorSource::Layer(5), TensorSource::Layer(2)]
+    );
+    assert_eq!(graph.layers[10].inputs, vec![TensorSource::Layer(7)]);
+    let concat = &graph.layers[14];
+    assert_eq!(concat.output_shape.to_string(), "4x4x15");
+    assert_eq!(graph.layers[0].inputs, vec![TensorSource::ModelInput]);
+    assert!(!graph.is_sequential());
+    // Cuts: between the stem's layers, after each add, before the head; never inside a
+    // block, whose shortcut reads across it.
+    assert_eq!(graph.cut_points(), vec![0, 1, 2, 3, 7, 8, 12, 15, 16]);
+    assert_eq!(graph.layers[6].named_label(), "layers[6].add");
+    assert_eq!(
+        graph.layers[11].named_label(),
+        "layers[11].add \"block2_out\""
+    );
+}
+
+#[test]
+fn graph_errors_name_the_layer_and_the_reason() {
+    let conv = "{ conv2d = { filters = 2, kernel = 3, padding = \"same\" }";
+    let unknown = rejected(&[
+        &format!("{conv}, name = \"a\" }}"),
+        "{ add = {}, inputs = [\"a\", \"b\"] }",
+    ]);
+    assert_eq!(unknown.field, "model.layers[1].inputs");
+    assert!(unknown.reason.contains("`b` is not the name"), "{unknown}");
+
+    let cycle = rejected(&[
+        &format!("{conv}, name = \"a\", inputs = [\"b\"] }}"),
+        &format!("{conv}, name = \"b\", inputs = [\"a\"] }}"),
+    ]);
+    assert_eq!(cycle.field, "model.layers[0].inputs");
+    assert!(cycle.reason.contains("cycle"), "{cycle}");
+    assert!(
+        cycle
+            .reason
+            .contains("`a` (layers[0]) -> `b` (layers[1]) -> `a`"),
+        "{cycle}"
+    );
+
+    let later = rejected(&[
+        &format!("{conv}, name = \"a\", inputs = [\"b\"] }}"),
+        &format!("{conv}, name = \"b\", inputs = [\"input\"] }}"),
+        "{ add = {}, inputs = [\"a\", \"b\"] }",
+    ]);
+    assert!(later.reason.contains("comes later"), "{later}");
+
+    let duplicate = rejected(&[
+        &format!("{conv}, name = \"a\" }}"),
+        &format!("{conv}, name = \"a\" }}"),
+    ]);
+    assert_eq!(duplicate.field, "model.layers[1].name");
+    assert!(duplicate.reason.contains("already the name of layers[0]"));
+
+    let mismatch = rejected(&[
+        "{ conv2d = { filters = 3, kernel = 3, padding = \"same\" }, name = \"a\" }",
+        "{ add = {}, inputs = [\"a\", \"input\"] }",
+    ]);
+    assert_eq!(mismatch.field, "model.layers[1].add");
+    assert!(
+        mismatch.reason.contains("8x8x3") && mismatch.reason.contains("8x8x2"),
+        "{mismatch}"
+    );
+
+    let concat = rejected(&[
+        "{ conv2d = { filters = 3, kernel = 3, stride = 2 }, name = \"a\" }",
+        "{ concat = {}, inputs = [\"a\", \"input\"] }",
+    ]);
+    assert!(concat.reason.contains("same height and width"), "{concat}");
+
+    let unread = rejected(&[
+        &format!("{conv}, name = \"a\" }}"),
+        "{ relu = {}, inputs = [\"input\"] }",
+    ]);
+    assert_eq!(unread.field, "model.layers[0]");
+    assert!(unread.reason.contains("never read"), "{unread}");
+
+    let lonely = rejected(&["{ add = {} }"]);
+    assert!(lonely.reason.contains("at least two inputs"), "{lonely}");
+    let two = rejected(&["{ relu = {}, inputs = [\"input\", \"input\"] }"]);
+    assert!(two.reason.contains("reads one input"), "{two}");
+    let reserved = rejected(&["{ relu = {}, name = \"input\" }"]);
+    assert_eq!(reserved.field, "model.layers[0].name");
+}
+
+#[test]
+fn naming_the_previous_layer_changes_nothing() {
+    let implicit = spec_with_layers(&[
+        "{ conv2d = { filters = 2, kernel = 3 } }",
+        "{ relu = {} }",
+        "{ flatten = {} }",
+        "{ dense = { units = 3 } }",
+    ]);
+    let explicit = spec_with_layers(&[
+        "{ conv2d = { filters = 2, kernel = 3 }, inputs = [\"input\"], name = \"c\" }",
+        "{ relu = {}, inputs = [\"c\"], name = \"r\" }",
+        "{ flatten = {}, inputs = [\"r\"], name = \"f\" }",
+        "{ dense = { units = 3 }, inputs = [\"f\"] }",
+    ]);
+    let implicit = job(&implicit);
+    let explicit = job(&explicit);
+    assert!(implicit.graph.is_sequential() && explicit.graph.is_sequential());
+    for recompute in [None, Some(2)] {
+        let mut config = RunConfig::from_spec(&implicit.spec);
+        config.recompute_segment_layers = recompute;
+        let a = plan(&implicit, &config);
+        let b = plan(&explicit, &config);
+        assert_eq!(a.buffers, b.buffers);
+        assert_eq!(a.micro_batch, b.micro_batch);
+        assert_eq!(a.evaluation, b.evaluation);
+    }
+}
+
+#[test]
+fn a_sequential_spec_serializes_as_before_and_names_round_trip() {
+    let spec = job(SMALL_RESNET).spec;
+    let json = serde_json::to_string(&spec.model.layers[1]).unwrap();
+    assert_eq!(json, r#"{"batch_norm":{"momentum":0.99,"epsilon":0.001}}"#);
+    let json = serde_json::to_string(&spec.model.layers[6]).unwrap();
+    assert_eq!(json, r#"{"add":{},"inputs":["block1_conv2","stem_out"]}"#);
+    let whole = serde_json::to_string(&spec).unwrap();
+    assert_eq!(parse_job_spec_json(&whole).unwrap(), spec);
+    let two_kinds = spec_with_layers(&["{ relu = {}, tanh = {} }"]);
+    let error = load_job_spec_toml(&two_kinds).unwrap_err();
+    assert_eq!(error.field, "model.layers[0]");
+    assert!(error.reason.contains("two layer kinds"), "{error}");
+}
+
+#[test]
+fn a_tensor_read_by_two_layers_lives_until_the_later_and_its_gradient_is_summed() {
+    let job = job(SMALL_RESNET);
+    let config = RunConfig::from_spec(&job.spec);
+    let plan = plan(&job, &config);
+    let steps = &plan.micro_batch;
+    let ops = operations(steps);
+    // The stem output (layer 2) is read by layer 3 and by the add (layer 6): freed after
+    // the add's forward, not after layer 3's.
+    let forward_of = |layer: usize| {
+        ops.iter()
+            .find(|operation| operation.kind == OperationKind::LayerForward { layer })
+            .unwrap()
+    };
+    let stem_out = forward_of(2).writes[0];
+    assert!(forward_of(6).reads.contains(&stem_out));
+    let add_position = steps
+        .iter()
+        .position(|step| matches!(step, PlanStep::Run(op) if op.kind == OperationKind::LayerForward { layer: 6 }))
+        .unwrap();
+    assert!(position_of_free(steps, stem_out) > add_position);
+    // Gradients of the stem output and of block 1's output come from two readers each:
+    // one summed in place into the other.
+    let sums: Vec<_> = ops
+        .iter()
+        .filter(|operation| matches!(operation.kind, OperationKind::AccumulateGradient { .. }))
+        .collect();
+    assert!(sums.len() >= 2, "{sums:?}");
+    for sum in &sums {
+        assert_eq!(sum.reads.len(), 1);
+        assert_eq!(sum.writes.len(), 1);
+        assert_ne!(sum.reads[0], sum.writes[0]);
+    }
+    // Every backward runs once, and the estimate replays this plan.
+    let backwards = ops
+        .iter()
+        .filter(|operation| matches!(operation.kind, OperationKind::LayerBackward { .. }))
+        .count();
+    // All but the flatten and the adds (pure gradient routing).
+    assert_eq!(backwards, 17 - 3);
+    let estimate = estimate_job(&job, &config).unwrap();
+    assert!(estimate.peak_bytes > estimate.persistent_bytes);
+}
+
+#[test]
+fn recomputation_segments_start_only_at_cut_points() {
+    let job = job(SMALL_RESNET);
+    let mut config = RunConfig::from_spec(&job.spec);
+    let plain = estimate_job(&job, &config).unwrap();
+    for segment in 1..=17 {
+        config.recompute_segment_layers = Some(segment);
+        let plan = plan(&job, &config);
+        let cuts = job.graph.cut_points();
+        // Layers recomputed together run from a cut point; each layer's recompute
+        // happens at most once.
+        let recomputed: Vec<usize> = operations(&plan.micro_batch)
+            .iter()
+            .filter_map(|operation| match operation.kind {
+                OperationKind::LayerRecompute { layer } => Some(layer),
+                _ => None,
+            })
+            .collect();
+        let mut sorted = recomputed.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), recomputed.len(), "segment {segment}");
+        for (position, layer) in recomputed.iter().enumerate() {
+            if position == 0 || recomputed[position - 1] + 1 != *layer {
+                assert!(
+                    cuts.contains(layer),
+                    "segment {segment}: recompute starts at {layer}"
+                );
+            }
+        }
+        let estimate = estimate_job(&job, &config).unwrap();
+        assert!(estimate.peak_bytes > 0);
+        // Inside a residual block even one-layer segments must span the block.
+        if segment == 1 {
+            assert_eq!(recomputed, vec![12, 13, 8, 9, 10, 3, 4, 5]);
+        }
+    }
+    config.recompute_segment_layers = Some(4);
+    assert!(estimate_job(&job, &config).unwrap().peak_bytes <= plain.peak_bytes);
+}
