@@ -78,7 +78,11 @@ impl WindowGeometry {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ActivationKind {
     Relu,
-    LeakyRelu { alpha: f64 },
+    /// `min(max(x, 0), 6)`, MobileNet's activation (Keras' ReLU(max_value=6)).
+    Relu6,
+    LeakyRelu {
+        alpha: f64,
+    },
     Gelu,
     Sigmoid,
     Tanh,
@@ -111,6 +115,20 @@ pub enum LayerOp {
     Dense {
         units: u64,
         use_bias: bool,
+    },
+    /// One `window` filter per input channel and multiplier: `channels * multiplier`
+    /// outputs, kernel `[kernel_height, kernel_width, channels, multiplier]`.
+    DepthwiseConv2d {
+        multiplier: u64,
+        window: WindowGeometry,
+        use_bias: bool,
+    },
+    /// Zeros added around the image.
+    ZeroPadding2d {
+        top: u64,
+        bottom: u64,
+        left: u64,
+        right: u64,
     },
     /// The element-wise sum of its inputs (a residual connection).
     Add,
@@ -173,6 +191,7 @@ impl LayerNode {
     pub fn backward_reads_input(&self) -> bool {
         match self.op {
             LayerOp::Conv2d { .. }
+            | LayerOp::DepthwiseConv2d { .. }
             | LayerOp::Dense { .. }
             | LayerOp::MaxPool { .. }
             | LayerOp::BatchNorm { .. } => true,
@@ -184,6 +203,7 @@ impl LayerNode {
             | LayerOp::GlobalAvgPool
             | LayerOp::Dropout { .. }
             | LayerOp::Flatten
+            | LayerOp::ZeroPadding2d { .. }
             | LayerOp::Add
             | LayerOp::Concat => false,
         }
@@ -197,7 +217,10 @@ impl LayerNode {
             LayerOp::Activation(kind) => {
                 matches!(
                     kind,
-                    ActivationKind::Relu | ActivationKind::Sigmoid | ActivationKind::Tanh
+                    ActivationKind::Relu
+                        | ActivationKind::Relu6
+                        | ActivationKind::Sigmoid
+                        | ActivationKind::Tanh
                 )
             }
             _ => false,

@@ -205,6 +205,9 @@ layer_kinds! {
     Dense(DenseSpec) => "dense",
     Add(NoSettings) => "add",
     Concat(NoSettings) => "concat",
+    DepthwiseConv2d(DepthwiseConv2dSpec) => "depthwise_conv2d",
+    ZeroPadding2d(ZeroPadding2dSpec) => "zero_padding2d",
+    Relu6(NoSettings) => "relu6",
 }
 
 /// For layers with nothing to set: written `{ relu = {} }`.
@@ -223,6 +226,53 @@ pub struct Conv2dSpec {
     pub padding: Padding,
     #[serde(default = "default_true")]
     pub use_bias: bool,
+}
+
+/// One filter per input channel (times `depth_multiplier`), as Keras' DepthwiseConv2D:
+/// output channel `c * depth_multiplier + j` is input channel `c` under filter `j`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DepthwiseConv2dSpec {
+    pub kernel: Dimensions,
+    #[serde(default = "Dimensions::one")]
+    pub stride: Dimensions,
+    #[serde(default)]
+    pub padding: Padding,
+    #[serde(default = "default_one")]
+    pub depth_multiplier: u64,
+    #[serde(default = "default_true")]
+    pub use_bias: bool,
+}
+
+/// Zeros around an image, as Keras' ZeroPadding2D.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ZeroPadding2dSpec {
+    pub padding: ZeroPadding,
+}
+
+/// `1` (every side), `[rows, columns]` (top and bottom, left and right) or
+/// `[[top, bottom], [left, right]]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "pixels, [rows, columns] or [[top, bottom], [left, right]]"
+)]
+pub enum ZeroPadding {
+    Every(u64),
+    Symmetric([u64; 2]),
+    Sides([[u64; 2]; 2]),
+}
+
+impl ZeroPadding {
+    /// `[top, bottom, left, right]`.
+    pub fn sides(&self) -> [u64; 4] {
+        match *self {
+            ZeroPadding::Every(pixels) => [pixels; 4],
+            ZeroPadding::Symmetric([rows, columns]) => [rows, rows, columns, columns],
+            ZeroPadding::Sides([[top, bottom], [left, right]]) => [top, bottom, left, right],
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -270,3 +270,27 @@ fn recomputation_segments_start_only_at_cut_points() {
     config.recompute_segment_layers = Some(4);
     assert!(estimate_job(&job, &config).unwrap().peak_bytes <= plain.peak_bytes);
 }
+
+#[test]
+fn depthwise_convolution_zero_padding_and_relu6_infer_their_shapes() {
+    let job = job(&spec_with_layers(&[
+        "{ zero_padding2d = { padding = [[0, 1], [2, 3]] } }",
+        "{ depthwise_conv2d = { kernel = 3, stride = 2, depth_multiplier = 3 } }",
+        "{ relu6 = {} }",
+        "{ zero_padding2d = { padding = 1 } }",
+        "{ zero_padding2d = { padding = [1, 0] } }",
+    ]));
+    let layers = &job.graph.layers;
+    assert_eq!(layers[0].output_shape.to_string(), "9x13x2");
+    assert_eq!(layers[1].output_shape.to_string(), "4x6x6");
+    // Kernel [3, 3, 2, 3] and a bias per output channel, as Keras counts them.
+    assert_eq!(layers[1].trainable_parameter_elements(), 3 * 3 * 2 * 3 + 6);
+    assert_eq!(layers[2].output_shape, layers[1].output_shape);
+    assert_eq!(layers[3].output_shape.to_string(), "6x8x6");
+    assert_eq!(layers[4].output_shape.to_string(), "8x8x6");
+    let zero = rejected(&["{ depthwise_conv2d = { kernel = 3, depth_multiplier = 0 } }"]);
+    assert_eq!(
+        zero.field,
+        "model.layers[0].depthwise_conv2d.depth_multiplier"
+    );
+}

@@ -38,6 +38,7 @@ pub(crate) fn image_shape(shape: FeatureShape, batch: usize) -> ImageShape {
 pub(crate) fn windowed_shapes(layer: &LayerNode, batch: usize) -> Option<WindowedShapes> {
     let window = match layer.op {
         LayerOp::Conv2d { window, .. }
+        | LayerOp::DepthwiseConv2d { window, .. }
         | LayerOp::MaxPool { window }
         | LayerOp::AvgPool { window } => window,
         _ => return None,
@@ -265,6 +266,20 @@ pub(crate) trait ConvKernels: LayerPasses {
         backward: &mut Self::Backward,
         use_bias: bool,
     ) -> Result<(), EngineError>;
+    fn depthwise_conv2d_forward(
+        &mut self,
+        call: &LayerCall<'_>,
+        forward: &mut Self::Forward,
+        multiplier: usize,
+        use_bias: bool,
+    ) -> Result<(), EngineError>;
+    fn depthwise_conv2d_backward(
+        &mut self,
+        call: &LayerCall<'_>,
+        backward: &mut Self::Backward,
+        multiplier: usize,
+        use_bias: bool,
+    ) -> Result<(), EngineError>;
 }
 
 pub(crate) trait DenseKernels: LayerPasses {
@@ -306,6 +321,21 @@ pub(crate) trait PoolKernels: LayerPasses {
         &mut self,
         call: &LayerCall<'_>,
         backward: &mut Self::Backward,
+    ) -> Result<(), EngineError>;
+    /// Zeros `top` rows above and `left` columns before the image (the rest after).
+    fn zero_padding_forward(
+        &mut self,
+        call: &LayerCall<'_>,
+        forward: &mut Self::Forward,
+        top: usize,
+        left: usize,
+    ) -> Result<(), EngineError>;
+    fn zero_padding_backward(
+        &mut self,
+        call: &LayerCall<'_>,
+        backward: &mut Self::Backward,
+        top: usize,
+        left: usize,
     ) -> Result<(), EngineError>;
 }
 
@@ -542,6 +572,14 @@ fn layer_forward<K: OperationKernels>(
     let state = &mut forward;
     match call.layer.op {
         LayerOp::Conv2d { use_bias, .. } => kernels.conv2d_forward(&call, state, use_bias)?,
+        LayerOp::DepthwiseConv2d {
+            multiplier,
+            use_bias,
+            ..
+        } => kernels.depthwise_conv2d_forward(&call, state, multiplier as usize, use_bias)?,
+        LayerOp::ZeroPadding2d { top, left, .. } => {
+            kernels.zero_padding_forward(&call, state, top as usize, left as usize)?
+        }
         LayerOp::MaxPool { .. } => kernels.pool_forward(&call, state, Pooling::Max)?,
         LayerOp::AvgPool { .. } => kernels.pool_forward(&call, state, Pooling::Average)?,
         LayerOp::GlobalAvgPool => kernels.global_avg_pool_forward(&call, state)?,
@@ -577,6 +615,14 @@ fn layer_backward<K: OperationKernels>(
     let state = &mut backward;
     match call.layer.op {
         LayerOp::Conv2d { use_bias, .. } => kernels.conv2d_backward(&call, state, use_bias)?,
+        LayerOp::DepthwiseConv2d {
+            multiplier,
+            use_bias,
+            ..
+        } => kernels.depthwise_conv2d_backward(&call, state, multiplier as usize, use_bias)?,
+        LayerOp::ZeroPadding2d { top, left, .. } => {
+            kernels.zero_padding_backward(&call, state, top as usize, left as usize)?
+        }
         LayerOp::MaxPool { .. } => kernels.pool_backward(&call, state, Pooling::Max)?,
         LayerOp::AvgPool { .. } => kernels.pool_backward(&call, state, Pooling::Average)?,
         LayerOp::GlobalAvgPool => kernels.global_avg_pool_backward(&call, state)?,

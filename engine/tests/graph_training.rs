@@ -12,6 +12,7 @@ mod support;
 use support::{assert_close, data, job, options_with_config};
 
 const SMALL_RESNET: &str = include_str!("specs/small-resnet.toml");
+const SMALL_MOBILENET: &str = include_str!("specs/small-mobilenet.toml");
 
 fn options(job: &ValidatedJob) -> TrainingOptions {
     options_with_config(job, carve_core::plan::RunConfig::from_spec(&job.spec))
@@ -29,7 +30,13 @@ fn run_at_estimate(job: &ValidatedJob, mut options: TrainingOptions, what: &str)
 
 #[test]
 fn a_graph_model_peaks_exactly_at_its_estimate_in_every_configuration() {
-    let job = job(SMALL_RESNET);
+    for text in [SMALL_RESNET, SMALL_MOBILENET] {
+        peaks_at_estimate_in_every_configuration(&job(text));
+    }
+}
+
+fn peaks_at_estimate_in_every_configuration(job: &ValidatedJob) {
+    let job = job.clone();
     for precision in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
         for micro_batch_size in [16, 4] {
             for recompute in [None, Some(1), Some(3)] {

@@ -65,9 +65,10 @@ fn assert_gradients_match(what: &str, analytic: &[f32], numerical: &[f64]) {
     }
 }
 
-fn all_activations() -> [ActivationKind; 5] {
+fn all_activations() -> [ActivationKind; 6] {
     [
         ActivationKind::Relu,
+        ActivationKind::Relu6,
         ActivationKind::LeakyRelu { alpha: 0.2 },
         ActivationKind::Gelu,
         ActivationKind::Sigmoid,

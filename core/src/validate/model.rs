@@ -12,8 +12,8 @@ use crate::model::{
     WindowGeometry,
 };
 use crate::spec::{
-    BatchNormSpec, Conv2dSpec, DenseSpec, Dimensions, JobSpec, LayerSpec, LossKind, Padding,
-    PaddingMode, PoolSpec,
+    BatchNormSpec, Conv2dSpec, DenseSpec, DepthwiseConv2dSpec, Dimensions, JobSpec, LayerSpec,
+    LossKind, Padding, PaddingMode, PoolSpec, ZeroPadding2dSpec,
 };
 
 mod graph;
@@ -299,6 +299,9 @@ fn infer_layer(
             )
         }
         LayerSpec::Relu(_) => activation(ActivationKind::Relu, input),
+        LayerSpec::Relu6(_) => activation(ActivationKind::Relu6, input),
+        LayerSpec::DepthwiseConv2d(depthwise) => infer_depthwise_conv2d(&path, depthwise, input)?,
+        LayerSpec::ZeroPadding2d(padding) => infer_zero_padding(&path, padding, input)?,
         LayerSpec::Gelu(_) => activation(ActivationKind::Gelu, input),
         LayerSpec::Sigmoid(_) => activation(ActivationKind::Sigmoid, input),
         LayerSpec::Tanh(_) => activation(ActivationKind::Tanh, input),
@@ -395,6 +398,95 @@ fn infer_conv2d(
             channels: conv.filters,
         },
         kernel_and_bias(kernel_shape, kernel_elements, conv.use_bias, conv.filters),
+    ))
+}
+
+fn infer_depthwise_conv2d(
+    path: &str,
+    depthwise: &DepthwiseConv2dSpec,
+    input: FeatureShape,
+) -> Result<InferredLayer, FieldError> {
+    let (height, width, channels) = image_or_error(input, path)?;
+    if depthwise.depth_multiplier == 0 {
+        return Err(FieldError::new(
+            format!("{path}.depth_multiplier"),
+            "must be at least 1",
+        ));
+    }
+    let (window, output_height, output_width) = resolve_window(
+        path,
+        "kernel",
+        height,
+        width,
+        depthwise.kernel,
+        depthwise.stride,
+        depthwise.padding,
+    )?;
+    let multiplier_field = format!("{path}.depth_multiplier");
+    let output_channels =
+        checked_elements(&[channels, depthwise.depth_multiplier], &multiplier_field)?;
+    checked_elements(
+        &[output_height, output_width, output_channels],
+        &multiplier_field,
+    )?;
+    let kernel_shape = vec![
+        window.kernel_height,
+        window.kernel_width,
+        channels,
+        depthwise.depth_multiplier,
+    ];
+    let kernel_elements = checked_elements(&kernel_shape, &multiplier_field)?;
+    Ok((
+        LayerOp::DepthwiseConv2d {
+            multiplier: depthwise.depth_multiplier,
+            window,
+            use_bias: depthwise.use_bias,
+        },
+        FeatureShape::Image {
+            height: output_height,
+            width: output_width,
+            channels: output_channels,
+        },
+        kernel_and_bias(
+            kernel_shape,
+            kernel_elements,
+            depthwise.use_bias,
+            output_channels,
+        ),
+    ))
+}
+
+fn infer_zero_padding(
+    path: &str,
+    padding: &ZeroPadding2dSpec,
+    input: FeatureShape,
+) -> Result<InferredLayer, FieldError> {
+    let (height, width, channels) = image_or_error(input, path)?;
+    let [top, bottom, left, right] = padding.padding.sides();
+    let field = format!("{path}.padding");
+    let too_large = || FieldError::new(field.clone(), "makes the image too large");
+    let padded_height = height
+        .checked_add(top)
+        .and_then(|sum| sum.checked_add(bottom))
+        .ok_or_else(too_large)?;
+    let padded_width = width
+        .checked_add(left)
+        .and_then(|sum| sum.checked_add(right))
+        .ok_or_else(too_large)?;
+    checked_elements(&[padded_height, padded_width, channels], &field)?;
+    Ok((
+        LayerOp::ZeroPadding2d {
+            top,
+            bottom,
+            left,
+            right,
+        },
+        FeatureShape::Image {
+            height: padded_height,
+            width: padded_width,
+            channels,
+        },
+        Vec::new(),
     ))
 }
 

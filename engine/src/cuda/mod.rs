@@ -44,6 +44,7 @@ mod conv;
 mod cudnn_ops;
 mod cudnn_shapes;
 mod dense;
+mod depthwise;
 mod device;
 mod dropout;
 mod error;

@@ -14,6 +14,7 @@ pub mod activation;
 pub mod batch_norm;
 pub mod conv;
 pub mod dense;
+pub mod depthwise;
 pub mod dropout;
 pub mod gemm;
 pub mod loss;
