@@ -131,6 +131,22 @@ pub fn run(arguments: EstimateArguments) -> Result<ExitCode> {
     })
 }
 
+/// The estimate table and the largest batches for the usual cards: what `carve estimate`
+/// prints and `carve import keras` prints after writing a job.
+pub(crate) fn write_estimate_report(
+    text: &mut String,
+    job: &carve_core::validate::ValidatedJob,
+    config: &RunConfig,
+    estimate: &MemoryEstimate,
+) {
+    write_estimate_table(text, estimate);
+    let batches: Vec<(u64, Option<u64>)> = COMMON_GPU_BYTES
+        .iter()
+        .map(|bytes| (*bytes, largest_batch_fitting(job, config, *bytes)))
+        .collect();
+    write_largest_batches(text, config, &batches);
+}
+
 /// 16, 24 and 80 GiB: the memory of the usual training cards (V100/T4, RTX 4090/A10, A100/H100).
 const COMMON_GPU_BYTES: [u64; 3] = [16 << 30, 24 << 30, 80 << 30];
 
