@@ -105,21 +105,28 @@ fn a_graph_model_trains_the_same_split_or_recomputed() {
     }
 }
 
-#[test]
-fn a_graph_model_learns() {
-    let text = SMALL_RESNET.replace("steps = 6", "steps = 40");
-    let job = job(&text);
+/// Trains `job` to the end and checks the mean of its last five losses is below `factor`
+/// times the mean of its first five.
+fn assert_learns(job: &ValidatedJob, factor: f64) {
     let mut losses = Vec::new();
-    train(&job, &data(&job), &options(&job), &mut |progress| {
+    train(job, &data(job), &options(job), &mut |progress| {
         losses.push(progress.loss)
     })
     .unwrap();
     let early: f64 = losses[..5].iter().sum::<f64>() / 5.0;
     let late: f64 = losses[losses.len() - 5..].iter().sum::<f64>() / 5.0;
     assert!(
-        late < early * 0.8,
-        "loss went from {early} to {late}: {losses:?}"
+        late < early * factor,
+        "{}: loss went from {early} to {late}: {losses:?}",
+        job.spec.name
     );
+}
+
+#[test]
+fn graph_models_learn() {
+    for text in [SMALL_RESNET, SMALL_MOBILENET] {
+        assert_learns(&job(&text.replace("steps = 6", "steps = 40")), 0.8);
+    }
 }
 
 /// The ResNet-18 example (residual adds, projection shortcuts, 18 layers deep) learns:
@@ -130,15 +137,5 @@ fn a_graph_model_learns() {
 fn resnet18_cifar_loss_goes_down() {
     let job = job(&narrow_resnet18(8, 30));
     assert_eq!(job.graph.layers.len(), 67);
-    let mut losses = Vec::new();
-    train(&job, &data(&job), &options(&job), &mut |progress| {
-        losses.push(progress.loss)
-    })
-    .unwrap();
-    let early: f64 = losses[..5].iter().sum::<f64>() / 5.0;
-    let late: f64 = losses[losses.len() - 5..].iter().sum::<f64>() / 5.0;
-    assert!(
-        late < early * 0.7,
-        "loss went from {early} to {late}: {losses:?}"
-    );
+    assert_learns(&job, 0.7);
 }

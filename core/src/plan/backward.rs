@@ -170,15 +170,7 @@ fn add_backward(
             table.contribute(*source, gradient, layer.index, operations);
             continue;
         }
-        let owner = BufferOwner::Layer(layer.index);
-        let elements = builder.per_micro_batch(layer.output_shape.elements(), owner)?;
-        let copy = builder.add_buffer(
-            BufferRole::InputGradient,
-            owner,
-            MemoryCategory::Transients,
-            builder.activation_type(),
-            elements,
-        )?;
+        let copy = input_gradient_buffer(builder, layer.index, *source)?;
         operations.push(Operation {
             kind: OperationKind::CopyGradient { layer: layer.index },
             reads: vec![gradient],
@@ -192,6 +184,24 @@ fn add_backward(
         table.contribute(needed[taker], gradient, layer.index, operations);
     }
     Ok(())
+}
+
+/// A gradient for tensor `source` written by layer `layer`'s backward, for one micro-batch.
+fn input_gradient_buffer(
+    builder: &mut PlanBuilder<'_>,
+    layer: usize,
+    source: TensorSource,
+) -> Result<BufferId, FieldError> {
+    let owner = BufferOwner::Layer(layer);
+    let shape = builder.graph.source_shape(source);
+    let elements = builder.per_micro_batch(shape.elements(), owner)?;
+    builder.add_buffer(
+        BufferRole::InputGradient,
+        owner,
+        MemoryCategory::Transients,
+        builder.activation_type(),
+        elements,
+    )
 }
 
 /// The backward of one computing layer (and `concat`, which writes one gradient per
@@ -225,15 +235,7 @@ fn layer_backward(
         if !(table.needs(*source) || always) {
             continue;
         }
-        let shape = builder.graph.source_shape(*source);
-        let elements = builder.per_micro_batch(shape.elements(), owner)?;
-        let input_gradient = builder.add_buffer(
-            BufferRole::InputGradient,
-            owner,
-            MemoryCategory::Transients,
-            builder.activation_type(),
-            elements,
-        )?;
+        let input_gradient = input_gradient_buffer(builder, index, *source)?;
         writes.push(input_gradient);
         handed.push((*source, input_gradient));
     }

@@ -8,6 +8,15 @@ use crate::error::EngineError;
 use crate::kernels::merge::{accumulate, add_forward, concat_backward, concat_forward};
 
 impl CpuBackend {
+    /// Every input of a merge as f32, in order.
+    fn merge_inputs(&self, call: &LayerCall<'_>) -> Result<Vec<Vec<f32>>, EngineError> {
+        call.roles
+            .inputs
+            .iter()
+            .map(|id| self.read_f32(*id))
+            .collect()
+    }
+
     fn output_of(call: &LayerCall<'_>) -> Result<carve_core::plan::BufferId, EngineError> {
         call.roles.output.ok_or_else(|| {
             EngineError::Backend(format!("{} without an output", call.layer.label()))
@@ -19,12 +28,7 @@ impl MergeKernels for CpuBackend {
     fn add_forward(&mut self, call: &LayerCall<'_>) -> Result<(), EngineError> {
         let output_id = Self::output_of(call)?;
         let elements = call.output_elements();
-        let inputs: Vec<Vec<f32>> = call
-            .roles
-            .inputs
-            .iter()
-            .map(|id| self.read_f32(*id))
-            .collect::<Result<_, _>>()?;
+        let inputs = self.merge_inputs(call)?;
         let views: Vec<&[f32]> = inputs.iter().map(|values| &values[..elements]).collect();
         let mut output = self.take_f32(output_id)?;
         add_forward(&views, &mut output[..elements]);
@@ -34,12 +38,7 @@ impl MergeKernels for CpuBackend {
     fn concat_forward(&mut self, call: &LayerCall<'_>) -> Result<(), EngineError> {
         let output_id = Self::output_of(call)?;
         let (positions, widths) = concat_layout(call);
-        let inputs: Vec<Vec<f32>> = call
-            .roles
-            .inputs
-            .iter()
-            .map(|id| self.read_f32(*id))
-            .collect::<Result<_, _>>()?;
+        let inputs = self.merge_inputs(call)?;
         let views: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
         let mut output = self.take_f32(output_id)?;
         concat_forward(positions, &widths, &views, &mut output);
