@@ -294,3 +294,174 @@ fn depthwise_convolution_zero_padding_and_relu6_infer_their_shapes() {
         "model.layers[0].depthwise_conv2d.depth_multiplier"
     );
 }
+
+/// A random graph on 6x6x2 images: a stem conv, then layers that each read one or more
+/// random earlier tensors (all 6x6x4: convs, relus, batch norms, adds of two or three,
+/// concats that a 1x1 conv brings back to 4 channels), every unread output summed at the
+/// end, then global pooling and a dense head.
+fn random_graph_spec(choices: &[(u8, usize, usize, usize)]) -> String {
+    let mut layers = vec![
+        "{ conv2d = { filters = 4, kernel = 3, padding = \"same\" }, name = \"t0\" }".to_string(),
+    ];
+    let mut tensors = vec!["t0".to_string()];
+    let mut read = vec![false];
+    for (kind, a, b, c) in choices {
+        let pick = |index: usize| index % tensors.len();
+        let (a, b, c) = (pick(*a), pick(*b), pick(*c));
+        let name = format!("t{}", tensors.len());
+        let quoted = |index: usize| format!("\"{}\"", tensors[index]);
+        let (layer, reads) = match kind % 5 {
+            0 => (
+                format!(
+                    "{{ conv2d = {{ filters = 4, kernel = 3, padding = \"same\" }}, name = \"{name}\", inputs = [{}] }}",
+                    quoted(a)
+                ),
+                vec![a],
+            ),
+            1 => (
+                format!(
+                    "{{ relu = {{}}, name = \"{name}\", inputs = [{}] }}",
+                    quoted(a)
+                ),
+                vec![a],
+            ),
+            2 => (
+                format!(
+                    "{{ batch_norm = {{}}, name = \"{name}\", inputs = [{}] }}",
+                    quoted(a)
+                ),
+                vec![a],
+            ),
+            3 => (
+                format!(
+                    "{{ add = {{}}, name = \"{name}\", inputs = [{}, {}, {}] }}",
+                    quoted(a),
+                    quoted(b),
+                    quoted(c)
+                ),
+                vec![a, b, c],
+            ),
+            _ => {
+                layers.push(format!(
+                    "{{ concat = {{}}, inputs = [{}, {}] }}",
+                    quoted(a),
+                    quoted(b)
+                ));
+                (
+                    format!("{{ conv2d = {{ filters = 4, kernel = 1 }}, name = \"{name}\" }}"),
+                    vec![a, b],
+                )
+            }
+        };
+        for index in reads {
+            read[index] = true;
+        }
+        layers.push(layer);
+        tensors.push(name);
+        read.push(false);
+    }
+    let unread: Vec<String> = tensors
+        .iter()
+        .zip(&read)
+        .filter(|(_, was_read)| !**was_read)
+        .map(|(name, _)| format!("\"{name}\""))
+        .collect();
+    if unread.len() > 1 {
+        layers.push(format!(
+            "{{ add = {{}}, inputs = [{}] }}",
+            unread.join(", ")
+        ));
+    } else {
+        layers.push(format!("{{ relu = {{}}, inputs = [{}] }}", unread[0]));
+    }
+    layers.push("{ global_avg_pool = {} }".to_string());
+    layers.push("{ dense = { units = 3 } }".to_string());
+    let refs: Vec<&str> = layers.iter().map(String::as_str).collect();
+    spec_with_layers(&refs)
+}
+
+/// Every buffer an operation touches is allocated and not yet freed, every phase-local
+/// buffer it reads was written earlier in the phase (gradients included: a gradient is
+/// complete before it is read), and every phase-local buffer is freed exactly once.
+fn check_phase(plan: &StepPlan, what: &str) {
+    let persistent: std::collections::HashSet<BufferId> = plan
+        .setup
+        .iter()
+        .filter_map(|step| match step {
+            PlanStep::Allocate(id) => Some(*id),
+            _ => None,
+        })
+        .collect();
+    let mut live = std::collections::HashSet::new();
+    let mut written = std::collections::HashSet::new();
+    let mut freed = std::collections::HashSet::new();
+    for step in &plan.micro_batch {
+        match step {
+            PlanStep::Allocate(id) => assert!(live.insert(*id), "{what}: {id:?} allocated twice"),
+            PlanStep::Free(id) => {
+                assert!(live.remove(id), "{what}: {id:?} freed while not live");
+                assert!(freed.insert(*id), "{what}: {id:?} freed twice");
+            }
+            PlanStep::Run(operation) => {
+                for id in operation
+                    .reads
+                    .iter()
+                    .chain(&operation.writes)
+                    .chain(&operation.scratch)
+                {
+                    assert!(
+                        persistent.contains(id) || live.contains(id),
+                        "{what}: {:?} touches {id:?}, not allocated",
+                        operation.kind
+                    );
+                }
+                for id in &operation.reads {
+                    assert!(
+                        persistent.contains(id) || written.contains(id),
+                        "{what}: {:?} reads {id:?} before anything wrote it",
+                        operation.kind
+                    );
+                }
+                written.extend(operation.writes.iter().copied());
+            }
+        }
+    }
+    assert!(live.is_empty(), "{what}: {live:?} never freed");
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    #[test]
+    fn random_graphs_compile_to_sound_plans(
+        choices in proptest::collection::vec((0u8..5, 0usize..64, 0usize..64, 0usize..64), 1..14)
+    ) {
+        let text = random_graph_spec(&choices);
+        let job = load_job_spec_toml(&text).unwrap_or_else(|error| panic!("{error}\n{text}"));
+        for (precision, micro_batch_size, recompute) in [
+            (carve_core::spec::Precision::Fp32, 4, None),
+            (carve_core::spec::Precision::Bf16, 2, Some(1)),
+            (carve_core::spec::Precision::Fp32, 4, Some(3)),
+            (carve_core::spec::Precision::Fp16, 1, Some(7)),
+        ] {
+            let mut config = RunConfig::from_spec(&job.spec);
+            config.precision = precision;
+            config.micro_batch_size = micro_batch_size;
+            config.recompute_segment_layers = recompute.filter(|segment| *segment <= job.graph.layers.len() as u64);
+            let plan = plan(&job, &config);
+            check_phase(&plan, &format!("{config}\n{text}"));
+            let backwards: Vec<usize> = operations(&plan.micro_batch)
+                .iter()
+                .filter_map(|operation| match operation.kind {
+                    OperationKind::LayerBackward { layer } => Some(layer),
+                    _ => None,
+                })
+                .collect();
+            for layer in &job.graph.layers {
+                let expected = usize::from(!matches!(layer.op, carve_core::model::LayerOp::Add));
+                let count = backwards.iter().filter(|index| **index == layer.index).count();
+                proptest::prop_assert_eq!(count, expected, "{} in\n{}", layer.label(), text);
+            }
+            proptest::prop_assert!(estimate_job(&job, &config).is_ok());
+        }
+    }
+}
