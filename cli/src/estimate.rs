@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use carve_core::bytes::{HumanBytes, parse_byte_size};
-use carve_core::estimator::{MemoryEstimate, estimate_job};
+use carve_core::estimator::{MemoryEstimate, estimate_job, largest_batch_fitting};
 use carve_core::plan::RunConfig;
 use carve_core::shrink::{ShrinkDecision, plan_shrink};
 use carve_core::spec::{Precision, VramRequest};
@@ -89,10 +89,20 @@ pub fn run(arguments: EstimateArguments) -> Result<ExitCode> {
         Some((_, Err(CoreError::DoesNotFit { .. }))) => false,
         Some((_, Err(error))) => return Err(in_file(FieldError::new("", error.to_string()))),
     };
+    // The classic question, "does it fit a 16 GB card at batch N", answered for common
+    // card sizes with everything else as configured.
+    let largest_batches: Vec<(u64, Option<u64>)> = COMMON_GPU_BYTES
+        .iter()
+        .map(|bytes| (*bytes, largest_batch_fitting(&job, &config, *bytes)))
+        .collect();
     match arguments.output {
         OutputFormat::Json => {
             let mut report = estimate_json(&estimate);
             report["job"] = json!(job.spec.name);
+            report["largest_batch"] = largest_batches
+                .iter()
+                .map(|(bytes, batch)| json!({ "slice_bytes": bytes, "batch_size": batch }))
+                .collect();
             report["parameters"] = json!(job.graph.trainable_parameter_elements());
             if let Some((slice_bytes, outcome)) = &shrink {
                 report["slice"] = slice_json(*slice_bytes, outcome);
@@ -107,6 +117,7 @@ pub fn run(arguments: EstimateArguments) -> Result<ExitCode> {
                 estimate.config
             );
             write_estimate_table(&mut text, &estimate);
+            write_largest_batches(&mut text, &config, &largest_batches);
             if let Some((slice_bytes, outcome)) = &shrink {
                 write_slice_table(&mut text, *slice_bytes, &estimate, outcome);
             }
@@ -118,6 +129,45 @@ pub fn run(arguments: EstimateArguments) -> Result<ExitCode> {
     } else {
         ExitCode::from(3)
     })
+}
+
+/// The estimate table and the largest batches for the usual cards: what `carve estimate`
+/// prints and `carve import keras` prints after writing a job.
+pub(crate) fn write_estimate_report(
+    text: &mut String,
+    job: &carve_core::validate::ValidatedJob,
+    config: &RunConfig,
+    estimate: &MemoryEstimate,
+) {
+    write_estimate_table(text, estimate);
+    let batches: Vec<(u64, Option<u64>)> = COMMON_GPU_BYTES
+        .iter()
+        .map(|bytes| (*bytes, largest_batch_fitting(job, config, *bytes)))
+        .collect();
+    write_largest_batches(text, config, &batches);
+}
+
+/// 16, 24 and 80 GiB: the memory of the usual training cards (V100/T4, RTX 4090/A10, A100/H100).
+const COMMON_GPU_BYTES: [u64; 3] = [16 << 30, 24 << 30, 80 << 30];
+
+fn write_largest_batches(text: &mut String, config: &RunConfig, batches: &[(u64, Option<u64>)]) {
+    let _ = writeln!(
+        text,
+        "  largest batch that fits ({}, one micro-batch, as configured otherwise):",
+        config.precision
+    );
+    for (bytes, batch) in batches {
+        let answer = match batch {
+            Some(batch) => batch.to_string(),
+            None => "not even 1 sample".to_string(),
+        };
+        let _ = writeln!(
+            text,
+            "    {:<18}{:>12}",
+            HumanBytes(*bytes).to_string(),
+            answer
+        );
+    }
 }
 
 pub fn config_json(config: &RunConfig) -> Value {

@@ -10,6 +10,7 @@ mod client;
 mod dev;
 mod elapsed;
 mod estimate;
+mod import_keras;
 mod run;
 mod sim;
 mod spec_input;
@@ -35,6 +36,9 @@ enum Command {
     /// Computes the GPU memory one training step of a job needs, with breakdowns; with
     /// --slice, what would run inside a slice of that size.
     Estimate(estimate::EstimateArguments),
+    /// Turns a model from another framework into a job file and prints its estimate
+    /// (`carve import keras model.keras`).
+    Import(import_keras::ImportArguments),
     /// Trains a job locally inside a slice (the same code a worker's attempt runs) and
     /// prints its final metrics; an out-of-memory ends it with the numbers (exit code 3).
     Run(run::RunArguments),
@@ -63,6 +67,7 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Estimate(arguments) => estimate::run(arguments),
+        Command::Import(arguments) => import_keras::run(arguments),
         Command::Run(arguments) => run::run(arguments),
         Command::Dev(arguments) => dev::run(arguments),
         Command::Sim(arguments) => sim::run(arguments),

@@ -183,6 +183,12 @@ fn describe_next_operation(plan: &StepPlan, phase_index: usize, rest: &[PlanStep
         OperationKind::LossForward => "loss forward".to_string(),
         OperationKind::LossBackward => "loss backward".to_string(),
         OperationKind::LayerBackward { layer } => format!("backward {}", plan.layer_labels[layer]),
+        OperationKind::AccumulateGradient { layer } => {
+            format!("gradient sum {}", plan.layer_labels[layer])
+        }
+        OperationKind::CopyGradient { layer } => {
+            format!("gradient copy {}", plan.layer_labels[layer])
+        }
         OperationKind::CheckOverflow => "loss-scale overflow check".to_string(),
         OperationKind::LayerInference { layer } => {
             format!("evaluation {}", plan.layer_labels[layer])
@@ -261,4 +267,44 @@ pub fn estimate_job(job: &ValidatedJob, config: &RunConfig) -> Result<MemoryEsti
 /// allocator's `OutOfMemory` at the point of failure when it does not.
 pub fn try_plan_in_slice(plan: &StepPlan, limit: u64) -> Result<u64, OutOfMemory> {
     replay_plan(plan, limit).map(|replay| replay.peak_bytes)
+}
+
+/// The largest batch (one micro-batch: no accumulation) whose step needs at most
+/// `slice_bytes` under `config`'s other settings, `None` when not even one sample fits.
+/// The need grows with the batch, so a doubling search then a bisection finds it in
+/// about 2·log2(batch) estimates.
+pub fn largest_batch_fitting(
+    job: &ValidatedJob,
+    config: &RunConfig,
+    slice_bytes: u64,
+) -> Option<u64> {
+    let fits = |batch: u64| {
+        let candidate = RunConfig {
+            batch_size: batch,
+            micro_batch_size: batch,
+            ..*config
+        };
+        estimate_job(job, &candidate).is_ok_and(|estimate| estimate.required_bytes <= slice_bytes)
+    };
+    if !fits(1) {
+        return None;
+    }
+    // Past 2^24 samples a step is not a batch anyone trains with.
+    let (mut fitting, mut failing) = (1u64, 2u64);
+    while failing <= 1 << 24 && fits(failing) {
+        fitting = failing;
+        failing *= 2;
+    }
+    if failing > 1 << 24 {
+        return Some(fitting);
+    }
+    while failing - fitting > 1 {
+        let middle = fitting + (failing - fitting) / 2;
+        if fits(middle) {
+            fitting = middle;
+        } else {
+            failing = middle;
+        }
+    }
+    Some(fitting)
 }

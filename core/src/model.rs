@@ -78,7 +78,11 @@ impl WindowGeometry {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ActivationKind {
     Relu,
-    LeakyRelu { alpha: f64 },
+    /// `min(max(x, 0), 6)`, MobileNet's activation (Keras' ReLU(max_value=6)).
+    Relu6,
+    LeakyRelu {
+        alpha: f64,
+    },
     Gelu,
     Sigmoid,
     Tanh,
@@ -112,6 +116,32 @@ pub enum LayerOp {
         units: u64,
         use_bias: bool,
     },
+    /// One `window` filter per input channel and multiplier: `channels * multiplier`
+    /// outputs, kernel `[kernel_height, kernel_width, channels, multiplier]`.
+    DepthwiseConv2d {
+        multiplier: u64,
+        window: WindowGeometry,
+        use_bias: bool,
+    },
+    /// Zeros added around the image.
+    ZeroPadding2d {
+        top: u64,
+        bottom: u64,
+        left: u64,
+        right: u64,
+    },
+    /// The element-wise sum of its inputs (a residual connection).
+    Add,
+    /// Its inputs side by side along the last axis (channels of images, features).
+    Concat,
+}
+
+/// Where a layer's input comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TensorSource {
+    ModelInput,
+    /// The output of the layer at this index, always an earlier one.
+    Layer(usize),
 }
 
 /// One weight tensor of a layer.
@@ -132,21 +162,36 @@ pub struct LayerNode {
     /// The key it was written under (`conv2d`, `relu`, ...).
     pub kind_name: &'static str,
     pub op: LayerOp,
+    /// The name the spec gave it, if any.
+    pub name: Option<String>,
+    /// What it reads, in order: one source except for merges (`add`, `concat`).
+    pub inputs: Vec<TensorSource>,
+    /// The shape of its first input (all of them for `add`).
     pub input_shape: FeatureShape,
     pub output_shape: FeatureShape,
     pub parameters: Vec<ParameterTensor>,
 }
 
 impl LayerNode {
-    /// `layers[3].conv2d`, the name used in breakdowns and error messages.
+    /// `layers[3].conv2d`, the name used in error messages and checkpoints.
     pub fn label(&self) -> String {
         format!("layers[{}].{}", self.index, self.kind_name)
+    }
+
+    /// The label with the layer's own name when it has one (`layers[3].conv2d
+    /// "block1_conv"`), for breakdowns and messages about graphs.
+    pub fn named_label(&self) -> String {
+        match &self.name {
+            Some(name) => format!("{} \"{name}\"", self.label()),
+            None => self.label(),
+        }
     }
 
     /// Whether backward needs this layer's input kept from forward.
     pub fn backward_reads_input(&self) -> bool {
         match self.op {
             LayerOp::Conv2d { .. }
+            | LayerOp::DepthwiseConv2d { .. }
             | LayerOp::Dense { .. }
             | LayerOp::MaxPool { .. }
             | LayerOp::BatchNorm { .. } => true,
@@ -157,7 +202,10 @@ impl LayerNode {
             LayerOp::AvgPool { .. }
             | LayerOp::GlobalAvgPool
             | LayerOp::Dropout { .. }
-            | LayerOp::Flatten => false,
+            | LayerOp::Flatten
+            | LayerOp::ZeroPadding2d { .. }
+            | LayerOp::Add
+            | LayerOp::Concat => false,
         }
     }
 
@@ -169,11 +217,19 @@ impl LayerNode {
             LayerOp::Activation(kind) => {
                 matches!(
                     kind,
-                    ActivationKind::Relu | ActivationKind::Sigmoid | ActivationKind::Tanh
+                    ActivationKind::Relu
+                        | ActivationKind::Relu6
+                        | ActivationKind::Sigmoid
+                        | ActivationKind::Tanh
                 )
             }
             _ => false,
         }
+    }
+
+    /// Whether it merges several inputs (`add`, `concat`).
+    pub fn is_merge(&self) -> bool {
+        matches!(self.op, LayerOp::Add | LayerOp::Concat)
     }
 
     /// Whether the output is the input under another shape (no memory of its own).
@@ -221,6 +277,59 @@ pub struct ModelGraph {
 }
 
 impl ModelGraph {
+    /// The shape of a tensor of the graph.
+    pub fn source_shape(&self, source: TensorSource) -> FeatureShape {
+        match source {
+            TensorSource::ModelInput => self.input_shape,
+            TensorSource::Layer(index) => self.layers[index].output_shape,
+        }
+    }
+
+    /// The shapes of a layer's inputs, in order.
+    pub fn input_shapes(&self, layer: &LayerNode) -> Vec<FeatureShape> {
+        layer
+            .inputs
+            .iter()
+            .map(|source| self.source_shape(*source))
+            .collect()
+    }
+
+    /// Whether every layer reads only the one before it (a Keras Sequential model).
+    pub fn is_sequential(&self) -> bool {
+        self.layers.iter().all(|layer| {
+            let previous = match layer.index {
+                0 => TensorSource::ModelInput,
+                index => TensorSource::Layer(index - 1),
+            };
+            layer.inputs == [previous]
+        })
+    }
+
+    /// Layer positions where the model can be cut in two with one tensor crossing: at
+    /// `start`, every layer from `start` on reads only tensors made from `start - 1` on
+    /// (the model input for 0). Recomputation segments begin only at these, since a
+    /// segment is rebuilt from the one tensor kept at its start. Always holds 0.
+    pub fn cut_points(&self) -> Vec<usize> {
+        // The earliest tensor any layer from `position` on reads, as a layer index
+        // (`-1` for the model input), computed from the end.
+        let mut earliest_read = vec![i64::MAX; self.layers.len() + 1];
+        for (position, layer) in self.layers.iter().enumerate().rev() {
+            let earliest_here = layer
+                .inputs
+                .iter()
+                .map(|source| match source {
+                    TensorSource::ModelInput => -1,
+                    TensorSource::Layer(index) => *index as i64,
+                })
+                .min()
+                .unwrap_or(i64::MAX);
+            earliest_read[position] = earliest_read[position + 1].min(earliest_here);
+        }
+        (0..self.layers.len())
+            .filter(|position| earliest_read[*position] >= *position as i64 - 1)
+            .collect()
+    }
+
     pub fn output_shape(&self) -> FeatureShape {
         self.layers
             .last()

@@ -31,6 +31,7 @@ use crate::error::FieldError;
 use crate::model::ModelGraph;
 use crate::spec::{JobSpec, Precision};
 
+mod backward;
 mod compile;
 mod liveness;
 
@@ -356,6 +357,17 @@ pub enum OperationKind {
     /// Writes the input gradient (if any) and adds the weight gradients into the fp32
     /// gradient buffers.
     LayerBackward {
+        layer: usize,
+    },
+    /// `writes[0] += reads[0]`: a second branch's gradient summed in place into a
+    /// tensor's gradient (a tensor read by several layers gets the sum of theirs). `layer`
+    /// is the reader whose gradient is added.
+    AccumulateGradient {
+        layer: usize,
+    },
+    /// `writes[0] = reads[0]`: an `add` hands its output gradient to each input; all but
+    /// one get a copy, since each is then accumulated into separately.
+    CopyGradient {
         layer: usize,
     },
     /// Checks the gradients for inf/NaN (dynamic loss scaling under fp16).

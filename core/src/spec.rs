@@ -32,55 +32,182 @@ pub struct JobSpec {
     pub oom: OomPolicySpec,
 }
 
-/// The model as a Keras-Sequential-style layer list.
+/// The model as a layer list: Keras-Sequential style by default (each layer reads the one
+/// before it), a graph where layers name their `inputs` (residual `add`, channel `concat`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
     /// `[height, width, channels]` for images (channels last, as in Keras), `[features]` for
     /// flat inputs.
     pub input_shape: Vec<u64>,
-    pub layers: Vec<LayerSpec>,
+    pub layers: Vec<LayerEntry>,
     pub loss: LossKind,
 }
 
-/// One layer. In TOML: `{ conv2d = { filters = 32, kernel = 3, padding = "same" } }`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LayerSpec {
-    Conv2d(Conv2dSpec),
-    MaxPool(PoolSpec),
-    AvgPool(PoolSpec),
-    GlobalAvgPool(NoSettings),
-    Relu(NoSettings),
-    LeakyRelu(LeakyReluSpec),
-    Gelu(NoSettings),
-    Sigmoid(NoSettings),
-    Tanh(NoSettings),
-    BatchNorm(BatchNormSpec),
-    Dropout(DropoutSpec),
-    Flatten(NoSettings),
-    Dense(DenseSpec),
+/// The name `inputs` uses for the model's input.
+pub const MODEL_INPUT_NAME: &str = "input";
+
+/// One entry of `model.layers`: the layer, and optionally its name and the layers it
+/// reads. In TOML: `{ add = {}, name = "block1_out", inputs = ["block1_bn2", "stem"] }`.
+/// Without `inputs` a layer reads the entry before it (the model input for the first).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerEntry {
+    pub layer: LayerSpec,
+    pub name: Option<String>,
+    /// Names of earlier layers, or `"input"` for the model input.
+    pub inputs: Option<Vec<String>>,
 }
 
-impl LayerSpec {
-    /// The key the layer is written under, used in field paths.
-    pub fn kind_name(&self) -> &'static str {
-        match self {
-            LayerSpec::Conv2d(_) => "conv2d",
-            LayerSpec::MaxPool(_) => "max_pool",
-            LayerSpec::AvgPool(_) => "avg_pool",
-            LayerSpec::GlobalAvgPool(_) => "global_avg_pool",
-            LayerSpec::Relu(_) => "relu",
-            LayerSpec::LeakyRelu(_) => "leaky_relu",
-            LayerSpec::Gelu(_) => "gelu",
-            LayerSpec::Sigmoid(_) => "sigmoid",
-            LayerSpec::Tanh(_) => "tanh",
-            LayerSpec::BatchNorm(_) => "batch_norm",
-            LayerSpec::Dropout(_) => "dropout",
-            LayerSpec::Flatten(_) => "flatten",
-            LayerSpec::Dense(_) => "dense",
+impl From<LayerSpec> for LayerEntry {
+    fn from(layer: LayerSpec) -> LayerEntry {
+        LayerEntry {
+            layer,
+            name: None,
+            inputs: None,
         }
     }
+}
+
+impl Serialize for LayerEntry {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        // The layer kind first, then the optional keys, so a sequential entry serializes
+        // exactly as before names and inputs existed.
+        #[derive(Serialize)]
+        struct Written<'a> {
+            #[serde(flatten)]
+            layer: &'a LayerSpec,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            name: &'a Option<String>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            inputs: &'a Option<Vec<String>>,
+        }
+        Written {
+            layer: &self.layer,
+            name: &self.name,
+            inputs: &self.inputs,
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for LayerEntry {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(LayerEntryVisitor)
+    }
+}
+
+struct LayerEntryVisitor;
+
+impl<'de> serde::de::Visitor<'de> for LayerEntryVisitor {
+    type Value = LayerEntry;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str("a layer such as { conv2d = { filters = 32, kernel = 3 } }")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<LayerEntry, A::Error> {
+        use serde::de::Error;
+        let mut layer: Option<LayerSpec> = None;
+        let mut name = None;
+        let mut inputs = None;
+        while let Some(key) = map.next_key::<String>()? {
+            match key.as_str() {
+                "name" if name.is_none() => name = Some(map.next_value()?),
+                "inputs" if inputs.is_none() => inputs = Some(map.next_value()?),
+                "name" | "inputs" => return Err(A::Error::duplicate_field("name or inputs")),
+                kind => {
+                    if let Some(first) = &layer {
+                        return Err(A::Error::custom(format!(
+                            "has two layer kinds, `{}` and `{kind}`; write one layer per entry",
+                            first.kind_name()
+                        )));
+                    }
+                    if !LayerSpec::KIND_NAMES.contains(&kind) {
+                        return Err(A::Error::unknown_variant(kind, LayerSpec::KIND_NAMES));
+                    }
+                    layer = Some(map.next_value_seed(LayerKindSeed(kind))?);
+                }
+            }
+        }
+        let layer = layer.ok_or_else(|| {
+            A::Error::custom(format!(
+                "names no layer kind; expected one of {}",
+                LayerSpec::KIND_NAMES.join(", ")
+            ))
+        })?;
+        Ok(LayerEntry {
+            layer,
+            name,
+            inputs,
+        })
+    }
+}
+
+/// Reads a layer's settings once its kind is known.
+struct LayerKindSeed<'k>(&'k str);
+
+impl<'de> serde::de::DeserializeSeed<'de> for LayerKindSeed<'_> {
+    type Value = LayerSpec;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<LayerSpec, D::Error> {
+        LayerSpec::deserialize_settings(self.0, deserializer)
+    }
+}
+
+/// Declares the layer enum with, from one list, its kind names and the reading of a
+/// kind's settings, so a new layer is one line here.
+macro_rules! layer_kinds {
+    ($($variant:ident($settings:ty) => $kind:literal,)+) => {
+        /// One layer. In TOML: `{ conv2d = { filters = 32, kernel = 3, padding = "same" } }`.
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum LayerSpec {
+            $($variant($settings),)+
+        }
+
+        impl LayerSpec {
+            /// Every key a layer may be written under.
+            pub const KIND_NAMES: &'static [&'static str] = &[$($kind,)+];
+
+            /// The key the layer is written under, used in field paths.
+            pub fn kind_name(&self) -> &'static str {
+                match self {
+                    $(LayerSpec::$variant(_) => $kind,)+
+                }
+            }
+
+            fn deserialize_settings<'de, D: Deserializer<'de>>(
+                kind: &str,
+                deserializer: D,
+            ) -> Result<LayerSpec, D::Error> {
+                match kind {
+                    $($kind => <$settings>::deserialize(deserializer).map(LayerSpec::$variant),)+
+                    other => Err(serde::de::Error::unknown_variant(other, Self::KIND_NAMES)),
+                }
+            }
+        }
+    };
+}
+
+layer_kinds! {
+    Conv2d(Conv2dSpec) => "conv2d",
+    MaxPool(PoolSpec) => "max_pool",
+    AvgPool(PoolSpec) => "avg_pool",
+    GlobalAvgPool(NoSettings) => "global_avg_pool",
+    Relu(NoSettings) => "relu",
+    LeakyRelu(LeakyReluSpec) => "leaky_relu",
+    Gelu(NoSettings) => "gelu",
+    Sigmoid(NoSettings) => "sigmoid",
+    Tanh(NoSettings) => "tanh",
+    BatchNorm(BatchNormSpec) => "batch_norm",
+    Dropout(DropoutSpec) => "dropout",
+    Flatten(NoSettings) => "flatten",
+    Dense(DenseSpec) => "dense",
+    Add(NoSettings) => "add",
+    Concat(NoSettings) => "concat",
+    DepthwiseConv2d(DepthwiseConv2dSpec) => "depthwise_conv2d",
+    ZeroPadding2d(ZeroPadding2dSpec) => "zero_padding2d",
+    Relu6(NoSettings) => "relu6",
 }
 
 /// For layers with nothing to set: written `{ relu = {} }`.
@@ -99,6 +226,53 @@ pub struct Conv2dSpec {
     pub padding: Padding,
     #[serde(default = "default_true")]
     pub use_bias: bool,
+}
+
+/// One filter per input channel (times `depth_multiplier`), as Keras' DepthwiseConv2D:
+/// output channel `c * depth_multiplier + j` is input channel `c` under filter `j`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DepthwiseConv2dSpec {
+    pub kernel: Dimensions,
+    #[serde(default = "Dimensions::one")]
+    pub stride: Dimensions,
+    #[serde(default)]
+    pub padding: Padding,
+    #[serde(default = "default_one")]
+    pub depth_multiplier: u64,
+    #[serde(default = "default_true")]
+    pub use_bias: bool,
+}
+
+/// Zeros around an image, as Keras' ZeroPadding2D.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ZeroPadding2dSpec {
+    pub padding: ZeroPadding,
+}
+
+/// `1` (every side), `[rows, columns]` (top and bottom, left and right) or
+/// `[[top, bottom], [left, right]]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "pixels, [rows, columns] or [[top, bottom], [left, right]]"
+)]
+pub enum ZeroPadding {
+    Every(u64),
+    Symmetric([u64; 2]),
+    Sides([[u64; 2]; 2]),
+}
+
+impl ZeroPadding {
+    /// `[top, bottom, left, right]`.
+    pub fn sides(&self) -> [u64; 4] {
+        match *self {
+            ZeroPadding::Every(pixels) => [pixels; 4],
+            ZeroPadding::Symmetric([rows, columns]) => [rows, rows, columns, columns],
+            ZeroPadding::Sides([[top, bottom], [left, right]]) => [top, bottom, left, right],
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -7,8 +7,8 @@ use carve_core::FieldError;
 use carve_core::model::{FeatureShape, LayerNode, LayerOp, ModelGraph, WindowGeometry};
 use carve_core::spec::{
     BatchNormSpec, ByteSize, Conv2dSpec, DataFormat, DenseSpec, Dimensions, DropoutSpec, JobSpec,
-    LayerSpec, LeakyReluSpec, LossKind, NoSettings, OptimizerSpec, Padding, PaddingMode, PoolSpec,
-    Precision, ShrinkStrategy, VramRequest,
+    LayerEntry, LayerSpec, LeakyReluSpec, LossKind, NoSettings, OptimizerSpec, Padding,
+    PaddingMode, PoolSpec, Precision, ShrinkStrategy, VramRequest,
 };
 use carve_core::validate::{
     MAX_ELEMENTS_PER_SAMPLE, MAX_MODEL_LAYERS, ValidatedJob, load_job_spec_toml,
@@ -222,7 +222,7 @@ fn full_example_spec_parses_with_every_setting() {
     assert_eq!(spec.model.loss, LossKind::SoftmaxCrossEntropy);
     assert_eq!(spec.model.layers.len(), 7);
     assert_eq!(
-        spec.model.layers[0],
+        spec.model.layers[0].layer,
         LayerSpec::Conv2d(Conv2dSpec {
             filters: 32,
             kernel: Dimensions::Square(3),
@@ -232,7 +232,7 @@ fn full_example_spec_parses_with_every_setting() {
         })
     );
     assert_eq!(
-        spec.model.layers[2],
+        spec.model.layers[2].layer,
         LayerSpec::MaxPool(PoolSpec {
             size: Dimensions::Square(2),
             stride: None,
@@ -240,24 +240,29 @@ fn full_example_spec_parses_with_every_setting() {
         })
     );
     assert_eq!(
-        spec.model.layers[3],
+        spec.model.layers[3].layer,
         LayerSpec::BatchNorm(BatchNormSpec {
             momentum: 0.99,
             epsilon: 1e-3
         })
     );
     assert_eq!(
-        spec.model.layers[4],
+        spec.model.layers[4].layer,
         LayerSpec::Dropout(DropoutSpec { rate: 0.25 })
     );
     assert_eq!(
-        spec.model.layers[6],
+        spec.model.layers[6].layer,
         LayerSpec::Dense(DenseSpec {
             units: 10,
             use_bias: true
         })
     );
-    let kinds: Vec<&str> = spec.model.layers.iter().map(LayerSpec::kind_name).collect();
+    let kinds: Vec<&str> = spec
+        .model
+        .layers
+        .iter()
+        .map(|entry| entry.layer.kind_name())
+        .collect();
     assert_eq!(
         kinds,
         [
@@ -2274,7 +2279,7 @@ fn wild_layer() -> impl Strategy<Value = LayerSpec> {
 fn spec_with_model(input_shape: Vec<u64>, layers: Vec<LayerSpec>, loss: LossKind) -> JobSpec {
     let mut spec = parse_job_spec_toml(&base_spec()).expect("base spec parses");
     spec.model.input_shape = input_shape;
-    spec.model.layers = layers;
+    spec.model.layers = layers.into_iter().map(LayerEntry::from).collect();
     spec.model.loss = loss;
     spec.training.recompute_segment_layers = None;
     spec
@@ -2307,7 +2312,8 @@ fn check_graph(spec: &JobSpec, graph: &ModelGraph) -> Result<(), TestCaseError> 
     prop_assert_eq!(graph.layers.len(), spec.model.layers.len());
     prop_assert_eq!(graph.loss, spec.model.loss);
     let mut previous = graph.input_shape;
-    for (index, (node, layer)) in graph.layers.iter().zip(&spec.model.layers).enumerate() {
+    for (index, (node, entry)) in graph.layers.iter().zip(&spec.model.layers).enumerate() {
+        let layer = &entry.layer;
         prop_assert_eq!(node.index, index);
         prop_assert_eq!(node.kind_name, layer.kind_name());
         prop_assert_eq!(
@@ -2505,7 +2511,10 @@ proptest! {
                     if index > 0 {
                         let prefix = spec_with_model(
                             spec.model.input_shape.clone(),
-                            spec.model.layers[..index].to_vec(),
+                            spec.model.layers[..index]
+                                .iter()
+                                .map(|entry| entry.layer.clone())
+                                .collect(),
                             LossKind::Mse,
                         );
                         let prefix_result = validate_job_spec(prefix);

@@ -38,6 +38,7 @@ pub(crate) fn image_shape(shape: FeatureShape, batch: usize) -> ImageShape {
 pub(crate) fn windowed_shapes(layer: &LayerNode, batch: usize) -> Option<WindowedShapes> {
     let window = match layer.op {
         LayerOp::Conv2d { window, .. }
+        | LayerOp::DepthwiseConv2d { window, .. }
         | LayerOp::MaxPool { window }
         | LayerOp::AvgPool { window } => window,
         _ => return None,
@@ -52,12 +53,16 @@ pub(crate) fn windowed_shapes(layer: &LayerNode, batch: usize) -> Option<Windowe
 /// The ids an operation touches, sorted out by what they are for.
 #[derive(Debug, Default)]
 pub(crate) struct Roles {
+    /// The (last) input; `inputs` has them all, in order, for merges.
     pub(crate) input: Option<BufferId>,
+    pub(crate) inputs: Vec<BufferId>,
     pub(crate) output: Option<BufferId>,
     pub(crate) parameters: Vec<BufferId>,
     pub(crate) side: Option<BufferId>,
     pub(crate) gradient_in: Option<BufferId>,
     pub(crate) input_gradient: Option<BufferId>,
+    /// Every input gradient written, in input order (a concat writes one per input).
+    pub(crate) input_gradients: Vec<BufferId>,
     pub(crate) parameter_gradients: Vec<BufferId>,
     pub(crate) workspace: Option<BufferId>,
     pub(crate) half_gradients: Option<BufferId>,
@@ -82,14 +87,20 @@ pub(crate) fn sort_roles(
             BufferRole::LayerOutput if spec.owner == BufferOwner::Layer(layer_index) => {
                 roles.output = Some(*id)
             }
-            _ => roles.input = Some(*id),
+            _ => {
+                roles.input = Some(*id);
+                roles.inputs.push(*id);
+            }
         }
     }
     for id in &operation.writes {
         match buffers[id.0].role {
             BufferRole::LayerOutput => roles.output = Some(*id),
             BufferRole::DropoutMask | BufferRole::BatchStatistics => roles.side = Some(*id),
-            BufferRole::InputGradient => roles.input_gradient = Some(*id),
+            BufferRole::InputGradient => {
+                roles.input_gradient = Some(*id);
+                roles.input_gradients.push(*id);
+            }
             BufferRole::Gradient { .. } => roles.parameter_gradients.push(*id),
             _ => {}
         }
@@ -255,6 +266,20 @@ pub(crate) trait ConvKernels: LayerPasses {
         backward: &mut Self::Backward,
         use_bias: bool,
     ) -> Result<(), EngineError>;
+    fn depthwise_conv2d_forward(
+        &mut self,
+        call: &LayerCall<'_>,
+        forward: &mut Self::Forward,
+        multiplier: usize,
+        use_bias: bool,
+    ) -> Result<(), EngineError>;
+    fn depthwise_conv2d_backward(
+        &mut self,
+        call: &LayerCall<'_>,
+        backward: &mut Self::Backward,
+        multiplier: usize,
+        use_bias: bool,
+    ) -> Result<(), EngineError>;
 }
 
 pub(crate) trait DenseKernels: LayerPasses {
@@ -296,6 +321,21 @@ pub(crate) trait PoolKernels: LayerPasses {
         &mut self,
         call: &LayerCall<'_>,
         backward: &mut Self::Backward,
+    ) -> Result<(), EngineError>;
+    /// Zeros `top` rows above and `left` columns before the image (the rest after).
+    fn zero_padding_forward(
+        &mut self,
+        call: &LayerCall<'_>,
+        forward: &mut Self::Forward,
+        top: usize,
+        left: usize,
+    ) -> Result<(), EngineError>;
+    fn zero_padding_backward(
+        &mut self,
+        call: &LayerCall<'_>,
+        backward: &mut Self::Backward,
+        top: usize,
+        left: usize,
     ) -> Result<(), EngineError>;
 }
 
@@ -406,6 +446,37 @@ pub(crate) trait OptimizerKernels {
     ) -> Result<(), EngineError>;
 }
 
+/// The merges of graph models and the gradient sums of tensors read by several layers.
+/// They read and write whole buffers, so they skip `LayerPasses`.
+pub(crate) trait MergeKernels {
+    /// `roles.output = sum of roles.inputs`.
+    fn add_forward(&mut self, call: &LayerCall<'_>) -> Result<(), EngineError>;
+    /// `roles.inputs` joined along the last axis into `roles.output`.
+    fn concat_forward(&mut self, call: &LayerCall<'_>) -> Result<(), EngineError>;
+    /// The output gradient split into `roles.input_gradients`.
+    fn concat_backward(&mut self, call: &LayerCall<'_>) -> Result<(), EngineError>;
+    /// `into += from` when `accumulate`, else `into = from`, over the first `elements`.
+    fn gradient_sum(
+        &mut self,
+        from: BufferId,
+        into: BufferId,
+        elements: usize,
+        accumulate: bool,
+    ) -> Result<(), EngineError>;
+}
+
+/// The widths along the last axis of a concat's inputs and the rows they are joined in.
+pub(crate) fn concat_layout(call: &LayerCall<'_>) -> (usize, Vec<usize>) {
+    let graph = call.context.graph;
+    let widths: Vec<usize> = graph
+        .input_shapes(call.layer)
+        .into_iter()
+        .map(|shape| image_shape(shape, 1).channels)
+        .collect();
+    let total: usize = widths.iter().sum();
+    (call.output_elements() / total.max(1), widths)
+}
+
 /// Every family: what a backend implements to run plans.
 pub(crate) trait OperationKernels:
     ConvKernels
@@ -416,6 +487,7 @@ pub(crate) trait OperationKernels:
     + DropoutKernels
     + LossKernels
     + OptimizerKernels
+    + MergeKernels
 {
 }
 
@@ -428,6 +500,7 @@ impl<K> OperationKernels for K where
         + DropoutKernels
         + LossKernels
         + OptimizerKernels
+        + MergeKernels
 {
 }
 
@@ -455,6 +528,16 @@ pub(crate) fn run_operation<K: OperationKernels>(
             return kernels.loss_forward(operation, context);
         }
         OperationKind::LossBackward => kernels.loss_backward(operation, context)?,
+        OperationKind::AccumulateGradient { .. } | OperationKind::CopyGradient { .. } => {
+            let from = operation.reads[0];
+            let into = operation.writes[0];
+            let spec = &context.plan.buffers[into.0];
+            // Gradients are per micro-batch: a short batch sums only its own samples.
+            let per_sample = spec.elements / context.plan.config.micro_batch_size.max(1);
+            let elements = (per_sample as usize) * context.samples;
+            let accumulate = matches!(operation.kind, OperationKind::AccumulateGradient { .. });
+            kernels.gradient_sum(from, into, elements, accumulate)?;
+        }
         OperationKind::CheckOverflow => {
             let finite = kernels.gradients_are_finite(&operation.reads)?;
             *context.apply_update = context.loss_scaler.update(!finite);
@@ -478,12 +561,25 @@ fn layer_forward<K: OperationKernels>(
         return Ok(());
     }
     let call = LayerCall::new(operation, context, layer_index);
+    match call.layer.op {
+        LayerOp::Add => return kernels.add_forward(&call),
+        LayerOp::Concat => return kernels.concat_forward(&call),
+        _ => {}
+    }
     let Some(mut forward) = kernels.begin_forward(&call)? else {
         return Ok(());
     };
     let state = &mut forward;
     match call.layer.op {
         LayerOp::Conv2d { use_bias, .. } => kernels.conv2d_forward(&call, state, use_bias)?,
+        LayerOp::DepthwiseConv2d {
+            multiplier,
+            use_bias,
+            ..
+        } => kernels.depthwise_conv2d_forward(&call, state, multiplier as usize, use_bias)?,
+        LayerOp::ZeroPadding2d { top, left, .. } => {
+            kernels.zero_padding_forward(&call, state, top as usize, left as usize)?
+        }
         LayerOp::MaxPool { .. } => kernels.pool_forward(&call, state, Pooling::Max)?,
         LayerOp::AvgPool { .. } => kernels.pool_forward(&call, state, Pooling::Average)?,
         LayerOp::GlobalAvgPool => kernels.global_avg_pool_forward(&call, state)?,
@@ -495,7 +591,7 @@ fn layer_forward<K: OperationKernels>(
             kernels.batch_norm_forward(&call, state, momentum, epsilon)?
         }
         LayerOp::Dropout { rate } => kernels.dropout_forward(&call, state, rate)?,
-        LayerOp::Flatten => {}
+        LayerOp::Flatten | LayerOp::Add | LayerOp::Concat => {}
     }
     kernels.end_forward(&call, forward)
 }
@@ -507,12 +603,26 @@ fn layer_backward<K: OperationKernels>(
     layer_index: usize,
 ) -> Result<(), EngineError> {
     let call = LayerCall::new(operation, context, layer_index);
+    match call.layer.op {
+        // An add has no backward of its own: the plan hands its gradient on.
+        LayerOp::Add => return Ok(()),
+        LayerOp::Concat => return kernels.concat_backward(&call),
+        _ => {}
+    }
     let Some(mut backward) = kernels.begin_backward(&call)? else {
         return Ok(());
     };
     let state = &mut backward;
     match call.layer.op {
         LayerOp::Conv2d { use_bias, .. } => kernels.conv2d_backward(&call, state, use_bias)?,
+        LayerOp::DepthwiseConv2d {
+            multiplier,
+            use_bias,
+            ..
+        } => kernels.depthwise_conv2d_backward(&call, state, multiplier as usize, use_bias)?,
+        LayerOp::ZeroPadding2d { top, left, .. } => {
+            kernels.zero_padding_backward(&call, state, top as usize, left as usize)?
+        }
         LayerOp::MaxPool { .. } => kernels.pool_backward(&call, state, Pooling::Max)?,
         LayerOp::AvgPool { .. } => kernels.pool_backward(&call, state, Pooling::Average)?,
         LayerOp::GlobalAvgPool => kernels.global_avg_pool_backward(&call, state)?,
@@ -524,7 +634,7 @@ fn layer_backward<K: OperationKernels>(
             kernels.batch_norm_backward(&call, state, momentum, epsilon)?
         }
         LayerOp::Dropout { rate } => kernels.dropout_backward(&call, state, rate)?,
-        LayerOp::Flatten => {}
+        LayerOp::Flatten | LayerOp::Add | LayerOp::Concat => {}
     }
     kernels.end_backward(&call, backward)
 }

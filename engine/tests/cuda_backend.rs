@@ -215,3 +215,14 @@ fn the_cuda_backend_refuses_with_the_reason_or_reserves_and_verifies_the_slice()
         }
     }
 }
+
+/// Graph models: residual adds (gradients summed in place), a concat, depthwise
+/// convolutions with a multiplier, zero padding and relu6, in every precision.
+#[test]
+fn graph_models_train_the_same_on_both_backends() {
+    compare_backends_in_every_precision("small-resnet", include_str!("specs/small-resnet.toml"));
+    compare_backends_in_every_precision(
+        "small-mobilenet",
+        include_str!("specs/small-mobilenet.toml"),
+    );
+}

@@ -1,5 +1,5 @@
 //! Finite-difference checks of the pointwise and per-channel kernels' backward passes
-//! (activations, batch norm, dropout) and of the losses' gradients, plus the accumulation
+//! (activations, batch norm, dropout, the merges add and concat) and of the losses' gradients, plus the accumulation
 //! contract: parameter gradients are added to, input gradients overwritten.
 //!
 //! Every check differentiates a scalar: `L = Σ output·weights` with random weights (so
@@ -18,6 +18,7 @@ use carve_engine::kernels::dropout::{dropout_backward, dropout_forward};
 use carve_engine::kernels::loss::{
     mse_backward, mse_forward, softmax_cross_entropy_backward, softmax_cross_entropy_forward,
 };
+use carve_engine::kernels::merge::{add_forward, concat_backward, concat_forward};
 use carve_engine::rng::Rng;
 
 mod gradient_support;
@@ -64,9 +65,10 @@ fn assert_gradients_match(what: &str, analytic: &[f32], numerical: &[f64]) {
     }
 }
 
-fn all_activations() -> [ActivationKind; 5] {
+fn all_activations() -> [ActivationKind; 6] {
     [
         ActivationKind::Relu,
+        ActivationKind::Relu6,
         ActivationKind::LeakyRelu { alpha: 0.2 },
         ActivationKind::Gelu,
         ActivationKind::Sigmoid,
@@ -400,4 +402,52 @@ fn mse_gradient_matches_finite_differences() {
         mse_forward(batch, elements_per_sample, output, &targets) * f64::from(gradient_scale)
     });
     assert_gradients_match("mse", &output_gradient, &numerical);
+}
+
+/// The merges of graph models: `add` passes its output gradient to every input, `concat`
+/// hands each input its slice of the last axis.
+#[test]
+fn add_and_concat_backward_match_finite_differences() {
+    let mut rng = Rng::for_stream(4, &[0]);
+    let (rows, widths) = (6, [3usize, 1, 2]);
+    let inputs: Vec<Vec<f32>> = widths
+        .iter()
+        .map(|width| random_values(&mut rng, rows * width, 1.0, 0.0))
+        .collect();
+    let total: usize = widths.iter().sum();
+    let weights = random_values(&mut rng, rows * total, 1.0, 0.0);
+    let mut slices: Vec<Vec<f32>> = widths
+        .iter()
+        .map(|width| vec![f32::NAN; rows * width])
+        .collect();
+    let mut views: Vec<&mut [f32]> = slices.iter_mut().map(Vec::as_mut_slice).collect();
+    concat_backward(rows, &widths, &weights, &mut views);
+    for (index, input) in inputs.iter().enumerate() {
+        let numerical = numerical_gradient(input, 1e-2, |perturbed| {
+            let mut parts: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+            parts[index] = perturbed;
+            let mut output = vec![0.0; rows * total];
+            concat_forward(rows, &widths, &parts, &mut output);
+            weighted_sum(&output, &weights)
+        });
+        assert_gradients_match(&format!("concat input {index}"), &slices[index], &numerical);
+    }
+    let count = 12;
+    let a = random_values(&mut rng, count, 1.0, 0.0);
+    let b = random_values(&mut rng, count, 1.0, 0.0);
+    let weights = random_values(&mut rng, count, 1.0, 0.0);
+    for (index, point) in [&a, &b].into_iter().enumerate() {
+        let numerical = numerical_gradient(point, 1e-2, |perturbed| {
+            let mut output = vec![0.0; count];
+            let parts: [&[f32]; 2] = if index == 0 {
+                [perturbed, &b]
+            } else {
+                [&a, perturbed]
+            };
+            add_forward(&parts, &mut output);
+            weighted_sum(&output, &weights)
+        });
+        // The plan hands the add's output gradient itself to each input.
+        assert_gradients_match(&format!("add input {index}"), &weights, &numerical);
+    }
 }

@@ -1,4 +1,5 @@
-//! Finite-difference checks of the spatial and dense kernels' backward passes, plus the
+//! Finite-difference checks of the spatial and dense kernels' backward passes (depthwise
+//! convolution and zero padding among them), plus the
 //! properties the executor relies on: convolution results do not depend on the workspace
 //! it is given, parameter gradients accumulate and input gradients are overwritten.
 //!
@@ -9,6 +10,10 @@
 use carve_core::model::WindowGeometry;
 use carve_engine::kernels::conv::{conv2d_backward, conv2d_forward};
 use carve_engine::kernels::dense::{dense_backward, dense_forward};
+use carve_engine::kernels::depthwise::{
+    depthwise_conv2d_backward, depthwise_conv2d_forward, zero_padding_backward,
+    zero_padding_forward,
+};
 use carve_engine::kernels::pool::{
     avg_pool_backward, avg_pool_forward, global_avg_pool_backward, global_avg_pool_forward,
     max_pool_backward, max_pool_forward,
@@ -867,4 +872,100 @@ fn dense_gradients_match_finite_differences_and_accumulate() {
         );
         assert_close(&name, &bias_gradient, &doubled(&first_bias_gradient), 1e-6);
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Depthwise convolution and zero padding
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn depthwise_conv_and_zero_padding_gradients_match_finite_differences() {
+    let mut random = TestRandom::new(31);
+    for (name, multiplier, kernel, stride, padding) in [
+        ("3x3 same", 1, (3, 3), (1, 1), PaddingRule::Same),
+        (
+            "3x3 stride 2 multiplier 2",
+            2,
+            (3, 3),
+            (2, 2),
+            PaddingRule::Same,
+        ),
+        (
+            "2x3 valid multiplier 3",
+            3,
+            (2, 3),
+            (1, 2),
+            PaddingRule::Valid,
+        ),
+    ] {
+        let input_shape = image(2, 5, 6, 3);
+        let shapes = windowed(input_shape, 3 * multiplier, kernel, stride, padding);
+        let input = random.vector(input_shape.elements());
+        let kernel_values = random.vector(kernel.0 * kernel.1 * 3 * multiplier);
+        let bias = random.vector(3 * multiplier);
+        let weights = random.vector(shapes.output.elements());
+        let loss = |input: &[f32], kernel_values: &[f32], bias: &[f32]| {
+            let mut output = vec![0.0; shapes.output.elements()];
+            depthwise_conv2d_forward(
+                &shapes,
+                multiplier,
+                input,
+                kernel_values,
+                Some(bias),
+                &mut output,
+            );
+            weighted_sum(&output, &weights)
+        };
+        let mut input_gradient = vec![f32::NAN; input.len()];
+        let mut kernel_gradient = vec![0.0; kernel_values.len()];
+        let mut bias_gradient = vec![0.0; bias.len()];
+        depthwise_conv2d_backward(
+            &shapes,
+            multiplier,
+            &input,
+            &kernel_values,
+            &weights,
+            Some(&mut input_gradient),
+            &mut kernel_gradient,
+            Some(&mut bias_gradient),
+        );
+        check_against_finite_differences(
+            &format!("{name} input"),
+            &input,
+            &input_gradient,
+            1e-2,
+            |point| loss(point, &kernel_values, &bias),
+        );
+        check_against_finite_differences(
+            &format!("{name} kernel"),
+            &kernel_values,
+            &kernel_gradient,
+            1e-2,
+            |point| loss(&input, point, &bias),
+        );
+        check_against_finite_differences(
+            &format!("{name} bias"),
+            &bias,
+            &bias_gradient,
+            1e-2,
+            |point| loss(&input, &kernel_values, point),
+        );
+    }
+    let (input_shape, output_shape) = (image(2, 3, 4, 2), image(2, 6, 5, 2));
+    let input = random.vector(input_shape.elements());
+    let weights = random.vector(output_shape.elements());
+    let mut input_gradient = vec![f32::NAN; input.len()];
+    zero_padding_backward(
+        input_shape,
+        output_shape,
+        1,
+        0,
+        &weights,
+        &mut input_gradient,
+    );
+    check_against_finite_differences("zero padding", &input, &input_gradient, 1e-2, |point| {
+        let mut padded = vec![f32::NAN; output_shape.elements()];
+        zero_padding_forward(input_shape, output_shape, 1, 0, point, &mut padded);
+        weighted_sum(&padded, &weights)
+    });
 }

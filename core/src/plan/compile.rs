@@ -2,21 +2,22 @@
 //! of buffers and operations out (see the parent module for what a plan is), with every
 //! phase-local buffer placed by liveness.
 
+use super::backward::backward_pass;
 use super::liveness::place_by_liveness;
 use super::*;
-use crate::model::{LayerNode, LayerOp, ParameterTensor};
+use crate::model::{LayerNode, LayerOp, ParameterTensor, TensorSource};
 use crate::spec::LossKind;
 use crate::validate::ValidatedJob;
 
 /// Builds plans, keeping the buffer table and the overflow checks in one place.
-struct PlanBuilder<'a> {
-    graph: &'a ModelGraph,
-    config: RunConfig,
-    buffers: Vec<BufferSpec>,
+pub(super) struct PlanBuilder<'a> {
+    pub(super) graph: &'a ModelGraph,
+    pub(super) config: RunConfig,
+    pub(super) buffers: Vec<BufferSpec>,
 }
 
 impl PlanBuilder<'_> {
-    fn add_buffer(
+    pub(super) fn add_buffer(
         &mut self,
         role: BufferRole,
         owner: BufferOwner,
@@ -40,7 +41,7 @@ impl PlanBuilder<'_> {
         Ok(id)
     }
 
-    fn too_large(&self, owner: BufferOwner) -> FieldError {
+    pub(super) fn too_large(&self, owner: BufferOwner) -> FieldError {
         let what = match owner {
             BufferOwner::Layer(index) => self.graph.layers[index].label(),
             BufferOwner::Data => "the input".to_string(),
@@ -55,7 +56,7 @@ impl PlanBuilder<'_> {
         )
     }
 
-    fn per_micro_batch(
+    pub(super) fn per_micro_batch(
         &self,
         per_sample_elements: u64,
         owner: BufferOwner,
@@ -65,14 +66,18 @@ impl PlanBuilder<'_> {
             .ok_or_else(|| self.too_large(owner))
     }
 
-    fn activation_type(&self) -> ElementType {
+    pub(super) fn activation_type(&self) -> ElementType {
         ElementType::for_compute(self.config.precision)
     }
 
     /// A layer's output for one micro-batch (views share their input's buffer).
-    fn layer_output(&mut self, layer: &LayerNode, input: BufferId) -> Result<BufferId, FieldError> {
+    pub(super) fn layer_output(
+        &mut self,
+        layer: &LayerNode,
+        inputs: &[BufferId],
+    ) -> Result<BufferId, FieldError> {
         if layer.is_view() {
-            return Ok(input);
+            return Ok(inputs[0]);
         }
         let owner = BufferOwner::Layer(layer.index);
         let elements = self.per_micro_batch(layer.output_shape.elements(), owner)?;
@@ -87,7 +92,7 @@ impl PlanBuilder<'_> {
 
     /// The convolution workspace of one pass: whole samples' im2col up to the cap; an
     /// algorithm without workspace when not even one sample fits.
-    fn workspace(&mut self, layer: &LayerNode) -> Result<Option<BufferId>, FieldError> {
+    pub(super) fn workspace(&mut self, layer: &LayerNode) -> Result<Option<BufferId>, FieldError> {
         let owner = BufferOwner::Layer(layer.index);
         let samples =
             workspace_samples(layer, &self.config).ok_or_else(|| self.too_large(owner))?;
@@ -123,32 +128,52 @@ pub fn workspace_samples(layer: &LayerNode, config: &RunConfig) -> Option<u64> {
 
 /// The buffers setup allocates and nothing frees during training, indexed by layer and
 /// then by parameter tensor.
-struct PersistentBuffers {
+pub(super) struct PersistentBuffers {
     /// Compute-precision weights (fp32 running statistics).
-    weights: Vec<Vec<BufferId>>,
+    pub(super) weights: Vec<Vec<BufferId>>,
     /// fp32 masters under mixed precision, `None` for non-trainable tensors; empty
     /// layers otherwise.
-    masters: Vec<Vec<Option<BufferId>>>,
+    pub(super) masters: Vec<Vec<Option<BufferId>>>,
     /// fp32 gradients, `None` for non-trainable tensors.
-    gradients: Vec<Vec<Option<BufferId>>>,
-    optimizer_state: Vec<Vec<Vec<BufferId>>>,
+    pub(super) gradients: Vec<Vec<Option<BufferId>>>,
+    pub(super) optimizer_state: Vec<Vec<Vec<BufferId>>>,
     /// Prefetch slot 0 of the inputs and the targets: the engine rotates the slots, and
     /// they are all the same size, so slot 0 stands for whichever is current.
-    input: BufferId,
-    target: BufferId,
+    pub(super) input: BufferId,
+    pub(super) target: BufferId,
     /// Every buffer id below this is persistent.
-    count: usize,
+    pub(super) count: usize,
 }
 
 /// What a forward pass produced, by layer: what backward reads, and the model's output.
-/// With recomputation only the inputs of each segment's first layer (and the last
-/// layer's output) outlive the forward pass.
+/// With recomputation, backward reads a copy where the in-segment outputs are replaced by
+/// their recomputed buffers.
 #[derive(Clone)]
-struct ForwardPass {
-    inputs: Vec<BufferId>,
-    outputs: Vec<BufferId>,
-    side_outputs: Vec<Vec<BufferId>>,
-    final_output: BufferId,
+pub(super) struct ForwardPass {
+    pub(super) model_input: BufferId,
+    pub(super) outputs: Vec<BufferId>,
+    pub(super) side_outputs: Vec<Vec<BufferId>>,
+}
+
+impl ForwardPass {
+    pub(super) fn source(&self, source: TensorSource) -> BufferId {
+        match source {
+            TensorSource::ModelInput => self.model_input,
+            TensorSource::Layer(index) => self.outputs[index],
+        }
+    }
+
+    pub(super) fn inputs_of(&self, layer: &LayerNode) -> Vec<BufferId> {
+        layer
+            .inputs
+            .iter()
+            .map(|source| self.source(*source))
+            .collect()
+    }
+
+    pub(super) fn final_output(&self) -> BufferId {
+        self.outputs.last().copied().unwrap_or(self.model_input)
+    }
 }
 
 /// Compiles one training step of `job` run with `config`.
@@ -173,7 +198,7 @@ pub fn compile_step_plan(job: &ValidatedJob, config: &RunConfig) -> Result<StepP
     )?;
     let output_gradient = loss_pass(
         &mut builder,
-        forward.final_output,
+        forward.final_output(),
         persistent.target,
         &mut operations,
     )?;
@@ -202,7 +227,7 @@ pub fn compile_step_plan(job: &ValidatedJob, config: &RunConfig) -> Result<StepP
         micro_batch,
         update,
         evaluation,
-        layer_labels: graph.layers.iter().map(LayerNode::label).collect(),
+        layer_labels: graph.layers.iter().map(LayerNode::named_label).collect(),
     })
 }
 
@@ -382,20 +407,20 @@ fn setup_steps(
 
 /// The operation that runs one layer forward as `kind` says (forward, recompute,
 /// inference) on `input`, with the buffers it writes.
-struct LayerForward {
-    operation: Operation,
-    output: BufferId,
-    side_outputs: Vec<BufferId>,
+pub(super) struct LayerForward {
+    pub(super) operation: Operation,
+    pub(super) output: BufferId,
+    pub(super) side_outputs: Vec<BufferId>,
 }
 
-fn layer_forward(
+pub(super) fn layer_forward(
     builder: &mut PlanBuilder<'_>,
     layer: &LayerNode,
-    input: BufferId,
+    inputs: Vec<BufferId>,
     weights: &[BufferId],
     kind: OperationKind,
 ) -> Result<LayerForward, FieldError> {
-    let output = builder.layer_output(layer, input)?;
+    let output = builder.layer_output(layer, &inputs)?;
     // Inference keeps nothing for a backward pass.
     let side_outputs = if matches!(kind, OperationKind::LayerInference { .. }) {
         Vec::new()
@@ -410,7 +435,7 @@ fn layer_forward(
             .chain(side_outputs.iter().copied())
             .collect()
     };
-    let mut reads = vec![input];
+    let mut reads = inputs;
     reads.extend(weights);
     Ok(LayerForward {
         operation: Operation {
@@ -467,27 +492,22 @@ fn forward_pass(
     let graph = builder.graph;
     let layer_count = graph.layers.len();
     let mut forward = ForwardPass {
-        inputs: Vec::with_capacity(layer_count),
+        model_input: persistent.input,
         outputs: Vec::with_capacity(layer_count),
         side_outputs: Vec::with_capacity(layer_count),
-        final_output: persistent.input,
     };
-    let mut current = persistent.input;
     for layer in &graph.layers {
         let step = layer_forward(
             builder,
             layer,
-            current,
+            forward.inputs_of(layer),
             &persistent.weights[layer.index],
             kind(layer.index),
         )?;
         operations.push(step.operation);
-        forward.inputs.push(current);
         forward.outputs.push(step.output);
         forward.side_outputs.push(step.side_outputs);
-        current = step.output;
     }
-    forward.final_output = current;
     Ok(forward)
 }
 
@@ -556,141 +576,6 @@ fn loss_pass(
     Ok(output_gradient)
 }
 
-/// Backward, last layer first. Layers before the first trainable one need no backward
-/// at all, and that layer needs no input gradient.
-fn backward_pass(
-    builder: &mut PlanBuilder<'_>,
-    persistent: &PersistentBuffers,
-    forward: &ForwardPass,
-    output_gradient: BufferId,
-    operations: &mut Vec<Operation>,
-) -> Result<(), FieldError> {
-    let graph = builder.graph;
-    let layer_count = graph.layers.len();
-    let segment = builder
-        .config
-        .recompute_segment_layers
-        .map(|segment| segment as usize);
-    let first_trainable = graph
-        .layers
-        .iter()
-        .position(|layer| layer.trainable_parameter_elements() > 0)
-        .ok_or_else(|| FieldError::new("model.layers", "the model has no trainable parameters"))?;
-    let mut gradient = output_gradient;
-    // With recomputation, the buffers backward reads for layers inside a segment come from
-    // re-running the segment's forward just before its backward.
-    let mut read = forward.clone();
-    let mut index = layer_count;
-    while index > first_trainable {
-        index -= 1;
-        let layer = &graph.layers[index];
-        if let Some(segment) = segment {
-            let segment_start = index - index % segment;
-            let segment_end = (segment_start + segment).min(layer_count);
-            if index + 1 == segment_end && segment_start < segment_end - 1 {
-                recompute_segment(
-                    builder,
-                    persistent,
-                    forward.inputs[segment_start],
-                    segment_start..segment_end,
-                    &mut read,
-                    operations,
-                )?;
-            }
-        }
-        if layer.is_view() {
-            // The gradient of a reshape is the same buffer under the input's shape.
-            continue;
-        }
-        let owner = BufferOwner::Layer(index);
-        let mut reads = vec![gradient];
-        if layer.backward_reads_input() {
-            reads.push(read.inputs[index]);
-        }
-        if layer.backward_reads_output() {
-            reads.push(read.outputs[index]);
-        }
-        reads.extend(&read.side_outputs[index]);
-        reads.extend(&persistent.weights[index]);
-        let mut writes = Vec::new();
-        // cuDNN's batch-norm backward always writes the input gradient, so it gets one
-        // even as the first trainable layer.
-        let needs_input_gradient =
-            index > first_trainable || matches!(layer.op, LayerOp::BatchNorm { .. });
-        let input_gradient = if needs_input_gradient {
-            let elements = builder.per_micro_batch(layer.input_shape.elements(), owner)?;
-            let input_gradient = builder.add_buffer(
-                BufferRole::InputGradient,
-                owner,
-                MemoryCategory::Transients,
-                builder.activation_type(),
-                elements,
-            )?;
-            writes.push(input_gradient);
-            Some(input_gradient)
-        } else {
-            None
-        };
-        writes.extend(persistent.gradients[index].iter().flatten());
-        let mut scratch: Vec<BufferId> = builder.workspace(layer)?.into_iter().collect();
-        let trainable_elements = layer.trainable_parameter_elements();
-        if builder.config.precision.is_mixed() && trainable_elements > 0 {
-            // Half-precision kernels produce half gradients; they are added into the fp32
-            // gradients so accumulation does not lose precision.
-            scratch.push(builder.add_buffer(
-                BufferRole::HalfGradients,
-                owner,
-                MemoryCategory::Transients,
-                builder.activation_type(),
-                trainable_elements,
-            )?);
-        }
-        operations.push(Operation {
-            kind: OperationKind::LayerBackward { layer: index },
-            reads,
-            writes,
-            scratch,
-        });
-        if let Some(input_gradient) = input_gradient {
-            gradient = input_gradient;
-        }
-    }
-    Ok(())
-}
-
-/// Entering a segment from its end: rebuild its layers except the last, whose output is
-/// the next boundary (or the model output) and was kept. What backward reads for those
-/// layers (`read`) becomes the recomputed buffers.
-fn recompute_segment(
-    builder: &mut PlanBuilder<'_>,
-    persistent: &PersistentBuffers,
-    segment_input: BufferId,
-    segment: std::ops::Range<usize>,
-    read: &mut ForwardPass,
-    operations: &mut Vec<Operation>,
-) -> Result<(), FieldError> {
-    let graph = builder.graph;
-    let mut current = segment_input;
-    for recompute_index in segment.start..segment.end - 1 {
-        let step = layer_forward(
-            builder,
-            &graph.layers[recompute_index],
-            current,
-            &persistent.weights[recompute_index],
-            OperationKind::LayerRecompute {
-                layer: recompute_index,
-            },
-        )?;
-        operations.push(step.operation);
-        read.inputs[recompute_index] = current;
-        read.outputs[recompute_index] = step.output;
-        read.side_outputs[recompute_index] = step.side_outputs;
-        current = step.output;
-    }
-    read.inputs[segment.end - 1] = current;
-    Ok(())
-}
-
 /// Update: loss-scale overflow check (fp16), then the optimizer per parameter tensor.
 fn update_operations(
     builder: &mut PlanBuilder<'_>,
@@ -754,7 +639,7 @@ fn evaluation_operations(
     let (loss_value, probabilities) = loss_outputs(builder)?;
     operations.push(Operation {
         kind: OperationKind::LossEvaluate,
-        reads: vec![forward.final_output, persistent.target],
+        reads: vec![forward.final_output(), persistent.target],
         writes: std::iter::once(loss_value).chain(probabilities).collect(),
         scratch: Vec::new(),
     });

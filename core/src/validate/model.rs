@@ -8,12 +8,17 @@ use super::{
 };
 use crate::error::FieldError;
 use crate::model::{
-    ActivationKind, FeatureShape, LayerNode, LayerOp, ModelGraph, ParameterTensor, WindowGeometry,
+    ActivationKind, FeatureShape, LayerNode, LayerOp, ModelGraph, ParameterTensor, TensorSource,
+    WindowGeometry,
 };
 use crate::spec::{
-    BatchNormSpec, Conv2dSpec, DenseSpec, Dimensions, JobSpec, LayerSpec, LossKind, Padding,
-    PaddingMode, PoolSpec,
+    BatchNormSpec, Conv2dSpec, DenseSpec, DepthwiseConv2dSpec, Dimensions, JobSpec, LayerSpec,
+    LossKind, Padding, PaddingMode, PoolSpec, ZeroPadding2dSpec,
 };
+
+mod graph;
+
+use graph::{check_every_output_is_read, merged_shape, resolve_layer_inputs};
 
 pub(super) fn infer_model_graph(spec: &JobSpec) -> Result<ModelGraph, FieldError> {
     let model = &spec.model;
@@ -58,13 +63,26 @@ pub(super) fn infer_model_graph(spec: &JobSpec) -> Result<ModelGraph, FieldError
             ),
         ));
     }
-    let mut layers = Vec::with_capacity(model.layers.len());
-    let mut current = input_shape;
-    for (index, layer) in model.layers.iter().enumerate() {
-        let node = infer_layer(index, layer, current)?;
-        current = node.output_shape;
+    let sources = resolve_layer_inputs(&model.layers)?;
+    let mut layers: Vec<LayerNode> = Vec::with_capacity(model.layers.len());
+    for ((index, entry), inputs) in model.layers.iter().enumerate().zip(sources) {
+        let shapes: Vec<FeatureShape> = inputs
+            .iter()
+            .map(|source| match source {
+                TensorSource::ModelInput => input_shape,
+                TensorSource::Layer(producer) => layers[*producer].output_shape,
+            })
+            .collect();
+        let mut node = infer_layer(index, &entry.layer, &shapes, &inputs, &layers)?;
+        node.name = entry.name.clone();
+        node.inputs = inputs;
         layers.push(node);
     }
+    check_every_output_is_read(&layers)?;
+    let current = layers
+        .last()
+        .map(|layer| layer.output_shape)
+        .unwrap_or(input_shape);
     match (model.loss, current) {
         (LossKind::SoftmaxCrossEntropy, FeatureShape::Flat { features }) if features >= 2 => {}
         (LossKind::SoftmaxCrossEntropy, FeatureShape::Flat { features }) => {
@@ -248,10 +266,23 @@ fn same_padding_total(input: u64, kernel: u64, stride: u64) -> Option<u64> {
 fn infer_layer(
     index: usize,
     layer: &LayerSpec,
-    input: FeatureShape,
+    input_shapes: &[FeatureShape],
+    sources: &[TensorSource],
+    earlier: &[LayerNode],
 ) -> Result<LayerNode, FieldError> {
     let path = format!("model.layers[{index}].{}", layer.kind_name());
+    let input = input_shapes[0];
     let (op, output_shape, parameters) = match layer {
+        LayerSpec::Add(_) | LayerSpec::Concat(_) => {
+            let is_add = matches!(layer, LayerSpec::Add(_));
+            let output = merged_shape(&path, is_add, input_shapes, sources, earlier)?;
+            let op = if is_add {
+                LayerOp::Add
+            } else {
+                LayerOp::Concat
+            };
+            (op, output, Vec::new())
+        }
         LayerSpec::Conv2d(conv) => infer_conv2d(&path, conv, input)?,
         LayerSpec::MaxPool(pool) => {
             infer_pool(&path, pool, input, |window| LayerOp::MaxPool { window })?
@@ -268,6 +299,9 @@ fn infer_layer(
             )
         }
         LayerSpec::Relu(_) => activation(ActivationKind::Relu, input),
+        LayerSpec::Relu6(_) => activation(ActivationKind::Relu6, input),
+        LayerSpec::DepthwiseConv2d(depthwise) => infer_depthwise_conv2d(&path, depthwise, input)?,
+        LayerSpec::ZeroPadding2d(padding) => infer_zero_padding(&path, padding, input)?,
         LayerSpec::Gelu(_) => activation(ActivationKind::Gelu, input),
         LayerSpec::Sigmoid(_) => activation(ActivationKind::Sigmoid, input),
         LayerSpec::Tanh(_) => activation(ActivationKind::Tanh, input),
@@ -293,6 +327,8 @@ fn infer_layer(
         index,
         kind_name: layer.kind_name(),
         op,
+        name: None,
+        inputs: Vec::new(),
         input_shape: input,
         output_shape,
         parameters,
@@ -362,6 +398,95 @@ fn infer_conv2d(
             channels: conv.filters,
         },
         kernel_and_bias(kernel_shape, kernel_elements, conv.use_bias, conv.filters),
+    ))
+}
+
+fn infer_depthwise_conv2d(
+    path: &str,
+    depthwise: &DepthwiseConv2dSpec,
+    input: FeatureShape,
+) -> Result<InferredLayer, FieldError> {
+    let (height, width, channels) = image_or_error(input, path)?;
+    if depthwise.depth_multiplier == 0 {
+        return Err(FieldError::new(
+            format!("{path}.depth_multiplier"),
+            "must be at least 1",
+        ));
+    }
+    let (window, output_height, output_width) = resolve_window(
+        path,
+        "kernel",
+        height,
+        width,
+        depthwise.kernel,
+        depthwise.stride,
+        depthwise.padding,
+    )?;
+    let multiplier_field = format!("{path}.depth_multiplier");
+    let output_channels =
+        checked_elements(&[channels, depthwise.depth_multiplier], &multiplier_field)?;
+    checked_elements(
+        &[output_height, output_width, output_channels],
+        &multiplier_field,
+    )?;
+    let kernel_shape = vec![
+        window.kernel_height,
+        window.kernel_width,
+        channels,
+        depthwise.depth_multiplier,
+    ];
+    let kernel_elements = checked_elements(&kernel_shape, &multiplier_field)?;
+    Ok((
+        LayerOp::DepthwiseConv2d {
+            multiplier: depthwise.depth_multiplier,
+            window,
+            use_bias: depthwise.use_bias,
+        },
+        FeatureShape::Image {
+            height: output_height,
+            width: output_width,
+            channels: output_channels,
+        },
+        kernel_and_bias(
+            kernel_shape,
+            kernel_elements,
+            depthwise.use_bias,
+            output_channels,
+        ),
+    ))
+}
+
+fn infer_zero_padding(
+    path: &str,
+    padding: &ZeroPadding2dSpec,
+    input: FeatureShape,
+) -> Result<InferredLayer, FieldError> {
+    let (height, width, channels) = image_or_error(input, path)?;
+    let [top, bottom, left, right] = padding.padding.sides();
+    let field = format!("{path}.padding");
+    let too_large = || FieldError::new(field.clone(), "makes the image too large");
+    let padded_height = height
+        .checked_add(top)
+        .and_then(|sum| sum.checked_add(bottom))
+        .ok_or_else(too_large)?;
+    let padded_width = width
+        .checked_add(left)
+        .and_then(|sum| sum.checked_add(right))
+        .ok_or_else(too_large)?;
+    checked_elements(&[padded_height, padded_width, channels], &field)?;
+    Ok((
+        LayerOp::ZeroPadding2d {
+            top,
+            bottom,
+            left,
+            right,
+        },
+        FeatureShape::Image {
+            height: padded_height,
+            width: padded_width,
+            channels,
+        },
+        Vec::new(),
     ))
 }
 

@@ -18,6 +18,10 @@ use crate::kernels::batch_norm::{
 };
 use crate::kernels::conv::{conv2d_backward, conv2d_forward};
 use crate::kernels::dense::{dense_backward, dense_forward};
+use crate::kernels::depthwise::{
+    depthwise_conv2d_backward, depthwise_conv2d_forward, zero_padding_backward,
+    zero_padding_forward,
+};
 use crate::kernels::dropout::{dropout_backward, dropout_forward};
 use crate::kernels::optimizer::gradients_are_finite;
 use crate::kernels::pool::{
@@ -318,6 +322,54 @@ impl ConvKernels for CpuBackend {
         );
         Ok(())
     }
+
+    fn depthwise_conv2d_forward(
+        &mut self,
+        call: &LayerCall<'_>,
+        forward: &mut CpuForward,
+        multiplier: usize,
+        use_bias: bool,
+    ) -> Result<(), EngineError> {
+        let views = forward.views(call);
+        let parameter = |index: usize| views.bench.get(call.roles.parameters[index]);
+        depthwise_conv2d_forward(
+            &Self::depthwise_shapes(call),
+            multiplier,
+            views.input,
+            parameter(0),
+            use_bias.then(|| parameter(1)),
+            views.output,
+        );
+        Ok(())
+    }
+
+    fn depthwise_conv2d_backward(
+        &mut self,
+        call: &LayerCall<'_>,
+        backward: &mut CpuBackward,
+        multiplier: usize,
+        _use_bias: bool,
+    ) -> Result<(), EngineError> {
+        let views = backward.views(call);
+        let (kernel_gradient, rest) = views.parameter_gradients.split_at_mut(1);
+        depthwise_conv2d_backward(
+            &Self::depthwise_shapes(call),
+            multiplier,
+            views.input.ok_or_else(|| call.missing("input"))?,
+            views.bench.get(call.roles.parameters[0]),
+            views.dy,
+            views.dx,
+            &mut kernel_gradient[0],
+            rest.first_mut().map(Vec::as_mut_slice),
+        );
+        Ok(())
+    }
+}
+
+impl CpuBackend {
+    fn depthwise_shapes(call: &LayerCall<'_>) -> crate::kernels::WindowedShapes {
+        windowed_shapes(call.layer, call.batch).expect("depthwise conv has a window")
+    }
 }
 
 impl DenseKernels for CpuBackend {
@@ -431,6 +483,44 @@ impl PoolKernels for CpuBackend {
         let views = backward.views(call);
         global_avg_pool_backward(
             image_shape(call.layer.input_shape, call.batch),
+            views.dy,
+            views.dx.ok_or_else(|| call.missing("input gradient"))?,
+        );
+        Ok(())
+    }
+
+    fn zero_padding_forward(
+        &mut self,
+        call: &LayerCall<'_>,
+        forward: &mut CpuForward,
+        top: usize,
+        left: usize,
+    ) -> Result<(), EngineError> {
+        let views = forward.views(call);
+        zero_padding_forward(
+            image_shape(call.layer.input_shape, call.batch),
+            image_shape(call.layer.output_shape, call.batch),
+            top,
+            left,
+            views.input,
+            views.output,
+        );
+        Ok(())
+    }
+
+    fn zero_padding_backward(
+        &mut self,
+        call: &LayerCall<'_>,
+        backward: &mut CpuBackward,
+        top: usize,
+        left: usize,
+    ) -> Result<(), EngineError> {
+        let views = backward.views(call);
+        zero_padding_backward(
+            image_shape(call.layer.input_shape, call.batch),
+            image_shape(call.layer.output_shape, call.batch),
+            top,
+            left,
             views.dy,
             views.dx.ok_or_else(|| call.missing("input gradient"))?,
         );

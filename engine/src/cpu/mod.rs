@@ -8,6 +8,7 @@
 //! is outside the slice's bookkeeping.
 
 mod layers;
+mod merge;
 
 use std::collections::HashMap;
 

@@ -1,5 +1,5 @@
 //! The cuda backend's activations: cuDNN relu, sigmoid and tanh, NVRTC kernels for leaky
-//! relu and gelu (and for tensors too large for cuDNN's element count).
+//! relu, relu6 and gelu (and for tensors too large for cuDNN's element count).
 
 use carve_core::model::ActivationKind;
 
@@ -16,6 +16,7 @@ fn activation_code(kind: ActivationKind) -> (i32, f32) {
         ActivationKind::Gelu => (2, 0.0),
         ActivationKind::Sigmoid => (3, 0.0),
         ActivationKind::Tanh => (4, 0.0),
+        ActivationKind::Relu6 => (5, 0.0),
     }
 }
 
@@ -24,7 +25,7 @@ fn cudnn_activation(kind: ActivationKind) -> Option<CudnnActivation> {
         ActivationKind::Relu => Some(CudnnActivation::Relu),
         ActivationKind::Sigmoid => Some(CudnnActivation::Sigmoid),
         ActivationKind::Tanh => Some(CudnnActivation::Tanh),
-        ActivationKind::LeakyRelu { .. } | ActivationKind::Gelu => None,
+        ActivationKind::LeakyRelu { .. } | ActivationKind::Gelu | ActivationKind::Relu6 => None,
     }
 }
 
@@ -92,7 +93,7 @@ impl ActivationKernels for CudaBackend {
                 .map_err(|failure| self.fail(failure))?,
             _ => {
                 let (code, alpha) = activation_code(kind);
-                let saved = if cudnn_activation(kind).is_some() {
+                let saved = if crate::kernels::activation::backward_reads_output(kind) {
                     backward.saved_output(call)?
                 } else {
                     backward.saved_input(call)?

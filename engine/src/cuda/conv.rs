@@ -292,6 +292,26 @@ impl CudaBackend {
 }
 
 impl ConvKernels for CudaBackend {
+    fn depthwise_conv2d_forward(
+        &mut self,
+        call: &LayerCall<'_>,
+        forward: &mut CudaForward,
+        _multiplier: usize,
+        use_bias: bool,
+    ) -> Result<(), EngineError> {
+        self.depthwise_forward(call, forward, use_bias)
+    }
+
+    fn depthwise_conv2d_backward(
+        &mut self,
+        call: &LayerCall<'_>,
+        backward: &mut CudaBackward,
+        _multiplier: usize,
+        use_bias: bool,
+    ) -> Result<(), EngineError> {
+        self.depthwise_backward(call, backward, use_bias)
+    }
+
     fn conv2d_forward(
         &mut self,
         call: &LayerCall<'_>,

@@ -69,6 +69,11 @@ pub const KERNEL_NAMES: &[&str] = &[
     "pool_backward_direct",
     "global_avg_pool_forward",
     "global_avg_pool_backward",
+    "add_elements",
+    "concat_rows",
+    "depthwise_forward_direct",
+    "depthwise_backward_data_direct",
+    "depthwise_backward_filter_direct",
 ];
 
 /// The CUDA C source of every kernel.
@@ -115,6 +120,68 @@ extern "C" __global__ void convert_elements(const void* src, int src_t, void* ds
     GRID_STRIDE(i, n) { store_element(dst, dst_t, i, load_element(src, src_t, i)); }
 }
 
+// Depthwise convolution: g.f = g.c * multiplier outputs, kernel [kh, kw, c, multiplier]
+// (HWIO, not KRSC: it is not a conv kernel for the layout conversion).
+extern "C" __global__ void depthwise_forward_direct(const void* x, const void* kernel, const void* bias, void* y, int t, ConvGeometry g) {
+    i64 m = g.f / g.c;
+    GRID_STRIDE(i, g.n * g.oh * g.ow * g.f) {
+        i64 f = i % g.f, ox = (i / g.f) % g.ow, oy = (i / (g.f * g.ow)) % g.oh, s = i / (g.f * g.ow * g.oh);
+        i64 c = f / m, j = f % m;
+        float sum = 0.0f;
+        for (i64 ky = 0; ky < g.kh; ++ky) {
+            i64 iy = oy * g.sh + ky - g.pt; if (iy < 0 || iy >= g.h) continue;
+            for (i64 kx = 0; kx < g.kw; ++kx) {
+                i64 ix = ox * g.sw + kx - g.pl; if (ix < 0 || ix >= g.w) continue;
+                sum = sum + load_element(x, t, ((s * g.h + iy) * g.w + ix) * g.c + c) * load_element(kernel, t, ((ky * g.kw + kx) * g.c + c) * m + j);
+            }
+        }
+        if (bias != 0) sum = sum + load_element(bias, t, f);
+        store_element(y, t, i, sum);
+    }
+}
+extern "C" __global__ void depthwise_backward_data_direct(const void* dy, const void* kernel, void* dx, int t, ConvGeometry g) {
+    i64 m = g.f / g.c;
+    GRID_STRIDE(i, g.n * g.h * g.w * g.c) {
+        i64 c = i % g.c, ix = (i / g.c) % g.w, iy = (i / (g.c * g.w)) % g.h, s = i / (g.c * g.w * g.h);
+        float sum = 0.0f;
+        for (i64 ky = 0; ky < g.kh; ++ky) {
+            i64 ny = iy + g.pt - ky; if (ny < 0 || ny % g.sh != 0) continue; i64 oy = ny / g.sh; if (oy >= g.oh) continue;
+            for (i64 kx = 0; kx < g.kw; ++kx) {
+                i64 nx = ix + g.pl - kx; if (nx < 0 || nx % g.sw != 0) continue; i64 ox = nx / g.sw; if (ox >= g.ow) continue;
+                for (i64 j = 0; j < m; ++j)
+                    sum = sum + load_element(dy, t, ((s * g.oh + oy) * g.ow + ox) * g.f + c * m + j) * load_element(kernel, t, ((ky * g.kw + kx) * g.c + c) * m + j);
+            }
+        }
+        store_element(dx, t, i, sum);
+    }
+}
+extern "C" __global__ void depthwise_backward_filter_direct(const void* x, const void* dy, int t, void* dw, int dw_t, int accumulate, ConvGeometry g) {
+    i64 m = g.f / g.c;
+    GRID_STRIDE(i, g.kh * g.kw * g.c * m) {
+        i64 j = i % m, c = (i / m) % g.c, kx = (i / (m * g.c)) % g.kw, ky = i / (m * g.c * g.kw);
+        float sum = 0.0f;
+        for (i64 s = 0; s < g.n; ++s)
+            for (i64 oy = 0; oy < g.oh; ++oy) {
+                i64 iy = oy * g.sh + ky - g.pt; if (iy < 0 || iy >= g.h) continue;
+                for (i64 ox = 0; ox < g.ow; ++ox) {
+                    i64 ix = ox * g.sw + kx - g.pl; if (ix < 0 || ix >= g.w) continue;
+                    sum = sum + load_element(x, t, ((s * g.h + iy) * g.w + ix) * g.c + c) * load_element(dy, t, ((s * g.oh + oy) * g.ow + ox) * g.f + c * m + j);
+                }
+            }
+        float before = accumulate ? load_element(dw, dw_t, i) : 0.0f;
+        store_element(dw, dw_t, i, before + sum);
+    }
+}
+extern "C" __global__ void add_elements(const void* a, const void* b, void* dst, int t, i64 n) {
+    GRID_STRIDE(i, n) { store_element(dst, t, i, load_element(a, t, i) + load_element(b, t, i)); }
+}
+extern "C" __global__ void concat_rows(const void* src, void* dst, int t, i64 rows, i64 width, i64 total, i64 offset, int split) {
+    GRID_STRIDE(i, rows * width) {
+        i64 joined = (i / width) * total + offset + i % width;
+        if (split) store_element(dst, t, i, load_element(src, t, joined));
+        else store_element(dst, t, joined, load_element(src, t, i));
+    }
+}
 extern "C" __global__ void add_into_f32(float* dst, const void* src, int src_t, i64 n) {
     GRID_STRIDE(i, n) { dst[i] = dst[i] + load_element(src, src_t, i); }
 }
@@ -158,12 +225,13 @@ extern "C" __global__ void activation_forward(int kind, float alpha, const void*
             case 1: r = v > 0.0f ? v : alpha * v; break;
             case 2: { double d = (double)v; r = (float)(d * standard_normal_cdf(d)); break; }
             case 3: r = sigmoid_of(v); break;
+            case 5: r = v < 0.0f ? 0.0f : v; r = r > 6.0f ? 6.0f : r; break;
             default: r = tanhf(v); break;
         }
         store_element(y, t, i, r);
     }
 }
-// `saved` is the output for relu, sigmoid and tanh and the input for leaky relu and gelu.
+// `saved` is the output for relu, relu6, sigmoid and tanh and the input for leaky relu and gelu.
 extern "C" __global__ void activation_backward(int kind, float alpha, const void* saved, const void* dy, void* dx, int t, i64 n) {
     GRID_STRIDE(i, n) {
         float s = load_element(saved, t, i), g = load_element(dy, t, i), r;
@@ -176,6 +244,7 @@ extern "C" __global__ void activation_backward(int kind, float alpha, const void
                 r = g * (float)(standard_normal_cdf(d) + d * density); break;
             }
             case 3: r = g * s * (1.0f - s); break;
+            case 5: r = (s > 0.0f && s < 6.0f) ? g : 0.0f; break;
             default: r = g * (1.0f - s * s); break;
         }
         store_element(dx, t, i, r);

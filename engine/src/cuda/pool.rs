@@ -40,6 +40,28 @@ fn pooling_shape(
 }
 
 impl PoolKernels for CudaBackend {
+    fn zero_padding_forward(
+        &mut self,
+        call: &LayerCall<'_>,
+        forward: &mut CudaForward,
+        top: usize,
+        left: usize,
+    ) -> Result<(), EngineError> {
+        let CudaForward { input, output } = *forward;
+        self.zero_padding(call, input, output, (top, left), false)
+    }
+
+    fn zero_padding_backward(
+        &mut self,
+        call: &LayerCall<'_>,
+        backward: &mut CudaBackward,
+        top: usize,
+        left: usize,
+    ) -> Result<(), EngineError> {
+        let dx = backward.required_input_gradient(call)?;
+        self.zero_padding(call, backward.gradient_in, dx, (top, left), true)
+    }
+
     fn pool_forward(
         &mut self,
         call: &LayerCall<'_>,

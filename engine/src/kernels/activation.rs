@@ -16,6 +16,7 @@ use carve_core::model::ActivationKind;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OutputDifferentiableActivation {
     Relu,
+    Relu6,
     Sigmoid,
     Tanh,
 }
@@ -25,6 +26,7 @@ impl OutputDifferentiableActivation {
     pub fn from_kind(kind: ActivationKind) -> Option<Self> {
         match kind {
             ActivationKind::Relu => Some(OutputDifferentiableActivation::Relu),
+            ActivationKind::Relu6 => Some(OutputDifferentiableActivation::Relu6),
             ActivationKind::Sigmoid => Some(OutputDifferentiableActivation::Sigmoid),
             ActivationKind::Tanh => Some(OutputDifferentiableActivation::Tanh),
             ActivationKind::LeakyRelu { .. } | ActivationKind::Gelu => None,
@@ -53,6 +55,11 @@ pub fn activation_forward(kind: ActivationKind, input: &[f32], output: &mut [f32
         ActivationKind::Relu => {
             for (y, &x) in output.iter_mut().zip(input) {
                 *y = relu(x);
+            }
+        }
+        ActivationKind::Relu6 => {
+            for (y, &x) in output.iter_mut().zip(input) {
+                *y = relu6(x);
             }
         }
         ActivationKind::LeakyRelu { alpha } => {
@@ -134,6 +141,11 @@ pub fn activation_backward_from_output(
                 *dx = if y > 0.0 { dy } else { 0.0 };
             }
         }
+        OutputDifferentiableActivation::Relu6 => {
+            for (dx, (&y, &dy)) in pairs {
+                *dx = if y > 0.0 && y < 6.0 { dy } else { 0.0 };
+            }
+        }
         OutputDifferentiableActivation::Sigmoid => {
             for (dx, (&y, &dy)) in pairs {
                 *dx = dy * y * (1.0 - y);
@@ -166,6 +178,11 @@ pub fn activation_backward_from_input(
         ActivationKind::Relu => {
             for (dx, (&x, &dy)) in pairs {
                 *dx = if x > 0.0 { dy } else { 0.0 };
+            }
+        }
+        ActivationKind::Relu6 => {
+            for (dx, (&x, &dy)) in pairs {
+                *dx = if x > 0.0 && x < 6.0 { dy } else { 0.0 };
             }
         }
         ActivationKind::LeakyRelu { alpha } => {
@@ -206,6 +223,12 @@ fn assert_lengths(saved: usize, output_gradient: usize, input_gradient: usize) {
 /// `max(x, 0)`, written so that NaN stays NaN (`f32::max` would turn it into 0).
 fn relu(x: f32) -> f32 {
     if x < 0.0 { 0.0 } else { x }
+}
+
+/// NaN passes through, as relu's does.
+fn relu6(x: f32) -> f32 {
+    let clipped = relu(x);
+    if clipped > 6.0 { 6.0 } else { clipped }
 }
 
 fn leaky_relu(x: f32, alpha: f32) -> f32 {

@@ -14,9 +14,11 @@ pub mod activation;
 pub mod batch_norm;
 pub mod conv;
 pub mod dense;
+pub mod depthwise;
 pub mod dropout;
 pub mod gemm;
 pub mod loss;
+pub mod merge;
 pub mod optimizer;
 pub mod pool;
 
