@@ -99,6 +99,7 @@ mod tests {
                     "DrainWorker",
                     "UndrainWorker",
                     "ListSlices",
+                    "RemoveWorker",
                 ],
             ),
             (
