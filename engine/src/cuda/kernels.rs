@@ -115,6 +115,8 @@ __device__ __forceinline__ void store_element(void* p, int t, i64 i, float v) {
     }
 }
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
+// The direct convolution, depthwise and pooling kernels' geometry (device.rs mirrors it).
+struct ConvGeometry { i64 n, h, w, c, oh, ow, f, kh, kw, sh, sw, pt, pl; };
 
 extern "C" __global__ void convert_elements(const void* src, int src_t, void* dst, int dst_t, i64 n) {
     GRID_STRIDE(i, n) { store_element(dst, dst_t, i, load_element(src, src_t, i)); }
@@ -460,7 +462,6 @@ extern "C" __global__ void adam_update(float* w, const float* gradients, float* 
 
 // Direct convolution for the geometries cuDNN's symmetric padding cannot express (TF
 // "same" with an odd total padding). Kernels are KRSC: [filters][kh][kw][in_channels].
-struct ConvGeometry { i64 n, h, w, c, oh, ow, f, kh, kw, sh, sw, pt, pl; };
 extern "C" __global__ void conv_forward_direct(const void* x, const void* kernel, const void* bias, void* y, int t, ConvGeometry g) {
     GRID_STRIDE(i, g.n * g.oh * g.ow * g.f) {
         i64 f = i % g.f, ox = (i / g.f) % g.ow, oy = (i / (g.f * g.ow)) % g.oh, s = i / (g.f * g.ow * g.oh);
@@ -614,6 +615,31 @@ mod tests {
             KERNEL_NAMES.len(),
             "every kernel in the source is listed"
         );
+    }
+
+    /// NVRTC compiles the source top to bottom: a struct used before its definition is a
+    /// compile error that only a machine with NVRTC would see.
+    #[test]
+    fn every_struct_is_defined_before_it_is_used() {
+        for definition in KERNEL_SOURCE.match_indices("struct ") {
+            let name: String = KERNEL_SOURCE[definition.0 + "struct ".len()..]
+                .chars()
+                .take_while(|character| character.is_alphanumeric() || *character == '_')
+                .collect();
+            let first_use = KERNEL_SOURCE
+                .match_indices(name.as_str())
+                .map(|(index, _)| index)
+                .find(|index| {
+                    let before = KERNEL_SOURCE[..*index].chars().last();
+                    !before.is_some_and(|character| character.is_alphanumeric() || character == '_')
+                })
+                .expect("the name is in the source");
+            assert_eq!(
+                first_use,
+                definition.0 + "struct ".len(),
+                "struct {name} is used before its definition"
+            );
+        }
     }
 
     #[test]
