@@ -46,6 +46,15 @@ fn gpu(gpu_id: &str, free_gib: u64, attempts: Vec<RunningAttempt>) -> GpuOccupan
     }
 }
 
+/// The plan for `job` when fair share plays no part.
+fn without_shares(
+    job: &UrgentJob,
+    gpus: &[GpuOccupancy],
+    settings: PreemptionSettings,
+) -> Option<PreemptionPlan> {
+    choose_victims(job, gpus, &FairShareState::default(), settings)
+}
+
 fn victim_ids(plan: &PreemptionPlan) -> Vec<&str> {
     plan.victims
         .iter()
@@ -64,13 +73,7 @@ fn evicts_the_lowest_priority_attempt_that_makes_room() {
             attempt("c", "t", 5, 4),
         ],
     )];
-    let plan = choose_victims(
-        &urgent("t", 10, 12),
-        &gpus,
-        &FairShareState::default(),
-        NO_LIMITS,
-    )
-    .expect("a plan");
+    let plan = without_shares(&urgent("t", 10, 12), &gpus, NO_LIMITS).expect("a plan");
     assert_eq!(plan.gpu_id, "gpu-0");
     assert_eq!(victim_ids(&plan), vec!["b"]);
     assert_eq!(plan.free_bytes_after, 12 * GIB);
@@ -87,13 +90,7 @@ fn prefers_the_gpu_whose_victims_have_the_lowest_priority() {
             vec![attempt("b", "t", 1, 8), attempt("c", "t", 1, 8)],
         ),
     ];
-    let plan = choose_victims(
-        &urgent("t", 10, 16),
-        &gpus,
-        &FairShareState::default(),
-        NO_LIMITS,
-    )
-    .expect("a plan");
+    let plan = without_shares(&urgent("t", 10, 16), &gpus, NO_LIMITS).expect("a plan");
     assert_eq!(plan.gpu_id, "gpu-1");
     assert_eq!(victim_ids(&plan), vec!["b", "c"]);
 }
@@ -105,15 +102,7 @@ fn never_evicts_equal_or_higher_priority_without_reclaim() {
         0,
         vec![attempt("a", "t", 10, 16), attempt("b", "u", 11, 16)],
     )];
-    assert_eq!(
-        choose_victims(
-            &urgent("t", 10, 8),
-            &gpus,
-            &FairShareState::default(),
-            NO_LIMITS
-        ),
-        None
-    );
+    assert_eq!(without_shares(&urgent("t", 10, 8), &gpus, NO_LIMITS), None);
 }
 
 #[test]
@@ -155,38 +144,14 @@ fn young_attempts_and_often_preempted_jobs_are_spared() {
         min_run_time_seconds: 300,
         max_preemptions_per_job_per_hour: 2,
     };
-    assert_eq!(
-        choose_victims(
-            &urgent("t", 10, 8),
-            &gpus,
-            &FairShareState::default(),
-            settings
-        ),
-        None
-    );
+    assert_eq!(without_shares(&urgent("t", 10, 8), &gpus, settings), None);
 }
 
 #[test]
 fn no_plan_when_the_job_already_fits_or_never_can() {
     let gpus = vec![gpu("gpu-0", 16, vec![attempt("a", "t", 0, 8)])];
-    assert_eq!(
-        choose_victims(
-            &urgent("t", 10, 8),
-            &gpus,
-            &FairShareState::default(),
-            NO_LIMITS
-        ),
-        None
-    );
-    assert_eq!(
-        choose_victims(
-            &urgent("t", 10, 64),
-            &gpus,
-            &FairShareState::default(),
-            NO_LIMITS
-        ),
-        None
-    );
+    assert_eq!(without_shares(&urgent("t", 10, 8), &gpus, NO_LIMITS), None);
+    assert_eq!(without_shares(&urgent("t", 10, 64), &gpus, NO_LIMITS), None);
 }
 
 const TENANTS: [&str; 3] = ["a", "b", "c"];

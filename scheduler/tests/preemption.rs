@@ -6,6 +6,8 @@
 use std::time::Duration;
 
 use carve_proto::v1;
+use carve_scheduler::scheduler::SchedulerSettings;
+use tonic::transport::Channel;
 
 #[path = "support/worker.rs"]
 mod test_worker;
@@ -14,8 +16,8 @@ use test_worker::TestWorker;
 #[path = "support/cluster.rs"]
 mod cluster;
 use cluster::{
-    JOB, all_job_logs, channel, get, metric, scrape, start_adjusted, submit, tenant_with_tokens,
-    wait_for_state,
+    Cluster, JOB, all_job_logs, channel, get, metric, scrape, start_adjusted, submit,
+    tenant_with_tokens, wait_for_state,
 };
 
 const CONTEXT_BYTES: u64 = 256 << 20;
@@ -28,18 +30,26 @@ fn with_priority(priority: i32, name: &str) -> String {
     )
 }
 
-#[tokio::test]
-async fn an_urgent_job_preempts_a_lower_priority_one_which_resumes_from_its_checkpoint() {
+/// A cluster whose tests' settings `adjust` changes (young attempts may be preempted),
+/// with a low-priority job running on a GPU sized to hold one such job and a half: the
+/// job is submitted before any GPU exists, so its size is known first.
+async fn low_job_running(
+    adjust: impl FnOnce(&mut SchedulerSettings),
+) -> (
+    Cluster,
+    Channel,
+    String,
+    TestWorker,
+    v1::Job,
+    v1::scheduler_message::Assignment,
+) {
     let cluster = start_adjusted(Duration::from_secs(30), |settings| {
         settings.preemption.min_run_time = Duration::ZERO;
-        settings.preemption.grace_period = Duration::from_secs(7);
+        adjust(settings);
     })
     .await;
     let channel = channel(&cluster).await;
     let (user, worker_token) = tenant_with_tokens(&channel, "acme", v1::Quota::default()).await;
-
-    // The low job is submitted before any GPU exists, so the GPU can be sized to hold
-    // one such job and a half.
     let low = submit(&channel, &user, &with_priority(0, "low"), "")
         .await
         .unwrap()
@@ -53,9 +63,17 @@ async fn an_urgent_job_preempts_a_lower_priority_one_which_resumes_from_its_chec
         CONTEXT_BYTES + required * 3 / 2,
     )
     .await;
-    let low_assignment = worker.next_assignment().await;
+    let assignment = worker.next_assignment().await;
+    worker.started(&assignment).await;
+    (cluster, channel, user, worker, low, assignment)
+}
+
+#[tokio::test]
+async fn an_urgent_job_preempts_a_lower_priority_one_which_resumes_from_its_checkpoint() {
+    let (cluster, channel, user, mut worker, low, low_assignment) =
+        low_job_running(|settings| settings.preemption.grace_period = Duration::from_secs(7)).await;
+    let required = low.estimate.as_ref().unwrap().required_bytes;
     let low_attempt = low_assignment.attempt.clone().unwrap();
-    worker.started(&low_assignment).await;
     worker
         .checkpoint_written(&low_attempt, 5, "/checkpoints/low.ckpt".into())
         .await;
@@ -143,28 +161,8 @@ async fn an_urgent_job_preempts_a_lower_priority_one_which_resumes_from_its_chec
 
 #[tokio::test]
 async fn with_preemption_off_the_urgent_job_waits() {
-    let cluster = start_adjusted(Duration::from_secs(30), |settings| {
-        settings.preemption.enabled = false;
-        settings.preemption.min_run_time = Duration::ZERO;
-    })
-    .await;
-    let channel = channel(&cluster).await;
-    let (user, worker_token) = tenant_with_tokens(&channel, "acme", v1::Quota::default()).await;
-    let low = submit(&channel, &user, &with_priority(0, "low"), "")
-        .await
-        .unwrap()
-        .job
-        .unwrap();
-    let required = low.estimate.as_ref().unwrap().required_bytes;
-    let mut worker = TestWorker::connect(
-        &channel,
-        &worker_token,
-        "gpu-a",
-        CONTEXT_BYTES + required * 3 / 2,
-    )
-    .await;
-    let low_assignment = worker.next_assignment().await;
-    worker.started(&low_assignment).await;
+    let (_cluster, channel, user, mut worker, _, _) =
+        low_job_running(|settings| settings.preemption.enabled = false).await;
     submit(&channel, &user, &with_priority(10, "high"), "")
         .await
         .unwrap();
