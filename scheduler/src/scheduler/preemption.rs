@@ -120,6 +120,19 @@ impl Scheduler {
     pub(super) async fn place_claimed_jobs(&self) -> Result<usize, SchedulerError> {
         let ready: Vec<(String, Claim)> = {
             let mut live = self.live();
+            let live = &mut *live;
+            // A victim lost with its worker (its lease expired) ends without a report:
+            // it is gone as far as its claim is concerned.
+            let running = &live.running;
+            live.preemption.evicting.retain(|job_id, eviction| {
+                running
+                    .get(job_id)
+                    .is_some_and(|attempt| attempt.attempt_number == eviction.attempt_number)
+            });
+            let evicting = &live.preemption.evicting;
+            for claim in live.preemption.claims.values_mut() {
+                claim.victims.retain(|job_id| evicting.contains_key(job_id));
+            }
             let ready: Vec<String> = live
                 .preemption
                 .claims
