@@ -1,8 +1,8 @@
 //! Preemption end to end: the real scheduler and the real worker in-process (a simulated
-//! 1 GiB GPU), real attempt processes training tiny jobs. A long low-priority job runs
-//! and checkpoints; a high-priority job that does not fit beside it arrives; the low one
-//! is stopped (its attempt ends preempted), the high one runs and succeeds, and the low
-//! one resumes from its checkpoint and finishes.
+//! 1 GiB GPU), real attempt processes training tiny jobs. A long low-priority job runs; a
+//! high-priority job that does not fit beside it arrives; the low one is stopped (it
+//! checkpoints on SIGTERM, and its attempt ends preempted), the high one runs and
+//! succeeds, and the low one resumes from that checkpoint and finishes.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -16,14 +16,14 @@ use cluster::{Cluster, WAIT};
 // The chaos test's helpers are not all used here.
 #[allow(dead_code)]
 mod support;
-use support::{poll_until, tiny_job_spec};
+use support::tiny_job_spec;
 
 const ADMIN: &str = "carve_preemption_admin_secret";
 
-/// A tiny job of `steps` (checkpointing every 25) in a 600 MiB slice, at `priority`:
+/// A tiny job of `steps` (checkpointing every 1000) in a 600 MiB slice, at `priority`:
 /// two do not fit side by side on the 1 GiB GPU.
 fn job_at_priority(name: &str, priority: i32, steps: u64) -> String {
-    tiny_job_spec(name, steps, 25, r#", "resources": { "vram": "600MiB" }"#).replacen(
+    tiny_job_spec(name, steps, 1000, r#", "resources": { "vram": "600MiB" }"#).replacen(
         &format!("\"name\": \"{name}\","),
         &format!("\"name\": \"{name}\", \"priority\": {priority},"),
         1,
@@ -44,17 +44,27 @@ async fn a_preempted_job_resumes_from_its_checkpoint_after_the_urgent_one() {
     let low = cluster.submit(job_at_priority("low", 0, 3000)).await;
     let first = cluster.next_process().await;
     assert_eq!(first.attempt_number, 1);
-    let checkpoint = cluster
-        .checkpoints
-        .join(format!("{}.attempt-1.ckpt", low.id));
-    poll_until(
-        WAIT,
-        Duration::from_millis(10),
-        "a checkpoint is written",
-        || checkpoint.is_file().then_some(()),
-    )
-    .await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Checkpoints come every 1000 steps, after the preemption: the step the second
+    // attempt resumes from is the one the first checkpointed when told to stop.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !cluster
+        .get(&low.id)
+        .await
+        .attempts
+        .first()
+        .is_some_and(|attempt| {
+            attempt
+                .progress
+                .as_ref()
+                .is_some_and(|progress| progress.step > 0)
+        })
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "training never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     let high = cluster.submit(job_at_priority("high", 10, 20)).await;
     let urgent = cluster.next_process().await;
@@ -94,5 +104,14 @@ async fn a_preempted_job_resumes_from_its_checkpoint_after_the_urgent_one() {
         .resumed_from
         .as_ref()
         .expect("resumed from a checkpoint");
-    assert!(resumed_from.step > 0, "{resumed_from:?}");
+    assert!(
+        resumed_from
+            .location
+            .starts_with(&cluster.checkpoints.display().to_string()),
+        "{resumed_from:?}"
+    );
+    assert!(
+        resumed_from.step > 0 && resumed_from.step < 1000,
+        "not the checkpoint written on SIGTERM: {resumed_from:?}"
+    );
 }
