@@ -134,6 +134,7 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
         checkpoint_path: arguments.checkpoint.clone(),
         resume_from: arguments.resume.clone(),
         stop_after_steps: arguments.stop_after_steps,
+        stop_requested: None,
     };
     let table = arguments.output == crate::estimate::OutputFormat::Table;
     let backend_name = match arguments.backend {

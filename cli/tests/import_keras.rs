@@ -111,6 +111,7 @@ fn imported_models_train_a_few_steps_on_the_cpu() {
             checkpoint_path: None,
             resume_from: None,
             stop_after_steps: None,
+            stop_requested: None,
         };
         let data = open_data_sets(&job, Path::new(".")).unwrap();
         let report = train(&job, &data, &options, &mut |_| {}).unwrap();

@@ -101,11 +101,15 @@ pub enum AttemptOutcome {
     /// The attempt process died of something outside the program (a signal the worker
     /// did not send, or it vanished): an infrastructure failure, retried like `Lost`.
     Interrupted,
+    /// The scheduler stopped the attempt to make room for an urgent job (see
+    /// `scheduling::preemption`); the job resumes from its checkpoint. Not a failure of
+    /// the job or of its infrastructure, so it counts towards neither retry limit.
+    Preempted,
 }
 
 impl AttemptOutcome {
     /// Every outcome.
-    pub const ALL: [AttemptOutcome; 7] = [
+    pub const ALL: [AttemptOutcome; 8] = [
         AttemptOutcome::Running,
         AttemptOutcome::Succeeded,
         AttemptOutcome::OutOfMemory,
@@ -113,6 +117,7 @@ impl AttemptOutcome {
         AttemptOutcome::Cancelled,
         AttemptOutcome::Lost,
         AttemptOutcome::Interrupted,
+        AttemptOutcome::Preempted,
     ];
 
     /// The lowercase name used in messages, logs and the store.
@@ -125,6 +130,7 @@ impl AttemptOutcome {
             AttemptOutcome::Cancelled => "cancelled",
             AttemptOutcome::Lost => "lost",
             AttemptOutcome::Interrupted => "interrupted",
+            AttemptOutcome::Preempted => "preempted",
         }
     }
 

@@ -122,6 +122,7 @@ fn bench_case(
         checkpoint_path: None,
         resume_from: None,
         stop_after_steps: None,
+        stop_requested: None,
     };
     let data = open_data_sets(&job, Path::new(".")).expect("synthetic data");
     let mut timer: Option<Instant> = None;

@@ -41,6 +41,10 @@ pub struct TrainingOptions {
     /// Stop after this many steps in total even if the job asks for more (a checkpoint is
     /// written there), e.g. to hand over to another attempt.
     pub stop_after_steps: Option<u64>,
+    /// Set from outside (the attempt process's SIGTERM watcher) to stop after the step
+    /// under way: the checkpoint is written there and the test set is not evaluated, so
+    /// a preempted attempt can be resumed without losing its work.
+    pub stop_requested: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// Reported after every step.
@@ -289,7 +293,13 @@ fn run_training<B: Backend>(
     let mut skipped_steps = 0;
     let started = Instant::now();
     let first_step = run.step;
-    while run.step < stop_at {
+    let stop_requested = || {
+        options
+            .stop_requested
+            .as_ref()
+            .is_some_and(|stop| stop.load(std::sync::atomic::Ordering::Acquire))
+    };
+    while run.step < stop_at && !stop_requested() {
         let step_started = Instant::now();
         let loss_sum = run.train_step(&mut loader, &config)?;
         if run.apply_update {
@@ -327,8 +337,8 @@ fn run_training<B: Backend>(
     }
 
     let (test_loss, test_accuracy) = match &data.test {
-        Some(test) => run.evaluate(test.as_ref(), micro_batch_size)?,
-        None => (None, None),
+        Some(test) if !stop_requested() => run.evaluate(test.as_ref(), micro_batch_size)?,
+        _ => (None, None),
     };
 
     Ok(TrainingReport {

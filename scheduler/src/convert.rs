@@ -113,6 +113,7 @@ pub fn outcome_to_proto(outcome: AttemptOutcome) -> v1::AttemptOutcome {
         AttemptOutcome::Cancelled => v1::AttemptOutcome::Cancelled,
         AttemptOutcome::Lost => v1::AttemptOutcome::Lost,
         AttemptOutcome::Interrupted => v1::AttemptOutcome::Interrupted,
+        AttemptOutcome::Preempted => v1::AttemptOutcome::Preempted,
     }
 }
 
@@ -125,7 +126,10 @@ pub fn outcome_from_proto(outcome: v1::AttemptOutcome) -> Option<AttemptOutcome>
         v1::AttemptOutcome::Cancelled => Some(AttemptOutcome::Cancelled),
         v1::AttemptOutcome::Lost => Some(AttemptOutcome::Lost),
         v1::AttemptOutcome::Interrupted => Some(AttemptOutcome::Interrupted),
-        v1::AttemptOutcome::Running | v1::AttemptOutcome::Unspecified => None,
+        // Only the scheduler decides an attempt was preempted.
+        v1::AttemptOutcome::Preempted
+        | v1::AttemptOutcome::Running
+        | v1::AttemptOutcome::Unspecified => None,
     }
 }
 

@@ -43,6 +43,8 @@ pub struct Metrics {
     /// nothing smaller fits.
     pub oom_retries_exhausted: Counter,
     pub attempts_lost: Counter,
+    /// Attempts asked to stop to make room for an urgent job.
+    pub preemptions: Counter,
     pub jobs_succeeded: Counter,
     pub jobs_failed: Counter,
     pub jobs_cancelled: Counter,
@@ -69,6 +71,7 @@ impl Default for Metrics {
             retries: Counter::default(),
             oom_retries_exhausted: Counter::default(),
             attempts_lost: Counter::default(),
+            preemptions: Counter::default(),
             jobs_succeeded: Counter::default(),
             jobs_failed: Counter::default(),
             jobs_cancelled: Counter::default(),
@@ -290,6 +293,11 @@ impl Metrics {
                 "carve_attempts_lost",
                 "attempts lost with their worker",
                 &self.attempts_lost,
+            ),
+            (
+                "carve_preemptions",
+                "attempts asked to stop to make room for an urgent job",
+                &self.preemptions,
             ),
             (
                 "carve_jobs_succeeded",

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use carve_proto::logging::LogFormat;
-use carve_scheduler::scheduler::SchedulerSettings;
+use carve_scheduler::scheduler::{PreemptionSettings, SchedulerSettings};
 use carve_scheduler::server::{SchedulerConfig, TlsIdentity};
 use clap::Parser;
 use serde::Deserialize;
@@ -71,6 +71,20 @@ pub struct GivenSettings {
     /// sooner, and at most the heartbeat interval; at least 1 [default: 2000].
     #[arg(long, env = "CARVE_SCHEDULING_INTERVAL_MS")]
     pub scheduling_interval_ms: Option<u64>,
+    /// Let a job that cannot be placed evict lower-priority attempts (and a tenant under
+    /// its fair share reclaim from one over it): on or off [default: on].
+    #[arg(long, env = "CARVE_PREEMPTION", value_parser = parse_on_off)]
+    pub preemption: Option<bool>,
+    /// Seconds an attempt runs before it can be preempted [default: 300].
+    #[arg(long, env = "CARVE_PREEMPTION_MIN_RUN_TIME_SECONDS")]
+    pub preemption_min_run_time_seconds: Option<u64>,
+    /// Preemptions of one job per hour, after which it is not preempted again [default: 2].
+    #[arg(long, env = "CARVE_PREEMPTION_MAX_PER_HOUR")]
+    pub preemption_max_per_hour: Option<u32>,
+    /// Seconds a preempted attempt has to checkpoint and stop before it is killed
+    /// [default: 30].
+    #[arg(long, env = "CARVE_PREEMPTION_GRACE_SECONDS")]
+    pub preemption_grace_seconds: Option<u64>,
     /// Directory (on the workers) for checkpoints [default: checkpoints].
     #[arg(long, env = "CARVE_CHECKPOINT_DIR")]
     pub checkpoint_dir: Option<String>,
@@ -131,6 +145,15 @@ pub struct Settings {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// The CA client certificates must be signed by, when requiring them.
     pub tls_client_ca: Option<PathBuf>,
+}
+
+/// `on`/`off` (or `true`/`false`), for a switch given as a flag or variable.
+fn parse_on_off(value: &str) -> Result<bool, String> {
+    match value {
+        "on" | "true" => Ok(true),
+        "off" | "false" => Ok(false),
+        other => Err(format!("{other:?} is neither on nor off")),
+    }
 }
 
 /// `value`, refused when it is 0; `setting` names it (flag, variable, key).
@@ -200,6 +223,24 @@ pub fn resolve(
             heartbeat_interval,
             scheduling_interval,
             infrastructure_retry_backoff: defaults.infrastructure_retry_backoff,
+            preemption: PreemptionSettings {
+                enabled: given
+                    .preemption
+                    .or(file.preemption)
+                    .unwrap_or(defaults.preemption.enabled),
+                min_run_time: given
+                    .preemption_min_run_time_seconds
+                    .or(file.preemption_min_run_time_seconds)
+                    .map_or(defaults.preemption.min_run_time, Duration::from_secs),
+                max_per_job_per_hour: given
+                    .preemption_max_per_hour
+                    .or(file.preemption_max_per_hour)
+                    .unwrap_or(defaults.preemption.max_per_job_per_hour),
+                grace_period: given
+                    .preemption_grace_seconds
+                    .or(file.preemption_grace_seconds)
+                    .map_or(defaults.preemption.grace_period, Duration::from_secs),
+            },
             checkpoint_directory: given
                 .checkpoint_dir
                 .or(file.checkpoint_dir)
@@ -354,6 +395,43 @@ mod tests {
         assert_eq!(settings.scheduler.checkpoint_directory, "checkpoints");
         assert_eq!(settings.metrics_listen, None);
         assert_eq!(settings.tls, None);
+    }
+
+    #[test]
+    fn preemption_settings_come_from_flags_then_the_file_then_the_defaults() {
+        let defaults = resolve(GivenSettings::default(), GivenSettings::default(), None).unwrap();
+        assert_eq!(
+            defaults.scheduler.preemption,
+            PreemptionSettings {
+                enabled: true,
+                min_run_time: Duration::from_secs(300),
+                max_per_job_per_hour: 2,
+                grace_period: Duration::from_secs(30),
+            }
+        );
+        let flags = parse(&[
+            "--preemption",
+            "off",
+            "--preemption-min-run-time-seconds",
+            "0",
+        ])
+        .unwrap();
+        let file: GivenSettings = toml::from_str(
+            "preemption = true\npreemption_min_run_time_seconds = 60\n\
+             preemption_max_per_hour = 5\npreemption_grace_seconds = 7",
+        )
+        .unwrap();
+        let settings = resolve(flags.given, file, None).unwrap();
+        assert_eq!(
+            settings.scheduler.preemption,
+            PreemptionSettings {
+                enabled: false,
+                min_run_time: Duration::ZERO,
+                max_per_job_per_hour: 5,
+                grace_period: Duration::from_secs(7),
+            }
+        );
+        assert!(parse(&["--preemption", "maybe"]).is_err());
     }
 
     #[test]

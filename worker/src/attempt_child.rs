@@ -24,7 +24,8 @@ use carve_engine::trainer::{Progress, TrainingOptions, train};
 use carve_proto::v1;
 
 use crate::child_protocol::{
-    CheckpointLine, ChildLine, ConfigArgument, OUT_OF_MEMORY_EXIT_CODE, WORKER_GONE_EXIT_CODE,
+    CheckpointLine, ChildLine, ConfigArgument, OUT_OF_MEMORY_EXIT_CODE,
+    STOPPED_ON_SIGTERM_EXIT_CODE, WORKER_GONE_EXIT_CODE,
 };
 use crate::error::WorkerError;
 
@@ -174,6 +175,7 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
         checkpoint_path: Some(arguments.checkpoint.clone()),
         resume_from: resume.clone(),
         stop_after_steps: None,
+        stop_requested: Some(stop_on_sigterm()?),
     };
     // On a GPU the slice is reserved (and verified) before training starts; on the cpu
     // backend the executor's arena is the slice itself.
@@ -252,7 +254,22 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
             None => train(&job, &data, &options, &mut on_progress),
         }
     };
+    let stopped = options
+        .stop_requested
+        .as_ref()
+        .is_some_and(|stop| stop.load(std::sync::atomic::Ordering::Acquire));
     match result {
+        Ok(report) if stopped && report.steps < report.total_steps => {
+            // Told to stop (preempted, cancelled): the checkpoint of the step reached is
+            // on disk; the worker reports the stop it asked for, with no Finished line.
+            if let Some(path) = &report.checkpoint_path {
+                emit(&ChildLine::Checkpoint {
+                    step: report.steps,
+                    location: path.display().to_string(),
+                });
+            }
+            Ok(STOPPED_ON_SIGTERM_EXIT_CODE)
+        }
         Ok(report) => {
             // The final checkpoint replaces any pending one.
             if let Some(path) = &report.checkpoint_path {
@@ -284,6 +301,29 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
         }
         Err(error) => Err(engine_error(error)),
     }
+}
+
+/// A flag SIGTERM sets: a thread waits for the signal (which then no longer ends the
+/// process at once), so training stops after its current step and checkpoints within
+/// the worker's grace period; the worker's SIGKILL after the grace stays the backstop.
+fn stop_on_sigterm() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>, WorkerError> {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(|error| WorkerError::Attempt(format!("cannot watch for SIGTERM: {error}")))?;
+    // Registered here, before training starts, so a SIGTERM from now on is caught.
+    let mut terminate = runtime
+        .block_on(async {
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        })
+        .map_err(|error| WorkerError::Attempt(format!("cannot watch for SIGTERM: {error}")))?;
+    let flag = stop.clone();
+    std::thread::spawn(move || {
+        runtime.block_on(terminate.recv());
+        flag.store(true, std::sync::atomic::Ordering::Release);
+    });
+    Ok(stop)
 }
 
 /// How often a running attempt reports progress, besides its first step and its last:

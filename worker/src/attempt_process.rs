@@ -22,7 +22,9 @@ use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::child_protocol::{ChildLine, OUT_OF_MEMORY_EXIT_CODE, WORKER_GONE_EXIT_CODE};
+use crate::child_protocol::{
+    ChildLine, OUT_OF_MEMORY_EXIT_CODE, STOPPED_ON_SIGTERM_EXIT_CODE, WORKER_GONE_EXIT_CODE,
+};
 use crate::error::WorkerError;
 
 /// How many stderr lines a failure message quotes.
@@ -649,6 +651,14 @@ fn classify_unreported_end(
                 ),
             )
         };
+    }
+    if status.code() == Some(STOPPED_ON_SIGTERM_EXIT_CODE) {
+        return (
+            v1::AttemptOutcome::Interrupted,
+            "the attempt process was sent SIGTERM, which the worker did not send: it \
+             checkpointed and stopped"
+                .to_string(),
+        );
     }
     if status.code() == Some(WORKER_GONE_EXIT_CODE) {
         return (

@@ -78,6 +78,11 @@ pub const OUT_OF_MEMORY_EXIT_CODE: i32 = 3;
 /// protocol line could not be written (stdout closed) or its parent process changed.
 pub const WORKER_GONE_EXIT_CODE: i32 = 4;
 
+/// The exit code of an attempt process that stopped on SIGTERM after writing its
+/// checkpoint (128 + 15, as a shell shows a process SIGTERM ended): the worker's own stop,
+/// or, when the worker sent none, an interruption from outside like the signal itself.
+pub const STOPPED_ON_SIGTERM_EXIT_CODE: i32 = 143;
+
 /// The run config on the attempt process's command line (`--config-json`): the wire
 /// config's fields, with the precision as its protobuf number, so the child checks it
 /// with the same conversion the scheduler uses.

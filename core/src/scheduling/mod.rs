@@ -85,6 +85,7 @@ use std::fmt;
 use crate::bytes::HumanBytes;
 
 mod gpu_pool;
+pub mod preemption;
 mod reservations;
 mod tenants;
 

@@ -30,6 +30,7 @@ pub fn options_with_config(job: &ValidatedJob, config: RunConfig) -> TrainingOpt
         checkpoint_path: None,
         resume_from: None,
         stop_after_steps: None,
+        stop_requested: None,
     }
 }
 

@@ -21,6 +21,7 @@ mod command_jobs;
 mod logs;
 mod outcomes;
 mod placement;
+mod preemption;
 mod recovery;
 mod sessions;
 mod views;
@@ -52,6 +53,7 @@ pub use admin::CreatedToken;
 use admission::Lookups;
 pub use admission::{AdmittedConfig, SPEC_MAX_BYTES, SubmittedJob, check_spec_size};
 use placement::PassInputs;
+pub use preemption::PreemptionSettings;
 pub use views::{GpuView, SliceOwner, SliceView, WorkerView};
 
 /// Timing of leases and passes.
@@ -68,6 +70,8 @@ pub struct SchedulerSettings {
     /// worker, an interrupted process) is placed again; it doubles with each such failure
     /// of the job.
     pub infrastructure_retry_backoff: Duration,
+    /// When and how urgent jobs may evict lower-priority attempts.
+    pub preemption: PreemptionSettings,
 }
 
 impl Default for SchedulerSettings {
@@ -78,6 +82,7 @@ impl Default for SchedulerSettings {
             scheduling_interval: Duration::from_secs(2),
             checkpoint_directory: "checkpoints".to_string(),
             infrastructure_retry_backoff: Duration::from_secs(2),
+            preemption: PreemptionSettings::default(),
         }
     }
 }
@@ -110,6 +115,11 @@ struct RunningAttempt {
     /// Its latest progress report: job reads show it (it is not stored), and an attempt
     /// that ends without saying how far it got is stored with its step.
     latest_progress: Option<worker_reports::TrainingProgress>,
+    /// The job's priority: preemption evicts lower ones first.
+    priority: i32,
+    /// When the attempt was placed: preemption spares attempts younger than its minimum
+    /// run time.
+    started_at_ms: i64,
 }
 
 impl RunningAttempt {
@@ -133,6 +143,8 @@ struct Live {
     /// Queued jobs backing off after an infrastructure failure, by job id: passes leave
     /// them out until then. Not stored: a restarted scheduler retries them at once.
     backing_off: HashMap<String, Instant>,
+    /// Preemptions under way and their history (see `preemption`).
+    preemption: preemption::PreemptionLedger,
 }
 
 impl Live {

@@ -259,6 +259,18 @@ impl Scheduler {
             }
         };
         let now = now_ms();
+        let eviction = self
+            .live()
+            .preemption
+            .take_eviction(&attempt.job_id, attempt.attempt_number);
+        // A victim that stopped when told (or was killed after the grace) was preempted;
+        // one that ended on its own first ends as it says.
+        let (outcome, message) = match (&eviction, outcome) {
+            (Some(eviction), AttemptOutcome::Cancelled | AttemptOutcome::Interrupted) => {
+                (AttemptOutcome::Preempted, eviction.message.as_str())
+            }
+            _ => (outcome, message),
+        };
         let measured = (measured_peak_bytes > 0).then_some(measured_peak_bytes as i64);
         results.steps_done = results.steps_done.or(running.results_so_far().steps_done);
         self.store
@@ -296,7 +308,25 @@ impl Scheduler {
                 .await?;
             self.lookups.peak_corrections.invalidate(&shape_key);
         }
-        if outcome == AttemptOutcome::Interrupted {
+        if outcome == AttemptOutcome::Preempted {
+            if !job.state.is_terminal() {
+                // Back to the queue at once (no backoff), keeping its submit sequence: it
+                // is ahead of its younger peers, and resumes from its checkpoint.
+                job.waiting_reason = format!(
+                    "preempted: resumes from the checkpoint of step {}",
+                    job.checkpoint_step
+                );
+                job.message = message.to_string();
+                let note = format!(
+                    "attempt {} {message}; attempt {} resumes from step {}",
+                    attempt.attempt_number,
+                    attempt.attempt_number + 1,
+                    job.checkpoint_step
+                );
+                self.move_job(&mut job, JobEvent::AttemptLost, &note)
+                    .await?;
+            }
+        } else if outcome == AttemptOutcome::Interrupted {
             if !job.state.is_terminal() {
                 self.retry_after_infrastructure_failure(
                     &mut job,

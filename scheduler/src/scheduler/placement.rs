@@ -70,7 +70,18 @@ impl Scheduler {
             return Ok(0);
         }
         self.refresh_queue(&inputs.queue).await?;
-        let decision = solve(&self.scheduling_problem(&inputs));
+        let claimed = self.place_claimed_jobs().await?;
+        if claimed > 0 {
+            // The GPUs changed under the same inputs: solve the rest in the next pass.
+            *self
+                .last_pass_inputs
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+            self.wake();
+            return Ok(claimed);
+        }
+        let problem = self.scheduling_problem(&inputs);
+        let decision = solve(&problem);
         let now = now_ms();
         let mut placed = 0;
         for placement in &decision.placements {
@@ -89,16 +100,33 @@ impl Scheduler {
                 _ => None,
             })
             .collect();
+        let short_of_free_memory: Vec<(String, WaitReason)> = decision
+            .waiting
+            .iter()
+            .filter(|(_, reason)| matches!(reason, WaitReason::NoGpuFreeEnough { .. }))
+            .cloned()
+            .collect();
         self.write_waiting_reasons(decision.waiting).await?;
         let refitted = self
             .fit_profiles_to_the_cluster(&larger_than_every_gpu)
             .await?;
-        // A refitted profile changed the queue under the same fingerprint: the next pass
-        // must solve again rather than skip as unchanged.
+        let mut gpus_now = self.gpu_states();
+        self.live().preemption.hold_claims(&mut gpus_now);
+        let preempted = self
+            .preempt_for_waiting_jobs(
+                &short_of_free_memory,
+                &problem.pending,
+                &gpus_now,
+                &problem.tenants,
+            )
+            .await?;
+        // A refitted profile changed the queue under the same fingerprint, and a
+        // preemption the problem: the next pass must solve again rather than skip.
+        let changed = refitted > 0 || preempted > 0;
         *self
             .last_pass_inputs
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = (refitted == 0).then_some(inputs);
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = (!changed).then_some(inputs);
         if refitted > 0 {
             self.wake();
         }
@@ -173,16 +201,24 @@ impl Scheduler {
     }
 
     /// The problem `solve` is given: the pass's inputs and the queued jobs of its copy of
-    /// the queue, less those backing off.
+    /// the queue, less those backing off and those waiting for their preemptions (whose
+    /// claimed bytes are held on their GPUs).
     fn scheduling_problem(&self, inputs: &PassInputs) -> SchedulingProblem {
+        let mut gpus = inputs.gpus.clone();
+        let claimed = {
+            let live = self.live();
+            live.preemption.hold_claims(&mut gpus);
+            live.preemption.claimed_jobs()
+        };
         SchedulingProblem {
-            gpus: inputs.gpus.clone(),
+            gpus,
             tenants: inputs.tenants.clone(),
             pending: self
                 .queue()
                 .pending_jobs()
                 .into_iter()
                 .filter(|job| inputs.backing_off.binary_search(&job.job_id).is_err())
+                .filter(|job| !claimed.contains(&job.job_id))
                 .collect(),
         }
     }
@@ -190,7 +226,11 @@ impl Scheduler {
     /// Places one of the pass's decisions: the job becomes placed with its new attempt
     /// (stored together), its slice is held, and its worker is sent the assignment.
     /// False when the job left the queue since the pass's copy was read.
-    async fn place(&self, placement: &Placement, now: i64) -> Result<bool, SchedulerError> {
+    pub(super) async fn place(
+        &self,
+        placement: &Placement,
+        now: i64,
+    ) -> Result<bool, SchedulerError> {
         if !self.queue().contains(&placement.job_id) {
             return Ok(false);
         }
@@ -250,6 +290,8 @@ impl Scheduler {
                 estimate_bytes,
                 measured_peak_bytes: 0,
                 latest_progress: None,
+                priority: job.priority.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32,
+                started_at_ms: now,
             },
         );
         let checkpoint_location = format!("{}/{}.ckpt", self.settings.checkpoint_directory, job.id);

@@ -40,6 +40,9 @@ impl Scheduler {
                         estimate_bytes: attempt.estimate_bytes as u64,
                         measured_peak_bytes: 0,
                         latest_progress: None,
+                        priority: job.priority.clamp(i64::from(i32::MIN), i64::from(i32::MAX))
+                            as i32,
+                        started_at_ms: attempt.started_at_ms,
                     },
                 );
             }

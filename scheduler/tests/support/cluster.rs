@@ -57,6 +57,7 @@ pub fn test_config(
             scheduling_interval: Duration::from_millis(50),
             checkpoint_directory: "/checkpoints".into(),
             infrastructure_retry_backoff: Duration::from_millis(100),
+            ..SchedulerSettings::default()
         },
         admin_token: Some(ADMIN.into()),
         metrics_address,
@@ -65,6 +66,14 @@ pub fn test_config(
 }
 
 pub async fn start(lease: Duration) -> Cluster {
+    start_adjusted(lease, |_| {}).await
+}
+
+/// [`start`], with the tests' settings changed by `adjust` first.
+pub async fn start_adjusted(
+    lease: Duration,
+    adjust: impl FnOnce(&mut SchedulerSettings),
+) -> Cluster {
     let directory = tempfile::tempdir().unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = format!("http://{}", listener.local_addr().unwrap());
@@ -74,7 +83,8 @@ pub async fn start(lease: Duration) -> Cluster {
         .unwrap()
         .local_addr()
         .unwrap();
-    let config = test_config(sqlite_url(directory.path()), lease, Some(metrics_address));
+    let mut config = test_config(sqlite_url(directory.path()), lease, Some(metrics_address));
+    adjust(&mut config.settings);
     tokio::spawn(async move {
         run(config, listener, async {
             let _ = shutdown_signal.await;

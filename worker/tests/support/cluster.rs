@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use carve_proto::v1;
 use carve_proto::v1::job_service_client::JobServiceClient;
-use carve_scheduler::scheduler::SchedulerSettings;
+use carve_scheduler::scheduler::{PreemptionSettings, SchedulerSettings};
 use carve_scheduler::server::SchedulerConfig;
 use carve_worker::gpus::SimulatedGpu;
 use carve_worker::{StartedAttemptProcess, WorkerConfig, run_worker};
@@ -49,6 +49,11 @@ impl Cluster {
             scheduling_interval: Duration::from_millis(50),
             checkpoint_directory: checkpoints.display().to_string(),
             infrastructure_retry_backoff: Duration::from_millis(100),
+            // Tests preempt young attempts (jobs of equal priority are never preempted).
+            preemption: PreemptionSettings {
+                min_run_time: Duration::ZERO,
+                ..PreemptionSettings::default()
+            },
         };
         let config = SchedulerConfig {
             database_url,
