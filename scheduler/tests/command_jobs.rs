@@ -130,7 +130,7 @@ async fn a_profile_sizes_the_job_and_an_oom_is_retried_with_accumulation() {
     // One retry: the largest micro-batch that fits the same slice, same global batch.
     let retry = worker.next_assignment().await;
     assert!(!retry.profile);
-    let config = retry.config.clone().unwrap();
+    let config = retry.config.unwrap();
     assert_eq!(attempt_of(&retry).attempt_number, 3);
     assert_eq!(config.batch_size, 64, "the global batch is kept");
     assert_eq!(config.micro_batch_size, 32);

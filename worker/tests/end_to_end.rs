@@ -102,6 +102,7 @@ async fn start_scheduler_with_tls(
             scheduling_interval: Duration::from_millis(50),
             checkpoint_directory: checkpoints.display().to_string(),
             infrastructure_retry_backoff: Duration::from_millis(100),
+            ..SchedulerSettings::default()
         },
         admin_token: Some(ADMIN.into()),
         metrics_address: None,

@@ -57,6 +57,7 @@ pub fn test_config(
             scheduling_interval: Duration::from_millis(50),
             checkpoint_directory: "/checkpoints".into(),
             infrastructure_retry_backoff: Duration::from_millis(100),
+            ..SchedulerSettings::default()
         },
         admin_token: Some(ADMIN.into()),
         metrics_address,

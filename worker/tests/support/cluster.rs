@@ -49,6 +49,7 @@ impl Cluster {
             scheduling_interval: Duration::from_millis(50),
             checkpoint_directory: checkpoints.display().to_string(),
             infrastructure_retry_backoff: Duration::from_millis(100),
+            ..SchedulerSettings::default()
         };
         let config = SchedulerConfig {
             database_url,
