@@ -216,9 +216,16 @@ async fn failover_worker(endpoints: Vec<String>, token: String, log: Arc<Mutex<W
         send(
             v1::worker_message::Body::Hello(v1::worker_message::Hello {
                 worker_id: worker_id.clone(),
+                // What runs, and what ended with its report still to come.
                 running_attempts: running
                     .values()
                     .map(|(attempt, _)| attempt.clone())
+                    .chain(unacknowledged.iter().filter_map(|body| match body {
+                        v1::worker_message::Body::AttemptFinished(finished) => {
+                            finished.attempt.clone()
+                        }
+                        _ => None,
+                    }))
                     .collect(),
             }),
             &mut sequence,
