@@ -6,8 +6,7 @@
 //! standby) they try the next replica.
 
 use std::collections::{HashMap, HashSet};
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -48,30 +47,22 @@ const JOB: &str = r#"{
 fn start_replica(directory: &std::path::Path, database_url: &str) -> (Child, String) {
     let token_file = directory.join("admin.token");
     std::fs::write(&token_file, ADMIN).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_carve-scheduler"))
-        .args(["--listen", "127.0.0.1:0", "--database", database_url])
-        .arg("--admin-token-file")
-        .arg(&token_file)
-        .args(["--leader-lease-ms", &LEADER_LEASE.as_millis().to_string()])
-        .args(["--lease-seconds", "8", "--heartbeat-seconds", "1"])
-        .args(["--scheduling-interval-ms", "100"])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the scheduler binary starts");
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let address = loop {
-        let line = lines
-            .next()
-            .expect("the scheduler prints its address")
-            .unwrap();
-        if let Some(address) = line.strip_prefix("carve-scheduler listening on ") {
-            break address.trim().to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
-    (child, format!("http://{address}"))
+    cluster::spawn_scheduler_binary(&[
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--database".into(),
+        database_url.into(),
+        "--admin-token-file".into(),
+        token_file.into(),
+        "--leader-lease-ms".into(),
+        LEADER_LEASE.as_millis().to_string().into(),
+        "--lease-seconds".into(),
+        "8".into(),
+        "--heartbeat-seconds".into(),
+        "1".into(),
+        "--scheduling-interval-ms".into(),
+        "100".into(),
+    ])
 }
 
 /// The leadership row: (epoch, endpoint) of a leader whose lease runs.
