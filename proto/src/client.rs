@@ -138,6 +138,61 @@ pub async fn connect(
     Ok(InterceptedService::new(channel, token))
 }
 
+/// The schedulers a comma-separated `endpoints` list names, in order, for clients that
+/// fail over (the worker's `--scheduler a,b,c`, carve's `--endpoint a,b,c`): each entry
+/// as given, except that an `http://` name resolving to several addresses stands for
+/// each of them (one per replica behind a DNS name, e.g. a Kubernetes headless service),
+/// since any of them may be the leader. An `https://` name stays one entry (its
+/// certificate names the host, not the addresses); the connection tries its addresses
+/// in turn when one refuses. A name that does not resolve stays as given, so connecting
+/// reports why.
+pub async fn failover_endpoints(endpoints: &str) -> Vec<String> {
+    let mut expanded = Vec::new();
+    for endpoint in endpoints
+        .split(',')
+        .map(str::trim)
+        .filter(|text| !text.is_empty())
+    {
+        for one in resolve_http_endpoint(endpoint).await {
+            if !expanded.contains(&one) {
+                expanded.push(one);
+            }
+        }
+    }
+    expanded
+}
+
+/// `endpoint`, or one `http://ADDRESS` per address its name resolves to.
+async fn resolve_http_endpoint(endpoint: &str) -> Vec<String> {
+    let as_given = vec![endpoint.to_string()];
+    let Some(rest) = endpoint.strip_prefix("http://") else {
+        return as_given;
+    };
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let Ok(uri) = format!("http://{authority}").parse::<tonic::codegen::http::Uri>() else {
+        return as_given;
+    };
+    let (Some(host), Some(port)) = (uri.host(), uri.port_u16()) else {
+        return as_given;
+    };
+    if host.parse::<std::net::IpAddr>().is_ok() || host.starts_with('[') {
+        return as_given;
+    }
+    match tokio::net::lookup_host((host, port)).await {
+        Ok(addresses) => {
+            let resolved: Vec<String> = addresses
+                .map(|address| format!("http://{address}"))
+                .collect();
+            if resolved.len() > 1 {
+                resolved
+            } else {
+                as_given
+            }
+        }
+        Err(_) => as_given,
+    }
+}
+
 /// The innermost cause of an error.
 fn deepest_cause(error: &(dyn std::error::Error + 'static)) -> String {
     let mut deepest = error.to_string();

@@ -21,9 +21,10 @@ use tonic::server::NamedService;
 
 use crate::auth::{Role, generate_id, generate_secret, hash_secret};
 use crate::error::SchedulerError;
-use crate::scheduler::{Scheduler, SchedulerSettings, now_ms};
+use crate::scheduler::{Candidate, Scheduler, SchedulerSettings, now_ms};
 use crate::services::Services;
-use crate::store::{Store, TenantRecord, TokenRecord};
+use crate::store::leadership::SingleNodeLock;
+use crate::store::{Backend, Store, TenantRecord, TokenRecord};
 
 /// Everything the scheduler needs to start.
 #[derive(Debug, Clone)]
@@ -80,6 +81,13 @@ pub const GENERATED_ADMIN_TOKEN_FILE: &str = "admin-token";
 /// Where a first start of the store at `database_url` writes a generated admin token:
 /// next to a SQLite file; `None` for PostgreSQL and in-memory SQLite.
 pub fn generated_admin_token_path(database_url: &str) -> Option<std::path::PathBuf> {
+    let file = sqlite_database_file(database_url)?;
+    let directory = file.parent().unwrap_or(std::path::Path::new(""));
+    Some(directory.join(GENERATED_ADMIN_TOKEN_FILE))
+}
+
+/// The SQLite file `database_url` names; `None` for PostgreSQL and in-memory SQLite.
+fn sqlite_database_file(database_url: &str) -> Option<std::path::PathBuf> {
     if crate::store::is_postgres_url(database_url)
         || database_url.contains(":memory:")
         || database_url.contains("mode=memory")
@@ -94,10 +102,7 @@ pub fn generated_admin_token_path(database_url: &str) -> Option<std::path::PathB
     if file.is_empty() {
         return None;
     }
-    let directory = std::path::Path::new(file)
-        .parent()
-        .unwrap_or(std::path::Path::new(""));
-    Some(directory.join(GENERATED_ADMIN_TOKEN_FILE))
+    Some(std::path::PathBuf::from(file))
 }
 
 /// Writes a generated admin token to `path`, readable by its owner alone (0600),
@@ -145,7 +150,7 @@ async fn bootstrap(
 ) -> Result<Option<std::path::PathBuf>, SchedulerError> {
     let now = now_ms();
     if store.list_tenants().await?.is_empty() {
-        store
+        let created = store
             .create_tenant(&TenantRecord {
                 name: DEFAULT_TENANT.into(),
                 vram_quota_bytes: None,
@@ -153,7 +158,12 @@ async fn bootstrap(
                 fair_share_weight: 1,
                 created_at_ms: now,
             })
-            .await?;
+            .await;
+        match created {
+            // Another replica starting at the same time created it.
+            Err(SchedulerError::Api(ApiError::AlreadyExists { .. })) | Ok(()) => {}
+            Err(error) => return Err(error),
+        }
     }
     let (secret, generated) = match admin_token {
         Some(secret) => (secret.to_string(), false),
@@ -181,7 +191,7 @@ async fn bootstrap(
     };
     let hash = hash_secret(&secret);
     if store.find_token_by_hash(&hash).await?.is_none() {
-        store
+        let created = store
             .create_token(&TokenRecord {
                 id: generate_id("token"),
                 tenant: DEFAULT_TENANT.into(),
@@ -194,7 +204,12 @@ async fn bootstrap(
                 revoked_at_ms: None,
                 last_used_at_ms: None,
             })
-            .await?;
+            .await;
+        match created {
+            // Another replica starting at the same time stored the same token.
+            Err(SchedulerError::Api(ApiError::AlreadyExists { .. })) | Ok(()) => {}
+            Err(error) => return Err(error),
+        }
     }
     Ok(generated_token_path
         .filter(|_| generated)
@@ -207,6 +222,12 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), SchedulerError> {
+    // SQLite is single-node: a second scheduler on the same file is refused before it
+    // touches the database. Held until `run` returns.
+    let single_node_lock = match sqlite_database_file(&config.database_url) {
+        Some(file) => Some(SingleNodeLock::acquire(&file).await?),
+        None => None,
+    };
     let store = Store::open(&config.database_url).await?;
     let generated_token_path = generated_admin_token_path(&config.database_url);
     if let Some(path) = bootstrap(
@@ -222,8 +243,38 @@ pub async fn run(
             path.display()
         );
     }
+    let postgres = store.backend() == Backend::Postgres;
     let scheduler = Arc::new(Scheduler::new(store, config.settings.clone()));
-    scheduler.recover().await?;
+    let candidate = Candidate {
+        holder: generate_id("replica"),
+        endpoint: config
+            .settings
+            .advertise_endpoint
+            .clone()
+            .unwrap_or_else(|| {
+                let scheme = if config.tls.is_some() {
+                    "https"
+                } else {
+                    "http"
+                };
+                match listener.local_addr() {
+                    Ok(address) => format!("{scheme}://{address}"),
+                    Err(_) => String::new(),
+                }
+            }),
+        lease: config.settings.leader_lease,
+    };
+    let leadership = if postgres {
+        // Replicas on PostgreSQL: one leads (it recovers the live state when it takes
+        // over), the others stand by.
+        scheduler.join_leadership(&candidate).await?;
+        Some(tokio::spawn(
+            scheduler.clone().keep_leadership(candidate.clone()),
+        ))
+    } else {
+        scheduler.recover().await?;
+        None
+    };
     let background = tokio::spawn(background_loop(scheduler.clone()));
     let metrics = match config.metrics_address {
         Some(address) => {
@@ -314,12 +365,19 @@ pub async fn run(
         .await
         .map_err(|error| SchedulerError::Api(ApiError::Unavailable(format!("server: {error}"))));
     background.abort();
+    if let Some(leadership) = leadership {
+        leadership.abort();
+        scheduler.release_leadership(&candidate).await;
+    }
     if let Some(metrics) = metrics {
         metrics.abort();
     }
     // Log lines are written in groups every ~150 ms; write the last group before going.
     // (A crash loses that group: log lines are best effort, acknowledged jobs are not.)
     scheduler.flush_logs().await;
+    if let Some(lock) = single_node_lock {
+        lock.release().await;
+    }
     result
 }
 
@@ -424,13 +482,15 @@ const PASS_GAP_FACTOR: u32 = 8;
 async fn background_loop(scheduler: Arc<Scheduler>) {
     loop {
         let started = tokio::time::Instant::now();
-        if let Err(error) = scheduler.expire_leases().await {
+        // A standby holds no sessions and places nothing: the leader does.
+        let leading = scheduler.is_leading();
+        if leading && let Err(error) = scheduler.expire_leases().await {
             tracing::warn!(%error, "lease check failed");
         }
         if let Err(error) = scheduler.recheck_session_tokens().await {
             tracing::warn!(%error, "session token check failed");
         }
-        if let Err(error) = scheduler.schedule_once().await {
+        if leading && let Err(error) = scheduler.schedule_once().await {
             tracing::warn!(%error, "scheduling pass failed");
         }
         let took = started.elapsed();

@@ -347,6 +347,8 @@ impl JobService for Services {
         request: Request<v1::CancelJobRequest>,
     ) -> Result<Response<v1::CancelJobResponse>, Status> {
         let caller = self.caller(&request).await?;
+        // Live state (sessions, running attempts, events) is the leader's alone.
+        self.scheduler.require_leader()?;
         let request = request.into_inner();
         let job = self
             .scheduler
@@ -363,6 +365,8 @@ impl JobService for Services {
         request: Request<v1::WatchJobRequest>,
     ) -> Result<Response<Self::WatchJobStream>, Status> {
         let caller = self.caller(&request).await?;
+        // Live state (sessions, running attempts, events) is the leader's alone.
+        self.scheduler.require_leader()?;
         let request = request.into_inner();
         // Subscribe before reading the state, so nothing falls between the two.
         let mut events = self.scheduler.subscribe();
@@ -666,6 +670,8 @@ impl ClusterService for Services {
         request: Request<v1::ListWorkersRequest>,
     ) -> Result<Response<v1::ListWorkersResponse>, Status> {
         let caller = self.caller(&request).await?;
+        // Live state (sessions, running attempts, events) is the leader's alone.
+        self.scheduler.require_leader()?;
         let states = request.into_inner().states;
         let workers = self
             .scheduler
@@ -682,6 +688,8 @@ impl ClusterService for Services {
         request: Request<v1::GetWorkerRequest>,
     ) -> Result<Response<v1::GetWorkerResponse>, Status> {
         let caller = self.caller(&request).await?;
+        // Live state (sessions, running attempts, events) is the leader's alone.
+        self.scheduler.require_leader()?;
         let worker_id = request.into_inner().worker_id;
         let worker = self
             .scheduler
@@ -705,6 +713,8 @@ impl ClusterService for Services {
         request: Request<v1::DrainWorkerRequest>,
     ) -> Result<Response<v1::DrainWorkerResponse>, Status> {
         let caller = self.caller(&request).await?;
+        // Live state (sessions, running attempts, events) is the leader's alone.
+        self.scheduler.require_leader()?;
         let request = request.into_inner();
         let worker = self
             .set_draining(&caller, &request.worker_id, true, &request.reason)
@@ -717,6 +727,8 @@ impl ClusterService for Services {
         request: Request<v1::UndrainWorkerRequest>,
     ) -> Result<Response<v1::UndrainWorkerResponse>, Status> {
         let caller = self.caller(&request).await?;
+        // Live state (sessions, running attempts, events) is the leader's alone.
+        self.scheduler.require_leader()?;
         let worker = self
             .set_draining(&caller, &request.into_inner().worker_id, false, "")
             .await?;
@@ -728,6 +740,8 @@ impl ClusterService for Services {
         request: Request<v1::RemoveWorkerRequest>,
     ) -> Result<Response<v1::RemoveWorkerResponse>, Status> {
         let caller = self.caller(&request).await?;
+        // Live state (sessions, running attempts, events) is the leader's alone.
+        self.scheduler.require_leader()?;
         let removed = self
             .scheduler
             .remove_worker(&caller, &request.into_inner().worker_id)
@@ -742,6 +756,8 @@ impl ClusterService for Services {
         request: Request<v1::ListSlicesRequest>,
     ) -> Result<Response<v1::ListSlicesResponse>, Status> {
         let caller = self.caller(&request).await?;
+        // Live state (sessions, running attempts, events) is the leader's alone.
+        self.scheduler.require_leader()?;
         let request = request.into_inner();
         let slices = self
             .scheduler
@@ -765,6 +781,8 @@ impl WorkerService for Services {
         request: Request<v1::RegisterWorkerRequest>,
     ) -> Result<Response<v1::RegisterWorkerResponse>, Status> {
         let caller = self.caller(&request).await?;
+        // Live state (sessions, running attempts, events) is the leader's alone.
+        self.scheduler.require_leader()?;
         let registered = self
             .scheduler
             .register_worker(&caller, registration_from_proto(request.into_inner()))
@@ -779,6 +797,8 @@ impl WorkerService for Services {
         request: Request<Streaming<v1::WorkerMessage>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         let caller = self.caller(&request).await?;
+        // Live state (sessions, running attempts, events) is the leader's alone.
+        self.scheduler.require_leader()?;
         self.scheduler.may_hold_sessions(&caller)?;
         let mut incoming = request.into_inner();
         // A worker says hello as soon as the stream is open; one that does not within

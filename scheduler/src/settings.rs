@@ -88,6 +88,14 @@ pub struct GivenSettings {
     /// Directory (on the workers) for checkpoints [default: checkpoints].
     #[arg(long, env = "CARVE_CHECKPOINT_DIR")]
     pub checkpoint_dir: Option<String>,
+    /// Replicas on PostgreSQL: milliseconds the leader's lease lasts without renewal,
+    /// about the longest a failover takes [default: 10000].
+    #[arg(long, env = "CARVE_LEADER_LEASE_MS")]
+    pub leader_lease_ms: Option<u64>,
+    /// Replicas on PostgreSQL: this replica's endpoint as clients reach it, told to
+    /// clients of standbys [default: http:// and the listening address].
+    #[arg(long, env = "CARVE_ADVERTISE_ENDPOINT")]
+    pub advertise_endpoint: Option<String>,
     /// Serve Prometheus metrics at http://ADDRESS/metrics.
     #[arg(long, env = "CARVE_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
@@ -195,6 +203,12 @@ pub fn resolve(
         "second",
     )?
     .map_or(defaults.lease_duration, Duration::from_secs);
+    let leader_lease = not_zero(
+        given.leader_lease_ms.or(file.leader_lease_ms),
+        "the leader's lease (--leader-lease-ms, CARVE_LEADER_LEASE_MS, leader_lease_ms)",
+        "millisecond",
+    )?
+    .map_or(defaults.leader_lease, Duration::from_millis);
     let tls = match (
         given.tls_cert.or(file.tls_cert),
         given.tls_key.or(file.tls_key),
@@ -241,6 +255,8 @@ pub fn resolve(
                     .or(file.preemption_grace_seconds)
                     .map_or(defaults.preemption.grace_period, Duration::from_secs),
             },
+            leader_lease,
+            advertise_endpoint: given.advertise_endpoint.or(file.advertise_endpoint),
             checkpoint_directory: given
                 .checkpoint_dir
                 .or(file.checkpoint_dir)

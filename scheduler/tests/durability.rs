@@ -2,8 +2,7 @@
 //! real binary, SIGKILLed mid-stream, restarted on the same SQLite file, and counted.
 
 use std::collections::HashSet;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -31,29 +30,14 @@ const JOB: &str = r#"{
 fn start_scheduler(directory: &std::path::Path) -> (Child, String) {
     let token_file = directory.join("admin.token");
     std::fs::write(&token_file, ADMIN).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_carve-scheduler"))
-        .args(["--listen", "127.0.0.1:0", "--database"])
-        .arg(format!("sqlite://{}", directory.join("carve.db").display()))
-        .arg("--admin-token-file")
-        .arg(&token_file)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the scheduler binary starts");
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let address = loop {
-        let line = lines
-            .next()
-            .expect("the scheduler prints its address")
-            .unwrap();
-        if let Some(address) = line.strip_prefix("carve-scheduler listening on ") {
-            break address.trim().to_string();
-        }
-    };
-    // Keep draining stderr so the child never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    (child, format!("http://{address}"))
+    cluster::spawn_scheduler_binary(&[
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--database".into(),
+        format!("sqlite://{}", directory.join("carve.db").display()).into(),
+        "--admin-token-file".into(),
+        token_file.into(),
+    ])
 }
 
 fn authorized<T>(message: T) -> Request<T> {

@@ -26,7 +26,9 @@ use clap::{Parser, Subcommand};
 struct Arguments {
     #[command(subcommand)]
     command: Option<Command>,
-    /// The scheduler, e.g. http://scheduler:7470 (https:// for a scheduler serving TLS).
+    /// The scheduler, e.g. http://scheduler:7470 (https:// for a scheduler serving TLS);
+    /// replicas comma-separated (http://a:7470,http://b:7470): the worker moves to the
+    /// next when one fails or is a standby.
     #[arg(long, env = "CARVE_SCHEDULER", required = true)]
     scheduler: Option<String>,
     /// A worker token.

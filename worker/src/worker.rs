@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use carve_core::command::validate::{ValidatedSpec, parse_spec_json};
 use carve_proto::ApiError;
-use carve_proto::client::{BearerToken, ClientIdentity, connect};
+use carve_proto::client::{BearerToken, ClientIdentity, connect, failover_endpoints};
 use carve_proto::v1;
 use carve_proto::v1::worker_message::Body;
 use carve_proto::v1::worker_service_client::WorkerServiceClient;
@@ -33,7 +33,9 @@ mod model_launch;
 /// Everything the worker needs to start.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
-    /// `http://host:port` of the scheduler.
+    /// `http://host:port` of the scheduler, or several, comma-separated (replicas on
+    /// PostgreSQL): the worker holds its session with one and moves to the next when
+    /// that one fails or is a standby (see `carve_proto::client::failover_endpoints`).
     pub scheduler_url: String,
     /// A WORKER bearer token.
     pub token: String,
@@ -182,6 +184,9 @@ struct Worker {
     /// they are sent again (renumbered) ahead of anything new.
     unacknowledged: VecDeque<PendingReport>,
     worker_id: String,
+    /// Which of the scheduler endpoints the next session tries (counts up at each
+    /// failed or ended session, taken modulo their number).
+    endpoint_turn: usize,
     /// Where this worker records the attempt processes it runs.
     process_records: PathBuf,
     /// Set by a drain: the scheduler places nothing new here.
@@ -258,6 +263,7 @@ pub async fn run_worker(
         reports,
         unacknowledged: VecDeque::new(),
         worker_id: String::new(),
+        endpoint_turn: 0,
         draining: false,
         guard_library,
         simulated_guard_library,
@@ -278,6 +284,9 @@ pub async fn run_worker(
             }
             Err(error) => error.to_string(),
         };
+        // The next session tries the next scheduler: this one died, stopped leading or
+        // is a standby.
+        worker.endpoint_turn = worker.endpoint_turn.wrapping_add(1);
         tracing::warn!(%reason, retry_in = ?backoff, "no session with the scheduler");
         tokio::select! {
             _ = &mut shutdown => break,
@@ -434,8 +443,13 @@ impl Worker {
     ) -> Result<(), WorkerError> {
         let token = BearerToken::new(&self.config.token)
             .map_err(|_| WorkerError::invalid_setting("--token", "is not a valid header value"))?;
+        let endpoints = failover_endpoints(&self.config.scheduler_url).await;
+        let endpoint = endpoints
+            .get(self.endpoint_turn % endpoints.len().max(1))
+            .cloned()
+            .unwrap_or_default();
         let channel = connect(
-            &self.config.scheduler_url,
+            &endpoint,
             self.config.scheduler_ca_certificate_pem.as_deref(),
             self.config.client_identity.as_ref(),
             token,
@@ -451,10 +465,7 @@ impl Worker {
                 },
                 reason,
             ),
-            other => WorkerError::Scheduler(format!(
-                "cannot connect to {}: {other}",
-                self.config.scheduler_url
-            )),
+            other => WorkerError::Scheduler(format!("cannot connect to {endpoint}: {other}")),
         })?;
         let mut client = WorkerServiceClient::new(channel);
         let registered = client
@@ -484,11 +495,28 @@ impl Worker {
             proto_duration(registered.heartbeat_interval).unwrap_or(Duration::from_secs(5));
         let (outgoing, outgoing_stream) = mpsc::channel::<v1::WorkerMessage>(1024);
         let mut sequence = 1u64;
-        let running_attempts: Vec<v1::AttemptRef> = lock(&self.shared)
+        // Reports made while no session was open go with the unacknowledged ones.
+        while let Ok(body) = incoming_reports.try_recv() {
+            self.unacknowledged.push_back(PendingReport {
+                sequence: 0,
+                body,
+                sessions: 0,
+            });
+        }
+        // The hello lists what runs and what ended with its report still to come: an
+        // attempt the scheduler placed here that the hello leaves out never arrived,
+        // and is retried elsewhere.
+        let mut running_attempts: Vec<v1::AttemptRef> = lock(&self.shared)
             .running
             .values()
             .map(|running| running.attempt.clone())
             .collect();
+        running_attempts.extend(self.unacknowledged.iter().filter_map(
+            |pending| match &pending.body {
+                Body::AttemptFinished(finished) => finished.attempt.clone(),
+                _ => None,
+            },
+        ));
         let closed = || WorkerError::Scheduler("the session stream closed".into());
         outgoing
             .send(v1::WorkerMessage {

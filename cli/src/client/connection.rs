@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use carve_proto::ApiError;
-use carve_proto::client::{AuthenticatedChannel, BearerToken, ClientIdentity, connect};
+use carve_proto::client::{
+    AuthenticatedChannel, BearerToken, ClientIdentity, connect, failover_endpoints,
+};
 use carve_proto::v1;
 use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
@@ -25,6 +27,10 @@ use super::failure::{
 /// Where `carve-scheduler` listens by default (its `--listen`), as an endpoint.
 pub const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:7470";
 
+/// Rounds over several replicas looking for the leader (half a second apart) before
+/// settling for any that answers: a failover takes about the leader's lease.
+const LEADER_SEARCH_ROUNDS: u32 = 3;
+
 /// How long connecting may take before the scheduler counts as unreachable.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -32,7 +38,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, Default, clap::Args)]
 #[command(next_help_heading = "Connection")]
 pub struct ConnectionOptions {
-    /// The scheduler's gRPC endpoint: http://HOST:PORT, or https://HOST:PORT for TLS
+    /// The scheduler's gRPC endpoint: http://HOST:PORT, or https://HOST:PORT for TLS;
+    /// several replicas comma-separated (the leader is found among them)
     /// [default: http://127.0.0.1:7470]
     #[arg(long, env = "CARVE_ENDPOINT", global = true)]
     pub endpoint: Option<String>,
@@ -142,13 +149,18 @@ impl ConnectionOptions {
             Some(directory) if path.is_relative() => directory.join(path),
             _ => path,
         };
-        let endpoint = normalize_endpoint(
-            self.endpoint
-                .clone()
-                .or(file.endpoint)
-                .as_deref()
-                .unwrap_or(DEFAULT_ENDPOINT),
-        )?;
+        // Several replicas: `a,b,c`, each normalized.
+        let endpoint = self
+            .endpoint
+            .clone()
+            .or(file.endpoint)
+            .as_deref()
+            .unwrap_or(DEFAULT_ENDPOINT)
+            .split(',')
+            .filter(|one| !one.trim().is_empty())
+            .map(normalize_endpoint)
+            .collect::<Result<Vec<_>, _>>()?
+            .join(",");
         let token = match (&self.token, file.token, file.token_file) {
             (Some(token), _, _) => Some(token.clone()),
             (None, Some(token), _) => Some(token),
@@ -300,17 +312,76 @@ impl Connection {
                  (~/.config/carve/config.toml)",
             )
         })?;
-        let channel = connect_channel(
-            &resolved.endpoint,
-            resolved.ca_cert.as_deref(),
-            resolved.client_certificate.as_ref(),
-            &token,
-        )
-        .await?;
-        Ok(Connection {
-            endpoint: resolved.endpoint,
-            channel,
-        })
+        let endpoints = failover_endpoints(&resolved.endpoint).await;
+        if let [endpoint] = endpoints.as_slice() {
+            let channel = connect_channel(
+                endpoint,
+                resolved.ca_cert.as_deref(),
+                resolved.client_certificate.as_ref(),
+                &token,
+            )
+            .await?;
+            return Ok(Connection {
+                endpoint: endpoint.clone(),
+                channel,
+            });
+        }
+        // Several replicas: the leader, which answers every call (a standby answers
+        // worker, cancel, drain and watch calls UNAVAILABLE); else, while replicas are
+        // between leaders, the first that answers at all (it takes submits and reads).
+        let mut reachable = None;
+        let mut last_error = None;
+        for round in 0..LEADER_SEARCH_ROUNDS {
+            if round > 0 {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            for endpoint in &endpoints {
+                let channel = match connect_channel(
+                    endpoint,
+                    resolved.ca_cert.as_deref(),
+                    resolved.client_certificate.as_ref(),
+                    &token,
+                )
+                .await
+                {
+                    Ok(channel) => channel,
+                    Err(error) => {
+                        last_error = Some(error);
+                        continue;
+                    }
+                };
+                let connection = Connection {
+                    endpoint: endpoint.clone(),
+                    channel,
+                };
+                if connection.is_leader_or_alone().await {
+                    return Ok(connection);
+                }
+                reachable.get_or_insert(connection);
+            }
+        }
+        match (reachable, last_error) {
+            (Some(connection), _) => Ok(connection),
+            (None, Some(error)) => Err(error),
+            (None, None) => Err(ClientFailure::new(
+                FailureKind::InvalidArgument,
+                "endpoint: no endpoint given",
+            )
+            .into()),
+        }
+    }
+
+    /// Whether this scheduler answers calls only a leader answers (a standby says
+    /// UNAVAILABLE): a slice listing filtered to nothing, which any token may make.
+    async fn is_leader_or_alone(&self) -> bool {
+        let answer = self
+            .cluster()
+            .list_slices(v1::ListSlicesRequest {
+                worker_id: "carve-leader-probe".into(),
+                ..Default::default()
+            })
+            .await;
+        !matches!(answer, Err(status) if status.code() == tonic::Code::Unavailable)
     }
 
     pub fn jobs(&self) -> JobServiceClient<AuthenticatedChannel> {

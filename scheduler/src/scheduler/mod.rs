@@ -3,7 +3,8 @@
 //!
 //! The store is the truth for jobs and attempts; memory holds what is live (worker
 //! sessions, heartbeats, attempts running now), rebuilt from the store at start, and the
-//! pass's copy of the queue (`queue`), read from the store by the first pass. Every
+//! pass's copy of the queue (`queue`), read from the store by the first pass. On PostgreSQL one replica of several
+//! leads (`leadership`); the others serve reads and submits. Every
 //! change of a job's state happens under one async lock (`job_changes`), so a cancel, a
 //! worker report and a scheduling pass never interleave on the same job, and goes
 //! through `move_job` (core's state machine, the store update and the event together;
@@ -18,6 +19,7 @@
 mod admin;
 mod admission;
 mod command_jobs;
+mod leadership;
 mod logs;
 mod outcomes;
 mod placement;
@@ -52,6 +54,7 @@ use worker_reports::{Gpu, WorkerCommand};
 pub use admin::CreatedToken;
 use admission::Lookups;
 pub use admission::{AdmittedConfig, SPEC_MAX_BYTES, SubmittedJob, check_spec_size};
+pub use leadership::{Candidate, LeaderRole};
 use placement::PassInputs;
 pub use preemption::PreemptionSettings;
 pub use views::{GpuView, SliceOwner, SliceView, WorkerView};
@@ -72,6 +75,12 @@ pub struct SchedulerSettings {
     pub infrastructure_retry_backoff: Duration,
     /// When and how urgent jobs may evict lower-priority attempts.
     pub preemption: PreemptionSettings,
+    /// Replicas on PostgreSQL: how long the leader's lease lasts without renewal, so
+    /// about the longest a failover takes.
+    pub leader_lease: Duration,
+    /// Replicas on PostgreSQL: where this replica's gRPC API is reached, told to clients
+    /// of standbys (`None`: `http://` and the address it listens on).
+    pub advertise_endpoint: Option<String>,
 }
 
 impl Default for SchedulerSettings {
@@ -83,6 +92,8 @@ impl Default for SchedulerSettings {
             checkpoint_directory: "checkpoints".to_string(),
             infrastructure_retry_backoff: Duration::from_secs(2),
             preemption: PreemptionSettings::default(),
+            leader_lease: Duration::from_secs(10),
+            advertise_endpoint: None,
         }
     }
 }
@@ -230,6 +241,8 @@ pub struct Scheduler {
     last_lease_check: Mutex<Option<Instant>>,
     /// When `recheck_session_tokens` last read the sessions' tokens.
     last_session_token_check: Mutex<Option<Instant>>,
+    /// Whether this replica leads (see `leadership`).
+    role: Mutex<LeaderRole>,
 }
 
 pub fn now_ms() -> i64 {
@@ -296,6 +309,7 @@ impl Scheduler {
             compute: ComputePool::new(ComputeLimits::default()),
             last_lease_check: Mutex::new(None),
             last_session_token_check: Mutex::new(None),
+            role: Mutex::new(LeaderRole::Alone),
         }
     }
 

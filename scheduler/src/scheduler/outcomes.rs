@@ -429,44 +429,61 @@ impl Scheduler {
                 .set_worker_state(&worker_id, WorkerState::Lost)
                 .await?;
             for (job_id, running) in lost_attempts {
-                Metrics::count(&self.metrics.attempts_lost);
-                let fenced = self
-                    .store
-                    .finish_attempt(
-                        &job_id,
-                        i64::from(running.attempt_number),
-                        running.lease_epoch as i64,
-                        AttemptOutcome::Lost,
-                        None,
-                        None,
-                        &format!("worker {worker_id} stopped heartbeating"),
-                        now,
-                        &running.results_so_far(),
-                        &AttemptEndDetails::default(),
-                    )
-                    .await;
-                if let Err(error) = fenced
-                    && !matches!(error, SchedulerError::Conflict(_))
-                {
-                    return Err(error);
-                }
-                let mut job = self.store.get_job(&job_id).await?;
-                if !job.state.is_terminal() {
-                    self.retry_after_infrastructure_failure(
-                        &mut job,
-                        running.attempt_number,
-                        &format!(
-                            "lease lost: worker {worker_id} stopped heartbeating during \
-                             attempt {}",
-                            running.attempt_number
-                        ),
-                        now,
-                    )
-                    .await?;
-                }
+                self.lose_attempt(
+                    &job_id,
+                    &running,
+                    &format!("worker {worker_id} stopped heartbeating"),
+                    &format!(
+                        "lease lost: worker {worker_id} stopped heartbeating during \
+                         attempt {}",
+                        running.attempt_number
+                    ),
+                    now,
+                )
+                .await?;
             }
         }
         self.wake();
+        Ok(())
+    }
+
+    /// Ends `running` (already taken out of the live state) as lost with `message`, and
+    /// retries its job after the infrastructure backoff for `reason`. Called under
+    /// `job_changes`.
+    pub(super) async fn lose_attempt(
+        &self,
+        job_id: &str,
+        running: &RunningAttempt,
+        message: &str,
+        reason: &str,
+        now: i64,
+    ) -> Result<(), SchedulerError> {
+        Metrics::count(&self.metrics.attempts_lost);
+        let fenced = self
+            .store
+            .finish_attempt(
+                job_id,
+                i64::from(running.attempt_number),
+                running.lease_epoch as i64,
+                AttemptOutcome::Lost,
+                None,
+                None,
+                message,
+                now,
+                &running.results_so_far(),
+                &AttemptEndDetails::default(),
+            )
+            .await;
+        if let Err(error) = fenced
+            && !matches!(error, SchedulerError::Conflict(_))
+        {
+            return Err(error);
+        }
+        let mut job = self.store.get_job(job_id).await?;
+        if !job.state.is_terminal() {
+            self.retry_after_infrastructure_failure(&mut job, running.attempt_number, reason, now)
+                .await?;
+        }
         Ok(())
     }
 

@@ -198,7 +198,7 @@ impl Scheduler {
         sender: SessionSender,
     ) -> Result<SessionHandle, SchedulerError> {
         self.may_hold_sessions(caller)?;
-        let handle = {
+        let (handle, never_arrived) = {
             let mut live = self.live();
             let worker = live.worker_mut(worker_id)?;
             if worker.record.token_id != caller.token_id {
@@ -216,8 +216,53 @@ impl Scheduler {
             // The session before, if any, ends here (dropped: "replaced").
             worker.session = Some(session);
             worker.last_heartbeat = Instant::now();
-            handle
+            // Attempts placed here before this session whose hello does not list them
+            // never reached the worker: their assignment went down a session that
+            // broke, or was lost with a leader that died between storing and sending it.
+            // (Those placed from now on go down this session.)
+            let never_arrived: Vec<(String, RunningAttempt)> = live
+                .running
+                .iter()
+                .filter(|(job_id, running)| {
+                    running.worker_id == worker_id
+                        && !running_attempts.iter().any(|attempt| {
+                            attempt.job_id == **job_id && attempt.lease_epoch == running.lease_epoch
+                        })
+                })
+                .map(|(job_id, running)| (job_id.clone(), running.clone()))
+                .collect();
+            (handle, never_arrived)
         };
+        if !never_arrived.is_empty() {
+            let _guard = self.job_changes.lock().await;
+            let now = now_ms();
+            for (job_id, running) in never_arrived {
+                let unchanged = {
+                    let mut live = self.live();
+                    let same = live.running.get(&job_id).is_some_and(|current| {
+                        current.worker_id == running.worker_id
+                            && current.lease_epoch == running.lease_epoch
+                    });
+                    if same {
+                        live.running.remove(&job_id);
+                    }
+                    same
+                };
+                if unchanged {
+                    self.lose_attempt(
+                        &job_id,
+                        &running,
+                        &format!("worker {worker_id} came back without it"),
+                        &format!(
+                            "lost: attempt {} never reached worker {worker_id}",
+                            running.attempt_number
+                        ),
+                        now,
+                    )
+                    .await?;
+                }
+            }
+        }
         // Attempts the worker runs that were reassigned meanwhile are stopped.
         for attempt in running_attempts {
             let current = self.live().running.get(&attempt.job_id).cloned();

@@ -14,6 +14,7 @@ pub struct AttemptEndDetails {
     pub profile_points_json: String,
     pub oom_detected_by: String,
 }
+use super::leadership::{UNFENCED, check_fence};
 use crate::error::SchedulerError;
 
 const ATTEMPT_COLUMNS: &str = "job_id, attempt_number, config_json, estimate_bytes, \
@@ -116,6 +117,7 @@ impl Store {
             ));
         }
         with_write_tx!(self, tx => {
+            check_fence!(self, tx);
             let updated = sqlx::query(
                 "UPDATE attempts SET outcome = $4, measured_peak_bytes = $5, oom_json = $6, \
                  message = $7, finished_at_ms = $8, final_loss = $10, test_accuracy = $11, \
@@ -244,6 +246,7 @@ impl Store {
              WHERE attempts.lease_epoch < excluded.lease_epoch"
         );
         with_write_tx!(self, tx => {
+            check_fence!(self, tx);
             let updated = bind_job_update!(sqlx::query(UPDATE_JOB_SQL), job)
                 .execute(&mut *tx)
                 .await?
@@ -269,6 +272,18 @@ impl Store {
                 } else {
                     epoch_conflict(&id, stored_epoch, attempt.lease_epoch)
                 });
+            }
+            let fence = self.fence_epoch();
+            if fence != UNFENCED {
+                sqlx::query(
+                    "UPDATE attempts SET leader_epoch = $3 \
+                     WHERE job_id = $1 AND attempt_number = $2",
+                )
+                .bind(&attempt.job_id)
+                .bind(attempt.attempt_number)
+                .bind(fence)
+                .execute(&mut *tx)
+                .await?;
             }
         });
         Ok(())

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use super::leadership::check_fence;
 use super::{
     DEFAULT_PAGE_SIZE, JobFilter, JobRecord, JobState, MAX_PAGE_SIZE, QueueFingerprint, QueuedJob,
     Store, SubmitOutcome, insert_error, is_foreign_key_violation, is_unique_violation,
@@ -457,9 +458,12 @@ impl Store {
     /// `submit_sequence`, `idempotency_key`, `created_at_ms`), which never change.
     /// `NotFound` when there is no such job.
     pub async fn update_job(&self, job: &JobRecord) -> Result<(), SchedulerError> {
-        let updated = with_pool!(self, pool => {
+        // Fenced like placements: a deposed leader must not requeue or fail a job the
+        // new leader placed (no check on an unfenced store).
+        let updated = with_write_tx!(self, tx => {
+            check_fence!(self, tx);
             bind_job_update!(sqlx::query(UPDATE_JOB_SQL), job)
-                .execute(pool)
+                .execute(&mut *tx)
                 .await?
                 .rows_affected()
         });

@@ -88,6 +88,7 @@ mod attempts;
 mod batcher;
 mod columns;
 mod jobs;
+pub mod leadership;
 mod logs;
 mod peaks;
 mod records;
@@ -142,6 +143,9 @@ impl Default for StoreOptions {
 #[derive(Debug, Clone)]
 pub struct Store {
     pub(crate) pools: Pools,
+    /// The leader epoch placement and attempt writes are fenced with (see `leadership`),
+    /// shared by every clone.
+    fence: std::sync::Arc<std::sync::atomic::AtomicI64>,
 }
 
 #[derive(Debug, Clone)]
@@ -172,6 +176,7 @@ impl Store {
             POSTGRES_MIGRATOR.run(&pool).await?;
             Store {
                 pools: Pools::Postgres(pool),
+                fence: Default::default(),
             }
         } else {
             let connect_options = if url.starts_with("sqlite:") {
@@ -217,6 +222,7 @@ impl Store {
             SQLITE_MIGRATOR.run(&pool).await?;
             Store {
                 pools: Pools::Sqlite(pool),
+                fence: Default::default(),
             }
         };
         Ok(store)

@@ -449,3 +449,29 @@ pub async fn list_workers(channel: &Channel, token: &str) -> Vec<v1::Worker> {
         .into_inner()
         .workers
 }
+
+/// Starts the `carve-scheduler` binary with `arguments` (and `RUST_LOG=warn`) and
+/// returns it with the endpoint it printed; its stderr keeps being drained so the child
+/// never blocks on a full pipe.
+pub fn spawn_scheduler_binary(arguments: &[std::ffi::OsString]) -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_carve-scheduler"))
+        .args(arguments)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the scheduler binary starts");
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let address = loop {
+        let line = lines
+            .next()
+            .expect("the scheduler prints its address")
+            .unwrap();
+        if let Some(address) = line.strip_prefix("carve-scheduler listening on ") {
+            break address.trim().to_string();
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    (child, format!("http://{address}"))
+}

@@ -54,6 +54,7 @@ impl Cluster {
                 min_run_time: Duration::ZERO,
                 ..PreemptionSettings::default()
             },
+            ..SchedulerSettings::default()
         };
         let config = SchedulerConfig {
             database_url,

@@ -1,0 +1,225 @@
+//! Leadership among replicas on one PostgreSQL database: which replica places jobs and
+//! holds worker sessions, how it takes over and steps down (see ARCHITECTURE.md, "High
+//! availability"). The lease row and the fence are the store's (`store::leadership`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use carve_proto::ApiError;
+use tokio::time::Instant;
+
+use crate::error::SchedulerError;
+
+use super::{Live, Scheduler};
+
+/// What this replica is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaderRole {
+    /// The only scheduler on its database (SQLite, or a store used without leadership):
+    /// it leads, unfenced.
+    Alone,
+    /// It leads under this epoch.
+    Leading { epoch: i64 },
+    /// Another replica leads (at this endpoint, when known) or nobody yet.
+    Standby { leader_endpoint: Option<String> },
+}
+
+/// Who this replica is in the leadership row, and how long its lease lasts.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    /// A random id of this process.
+    pub holder: String,
+    /// Where its gRPC API is, told to clients of standbys.
+    pub endpoint: String,
+    pub lease: Duration,
+}
+
+impl Scheduler {
+    /// What this replica is now.
+    pub fn leader_role(&self) -> LeaderRole {
+        self.role
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    fn set_role(&self, role: LeaderRole) {
+        *self
+            .role
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = role;
+    }
+
+    /// Whether this replica places jobs and checks leases now.
+    pub fn is_leading(&self) -> bool {
+        !matches!(self.leader_role(), LeaderRole::Standby { .. })
+    }
+
+    /// `Unavailable`, naming the leader when known, on a standby: what it answers worker
+    /// sessions and the calls that act on live state (cancels, drains, watches).
+    pub fn require_leader(&self) -> Result<(), SchedulerError> {
+        match self.leader_role() {
+            LeaderRole::Standby { leader_endpoint } => Err(SchedulerError::Api(
+                ApiError::Unavailable(match leader_endpoint {
+                    Some(endpoint) => {
+                        format!("this scheduler replica is a standby; the leader is at {endpoint}")
+                    }
+                    None => "this scheduler replica is a standby and no leader is known yet; \
+                             try again in a moment"
+                        .to_string(),
+                }),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Joins the leadership protocol as a standby (writes fenced off) and takes the
+    /// leadership at once when nobody holds it. Called once, before serving.
+    pub async fn join_leadership(&self, candidate: &Candidate) -> Result<(), SchedulerError> {
+        self.store.set_leader_epoch(None);
+        self.set_role(LeaderRole::Standby {
+            leader_endpoint: None,
+        });
+        self.leadership_round(candidate, &mut None).await
+    }
+
+    /// Keeps leading (renewing the lease) or standing by (taking over when the leader's
+    /// lease runs out) for as long as the scheduler runs.
+    pub async fn keep_leadership(self: Arc<Self>, candidate: Candidate) {
+        let mut renewed_at = None;
+        loop {
+            tokio::time::sleep(candidate.lease / 4).await;
+            if let Err(error) = self.leadership_round(&candidate, &mut renewed_at).await {
+                tracing::warn!(%error, "leadership check failed");
+            }
+        }
+    }
+
+    /// One renewal (leading) or takeover attempt (standing by). `renewed_at` is when the
+    /// last successful renewal started: a leader that cannot renew steps down when its
+    /// lease would have run out, before any standby can take over.
+    async fn leadership_round(
+        &self,
+        candidate: &Candidate,
+        renewed_at: &mut Option<Instant>,
+    ) -> Result<(), SchedulerError> {
+        match self.leader_role() {
+            LeaderRole::Alone => Ok(()),
+            LeaderRole::Leading { epoch } => {
+                let started = Instant::now();
+                match self
+                    .store
+                    .renew_leadership(&candidate.holder, epoch, candidate.lease)
+                    .await
+                {
+                    Ok(true) => {
+                        *renewed_at = Some(started);
+                        Ok(())
+                    }
+                    Ok(false) => {
+                        tracing::warn!(epoch, "another replica took the leadership over");
+                        let leader = self.store.leadership().await.ok();
+                        self.step_down(leader.map(|row| row.endpoint)).await;
+                        Ok(())
+                    }
+                    Err(error) => {
+                        if renewed_at.is_none_or(|at| at.elapsed() >= candidate.lease) {
+                            tracing::warn!(epoch, "cannot renew the leadership: stepping down");
+                            self.step_down(None).await;
+                        }
+                        Err(error)
+                    }
+                }
+            }
+            LeaderRole::Standby { .. } => {
+                let taken = self
+                    .store
+                    .try_take_leadership(&candidate.holder, &candidate.endpoint, candidate.lease)
+                    .await;
+                // Counted from before the takeover's statement, like a renewal.
+                let started = Instant::now();
+                match taken? {
+                    Some(epoch) => {
+                        *renewed_at = Some(started);
+                        self.become_leader(epoch).await
+                    }
+                    None => {
+                        let leader = self.store.leadership().await?;
+                        self.set_role(LeaderRole::Standby {
+                            leader_endpoint: Some(leader.endpoint).filter(|_| leader.current),
+                        });
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+
+    /// Leads under `epoch`: the live state is rebuilt from the store (attempts still
+    /// running keep their slices; their workers get one lease to come back) and passes
+    /// start.
+    async fn become_leader(&self, epoch: i64) -> Result<(), SchedulerError> {
+        let _changes = self.job_changes.lock().await;
+        self.store.set_leader_epoch(Some(epoch));
+        *self.live() = Live::default();
+        self.queue().invalidate();
+        *self
+            .last_pass_inputs
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+        if let Err(error) = self.recover().await {
+            self.store.set_leader_epoch(None);
+            return Err(error);
+        }
+        // Event sequences keep rising across leaders (a watcher's last one stays
+        // below the new leader's first): each epoch starts its own range.
+        let first_sequence = u64::try_from(epoch).unwrap_or(0) << 40;
+        self.event_sequence
+            .fetch_max(first_sequence, std::sync::atomic::Ordering::AcqRel);
+        self.set_role(LeaderRole::Leading { epoch });
+        tracing::info!(epoch, "leading");
+        self.wake();
+        Ok(())
+    }
+
+    /// Stops leading: fenced writes are refused from now on, worker sessions end (their
+    /// workers reconnect to the leader) and the live state is dropped.
+    async fn step_down(&self, leader_endpoint: Option<String>) {
+        self.store.set_leader_epoch(None);
+        self.set_role(LeaderRole::Standby {
+            leader_endpoint: leader_endpoint.clone(),
+        });
+        // Waits for a pass or report in flight (its writes are refused now).
+        let _changes = self.job_changes.lock().await;
+        let mut live = self.live();
+        for worker in live.workers.values_mut() {
+            if let Some(session) = worker.session.take() {
+                session.end(SchedulerError::Api(ApiError::Unavailable(
+                    match &leader_endpoint {
+                        Some(endpoint) => format!(
+                            "this scheduler replica no longer leads; the leader is at {endpoint}"
+                        ),
+                        None => "this scheduler replica no longer leads; reconnect to another"
+                            .to_string(),
+                    },
+                )));
+            }
+        }
+        *live = Live::default();
+    }
+
+    /// Ends this replica's lease at once when it leads (a graceful stop), so a standby
+    /// takes over without waiting for it to run out.
+    pub async fn release_leadership(&self, candidate: &Candidate) {
+        if let LeaderRole::Leading { epoch } = self.leader_role() {
+            self.store.set_leader_epoch(None);
+            if let Err(error) = self
+                .store
+                .release_leadership(&candidate.holder, epoch)
+                .await
+            {
+                tracing::warn!(%error, "could not release the leadership");
+            }
+        }
+    }
+}
