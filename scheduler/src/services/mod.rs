@@ -1,0 +1,397 @@
+//! The gRPC handlers: authenticate, check the request's fields, call the scheduler (which
+//! decides what the caller may do), turn its answers into messages through `convert.rs`.
+//! Generated types stop here, and the store is reached only through the scheduler;
+//! errors become statuses through `carve_proto::ApiError`, the project's one mapping.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use carve_core::estimator::estimate_job;
+use carve_core::plan::RunConfig;
+use carve_core::shrink::plan_shrink;
+use carve_proto::ApiError;
+use carve_proto::v1;
+use carve_proto::v1::job_service_server::JobService;
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Request, Response, Status};
+
+use crate::auth::Caller;
+use crate::convert::{
+    attach_progress, job_state_from_proto, job_to_proto, job_update_to_proto,
+    submitted_job_to_proto, timestamp,
+};
+use crate::metrics::{Metrics, SubmitRejection};
+use crate::scheduler::{JobUpdate, JobUpdateKind, Scheduler, now_ms};
+use crate::store::{JobFilter, JobRecord, LogLineRecord, LogQuery};
+
+/// One handle on the scheduler for all four services.
+#[derive(Debug, Clone)]
+pub struct Services {
+    pub scheduler: Arc<Scheduler>,
+}
+
+fn invalid(field: &str, reason: impl Into<String>) -> Status {
+    ApiError::invalid_argument(field, reason).into()
+}
+
+mod admin;
+mod cluster;
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<v1::JobEvent, Status>> + Send>>;
+type SchedulerMessageStream =
+    Pin<Box<dyn Stream<Item = Result<v1::SchedulerMessage, Status>> + Send>>;
+
+impl Services {
+    async fn caller<T>(&self, request: &Request<T>) -> Result<Caller, Status> {
+        self.scheduler
+            .authenticate(request.metadata(), now_ms())
+            .await
+            .map_err(Status::from)
+    }
+
+    /// A job as the API shows it, with its attempts.
+    async fn job_message(&self, job: &JobRecord) -> Result<v1::Job, Status> {
+        let attempts = self.scheduler.attempts(&job.id).await?;
+        let mut message = job_to_proto(job, &attempts)?;
+        message.memory_model = self.scheduler.job_memory_model(job).await?.map(Into::into);
+        if let Some((attempt_number, progress)) = self.scheduler.latest_progress(&job.id) {
+            attach_progress(&mut message, attempt_number, &progress);
+        }
+        Ok(message)
+    }
+}
+
+fn log_line_proto(line: LogLineRecord) -> v1::JobLogLine {
+    v1::JobLogLine {
+        sequence: line.sequence as u64,
+        time: Some(timestamp(line.time_ms)),
+        attempt_number: line.attempt_number as u32,
+        level: line.level,
+        message: line.message,
+    }
+}
+
+/// EstimateJob's answer for a spec (with the request's overrides applied): validation,
+/// the estimate, and the shrink plan when a slice is given and the job does not fit it.
+fn estimate_answer(
+    spec: carve_core::spec::JobSpec,
+    slice_bytes: Option<u64>,
+) -> Result<v1::EstimateJobResponse, Status> {
+    let job = carve_core::validate::validate_job_spec(spec)
+        .map_err(|error| invalid(&format!("spec.{}", error.field), error.reason))?;
+    let config = RunConfig::from_spec(&job.spec);
+    let estimate = estimate_job(&job, &config)
+        .map_err(|error| invalid(&format!("spec.{}", error.field), error.reason))?;
+    let (fits, shrink_plan) = match slice_bytes {
+        Some(slice) if estimate.required_bytes > slice => {
+            let decision = plan_shrink(&job, &config, None, slice).map_err(ApiError::from)?;
+            (
+                false,
+                Some(carve_proto::convert::shrink_decision_to_proto(
+                    &config, &decision,
+                )),
+            )
+        }
+        _ => (true, None),
+    };
+    Ok(v1::EstimateJobResponse {
+        estimate: Some(estimate.into()),
+        fits,
+        shrink_plan,
+    })
+}
+
+#[tonic::async_trait]
+impl JobService for Services {
+    async fn submit_job(
+        &self,
+        request: Request<v1::SubmitJobRequest>,
+    ) -> Result<Response<v1::SubmitJobResponse>, Status> {
+        let metrics = &self.scheduler.metrics;
+        let caller = match self.caller(&request).await {
+            Ok(caller) => caller,
+            Err(status) => {
+                let reason = match status.code() {
+                    Code::Unauthenticated => SubmitRejection::Unauthenticated,
+                    Code::PermissionDenied => SubmitRejection::PermissionDenied,
+                    Code::Unavailable => SubmitRejection::Unavailable,
+                    _ => SubmitRejection::Other,
+                };
+                metrics.count_rejected_submit(reason);
+                return Err(status);
+            }
+        };
+        let request = request.into_inner();
+        if request.spec_json.trim().is_empty() {
+            metrics.count_rejected_submit(SubmitRejection::InvalidSpec);
+            return Err(invalid("spec_json", "must not be empty"));
+        }
+        let started = std::time::Instant::now();
+        let submitted = self
+            .scheduler
+            .submit(&caller, &request.spec_json, &request.idempotency_key)
+            .await;
+        let submitted = match submitted.and_then(|submitted| {
+            let job = submitted_job_to_proto(&submitted)?;
+            Ok((job, submitted.created, submitted.warnings))
+        }) {
+            Ok(submitted) => {
+                metrics.observe_submit_latency(started.elapsed());
+                if submitted.1 {
+                    Metrics::count(&metrics.submits_accepted);
+                }
+                submitted
+            }
+            Err(refused) => {
+                metrics.count_rejected_submit(refused.reason);
+                return Err(refused.error.into());
+            }
+        };
+        let (job, created, warnings) = submitted;
+        Ok(Response::new(v1::SubmitJobResponse {
+            job: Some(job),
+            created,
+            warnings,
+        }))
+    }
+
+    async fn get_job(
+        &self,
+        request: Request<v1::GetJobRequest>,
+    ) -> Result<Response<v1::GetJobResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let job = self
+            .scheduler
+            .visible_job(&caller, &request.get_ref().job_id)
+            .await?;
+        let job = self.job_message(&job).await?;
+        Ok(Response::new(v1::GetJobResponse { job: Some(job) }))
+    }
+
+    async fn list_jobs(
+        &self,
+        request: Request<v1::ListJobsRequest>,
+    ) -> Result<Response<v1::ListJobsResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let request = request.into_inner();
+        let mut states = Vec::new();
+        for (index, state) in request.states.iter().enumerate() {
+            let state = v1::JobState::try_from(*state)
+                .ok()
+                .and_then(job_state_from_proto)
+                .ok_or_else(|| {
+                    invalid(
+                        &format!("states[{index}]"),
+                        format!("{state} is not a job state"),
+                    )
+                })?;
+            states.push(state);
+        }
+        if request.page_size > 1000 {
+            return Err(invalid(
+                "page_size",
+                format!("{} is more than the limit of 1000", request.page_size),
+            ));
+        }
+        let (jobs, next_page_token) = self
+            .scheduler
+            .list_jobs(
+                &caller,
+                JobFilter {
+                    tenant: (!request.tenant.is_empty()).then_some(request.tenant),
+                    states,
+                    name_prefix: (!request.name_prefix.is_empty()).then_some(request.name_prefix),
+                    page_size: if request.page_size == 0 {
+                        100
+                    } else {
+                        request.page_size
+                    },
+                    page_token: (!request.page_token.is_empty()).then_some(request.page_token),
+                },
+            )
+            .await?;
+        let mut messages = Vec::with_capacity(jobs.len());
+        for job in &jobs {
+            messages.push(self.job_message(job).await?);
+        }
+        Ok(Response::new(v1::ListJobsResponse {
+            jobs: messages,
+            next_page_token: next_page_token.unwrap_or_default(),
+        }))
+    }
+
+    async fn cancel_job(
+        &self,
+        request: Request<v1::CancelJobRequest>,
+    ) -> Result<Response<v1::CancelJobResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        // Live state (sessions, running attempts, events) is the leader's alone.
+        self.scheduler.require_leader()?;
+        let request = request.into_inner();
+        let job = self
+            .scheduler
+            .cancel(&caller, &request.job_id, &request.reason)
+            .await?;
+        let job = self.job_message(&job).await?;
+        Ok(Response::new(v1::CancelJobResponse { job: Some(job) }))
+    }
+
+    type WatchJobStream = EventStream;
+
+    async fn watch_job(
+        &self,
+        request: Request<v1::WatchJobRequest>,
+    ) -> Result<Response<Self::WatchJobStream>, Status> {
+        let caller = self.caller(&request).await?;
+        // Live state (sessions, running attempts, events) is the leader's alone.
+        self.scheduler.require_leader()?;
+        let request = request.into_inner();
+        // Subscribe before reading the state, so nothing falls between the two.
+        let mut events = self.scheduler.subscribe();
+        let mut revocations = self.scheduler.subscribe_revocations();
+        let token_id = caller.token_id.clone();
+        let job = self.scheduler.visible_job(&caller, &request.job_id).await?;
+        let (sender, receiver) = mpsc::channel(256);
+        let job_id = job.id.clone();
+        let include_logs = request.include_logs;
+        let first = JobUpdate {
+            job_id: job.id.clone(),
+            sequence: 0,
+            time_ms: now_ms(),
+            kind: JobUpdateKind::StateChanged {
+                previous: job.state,
+                state: job.state,
+                reason: "current state".into(),
+            },
+        };
+        let already_over = first.ends_the_job();
+        tokio::spawn(async move {
+            if sender.send(Ok(job_update_to_proto(&first))).await.is_err() || already_over {
+                return;
+            }
+            loop {
+                let received = tokio::select! {
+                    received = events.recv() => received,
+                    revoked = revocations.recv() => match revoked {
+                        Ok(revoked) if revoked == token_id => {
+                            let _ = sender
+                                .send(Err(Status::from(ApiError::Unauthenticated(
+                                    "token rejected: revoked".into(),
+                                ))))
+                                .await;
+                            return;
+                        }
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                        _ => continue,
+                    },
+                };
+                match received {
+                    Ok(event) if event.job_id == job_id => {
+                        if !include_logs && matches!(event.kind, JobUpdateKind::Log { .. }) {
+                            continue;
+                        }
+                        let over = event.ends_the_job();
+                        if sender.send(Ok(job_update_to_proto(&event))).await.is_err() || over {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
+                        let _ = sender
+                            .send(Err(Status::from(ApiError::DataLoss(format!(
+                                "the watcher fell {missed} events behind; watch again"
+                            )))))
+                            .await;
+                        return;
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
+    }
+
+    async fn estimate_job(
+        &self,
+        request: Request<v1::EstimateJobRequest>,
+    ) -> Result<Response<v1::EstimateJobResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        self.scheduler.may_estimate(&caller)?;
+        let request = request.into_inner();
+        crate::scheduler::check_spec_size(&request.spec_json)?;
+        if request.slice_bytes == Some(0) {
+            return Err(invalid("slice_bytes", "must be larger than 0"));
+        }
+        if carve_proto::convert::is_command_spec_json(&request.spec_json) {
+            return Err(invalid(
+                "spec",
+                carve_proto::convert::COMMAND_JOB_HAS_NO_ESTIMATE,
+            ));
+        }
+        let mut spec =
+            carve_proto::convert::job_spec_from_json(&request.spec_json).map_err(Status::from)?;
+        if let Some(batch_size) = request.batch_size {
+            spec.training.batch_size = batch_size;
+        }
+        if let Some(precision) = request.precision {
+            spec.training.precision =
+                carve_proto::convert::precision_from_proto(precision, "precision")
+                    .map_err(Status::from)?;
+        }
+        // Validation, the estimate and the shrink plan grow with the model: they run on
+        // the compute pool, charged to the caller's tenant.
+        let answer = self
+            .scheduler
+            .compute(&caller.tenant, move || {
+                estimate_answer(spec, request.slice_bytes)
+            })
+            .await??;
+        Ok(Response::new(answer))
+    }
+
+    async fn get_job_logs(
+        &self,
+        request: Request<v1::GetJobLogsRequest>,
+    ) -> Result<Response<v1::GetJobLogsResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let request = request.into_inner();
+        // Sequences are stored as signed 64-bit integers, so a larger one cannot exist.
+        let after_sequence = i64::try_from(request.after_sequence).map_err(|_| {
+            invalid(
+                "after_sequence",
+                format!(
+                    "{} is larger than any sequence ({})",
+                    request.after_sequence,
+                    i64::MAX
+                ),
+            )
+        })?;
+        // Page sizes and tails over the cap are capped by the store, not refused (the
+        // proto's contract).
+        let page = self
+            .scheduler
+            .job_logs(
+                &caller,
+                &LogQuery {
+                    job_id: request.job_id,
+                    attempt_number: (request.attempt_number != 0)
+                        .then_some(i64::from(request.attempt_number)),
+                    after_sequence,
+                    page_size: request.page_size,
+                    tail: (request.tail != 0).then_some(request.tail),
+                },
+            )
+            .await?;
+        let last_sequence = page
+            .lines
+            .last()
+            .map_or(request.after_sequence, |line| line.sequence as u64);
+        Ok(Response::new(v1::GetJobLogsResponse {
+            lines: page.lines.into_iter().map(log_line_proto).collect(),
+            last_sequence,
+            more: page.more,
+        }))
+    }
+}
