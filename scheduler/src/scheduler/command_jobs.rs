@@ -134,22 +134,24 @@ impl Scheduler {
     }
 
     /// Raises a command shape's stored model so that it covers `needed_bytes` at
-    /// `config` (a measured peak, or what an out-of-memory showed was needed). A shape
-    /// with no model yet gets none: only a profile fits one.
+    /// `config` (a measured peak, or what an out-of-memory showed was needed), and
+    /// returns the model as it now stands. A shape with no model yet gets none: only a
+    /// profile fits one.
     pub(super) async fn refine_command_memory_model(
         &self,
         job: &ValidatedCommandJob,
         config: &RunConfig,
         needed_bytes: u64,
-    ) -> Result<(), SchedulerError> {
+    ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
         let shape_key = command_shape_key(job);
-        if let Some(model) = self.command_memory_model(&shape_key).await? {
-            let refined = model.refined(config, needed_bytes);
-            if refined != model {
-                self.put_command_memory_model(&shape_key, &refined).await?;
-            }
+        let Some(model) = self.command_memory_model(&shape_key).await? else {
+            return Ok(None);
+        };
+        let refined = model.refined(config, needed_bytes);
+        if refined != model {
+            self.put_command_memory_model(&shape_key, &refined).await?;
         }
-        Ok(())
+        Ok(Some(refined))
     }
 
     /// The memory model a command job is sized by (its command's, once a profile

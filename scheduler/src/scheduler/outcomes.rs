@@ -19,9 +19,7 @@ use crate::metrics::Metrics;
 use crate::store::{AttemptEndDetails, AttemptResults, JobRecord};
 
 use super::admission::shape_key;
-use super::command_jobs::{
-    OomDetected, command_peak_key, command_shape_key, is_command_spec, stored_command_job,
-};
+use super::command_jobs::{OomDetected, command_peak_key, is_command_spec, stored_command_job};
 use super::logs::JobUpdateKind;
 use super::worker_reports::{AttemptRef, Checkpoint, WorkerCommand};
 use super::{
@@ -150,10 +148,8 @@ impl Scheduler {
             // what this attempt showed it needed (without a profile, from the OOM alone).
             let command = stored_command_job(&job.spec_json)?;
             let needed = report.in_use.saturating_add(report.requested);
-            self.refine_command_memory_model(&command, &old_config, needed)
-                .await?;
             let model = self
-                .command_memory_model(&command_shape_key(&command))
+                .refine_command_memory_model(&command, &old_config, needed)
                 .await?
                 .unwrap_or_else(|| CommandMemoryModel::from_out_of_memory(&old_config, &report));
             let planned = plan_command_shrink(
