@@ -300,6 +300,34 @@ pub enum BufferRole {
     OverflowFlag,
 }
 
+impl BufferRole {
+    /// Whether a buffer must hold zeros when it is allocated: what is accumulated into
+    /// (gradients, optimizer state), what lives for the whole attempt (zeroed once), and
+    /// the small result buffers. Every other buffer is written by the operation that
+    /// creates its contents before anything reads it, so a backend may leave it as it
+    /// finds it; the cuda backend fills it with NaN in debug builds to prove that.
+    pub fn must_start_at_zero(&self) -> bool {
+        match self {
+            BufferRole::Parameter { .. }
+            | BufferRole::MasterParameter { .. }
+            | BufferRole::Gradient { .. }
+            | BufferRole::OptimizerState { .. }
+            | BufferRole::InputSlot { .. }
+            | BufferRole::TargetSlot { .. }
+            | BufferRole::LossValue
+            | BufferRole::OverflowFlag => true,
+            BufferRole::LayerOutput
+            | BufferRole::DropoutMask
+            | BufferRole::BatchStatistics
+            | BufferRole::InputGradient
+            | BufferRole::HalfGradients
+            | BufferRole::Workspace
+            | BufferRole::Probabilities
+            | BufferRole::OutputGradient => false,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ElementType {
     F32,

@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
-"""PyTorch reference for Carve's cuda backend: trains examples/resnet-cifar.toml's model
-with torch.backends.cudnn.benchmark=True at the same batch size and precision and prints
+"""PyTorch reference for Carve's cuda backend: trains an example's model (by default
+examples/resnet-cifar.toml; graph models such as resnet18-cifar.toml too) with
+torch.backends.cudnn.benchmark=True at the same batch size and precision and prints
 samples/s, to compare with `cargo bench -p carve-engine` (the cuda rows) on the same GPU.
 
-The model is the example's layer list, with Keras' conventions that Carve follows:
+The model is the example's layers, with Keras' conventions that Carve follows:
 TF "same" padding (a stride-2 3x3 convolution on an even input pads only bottom/right),
-channels-last activations, batch norm momentum 0.99 (PyTorch 0.01) and epsilon 1e-3,
-SGD with Nesterov momentum 0.9 and weight decay 5e-4, synthetic inputs and labels.
+channels-last activations (Carve's NHWC: the same layout), batch norm momentum 0.99
+(PyTorch 0.01) and epsilon 1e-3, the example's optimizer, synthetic inputs and labels.
+The timed span is `--steps` steps between two synchronizes, after `--warmup` steps.
+
+`--fp32-math default` leaves PyTorch's defaults (cuDNN may use TF32 for fp32
+convolutions, matmuls may not); `--fp32-math strict` turns TF32 off for both, like
+Carve's `CARVE_CUDA_TUNING=strict`.
 
     python3 engine/benches/pytorch_reference.py --batch 128 --precision fp32 --steps 50
 
@@ -30,49 +36,104 @@ def same_padding(size, kernel, stride):
     return total // 2, total - total // 2
 
 
+class GraphModel(nn.Module):
+    """The example's layers in order; a layer reads the previous one's output unless it
+    names its `inputs` (Carve's graph models: `add` sums them, `concat` joins channels)."""
+
+    def __init__(self, layers, names, inputs):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.names = names
+        self.inputs = inputs
+
+    def forward(self, x):
+        outputs = {}
+        previous = x
+        for layer, name, sources in zip(self.layers, self.names, self.inputs):
+            arguments = [outputs[source] for source in sources] if sources else [previous]
+            previous = layer(*arguments)
+            outputs[name] = previous
+        return previous
+
+
+class Add(nn.Module):
+    def forward(self, *tensors):
+        total = tensors[0]
+        for tensor in tensors[1:]:
+            total = total + tensor
+        return total
+
+
+class Concat(nn.Module):
+    def forward(self, *tensors):
+        return torch.cat(tensors, dim=1)
+
+
 def build_model(spec):
     height, width, channels = spec["model"]["input_shape"]
-    layers = []
-    for entry in spec["model"]["layers"]:
+    shapes = {}
+    previous = (height, width, channels)
+    layers, names, inputs = [], [], []
+    for index, entry in enumerate(spec["model"]["layers"]):
+        entry = dict(entry)
+        name = entry.pop("name", f"layer{index}")
+        sources = entry.pop("inputs", None)
         (kind, settings), = entry.items()
+        height, width, channels = shapes[sources[0]] if sources else previous
         if kind == "conv2d":
             kernel = settings.get("kernel", 3)
             stride = settings.get("stride", 1)
+            parts = []
             if settings.get("padding", "valid") == "same":
                 top, bottom = same_padding(height, kernel, stride)
                 left, right = same_padding(width, kernel, stride)
-                layers.append(nn.ZeroPad2d((left, right, top, bottom)))
+                if (top, left) == (bottom, right):
+                    padding = (top, left)
+                else:
+                    parts.append(nn.ZeroPad2d((left, right, top, bottom)))
+                    padding = 0
                 height = -(-height // stride)
                 width = -(-width // stride)
             else:
+                padding = 0
                 height = (height - kernel) // stride + 1
                 width = (width - kernel) // stride + 1
-            layers.append(
+            parts.append(
                 nn.Conv2d(
                     channels,
                     settings["filters"],
                     kernel,
                     stride=stride,
+                    padding=padding,
                     bias=settings.get("use_bias", True),
                 )
             )
+            layer = parts[0] if len(parts) == 1 else nn.Sequential(*parts)
             channels = settings["filters"]
         elif kind == "batch_norm":
             momentum = settings.get("momentum", 0.99)
-            layers.append(
-                nn.BatchNorm2d(channels, eps=settings.get("epsilon", 1e-3), momentum=1 - momentum)
-            )
+            layer = nn.BatchNorm2d(channels, eps=settings.get("epsilon", 1e-3), momentum=1 - momentum)
         elif kind == "relu":
-            layers.append(nn.ReLU())
+            layer = nn.ReLU()
+        elif kind == "add":
+            layer = Add()
+        elif kind == "concat":
+            layer = Concat()
+            channels = sum(shapes[source][2] for source in sources)
         elif kind == "global_avg_pool":
-            layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+            layer = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
             height = width = 1
         elif kind == "dense":
-            layers.append(nn.Linear(channels * height * width, settings["units"]))
+            layer = nn.Linear(channels * height * width, settings["units"])
             channels = settings["units"]
         else:
             sys.exit(f"layer {kind} is not part of the reference model")
-    return nn.Sequential(*layers), spec["model"]["input_shape"], channels
+        previous = (height, width, channels)
+        shapes[name] = previous
+        layers.append(layer)
+        names.append(name)
+        inputs.append(sources)
+    return GraphModel(layers, names, inputs), spec["model"]["input_shape"], channels
 
 
 def main():
@@ -83,6 +144,7 @@ def main():
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=None)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--fp32-math", choices=["default", "strict"], default="default")
     arguments = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -90,22 +152,33 @@ def main():
     spec = tomllib.loads(pathlib.Path(arguments.example).read_text())
     batch = arguments.batch or spec["training"]["batch_size"]
     precision = arguments.precision or spec["training"].get("precision", "fp32")
-    sgd = spec["training"]["optimizer"]["sgd"]
+    optimizer_spec = spec["training"]["optimizer"]
 
     torch.backends.cudnn.benchmark = True
-    # Carve's fp32 runs without TF32, so the reference does too.
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    if arguments.fp32_math == "strict":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda")
     model, (height, width, channels), classes = build_model(spec)
     model = model.to(device).to(memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(
-        model.parameters(),
-        lr=sgd["learning_rate"],
-        momentum=sgd.get("momentum", 0.0),
-        nesterov=sgd.get("nesterov", False),
-        weight_decay=sgd.get("weight_decay", 0.0),
-    )
+    if "sgd" in optimizer_spec:
+        sgd = optimizer_spec["sgd"]
+        optimizer = torch.optim.SGD(
+            model.parameters(),
+            lr=sgd["learning_rate"],
+            momentum=sgd.get("momentum", 0.0),
+            nesterov=sgd.get("nesterov", False),
+            weight_decay=sgd.get("weight_decay", 0.0),
+        )
+    else:
+        (kind, adam), = optimizer_spec.items()
+        optimizer = (torch.optim.AdamW if kind == "adamw" else torch.optim.Adam)(
+            model.parameters(),
+            lr=adam["learning_rate"],
+            betas=(adam.get("beta1", 0.9), adam.get("beta2", 0.999)),
+            eps=adam.get("epsilon", 1e-7),
+            weight_decay=adam.get("weight_decay", 0.0),
+        )
     autocast_type = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
     inputs = torch.randn(batch, channels, height, width, device=device).to(
@@ -133,7 +206,8 @@ def main():
     seconds = time.perf_counter() - started
     print(
         f"pytorch {torch.__version__} {torch.cuda.get_device_name()} "
-        f"{pathlib.Path(arguments.example).stem} batch {batch} {precision}: "
+        f"{pathlib.Path(arguments.example).stem} batch {batch} {precision} "
+        f"(fp32 math {arguments.fp32_math}): "
         f"{arguments.steps * batch / seconds:.1f} samples/s "
         f"(loss {loss.item():.4f}, peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB)"
     )

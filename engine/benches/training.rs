@@ -4,10 +4,16 @@
 //! the ResNet-style example with PyTorch (cuDNN benchmark mode) for comparison.
 //!
 //! Each row trains a few steps of an example (synthetic data, its own batch size unless
-//! noted) after one warm-up step and reports samples per second and the slice's peak.
+//! noted) after one warm-up step and reports samples per second, the slice's peak and
+//! whether it equals the estimate. The time runs from the end of the warm-up step to the
+//! end of the last step, both ends after the step's loss was read back (which waits for
+//! the GPU), so teardown and the warm-up's algorithm search are not in it: the same span
+//! the PyTorch script times between two synchronizes.
 //! The GPU rows train more steps, and resnet-cifar also at batch 128, the size the
 //! PyTorch script compares at. `cargo bench -p carve-engine -- cuda` (or `-- cpu`)
-//! runs one backend's rows only.
+//! runs one backend's rows only; `CARVE_CUDA_TUNING` (see `carve_engine::cuda::CudaTuning`)
+//! turns the cuda backend's speed changes off one by one, and a word after the backend
+//! (`-- cuda resnet-cifar`) keeps the rows whose example starts with it.
 
 use std::path::Path;
 use std::time::Instant;
@@ -44,6 +50,9 @@ fn main() {
         ("resnet-cifar.toml", 128, Precision::Fp32, 30),
         ("resnet-cifar.toml", 128, Precision::Fp16, 30),
         ("resnet-cifar.toml", 128, Precision::Bf16, 30),
+        ("resnet18-cifar.toml", 128, Precision::Fp32, 20),
+        ("resnet18-cifar.toml", 128, Precision::Fp16, 20),
+        ("resnet18-cifar.toml", 128, Precision::Bf16, 20),
         ("tf-conv2d-128px-batch32.toml", 32, Precision::Fp32, 20),
     ];
     // `cargo bench` passes `--bench`; a plain word picks one backend's rows.
@@ -51,7 +60,21 @@ fn main() {
         .skip(1)
         .filter(|argument| !argument.starts_with('-'))
         .collect();
-    let wanted = |name: &str| chosen.is_empty() || chosen.iter().any(|choice| choice == name);
+    let backends: Vec<&String> = chosen
+        .iter()
+        .filter(|choice| *choice == "cpu" || *choice == "cuda")
+        .collect();
+    let examples_chosen: Vec<&String> = chosen
+        .iter()
+        .filter(|choice| *choice != "cpu" && *choice != "cuda")
+        .collect();
+    let wanted = |name: &str| backends.is_empty() || backends.iter().any(|choice| *choice == name);
+    let example_wanted = |file: &str| {
+        examples_chosen.is_empty()
+            || examples_chosen
+                .iter()
+                .any(|prefix| file.starts_with(prefix.as_str()))
+    };
     let cuda = wanted("cuda")
         && match CudaBackend::available() {
             Ok(()) => true,
@@ -60,12 +83,29 @@ fn main() {
                 false
             }
         };
+    if cuda {
+        println!(
+            "cuda tuning: {}={:?}",
+            carve_engine::cuda::TUNING_VARIABLE,
+            std::env::var(carve_engine::cuda::TUNING_VARIABLE).unwrap_or_default()
+        );
+    }
     println!(
-        "{:<30} {:>7} {:>6} {:>9} {:>7} {:>12} {:>12}",
-        "example", "backend", "batch", "precision", "steps", "samples/s", "peak"
+        "{:<30} {:>7} {:>6} {:>9} {:>7} {:>12} {:>12} {:>16}",
+        "example",
+        "backend",
+        "batch",
+        "precision",
+        "steps",
+        "samples/s",
+        "peak",
+        "peak == estimate"
     );
     if wanted("cpu") {
         for &(file, batch_size, precision, steps) in cpu_cases {
+            if !example_wanted(file) {
+                continue;
+            }
             bench_case(
                 &examples,
                 BenchBackend::Cpu,
@@ -78,6 +118,9 @@ fn main() {
     }
     if cuda {
         for &(file, batch_size, precision, steps) in cuda_cases {
+            if !example_wanted(file) {
+                continue;
+            }
             bench_case(
                 &examples,
                 BenchBackend::Cuda,
@@ -125,12 +168,15 @@ fn bench_case(
         stop_requested: None,
     };
     let data = open_data_sets(&job, Path::new(".")).expect("synthetic data");
-    let mut timer: Option<Instant> = None;
+    let mut started: Option<Instant> = None;
+    let mut seconds = f64::NAN;
     let mut on_progress = |progress: &carve_engine::trainer::Progress| {
         // The first step warms caches, the loader and cuDNN's algorithm search; time
-        // the rest.
-        if progress.step == 1 {
-            timer = Some(Instant::now());
+        // the rest, up to the end of the last step.
+        match started {
+            None if progress.step == 1 => started = Some(Instant::now()),
+            Some(at) if progress.step == steps + 1 => seconds = at.elapsed().as_secs_f64(),
+            _ => {}
         }
     };
     let result = match backend {
@@ -139,7 +185,6 @@ fn bench_case(
             train_on_cuda(&job, &data, &options, 0, &mut on_progress).map(|(report, _)| report)
         }
     };
-    let seconds = timer.map_or(f64::NAN, |started| started.elapsed().as_secs_f64());
     let label = format!(
         "{:<30} {:>7} {:>6} {:>9} {:>7}",
         file.trim_end_matches(".toml"),
@@ -154,9 +199,14 @@ fn bench_case(
     // A failing row is reported and the table goes on: the other rows still measure.
     match result {
         Ok(report) => println!(
-            "{label} {:>12.1} {:>12}",
+            "{label} {:>12.1} {:>12} {:>16}",
             (steps * batch_size) as f64 / seconds,
-            HumanBytes(report.peak_bytes).to_string()
+            HumanBytes(report.peak_bytes).to_string(),
+            if report.peak_bytes == report.estimate.peak_bytes {
+                "yes".to_string()
+            } else {
+                format!("NO: {}", HumanBytes(report.estimate.peak_bytes))
+            }
         ),
         Err(error) => println!("{label} failed: {error}"),
     }

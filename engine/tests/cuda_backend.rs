@@ -12,7 +12,7 @@ use carve_core::plan::RunConfig;
 use carve_core::spec::Precision;
 use carve_core::validate::ValidatedJob;
 use carve_engine::EngineError;
-use carve_engine::cuda::{CudaBackend, CudaOptions, train_on_cuda};
+use carve_engine::cuda::{CudaBackend, CudaOptions, CudaTuning, train_on_cuda_with};
 use carve_engine::trainer::{TrainingOptions, train};
 
 mod support;
@@ -27,6 +27,14 @@ fn options(job: &ValidatedJob, precision: Precision) -> TrainingOptions {
 }
 
 /// `Some(reason)` when the cuda side must be skipped, printing the line the issue asks for.
+/// The switches of `CARVE_CUDA_TUNING` (so a GPU check can run the suite with each
+/// change on and off), always with the fp32 math that matches the cpu backend.
+fn strict() -> CudaTuning {
+    CudaTuning::from_environment()
+        .expect("CARVE_CUDA_TUNING parses")
+        .strict()
+}
+
 fn cuda_skipped() -> Option<String> {
     match CudaBackend::available() {
         Ok(()) => None,
@@ -59,8 +67,9 @@ fn compare_backends(label: &str, text: &str, precision: Precision) {
     if cuda_skipped().is_some() {
         return;
     }
-    let (gpu, reservation) = train_on_cuda(&job, &data(&job), &options, 0, &mut |_| {})
-        .unwrap_or_else(|error| panic!("{label}: cuda training failed: {error}"));
+    let (gpu, reservation) =
+        train_on_cuda_with(&job, &data(&job), &options, 0, strict(), &mut |_| {})
+            .unwrap_or_else(|error| panic!("{label}: cuda training failed: {error}"));
     assert_eq!(reservation.reserved_bytes, options.slice_bytes, "{label}");
     assert!(reservation.taken_bytes() >= options.slice_bytes, "{label}");
     // Same plan, same allocator: the peak is the estimate on both backends.
@@ -160,7 +169,8 @@ fn micro_batches_and_recomputation_match_across_backends() {
     if cuda_skipped().is_some() {
         return;
     }
-    let (gpu, _) = train_on_cuda(&job, &data(&job), &options, 0, &mut |_| {}).unwrap();
+    let (gpu, _) =
+        train_on_cuda_with(&job, &data(&job), &options, 0, strict(), &mut |_| {}).unwrap();
     assert_eq!(gpu.peak_bytes, cpu.peak_bytes);
     assert_close("micro-batches", &cpu.parameters, &gpu.parameters, 1e-4);
 }
@@ -178,7 +188,7 @@ fn a_slice_too_small_is_out_of_memory_on_both_backends() {
     if cuda_skipped().is_some() {
         return;
     }
-    match train_on_cuda(&job, &data(&job), &options, 0, &mut |_| {}) {
+    match train_on_cuda_with(&job, &data(&job), &options, 0, strict(), &mut |_| {}) {
         Err(EngineError::OutOfMemory(report)) => assert_eq!(report.limit, required / 2),
         other => panic!("cuda: expected out of memory, got {other:?}"),
     }
@@ -193,6 +203,7 @@ fn the_cuda_backend_refuses_with_the_reason_or_reserves_and_verifies_the_slice()
             device_ordinal: 0,
             slice_bytes,
             workspace_limit_bytes: 1 << 20,
+            tuning: strict(),
         },
         &job.graph,
     );

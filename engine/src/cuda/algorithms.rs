@@ -164,9 +164,33 @@ pub fn plan_padded_convolution(
     })
 }
 
+/// Alignment of the filter-gradient scratch inside a workspace (cuDNN's own for buffers).
+const SCRATCH_ALIGNMENT: u64 = 256;
+
+/// Where a filter gradient that is accumulated into (so cuDNN's measuring run must not
+/// write it) can be measured instead: at the start of the workspace, with the rest left
+/// to the algorithms, as `(offset of the rest, bytes of the rest)`. `None` when the
+/// workspace cannot hold the gradient; the heuristic pick is taken then.
+pub fn filter_measurement_split(workspace_bytes: u64, filter_bytes: u64) -> Option<(u64, u64)> {
+    let scratch = filter_bytes.checked_next_multiple_of(SCRATCH_ALIGNMENT)?;
+    let rest = workspace_bytes.checked_sub(scratch)?;
+    Some((scratch, rest))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_filter_gradient_is_measured_at_the_start_of_the_workspace_when_it_fits() {
+        assert_eq!(
+            filter_measurement_split(1 << 20, 1000),
+            Some((1024, (1 << 20) - 1024))
+        );
+        assert_eq!(filter_measurement_split(1024, 1000), Some((1024, 0)));
+        assert_eq!(filter_measurement_split(1000, 1000), None);
+        assert_eq!(filter_measurement_split(0, 4), None);
+    }
 
     fn measured(algorithm: u32, time: f32, workspace_bytes: u64) -> AlgorithmCandidate {
         AlgorithmCandidate {

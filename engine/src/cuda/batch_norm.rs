@@ -1,9 +1,17 @@
 //! The cuda backend's batch norm: NVRTC kernels rather than cuDNN, because the plan keeps
 //! gamma and beta in the compute precision while cuDNN wants fp32 scale and bias for half
 //! data (a converted copy would be memory the estimate does not count).
+//!
+//! Training runs the coalesced kernels of `batch_norm_kernels.rs` (sums per chunk of rows
+//! and group of 32 channels, then an elementwise pass); the first wave's one block per
+//! channel runs where their scratch cannot hold the channels, for a backward without an
+//! input gradient, and with the `legacy-batch-norm` tuning.
 
 use carve_core::plan::ElementType;
 
+use super::batch_norm_kernels::{
+    CHANNELS_PER_GROUP, SCRATCH_MEANS_OFFSET, SCRATCH_PARTIALS_OFFSET, coalesced_chunks,
+};
 use super::device::{KernelArgument, LaunchShape};
 use super::{CudaBackend, CudaBackward, CudaForward, count, pointer, type_code};
 use crate::dispatch::{BatchNormKernels, LayerCall};
@@ -62,6 +70,43 @@ impl BatchNormKernels for CudaBackend {
             // A recomputed forward must not count the batch twice in the running
             // statistics.
             let update_running = call.updates_running_statistics();
+            if let Some(chunks) = self.coalesced_batch_norm_chunks(rows, channels) {
+                let (scratch, _) = self.device.scratch();
+                self.launch(
+                    "batch_norm_forward_sums",
+                    LaunchShape::Blocks(chunks * (channels as u64).div_ceil(CHANNELS_PER_GROUP)),
+                    &[
+                        pointer(input.address),
+                        t,
+                        count(rows),
+                        count(channels),
+                        KernelArgument::I64(chunks as i64),
+                        pointer(scratch + SCRATCH_PARTIALS_OFFSET),
+                        pointer(scratch),
+                        pointer(statistics.address),
+                        pointer(running_mean.address),
+                        pointer(running_variance.address),
+                        KernelArgument::I32(i32::from(update_running)),
+                        KernelArgument::F64(f64::from(momentum as f32)),
+                        KernelArgument::F64(f64::from(epsilon as f32)),
+                    ],
+                )?;
+                return self.launch(
+                    "batch_norm_forward_apply",
+                    LaunchShape::Elements((rows * channels) as u64),
+                    &[
+                        pointer(input.address),
+                        pointer(output.address),
+                        t,
+                        count(rows * channels),
+                        count(channels),
+                        pointer(gamma.address),
+                        pointer(beta.address),
+                        type_code(gamma.element_type),
+                        pointer(statistics.address),
+                    ],
+                );
+            }
             self.launch(
                 "batch_norm_training_forward",
                 LaunchShape::Blocks(channels as u64),
@@ -103,6 +148,47 @@ impl BatchNormKernels for CudaBackend {
         let rows = call.input_elements() / channels.max(1);
         let gamma_target = backward.target(call, 0, "gamma gradient")?;
         let beta_target = backward.target(call, 1, "beta gradient")?;
+        let coalesced = self.coalesced_batch_norm_chunks(rows, channels);
+        if let (Some(chunks), Some(input_gradient)) = (coalesced, backward.input_gradient) {
+            let (scratch, _) = self.device.scratch();
+            let means = scratch + SCRATCH_MEANS_OFFSET;
+            self.launch(
+                "batch_norm_backward_sums",
+                LaunchShape::Blocks(chunks * (channels as u64).div_ceil(CHANNELS_PER_GROUP)),
+                &[
+                    pointer(input.address),
+                    pointer(gradient_in.address),
+                    type_code(gradient_in.element_type),
+                    count(rows),
+                    count(channels),
+                    KernelArgument::I64(chunks as i64),
+                    pointer(statistics.address),
+                    pointer(scratch + SCRATCH_PARTIALS_OFFSET),
+                    pointer(scratch),
+                    pointer(means),
+                    pointer(gamma_target.address),
+                    pointer(beta_target.address),
+                    type_code(gamma_target.element_type),
+                    KernelArgument::I32(i32::from(gamma_target.accumulate)),
+                ],
+            )?;
+            return self.launch(
+                "batch_norm_backward_apply",
+                LaunchShape::Elements((rows * channels) as u64),
+                &[
+                    pointer(input.address),
+                    pointer(gradient_in.address),
+                    pointer(input_gradient.address),
+                    type_code(gradient_in.element_type),
+                    count(rows * channels),
+                    count(channels),
+                    pointer(gamma.address),
+                    type_code(gamma.element_type),
+                    pointer(statistics.address),
+                    pointer(means),
+                ],
+            );
+        }
         self.launch(
             "batch_norm_backward",
             LaunchShape::Blocks(channels as u64),
@@ -123,5 +209,17 @@ impl BatchNormKernels for CudaBackend {
             ],
         )?;
         Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// The chunks of rows the coalesced kernels split `rows x channels` into, or `None`
+    /// when the per-channel kernels run.
+    fn coalesced_batch_norm_chunks(&self, rows: usize, channels: usize) -> Option<u64> {
+        if !self.tuning.coalesced_batch_norm {
+            return None;
+        }
+        let (_, scratch_bytes) = self.device.scratch();
+        coalesced_chunks(rows as u64, channels as u64, scratch_bytes)
     }
 }

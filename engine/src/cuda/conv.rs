@@ -7,8 +7,8 @@ use carve_core::model::LayerNode;
 use carve_core::plan::ElementType;
 
 use super::algorithms::{
-    AlgorithmCandidate, PaddedConvolutionPlan, choose_algorithm, plan_padded_convolution,
-    workspace_budget,
+    AlgorithmCandidate, PaddedConvolutionPlan, choose_algorithm, filter_measurement_split,
+    plan_padded_convolution, workspace_budget,
 };
 use super::cudnn_ops::{
     ConvolutionAlgorithm, ConvolutionBuffers, ConvolutionDirection, ConvolutionShape,
@@ -106,9 +106,30 @@ impl CudaBackend {
         if let Some((algorithm, _)) = self.algorithms.get(&key) {
             return Ok(*algorithm);
         }
+        // A filter gradient added into fp32 cannot be written by cuDNN's measuring runs;
+        // it is measured on a scratch copy at the start of the workspace instead.
+        let filter_bytes =
+            shape.filter().iter().product::<usize>() as u64 * shape.element_type.bytes();
+        let scratch_split = (direction == ConvolutionDirection::BackwardFilter
+            && !may_overwrite_output
+            && self.tuning.measure_accumulated_filter_gradients)
+            .then(|| filter_measurement_split(buffers.workspace_bytes, filter_bytes))
+            .flatten();
+        let (measured_buffers, measure) = match scratch_split {
+            Some((offset, bytes)) => (
+                ConvolutionBuffers {
+                    filter: buffers.workspace,
+                    workspace: buffers.workspace + offset,
+                    workspace_bytes: bytes,
+                    ..*buffers
+                },
+                true,
+            ),
+            None => (*buffers, may_overwrite_output),
+        };
         let candidates = self
             .cudnn
-            .convolution_algorithms(shape, direction, buffers, may_overwrite_output)
+            .convolution_algorithms(shape, direction, &measured_buffers, measure)
             .map_err(|failure| {
                 self.fail(failure.during(format!("{label}: choosing an algorithm")))
             })?;
@@ -249,11 +270,15 @@ impl CudaBackend {
                         LaunchShape::Elements(padded_elements),
                         &pad_arguments(input, padded),
                     )?;
-                    let (chunk_beta, overwrite) = if first == 0 {
-                        (beta, may_overwrite_output)
-                    } else {
-                        (1.0, false)
-                    };
+                    // Each chunk writes its own part of a forward's output, but every
+                    // chunk adds into the same filter gradient: after the first, with
+                    // beta 1 and never a measuring run on it.
+                    let (chunk_beta, overwrite) =
+                        if first == 0 || direction == ConvolutionDirection::Forward {
+                            (beta, may_overwrite_output)
+                        } else {
+                            (1.0, false)
+                        };
                     self.run_convolution(
                         &shape,
                         direction,

@@ -44,6 +44,24 @@ fn data_type(element_type: ElementType) -> Result<sys::cudnnDataType_t, CudaFail
     }
 }
 
+/// The math type of a convolution descriptor. fp32 data: cuDNN's default math, which may
+/// round inputs to TF32 on tensor cores as PyTorch lets it by default, or plain FMA math
+/// when TF32 is not allowed, so the results stay within 1e-4 of the cpu backend, whatever
+/// cuDNN reported. Half data: tensor cores with fp32 accumulation. An algorithm runs with
+/// the math type cuDNN reported it for.
+fn convolution_math(
+    element_type: ElementType,
+    allow_tf32: bool,
+    found_math: Option<sys::cudnnMathType_t>,
+) -> sys::cudnnMathType_t {
+    match (element_type, allow_tf32, found_math) {
+        (ElementType::F32, false, _) => sys::cudnnMathType_t::CUDNN_FMA_MATH,
+        (_, _, Some(math)) => math,
+        (ElementType::F32, true, None) => sys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
+        (_, _, None) => sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+    }
+}
+
 fn int(value: usize, what: &str) -> Result<i32, CudaFailure> {
     i32::try_from(value).map_err(|_| {
         CudaFailure::new(
@@ -127,9 +145,13 @@ impl Descriptors {
         Ok(descriptor)
     }
 
+    /// `found_math` is the math type cuDNN reported with the algorithm about to run (none
+    /// while algorithms are queried).
     fn convolution(
         &mut self,
         shape: &ConvolutionShape,
+        allow_tf32: bool,
+        found_math: Option<sys::cudnnMathType_t>,
     ) -> Result<sys::cudnnConvolutionDescriptor_t, CudaFailure> {
         let mut descriptor: sys::cudnnConvolutionDescriptor_t = std::ptr::null_mut();
         check(
@@ -138,13 +160,7 @@ impl Descriptors {
             "creating a convolution descriptor",
         )?;
         self.convolutions.push(descriptor);
-        // fp32 data: plain FMA math, so cuDNN never rounds inputs to TF32 and the results
-        // stay within 1e-4 of the cpu backend. Half data: tensor cores, fp32 accumulation.
-        let math = if shape.element_type == ElementType::F32 {
-            sys::cudnnMathType_t::CUDNN_FMA_MATH
-        } else {
-            sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH
-        };
+        let math = convolution_math(shape.element_type, allow_tf32, found_math);
         check(
             // SAFETY: the descriptor was just created and is owned by `self`.
             unsafe {
@@ -283,6 +299,8 @@ fn scale(value: &f32) -> *const std::ffi::c_void {
 /// A cuDNN handle bound to the backend's stream.
 pub struct Cudnn {
     handle: sys::cudnnHandle_t,
+    /// fp32 convolutions may use TF32 (the `strict` tuning turns it off).
+    allow_tf32: bool,
 }
 
 impl std::fmt::Debug for Cudnn {
@@ -327,7 +345,7 @@ macro_rules! algorithm_performance {
                         workspace_bytes: self.memory as u64,
                         usable: self.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
                     },
-                    ConvolutionAlgorithm::$direction(self.algo),
+                    ConvolutionAlgorithm::$direction(self.algo, self.mathType),
                 )
             }
         }
@@ -363,14 +381,14 @@ fn query_algorithms<P: AlgorithmPerformance>(
 
 impl Cudnn {
     /// Creates a handle on `stream` (the context must be current).
-    pub fn new(stream: driver_sys::CUstream) -> Result<Cudnn, CudaFailure> {
+    pub fn new(stream: driver_sys::CUstream, allow_tf32: bool) -> Result<Cudnn, CudaFailure> {
         let mut handle: sys::cudnnHandle_t = std::ptr::null_mut();
         check(
             // SAFETY: `handle` is a valid out-pointer; the caller made the context current.
             unsafe { sys::cudnnCreate(&mut handle) },
             "creating the cudnn handle",
         )?;
-        let cudnn = Cudnn { handle };
+        let cudnn = Cudnn { handle, allow_tf32 };
         check(
             // SAFETY: the handle is live; the stream belongs to the current context and
             // outlives the handle (the backend drops the handle first).
@@ -395,7 +413,7 @@ impl Cudnn {
         let x = descriptors.tensor(shape.element_type, shape.input)?;
         let y = descriptors.tensor(shape.element_type, shape.output)?;
         let w = descriptors.filter(shape.element_type, shape.filter())?;
-        let convolution = descriptors.convolution(shape)?;
+        let convolution = descriptors.convolution(shape, self.allow_tf32, None)?;
         let during = match direction {
             ConvolutionDirection::Forward => "querying convolution forward algorithms",
             ConvolutionDirection::BackwardData => "querying convolution backward-data algorithms",
@@ -527,7 +545,8 @@ impl Cudnn {
         let x = descriptors.tensor(shape.element_type, shape.input)?;
         let y = descriptors.tensor(shape.element_type, shape.output)?;
         let w = descriptors.filter(shape.element_type, shape.filter())?;
-        let convolution = descriptors.convolution(shape)?;
+        let convolution =
+            descriptors.convolution(shape, self.allow_tf32, Some(algorithm.math()))?;
         let workspace = pointer_mut(buffers.workspace);
         let workspace_bytes = buffers.workspace_bytes as usize;
         // SAFETY: descriptors are live and match the buffers, which are live slice
@@ -536,7 +555,7 @@ impl Cudnn {
         // and beta are host f32 as cuDNN requires for float/half data.
         let (status, during) = unsafe {
             match algorithm {
-                ConvolutionAlgorithm::Forward(algorithm) => (
+                ConvolutionAlgorithm::Forward(algorithm, _) => (
                     sys::cudnnConvolutionForward(
                         self.handle,
                         scale(&ONE),
@@ -554,7 +573,7 @@ impl Cudnn {
                     ),
                     "cudnnConvolutionForward",
                 ),
-                ConvolutionAlgorithm::BackwardData(algorithm) => (
+                ConvolutionAlgorithm::BackwardData(algorithm, _) => (
                     sys::cudnnConvolutionBackwardData(
                         self.handle,
                         scale(&ONE),
@@ -572,7 +591,7 @@ impl Cudnn {
                     ),
                     "cudnnConvolutionBackwardData",
                 ),
-                ConvolutionAlgorithm::BackwardFilter(algorithm) => (
+                ConvolutionAlgorithm::BackwardFilter(algorithm, _) => (
                     sys::cudnnConvolutionBackwardFilter(
                         self.handle,
                         scale(&ONE),

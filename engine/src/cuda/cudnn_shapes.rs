@@ -40,12 +40,26 @@ pub enum ConvolutionDirection {
     BackwardFilter,
 }
 
-/// The algorithm a direction runs, as cuDNN's own enum.
+/// The algorithm a direction runs, as cuDNN's own enum, with the math type cuDNN reported
+/// it for: an algorithm found under one math type may be refused under another
+/// (`CUDNN_STATUS_BAD_PARAM`, seen for fp16 filter gradients on an H200), so the
+/// descriptor it runs with takes the reported one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ConvolutionAlgorithm {
-    Forward(sys::cudnnConvolutionFwdAlgo_t),
-    BackwardData(sys::cudnnConvolutionBwdDataAlgo_t),
-    BackwardFilter(sys::cudnnConvolutionBwdFilterAlgo_t),
+    Forward(sys::cudnnConvolutionFwdAlgo_t, sys::cudnnMathType_t),
+    BackwardData(sys::cudnnConvolutionBwdDataAlgo_t, sys::cudnnMathType_t),
+    BackwardFilter(sys::cudnnConvolutionBwdFilterAlgo_t, sys::cudnnMathType_t),
+}
+
+impl ConvolutionAlgorithm {
+    /// The math type cuDNN reported with the algorithm.
+    pub fn math(&self) -> sys::cudnnMathType_t {
+        match *self {
+            ConvolutionAlgorithm::Forward(_, math)
+            | ConvolutionAlgorithm::BackwardData(_, math)
+            | ConvolutionAlgorithm::BackwardFilter(_, math) => math,
+        }
+    }
 }
 
 /// The device addresses of a convolution: `input` (x or dx), `filter` (w or dw),

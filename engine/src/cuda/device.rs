@@ -16,11 +16,12 @@ use std::sync::Arc;
 use carve_core::plan::ElementType;
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
     result as driver_result, sys as driver_sys,
 };
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
+use crate::cuda::batch_norm_kernels::{BATCH_NORM_KERNEL_NAMES, BATCH_NORM_KERNEL_SOURCE};
 use crate::cuda::error::{CudaFailure, CudaLibrary};
 use crate::cuda::kernels::{KERNEL_NAMES, KERNEL_SOURCE, MAILBOX_WORDS, THREADS_PER_BLOCK};
 use crate::cuda::slice::SliceReservation;
@@ -71,7 +72,7 @@ pub fn nvrtc_present() -> bool {
 /// must be true.
 pub fn compile_kernels(major: i32, minor: i32) -> Result<cudarc::nvrtc::Ptx, CudaFailure> {
     compile_ptx_with_opts(
-        KERNEL_SOURCE,
+        format!("{KERNEL_SOURCE}{BATCH_NORM_KERNEL_SOURCE}"),
         CompileOptions {
             // Rust never fuses a * b + c; the kernels must round the same way.
             fmad: Some(false),
@@ -204,10 +205,13 @@ fn to_int(value: usize, what: &str) -> Result<i32, CudaFailure> {
     })
 }
 
-/// One device memory region from `cuMemAlloc`, freed on drop.
 /// The GPU driver's large page: the unit in which a slice is allocated.
 pub const DRIVER_PAGE_BYTES: u64 = 2 << 20;
 
+/// The reduction scratch outside the slice: one driver page.
+pub const REDUCTION_SCRATCH_BYTES: u64 = DRIVER_PAGE_BYTES;
+
+/// One device memory region from `cuMemAlloc`, freed on drop.
 #[derive(Debug)]
 struct Region {
     address: u64,
@@ -232,6 +236,10 @@ pub struct Device {
     slice: Option<Region>,
     /// `MAILBOX_WORDS` u64, outside the slice like the context and the handles.
     mailbox: Region,
+    /// `REDUCTION_SCRATCH_BYTES` for the coalesced batch norm's per-chunk sums and
+    /// completion counters: a fixed size per process, outside the slice like the result
+    /// area, inside the worker's context allowance.
+    scratch: Region,
     context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     ordinal: usize,
@@ -265,7 +273,7 @@ impl Device {
             .load_module(ptx)
             .map_err(|error| driver_failure(error).during("loading the engine's kernels"))?;
         let mut functions = HashMap::new();
-        for name in KERNEL_NAMES {
+        for name in KERNEL_NAMES.iter().chain(BATCH_NORM_KERNEL_NAMES) {
             let function = module
                 .load_function(name)
                 .map_err(|error| driver_failure(error).during(format!("loading kernel {name}")))?;
@@ -287,18 +295,33 @@ impl Device {
         // SAFETY: a plain device allocation in the current context (bound by `new`).
         let mailbox_address = unsafe { driver_result::malloc_sync(mailbox_bytes as usize) }
             .map_err(|error| driver_failure(error).during("allocating the result area"))?;
-        Ok(Device {
+        let mailbox = Region {
+            address: mailbox_address,
+            bytes: mailbox_bytes,
+        };
+        // SAFETY: as above.
+        let scratch_address =
+            unsafe { driver_result::malloc_sync(REDUCTION_SCRATCH_BYTES as usize) }.map_err(
+                |error| driver_failure(error).during("allocating the reduction scratch"),
+            )?;
+        let scratch = Region {
+            address: scratch_address,
+            bytes: REDUCTION_SCRATCH_BYTES,
+        };
+        let device = Device {
             context,
             stream,
             ordinal,
             cublas,
             functions,
             slice: None,
-            mailbox: Region {
-                address: mailbox_address,
-                bytes: mailbox_bytes,
-            },
-        })
+            mailbox,
+            scratch,
+        };
+        // The batch norm kernels' completion counters must start at zero; each kernel
+        // leaves them at zero.
+        device.zero(device.scratch.address, device.scratch.bytes)?;
+        Ok(device)
     }
 
     pub fn cu_stream(&self) -> driver_sys::CUstream {
@@ -404,15 +427,33 @@ impl Device {
 
     /// Zeroes `bytes` bytes at `address`.
     pub fn zero(&self, address: u64, bytes: u64) -> Result<(), CudaFailure> {
+        self.fill_bytes(address, bytes, 0)
+    }
+
+    /// Sets `bytes` bytes at `address` to `value`.
+    pub fn fill_bytes(&self, address: u64, bytes: u64, value: u8) -> Result<(), CudaFailure> {
         if bytes == 0 {
             return Ok(());
         }
         self.bind()?;
-        // SAFETY: the caller passes a live buffer's address and length inside the slice.
+        // SAFETY: the caller passes a live buffer's address and length inside the slice
+        // (or one of the device's own regions).
         unsafe {
-            driver_result::memset_d8_async(address, 0, bytes as usize, self.stream.cu_stream())
+            driver_result::memset_d8_async(address, value, bytes as usize, self.stream.cu_stream())
         }
-        .map_err(|error| driver_failure(error).during("zeroing device memory"))
+        .map_err(|error| driver_failure(error).during("filling device memory"))
+    }
+
+    /// The batch norm reduction scratch: its address and size.
+    pub fn scratch(&self) -> (u64, u64) {
+        (self.scratch.address, self.scratch.bytes)
+    }
+
+    /// An event with timing recorded on the backend's stream now (`profile` tuning).
+    pub fn record_timing_event(&self) -> Result<CudaEvent, CudaFailure> {
+        self.stream
+            .record_event(Some(driver_sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|error| driver_failure(error).during("recording a timing event"))
     }
 
     pub fn synchronize(&self) -> Result<(), CudaFailure> {

@@ -50,9 +50,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "activation_backward",
     "dropout_forward",
     "dropout_backward",
-    "batch_norm_training_forward",
-    "batch_norm_backward",
-    "batch_norm_inference_forward",
     "softmax_cross_entropy_forward",
     "softmax_cross_entropy_backward",
     "mse_forward",
@@ -275,7 +272,8 @@ extern "C" __global__ void dropout_backward(const unsigned char* mask, const voi
     GRID_STRIDE(i, n) { store_element(dx, t, i, load_element(dy, t, i) * (mask[i] ? keep_scale : 0.0f)); }
 }
 
-// One block per channel: f64 sums in two passes as the cpu kernel, then normalization.
+// The f64 sum of `value` over the block (every thread gets it); `shared` holds one
+// double per thread.
 __device__ double block_sum(double value, double* shared) {
     shared[threadIdx.x] = value;
     __syncthreads();
@@ -286,81 +284,6 @@ __device__ double block_sum(double value, double* shared) {
     double total = shared[0];
     __syncthreads();
     return total;
-}
-extern "C" __global__ void batch_norm_training_forward(const void* x, void* y, int t, i64 rows, i64 channels,
-        const void* gamma, const void* beta, int parameter_t, float* statistics,
-        float* running_mean, float* running_variance, int update_running, double momentum, double epsilon) {
-    __shared__ double shared[256];
-    i64 c = blockIdx.x;
-    if (c >= channels) return;
-    double sum = 0.0;
-    for (i64 r = threadIdx.x; r < rows; r += blockDim.x) sum += (double)load_element(x, t, r * channels + c);
-    double row_count = rows > 0 ? (double)rows : 1.0;
-    double mean = block_sum(sum, shared) / row_count;
-    double squares = 0.0;
-    for (i64 r = threadIdx.x; r < rows; r += blockDim.x) {
-        double d = (double)load_element(x, t, r * channels + c) - mean; squares += d * d;
-    }
-    double squared_deviations = block_sum(squares, shared);
-    float saved_mean = (float)mean;
-    float saved_inverse_std = (float)(1.0 / sqrt(squared_deviations / row_count + epsilon));
-    if (threadIdx.x == 0) {
-        statistics[c] = saved_mean;
-        statistics[channels + c] = saved_inverse_std;
-        if (update_running && rows > 0) {
-            double divisor = rows > 1 ? (double)(rows - 1) : 1.0;
-            running_mean[c] = (float)(momentum * (double)running_mean[c] + (1.0 - momentum) * mean);
-            running_variance[c] = (float)(momentum * (double)running_variance[c] + (1.0 - momentum) * (squared_deviations / divisor));
-        }
-    }
-    float g = load_element(gamma, parameter_t, c), b = load_element(beta, parameter_t, c);
-    for (i64 r = threadIdx.x; r < rows; r += blockDim.x) {
-        i64 i = r * channels + c;
-        store_element(y, t, i, g * ((load_element(x, t, i) - saved_mean) * saved_inverse_std) + b);
-    }
-}
-// Parameter gradients go to `gamma_gradient` / `beta_gradient` (element type
-// gradient_t): added to fp32 gradients, or written to the half scratch.
-extern "C" __global__ void batch_norm_backward(const void* x, const void* dy, void* dx, int t, i64 rows, i64 channels,
-        const void* gamma, int parameter_t, const float* statistics,
-        void* gamma_gradient, void* beta_gradient, int gradient_t, int accumulate) {
-    __shared__ double shared[256];
-    i64 c = blockIdx.x;
-    if (c >= channels || rows == 0) return;
-    float mean = statistics[c], inverse_std = statistics[channels + c];
-    double sum_gradient = 0.0, sum_gradient_normalized = 0.0;
-    for (i64 r = threadIdx.x; r < rows; r += blockDim.x) {
-        i64 i = r * channels + c;
-        float normalized = (load_element(x, t, i) - mean) * inverse_std;
-        double g = (double)load_element(dy, t, i);
-        sum_gradient += g; sum_gradient_normalized += g * (double)normalized;
-    }
-    sum_gradient = block_sum(sum_gradient, shared);
-    sum_gradient_normalized = block_sum(sum_gradient_normalized, shared);
-    float mean_gradient = (float)(sum_gradient / (double)rows);
-    float mean_gradient_normalized = (float)(sum_gradient_normalized / (double)rows);
-    float coefficient = load_element(gamma, parameter_t, c) * inverse_std;
-    if (dx != 0) {
-        for (i64 r = threadIdx.x; r < rows; r += blockDim.x) {
-            i64 i = r * channels + c;
-            float normalized = (load_element(x, t, i) - mean) * inverse_std;
-            store_element(dx, t, i, coefficient * (load_element(dy, t, i) - mean_gradient - normalized * mean_gradient_normalized));
-        }
-    }
-    if (threadIdx.x == 0) {
-        float gamma_before = accumulate ? load_element(gamma_gradient, gradient_t, c) : 0.0f;
-        float beta_before = accumulate ? load_element(beta_gradient, gradient_t, c) : 0.0f;
-        store_element(gamma_gradient, gradient_t, c, gamma_before + (float)sum_gradient_normalized);
-        store_element(beta_gradient, gradient_t, c, beta_before + (float)sum_gradient);
-    }
-}
-extern "C" __global__ void batch_norm_inference_forward(const void* x, void* y, int t, i64 rows, i64 channels,
-        const void* gamma, const void* beta, int parameter_t, const float* running_mean, const float* running_variance, double epsilon) {
-    GRID_STRIDE(i, rows * channels) {
-        i64 c = i % channels;
-        float inverse_std = (float)(1.0 / sqrt((double)running_variance[c] + epsilon));
-        store_element(y, t, i, load_element(gamma, parameter_t, c) * ((load_element(x, t, i) - running_mean[c]) * inverse_std) + load_element(beta, parameter_t, c));
-    }
 }
 
 // One block of 256 threads: each thread takes whole rows, the sums are combined in a
@@ -599,20 +522,27 @@ extern "C" __global__ void global_avg_pool_backward(const void* dy, void* dx, in
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::batch_norm_kernels::{BATCH_NORM_KERNEL_NAMES, BATCH_NORM_KERNEL_SOURCE};
 
     #[test]
     fn every_listed_kernel_is_defined_once_in_the_source() {
-        for name in KERNEL_NAMES {
+        let source = format!("{KERNEL_SOURCE}{BATCH_NORM_KERNEL_SOURCE}");
+        let names: Vec<&str> = KERNEL_NAMES
+            .iter()
+            .chain(BATCH_NORM_KERNEL_NAMES)
+            .copied()
+            .collect();
+        for name in &names {
             let definition = format!("__global__ void {name}(");
             assert_eq!(
-                KERNEL_SOURCE.matches(&definition).count(),
+                source.matches(&definition).count(),
                 1,
                 "kernel {name} must be defined exactly once"
             );
         }
         assert_eq!(
-            KERNEL_SOURCE.matches("__global__").count(),
-            KERNEL_NAMES.len(),
+            source.matches("__global__").count(),
+            names.len(),
             "every kernel in the source is listed"
         );
     }

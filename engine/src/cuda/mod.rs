@@ -40,6 +40,7 @@
 mod activation;
 mod algorithms;
 mod batch_norm;
+mod batch_norm_kernels;
 mod conv;
 mod cudnn_ops;
 mod cudnn_shapes;
@@ -53,8 +54,10 @@ mod loss;
 mod merge;
 mod optimizer;
 mod pool;
+mod profile;
 mod slice;
 mod training;
+mod tuning;
 
 use std::collections::HashMap;
 
@@ -70,7 +73,8 @@ pub use error::{CudaFailure, CudaLibrary, SliceNumbers, classify_failure, is_all
 pub use slice::{
     KernelDimensions, LiveBuffers, SliceReservation, hwio_to_krsc, krsc_to_hwio, verify_reservation,
 };
-pub use training::{CudaTraining, train_on_cuda};
+pub use training::{CudaTraining, train_on_cuda, train_on_cuda_with};
+pub use tuning::{CudaTuning, TUNING_VARIABLE};
 
 use crate::backend::{Backend, OperationContext, OperationResult, padded_write};
 use crate::dispatch::{LayerCall, LayerPasses, Roles, run_operation, windowed_shapes};
@@ -78,6 +82,7 @@ use crate::error::EngineError;
 use cudnn_ops::{ConvolutionAlgorithm, ConvolutionDirection, ConvolutionShape, Cudnn};
 use device::{Device, KernelArgument, KernelGeometry, LaunchShape};
 use kernels::{COLUMNS_PER_SUM_BLOCK, MAILBOX_OVERFLOW, element_type_code};
+use profile::{OperationProfile, operation_label};
 
 /// Which GPU and how much of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +92,8 @@ pub struct CudaOptions {
     pub slice_bytes: u64,
     /// The most one convolution may take as workspace (the run config's cap).
     pub workspace_limit_bytes: u64,
+    /// Which speed changes are on.
+    pub tuning: CudaTuning,
 }
 
 /// A plan buffer on the device.
@@ -123,6 +130,9 @@ pub struct CudaBackend {
     conv_kernels: HashMap<usize, KernelDimensions>,
     algorithms: HashMap<AlgorithmKey, (ConvolutionAlgorithm, u64)>,
     workspace_limit_bytes: u64,
+    tuning: CudaTuning,
+    /// Set with the `profile` tuning.
+    profile: Option<OperationProfile>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -159,8 +169,8 @@ impl CudaBackend {
         };
         let mut device = Device::open(options.device_ordinal)
             .map_err(|failure| classify_failure(&failure, empty))?;
-        let cudnn =
-            Cudnn::new(device.cu_stream()).map_err(|failure| classify_failure(&failure, empty))?;
+        let cudnn = Cudnn::new(device.cu_stream(), options.tuning.allow_tf32)
+            .map_err(|failure| classify_failure(&failure, empty))?;
         let reservation = device
             .reserve_slice(options.slice_bytes)
             .map_err(|failure| classify_failure(&failure, empty))?;
@@ -190,6 +200,8 @@ impl CudaBackend {
             conv_kernels,
             algorithms: HashMap::new(),
             workspace_limit_bytes: options.workspace_limit_bytes,
+            tuning: options.tuning,
+            profile: options.tuning.profile.then(OperationProfile::default),
         })
     }
 
@@ -259,6 +271,9 @@ impl Drop for CudaBackend {
     fn drop(&mut self) {
         // Everything queued must finish before the handles and the slice go.
         let _ = self.device.synchronize();
+        if let Some(profile) = &self.profile {
+            eprint!("{}", profile.table());
+        }
     }
 }
 
@@ -361,11 +376,24 @@ impl Backend for CudaBackend {
                 kernel_layout,
             },
         );
-        // New buffers start at zero, as on the cpu backend: gradients and optimizer state
-        // rely on it.
-        self.device
-            .zero(address, buffer.bytes)
-            .map_err(|failure| self.fail(failure))
+        // Only what is accumulated into or lives for the whole attempt must start at zero;
+        // zeroing every activation and workspace cost up to 2 GB of memset per step.
+        // Debug builds (the tests) fill the rest with NaN (all bytes 0xff), so an operation
+        // that read a buffer before writing it would show in the results.
+        let fill = if buffer.role.must_start_at_zero() || self.tuning.zero_every_buffer {
+            Some(0)
+        } else if cfg!(debug_assertions) {
+            Some(0xff)
+        } else {
+            None
+        };
+        match fill {
+            Some(value) => self
+                .device
+                .fill_bytes(address, buffer.bytes, value)
+                .map_err(|failure| self.fail(failure)),
+            None => Ok(()),
+        }
     }
 
     fn release_buffer(&mut self, id: BufferId) {
@@ -436,7 +464,27 @@ impl Backend for CudaBackend {
         operation: &Operation,
         context: &mut OperationContext<'_>,
     ) -> Result<OperationResult, EngineError> {
-        run_operation(self, operation, context)
+        let timed = match self.profile.as_mut() {
+            Some(profile) => profile.times(context.step),
+            None => false,
+        };
+        if !timed {
+            return run_operation(self, operation, context);
+        }
+        let start = self
+            .device
+            .record_timing_event()
+            .map_err(|failure| self.fail(failure))?;
+        let result = run_operation(self, operation, context)?;
+        let end = self
+            .device
+            .record_timing_event()
+            .map_err(|failure| self.fail(failure))?;
+        let label = operation_label(operation, context.graph);
+        if let Some(profile) = self.profile.as_mut() {
+            profile.add(label, start, end);
+        }
+        Ok(result)
     }
 }
 

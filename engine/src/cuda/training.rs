@@ -5,7 +5,7 @@ use carve_core::estimator::{MemoryEstimate, estimate_plan};
 use carve_core::plan::{StepPlan, compile_step_plan};
 use carve_core::validate::ValidatedJob;
 
-use super::{CudaBackend, CudaOptions, SliceReservation};
+use super::{CudaBackend, CudaOptions, CudaTuning, SliceReservation};
 use crate::data::DataSets;
 use crate::error::EngineError;
 use crate::executor::Executor;
@@ -23,11 +23,23 @@ pub struct CudaTraining {
 
 impl CudaTraining {
     /// Compiles the plan for `options.config` and reserves `options.slice_bytes` on GPU
-    /// `device_ordinal`.
+    /// `device_ordinal`, with the tuning of `CARVE_CUDA_TUNING` (the fast defaults when it
+    /// is not set).
     pub fn prepare(
         job: &ValidatedJob,
         options: &TrainingOptions,
         device_ordinal: usize,
+    ) -> Result<CudaTraining, EngineError> {
+        let tuning = CudaTuning::from_environment().map_err(EngineError::Backend)?;
+        Self::prepare_with(job, options, device_ordinal, tuning)
+    }
+
+    /// `prepare` with the given tuning.
+    pub fn prepare_with(
+        job: &ValidatedJob,
+        options: &TrainingOptions,
+        device_ordinal: usize,
+        tuning: CudaTuning,
     ) -> Result<CudaTraining, EngineError> {
         let plan = compile_step_plan(job, &options.config)?;
         let estimate = estimate_plan(&plan);
@@ -36,6 +48,7 @@ impl CudaTraining {
                 device_ordinal,
                 slice_bytes: options.slice_bytes,
                 workspace_limit_bytes: options.config.workspace_limit_bytes,
+                tuning,
             },
             &job.graph,
         )?;
@@ -83,7 +96,20 @@ pub fn train_on_cuda(
     device_ordinal: usize,
     on_progress: &mut dyn FnMut(&Progress),
 ) -> Result<(TrainingReport, SliceReservation), EngineError> {
-    let prepared = CudaTraining::prepare(job, options, device_ordinal)?;
+    let tuning = CudaTuning::from_environment().map_err(EngineError::Backend)?;
+    train_on_cuda_with(job, data, options, device_ordinal, tuning, on_progress)
+}
+
+/// `train_on_cuda` with the given tuning.
+pub fn train_on_cuda_with(
+    job: &ValidatedJob,
+    data: &DataSets,
+    options: &TrainingOptions,
+    device_ordinal: usize,
+    tuning: CudaTuning,
+    on_progress: &mut dyn FnMut(&Progress),
+) -> Result<(TrainingReport, SliceReservation), EngineError> {
+    let prepared = CudaTraining::prepare_with(job, options, device_ordinal, tuning)?;
     let reservation = prepared.reservation().clone();
     let report = prepared.train(job, data, options, on_progress)?;
     Ok((report, reservation))
