@@ -9,14 +9,15 @@
 # In order, each step under its own timeout so one hang cannot eat the machine's time:
 # 1. the cuda_backend suite (debug build: buffers that need not start at zero are filled
 #    with NaN, so a read before a write shows), with the fast switches and strict fp32;
-# 2. the training bench's cuda rows with every speed change on, then with `profile`
-#    (per-operation GPU times), then with the first wave's behaviour
-#    (`CARVE_CUDA_TUNING=strict,zero-fill,heuristic-filter,legacy-batch-norm`);
-#    `ablation`: with each change off alone, on resnet-cifar;
+# 2. `bench`: the training bench's cuda rows with every speed change on, then with the
+#    first wave's behaviour
+#    (`CARVE_CUDA_TUNING=strict,zero-fill,heuristic-filter,legacy-batch-norm,no-graphs`);
+#    `profile`: per-operation GPU and host times and the convolution algorithms chosen;
+#    `ablation`: resnet-cifar with each change off alone (ABLATION lists them);
 # 3. PyTorch (engine/benches/pytorch_reference.py) on the same models, batches and
 #    precisions, with its defaults and with strict fp32.
-# STEPS selects some of them (default "suite bench ablation pytorch"); GPU_CHECK_PYTHON names
-# the Python that has torch.
+# STEPS selects some of them (default "suite bench profile ablation pytorch");
+# GPU_CHECK_PYTHON names the Python that has torch.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -50,7 +51,7 @@ fi
 binaries="${1:?usage: engine/benches/gpu_check.sh DIR [OUT]}"
 out="${2:-${OUT:-/tmp/gpu-check}}"
 mkdir -p "$out"
-steps="${STEPS:-suite bench ablation pytorch}"
+steps="${STEPS:-suite bench profile ablation pytorch}"
 python="${GPU_CHECK_PYTHON:-$(ls /opt/torch/.venv/bin/python 2>/dev/null || echo python3)}"
 export RUST_BACKTRACE=1
 
@@ -78,13 +79,16 @@ esac
 
 case " $steps " in *" bench "*)
   run bench-fast 240 env CARVE_CUDA_TUNING= "$binaries/training" cuda
-  run bench-profile 120 env CARVE_CUDA_TUNING=profile "$binaries/training" cuda resnet
-  run bench-first-wave 180 env CARVE_CUDA_TUNING=strict,zero-fill,heuristic-filter,legacy-batch-norm \
+  run bench-first-wave 180 env CARVE_CUDA_TUNING=strict,zero-fill,heuristic-filter,legacy-batch-norm,no-graphs \
     "$binaries/training" cuda resnet-cifar
 esac
 
+case " $steps " in *" profile "*)
+  run bench-profile 120 env CARVE_CUDA_TUNING=profile "$binaries/training" cuda resnet
+esac
+
 case " $steps " in *" ablation "*)
-  for switch in strict zero-fill heuristic-filter legacy-batch-norm; do
+  for switch in ${ABLATION:-strict zero-fill heuristic-filter legacy-batch-norm no-graphs}; do
     run "bench-without-$switch" 120 env CARVE_CUDA_TUNING="$switch" "$binaries/training" cuda resnet-cifar
   done
 esac

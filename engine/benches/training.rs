@@ -199,14 +199,15 @@ fn bench_case(
     // A failing row is reported and the table goes on: the other rows still measure.
     match result {
         Ok(report) => println!(
-            "{label} {:>12.1} {:>12} {:>16}",
+            "{label} {:>12.1} {:>12} {:>16} {:>10.4}",
             (steps * batch_size) as f64 / seconds,
             HumanBytes(report.peak_bytes).to_string(),
             if report.peak_bytes == report.estimate.peak_bytes {
                 "yes".to_string()
             } else {
                 format!("NO: {}", HumanBytes(report.estimate.peak_bytes))
-            }
+            },
+            report.final_loss
         ),
         Err(error) => println!("{label} failed: {error}"),
     }

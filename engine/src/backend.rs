@@ -63,7 +63,29 @@ pub(crate) fn padded_write(
     Ok(padded)
 }
 
+/// Which of the plan's phases a run of the executor is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PhaseKind {
+    Setup,
+    MicroBatch,
+    Update,
+    Evaluation,
+}
+
+/// How a phase ended, as the backend sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PhaseEnd {
+    /// Done; the results the backend held back until the end of the phase, if any.
+    Done(Option<OperationResult>),
+    /// The backend could not record the phase and nothing of it ran: run it again.
+    RunAgain,
+}
+
 /// Storage and compute for one attempt.
+///
+/// A backend may record a phase the first time it runs and replay the recording after
+/// (the cuda backend's CUDA graphs): the executor asks `replay_phase` first and brackets
+/// every phase it walks with `begin_phase` and `end_phase`.
 pub trait Backend {
     fn name(&self) -> &'static str;
     /// Creates the storage of `buffer`, which the allocator placed at `offset` in the slice.
@@ -79,4 +101,29 @@ pub trait Backend {
     fn write_i32(&mut self, id: BufferId, values: &[i32]) -> Result<(), EngineError>;
     /// Reads a buffer as f32.
     fn read_f32(&self, id: BufferId) -> Result<Vec<f32>, EngineError>;
+
+    /// Runs the recording of phase `kind`, if there is one that fits `context`, and
+    /// returns the phase's results; `None` when the executor must walk the phase.
+    fn replay_phase(
+        &mut self,
+        _kind: PhaseKind,
+        _context: &OperationContext<'_>,
+    ) -> Result<Option<OperationResult>, EngineError> {
+        Ok(None)
+    }
+
+    /// Called before the executor walks phase `kind`.
+    fn begin_phase(
+        &mut self,
+        _kind: PhaseKind,
+        _context: &OperationContext<'_>,
+    ) -> Result<(), EngineError> {
+        Ok(())
+    }
+
+    /// Called after the executor walked phase `kind`; `completed` is false when the walk
+    /// failed (the backend then drops what it recorded, and the result is ignored).
+    fn end_phase(&mut self, _kind: PhaseKind, _completed: bool) -> Result<PhaseEnd, EngineError> {
+        Ok(PhaseEnd::Done(None))
+    }
 }

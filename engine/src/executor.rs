@@ -9,7 +9,7 @@
 use carve_core::allocator::SliceAllocator;
 use carve_core::plan::{BufferId, PlanStep, StepPlan};
 
-use crate::backend::{Backend, OperationContext, OperationResult};
+use crate::backend::{Backend, OperationContext, OperationResult, PhaseEnd, PhaseKind};
 use crate::error::EngineError;
 
 /// Totals of one phase run.
@@ -62,8 +62,41 @@ impl<B: Backend> Executor<B> {
         &mut self.backend
     }
 
-    /// Runs one phase. On `OutOfMemory` everything is released before returning.
+    /// Runs one phase (`kind` says which). On `OutOfMemory` everything is released before
+    /// returning.
     pub fn run_phase(
+        &mut self,
+        plan: &StepPlan,
+        kind: PhaseKind,
+        phase: &[PlanStep],
+        context: &mut OperationContext<'_>,
+    ) -> Result<PhaseTotals, EngineError> {
+        let mut totals = PhaseTotals::default();
+        if let Some(result) = self.backend.replay_phase(kind, context)? {
+            totals.add(result);
+            return Ok(totals);
+        }
+        // A phase the backend tried to record and could not is walked again, plainly:
+        // every phase frees what it allocates, so the allocator is back where it was.
+        loop {
+            self.backend.begin_phase(kind, context)?;
+            let walked = self.walk_phase(plan, phase, context);
+            let end = self.backend.end_phase(kind, walked.is_ok());
+            let walked = walked?;
+            match end? {
+                PhaseEnd::Done(held_back) => {
+                    let mut totals = walked;
+                    if let Some(result) = held_back {
+                        totals.add(result);
+                    }
+                    return Ok(totals);
+                }
+                PhaseEnd::RunAgain => continue,
+            }
+        }
+    }
+
+    fn walk_phase(
         &mut self,
         plan: &StepPlan,
         phase: &[PlanStep],

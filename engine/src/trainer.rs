@@ -18,7 +18,7 @@ use carve_core::plan::{
 use carve_core::spec::Precision;
 use carve_core::validate::ValidatedJob;
 
-use crate::backend::{Backend, OperationContext};
+use crate::backend::{Backend, OperationContext, PhaseKind};
 use crate::checkpoint::{Checkpoint, NamedTensor, read_checkpoint, write_checkpoint};
 use crate::cpu::CpuBackend;
 use crate::data::{
@@ -391,6 +391,7 @@ impl<B: Backend> Run<'_, B> {
     /// Runs `phase` of the plan at the current step.
     fn run_phase(
         &mut self,
+        kind: PhaseKind,
         phase: &[PlanStep],
         micro_batch: u64,
         samples: usize,
@@ -409,7 +410,8 @@ impl<B: Backend> Run<'_, B> {
             loss_scaler: &mut self.loss_scaler,
             apply_update: &mut self.apply_update,
         };
-        self.executor.run_phase(self.plan, phase, &mut context)
+        self.executor
+            .run_phase(self.plan, kind, phase, &mut context)
     }
 
     /// Setup: persistent buffers, then their values (initial or from the checkpoint),
@@ -425,7 +427,7 @@ impl<B: Backend> Run<'_, B> {
             .iter()
             .cloned()
             .partition(|step| matches!(step, PlanStep::Allocate(_)));
-        self.run_phase(&allocations, 0, 0, 0.0)?;
+        self.run_phase(PhaseKind::Setup, &allocations, 0, 0, 0.0)?;
         for parameter in parameters {
             let layer = &self.job.graph.layers[parameter.layer];
             let values = match resumed {
@@ -450,7 +452,7 @@ impl<B: Backend> Run<'_, B> {
                 }
             }
         }
-        self.run_phase(&setup_operations, 0, 0, 0.0)?;
+        self.run_phase(PhaseKind::Setup, &setup_operations, 0, 0, 0.0)?;
         Ok(())
     }
 
@@ -479,6 +481,7 @@ impl<B: Backend> Run<'_, B> {
             let loss_gradient_scale = self.loss_scaler.scale() / config.batch_size as f32;
             loss_sum += self
                 .run_phase(
+                    PhaseKind::MicroBatch,
                     &plan.micro_batch,
                     micro_batch,
                     batch.samples,
@@ -486,7 +489,13 @@ impl<B: Backend> Run<'_, B> {
                 )?
                 .loss_sum;
         }
-        self.run_phase(&plan.update, 0, config.micro_batch_size as usize, 0.0)?;
+        self.run_phase(
+            PhaseKind::Update,
+            &plan.update,
+            0,
+            config.micro_batch_size as usize,
+            0.0,
+        )?;
         Ok(loss_sum)
     }
 
@@ -504,7 +513,13 @@ impl<B: Backend> Run<'_, B> {
         for batch in evaluation_batches(test, micro_batch_size) {
             let batch = batch?;
             self.load_batch(&batch)?;
-            let totals = self.run_phase(&plan.evaluation, 0, batch.samples, 0.0)?;
+            let totals = self.run_phase(
+                PhaseKind::Evaluation,
+                &plan.evaluation,
+                0,
+                batch.samples,
+                0.0,
+            )?;
             loss_sum += totals.loss_sum;
             correct += totals.correct;
             has_accuracy |= totals.has_accuracy;

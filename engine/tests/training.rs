@@ -8,7 +8,7 @@ use carve_core::shrink::{OomObservation, plan_shrink};
 use carve_core::spec::{DataFormat, Precision};
 use carve_core::validate::{ValidatedJob, parse_job_spec_toml, validate_job_spec};
 use carve_engine::EngineError;
-use carve_engine::backend::OperationContext;
+use carve_engine::backend::{OperationContext, PhaseKind};
 use carve_engine::cpu::CpuBackend;
 use carve_engine::executor::Executor;
 use carve_engine::kernels::optimizer::LossScaler;
@@ -200,10 +200,15 @@ fn a_job_that_does_not_fit_runs_out_cleanly_then_fits_with_the_planners_config()
         apply_update: &mut apply,
     };
     executor
-        .run_phase(&plan, &plan.setup, &mut context)
+        .run_phase(&plan, PhaseKind::Setup, &plan.setup, &mut context)
         .unwrap();
     assert!(matches!(
-        executor.run_phase(&plan, &plan.micro_batch, &mut context),
+        executor.run_phase(
+            &plan,
+            PhaseKind::MicroBatch,
+            &plan.micro_batch,
+            &mut context
+        ),
         Err(EngineError::OutOfMemory(_))
     ));
     assert_eq!(executor.allocator().in_use(), 0);

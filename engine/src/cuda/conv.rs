@@ -143,6 +143,33 @@ impl CudaBackend {
             .find(|(candidate, _)| candidate.algorithm == chosen.algorithm)
             .map(|(_, algorithm)| *algorithm)
             .ok_or_else(|| EngineError::Backend("cuda: chosen algorithm vanished".into()))?;
+        if let Some(profile) = self.profile.as_mut() {
+            let listed: Vec<String> = plain
+                .iter()
+                .map(|candidate| {
+                    format!(
+                        "{}:{}{}{}",
+                        candidate.algorithm,
+                        candidate
+                            .time_milliseconds
+                            .map_or_else(|| "-".into(), |time| format!("{time:.3}ms")),
+                        if candidate.usable { "" } else { "(unusable)" },
+                        format_args!("/{}", candidate.workspace_bytes)
+                    )
+                })
+                .collect();
+            profile.note(format!(
+                "algorithm {label} {direction:?} {:?} {:?}->{:?} budget {budget}{}: chose {:?} \
+                 ({} bytes); candidates {}",
+                shape.element_type,
+                shape.input,
+                shape.output,
+                if measure { ", measured" } else { "" },
+                algorithm,
+                chosen.workspace_bytes,
+                listed.join(" ")
+            ));
+        }
         self.algorithms
             .insert(key, (algorithm, chosen.workspace_bytes));
         Ok(algorithm)

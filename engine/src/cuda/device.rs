@@ -16,8 +16,8 @@ use std::sync::Arc;
 use carve_core::plan::ElementType;
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
-    result as driver_result, sys as driver_sys,
+    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaStream, DeviceRepr, LaunchConfig,
+    PushKernelArg, result as driver_result, sys as driver_sys,
 };
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
@@ -264,7 +264,10 @@ impl Device {
     pub fn open(ordinal: usize) -> Result<Device, CudaFailure> {
         let context = CudaContext::new(ordinal)
             .map_err(|error| driver_failure(error).during(format!("opening cuda:{ordinal}")))?;
-        let stream = context.default_stream();
+        // A stream of its own: the legacy default stream cannot be captured into a graph.
+        let stream = context
+            .new_stream()
+            .map_err(|error| driver_failure(error).during("creating the stream"))?;
         let (major, minor) = context
             .compute_capability()
             .map_err(|error| driver_failure(error).during("reading the compute capability"))?;
@@ -447,6 +450,27 @@ impl Device {
     /// The batch norm reduction scratch: its address and size.
     pub fn scratch(&self) -> (u64, u64) {
         (self.scratch.address, self.scratch.bytes)
+    }
+
+    /// Starts recording the stream's work into a graph instead of running it.
+    pub fn begin_capture(&self) -> Result<(), CudaFailure> {
+        self.stream
+            .begin_capture(driver_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|error| driver_failure(error).during("starting a graph capture"))
+    }
+
+    /// Ends the recording: the graph, instantiated (`None` when nothing was recorded).
+    pub fn end_capture(&self) -> Result<Option<CudaGraph>, CudaFailure> {
+        self.stream
+            .end_capture(driver_sys::CUgraphInstantiate_flags(0))
+            .map_err(|error| driver_failure(error).during("ending a graph capture"))
+    }
+
+    /// Runs a recorded graph on the stream.
+    pub fn launch_graph(&self, graph: &CudaGraph) -> Result<(), CudaFailure> {
+        graph
+            .launch()
+            .map_err(|error| driver_failure(error).during("launching a graph"))
     }
 
     /// An event with timing recorded on the backend's stream now (`profile` tuning).

@@ -358,28 +358,41 @@ extern "C" __global__ void check_finite(const void* values, int t, i64 n, u64* m
     GRID_STRIDE(i, n) { if ((__float_as_uint(load_element(values, t, i)) & 0x7f800000u) == 0x7f800000u) mailbox[4] = 1ull; }
 }
 
-extern "C" __global__ void sgd_update(float* w, const float* gradients, float* velocity, i64 n, float learning_rate,
+// The optimizers also write the updated weight into `weights` (the compute-precision
+// copy under mixed precision, element type weights_t; null otherwise) and zero the
+// gradient for the next step: one launch per tensor instead of three.
+extern "C" __global__ void sgd_update(float* w, float* gradients, float* velocity, void* weights, int weights_t, i64 n, float learning_rate,
         float momentum, float weight_decay, int nesterov, float gradient_scale) {
     GRID_STRIDE(i, n) {
         float gradient = gradients[i] * gradient_scale + weight_decay * w[i];
-        if (velocity == 0) { w[i] = w[i] - learning_rate * gradient; continue; }
-        float v = momentum * velocity[i] + gradient;
-        velocity[i] = v;
-        float step = nesterov ? gradient + momentum * v : v;
-        w[i] = w[i] - learning_rate * step;
+        gradients[i] = 0.0f;
+        float updated;
+        if (velocity == 0) {
+            updated = w[i] - learning_rate * gradient;
+        } else {
+            float v = momentum * velocity[i] + gradient;
+            velocity[i] = v;
+            float step = nesterov ? gradient + momentum * v : v;
+            updated = w[i] - learning_rate * step;
+        }
+        w[i] = updated;
+        if (weights != 0) store_element(weights, weights_t, i, updated);
     }
 }
-extern "C" __global__ void adam_update(float* w, const float* gradients, float* first, float* second, i64 n,
+extern "C" __global__ void adam_update(float* w, float* gradients, float* first, float* second, void* weights, int weights_t, i64 n,
         float beta1, float beta2, float one_minus_beta1, float one_minus_beta2, float epsilon, float step_size,
         float bias_correction2_sqrt, float l2_decay, float decoupled_decay_factor, float gradient_scale) {
     GRID_STRIDE(i, n) {
         float gradient = gradients[i] * gradient_scale + l2_decay * w[i];
+        gradients[i] = 0.0f;
         float weight = w[i] * decoupled_decay_factor;
         float m = beta1 * first[i] + one_minus_beta1 * gradient;
         float v = beta2 * second[i] + one_minus_beta2 * gradient * gradient;
         first[i] = m; second[i] = v;
         float denominator = sqrtf(v) / bias_correction2_sqrt + epsilon;
-        w[i] = weight - step_size * m / denominator;
+        float updated = weight - step_size * m / denominator;
+        w[i] = updated;
+        if (weights != 0) store_element(weights, weights_t, i, updated);
     }
 }
 

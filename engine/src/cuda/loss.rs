@@ -5,12 +5,49 @@ use carve_core::plan::{ElementType, Operation};
 use carve_core::spec::LossKind;
 
 use super::device::{KernelArgument, LaunchShape};
+use super::graphs::HeldBackLoss;
 use super::kernels::{MAILBOX_BAD_LABEL_SAMPLE, MAILBOX_CORRECT, MAILBOX_LOSS_SUM};
 use super::{CudaBackend, count, pointer, type_code};
 use crate::backend::{OperationContext, OperationResult};
 use crate::dispatch::LossKernels;
 use crate::error::EngineError;
 use crate::kernels::loss::LossError;
+
+impl CudaBackend {
+    /// The loss results a loss kernel left in the result area (waits for the GPU); an
+    /// out-of-range label is a data error naming the sample.
+    pub(super) fn read_loss(&self, loss: &HeldBackLoss) -> Result<OperationResult, EngineError> {
+        let mailbox = self
+            .device
+            .read_mailbox()
+            .map_err(|failure| self.fail(failure))?;
+        match loss.kind {
+            LossKind::SoftmaxCrossEntropy => {
+                if mailbox[MAILBOX_BAD_LABEL_SAMPLE] != 0 {
+                    let sample = !mailbox[MAILBOX_BAD_LABEL_SAMPLE] as usize;
+                    let mut label = [0u8; 4];
+                    self.device
+                        .download(loss.target_address + 4 * sample as u64, &mut label)
+                        .map_err(|failure| self.fail(failure))?;
+                    let error = LossError::LabelOutOfRange {
+                        sample,
+                        label: i32::from_le_bytes(label),
+                        classes: loss.per_sample,
+                    };
+                    return Err(EngineError::data("labels", error.to_string()));
+                }
+                Ok(OperationResult {
+                    loss_sum: Some(f64::from_bits(mailbox[MAILBOX_LOSS_SUM])),
+                    correct: Some(mailbox[MAILBOX_CORRECT] as usize),
+                })
+            }
+            LossKind::Mse => Ok(OperationResult {
+                loss_sum: Some(f64::from_bits(mailbox[MAILBOX_LOSS_SUM])),
+                correct: None,
+            }),
+        }
+    }
+}
 
 impl LossKernels for CudaBackend {
     fn loss_forward(
@@ -52,27 +89,6 @@ impl LossKernels for CudaBackend {
                         type_code(loss_value.element_type),
                     ],
                 )?;
-                let mailbox = self
-                    .device
-                    .read_mailbox()
-                    .map_err(|failure| self.fail(failure))?;
-                if mailbox[MAILBOX_BAD_LABEL_SAMPLE] != 0 {
-                    let sample = !mailbox[MAILBOX_BAD_LABEL_SAMPLE] as usize;
-                    let mut label = [0u8; 4];
-                    self.device
-                        .download(target.address + 4 * sample as u64, &mut label)
-                        .map_err(|failure| self.fail(failure))?;
-                    let error = LossError::LabelOutOfRange {
-                        sample,
-                        label: i32::from_le_bytes(label),
-                        classes: per_sample,
-                    };
-                    return Err(EngineError::data("labels", error.to_string()));
-                }
-                Ok(OperationResult {
-                    loss_sum: Some(f64::from_bits(mailbox[MAILBOX_LOSS_SUM])),
-                    correct: Some(mailbox[MAILBOX_CORRECT] as usize),
-                })
             }
             LossKind::Mse => {
                 if target.element_type != ElementType::F32 {
@@ -93,16 +109,19 @@ impl LossKernels for CudaBackend {
                         type_code(loss_value.element_type),
                     ],
                 )?;
-                let mailbox = self
-                    .device
-                    .read_mailbox()
-                    .map_err(|failure| self.fail(failure))?;
-                Ok(OperationResult {
-                    loss_sum: Some(f64::from_bits(mailbox[MAILBOX_LOSS_SUM])),
-                    correct: None,
-                })
             }
         }
+        let loss = HeldBackLoss {
+            kind: context.graph.loss,
+            target_address: target.address,
+            per_sample,
+        };
+        // A recording has not run the kernel yet: the loss is read after the graph.
+        if let Some(capture) = self.graphs.capture.as_mut() {
+            capture.loss = Some(loss);
+            return Ok(OperationResult::default());
+        }
+        self.read_loss(&loss)
     }
 
     fn loss_backward(

@@ -49,6 +49,7 @@ mod depthwise;
 mod device;
 mod dropout;
 mod error;
+mod graphs;
 mod kernels;
 mod loss;
 mod merge;
@@ -76,11 +77,14 @@ pub use slice::{
 pub use training::{CudaTraining, train_on_cuda, train_on_cuda_with};
 pub use tuning::{CudaTuning, TUNING_VARIABLE};
 
-use crate::backend::{Backend, OperationContext, OperationResult, padded_write};
+use crate::backend::{
+    Backend, OperationContext, OperationResult, PhaseEnd, PhaseKind, padded_write,
+};
 use crate::dispatch::{LayerCall, LayerPasses, Roles, run_operation, windowed_shapes};
 use crate::error::EngineError;
 use cudnn_ops::{ConvolutionAlgorithm, ConvolutionDirection, ConvolutionShape, Cudnn};
 use device::{Device, KernelArgument, KernelGeometry, LaunchShape};
+use graphs::{Capture, PhaseGraph, PhaseGraphs, ReplayKey};
 use kernels::{COLUMNS_PER_SUM_BLOCK, MAILBOX_OVERFLOW, element_type_code};
 use profile::{OperationProfile, operation_label};
 
@@ -120,7 +124,8 @@ type AlgorithmKey = (ConvolutionShape, ConvolutionDirection, u64);
 
 /// The CUDA backend of one attempt.
 pub struct CudaBackend {
-    // Declared first so it is dropped before the device (and its stream and context).
+    // Declared first so they are dropped before the device (and its stream and context).
+    graphs: PhaseGraphs,
     cudnn: Cudnn,
     device: Device,
     reservation: SliceReservation,
@@ -142,6 +147,7 @@ impl std::fmt::Debug for CudaBackend {
             .field("reservation", &self.reservation)
             .field("live_buffers", &self.buffers.len())
             .field("cached_algorithms", &self.algorithms.len())
+            .field("graphs", &self.graphs)
             .finish()
     }
 }
@@ -192,6 +198,7 @@ impl CudaBackend {
             })
             .collect();
         Ok(CudaBackend {
+            graphs: PhaseGraphs::default(),
             cudnn,
             device,
             reservation,
@@ -464,6 +471,25 @@ impl Backend for CudaBackend {
         operation: &Operation,
         context: &mut OperationContext<'_>,
     ) -> Result<OperationResult, EngineError> {
+        if let Some(capture) = &self.graphs.capture {
+            // While recording, a failed call (some cannot be captured) drops the recording
+            // and the phase is walked again: note the first failure and let the rest pass.
+            if capture.failure.is_some() {
+                return Ok(OperationResult::default());
+            }
+            return match run_operation(self, operation, context) {
+                Ok(result) => Ok(result),
+                Err(error) => {
+                    if let Some(capture) = self.graphs.capture.as_mut() {
+                        capture.failure = Some(format!(
+                            "{}: {error}",
+                            operation_label(operation, context.graph)
+                        ));
+                    }
+                    Ok(OperationResult::default())
+                }
+            };
+        }
         let timed = match self.profile.as_mut() {
             Some(profile) => profile.times(context.step),
             None => false,
@@ -475,16 +501,101 @@ impl Backend for CudaBackend {
             .device
             .record_timing_event()
             .map_err(|failure| self.fail(failure))?;
+        let enqueued = std::time::Instant::now();
         let result = run_operation(self, operation, context)?;
+        let host = enqueued.elapsed();
         let end = self
             .device
             .record_timing_event()
             .map_err(|failure| self.fail(failure))?;
         let label = operation_label(operation, context.graph);
         if let Some(profile) = self.profile.as_mut() {
-            profile.add(label, start, end);
+            profile.add(label, start, end, host);
         }
         Ok(result)
+    }
+
+    fn replay_phase(
+        &mut self,
+        kind: PhaseKind,
+        context: &OperationContext<'_>,
+    ) -> Result<Option<OperationResult>, EngineError> {
+        let Some(recorded) = self.graphs.recorded.get(&kind) else {
+            return Ok(None);
+        };
+        if recorded.key != ReplayKey::of(context) {
+            return Ok(None);
+        }
+        self.device
+            .launch_graph(&recorded.graph)
+            .map_err(|failure| self.fail(failure))?;
+        match recorded.loss {
+            Some(loss) => self.read_loss(&loss).map(Some),
+            None => Ok(Some(OperationResult::default())),
+        }
+    }
+
+    fn begin_phase(
+        &mut self,
+        kind: PhaseKind,
+        context: &OperationContext<'_>,
+    ) -> Result<(), EngineError> {
+        if !self.tuning.cuda_graphs
+            || self.profile.is_some()
+            || !self.graphs.should_record(kind, context)
+        {
+            return Ok(());
+        }
+        self.device
+            .begin_capture()
+            .map_err(|failure| self.fail(failure))?;
+        self.graphs.capture = Some(Capture {
+            kind,
+            key: ReplayKey::of(context),
+            loss: None,
+            failure: None,
+        });
+        Ok(())
+    }
+
+    fn end_phase(&mut self, kind: PhaseKind, completed: bool) -> Result<PhaseEnd, EngineError> {
+        let Some(capture) = self.graphs.capture.take() else {
+            return Ok(PhaseEnd::Done(None));
+        };
+        let ended = self.device.end_capture();
+        if !completed {
+            // The walk failed and the attempt ends with its error; nothing recorded runs.
+            return Ok(PhaseEnd::Done(None));
+        }
+        let graph = match (ended, capture.failure) {
+            (Ok(Some(graph)), None) => graph,
+            (ended, failure) => {
+                let reason = match (ended, failure) {
+                    (_, Some(failure)) => failure,
+                    (Err(failure), None) => self.fail(failure).to_string(),
+                    (Ok(_), None) => "nothing was recorded".to_string(),
+                };
+                self.graphs.refused.insert(kind, reason);
+                return Ok(PhaseEnd::RunAgain);
+            }
+        };
+        // What was recorded has not run yet.
+        self.device
+            .launch_graph(&graph)
+            .map_err(|failure| self.fail(failure))?;
+        let held_back = match capture.loss {
+            Some(loss) => Some(self.read_loss(&loss)?),
+            None => None,
+        };
+        self.graphs.recorded.insert(
+            capture.kind,
+            PhaseGraph {
+                graph,
+                key: capture.key,
+                loss: capture.loss,
+            },
+        );
+        Ok(PhaseEnd::Done(held_back))
     }
 }
 

@@ -5,7 +5,7 @@ use carve_core::plan::ElementType;
 use carve_core::spec::OptimizerSpec;
 
 use super::device::{KernelArgument, LaunchShape};
-use super::{CudaBackend, DeviceBuffer, pointer};
+use super::{CudaBackend, DeviceBuffer, pointer, type_code};
 use crate::backend::OperationContext;
 use crate::dispatch::{OptimizerBuffers, OptimizerKernels};
 use crate::error::EngineError;
@@ -37,6 +37,14 @@ impl OptimizerKernels for CudaBackend {
                 ));
             }
             let elements = target.elements.min(gradient.elements);
+            // Under mixed precision the kernel also writes the compute-precision weights.
+            let weights = match master_id {
+                Some(_) => Some(self.buffer(weights_id)?),
+                None => None,
+            };
+            let weights_address = weights.map_or(0, |weights| weights.address);
+            let weights_type =
+                type_code(weights.map_or(ElementType::F32, |weights| weights.element_type));
             // The scale the gradients were computed with, not the one the overflow check
             // may just have doubled.
             let gradient_scale = context.loss_scaler.unscale_factor();
@@ -48,6 +56,8 @@ impl OptimizerKernels for CudaBackend {
                         pointer(target.address),
                         pointer(gradient.address),
                         pointer(states.first().map_or(0, |velocity| velocity.address)),
+                        pointer(weights_address),
+                        weights_type,
                         KernelArgument::I64(elements as i64),
                         KernelArgument::F32(settings.learning_rate as f32),
                         KernelArgument::F32(settings.momentum as f32),
@@ -88,6 +98,8 @@ impl OptimizerKernels for CudaBackend {
                             pointer(gradient.address),
                             pointer(first.address),
                             pointer(second.address),
+                            pointer(weights_address),
+                            weights_type,
                             KernelArgument::I64(elements as i64),
                             KernelArgument::F32(settings.beta1 as f32),
                             KernelArgument::F32(settings.beta2 as f32),
@@ -103,8 +115,9 @@ impl OptimizerKernels for CudaBackend {
                     )?
                 }
             }
-            if master_id.is_some() {
-                self.convert(master_id.unwrap_or(weights_id), weights_id)?;
+            // The kernel zeroed the gradient's first `elements`; the rest, if any, here.
+            if elements == gradient.elements {
+                return Ok(());
             }
         }
         self.device

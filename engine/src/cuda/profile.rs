@@ -4,8 +4,8 @@
 //! convolution algorithms. A run on a GPU machine yields a profile without nsys.
 //!
 //! The events are read only at the end, so timing adds no host synchronization of its
-//! own; the time between operations (launch overhead, host work) is the step's wall time
-//! minus the table's total.
+//! own. Each row also has the host's time to enqueue the operation: where it exceeds the
+//! GPU time the GPU waits on the host, and the GPU column then shows that wait too.
 
 use std::collections::BTreeMap;
 
@@ -40,9 +40,12 @@ pub fn operation_label(operation: &Operation, graph: &ModelGraph) -> String {
 /// The events of every timed operation, read when the table is made.
 #[derive(Default)]
 pub struct OperationProfile {
-    timed: Vec<(String, CudaEvent, CudaEvent)>,
+    /// Label, events around the GPU work, and the host's time to enqueue it.
+    timed: Vec<(String, CudaEvent, CudaEvent, std::time::Duration)>,
     /// Operations seen in the untimed first step.
     skipped: usize,
+    /// What was chosen along the way (the convolution algorithms), printed after the table.
+    notes: Vec<String>,
 }
 
 impl std::fmt::Debug for OperationProfile {
@@ -63,41 +66,61 @@ impl OperationProfile {
         step > 0
     }
 
-    pub fn add(&mut self, label: String, start: CudaEvent, end: CudaEvent) {
-        self.timed.push((label, start, end));
+    pub fn add(
+        &mut self,
+        label: String,
+        start: CudaEvent,
+        end: CudaEvent,
+        host: std::time::Duration,
+    ) {
+        self.timed.push((label, start, end, host));
+    }
+
+    pub fn note(&mut self, note: String) {
+        self.notes.push(note);
     }
 
     /// The table, slowest first: label, calls, total and mean milliseconds, share.
     pub fn table(&self) -> String {
-        let mut totals: BTreeMap<&str, (usize, f64)> = BTreeMap::new();
-        for (label, start, end) in &self.timed {
+        let mut totals: BTreeMap<&str, (usize, f64, f64)> = BTreeMap::new();
+        for (label, start, end, host) in &self.timed {
             // A failed read (an event never completed) counts as no time.
             let milliseconds = f64::from(start.elapsed_ms(end).unwrap_or(0.0));
             let entry = totals.entry(label).or_default();
             entry.0 += 1;
             entry.1 += milliseconds;
+            entry.2 += host.as_secs_f64() * 1000.0;
         }
-        let sum: f64 = totals.values().map(|(_, total)| total).sum();
+        let sum: f64 = totals.values().map(|(_, total, _)| total).sum();
+        let host_sum: f64 = totals.values().map(|(_, _, host)| host).sum();
         let mut rows: Vec<_> = totals.into_iter().collect();
         rows.sort_by(|a, b| b.1.1.total_cmp(&a.1.1));
         let mut table = format!(
-            "cuda profile ({} operations timed, {} of the first step not): {:.3} ms on the GPU\n\
-             {:<32} {:>8} {:>11} {:>10} {:>6}\n",
+            "cuda profile ({} operations timed, {} of the first step not): {:.3} ms on the GPU, \
+             {:.3} ms on the host enqueueing it\n\
+             {:<32} {:>8} {:>11} {:>10} {:>6} {:>12}\n",
             self.timed.len(),
             self.skipped,
             sum,
+            host_sum,
             "operation",
             "calls",
             "total ms",
             "mean us",
-            "share"
+            "share",
+            "host mean us"
         );
-        for (label, (calls, total)) in rows {
+        for (label, (calls, total, host)) in rows {
             table.push_str(&format!(
-                "{label:<32} {calls:>8} {total:>11.3} {:>10.1} {:>5.1}%\n",
+                "{label:<32} {calls:>8} {total:>11.3} {:>10.1} {:>5.1}% {:>12.1}\n",
                 1000.0 * total / calls as f64,
-                100.0 * total / sum.max(f64::MIN_POSITIVE)
+                100.0 * total / sum.max(f64::MIN_POSITIVE),
+                1000.0 * host / calls as f64,
             ));
+        }
+        for note in &self.notes {
+            table.push_str(note);
+            table.push('\n');
         }
         table
     }

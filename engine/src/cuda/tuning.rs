@@ -13,8 +13,11 @@
 //!   into the fp32 gradient instead of measuring every algorithm on a scratch output.
 //! - `legacy-batch-norm`: one block per channel (the first wave's kernels) instead of
 //!   the coalesced ones.
+//! - `no-graphs`: walk every phase on the host instead of replaying the step's phases as
+//!   CUDA graphs (`graphs.rs`).
 //! - `profile`: time every plan operation with CUDA events and print the table when the
-//!   backend is dropped (a profile on a GPU machine without nsys).
+//!   backend is dropped (a profile on a GPU machine without nsys); phases are then always
+//!   walked, so each operation is seen.
 
 /// Which of the backend's speed changes are on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +30,8 @@ pub struct CudaTuning {
     pub measure_accumulated_filter_gradients: bool,
     /// Batch norm runs the coalesced kernels.
     pub coalesced_batch_norm: bool,
+    /// Phases that can be are recorded once as CUDA graphs and replayed.
+    pub cuda_graphs: bool,
     /// Every operation is timed with CUDA events.
     pub profile: bool,
 }
@@ -38,6 +43,7 @@ impl Default for CudaTuning {
             zero_every_buffer: false,
             measure_accumulated_filter_gradients: true,
             coalesced_batch_norm: true,
+            cuda_graphs: true,
             profile: false,
         }
     }
@@ -69,11 +75,12 @@ impl CudaTuning {
                 "zero-fill" => tuning.zero_every_buffer = true,
                 "heuristic-filter" => tuning.measure_accumulated_filter_gradients = false,
                 "legacy-batch-norm" => tuning.coalesced_batch_norm = false,
+                "no-graphs" => tuning.cuda_graphs = false,
                 "profile" => tuning.profile = true,
                 other => {
                     return Err(format!(
                         "{TUNING_VARIABLE}: unknown word {other:?} (known: strict, zero-fill, \
-                         heuristic-filter, legacy-batch-norm, profile)"
+                         heuristic-filter, legacy-batch-norm, no-graphs, profile)"
                     ));
                 }
             }
@@ -100,8 +107,9 @@ mod tests {
         let tuning = CudaTuning::parse("strict, zero-fill,profile").unwrap();
         assert!(!tuning.allow_tf32 && tuning.zero_every_buffer && tuning.profile);
         assert!(tuning.coalesced_batch_norm && tuning.measure_accumulated_filter_gradients);
-        let tuning = CudaTuning::parse("heuristic-filter,legacy-batch-norm").unwrap();
+        let tuning = CudaTuning::parse("heuristic-filter,legacy-batch-norm,no-graphs").unwrap();
         assert!(!tuning.measure_accumulated_filter_gradients && !tuning.coalesced_batch_norm);
+        assert!(!tuning.cuda_graphs && CudaTuning::default().cuda_graphs);
         let error = CudaTuning::parse("strict,tf33").unwrap_err();
         assert!(error.contains("\"tf33\""), "{error}");
         assert!(!CudaTuning::default().strict().allow_tf32);
