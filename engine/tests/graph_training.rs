@@ -2,11 +2,13 @@
 //! example at a quarter width) trained end to end on the cpu backend: the measured peak is
 //! the estimate at every precision, with recomputation and with accumulation, the graph's
 //! backward agrees with itself when the batch is split or activations are recomputed, and
-//! the models learn.
+//! the models learn: on synthetic data, and a small ResNet on real handwritten digits
+//! (`examples/digits-resnet.toml`).
 
 use carve_core::estimator::estimate_job;
 use carve_core::spec::Precision;
 use carve_core::validate::ValidatedJob;
+use carve_engine::data::open_data_sets;
 use carve_engine::trainer::{TrainingOptions, TrainingReport, train};
 
 mod support;
@@ -132,10 +134,55 @@ fn graph_models_learn() {
 /// The ResNet-18 example (residual adds, projection shortcuts, 18 layers deep) learns:
 /// at a quarter of its width so the test takes seconds on a laptop's cpu, with the same
 /// graph, on the synthetic CIFAR-shaped data the example trains on until it is given
-/// files (this repository holds no real image data set).
+/// files (real CIFAR-10 is too large to keep in the repository; the digits test below is
+/// the residual model on real data).
 #[test]
 fn resnet18_cifar_loss_goes_down() {
     let job = job(&narrow_resnet18(8, 30));
     assert_eq!(job.graph.layers.len(), 67);
     assert_learns(&job, 0.7);
+}
+
+/// What training the digits example taught its model at `learning_rate`: the mean loss of
+/// its first and last ten steps and its accuracy on the 297 test digits it never trained on.
+fn train_digits(learning_rate: &str) -> (f64, f64, f64) {
+    let directory = carve_testing::examples::examples_directory();
+    let text = std::fs::read_to_string(directory.join("digits-resnet.toml")).unwrap();
+    let job = job(&text.replace(
+        "learning_rate = 0.003",
+        &format!("learning_rate = {learning_rate}"),
+    ));
+    // The job file's own paths, resolved against its folder as `carve run` does.
+    let data = open_data_sets(&job, &directory).unwrap();
+    let test_samples = data.test.as_ref().map(|test| test.len());
+    assert_eq!((data.train.len(), test_samples), (1500, Some(297)));
+    let mut losses = Vec::new();
+    let report = train(&job, &data, &options(&job), &mut |progress| {
+        losses.push(progress.loss)
+    })
+    .unwrap();
+    let mean = |steps: &[f64]| steps.iter().sum::<f64>() / steps.len() as f64;
+    (
+        mean(&losses[..10]),
+        mean(&losses[losses.len() - 10..]),
+        report.test_accuracy.unwrap(),
+    )
+}
+
+/// A ResNet (conv, batch norm, relu, an identity and a projection shortcut, global average
+/// pooling) learns real handwritten digits, through the job file, the npy reader and the
+/// trainer as `carve run` uses them. Over seeds 1 to 10 the last steps' loss was at most
+/// 0.05 of the first steps' and the test accuracy 0.90 to 0.95 (chance is 0.1). With a
+/// learning rate too small to move the weights the same ratio was 0.97 to 1.02 and the
+/// accuracy at most 0.15: the test trains that model too, to show the thresholds can fail.
+#[test]
+fn a_residual_model_learns_real_handwritten_digits() {
+    let learns = |(early, late, accuracy): (f64, f64, f64)| late < 0.25 * early && accuracy > 0.75;
+    let trained = train_digits("0.003");
+    assert!(
+        learns(trained),
+        "(first loss, last loss, test accuracy): {trained:?}"
+    );
+    let untrained = train_digits("1e-9");
+    assert!(!learns(untrained), "without learning: {untrained:?}");
 }
