@@ -34,6 +34,10 @@ const LEADER_SEARCH_ROUNDS: u32 = 3;
 /// How long connecting may take before the scheduler counts as unreachable.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long [`Connection::reopen_within`] keeps trying: a failover takes about the
+/// leader's lease, a restart a few seconds.
+pub const REOPEN_PATIENCE: Duration = Duration::from_secs(60);
+
 /// The connection options of every command that talks to a scheduler.
 #[derive(Debug, Clone, Default, clap::Args)]
 #[command(next_help_heading = "Connection")]
@@ -298,6 +302,8 @@ pub async fn connect_channel(
 pub struct Connection {
     pub endpoint: String,
     channel: AuthenticatedChannel,
+    /// What it was opened with, to open it again after a failover.
+    options: ConnectionOptions,
 }
 
 impl Connection {
@@ -324,6 +330,7 @@ impl Connection {
             return Ok(Connection {
                 endpoint: endpoint.clone(),
                 channel,
+                options: options.clone(),
             });
         }
         // Several replicas: the leader, which answers every call (a standby answers
@@ -353,6 +360,7 @@ impl Connection {
                 let connection = Connection {
                     endpoint: endpoint.clone(),
                     channel,
+                    options: options.clone(),
                 };
                 if connection.is_leader_or_alone().await {
                     return Ok(connection);
@@ -368,6 +376,20 @@ impl Connection {
                 "endpoint: no endpoint given",
             )
             .into()),
+        }
+    }
+
+    /// Opens the connection again over every endpoint (the leader first), trying for up
+    /// to `patience`: for a call whose connection broke, since a failover moves the
+    /// leader to another replica and a restarted scheduler takes a moment to listen.
+    pub async fn reopen_within(&self, patience: Duration) -> Result<Connection> {
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            match Connection::open(&self.options).await {
+                Ok(connection) => return Ok(connection),
+                Err(error) if tokio::time::Instant::now() >= deadline => return Err(error),
+                Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
         }
     }
 
