@@ -12,57 +12,25 @@ use std::time::Duration;
 use carve_proto::client::BearerToken;
 use carve_proto::v1;
 use carve_proto::v1::job_service_client::JobServiceClient;
-use carve_scheduler::scheduler::SchedulerSettings;
-use carve_scheduler::server::{SchedulerConfig, run};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 // Only the binary's path is used here.
+#[path = "support/in_process.rs"]
+mod in_process;
 #[allow(dead_code)]
 mod support;
+use in_process::{ADMIN, job_json};
 
-const ADMIN: &str = "carve_test_admin_secret";
-
-const JOB: &str = r#"{
-  "name": "small",
-  "model": {
-    "input_shape": [8, 8, 1],
-    "loss": "softmax_cross_entropy",
-    "layers": [ { "flatten": {} }, { "dense": { "units": 4 } } ]
-  },
-  "training": { "batch_size": 8, "steps": 10, "optimizer": { "adam": { "learning_rate": 0.001 } } },
-  "data": { "format": "synthetic", "samples": 64 }
-}"#;
-
-/// One life of the scheduler on `address`, until the sender is used or dropped.
+/// A scheduler on `directory`'s database at `address`: what stops it, and its task.
 async fn start(
-    database_url: &str,
+    directory: &std::path::Path,
     address: SocketAddr,
 ) -> (
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<()>,
 ) {
-    let listener = tokio::net::TcpListener::bind(address).await.unwrap();
-    let config = SchedulerConfig {
-        database_url: database_url.to_string(),
-        settings: SchedulerSettings {
-            heartbeat_interval: Duration::from_millis(100),
-            scheduling_interval: Duration::from_millis(50),
-            checkpoint_directory: "/checkpoints".into(),
-            ..SchedulerSettings::default()
-        },
-        admin_token: Some(ADMIN.into()),
-        metrics_address: None,
-        tls: None,
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(async move {
-        run(config, listener, async {
-            let _ = stopped.await;
-        })
-        .await
-        .unwrap();
-    });
+    let (_, stop, server) = in_process::start(directory, address).await;
     (stop, server)
 }
 
@@ -90,12 +58,11 @@ fn jobs(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_watch_resumes_across_a_restart_showing_each_event_once() {
     let directory = tempfile::tempdir().unwrap();
-    let database_url = format!("sqlite://{}", directory.path().join("carve.db").display());
     let address = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap();
-    let (stop, server) = start(&database_url, address).await;
+    let (stop, server) = start(directory.path(), address).await;
     let first = channel(address).await;
     let [user] = carve_testing::cluster::tenant_with_tokens(
         &first,
@@ -110,7 +77,7 @@ async fn a_watch_resumes_across_a_restart_showing_each_event_once() {
     // No worker: the job waits in the queue.
     let job = jobs(&first, &user)
         .submit_job(v1::SubmitJobRequest {
-            spec_json: JOB.into(),
+            spec_json: job_json("small"),
             idempotency_key: String::new(),
         })
         .await
@@ -140,7 +107,7 @@ async fn a_watch_resumes_across_a_restart_showing_each_event_once() {
 
     // The second life, on the same file and address: the job is cancelled there, likely
     // before the watch has found it again.
-    let (stop, server) = start(&database_url, address).await;
+    let (stop, server) = start(directory.path(), address).await;
     let second = channel(address).await;
     jobs(&second, &user)
         .cancel_job(v1::CancelJobRequest {

@@ -99,6 +99,25 @@ async fn first_life(
     (scheduler, channel, user, worker_token, worker)
 }
 
+/// The first life's worker on gpu-a comes back to a later life under its old id, still
+/// running `attempt`.
+async fn come_back(
+    channel: &Channel,
+    worker_token: &str,
+    worker_id: &str,
+    attempt: &v1::AttemptRef,
+) -> TestWorker {
+    TestWorker::reconnect(
+        channel,
+        worker_token,
+        "gpu-a",
+        16 << 30,
+        worker_id,
+        vec![attempt.clone()],
+    )
+    .await
+}
+
 async fn wait_for_state(
     channel: &Channel,
     token: &str,
@@ -158,15 +177,7 @@ async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
     assert_eq!(held[0].worker_id, worker_id);
 
     // The worker comes back under its old id, still running the attempt.
-    let mut worker = TestWorker::reconnect(
-        &channel,
-        &worker_token,
-        "gpu-a",
-        16 << 30,
-        &worker_id,
-        vec![attempt.clone()],
-    )
-    .await;
+    let mut worker = come_back(&channel, &worker_token, &worker_id, &attempt).await;
     assert_eq!(
         worker.id, worker_id,
         "the worker keeps its id across a restart"
@@ -423,15 +434,7 @@ async fn a_watch_broken_by_a_restart_resumes_after_its_last_event_without_duplic
     // The second life: things happen before the watcher comes back.
     let second = RunningScheduler::start(&database, lease).await;
     let channel = second.channel().await;
-    let mut worker = TestWorker::reconnect(
-        &channel,
-        &worker_token,
-        "gpu-a",
-        16 << 30,
-        &worker_id,
-        vec![attempt.clone()],
-    )
-    .await;
+    let mut worker = come_back(&channel, &worker_token, &worker_id, &attempt).await;
     worker
         .report_log(&attempt, "info", "after the restart")
         .await;
