@@ -21,7 +21,8 @@ use carve_proto::v1::job_service_client::JobServiceClient;
 use serde::Deserialize;
 
 use super::failure::{
-    ClientFailure, FailureKind, IS_IT_RUNNING, cannot_reach, lower_os_error, status_failure,
+    ClientFailure, FailureKind, IS_IT_RUNNING, cannot_reach, connection_lost, lower_os_error,
+    status_failure,
 };
 
 /// Where `carve-scheduler` listens by default (its `--listen`), as an endpoint.
@@ -37,6 +38,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long [`Connection::reopen_within`] keeps trying: a failover takes about the
 /// leader's lease, a restart a few seconds.
 pub const REOPEN_PATIENCE: Duration = Duration::from_secs(60);
+
+/// How long a call retried after its connection broke waits for a scheduler to answer
+/// again: a failover takes about the leader's lease (10 s by default).
+const RETRY_PATIENCE: Duration = Duration::from_secs(20);
 
 /// The connection options of every command that talks to a scheduler.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -393,6 +398,27 @@ impl Connection {
         }
     }
 
+    /// Runs `call` on this connection; when the connection breaks under it (UNAVAILABLE or
+    /// a transport error, not an answer from the scheduler) runs it once more on the
+    /// connection opened again over every endpoint, so a read survives a failover.
+    /// Only for calls that may safely run twice: reads, and a submit with an
+    /// idempotency key (the scheduler answers a repeated key with the job it made).
+    pub async fn retrying<T, Call, Answer>(&self, call: Call) -> Result<T, tonic::Status>
+    where
+        Call: Fn(Connection) -> Answer,
+        Answer: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        match call(self.clone()).await {
+            Err(status) if connection_lost(&status) => {
+                let Ok(again) = self.reopen_within(RETRY_PATIENCE).await else {
+                    return Err(status);
+                };
+                call(again).await.map(tonic::Response::into_inner)
+            }
+            answer => answer.map(tonic::Response::into_inner),
+        }
+    }
+
     /// Whether this scheduler answers calls only a leader answers (a standby says
     /// UNAVAILABLE): a slice listing filtered to nothing, which any token may make.
     async fn is_leader_or_alone(&self) -> bool {
@@ -426,15 +452,17 @@ impl Connection {
 
     /// Gets one job; a missing one is "job X not found" (exit code 6).
     pub async fn fetch_job(&self, job_id: &str) -> Result<v1::Job> {
-        self.jobs()
-            .get_job(v1::GetJobRequest {
-                job_id: job_id.to_string(),
-            })
-            .await
-            .map_err(|status| self.failure(&status, &format!("cannot get job {job_id}")))?
-            .into_inner()
-            .job
-            .context("the scheduler answered without the job")
+        let request = v1::GetJobRequest {
+            job_id: job_id.to_string(),
+        };
+        self.retrying(|connection| {
+            let request = request.clone();
+            async move { connection.jobs().get_job(request).await }
+        })
+        .await
+        .map_err(|status| self.failure(&status, &format!("cannot get job {job_id}")))?
+        .job
+        .context("the scheduler answered without the job")
     }
 }
 
