@@ -1,6 +1,8 @@
 //! `carve sim --trace FILE`: replays a job trace through core's simulator under the
 //! whole-GPU, declared-memory and Carve policies and compares them (a table, `-o json`,
-//! `--plot FILE.svg`); `carve sim generate` writes a synthetic trace to stdout.
+//! `--plot FILE.svg`); `carve sim generate` writes a synthetic trace to stdout. With
+//! `--preemption` each policy runs twice, without and with preemption, and the table
+//! sets the urgent jobs' queueing side by side.
 //!
 //! This file does the IO core does not: it reads the trace and the job files it names
 //! (relative to the trace), and renders the reports. The SVG is written by hand: a line
@@ -14,10 +16,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow};
 use carve_core::bytes::{HumanBytes, parse_byte_size};
+use carve_core::scheduling::preemption::{self, PreemptionSettings};
 use carve_core::simulation::trace::ModelSource;
 use carve_core::simulation::{
-    Cluster, GeneratorOptions, MemoryOracle, Percentiles, Policy, PolicyReport, SimulationOptions,
-    Workload, generate_trace, parse_trace, simulate,
+    Cluster, GeneratorOptions, MemoryOracle, Percentiles, Policy, PolicyReport,
+    SimulatedPreemption, SimulationOptions, WaitSummary, Workload, generate_trace, parse_trace,
+    simulate,
 };
 use carve_core::{CoreError, FieldError};
 use serde_json::{Value, json};
@@ -60,7 +64,32 @@ pub struct SimArguments {
     /// Seconds of run time between checkpoints.
     #[arg(long, default_value_t = SimulationOptions::default().checkpoint_interval_s)]
     checkpoint_interval_s: f64,
+    /// Runs each policy twice, without and with preemption (urgent jobs evict
+    /// lower-priority attempts, chosen as the scheduler chooses them), and compares the
+    /// urgent jobs' queueing.
+    #[arg(long)]
+    preemption: bool,
+    /// Jobs of at least this priority are the urgent ones the report gives apart (a
+    /// trace's `priority` column, else its spec's).
+    #[arg(long, default_value_t = SimulationOptions::default().urgent_priority, allow_negative_numbers = true)]
+    urgent_priority: i32,
+    /// With --preemption: an attempt younger than this is never evicted (the scheduler's
+    /// default).
+    #[arg(long, default_value_t = preemption::DEFAULT_MIN_RUN_TIME_SECONDS)]
+    preemption_min_run_time_s: u64,
+    /// With --preemption: a job preempted this many times in the last hour is not evicted
+    /// again (the scheduler's default).
+    #[arg(long, default_value_t = preemption::DEFAULT_MAX_PREEMPTIONS_PER_JOB_PER_HOUR)]
+    preemption_max_per_job_per_hour: u32,
+    /// With --preemption: seconds a victim takes to stop (the scheduler's grace period).
+    #[arg(long, default_value_t = preemption::DEFAULT_GRACE_PERIOD_SECONDS as f64)]
+    preemption_grace_period_s: f64,
 }
+
+/// What the table and `-o json` say a preemption run assumed.
+const PREEMPTION_ASSUMPTION: &str = "a preempted attempt stops at the end of the grace \
+     period and resumes from its last periodic checkpoint (--checkpoint-interval-s): the run \
+     time since is lost (no checkpoint on preemption is modelled)";
 
 #[derive(Debug, clap::Subcommand)]
 enum SimCommand {
@@ -144,28 +173,48 @@ pub fn run(arguments: SimArguments) -> Result<ExitCode> {
         oom_after_fraction: arguments.oom_after_fraction,
         resubmit_delay_s: arguments.resubmit_delay_s,
         checkpoint_interval_s: arguments.checkpoint_interval_s,
+        urgent_priority: arguments.urgent_priority,
         ..SimulationOptions::default()
     };
     options.check(&cluster).map_err(as_flag_error)?;
+    let preemption = SimulatedPreemption {
+        limits: PreemptionSettings {
+            min_run_time_seconds: arguments.preemption_min_run_time_s,
+            max_preemptions_per_job_per_hour: arguments.preemption_max_per_job_per_hour,
+        },
+        grace_period_s: arguments.preemption_grace_period_s,
+    };
+    let runs: Vec<SimulationOptions> = if arguments.preemption {
+        let with_preemption = SimulationOptions {
+            preemption: Some(preemption),
+            ..options
+        };
+        with_preemption.check(&cluster).map_err(as_flag_error)?;
+        vec![options, with_preemption]
+    } else {
+        vec![options]
+    };
 
     let workload = load_workload(&trace_path)?;
     let started = Instant::now();
     let mut oracle = MemoryOracle::default();
     let mut reports = Vec::new();
     for policy in arguments.policy.policies() {
-        reports.push(simulate(
-            &workload,
-            &cluster,
-            policy,
-            &options,
-            &mut oracle,
-        )?);
+        for run_options in &runs {
+            reports.push(simulate(
+                &workload,
+                &cluster,
+                policy,
+                run_options,
+                &mut oracle,
+            )?);
+        }
     }
     eprintln!(
-        "simulated {} jobs under {} polic{} in {:.2} s",
+        "simulated {} jobs in {} run{} in {:.2} s",
         workload.jobs.len(),
         reports.len(),
-        if reports.len() == 1 { "y" } else { "ies" },
+        if reports.len() == 1 { "" } else { "s" },
         started.elapsed().as_secs_f64()
     );
 
@@ -192,6 +241,13 @@ pub fn run(arguments: SimArguments) -> Result<ExitCode> {
                 "gpu_bytes": cluster.gpu_bytes,
                 "gpu_context_bytes": options.gpu_context_bytes,
             },
+            "urgent_priority": options.urgent_priority,
+            "preemption": arguments.preemption.then(|| json!({
+                "min_run_time_s": preemption.limits.min_run_time_seconds,
+                "max_per_job_per_hour": preemption.limits.max_preemptions_per_job_per_hour,
+                "grace_period_s": preemption.grace_period_s,
+                "assumption": PREEMPTION_ASSUMPTION,
+            })),
             "policies": reports.iter().map(report_json).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -244,9 +300,30 @@ fn percentiles_json(percentiles: &Percentiles) -> Value {
     json!({ "p50": percentiles.p50, "p95": percentiles.p95, "p99": percentiles.p99 })
 }
 
+fn wait_summary_json(summary: &WaitSummary) -> Value {
+    json!({
+        "jobs": summary.jobs,
+        "started_jobs": summary.started_jobs,
+        "mean": summary.mean_s,
+        "p50": summary.percentiles.p50,
+        "p95": summary.percentiles.p95,
+        "max": summary.max_s,
+    })
+}
+
+/// The policy's name, marked when urgent jobs could preempt.
+fn run_label(report: &PolicyReport) -> String {
+    if report.preemption {
+        format!("{}+preempt", report.policy.name())
+    } else {
+        report.policy.name().to_string()
+    }
+}
+
 fn report_json(report: &PolicyReport) -> Value {
     json!({
         "policy": report.policy.name(),
+        "preemption": report.preemption,
         "jobs": report.jobs,
         "succeeded_jobs": report.succeeded_jobs,
         "failed_jobs": report.failed_jobs,
@@ -260,6 +337,9 @@ fn report_json(report: &PolicyReport) -> Value {
         "fragmentation": report.fragmentation,
         "queueing_delay_s": percentiles_json(&report.queueing_delay_s),
         "completion_time_s": percentiles_json(&report.completion_time_s),
+        "urgent_queueing_s": wait_summary_json(&report.urgent_queueing),
+        "preemptions": report.preemptions,
+        "preempted_run_time_lost_s": report.preempted_run_time_lost_s,
         "makespan_s": report.makespan_s,
         "most_allocated_on_one_gpu_bytes": report.most_allocated_on_one_gpu_bytes,
         "usable_bytes_per_gpu": report.usable_bytes_per_gpu,
@@ -312,7 +392,7 @@ fn report_table(
         workload.models.len(),
         cluster_label(cluster)
     );
-    let rows: [TableRow; 12] = [
+    let mut rows: Vec<TableRow> = vec![
         ("succeeded", |r| r.succeeded_jobs.to_string()),
         ("failed", |r| r.failed_jobs.to_string()),
         ("rejected at submit", |r| r.rejected_jobs.to_string()),
@@ -340,6 +420,37 @@ fn report_table(
         }),
         ("makespan", |r| duration_text(r.makespan_s)),
     ];
+    let preemption = reports.iter().any(|report| report.preemption);
+    let urgent_priority = reports.first().map_or(0, |report| report.urgent_priority);
+    if preemption {
+        rows.extend([
+            (
+                "urgent jobs (started)",
+                (|r| {
+                    format!(
+                        "{} ({})",
+                        r.urgent_queueing.jobs, r.urgent_queueing.started_jobs
+                    )
+                }) as fn(&PolicyReport) -> String,
+            ),
+            ("urgent wait mean", |r| {
+                duration_text(r.urgent_queueing.mean_s)
+            }),
+            ("urgent wait p50/p95/max", |r| {
+                let summary = &r.urgent_queueing;
+                format!(
+                    "{} / {} / {}",
+                    duration_text(summary.percentiles.p50),
+                    duration_text(summary.percentiles.p95),
+                    duration_text(summary.max_s)
+                )
+            }),
+            ("preemptions", |r| r.preemptions.to_string()),
+            ("run time lost to preemption", |r| {
+                duration_text(r.preempted_run_time_lost_s)
+            }),
+        ]);
+    }
     let label_width = rows.iter().map(|(label, _)| label.len()).max().unwrap_or(0);
     let cells: Vec<Vec<String>> = rows
         .iter()
@@ -350,14 +461,14 @@ fn report_table(
             cells
                 .iter()
                 .map(|row| row[column].len())
-                .chain([reports[column].policy.name().len()])
+                .chain([run_label(&reports[column]).len()])
                 .max()
                 .unwrap_or(0)
         })
         .collect();
     let _ = write!(text, "{:label_width$}", "");
     for (report, width) in reports.iter().zip(&column_widths) {
-        let _ = write!(text, "  {:>width$}", report.policy.name());
+        let _ = write!(text, "  {:>width$}", run_label(report));
     }
     text.push('\n');
     for ((label, _), row) in rows.iter().zip(&cells) {
@@ -366,6 +477,12 @@ fn report_table(
             let _ = write!(text, "  {cell:>width$}");
         }
         text.push('\n');
+    }
+    if preemption {
+        let _ = writeln!(
+            text,
+            "urgent: priority >= {urgent_priority}; {PREEMPTION_ASSUMPTION}"
+        );
     }
     if reports.iter().any(|report| report.unfinished_jobs > 0) {
         text.push_str("warning: some jobs never started (see unfinished_jobs in -o json)\n");
@@ -509,7 +626,7 @@ fn utilisation_svg(reports: &[PolicyReport], title: &str) -> String {
             legend_x + 24.0,
             legend_x + 30.0,
             legend_y + 4.0,
-            report.policy.name()
+            run_label(report)
         );
         let _ = writeln!(
             svg,
@@ -518,7 +635,7 @@ fn utilisation_svg(reports: &[PolicyReport], title: &str) -> String {
             legend_x + 24.0,
             legend_x + 30.0,
             legend_y + 22.0,
-            report.policy.name()
+            run_label(report)
         );
     }
     svg.push_str("</svg>\n");

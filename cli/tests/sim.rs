@@ -141,3 +141,65 @@ fn bad_rows_and_flags_are_refused_with_what_to_fix() {
     let report: Value = serde_json::from_slice(succeeded(&output)).unwrap();
     assert_eq!(report["policies"][2]["succeeded_jobs"], 1);
 }
+
+/// One GPU held for hours by low-priority work; urgent jobs (priority 10) arrive behind it.
+const TRACE_THAT_NEEDS_PREEMPTION: &str = "\
+submit_time_s,duration_s,tenant,gpus,requested_bytes,actual_peak_bytes,priority
+0,20000,batch,1,60GiB,60GiB,0
+10,20000,batch,1,60GiB,60GiB,0
+900,300,oncall,1,40GiB,40GiB,10
+2000,300,oncall,1,40GiB,40GiB,10
+";
+
+#[test]
+fn preemption_shortens_the_urgent_jobs_queueing_side_by_side() {
+    let directory = tempfile::tempdir().unwrap();
+    let trace = write_file(directory.path(), "urgent.csv", TRACE_THAT_NEEDS_PREEMPTION);
+    let arguments = [
+        "sim",
+        "--trace",
+        &trace,
+        "--cluster",
+        "1x80GiB",
+        "--policy",
+        "declared",
+        "--urgent-priority",
+        "10",
+        "--preemption",
+    ];
+    let output = carve(&[&arguments[..], &["-o", "json"]].concat());
+    let report: Value = serde_json::from_slice(succeeded(&output)).unwrap();
+    assert_eq!(report["urgent_priority"], 10);
+    assert!(
+        report["preemption"]["assumption"]
+            .as_str()
+            .unwrap()
+            .contains("last periodic checkpoint"),
+        "{report}"
+    );
+    let runs = report["policies"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "declared without and with preemption");
+    assert_eq!(runs[0]["preemption"], false);
+    assert_eq!(runs[1]["preemption"], true);
+    let wait = |run: &Value, field: &str| run["urgent_queueing_s"][field].as_f64().unwrap();
+    assert_eq!(runs[0]["urgent_queueing_s"]["jobs"], 2);
+    assert_eq!(runs[0]["preemptions"], 0);
+    assert!(runs[1]["preemptions"].as_u64().unwrap() >= 1);
+    assert!(
+        wait(&runs[1], "mean") < wait(&runs[0], "mean")
+            && wait(&runs[1], "max") < wait(&runs[0], "max"),
+        "{report}"
+    );
+    // Every job still finishes: the victims resume.
+    for run in runs {
+        assert_eq!(run["succeeded_jobs"], 4, "{run}");
+    }
+
+    let table = carve(&arguments);
+    let table = String::from_utf8(succeeded(&table).to_vec()).unwrap();
+    assert!(
+        table.contains("declared+preempt") && table.contains("urgent wait p50/p95/max"),
+        "{table}"
+    );
+    assert!(table.contains("urgent: priority >= 10"), "{table}");
+}

@@ -524,6 +524,8 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
         v1::WatchJobRequest {
             job_id: job_id(),
             include_logs: true,
+            resumable: false,
+            after_log_sequence: None,
         }
         .encode_to_vec(),
     );

@@ -48,6 +48,17 @@ pub mod v1 {
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/carve_descriptor.bin"));
 
+/// A job event as bytes, for the scheduler to store with the log line it made (a resumed
+/// watch replays it from there on any replica).
+pub fn encode_job_event(event: &v1::JobEvent) -> Vec<u8> {
+    prost::Message::encode_to_vec(event)
+}
+
+/// [`encode_job_event`]'s bytes back; `None` when they are not a job event.
+pub fn decode_job_event(bytes: &[u8]) -> Option<v1::JobEvent> {
+    prost::Message::decode(bytes).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use prost::Message;
@@ -167,6 +178,7 @@ mod tests {
         let event = v1::JobEvent {
             job_id: "j-1".into(),
             sequence: 7,
+            log_sequence: 3,
             time: Some(prost_types::Timestamp {
                 seconds: 1_700_000_000,
                 nanos: 5,
@@ -185,6 +197,11 @@ mod tests {
         };
         let decoded = v1::JobEvent::decode(event.encode_to_vec().as_slice()).unwrap();
         assert_eq!(decoded, event);
+        assert_eq!(
+            super::decode_job_event(&super::encode_job_event(&event)),
+            Some(event)
+        );
+        assert_eq!(super::decode_job_event(b"\xff\xff"), None);
 
         let message = v1::WorkerMessage {
             sequence: 1,

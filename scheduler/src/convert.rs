@@ -566,6 +566,8 @@ pub fn job_update_to_proto(update: &JobUpdate) -> v1::JobEvent {
     v1::JobEvent {
         job_id: update.job_id.clone(),
         sequence: update.sequence,
+        // Set by a resumable watch, which reads the event back from the store.
+        log_sequence: 0,
         time: Some(timestamp(update.time_ms)),
         event: Some(event),
     }

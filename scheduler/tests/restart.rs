@@ -6,6 +6,8 @@
 //!   scheduler neither cancels nor re-places it, and the attempt's result is recorded.
 //! - A worker that does not come back loses its attempt when the lease (restarted from the
 //!   store) runs out: the job is placed again on another worker, from its checkpoint.
+//! - A resumable watch broken by the restart resumes on the new life after the last event
+//!   it saw, and gets every later event once: no duplicate, no gap.
 
 use std::time::Duration;
 
@@ -97,6 +99,25 @@ async fn first_life(
     (scheduler, channel, user, worker_token, worker)
 }
 
+/// The first life's worker on gpu-a comes back to a later life under its old id, still
+/// running `attempt`.
+async fn come_back(
+    channel: &Channel,
+    worker_token: &str,
+    worker_id: &str,
+    attempt: &v1::AttemptRef,
+) -> TestWorker {
+    TestWorker::reconnect(
+        channel,
+        worker_token,
+        "gpu-a",
+        16 << 30,
+        worker_id,
+        vec![attempt.clone()],
+    )
+    .await
+}
+
 async fn wait_for_state(
     channel: &Channel,
     token: &str,
@@ -156,15 +177,7 @@ async fn a_job_running_across_a_restart_finishes_and_its_result_is_recorded() {
     assert_eq!(held[0].worker_id, worker_id);
 
     // The worker comes back under its old id, still running the attempt.
-    let mut worker = TestWorker::reconnect(
-        &channel,
-        &worker_token,
-        "gpu-a",
-        16 << 30,
-        &worker_id,
-        vec![attempt.clone()],
-    )
-    .await;
+    let mut worker = come_back(&channel, &worker_token, &worker_id, &attempt).await;
     assert_eq!(
         worker.id, worker_id,
         "the worker keeps its id across a restart"
@@ -342,4 +355,142 @@ async fn job_logs_received_before_a_stop_are_read_after_the_restart() {
     );
     drop(channel);
     second.stop().await;
+}
+
+/// A resumable watch of `job_id` with logs, after `after` (or from now without it).
+async fn resumable_watch(
+    channel: &Channel,
+    token: &str,
+    job_id: &str,
+    after: Option<u64>,
+) -> tonic::Streaming<v1::JobEvent> {
+    carve_proto::v1::job_service_client::JobServiceClient::new(channel.clone())
+        .watch_job(test_worker::authorized(
+            v1::WatchJobRequest {
+                job_id: job_id.into(),
+                include_logs: true,
+                resumable: true,
+                after_log_sequence: after,
+            },
+            token,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// The events `stream` sends until it ends, breaks, or is quiet for `quiet`.
+async fn events_until_quiet(
+    stream: &mut tonic::Streaming<v1::JobEvent>,
+    quiet: Duration,
+) -> Vec<v1::JobEvent> {
+    let mut events = Vec::new();
+    while let Ok(Ok(Some(event))) = tokio::time::timeout(quiet, stream.message()).await {
+        events.push(event);
+    }
+    events
+}
+
+#[tokio::test]
+async fn a_watch_broken_by_a_restart_resumes_after_its_last_event_without_duplicates_or_gaps() {
+    let (_directory, database) = fresh_database();
+    let lease = Duration::from_secs(3);
+    let (first, channel, user, worker_token, mut worker) = first_life(&database, lease).await;
+    let (job, assignment) = submit_and_place(&channel, &user, &mut worker).await;
+    let attempt = assignment.attempt.clone().unwrap();
+
+    // The first life: the watch starts with the current state, then sees the attempt
+    // start, report progress and write a line.
+    let mut watch = resumable_watch(&channel, &user, &job.id, None).await;
+    let current = watch.message().await.unwrap().unwrap();
+    let started_after = current.log_sequence;
+    assert!(started_after > 0, "the job's story has begun: {current:?}");
+    worker.started(&assignment).await;
+    worker.report_halfway(&attempt).await;
+    worker
+        .report_log(&attempt, "info", "before the restart")
+        .await;
+    let seen = events_until_quiet(&mut watch, Duration::from_millis(800)).await;
+    let seen_sequences: Vec<u64> = seen.iter().map(|event| event.log_sequence).collect();
+    assert_eq!(
+        seen_sequences,
+        (started_after + 1..=started_after + seen.len() as u64).collect::<Vec<_>>(),
+        "a resumable watch numbers every event, one after another: {seen:?}"
+    );
+    assert!(
+        seen.iter().any(|event| matches!(
+            &event.event,
+            Some(v1::job_event::Event::Log(line)) if line.message == "before the restart"
+        )),
+        "{seen:?}"
+    );
+    let last_seen = *seen_sequences.last().unwrap();
+    let worker_id = worker.id.clone();
+    first.end_with(channel, worker).await;
+    // The stream broke with the scheduler (an error or its end, never a terminal event).
+    let rest = events_until_quiet(&mut watch, Duration::from_millis(300)).await;
+    assert!(rest.is_empty(), "{rest:?}");
+
+    // The second life: things happen before the watcher comes back.
+    let second = RunningScheduler::start(&database, lease).await;
+    let channel = second.channel().await;
+    let mut worker = come_back(&channel, &worker_token, &worker_id, &attempt).await;
+    worker
+        .report_log(&attempt, "info", "after the restart")
+        .await;
+    worker
+        .finish(&attempt, v1::AttemptOutcome::Succeeded, 2 << 20)
+        .await;
+    wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
+
+    // Resumed after the last event it saw: every later stored event once, in order, to
+    // the end of the job, where the stream ends.
+    let mut resumed = resumable_watch(&channel, &user, &job.id, Some(last_seen)).await;
+    let replayed = events_until_quiet(&mut resumed, DEADLINE).await;
+    let replayed_sequences: Vec<u64> = replayed.iter().map(|event| event.log_sequence).collect();
+    assert_eq!(
+        replayed_sequences,
+        (last_seen + 1..=last_seen + replayed.len() as u64).collect::<Vec<_>>(),
+        "{replayed:?}"
+    );
+    let last = replayed.last().unwrap();
+    assert!(
+        matches!(
+            &last.event,
+            Some(v1::job_event::Event::StateChanged(changed))
+                if changed.state == v1::JobState::Succeeded as i32
+        ),
+        "the stream ends with the job: {last:?}"
+    );
+    let messages: Vec<String> = replayed
+        .iter()
+        .filter_map(|event| match &event.event {
+            Some(v1::job_event::Event::Log(line)) => Some(line.message.clone()),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        messages.contains(&"after the restart".to_string()),
+        "{messages:?}"
+    );
+    assert!(
+        !messages.contains(&"before the restart".to_string()),
+        "{messages:?}"
+    );
+    // What both streams sent is the job's whole stored story after the watch began.
+    let logs = job_logs(
+        &channel,
+        &user,
+        v1::GetJobLogsRequest {
+            job_id: job.id.clone(),
+            after_sequence: started_after,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let stored: Vec<u64> = logs.lines.iter().map(|line| line.sequence).collect();
+    assert_eq!(stored, [seen_sequences, replayed_sequences].concat());
+
+    second.end_with(channel, worker).await;
 }

@@ -1514,6 +1514,7 @@ fn log_line(job_id: &str, attempt_number: i64, message: &str) -> NewLogLine {
         attempt_number,
         level: "info".to_string(),
         message: message.to_string(),
+        event: None,
     }
 }
 

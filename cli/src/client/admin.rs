@@ -383,12 +383,15 @@ pub async fn admin(arguments: AdminArguments) -> Result<ExitCode> {
 }
 
 async fn list_tenants(connection: &Connection) -> Result<v1::ListTenantsResponse> {
-    Ok(connection
-        .admin()
-        .list_tenants(v1::ListTenantsRequest {})
+    connection
+        .retrying(|connection| async move {
+            connection
+                .admin()
+                .list_tenants(v1::ListTenantsRequest {})
+                .await
+        })
         .await
-        .map_err(|status| connection.failure(&status, "cannot list tenants"))?
-        .into_inner())
+        .map_err(|status| connection.failure(&status, "cannot list tenants"))
 }
 
 fn quota_text(quota: Option<&v1::Quota>) -> [String; 3] {

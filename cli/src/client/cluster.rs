@@ -98,11 +98,14 @@ fn print_worker_change(worker: &v1::Worker, output: OutputFormat, what: &str) ->
 
 async fn show(connection: &Connection, output: ListFormat) -> Result<ExitCode> {
     let workers = connection
-        .cluster()
-        .list_workers(v1::ListWorkersRequest { states: Vec::new() })
+        .retrying(|connection| async move {
+            connection
+                .cluster()
+                .list_workers(v1::ListWorkersRequest { states: Vec::new() })
+                .await
+        })
         .await
-        .map_err(|status| connection.failure(&status, "cannot list workers"))?
-        .into_inner();
+        .map_err(|status| connection.failure(&status, "cannot list workers"))?;
     if let Some(format) = output.document() {
         print_message(&workers, "carve.v1.ListWorkersResponse", format)?;
         return Ok(ExitCode::SUCCESS);

@@ -21,7 +21,8 @@ use carve_proto::v1::job_service_client::JobServiceClient;
 use serde::Deserialize;
 
 use super::failure::{
-    ClientFailure, FailureKind, IS_IT_RUNNING, cannot_reach, lower_os_error, status_failure,
+    ClientFailure, FailureKind, IS_IT_RUNNING, cannot_reach, connection_lost, lower_os_error,
+    status_failure,
 };
 
 /// Where `carve-scheduler` listens by default (its `--listen`), as an endpoint.
@@ -33,6 +34,14 @@ const LEADER_SEARCH_ROUNDS: u32 = 3;
 
 /// How long connecting may take before the scheduler counts as unreachable.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long [`Connection::reopen_within`] keeps trying: a failover takes about the
+/// leader's lease, a restart a few seconds.
+pub const REOPEN_PATIENCE: Duration = Duration::from_secs(60);
+
+/// How long a call retried after its connection broke waits for a scheduler to answer
+/// again: a failover takes about the leader's lease (10 s by default).
+const RETRY_PATIENCE: Duration = Duration::from_secs(20);
 
 /// The connection options of every command that talks to a scheduler.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -298,6 +307,8 @@ pub async fn connect_channel(
 pub struct Connection {
     pub endpoint: String,
     channel: AuthenticatedChannel,
+    /// What it was opened with, to open it again after a failover.
+    options: ConnectionOptions,
 }
 
 impl Connection {
@@ -324,6 +335,7 @@ impl Connection {
             return Ok(Connection {
                 endpoint: endpoint.clone(),
                 channel,
+                options: options.clone(),
             });
         }
         // Several replicas: the leader, which answers every call (a standby answers
@@ -353,6 +365,7 @@ impl Connection {
                 let connection = Connection {
                     endpoint: endpoint.clone(),
                     channel,
+                    options: options.clone(),
                 };
                 if connection.is_leader_or_alone().await {
                     return Ok(connection);
@@ -368,6 +381,41 @@ impl Connection {
                 "endpoint: no endpoint given",
             )
             .into()),
+        }
+    }
+
+    /// Opens the connection again over every endpoint (the leader first), trying for up
+    /// to `patience`: for a call whose connection broke, since a failover moves the
+    /// leader to another replica and a restarted scheduler takes a moment to listen.
+    pub async fn reopen_within(&self, patience: Duration) -> Result<Connection> {
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            match Connection::open(&self.options).await {
+                Ok(connection) => return Ok(connection),
+                Err(error) if tokio::time::Instant::now() >= deadline => return Err(error),
+                Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        }
+    }
+
+    /// Runs `call` on this connection; when the connection breaks under it (UNAVAILABLE or
+    /// a transport error, not an answer from the scheduler) runs it once more on the
+    /// connection opened again over every endpoint, so a read survives a failover.
+    /// Only for calls that may safely run twice: reads, and a submit with an
+    /// idempotency key (the scheduler answers a repeated key with the job it made).
+    pub async fn retrying<T, Call, Answer>(&self, call: Call) -> Result<T, tonic::Status>
+    where
+        Call: Fn(Connection) -> Answer,
+        Answer: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        match call(self.clone()).await {
+            Err(status) if connection_lost(&status) => {
+                let Ok(again) = self.reopen_within(RETRY_PATIENCE).await else {
+                    return Err(status);
+                };
+                call(again).await.map(tonic::Response::into_inner)
+            }
+            answer => answer.map(tonic::Response::into_inner),
         }
     }
 
@@ -404,15 +452,17 @@ impl Connection {
 
     /// Gets one job; a missing one is "job X not found" (exit code 6).
     pub async fn fetch_job(&self, job_id: &str) -> Result<v1::Job> {
-        self.jobs()
-            .get_job(v1::GetJobRequest {
-                job_id: job_id.to_string(),
-            })
-            .await
-            .map_err(|status| self.failure(&status, &format!("cannot get job {job_id}")))?
-            .into_inner()
-            .job
-            .context("the scheduler answered without the job")
+        let request = v1::GetJobRequest {
+            job_id: job_id.to_string(),
+        };
+        self.retrying(|connection| {
+            let request = request.clone();
+            async move { connection.jobs().get_job(request).await }
+        })
+        .await
+        .map_err(|status| self.failure(&status, &format!("cannot get job {job_id}")))?
+        .job
+        .context("the scheduler answered without the job")
     }
 }
 

@@ -194,6 +194,19 @@ pub fn status_failure(status: &tonic::Status, endpoint: &str, action: &str) -> C
     }
 }
 
+/// Whether `status` says the connection to the scheduler broke, or that it is a standby,
+/// rather than that the scheduler refused the call: UNAVAILABLE, or a status tonic made
+/// from a transport error (see [`status_failure`]). Another replica may answer the call.
+pub fn connection_lost(status: &tonic::Status) -> bool {
+    match status.code() {
+        Code::Unavailable => true,
+        Code::Unknown | Code::Internal | Code::Cancelled => {
+            std::error::Error::source(status).is_some()
+        }
+        _ => false,
+    }
+}
+
 /// The field an INVALID_ARGUMENT status names in its trailer.
 fn status_field(status: &tonic::Status) -> Option<&str> {
     status
@@ -323,6 +336,12 @@ mod tests {
         // The same code sent by the scheduler itself is not a connection failure.
         let sent = status_failure(&tonic::Status::unknown("x"), "http://h:1", "doing");
         assert_eq!(sent.kind, FailureKind::Other);
+        assert!(connection_lost(&broken));
+        assert!(connection_lost(&tonic::Status::unavailable("a standby")));
+        assert!(!connection_lost(&tonic::Status::unknown("x")));
+        assert!(!connection_lost(&tonic::Status::not_found(
+            "job j-1 not found"
+        )));
     }
 
     #[test]

@@ -156,15 +156,25 @@ pub async fn submit(arguments: SubmitArguments) -> Result<ExitCode> {
     let spec_json = spec_json_from_file(&arguments)?;
     let connection = Connection::open(&arguments.connection).await?;
     let action = format!("cannot submit {}", arguments.file.display());
-    let response = connection
-        .jobs()
-        .submit_job(v1::SubmitJobRequest {
-            spec_json,
-            idempotency_key: arguments.idempotency_key.clone().unwrap_or_default(),
-        })
-        .await
-        .map_err(|status| connection.failure(&status, &action))?
-        .into_inner();
+    let request = v1::SubmitJobRequest {
+        spec_json,
+        idempotency_key: arguments.idempotency_key.clone().unwrap_or_default(),
+    };
+    let submit = |connection: Connection| {
+        let request = request.clone();
+        async move { connection.jobs().submit_job(request).await }
+    };
+    // A submit is retried on a broken connection only with an idempotency key: without
+    // one a submit the scheduler stored before the connection broke would be made twice
+    // (carve makes no key of its own: the key is the user's to reuse on purpose).
+    let response = if request.idempotency_key.is_empty() {
+        submit(connection.clone())
+            .await
+            .map(tonic::Response::into_inner)
+    } else {
+        connection.retrying(submit).await
+    }
+    .map_err(|status| connection.failure(&status, &action))?;
     // Named as `carve estimate` and `carve run` name them; the job was admitted anyway.
     let spec_name = job_spec_name(&arguments.file);
     for warning in &response.warnings {
@@ -282,7 +292,6 @@ fn print_submitted(job: &v1::Job, created: bool) {
 
 pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
     let connection = Connection::open(&arguments.connection).await?;
-    let mut client = connection.jobs();
     let states: Vec<i32> = arguments
         .state
         .iter()
@@ -295,17 +304,20 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
             0 => 1000,
             limit => (limit as usize).saturating_sub(jobs.len()).min(1000) as u32,
         };
-        let page = client
-            .list_jobs(v1::ListJobsRequest {
-                states: states.clone(),
-                name_prefix: arguments.name_prefix.clone().unwrap_or_default(),
-                tenant: arguments.tenant.clone().unwrap_or_default(),
-                page_size: wanted,
-                page_token: page_token.clone(),
+        let request = v1::ListJobsRequest {
+            states: states.clone(),
+            name_prefix: arguments.name_prefix.clone().unwrap_or_default(),
+            tenant: arguments.tenant.clone().unwrap_or_default(),
+            page_size: wanted,
+            page_token: page_token.clone(),
+        };
+        let page = connection
+            .retrying(|connection| {
+                let request = request.clone();
+                async move { connection.jobs().list_jobs(request).await }
             })
             .await
-            .map_err(|status| connection.failure(&status, "cannot list jobs"))?
-            .into_inner();
+            .map_err(|status| connection.failure(&status, "cannot list jobs"))?;
         jobs.extend(page.jobs);
         page_token = page.next_page_token;
         let full = arguments.limit != 0 && jobs.len() >= arguments.limit as usize;

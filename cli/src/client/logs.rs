@@ -56,10 +56,11 @@ async fn fetch_page(
 ) -> Result<v1::GetJobLogsResponse> {
     let job_id = request.job_id.clone();
     connection
-        .jobs()
-        .get_job_logs(request)
+        .retrying(|connection| {
+            let request = request.clone();
+            async move { connection.jobs().get_job_logs(request).await }
+        })
         .await
-        .map(tonic::Response::into_inner)
         .map_err(|status| {
             if status.code() == tonic::Code::Unimplemented {
                 ClientFailure::new(

@@ -10,6 +10,8 @@ pub mod admin;
 pub mod attempt_results;
 pub mod cluster;
 pub mod connection;
+#[cfg(test)]
+mod failover_tests;
 pub mod failure;
 pub mod jobs;
 pub mod logs;

@@ -16,8 +16,8 @@ use carve_proto::v1;
 use carve_proto::v1::job_event::Event;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use super::connection::Connection;
-use super::failure::{ClientFailure, FailureKind};
+use super::connection::{Connection, REOPEN_PATIENCE};
+use super::failure::{ClientFailure, FailureKind, connection_lost};
 use super::output::{
     attempt_note, bytes_text, config_text, is_terminal, is_terminal_state, job_state_name,
     oom_text, outcome_name,
@@ -191,12 +191,19 @@ pub async fn watch_job(
 
 /// Shows `job_id`'s events as they come (on stderr when `to_stderr`) and returns the job
 /// as it ended.
+///
+/// The watch is resumable: when its connection breaks (the leader died, or the replica
+/// stopped leading) it connects again over every endpoint and asks for the events after
+/// the last one it showed, so nothing is shown twice and nothing is missed. A scheduler
+/// older than resumable watches numbers no events; then the watch starts over with the
+/// job's current state.
 pub async fn follow_job(
     connection: &Connection,
     job_id: &str,
     include_logs: bool,
     to_stderr: bool,
 ) -> Result<v1::Job> {
+    let mut connection = connection.clone();
     let job = connection.fetch_job(job_id).await?;
     // `job_id` may be a prefix or a name: from here on, the job's own id.
     let job_id = job.id.as_str();
@@ -208,22 +215,29 @@ pub async fn follow_job(
         .cloned();
     let mut waiting = Waiting::default();
     waiting.show(&display, &job);
+    // The log sequence of the last event shown: where a broken watch resumes.
+    let mut last_shown: Option<u64> = None;
     let result = async {
         loop {
-            let mut stream = connection
-                .jobs()
-                .watch_job(v1::WatchJobRequest {
-                    job_id: job_id.to_string(),
-                    include_logs,
-                })
-                .await
-                .map_err(|status| {
-                    connection.failure(&status, &format!("cannot watch job {job_id}"))
-                })?
-                .into_inner();
+            let request = v1::WatchJobRequest {
+                job_id: job_id.to_string(),
+                include_logs,
+                resumable: true,
+                after_log_sequence: last_shown,
+            };
+            let mut stream = match connection.jobs().watch_job(request).await {
+                Ok(response) => response.into_inner(),
+                Err(status) if connection_lost(&status) => {
+                    connection = reconnect(&connection, &display, &status).await?;
+                    continue;
+                }
+                Err(status) => {
+                    return Err(connection.failure(&status, &format!("cannot watch job {job_id}")));
+                }
+            };
             let mut reread = tokio::time::interval(WAITING_REASON_INTERVAL);
             reread.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
+            let broken = loop {
                 let message = tokio::select! {
                     message = stream.message() => message,
                     _ = reread.tick(), if waiting.wants_rereads(running.as_ref()) => {
@@ -235,6 +249,9 @@ pub async fn follow_job(
                 };
                 match message {
                     Ok(Some(event)) => {
+                        if event.log_sequence > 0 {
+                            last_shown = Some(event.log_sequence);
+                        }
                         if let Some(event) = event.event {
                             if let Event::StateChanged(changed) = &event {
                                 waiting.state = changed.state;
@@ -243,16 +260,21 @@ pub async fn follow_job(
                         }
                     }
                     // The stream ends after the event that makes the job terminal.
-                    Ok(None) => break,
+                    Ok(None) => break None,
                     // The watcher fell behind the scheduler's events: watch again.
                     Err(status) if status.code() == tonic::Code::DataLoss => {
                         display.line(&format!("({}; watching again)", status.message()));
-                        break;
+                        break None;
                     }
+                    Err(status) if connection_lost(&status) => break Some(status),
                     Err(status) => {
                         return Err(connection.failure(&status, &format!("watching job {job_id}")));
                     }
                 }
+            };
+            if let Some(status) = broken {
+                connection = reconnect(&connection, &display, &status).await?;
+                continue;
             }
             let now = connection.fetch_job(job_id).await?;
             if is_terminal(&now) {
@@ -263,6 +285,20 @@ pub async fn follow_job(
     .await;
     display.finish();
     result
+}
+
+/// Says the connection broke and opens it again (see [`Connection::reopen_within`]).
+async fn reconnect(
+    connection: &Connection,
+    display: &Display,
+    status: &tonic::Status,
+) -> Result<Connection> {
+    display.line(&format!(
+        "(lost the scheduler at {}: {}; reconnecting)",
+        connection.endpoint,
+        status.message()
+    ));
+    connection.reopen_within(REOPEN_PATIENCE).await
 }
 
 /// "attempt 2 started on WORKER GPU in a 6 GiB slice: CONFIG (estimate E)".

@@ -79,6 +79,11 @@ pub struct FairShareState {
     pub tenants: Vec<TenantShare>,
 }
 
+/// The scheduler's defaults, which `carve sim --preemption` uses too.
+pub const DEFAULT_MIN_RUN_TIME_SECONDS: u64 = 5 * 60;
+pub const DEFAULT_MAX_PREEMPTIONS_PER_JOB_PER_HOUR: u32 = 2;
+pub const DEFAULT_GRACE_PERIOD_SECONDS: u64 = 30;
+
 /// Limits against thrashing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PreemptionSettings {

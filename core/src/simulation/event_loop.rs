@@ -3,6 +3,10 @@
 //! The cluster is kept as the [`SchedulingProblem`] the scheduler would build (GPUs with
 //! their allocated bytes, tenants with their usage), updated in place as attempts start
 //! and end, so each pass hands `solve_with_options` exactly what it would see live.
+//! With preemption on, each pass is followed by the scheduler's preemption step
+//! ([`preemption`]).
+
+mod preemption;
 
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
@@ -15,7 +19,9 @@ use crate::scheduling::{
     solve_with_options,
 };
 use crate::simulation::policy::{Policy, oom_observation, slowdown_factor};
-use crate::simulation::report::{ClusterLevels, Percentiles, PolicyReport, TimeIntegrals};
+use crate::simulation::report::{
+    ClusterLevels, Percentiles, PolicyReport, TimeIntegrals, WaitSummary,
+};
 use crate::simulation::workload::{MemoryOracle, SimulatedJob, Workload};
 use crate::simulation::{Cluster, SimulationOptions};
 
@@ -56,6 +62,10 @@ struct JobRun {
     end_s: Option<f64>,
     out_of_memory_attempts: u32,
     attempt: Option<Attempt>,
+    /// Attempts started so far: an event made for an earlier attempt is stale.
+    attempts_started: u32,
+    /// When the job was preempted (for the cap per hour).
+    preempted_at_s: Vec<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +73,11 @@ enum EventKind {
     Arrival,
     AttemptEnd,
     Resubmission,
+    /// A victim of preemption stops at the end of its grace period.
+    PreemptionStop,
+    /// An attempt becomes evictable (old enough, or under the cap again): a pass runs,
+    /// as the scheduler's periodic one would.
+    PreemptionWake,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -72,6 +87,8 @@ struct Event {
     order: u64,
     kind: EventKind,
     job: usize,
+    /// `attempts_started` of the job when the event was made.
+    attempt: u32,
 }
 
 impl Ord for Event {
@@ -139,6 +156,9 @@ struct Simulation<'a> {
     usable_bytes: u64,
     total_bytes: f64,
     jobs_on_gpu: Vec<u32>,
+    /// The jobs running on each GPU.
+    running_on_gpu: Vec<BTreeSet<usize>>,
+    preemption: preemption::PreemptionBook,
     tenant_of_job: Vec<usize>,
     job_ids: Vec<String>,
     runs: Vec<JobRun>,
@@ -212,6 +232,7 @@ impl<'a> Simulation<'a> {
                 order: index as u64,
                 kind: EventKind::Arrival,
                 job: index,
+                attempt: 0,
             });
         }
         let start_s = workload.jobs.first().map_or(0.0, |job| job.submit_time_s);
@@ -226,6 +247,8 @@ impl<'a> Simulation<'a> {
             usable_bytes: cluster.gpu_bytes - options.gpu_context_bytes,
             total_bytes: cluster.gpu_bytes as f64 * cluster.gpu_count() as f64,
             jobs_on_gpu: vec![0; gpus.len()],
+            running_on_gpu: vec![BTreeSet::new(); gpus.len()],
+            preemption: preemption::PreemptionBook::default(),
             problem: SchedulingProblem {
                 gpus,
                 tenants,
@@ -249,6 +272,8 @@ impl<'a> Simulation<'a> {
                     end_s: None,
                     out_of_memory_attempts: 0,
                     attempt: None,
+                    attempts_started: 0,
+                    preempted_at_s: Vec::new(),
                 })
                 .collect(),
             queue: vec![BTreeSet::new(); workload.tenants.len()],
@@ -273,6 +298,7 @@ impl<'a> Simulation<'a> {
             order: self.next_event_order,
             kind,
             job,
+            attempt: self.runs[job].attempts_started,
         });
         self.next_event_order += 1;
     }
@@ -295,9 +321,14 @@ impl<'a> Simulation<'a> {
     }
 
     fn apply(&mut self, event: Event) {
+        let run = &self.runs[event.job];
+        let stale = run.attempt.is_none() || run.attempts_started != event.attempt;
         match event.kind {
             EventKind::Arrival => self.arrive(event.job, event.time_s),
-            EventKind::AttemptEnd => self.end_attempt(event.job, event.time_s),
+            EventKind::AttemptEnd if !stale => self.end_attempt(event.job, event.time_s),
+            EventKind::PreemptionStop if !stale => self.stop_victim(event.job, event.time_s),
+            EventKind::AttemptEnd | EventKind::PreemptionStop => {}
+            EventKind::PreemptionWake => self.preemption.woken(event.time_s),
             EventKind::Resubmission => self.enqueue(event.job),
         }
     }
@@ -485,7 +516,9 @@ impl<'a> Simulation<'a> {
             }
         }
         self.problem.pending = pending;
+        let held = self.hold_claimed_bytes();
         let decision = solve_with_options(&self.problem, &self.scheduling_options);
+        self.release_claimed_bytes(&held);
         self.problem.pending.clear();
         for placement in &decision.placements {
             let (Ok(job), Some(&gpu)) = (
@@ -496,6 +529,9 @@ impl<'a> Simulation<'a> {
             };
             self.remove_from_queue(job);
             self.start_attempt(job, gpu, now);
+        }
+        if self.options.preemption.is_some() {
+            self.preempt_for_waiting_jobs(now);
         }
     }
 
@@ -520,6 +556,7 @@ impl<'a> Simulation<'a> {
             };
         let used_bytes = need.min(slice);
         run.phase = Phase::Running;
+        run.attempts_started += 1;
         run.first_start_s.get_or_insert(now);
         run.attempt = Some(Attempt {
             gpu,
@@ -537,37 +574,65 @@ impl<'a> Simulation<'a> {
         tenant.vram_in_use_bytes += slice;
         tenant.running_jobs += 1;
         self.jobs_on_gpu[gpu] += 1;
+        self.running_on_gpu[gpu].insert(job);
+        // Placed, here or elsewhere: the bytes held for it are free again.
+        self.preemption.claims.remove(&job);
         self.allocated_bytes += u128::from(slice);
         self.used_bytes += u128::from(used_bytes);
         self.running_jobs += 1;
         self.push_event(ends_at, EventKind::AttemptEnd, job);
     }
 
-    fn end_attempt(&mut self, job: usize, now: f64) {
-        let Some(attempt) = self.runs[job].attempt.take() else {
-            return;
-        };
+    /// Takes the job's attempt off its GPU and its tenant.
+    fn release_attempt(&mut self, job: usize) -> Option<Attempt> {
+        let attempt = self.runs[job].attempt.take()?;
         let slice = self.runs[job].slice_bytes;
         self.problem.gpus[attempt.gpu].allocated_bytes -= slice;
         let tenant = &mut self.problem.tenants[self.tenant_of_job[job]];
         tenant.vram_in_use_bytes -= slice;
         tenant.running_jobs -= 1;
         self.jobs_on_gpu[attempt.gpu] -= 1;
+        self.running_on_gpu[attempt.gpu].remove(&job);
         self.allocated_bytes -= u128::from(slice);
         self.used_bytes -= u128::from(attempt.used_bytes);
         self.running_jobs -= 1;
+        Some(attempt)
+    }
 
+    /// Keeps the run time up to the attempt's last checkpoint and returns the run time
+    /// lost since.
+    fn resume_from_checkpoint(&mut self, job: usize, attempt: &Attempt, now: f64) -> f64 {
+        let checkpoint = self.options.checkpoint_interval_s;
+        let run_time = now - attempt.started_s;
+        let kept_run_time = (run_time / checkpoint).floor() * checkpoint;
+        let run = &mut self.runs[job];
+        run.remaining_work_s = (run.remaining_work_s - kept_run_time / attempt.slowdown).max(0.0);
+        run_time - kept_run_time
+    }
+
+    fn end_attempt(&mut self, job: usize, now: f64) {
+        let Some(attempt) = self.release_attempt(job) else {
+            return;
+        };
+        self.end_without_preemption(job, now, attempt);
+        // A victim that ended on its own before its grace period was over.
+        self.victim_gone(job, now);
+    }
+
+    fn end_without_preemption(&mut self, job: usize, now: f64, attempt: Attempt) {
+        let slice = self.runs[job].slice_bytes;
         if !attempt.runs_out_of_memory {
             self.succeed(job, now, attempt);
             return;
         }
         self.out_of_memory_attempts += 1;
-        let checkpoint = self.options.checkpoint_interval_s;
-        let run = &mut self.runs[job];
-        run.out_of_memory_attempts += 1;
-        let kept_run_time = ((now - attempt.started_s) / checkpoint).floor() * checkpoint;
-        run.remaining_work_s = (run.remaining_work_s - kept_run_time / attempt.slowdown).max(0.0);
-        match (self.policy, self.workload.jobs[job].model, run.config) {
+        self.runs[job].out_of_memory_attempts += 1;
+        self.resume_from_checkpoint(job, &attempt, now);
+        match (
+            self.policy,
+            self.workload.jobs[job].model,
+            self.runs[job].config,
+        ) {
             (Policy::WholeGpu, _, _) => self.fail(job, now),
             (Policy::Carve, Some(model), Some(config)) => self.carve_retry(job, model, config, now),
             _ => {
@@ -692,8 +757,22 @@ impl<'a> Simulation<'a> {
                 _ => false,
             })
             .count();
+        let mut urgent_waits: Vec<f64> = self
+            .runs
+            .iter()
+            .zip(&self.workload.jobs)
+            .filter(|(_, job)| job.priority >= self.options.urgent_priority)
+            .filter_map(|(run, job)| run.first_start_s.map(|start| start - job.submit_time_s))
+            .collect();
+        let urgent_jobs = self
+            .workload
+            .jobs
+            .iter()
+            .filter(|job| job.priority >= self.options.urgent_priority)
+            .count();
         PolicyReport {
             policy: self.policy,
+            preemption: self.options.preemption.is_some(),
             jobs: self.runs.len(),
             succeeded_jobs: count(Phase::Succeeded),
             failed_jobs: count(Phase::Failed),
@@ -714,6 +793,10 @@ impl<'a> Simulation<'a> {
             fragmentation: average(self.integrals.fragmented_integral),
             queueing_delay_s: Percentiles::of(&mut queueing),
             completion_time_s: Percentiles::of(&mut completion),
+            urgent_priority: self.options.urgent_priority,
+            urgent_queueing: WaitSummary::of(urgent_jobs, &mut urgent_waits),
+            preemptions: self.preemption.preemptions,
+            preempted_run_time_lost_s: self.preemption.run_time_lost_s,
             makespan_s: elapsed,
             most_allocated_on_one_gpu_bytes: self.most_allocated_on_one_gpu_bytes,
             usable_bytes_per_gpu: self.usable_bytes,

@@ -41,6 +41,10 @@
 //! pass runs if jobs wait. So the solver runs only when something changed, and estimates
 //! and shrink plans are memoized per distinct model and configuration
 //! ([`workload::MemoryOracle`]).
+//!
+//! With [`SimulationOptions::preemption`], each pass is followed by the scheduler's
+//! preemption step (core's `choose_victims`, the same limits); see
+//! [`SimulatedPreemption`] for what a preempted attempt is assumed to lose.
 
 pub mod event_loop;
 pub mod generator;
@@ -50,17 +54,20 @@ pub mod trace;
 pub mod workload;
 
 #[cfg(test)]
+mod preemption_tests;
+#[cfg(test)]
 mod tests;
 
 use std::fmt;
 
 use crate::bytes::{HumanBytes, parse_byte_size};
 use crate::error::{CoreError, FieldError};
+use crate::scheduling::preemption::{self, PreemptionSettings};
 
 pub use event_loop::simulate;
 pub use generator::{GeneratorOptions, generate_trace};
 pub use policy::Policy;
-pub use report::{Percentiles, PolicyReport, UtilisationSample};
+pub use report::{Percentiles, PolicyReport, UtilisationSample, WaitSummary};
 pub use trace::{ModelFamilyParameters, Trace, parse_trace};
 pub use workload::{MemoryOracle, Workload};
 
@@ -145,6 +152,38 @@ pub struct SimulationOptions {
     pub reserve_for_blocked_jobs: bool,
     /// Points of the utilisation-over-time series.
     pub utilisation_samples: usize,
+    /// Let urgent jobs evict lower-priority attempts, as the scheduler does (off: `None`).
+    pub preemption: Option<SimulatedPreemption>,
+    /// Jobs of at least this priority are the *urgent* ones whose queueing the report
+    /// gives apart ([`PolicyReport::urgent_queueing`]).
+    pub urgent_priority: i32,
+}
+
+/// Preemption in the simulator: core's [`choose_victims`] with the scheduler's limits.
+///
+/// A victim stops at the end of the grace period (the worst case: a real one may exit
+/// sooner) and resumes from its last periodic checkpoint, losing the run time since
+/// ([`SimulationOptions::checkpoint_interval_s`]): the simulator does not model the
+/// checkpoint a well-behaved job writes when asked to stop.
+///
+/// [`choose_victims`]: crate::scheduling::preemption::choose_victims
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimulatedPreemption {
+    pub limits: PreemptionSettings,
+    pub grace_period_s: f64,
+}
+
+impl Default for SimulatedPreemption {
+    fn default() -> Self {
+        SimulatedPreemption {
+            limits: PreemptionSettings {
+                min_run_time_seconds: preemption::DEFAULT_MIN_RUN_TIME_SECONDS,
+                max_preemptions_per_job_per_hour:
+                    preemption::DEFAULT_MAX_PREEMPTIONS_PER_JOB_PER_HOUR,
+            },
+            grace_period_s: preemption::DEFAULT_GRACE_PERIOD_SECONDS as f64,
+        }
+    }
 }
 
 impl Default for SimulationOptions {
@@ -156,6 +195,8 @@ impl Default for SimulationOptions {
             checkpoint_interval_s: 600.0,
             reserve_for_blocked_jobs: true,
             utilisation_samples: 200,
+            preemption: None,
+            urgent_priority: 1,
         }
     }
 }
@@ -194,6 +235,17 @@ impl SimulationOptions {
             return Err(error(
                 "checkpoint_interval_s",
                 format!("{} must be more than 0 seconds", self.checkpoint_interval_s),
+            ));
+        }
+        if let Some(preemption) = &self.preemption
+            && !(preemption.grace_period_s.is_finite() && preemption.grace_period_s >= 0.0)
+        {
+            return Err(error(
+                "preemption_grace_period_s",
+                format!(
+                    "{} must be a number of seconds, at least 0",
+                    preemption.grace_period_s
+                ),
             ));
         }
         Ok(())

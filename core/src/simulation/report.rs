@@ -33,6 +33,37 @@ impl Percentiles {
     }
 }
 
+/// Queueing of a group of jobs: how many, how many started, and their waits (submit to
+/// first start) over those that started; all 0 when none did.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct WaitSummary {
+    pub jobs: usize,
+    pub started_jobs: usize,
+    pub mean_s: f64,
+    pub percentiles: Percentiles,
+    pub max_s: f64,
+}
+
+impl WaitSummary {
+    /// `waits` need not be sorted; `jobs` counts those that never started too.
+    pub fn of(jobs: usize, waits: &mut [f64]) -> WaitSummary {
+        let started_jobs = waits.len();
+        if started_jobs == 0 {
+            return WaitSummary {
+                jobs,
+                ..WaitSummary::default()
+            };
+        }
+        WaitSummary {
+            jobs,
+            started_jobs,
+            mean_s: waits.iter().sum::<f64>() / started_jobs as f64,
+            max_s: waits.iter().copied().fold(0.0, f64::max),
+            percentiles: Percentiles::of(waits),
+        }
+    }
+}
+
 /// Memory use of the cluster at one moment, as shares of its total bytes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct UtilisationSample {
@@ -47,6 +78,8 @@ pub struct UtilisationSample {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyReport {
     pub policy: Policy,
+    /// Whether urgent jobs could evict lower-priority attempts in this run.
+    pub preemption: bool,
     pub jobs: usize,
     pub succeeded_jobs: usize,
     /// Jobs that ended without finishing (out of memory with nothing left to try).
@@ -73,6 +106,14 @@ pub struct PolicyReport {
     pub queueing_delay_s: Percentiles,
     /// From submit to success, over the jobs that succeeded.
     pub completion_time_s: Percentiles,
+    /// The jobs of at least `urgent_priority`, from submit to the first start.
+    pub urgent_priority: i32,
+    pub urgent_queueing: WaitSummary,
+    /// Attempts evicted for an urgent job.
+    pub preemptions: u64,
+    /// Run time the evicted attempts had done since their last checkpoint, summed: work
+    /// done again.
+    pub preempted_run_time_lost_s: f64,
     /// From the first submit to the last job's end.
     pub makespan_s: f64,
     /// The most bytes ever allocated on one GPU, and that GPU's usable bytes: the first is

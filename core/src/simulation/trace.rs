@@ -15,6 +15,7 @@
 //! | `model`             | no       | the built-in CNN family: `cnn:width=64:depth=8:batch=128:image=64` |
 //! | `actual_peak_bytes` | no       | the job's true need when the estimator does not see all of it |
 //! | `command_model`     | no       | a command job's memory, `fixed=1GiB:per_sample=35MiB` (with `spec`) |
+//! | `priority`          | no       | the job's priority (a whole number, higher first); overrides the spec's |
 //!
 //! A row names its model with `spec` or `model` (not both) or with neither, and then it
 //! must give `actual_peak_bytes`. A `spec` that is a command job (`[command]`) needs
@@ -34,7 +35,7 @@ use crate::bytes::parse_byte_size;
 use crate::error::{CoreError, FieldError};
 
 /// The columns a trace may have, in the order the generator writes them.
-pub const TRACE_COLUMNS: [&str; 9] = [
+pub const TRACE_COLUMNS: [&str; 10] = [
     "submit_time_s",
     "duration_s",
     "tenant",
@@ -44,6 +45,7 @@ pub const TRACE_COLUMNS: [&str; 9] = [
     "model",
     "actual_peak_bytes",
     "command_model",
+    "priority",
 ];
 
 const REQUIRED_COLUMNS: [&str; 5] = [
@@ -79,6 +81,8 @@ pub struct TraceRow {
     pub actual_peak_bytes: Option<u64>,
     /// A command job's memory (only with a `spec`).
     pub command_model: Option<CommandModelParameters>,
+    /// The row's own priority; without it, the spec's (0 without a model).
+    pub priority: Option<i32>,
 }
 
 /// A command job's memory as a trace row gives it: `need(micro) = fixed + per_sample x
@@ -270,6 +274,13 @@ pub fn parse_trace(text: &str) -> Result<Trace, CoreError> {
                     .map_err(|reason| cell_error(row, "command_model", reason))
             })
             .transpose()?;
+        let priority = cell("priority")
+            .map(|text| {
+                text.parse::<i32>().map_err(|_| {
+                    cell_error(row, "priority", format!("`{text}` is not a whole number"))
+                })
+            })
+            .transpose()?;
         let model = match (cell("spec"), cell("model")) {
             (Some(_), Some(_)) => {
                 return Err(cell_error(
@@ -317,6 +328,7 @@ pub fn parse_trace(text: &str) -> Result<Trace, CoreError> {
             model,
             actual_peak_bytes,
             command_model,
+            priority,
         });
     }
     Ok(Trace { rows })

@@ -111,7 +111,7 @@ pub struct SimulatedJob {
     /// Index into [`Workload::models`]; `None` for rows with only `actual_peak_bytes`.
     pub model: Option<usize>,
     pub actual_peak_bytes: Option<u64>,
-    /// The spec's priority (0 without a model).
+    /// The row's priority, else the spec's (0 without a model).
     pub priority: i32,
 }
 
@@ -155,7 +155,9 @@ impl Workload {
                 duration_s: row.duration_s,
                 tenant: row.tenant.clone(),
                 requested_bytes: row.requested_bytes,
-                priority: model.map_or(0, |index| models[index].job.priority()),
+                priority: row
+                    .priority
+                    .unwrap_or_else(|| model.map_or(0, |index| models[index].job.priority())),
                 model,
                 actual_peak_bytes: row.actual_peak_bytes,
             });

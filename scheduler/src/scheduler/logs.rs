@@ -71,17 +71,47 @@ impl Scheduler {
     /// and the scheduler's notes on state changes, OOMs, shrinks and placements) — queued
     /// before the event is sent, so a watcher that saw the event and then reads the logs
     /// finds the line.
+    ///
+    /// A line made from an event other than a log line keeps the event, encoded, so a
+    /// watch resumed from the store ([`Scheduler::stored_job_events`]) replays it as it
+    /// was sent.
     pub(super) fn emit(&self, job_id: &str, kind: JobUpdateKind) {
-        let time_ms = now_ms();
-        if let Some(line) = log_line_for_event(job_id, time_ms, &kind) {
-            self.logs.append(line);
-        }
-        let _ = self.events.send(JobUpdate {
+        let update = JobUpdate {
             job_id: job_id.to_string(),
             sequence: self.event_sequence.fetch_add(1, Ordering::Relaxed),
-            time_ms,
+            time_ms: now_ms(),
             kind,
-        });
+        };
+        if let Some(mut line) = log_line_for_event(job_id, update.time_ms, &update.kind) {
+            if !matches!(update.kind, JobUpdateKind::Log { .. }) {
+                line.event = Some(carve_proto::encode_job_event(
+                    &crate::convert::job_update_to_proto(&update),
+                ));
+            }
+            self.logs.append(line);
+        }
+        let _ = self.events.send(update);
+    }
+
+    /// Up to `limit` stored events of a job after `after_sequence` (log sequences),
+    /// after writing every line received so far: what a resumable watch sends.
+    pub async fn stored_job_events(
+        &self,
+        job_id: &str,
+        after_sequence: i64,
+        limit: u32,
+    ) -> Result<Vec<crate::store::StoredJobEvent>, SchedulerError> {
+        self.logs.flush().await;
+        self.store
+            .read_job_events(job_id, after_sequence, limit)
+            .await
+    }
+
+    /// The log sequence of a job's last stored event, after writing every line received
+    /// so far: where a resumable watch that starts now begins.
+    pub async fn last_job_event_sequence(&self, job_id: &str) -> Result<i64, SchedulerError> {
+        self.logs.flush().await;
+        self.store.last_log_sequence(job_id).await
     }
 
     /// Lines of a job the caller may see (NotFound for another tenant's job; the query's

@@ -14,6 +14,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
+use carve_core::scheduling::preemption as preemption_defaults;
 use carve_core::scheduling::preemption::{
     EvictionGround, FairShareState, GpuOccupancy, PreemptionPlan, RunningAttempt as Occupant,
     TenantShare, UrgentJob, choose_victims,
@@ -43,9 +44,9 @@ impl Default for PreemptionSettings {
     fn default() -> Self {
         PreemptionSettings {
             enabled: true,
-            min_run_time: Duration::from_secs(5 * 60),
-            max_per_job_per_hour: 2,
-            grace_period: Duration::from_secs(30),
+            min_run_time: Duration::from_secs(preemption_defaults::DEFAULT_MIN_RUN_TIME_SECONDS),
+            max_per_job_per_hour: preemption_defaults::DEFAULT_MAX_PREEMPTIONS_PER_JOB_PER_HOUR,
+            grace_period: Duration::from_secs(preemption_defaults::DEFAULT_GRACE_PERIOD_SECONDS),
         }
     }
 }

@@ -12,18 +12,15 @@ use carve_core::shrink::plan_shrink;
 use carve_proto::ApiError;
 use carve_proto::v1;
 use carve_proto::v1::job_service_server::JobService;
-use tokio::sync::mpsc;
 use tokio_stream::Stream;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status};
 
 use crate::auth::Caller;
 use crate::convert::{
-    attach_progress, job_state_from_proto, job_to_proto, job_update_to_proto,
-    submitted_job_to_proto, timestamp,
+    attach_progress, job_state_from_proto, job_to_proto, submitted_job_to_proto, timestamp,
 };
 use crate::metrics::{Metrics, SubmitRejection};
-use crate::scheduler::{JobUpdate, JobUpdateKind, Scheduler, now_ms};
+use crate::scheduler::{Scheduler, now_ms};
 use crate::store::{JobFilter, JobRecord, LogLineRecord, LogQuery};
 
 /// One handle on the scheduler for all four services.
@@ -38,6 +35,7 @@ fn invalid(field: &str, reason: impl Into<String>) -> Status {
 
 mod admin;
 mod cluster;
+mod watch;
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<v1::JobEvent, Status>> + Send>>;
 type SchedulerMessageStream =
@@ -244,73 +242,7 @@ impl JobService for Services {
         &self,
         request: Request<v1::WatchJobRequest>,
     ) -> Result<Response<Self::WatchJobStream>, Status> {
-        let caller = self.caller(&request).await?;
-        // Live state (sessions, running attempts, events) is the leader's alone.
-        self.scheduler.require_leader()?;
-        let request = request.into_inner();
-        // Subscribe before reading the state, so nothing falls between the two.
-        let mut events = self.scheduler.subscribe();
-        let mut revocations = self.scheduler.subscribe_revocations();
-        let token_id = caller.token_id.clone();
-        let job = self.scheduler.visible_job(&caller, &request.job_id).await?;
-        let (sender, receiver) = mpsc::channel(256);
-        let job_id = job.id.clone();
-        let include_logs = request.include_logs;
-        let first = JobUpdate {
-            job_id: job.id.clone(),
-            sequence: 0,
-            time_ms: now_ms(),
-            kind: JobUpdateKind::StateChanged {
-                previous: job.state,
-                state: job.state,
-                reason: "current state".into(),
-            },
-        };
-        let already_over = first.ends_the_job();
-        tokio::spawn(async move {
-            if sender.send(Ok(job_update_to_proto(&first))).await.is_err() || already_over {
-                return;
-            }
-            loop {
-                let received = tokio::select! {
-                    received = events.recv() => received,
-                    revoked = revocations.recv() => match revoked {
-                        Ok(revoked) if revoked == token_id => {
-                            let _ = sender
-                                .send(Err(Status::from(ApiError::Unauthenticated(
-                                    "token rejected: revoked".into(),
-                                ))))
-                                .await;
-                            return;
-                        }
-                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
-                        _ => continue,
-                    },
-                };
-                match received {
-                    Ok(event) if event.job_id == job_id => {
-                        if !include_logs && matches!(event.kind, JobUpdateKind::Log { .. }) {
-                            continue;
-                        }
-                        let over = event.ends_the_job();
-                        if sender.send(Ok(job_update_to_proto(&event))).await.is_err() || over {
-                            return;
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
-                        let _ = sender
-                            .send(Err(Status::from(ApiError::DataLoss(format!(
-                                "the watcher fell {missed} events behind; watch again"
-                            )))))
-                            .await;
-                        return;
-                    }
-                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
+        self.watch(request).await
     }
 
     async fn estimate_job(

@@ -48,6 +48,9 @@ pub struct NewLogLine {
     pub level: String,
     /// Without a trailing newline; at most [`MAX_LOG_MESSAGE_BYTES`].
     pub message: String,
+    /// The event the line was made from, encoded (the wire's `JobEvent`), for a watch
+    /// resumed from the store; `None` for a line that is only text.
+    pub event: Option<Vec<u8>>,
 }
 
 impl NewLogLine {
@@ -85,6 +88,7 @@ impl NewLogLine {
             attempt_number,
             level,
             message,
+            event: None,
         }
     }
 }
@@ -117,6 +121,18 @@ pub struct LogQuery {
     pub tail: Option<u32>,
 }
 
+/// A stored line as a resumed watch reads it: the line and the event it was made from.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct StoredJobEvent {
+    pub sequence: i64,
+    pub time_ms: i64,
+    pub attempt_number: i64,
+    pub level: String,
+    pub message: String,
+    /// `NewLogLine::event`.
+    pub event: Option<Vec<u8>>,
+}
+
 /// One page of lines, oldest first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogPage {
@@ -127,6 +143,9 @@ pub struct LogPage {
 }
 
 const LOG_COLUMNS: &str = "job_id, sequence, time_ms, attempt_number, level, message";
+
+/// The columns an append writes.
+const APPEND_COLUMNS: &str = "job_id, sequence, time_ms, attempt_number, level, message, event";
 
 impl Store {
     /// Appends `lines` in ONE transaction and keeps the newest [`MAX_LOG_LINES_PER_JOB`]
@@ -209,7 +228,7 @@ impl Store {
                 }
                 for chunk in numbered.chunks(INSERT_CHUNK_ROWS) {
                     let mut insert = sqlx::QueryBuilder::new(format!(
-                        "INSERT INTO job_log_lines ({LOG_COLUMNS}) "
+                        "INSERT INTO job_log_lines ({APPEND_COLUMNS}) "
                     ));
                     insert.push_values(chunk, |mut row, (line, sequence)| {
                         row.push_bind(line.job_id.clone())
@@ -217,7 +236,8 @@ impl Store {
                             .push_bind(line.time_ms)
                             .push_bind(line.attempt_number)
                             .push_bind(line.level.clone())
-                            .push_bind(line.message.clone());
+                            .push_bind(line.message.clone())
+                            .push_bind(line.event.clone());
                     });
                     insert.build().execute(&mut *tx).await?;
                 }
@@ -313,6 +333,41 @@ impl Store {
         let more = lines.len() > page_size;
         lines.truncate(page_size);
         Ok(LogPage { lines, more })
+    }
+}
+
+impl Store {
+    /// Up to `limit` stored lines of a job after `after_sequence`, oldest first, each with
+    /// the event it was made from: what a resumed watch replays.
+    pub async fn read_job_events(
+        &self,
+        job_id: &str,
+        after_sequence: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredJobEvent>, SchedulerError> {
+        Ok(with_pool!(self, pool => {
+            sqlx::query_as(
+                "SELECT sequence, time_ms, attempt_number, level, message, event \
+                 FROM job_log_lines WHERE job_id = $1 AND sequence > $2 \
+                 ORDER BY sequence LIMIT $3",
+            )
+            .bind(job_id)
+            .bind(after_sequence)
+            .bind(i64::from(limit))
+            .fetch_all(pool)
+            .await?
+        }))
+    }
+
+    /// The sequence of the job's last stored line (0 before its first).
+    pub async fn last_log_sequence(&self, job_id: &str) -> Result<i64, SchedulerError> {
+        let last: Option<i64> = with_pool!(self, pool => {
+            sqlx::query_scalar("SELECT last_sequence FROM job_log_sequences WHERE job_id = $1")
+                .bind(job_id)
+                .fetch_optional(pool)
+                .await?
+        });
+        Ok(last.unwrap_or(0))
     }
 }
 
@@ -534,6 +589,7 @@ mod tests {
                 attempt_number: 2,
                 level: "warn".into(),
                 message: "disk slow".into(),
+                event: None,
             }
         );
         assert_eq!(

@@ -102,6 +102,7 @@ pub use jobs::{WAITING_REASON_IDS_PER_STATEMENT, WAITING_REASONS_PER_TRANSACTION
 pub use logs::{
     DEFAULT_LOG_PAGE_SIZE, LOG_LEVELS, LogBatcher, LogBatcherSettings, LogLineRecord, LogPage,
     LogQuery, MAX_LOG_LINES_PER_JOB, MAX_LOG_MESSAGE_BYTES, MAX_LOG_PAGE_SIZE, NewLogLine,
+    StoredJobEvent,
 };
 pub use records::{
     AttemptDetails, AttemptOutcome, AttemptRecord, AttemptResults, DEFAULT_PAGE_SIZE, JobFilter,

@@ -300,6 +300,7 @@ pub async fn watch(channel: &Channel, token: &str, job_id: &str) -> tonic::Strea
             v1::WatchJobRequest {
                 job_id: job_id.into(),
                 include_logs: false,
+                ..Default::default()
             },
             token,
         ))
