@@ -13,9 +13,9 @@
 #    first wave's behaviour
 #    (`CARVE_CUDA_TUNING=strict,zero-fill,heuristic-filter,legacy-batch-norm,no-graphs`);
 #    `profile`: per-operation GPU and host times and the convolution algorithms chosen;
-#    `ablation`: resnet-cifar with each change off alone (ABLATION lists them);
-# 3. PyTorch (engine/benches/pytorch_reference.py) on the same models, batches and
-#    precisions, with its defaults and with strict fp32.
+# 3. `pytorch`: PyTorch (engine/benches/pytorch_reference.py) on the same models, batches
+#    and precisions, with its defaults and with strict fp32;
+# 4. `ablation`: resnet-cifar with each change off alone (ABLATION lists them).
 # STEPS selects some of them (default "suite bench profile ablation pytorch");
 # GPU_CHECK_PYTHON names the Python that has torch.
 set -uo pipefail
@@ -87,12 +87,6 @@ case " $steps " in *" profile "*)
   run bench-profile 120 env CARVE_CUDA_TUNING=profile "$binaries/training" cuda resnet
 esac
 
-case " $steps " in *" ablation "*)
-  for switch in ${ABLATION:-strict zero-fill heuristic-filter legacy-batch-norm no-graphs}; do
-    run "bench-without-$switch" 120 env CARVE_CUDA_TUNING="$switch" "$binaries/training" cuda resnet-cifar
-  done
-esac
-
 case " $steps " in *" pytorch "*)
   for example in resnet-cifar resnet18-cifar; do
     for precision in fp32 fp16 bf16; do
@@ -101,6 +95,12 @@ case " $steps " in *" pytorch "*)
     done
     run "pytorch-$example-fp32-strict" 120 "$python" engine/benches/pytorch_reference.py \
       --example "examples/$example.toml" --batch 128 --precision fp32 --steps 30 --fp32-math strict
+  done
+esac
+
+case " $steps " in *" ablation "*)
+  for switch in ${ABLATION:-strict zero-fill heuristic-filter legacy-batch-norm no-graphs}; do
+    run "bench-without-$switch" 120 env CARVE_CUDA_TUNING="$switch" "$binaries/training" cuda resnet-cifar
   done
 esac
 echo "logs in $out"
