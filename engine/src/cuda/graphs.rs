@@ -24,10 +24,15 @@
 use std::collections::HashMap;
 
 use carve_core::model::LayerOp;
+use carve_core::plan::Operation;
 use carve_core::spec::{LossKind, OptimizerSpec, Precision};
 use cudarc::driver::CudaGraph;
 
-use crate::backend::{OperationContext, PhaseKind};
+use super::CudaBackend;
+use super::profile::operation_label;
+use crate::backend::{OperationContext, OperationResult, PhaseEnd, PhaseKind};
+use crate::dispatch::run_operation;
+use crate::error::EngineError;
 
 /// Why phase `kind` cannot be recorded in this run, or `None` when it can.
 pub fn why_not_recordable(kind: PhaseKind, context: &OperationContext<'_>) -> Option<&'static str> {
@@ -127,6 +132,128 @@ impl PhaseGraphs {
             && !self.recorded.contains_key(&kind)
             && !self.refused.contains_key(&kind)
             && why_not_recordable(kind, context).is_none()
+    }
+}
+
+impl CudaBackend {
+    /// Runs the recording of phase `kind` when it fits `context` (see `Backend::replay_phase`).
+    pub(super) fn replay_recorded_phase(
+        &mut self,
+        kind: PhaseKind,
+        context: &OperationContext<'_>,
+    ) -> Result<Option<OperationResult>, EngineError> {
+        let Some(recorded) = self.graphs.recorded.get(&kind) else {
+            return Ok(None);
+        };
+        if recorded.key != ReplayKey::of(context) {
+            return Ok(None);
+        }
+        self.device
+            .launch_graph(&recorded.graph)
+            .map_err(|failure| self.fail(failure))?;
+        match recorded.loss {
+            Some(loss) => self.read_loss(&loss).map(Some),
+            None => Ok(Some(OperationResult::default())),
+        }
+    }
+
+    /// Starts recording phase `kind` when it should be recorded now.
+    pub(super) fn begin_recording(
+        &mut self,
+        kind: PhaseKind,
+        context: &OperationContext<'_>,
+    ) -> Result<(), EngineError> {
+        if !self.tuning.cuda_graphs
+            || self.profile.is_some()
+            || !self.graphs.should_record(kind, context)
+        {
+            return Ok(());
+        }
+        self.device
+            .begin_capture()
+            .map_err(|failure| self.fail(failure))?;
+        self.graphs.capture = Some(Capture {
+            kind,
+            key: ReplayKey::of(context),
+            loss: None,
+            failure: None,
+        });
+        Ok(())
+    }
+
+    /// One operation while recording: a failed call (some cannot be captured) drops the
+    /// recording and the phase is walked again, so the first failure is noted and the
+    /// rest of the phase passes without running.
+    pub(super) fn run_while_recording(
+        &mut self,
+        operation: &Operation,
+        context: &mut OperationContext<'_>,
+    ) -> OperationResult {
+        if self
+            .graphs
+            .capture
+            .as_ref()
+            .is_some_and(|capture| capture.failure.is_some())
+        {
+            return OperationResult::default();
+        }
+        match run_operation(self, operation, context) {
+            Ok(result) => result,
+            Err(error) => {
+                if let Some(capture) = self.graphs.capture.as_mut() {
+                    capture.failure = Some(format!(
+                        "{}: {error}",
+                        operation_label(operation, context.graph)
+                    ));
+                }
+                OperationResult::default()
+            }
+        }
+    }
+
+    /// Ends the recording of phase `kind`, if one is in progress, and runs it once: what
+    /// was recorded has not run yet. `completed` is false when the walk failed.
+    pub(super) fn end_recording(
+        &mut self,
+        kind: PhaseKind,
+        completed: bool,
+    ) -> Result<PhaseEnd, EngineError> {
+        let Some(capture) = self.graphs.capture.take() else {
+            return Ok(PhaseEnd::Done(None));
+        };
+        let ended = self.device.end_capture();
+        if !completed {
+            // The walk failed and the attempt ends with its error; nothing recorded runs.
+            return Ok(PhaseEnd::Done(None));
+        }
+        let graph = match (ended, capture.failure) {
+            (Ok(Some(graph)), None) => graph,
+            (ended, failure) => {
+                let reason = match (ended, failure) {
+                    (_, Some(failure)) => failure,
+                    (Err(failure), None) => self.fail(failure).to_string(),
+                    (Ok(_), None) => "nothing was recorded".to_string(),
+                };
+                self.graphs.refused.insert(kind, reason);
+                return Ok(PhaseEnd::RunAgain);
+            }
+        };
+        self.device
+            .launch_graph(&graph)
+            .map_err(|failure| self.fail(failure))?;
+        let held_back = match capture.loss {
+            Some(loss) => Some(self.read_loss(&loss)?),
+            None => None,
+        };
+        self.graphs.recorded.insert(
+            capture.kind,
+            PhaseGraph {
+                graph,
+                key: capture.key,
+                loss: capture.loss,
+            },
+        );
+        Ok(PhaseEnd::Done(held_back))
     }
 }
 

@@ -10,9 +10,79 @@
 //! `store_element` with the type code of [`element_type_code`]: half values are converted
 //! with PTX `cvt` instructions (round to nearest even, as the `half` crate does) and
 //! bfloat16 with integer rounding, so the source needs no CUDA headers and compiles with
-//! any NVRTC.
+//! any NVRTC. The launches of the general-purpose ones (casts, column sums) that several
+//! layer files share are here too.
 
-use carve_core::plan::ElementType;
+use carve_core::plan::{BufferId, ElementType};
+
+use super::device::{KernelArgument, LaunchShape};
+use super::{CudaBackend, DeviceBuffer, GradientTarget, pointer, type_code};
+use crate::error::EngineError;
+
+// The launches of the general-purpose kernels other files share.
+impl CudaBackend {
+    /// `destination = source`, rounding to the destination's type.
+    pub(super) fn convert(
+        &self,
+        source: BufferId,
+        destination: BufferId,
+    ) -> Result<(), EngineError> {
+        let from = self.buffer(source)?;
+        let to = self.buffer(destination)?;
+        let elements = from.elements.min(to.elements);
+        self.convert_elements(
+            from.address,
+            from.element_type,
+            to.address,
+            to.element_type,
+            elements,
+        )
+    }
+
+    pub(super) fn convert_elements(
+        &self,
+        source: u64,
+        source_type: ElementType,
+        destination: u64,
+        destination_type: ElementType,
+        elements: u64,
+    ) -> Result<(), EngineError> {
+        self.launch(
+            "convert_elements",
+            LaunchShape::Elements(elements),
+            &[
+                pointer(source),
+                type_code(source_type),
+                pointer(destination),
+                type_code(destination_type),
+                KernelArgument::I64(elements as i64),
+            ],
+        )
+    }
+
+    /// `target (+)= column sums of source[rows, columns]`.
+    pub(super) fn column_sums(
+        &self,
+        source: DeviceBuffer,
+        rows: u64,
+        columns: u64,
+        target: GradientTarget,
+    ) -> Result<(), EngineError> {
+        self.launch(
+            "column_sums",
+            LaunchShape::Blocks(columns.div_ceil(COLUMNS_PER_SUM_BLOCK)),
+            &[
+                pointer(source.address),
+                type_code(source.element_type),
+                KernelArgument::I64(rows as i64),
+                KernelArgument::I64(columns as i64),
+                pointer(target.address),
+                type_code(target.element_type),
+                KernelArgument::I32(i32::from(target.accumulate)),
+            ],
+        )
+    }
+}
 
 /// The code a kernel receives for a buffer's element type.
 pub fn element_type_code(element_type: ElementType) -> i32 {

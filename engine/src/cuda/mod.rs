@@ -84,9 +84,9 @@ use crate::dispatch::{LayerCall, LayerPasses, Roles, run_operation, windowed_sha
 use crate::error::EngineError;
 use cudnn_ops::{ConvolutionAlgorithm, ConvolutionDirection, ConvolutionShape, Cudnn};
 use device::{Device, KernelArgument, KernelGeometry, LaunchShape};
-use graphs::{Capture, PhaseGraph, PhaseGraphs, ReplayKey};
-use kernels::{COLUMNS_PER_SUM_BLOCK, MAILBOX_OVERFLOW, element_type_code};
-use profile::{OperationProfile, operation_label};
+use graphs::PhaseGraphs;
+use kernels::{MAILBOX_OVERFLOW, element_type_code};
+use profile::OperationProfile;
 
 /// Which GPU and how much of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -471,48 +471,13 @@ impl Backend for CudaBackend {
         operation: &Operation,
         context: &mut OperationContext<'_>,
     ) -> Result<OperationResult, EngineError> {
-        if let Some(capture) = &self.graphs.capture {
-            // While recording, a failed call (some cannot be captured) drops the recording
-            // and the phase is walked again: note the first failure and let the rest pass.
-            if capture.failure.is_some() {
-                return Ok(OperationResult::default());
-            }
-            return match run_operation(self, operation, context) {
-                Ok(result) => Ok(result),
-                Err(error) => {
-                    if let Some(capture) = self.graphs.capture.as_mut() {
-                        capture.failure = Some(format!(
-                            "{}: {error}",
-                            operation_label(operation, context.graph)
-                        ));
-                    }
-                    Ok(OperationResult::default())
-                }
-            };
+        if self.graphs.capture.is_some() {
+            return Ok(self.run_while_recording(operation, context));
         }
-        let timed = match self.profile.as_mut() {
-            Some(profile) => profile.times(context.step),
-            None => false,
-        };
-        if !timed {
-            return run_operation(self, operation, context);
+        if self.profile.is_some() {
+            return self.run_timed(operation, context);
         }
-        let start = self
-            .device
-            .record_timing_event()
-            .map_err(|failure| self.fail(failure))?;
-        let enqueued = std::time::Instant::now();
-        let result = run_operation(self, operation, context)?;
-        let host = enqueued.elapsed();
-        let end = self
-            .device
-            .record_timing_event()
-            .map_err(|failure| self.fail(failure))?;
-        let label = operation_label(operation, context.graph);
-        if let Some(profile) = self.profile.as_mut() {
-            profile.add(label, start, end, host);
-        }
-        Ok(result)
+        run_operation(self, operation, context)
     }
 
     fn replay_phase(
@@ -520,19 +485,7 @@ impl Backend for CudaBackend {
         kind: PhaseKind,
         context: &OperationContext<'_>,
     ) -> Result<Option<OperationResult>, EngineError> {
-        let Some(recorded) = self.graphs.recorded.get(&kind) else {
-            return Ok(None);
-        };
-        if recorded.key != ReplayKey::of(context) {
-            return Ok(None);
-        }
-        self.device
-            .launch_graph(&recorded.graph)
-            .map_err(|failure| self.fail(failure))?;
-        match recorded.loss {
-            Some(loss) => self.read_loss(&loss).map(Some),
-            None => Ok(Some(OperationResult::default())),
-        }
+        self.replay_recorded_phase(kind, context)
     }
 
     fn begin_phase(
@@ -540,122 +493,11 @@ impl Backend for CudaBackend {
         kind: PhaseKind,
         context: &OperationContext<'_>,
     ) -> Result<(), EngineError> {
-        if !self.tuning.cuda_graphs
-            || self.profile.is_some()
-            || !self.graphs.should_record(kind, context)
-        {
-            return Ok(());
-        }
-        self.device
-            .begin_capture()
-            .map_err(|failure| self.fail(failure))?;
-        self.graphs.capture = Some(Capture {
-            kind,
-            key: ReplayKey::of(context),
-            loss: None,
-            failure: None,
-        });
-        Ok(())
+        self.begin_recording(kind, context)
     }
 
     fn end_phase(&mut self, kind: PhaseKind, completed: bool) -> Result<PhaseEnd, EngineError> {
-        let Some(capture) = self.graphs.capture.take() else {
-            return Ok(PhaseEnd::Done(None));
-        };
-        let ended = self.device.end_capture();
-        if !completed {
-            // The walk failed and the attempt ends with its error; nothing recorded runs.
-            return Ok(PhaseEnd::Done(None));
-        }
-        let graph = match (ended, capture.failure) {
-            (Ok(Some(graph)), None) => graph,
-            (ended, failure) => {
-                let reason = match (ended, failure) {
-                    (_, Some(failure)) => failure,
-                    (Err(failure), None) => self.fail(failure).to_string(),
-                    (Ok(_), None) => "nothing was recorded".to_string(),
-                };
-                self.graphs.refused.insert(kind, reason);
-                return Ok(PhaseEnd::RunAgain);
-            }
-        };
-        // What was recorded has not run yet.
-        self.device
-            .launch_graph(&graph)
-            .map_err(|failure| self.fail(failure))?;
-        let held_back = match capture.loss {
-            Some(loss) => Some(self.read_loss(&loss)?),
-            None => None,
-        };
-        self.graphs.recorded.insert(
-            capture.kind,
-            PhaseGraph {
-                graph,
-                key: capture.key,
-                loss: capture.loss,
-            },
-        );
-        Ok(PhaseEnd::Done(held_back))
-    }
-}
-
-impl CudaBackend {
-    /// `destination = source`, rounding to the destination's type.
-    fn convert(&self, source: BufferId, destination: BufferId) -> Result<(), EngineError> {
-        let from = self.buffer(source)?;
-        let to = self.buffer(destination)?;
-        let elements = from.elements.min(to.elements);
-        self.convert_elements(
-            from.address,
-            from.element_type,
-            to.address,
-            to.element_type,
-            elements,
-        )
-    }
-
-    fn convert_elements(
-        &self,
-        source: u64,
-        source_type: ElementType,
-        destination: u64,
-        destination_type: ElementType,
-        elements: u64,
-    ) -> Result<(), EngineError> {
-        self.launch(
-            "convert_elements",
-            LaunchShape::Elements(elements),
-            &[
-                pointer(source),
-                type_code(source_type),
-                pointer(destination),
-                type_code(destination_type),
-                KernelArgument::I64(elements as i64),
-            ],
-        )
-    }
-
-    /// `target (+)= column sums of source[rows, columns]`.
-    fn column_sums(
-        &self,
-        source: DeviceBuffer,
-        rows: u64,
-        columns: u64,
-        target: GradientTarget,
-    ) -> Result<(), EngineError> {
-        self.launch(
-            "column_sums",
-            LaunchShape::Blocks(columns.div_ceil(COLUMNS_PER_SUM_BLOCK)),
-            &[
-                pointer(source.address),
-                type_code(source.element_type),
-                KernelArgument::I64(rows as i64),
-                KernelArgument::I64(columns as i64),
-                pointer(target.address),
-                type_code(target.element_type),
-                KernelArgument::I32(i32::from(target.accumulate)),
-            ],
-        )
+        self.end_recording(kind, completed)
     }
 }
 

@@ -13,6 +13,11 @@ use carve_core::model::ModelGraph;
 use carve_core::plan::{Operation, OperationKind};
 use cudarc::driver::CudaEvent;
 
+use super::CudaBackend;
+use crate::backend::{OperationContext, OperationResult};
+use crate::dispatch::run_operation;
+use crate::error::EngineError;
+
 /// What one timed operation is counted as.
 pub fn operation_label(operation: &Operation, graph: &ModelGraph) -> String {
     let layer_kind = |layer: usize| {
@@ -123,5 +128,39 @@ impl OperationProfile {
             table.push('\n');
         }
         table
+    }
+}
+
+impl CudaBackend {
+    /// Runs an operation between two timing events (after the first step), with the
+    /// host's time to enqueue it.
+    pub(super) fn run_timed(
+        &mut self,
+        operation: &Operation,
+        context: &mut OperationContext<'_>,
+    ) -> Result<OperationResult, EngineError> {
+        let timed = self
+            .profile
+            .as_mut()
+            .is_some_and(|profile| profile.times(context.step));
+        if !timed {
+            return run_operation(self, operation, context);
+        }
+        let start = self
+            .device
+            .record_timing_event()
+            .map_err(|failure| self.fail(failure))?;
+        let enqueued = std::time::Instant::now();
+        let result = run_operation(self, operation, context)?;
+        let host = enqueued.elapsed();
+        let end = self
+            .device
+            .record_timing_event()
+            .map_err(|failure| self.fail(failure))?;
+        let label = operation_label(operation, context.graph);
+        if let Some(profile) = self.profile.as_mut() {
+            profile.add(label, start, end, host);
+        }
+        Ok(result)
     }
 }
