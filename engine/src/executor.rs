@@ -77,7 +77,9 @@ impl<B: Backend> Executor<B> {
             return Ok(totals);
         }
         // A phase the backend tried to record and could not is walked again, plainly:
-        // every phase frees what it allocates, so the allocator is back where it was.
+        // every phase frees what it allocates, so the allocator is back where it was. Only
+        // once: a backend asking again would otherwise never end the phase.
+        let mut walked_again = false;
         loop {
             self.backend.begin_phase(kind, context)?;
             let walked = self.walk_phase(plan, phase, context);
@@ -91,7 +93,13 @@ impl<B: Backend> Executor<B> {
                     }
                     return Ok(totals);
                 }
-                PhaseEnd::RunAgain => continue,
+                PhaseEnd::RunAgain if !walked_again => walked_again = true,
+                PhaseEnd::RunAgain => {
+                    return Err(EngineError::Backend(format!(
+                        "{} backend asked to walk the {kind:?} phase again twice",
+                        self.backend.name()
+                    )));
+                }
             }
         }
     }

@@ -208,11 +208,7 @@ pub async fn follow_job(
     // `job_id` may be a prefix or a name: from here on, the job's own id.
     let job_id = job.id.as_str();
     let display = Display::new(to_stderr);
-    let mut running = job
-        .attempts
-        .last()
-        .filter(|attempt| attempt.outcome == v1::AttemptOutcome::Running as i32)
-        .cloned();
+    let mut running = running_attempt(&job);
     let mut waiting = Waiting::default();
     waiting.show(&display, &job);
     // The log sequence of the last event shown: where a broken watch resumes.
@@ -256,6 +252,21 @@ pub async fn follow_job(
                             if let Event::StateChanged(changed) = &event {
                                 waiting.state = changed.state;
                             }
+                            // An attempt that started between reading the job and the
+                            // watch's first event was never shown starting: read it, so
+                            // its progress has the slice and the elapsed time.
+                            if let Event::Progress(progress) = &event
+                                && running
+                                    .as_ref()
+                                    .is_none_or(|attempt| attempt.number != progress.attempt_number)
+                                && let Ok(now) = connection.fetch_job(job_id).await
+                            {
+                                running = now
+                                    .attempts
+                                    .iter()
+                                    .find(|attempt| attempt.number == progress.attempt_number)
+                                    .cloned();
+                            }
                             show_event(&display, &job, event, &mut running);
                         }
                     }
@@ -285,6 +296,14 @@ pub async fn follow_job(
     .await;
     display.finish();
     result
+}
+
+/// The job's attempt that is running, if any.
+fn running_attempt(job: &v1::Job) -> Option<v1::Attempt> {
+    job.attempts
+        .last()
+        .filter(|attempt| attempt.outcome == v1::AttemptOutcome::Running as i32)
+        .cloned()
 }
 
 /// Says the connection broke and opens it again (see [`Connection::reopen_within`]).

@@ -6,8 +6,10 @@
 //!   much; every plan buffer — activations, weights, gradients, optimizer state, cuDNN
 //!   workspaces — is then `base + offset` with the offset the executor's `SliceAllocator`
 //!   chose. Outside the slice are only the context, the cuDNN/cuBLAS handles (and the
-//!   workspace cuBLAS allocates for itself on first use), the compiled kernels and a
-//!   40-byte result area, all of which the worker measures at start-up like the context.
+//!   workspace cuBLAS allocates for itself on first use), the compiled kernels, a
+//!   40-byte result area, the batch norm's 2 MiB reduction scratch and the recorded CUDA
+//!   graphs (`graphs.rs`): a fixed amount per process, inside the worker's context
+//!   allowance (`--context-bytes`).
 //! - Layouts (`slice.rs`): NHWC activations as on the cpu; conv kernels are KRSC on the
 //!   device and permuted to the engine's HWIO when they cross to the host.
 //! - Kernels: cuDNN convolutions (forward, backward data, backward filter, backward bias)
@@ -31,6 +33,10 @@
 //!   `activation.rs`, `batch_norm.rs`, `dropout.rs`, `loss.rs`, `optimizer.rs`), each
 //!   implementing its family's trait of `dispatch`; this file holds the buffers and what
 //!   runs around every layer operation (`LayerPasses`); `training.rs` prepares an attempt.
+//! - Speed (`tuning.rs` has the switches that turn each change off for measuring): the
+//!   micro-batch and update phases are recorded once as CUDA graphs and replayed
+//!   (`graphs.rs`); only buffers that must start at zero are zeroed (debug builds fill the
+//!   rest with NaN); `profile.rs` times every operation on the GPU and the host.
 //! - Errors (`error.rs`): allocation failures of any CUDA library become the engine's
 //!   `OutOfMemory` with the slice's numbers; everything else is a backend error.
 //!
