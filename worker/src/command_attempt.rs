@@ -30,7 +30,8 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::attempt_process::{
-    AttemptControl, ProcessStopper, WorkerStop, sleep_until_or_never, spawn_supervised,
+    AttemptControl, ProcessStopper, WorkerStop, signal_process_group, sleep_until_or_never,
+    spawn_supervised,
 };
 use crate::command_output::{
     BoundedLines, LineTail, MOST_LINE_BYTES, ProgressLine, STDERR_TAIL_LINES, parse_progress_line,
@@ -407,6 +408,15 @@ impl<P: CommandProcesses> Runner<'_, P> {
             }
         }
         let status = status.unwrap_or_else(|| Err(std::io::Error::other("not waited for")));
+        // What the program left running in its process group (a data loader's worker, a
+        // process in the background) would hold the slice's GPU memory after the attempt
+        // ended, when the slice is another job's: the attempt ends with it, as a job's
+        // processes end with the job under Slurm. Usually nothing is left (ESRCH).
+        if let Err(error) = signal_process_group(process_id, rustix::process::Signal::KILL)
+            && error.raw_os_error() != Some(rustix::io::Errno::SRCH.raw_os_error())
+        {
+            tracing::warn!(job = %job_id, %error, "cannot stop what the program left running");
+        }
         let usage = guard.and_then(|guard| {
             guard
                 .read_usage()

@@ -224,6 +224,45 @@ async fn a_program_that_exits_0_after_printing_an_oom_succeeded() {
     assert!(oom_reports(&reports).is_empty());
 }
 
+/// Whether process `pid` is gone (or a zombie nobody reaped yet: it holds nothing).
+fn process_is_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the parenthesized command name.
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
+}
+
+#[tokio::test]
+async fn what_the_program_left_running_ends_with_the_attempt() {
+    let directory = tempfile::tempdir().unwrap();
+    let pid_file = directory.path().join("background.pid");
+    // The background process keeps the output pipes open too: the attempt must not wait
+    // for it beyond the drain, and must not leave it running.
+    let script = format!(
+        "sleep 300 & echo $! > {}; echo 'started a background process'; exit 0",
+        pid_file.display()
+    );
+    let reports = run(launch(directory.path(), sh(&script), false, None)).await;
+    assert_eq!(outcome(&reports), v1::AttemptOutcome::Succeeded);
+    let pid: u32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !process_is_gone(pid) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        process_is_gone(pid),
+        "the background process {pid} still runs"
+    );
+}
+
 #[tokio::test]
 async fn exit_1_with_a_pytorch_oom_is_an_oom_detected_by_pytorch() {
     let directory = tempfile::tempdir().unwrap();
