@@ -4,7 +4,7 @@
 //! Activations are NHWC, so a channel's values are `channels` apart. The coalesced
 //! kernels give each block 32 neighbouring channels and a chunk of rows: a warp reads 32
 //! neighbouring values of one row, and every SM has work even with 64 channels. Per-chunk
-//! f64 sums go to the device's reduction scratch (`Device::scratch_address`, outside the
+//! f64 sums go to the device's reduction scratch (`Device::scratch`, outside the
 //! slice like the result area); the last block of a channel group to finish (an atomic
 //! counter, reset by that block) adds the chunks in a fixed order, so results do not
 //! depend on scheduling, and writes the statistics (forward) or the parameter gradients
