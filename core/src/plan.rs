@@ -35,7 +35,10 @@ mod backward;
 mod compile;
 mod liveness;
 
-pub use compile::{compile_step_plan, workspace_samples};
+pub use compile::{
+    CONVOLUTION_WORKSPACE_HEADROOM, compile_step_plan, im2col_workspace_elements,
+    workspace_elements,
+};
 
 /// How one attempt runs a job: the knobs the shrink planner turns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -24,7 +24,7 @@ use crate::bytes::HumanBytes;
 use crate::error::CoreError;
 use crate::estimator::{MemoryEstimate, estimate_plan, try_plan_in_slice};
 use crate::model::LayerOp;
-use crate::plan::{RunConfig, StepPlan, compile_step_plan, workspace_samples};
+use crate::plan::{RunConfig, StepPlan, compile_step_plan, workspace_elements};
 use crate::spec::{Precision, ShrinkStrategy};
 use crate::validate::ValidatedJob;
 
@@ -331,20 +331,20 @@ fn candidate_configs(
             // A cap that leaves every layer's workspace as it is compiles to the current
             // plan, which did not fit and is not smaller, so it is not worth a replay (a
             // model without convolutions has no workspace to cap at all).
-            let samples_by_layer = |config: &RunConfig| -> Vec<Option<u64>> {
+            let workspaces_by_layer = |config: &RunConfig| -> Vec<Option<u64>> {
                 job.graph
                     .layers
                     .iter()
-                    .map(|layer| workspace_samples(layer, config))
+                    .map(|layer| workspace_elements(layer, config))
                     .collect()
             };
-            let current_samples = samples_by_layer(config);
+            let current_workspaces = workspaces_by_layer(config);
             caps.into_iter()
                 .map(|workspace_limit_bytes| RunConfig {
                     workspace_limit_bytes,
                     ..*config
                 })
-                .filter(|candidate| samples_by_layer(candidate) != current_samples)
+                .filter(|candidate| workspaces_by_layer(candidate) != current_workspaces)
                 .collect()
         }
         ShrinkStrategy::ShrinkBatch => shrink_batch_candidates(config, policy.min_micro_batch),

@@ -11,11 +11,13 @@
 #    with NaN, so a read before a write shows), with the fast switches and strict fp32;
 # 2. `bench`: the training bench's cuda rows with every speed change on, then with the
 #    first wave's behaviour
-#    (`CARVE_CUDA_TUNING=strict,zero-fill,heuristic-filter,legacy-batch-norm,no-graphs`);
+#    (`CARVE_CUDA_TUNING=strict,zero-fill,heuristic-filter,legacy-batch-norm,no-graphs,
+#    no-workspace-headroom`);
 #    `profile`: per-operation GPU and host times and the convolution algorithms chosen;
 # 3. `pytorch`: PyTorch (engine/benches/pytorch_reference.py) on the same models, batches
 #    and precisions, with its defaults and with strict fp32;
-# 4. `ablation`: resnet-cifar with each change off alone (ABLATION lists them).
+# 4. `ablation`: resnet-cifar with each change off alone (ABLATION lists them; the
+#    workspace headroom, which is for ResNet-18's small stride-2 layers, with both models).
 # STEPS selects some of them (default "suite bench profile ablation pytorch");
 # GPU_CHECK_PYTHON names the Python that has torch.
 set -uo pipefail
@@ -79,7 +81,7 @@ esac
 
 case " $steps " in *" bench "*)
   run bench-fast 240 env CARVE_CUDA_TUNING= "$binaries/training" cuda
-  run bench-first-wave 180 env CARVE_CUDA_TUNING=strict,zero-fill,heuristic-filter,legacy-batch-norm,no-graphs \
+  run bench-first-wave 180 env CARVE_CUDA_TUNING=strict,zero-fill,heuristic-filter,legacy-batch-norm,no-graphs,no-workspace-headroom \
     "$binaries/training" cuda resnet-cifar
 esac
 
@@ -99,8 +101,10 @@ case " $steps " in *" pytorch "*)
 esac
 
 case " $steps " in *" ablation "*)
-  for switch in ${ABLATION:-strict zero-fill heuristic-filter legacy-batch-norm no-graphs}; do
-    run "bench-without-$switch" 120 env CARVE_CUDA_TUNING="$switch" "$binaries/training" cuda resnet-cifar
+  for switch in ${ABLATION:-no-workspace-headroom strict zero-fill heuristic-filter legacy-batch-norm no-graphs}; do
+    models=resnet-cifar
+    [ "$switch" = no-workspace-headroom ] && models=resnet
+    run "bench-without-$switch" 120 env CARVE_CUDA_TUNING="$switch" "$binaries/training" cuda "$models"
   done
 esac
 echo "logs in $out"

@@ -90,16 +90,14 @@ impl PlanBuilder<'_> {
         )
     }
 
-    /// The convolution workspace of one pass: whole samples' im2col up to the cap; an
-    /// algorithm without workspace when not even one sample fits.
+    /// The convolution workspace of one pass ([`workspace_elements`]); none when that is 0.
     pub(super) fn workspace(&mut self, layer: &LayerNode) -> Result<Option<BufferId>, FieldError> {
         let owner = BufferOwner::Layer(layer.index);
-        let samples =
-            workspace_samples(layer, &self.config).ok_or_else(|| self.too_large(owner))?;
-        if samples == 0 {
+        let elements =
+            workspace_elements(layer, &self.config).ok_or_else(|| self.too_large(owner))?;
+        if elements == 0 {
             return Ok(None);
         }
-        let elements = layer.workspace_elements_per_sample() * samples;
         self.add_buffer(
             BufferRole::Workspace,
             owner,
@@ -111,19 +109,53 @@ impl PlanBuilder<'_> {
     }
 }
 
-/// How many samples' im2col a layer's workspace holds under `config`: as many whole
-/// samples as `workspace_limit_bytes` allows, at most a micro-batch; 0 for no workspace
-/// (a layer that needs none, or not even one sample fits). `None` when one sample's
-/// workspace overflows u64 bytes. Two configs that differ only in their workspace limit
-/// compile to the same plan exactly when this agrees on every layer.
-pub fn workspace_samples(layer: &LayerNode, config: &RunConfig) -> Option<u64> {
-    let per_sample_bytes = layer
-        .workspace_elements_per_sample()
-        .checked_mul(ElementType::for_compute(config.precision).bytes())?;
+/// How many times its im2col a convolution's workspace is, up to `workspace_limit_bytes`.
+/// cuDNN's fast filter-gradient algorithms want somewhat more than an im2col: on an H200,
+/// ResNet-18's 1x1 stride-2 shortcut at batch 128 (im2col 2 MiB) fell to an algorithm 8x
+/// slower than one needing 2.6 MB, and a stride-2 3x3 whose padded copy shares its
+/// workspace could not measure the 7.9 MB one. Relative to the im2col, the headroom
+/// shrinks with the precision and the micro-batch as the rest of the plan does, so the
+/// shrink planner's steps still free memory on small models; the estimate counts it like
+/// any workspace.
+pub const CONVOLUTION_WORKSPACE_HEADROOM: u64 = 2;
+
+/// Elements of whole samples' im2col in a layer's workspace: as many samples as
+/// `workspace_limit_bytes` allows, at most `micro_batch_size`; 0 for none (a layer without
+/// im2col, or not even one sample fits). `None` on overflow.
+pub fn im2col_workspace_elements(
+    layer: &LayerNode,
+    element_type: ElementType,
+    micro_batch_size: u64,
+    workspace_limit_bytes: u64,
+) -> Option<u64> {
+    let per_sample_elements = layer.workspace_elements_per_sample();
+    let per_sample_bytes = per_sample_elements.checked_mul(element_type.bytes())?;
     if per_sample_bytes == 0 {
         return Some(0);
     }
-    Some((config.workspace_limit_bytes / per_sample_bytes).min(config.micro_batch_size))
+    per_sample_elements
+        .checked_mul((workspace_limit_bytes / per_sample_bytes).min(micro_batch_size))
+}
+
+/// Elements of a layer's workspace buffer under `config` (0 for none): its
+/// [`im2col_workspace_elements`] times [`CONVOLUTION_WORKSPACE_HEADROOM`], never above
+/// `workspace_limit_bytes` (which the im2col alone never passes). `None` on overflow. Two
+/// configs that differ only in their workspace limit compile to the same plan exactly when
+/// this agrees on every layer.
+pub fn workspace_elements(layer: &LayerNode, config: &RunConfig) -> Option<u64> {
+    let element_type = ElementType::for_compute(config.precision);
+    let im2col_elements = im2col_workspace_elements(
+        layer,
+        element_type,
+        config.micro_batch_size,
+        config.workspace_limit_bytes,
+    )?;
+    let limit_elements = config.workspace_limit_bytes / element_type.bytes();
+    Some(
+        im2col_elements
+            .checked_mul(CONVOLUTION_WORKSPACE_HEADROOM)?
+            .min(limit_elements),
+    )
 }
 
 /// The buffers setup allocates and nothing frees during training, indexed by layer and

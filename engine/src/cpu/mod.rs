@@ -12,7 +12,7 @@ mod merge;
 
 use std::collections::HashMap;
 
-use carve_core::plan::{BufferId, BufferSpec, ElementType, Operation};
+use carve_core::plan::{BufferId, BufferRole, BufferSpec, ElementType, Operation};
 use carve_core::spec::{LossKind, OptimizerSpec};
 use half::{bf16, f16};
 
@@ -32,6 +32,12 @@ enum HostBuffer {
     Bf16(Vec<bf16>),
     I32(Vec<i32>),
     U8(Vec<u8>),
+    /// A convolution workspace of this many elements. Nothing in it outlives the operation
+    /// it serves, so it is kept as its length and handed to the kernel as fresh f32 pages
+    /// (zeroed lazily, so only the part the im2col uses is ever touched), whatever the
+    /// plan's element type: converting a half workspace (sized with cuDNN's headroom) to
+    /// f32 and back on every call would cost more than the im2col itself.
+    Scratch(usize),
 }
 
 /// Host buffers indexed by plan buffer id.
@@ -58,6 +64,7 @@ impl CpuBackend {
             HostBuffer::Bf16(values) => values.iter().map(|value| value.to_f32()).collect(),
             HostBuffer::I32(values) => values.iter().map(|value| *value as f32).collect(),
             HostBuffer::U8(values) => values.iter().map(|value| f32::from(*value)).collect(),
+            HostBuffer::Scratch(elements) => vec![0.0; *elements],
         })
     }
 
@@ -76,6 +83,7 @@ impl CpuBackend {
                     *slot = bf16::from_f32(value);
                 }
             }
+            HostBuffer::Scratch(_) => {}
             HostBuffer::I32(_) | HostBuffer::U8(_) => {
                 return Err(EngineError::Backend(format!(
                     "buffer {} is not a float buffer",
@@ -157,6 +165,7 @@ impl Backend for CpuBackend {
             ))
         })?;
         let storage = match buffer.element_type {
+            _ if buffer.role == BufferRole::Workspace => HostBuffer::Scratch(elements),
             ElementType::F32 => HostBuffer::F32(vec![0.0; elements]),
             ElementType::F16 => HostBuffer::F16(vec![f16::ZERO; elements]),
             ElementType::Bf16 => HostBuffer::Bf16(vec![bf16::ZERO; elements]),
@@ -202,6 +211,7 @@ impl Backend for CpuBackend {
             HostBuffer::Bf16(values) => values.iter().map(|value| value.to_f32()).collect(),
             HostBuffer::I32(values) => values.iter().map(|value| *value as f32).collect(),
             HostBuffer::U8(values) => values.iter().map(|value| f32::from(*value)).collect(),
+            HostBuffer::Scratch(elements) => vec![0.0; *elements],
         })
     }
 

@@ -7,11 +7,11 @@
 //! trusting the heuristic's first pick (which may want more workspace than the slice has).
 //!
 //! The budget is the plan's workspace buffer for that convolution, never free space
-//! elsewhere in the slice: the plan sizes that buffer as whole samples' im2col up to
-//! `RunConfig::workspace_limit_bytes` (and gives none when not even one sample fits), and
-//! the estimator counts exactly that buffer. Taking more would make the measured peak
-//! exceed the estimate; the cap therefore holds twice (it bounds the buffer, and
-//! [`workspace_budget`] bounds the choice again).
+//! elsewhere in the slice: the plan sizes that buffer as whole samples' im2col with
+//! headroom for cuDNN, up to `RunConfig::workspace_limit_bytes`
+//! (`carve_core::plan::workspace_elements`), and the estimator counts exactly that
+//! buffer. Taking more would make the measured peak exceed the estimate; the cap therefore
+//! holds twice (it bounds the buffer, and [`workspace_budget`] bounds the choice again).
 
 /// One algorithm as cuDNN reported it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -314,5 +314,51 @@ mod tests {
             plan_padded_convolution(0, [3, 3], [3, 3], [2, 2], 3, 2, 1 << 20),
             None
         );
+    }
+
+    /// What cuDNN's fast fp32 filter-gradient algorithm (ALGO_1) wanted on an H200 for
+    /// ResNet-18's two slow stride-2 layers at batch 128, against what the plan's workspace
+    /// leaves it to be measured in: the filter-gradient scratch (and, for the asymmetric
+    /// 3x3, the padded copy) come out of the workspace first. Without the headroom the 1x1
+    /// shortcut had 1.5 MB left and the 3x3 4.8 MB, and both ran ALGO_0 (2.1 and 0.6 ms).
+    #[test]
+    fn the_workspace_headroom_leaves_resnet18s_stride_two_filter_gradients_room_to_measure() {
+        use carve_core::plan::{RunConfig, workspace_elements};
+        let job = carve_core::validate::load_job_spec_toml(include_str!(
+            "../../../examples/resnet18-cifar.toml"
+        ))
+        .unwrap();
+        let config = RunConfig::from_spec(&job.spec);
+        assert_eq!(
+            (config.micro_batch_size, config.precision.name()),
+            (128, "fp32")
+        );
+        let workspace_bytes = |name: &str| {
+            let layer = job
+                .graph
+                .layers
+                .iter()
+                .find(|layer| layer.name.as_deref() == Some(name))
+                .unwrap();
+            workspace_elements(layer, &config).unwrap() * 4
+        };
+        let filter_bytes = |kernel: u64| 512 * 256 * kernel * kernel * 4;
+
+        // 1x1 stride 2, 256 -> 512 channels, 8x8 -> 4x4: ALGO_1 wanted 2.6 MB.
+        let (_, left) =
+            filter_measurement_split(workspace_bytes("stage4_block1_shortcut"), filter_bytes(1))
+                .unwrap();
+        assert!(left >= 2_600_000, "{left}");
+
+        // 3x3 stride 2 "same" (asymmetric): ALGO_1 wanted 7.9 MB for 113 samples, so
+        // about 9 MB for the whole batch, which now goes in one padded chunk.
+        let workspace = workspace_bytes("stage4_block1_conv1");
+        let padded =
+            plan_padded_convolution(128, [4, 4], [3, 3], [2, 2], 256, 4, workspace).unwrap();
+        assert_eq!(padded.samples_per_chunk, 128);
+        let (_, left) =
+            filter_measurement_split(workspace - padded.padded_chunk_bytes, filter_bytes(3))
+                .unwrap();
+        assert!(left >= 9_000_000, "{left}");
     }
 }

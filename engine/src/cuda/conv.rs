@@ -4,7 +4,7 @@
 //! padded image fits there.
 
 use carve_core::model::LayerNode;
-use carve_core::plan::ElementType;
+use carve_core::plan::{ElementType, im2col_workspace_elements};
 
 use super::algorithms::{
     AlgorithmCandidate, PaddedConvolutionPlan, choose_algorithm, filter_measurement_split,
@@ -18,7 +18,7 @@ use super::{
     CudaBackend, CudaBackward, CudaForward, DeviceBuffer, GradientTarget, geometry_dimensions,
     has_symmetric_padding, kernel_geometry, pointer, type_code,
 };
-use crate::dispatch::{ConvKernels, LayerCall, Roles};
+use crate::dispatch::{ConvKernels, LayerCall};
 use crate::error::EngineError;
 
 /// How a convolution runs through cuDNN, when it does.
@@ -331,12 +331,23 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn workspace_of(&self, roles: &Roles) -> Result<(u64, u64), EngineError> {
-        match roles.workspace {
+    fn workspace_of(&self, call: &LayerCall<'_>) -> Result<(u64, u64), EngineError> {
+        match call.roles.workspace {
             Some(id) => {
                 let buffer = self.buffer(id)?;
                 let bytes = self.live.get(id).map_or(0, |(_, bytes)| bytes);
-                Ok((buffer.address, bytes.min(self.workspace_limit_bytes)))
+                let mut usable = bytes.min(self.workspace_limit_bytes);
+                if !self.tuning.workspace_headroom {
+                    let im2col_bytes = im2col_workspace_elements(
+                        call.layer,
+                        buffer.element_type,
+                        call.batch as u64,
+                        self.workspace_limit_bytes,
+                    )
+                    .map_or(0, |elements| elements * buffer.element_type.bytes());
+                    usable = usable.min(im2col_bytes);
+                }
+                Ok((buffer.address, usable))
             }
             None => Ok((0, 0)),
         }
@@ -377,7 +388,7 @@ impl ConvKernels for CudaBackend {
         let geometry = kernel_geometry(layer, batch).expect("conv has a window");
         let kernel = parameter(0)?;
         let bias = if use_bias { Some(parameter(1)?) } else { None };
-        let (workspace, workspace_bytes) = self.workspace_of(&call.roles)?;
+        let (workspace, workspace_bytes) = self.workspace_of(call)?;
         if let Some(route) = cudnn_route(layer, &geometry, element_type, workspace_bytes) {
             let buffers = ConvolutionBuffers {
                 input: input.address,
@@ -436,7 +447,7 @@ impl ConvKernels for CudaBackend {
         } else {
             None
         };
-        let (workspace, workspace_bytes) = self.workspace_of(&call.roles)?;
+        let (workspace, workspace_bytes) = self.workspace_of(call)?;
         let buffers = ConvBackwardBuffers {
             geometry,
             input,

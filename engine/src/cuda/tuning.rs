@@ -15,6 +15,10 @@
 //!   the coalesced ones.
 //! - `no-graphs`: walk every phase on the host instead of replaying the step's phases as
 //!   CUDA graphs (`graphs.rs`).
+//! - `no-workspace-headroom`: give cuDNN only the im2col part of a convolution's
+//!   workspace, as the first wave's plan did, not the headroom the plan adds for it
+//!   (`carve_core::plan::CONVOLUTION_WORKSPACE_HEADROOM`); the buffer stays allocated,
+//!   so only the speed changes.
 //! - `profile`: time every plan operation with CUDA events and print the table when the
 //!   backend is dropped (a profile on a GPU machine without nsys); phases are then always
 //!   walked, so each operation is seen.
@@ -32,6 +36,8 @@ pub struct CudaTuning {
     pub coalesced_batch_norm: bool,
     /// Phases that can be are recorded once as CUDA graphs and replayed.
     pub cuda_graphs: bool,
+    /// cuDNN may use a convolution's whole workspace, the plan's headroom included.
+    pub workspace_headroom: bool,
     /// Every operation is timed with CUDA events.
     pub profile: bool,
 }
@@ -44,6 +50,7 @@ impl Default for CudaTuning {
             measure_accumulated_filter_gradients: true,
             coalesced_batch_norm: true,
             cuda_graphs: true,
+            workspace_headroom: true,
             profile: false,
         }
     }
@@ -76,11 +83,12 @@ impl CudaTuning {
                 "heuristic-filter" => tuning.measure_accumulated_filter_gradients = false,
                 "legacy-batch-norm" => tuning.coalesced_batch_norm = false,
                 "no-graphs" => tuning.cuda_graphs = false,
+                "no-workspace-headroom" => tuning.workspace_headroom = false,
                 "profile" => tuning.profile = true,
                 other => {
                     return Err(format!(
                         "{TUNING_VARIABLE}: unknown word {other:?} (known: strict, zero-fill, \
-                         heuristic-filter, legacy-batch-norm, no-graphs, profile)"
+                         heuristic-filter, legacy-batch-norm, no-graphs, no-workspace-headroom, profile)"
                     ));
                 }
             }
@@ -110,6 +118,8 @@ mod tests {
         let tuning = CudaTuning::parse("heuristic-filter,legacy-batch-norm,no-graphs").unwrap();
         assert!(!tuning.measure_accumulated_filter_gradients && !tuning.coalesced_batch_norm);
         assert!(!tuning.cuda_graphs && CudaTuning::default().cuda_graphs);
+        let tuning = CudaTuning::parse("no-workspace-headroom").unwrap();
+        assert!(!tuning.workspace_headroom && CudaTuning::default().workspace_headroom);
         let error = CudaTuning::parse("strict,tf33").unwrap_err();
         assert!(error.contains("\"tf33\""), "{error}");
         assert!(!CudaTuning::default().strict().allow_tf32);

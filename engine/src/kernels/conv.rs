@@ -10,10 +10,10 @@
 //! - backward: `kernel_gradient += im2col_rows^T * output_gradient_rows`, and
 //!   `input_gradient += col2im(output_gradient_rows * kernel^T)`.
 //!
-//! Memory: the plan hands the convolution a workspace of a whole number of samples'
-//! im2col (`carve_core`'s `workspace_elements_per_sample`), or nothing when not even one
-//! sample fits. The kernels work through the batch in chunks of as many output rows as
-//! the workspace holds, so memory use stays what the estimator predicted. Without a
+//! Memory: the plan hands the convolution a workspace of at least a whole number of
+//! samples' im2col (`carve_core`'s `workspace_elements`, with headroom for cuDNN), or
+//! nothing. The kernels work through the batch in chunks of as many output
+//! rows as the workspace holds, so memory use stays what the estimator predicted. Without a
 //! workspace they fall back to a direct path that builds the im2col of a single output
 //! row at a time in a small scratch (`kernel_height*kernel_width*in_channels*output_width`
 //! elements, a sliver of one sample's im2col, which the plan does not count); 1x1
