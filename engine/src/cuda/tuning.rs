@@ -88,7 +88,8 @@ impl CudaTuning {
                 other => {
                     return Err(format!(
                         "{TUNING_VARIABLE}: unknown word {other:?} (known: strict, zero-fill, \
-                         heuristic-filter, legacy-batch-norm, no-graphs, no-workspace-headroom, profile)"
+                         heuristic-filter, legacy-batch-norm, no-graphs, \
+                         no-workspace-headroom, profile)"
                     ));
                 }
             }

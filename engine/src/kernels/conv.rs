@@ -12,8 +12,8 @@
 //!
 //! Memory: the plan hands the convolution a workspace of at least a whole number of
 //! samples' im2col (`carve_core`'s `workspace_elements`, with headroom for cuDNN), or
-//! nothing. The kernels work through the batch in chunks of as many output
-//! rows as the workspace holds, so memory use stays what the estimator predicted. Without a
+//! nothing. The kernels work through the batch in chunks of as many output rows as the
+//! workspace holds, so memory use stays what the estimator predicted. Without a
 //! workspace they fall back to a direct path that builds the im2col of a single output
 //! row at a time in a small scratch (`kernel_height*kernel_width*in_channels*output_width`
 //! elements, a sliver of one sample's im2col, which the plan does not count); 1x1
