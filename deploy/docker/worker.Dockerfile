@@ -49,7 +49,7 @@ WORKDIR /var/lib/carve
 VOLUME ["/var/lib/carve"]
 
 # The worker listens on nothing; it dials the scheduler (CARVE_SCHEDULER) with a worker
-# token (CARVE_TOKEN), reconnecting with backoff. Its liveness is the process itself.
+# token (--token-file), reconnecting with backoff. Its liveness is the process itself.
 HEALTHCHECK NONE
 
 # tini reaps the attempt processes' orphans and forwards SIGTERM, on which the worker stops.

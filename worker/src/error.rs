@@ -1,5 +1,7 @@
 //! The one error type of carve-worker's library; the binary wraps it in `anyhow`.
 
+use std::path::PathBuf;
+
 /// Everything that can stop the worker or one of its attempts before it runs.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -18,10 +20,15 @@ pub enum WorkerError {
     /// The scheduler refused the worker's token (unknown, revoked, expired, or not a
     /// worker's): trying again cannot help, so the worker stops and says so.
     #[error(
-        "the scheduler refused this worker's token: {0} (check --token / CARVE_TOKEN; a \
-         revoked or expired token needs a new one: carve admin tokens create --role worker)"
+        "the scheduler refused this worker's token: {0} (check the token in --token-file or \
+         the systemd credential carve-worker-token; a revoked or expired token needs a new \
+         one: carve admin tokens create --role worker)"
     )]
     TokenRefused(String),
+    /// The worker's token file (`--token-file`, or systemd's credential) cannot be read,
+    /// is open to other users, or holds no token: the worker does not start.
+    #[error("token file {}: {reason}", path.display())]
+    TokenFile { path: PathBuf, reason: String },
     /// An attempt's process could not be started or watched.
     #[error("attempt process: {0}")]
     AttemptProcess(String),
@@ -46,7 +53,9 @@ impl WorkerError {
     pub fn is_permanent(&self) -> bool {
         matches!(
             self,
-            WorkerError::TokenRefused(_) | WorkerError::InvalidSetting { .. }
+            WorkerError::TokenRefused(_)
+                | WorkerError::InvalidSetting { .. }
+                | WorkerError::TokenFile { .. }
         )
     }
 

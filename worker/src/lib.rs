@@ -32,6 +32,7 @@ pub mod gpus;
 pub mod guard_environment;
 pub mod leftover_processes;
 pub mod nvml;
+pub mod token_file;
 pub mod watchdog;
 pub mod worker;
 

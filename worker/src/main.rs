@@ -11,6 +11,7 @@ use carve_proto::client::ClientIdentity;
 use carve_proto::logging::{LogFormat, init_logging};
 use carve_worker::attempt_child::{AttemptArguments, attempt_command};
 use carve_worker::gpus::parse_simulated_gpus;
+use carve_worker::token_file::worker_token;
 use carve_worker::worker::DEFAULT_CONTEXT_BYTES;
 use carve_worker::{WorkerConfig, run_worker};
 use clap::{Parser, Subcommand};
@@ -31,9 +32,13 @@ struct Arguments {
     /// next when one fails or is a standby.
     #[arg(long, env = "CARVE_SCHEDULER", required = true)]
     scheduler: Option<String>,
-    /// A worker token.
-    #[arg(long, env = "CARVE_TOKEN", hide_env_values = true, required = true)]
-    token: Option<String>,
+    /// The file holding this worker's token (a token with the worker role), readable by
+    /// its owner alone (mode 0600 or 0400). Without it, systemd's credential
+    /// carve-worker-token ($CREDENTIALS_DIRECTORY/carve-worker-token, from
+    /// LoadCredential=). The token itself is never taken from the environment or the
+    /// command line: the programs the worker runs could read both.
+    #[arg(long, env = "CARVE_WORKER_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
     /// The certificate (PEM) to trust for an https:// scheduler (a private CA or a
     /// self-signed certificate); without it the system's roots are trusted.
     #[arg(long, env = "CARVE_CA_CERT")]
@@ -112,7 +117,22 @@ fn main() -> ExitCode {
 
 fn run(arguments: Arguments) -> Result<()> {
     init_logging(arguments.log_format);
+    // Only warned about: a deployment that still sets it must learn that its token now
+    // goes in a file, and that the variable would hand the token to every program the
+    // worker runs.
+    if std::env::var_os("CARVE_TOKEN").is_some() {
+        tracing::warn!(
+            "CARVE_TOKEN is set but carve-worker ignores it (the programs it runs inherit \
+             its environment): give the worker token with --token-file PATH (mode 0600) or \
+             systemd's LoadCredential=carve-worker-token:PATH, and unset CARVE_TOKEN"
+        );
+    }
     // Validate everything that was typed before building anything.
+    let credentials_directory = std::env::var_os("CREDENTIALS_DIRECTORY").map(PathBuf::from);
+    let token = worker_token(
+        arguments.token_file.as_deref(),
+        credentials_directory.as_deref(),
+    )?;
     let simulated_gpus = match &arguments.sim_gpus {
         Some(text) => parse_simulated_gpus(text)?,
         None => Vec::new(),
@@ -134,7 +154,7 @@ fn run(arguments: Arguments) -> Result<()> {
     let program = std::env::current_exe().context("cannot find the carve-worker binary")?;
     let mut config = WorkerConfig::new(
         arguments.scheduler.unwrap_or_default(),
-        arguments.token.unwrap_or_default(),
+        token,
         simulated_gpus,
         program,
     );
@@ -161,13 +181,7 @@ mod tests {
     use super::*;
 
     fn parse(arguments: &[&str]) -> Result<Arguments, clap::Error> {
-        let required = [
-            "carve-worker",
-            "--scheduler",
-            "http://scheduler:7470",
-            "--token",
-            "t",
-        ];
+        let required = ["carve-worker", "--scheduler", "http://scheduler:7470"];
         Arguments::try_parse_from(required.iter().chain(arguments))
     }
 
@@ -203,5 +217,18 @@ mod tests {
                 .guard_library,
             Some(PathBuf::from("/opt/carve/libcarve_guard.so"))
         );
+    }
+
+    #[test]
+    fn the_token_comes_from_a_file_never_from_a_flag() {
+        assert_eq!(parse(&[]).unwrap().token_file, None);
+        assert_eq!(
+            parse(&["--token-file", "/etc/carve/worker-token"])
+                .unwrap()
+                .token_file,
+            Some(PathBuf::from("/etc/carve/worker-token"))
+        );
+        let error = parse(&["--token", "carve_secret"]).unwrap_err().to_string();
+        assert!(error.contains("--token"), "{error}");
     }
 }

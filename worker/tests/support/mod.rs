@@ -41,19 +41,23 @@ pub fn tiny_job_spec(
 }
 
 /// The real `carve-worker` binary as a worker with one simulated 1 GiB GPU, connecting
-/// to `address`; the caller adds its log level and standard streams.
+/// to `address`; the caller adds its log level and standard streams. The worker takes its
+/// token from a file only (`--token-file`, mode 0600), written beside `checkpoints` as
+/// `worker-token-{hostname}`.
 pub fn worker_process_command(
     address: &str,
     token: &str,
     checkpoints: &Path,
     hostname: &str,
 ) -> Command {
+    let token_file = checkpoints.with_file_name(format!("worker-token-{hostname}"));
+    write_token_file(&token_file, token);
     let mut command = Command::new(env!("CARGO_BIN_EXE_carve-worker"));
     command
         .arg("--scheduler")
         .arg(address)
-        .arg("--token")
-        .arg(token)
+        .arg("--token-file")
+        .arg(&token_file)
         .arg("--sim-gpus")
         .arg("1GiB")
         .arg("--context-bytes")
@@ -63,6 +67,23 @@ pub fn worker_process_command(
         .arg("--hostname")
         .arg(hostname);
     command
+}
+
+/// `token` in a file at `path` that its owner alone may read, as carve-worker demands
+/// (written again, mode and all, when a restarted worker reuses it).
+fn write_token_file(path: &Path, token: &str) {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .expect("the worker's token file is written");
+    std::io::Write::write_all(&mut file, format!("{token}\n").as_bytes())
+        .expect("the worker's token file is written");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .expect("the worker's token file is made 0600");
 }
 
 /// The command line of every process running now, by pid (nothing where `/proc` cannot
