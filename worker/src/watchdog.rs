@@ -1,23 +1,32 @@
 //! The watchdog over the device memory of the worker's attempts on real GPUs. Every
-//! [`WATCH_INTERVAL`] it reads NVML's per-process usage of the GPUs its attempts run on,
-//! and the process tree of each attempt (the attempt process and its descendants, from
-//! `/proc`), and:
-//! - an attempt whose tree holds more than its slice plus the context allowance is
-//!   warned about (a log line, again only at a new peak) and, once that has lasted
-//!   longer than [`GRACE`], stopped: it ends FAILED with a message naming the numbers;
-//! - an attempt that runs under the guard whose tree has a process on its GPU without a
-//!   slot in the attempt's guard account (the guard never saw it: `LD_PRELOAD` removed,
-//!   a statically linked driver) is stopped the same way once that has lasted longer
-//!   than [`GRACE`]. Engine attempts do not run under the guard and get only the first
-//!   rule.
+//! [`WATCH_INTERVAL`] it reads NVML's per-process usage of the GPUs its attempts run on
+//! and each attempt's processes: the members of its container's cgroup when it runs in
+//! one ([`WatchedAttempt::container_processes`]), else the attempt process and its
+//! descendants (from `/proc`). Then:
+//! - an attempt whose processes hold more than its slice plus the context allowance is
+//!   warned about (a log line, again only at a new peak) and, once that was seen in
+//!   [`BREACH_READINGS_TO_STOP`] of the readings of the last [`BREACH_WINDOW`], stopped:
+//!   it ends FAILED with a message naming the numbers;
+//! - an attempt that runs under the guard with a process on its GPU that has no slot in
+//!   the attempt's guard account (the guard never saw it: `LD_PRELOAD` removed, a
+//!   statically linked driver) is stopped the same way, counted in a window of its own.
+//!   A slot holds the pid the process sees in its own (innermost) pid namespace, NVML
+//!   the host pid, so the two are matched through `/proc/<pid>/status`. Engine attempts
+//!   do not run under the guard and get only the first rule.
+//!
+//! Breaches are counted in a window, not timed from their start: a program that dips
+//! under its limit for one reading every few seconds would restart such a clock for
+//! ever while holding memory that is not its own most of the time.
 //!
 //! The decisions are pure ([`judge_round`]); the readings come through a [`WatchSource`]
-//! and the attempts through [`WatchedAttempts`], so the whole round is tested without
-//! NVML. Limits: a process that leaves the tree (a daemon that double-forks to init) is
-//! not counted, and NVML must see the worker's process ids (the same pid namespace).
+//! ([`SystemWatchSource`] on a node, in `system_readings.rs`) and the attempts through
+//! [`WatchedAttempts`], so the whole round is tested without NVML. Limits: an attempt
+//! without a container (or whose cgroup cannot be read) is its process tree, which a
+//! process leaves by double-forking to init; the worker must run in the host's pid
+//! namespace, whose pids NVML reports; and nothing is seen between two readings.
 
-use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use carve_core::bytes::HumanBytes;
@@ -26,20 +35,38 @@ use carve_proto::v1::worker_message::Body;
 use tokio::sync::mpsc;
 
 use crate::attempt_process::AttemptControl;
-use crate::guard_environment::account_process_ids;
-use crate::nvml::{NvmlHandle, ProcessUsage};
+use crate::nvml::ProcessUsage;
+
+mod system_readings;
+
+pub use system_readings::{
+    SystemWatchSource, innermost_pid_from_status, parent_from_stat, process_ids_from_cgroup_procs,
+    read_cgroup_members, read_innermost_pids, read_process_parents,
+};
 
 /// How often the watchdog reads. NVML's per-process query and a walk of `/proc` take
 /// milliseconds; once a second keeps a breach's cost to a neighbour to seconds.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(1);
 
-/// How long a breach may last before the attempt is stopped. NVML's numbers trail the
-/// program: a framework that frees and allocates again, an allocator trimming its pool
-/// at the next synchronize, or a process that has created its CUDA context a moment
-/// before the guard registered it all read as a breach for an instant. Three seconds
-/// is three readings: a breach that lasts through them is not a passing reading, and a
-/// neighbour is short of memory for seconds at most.
-pub const GRACE: Duration = Duration::from_secs(3);
+/// In how many of the readings within [`BREACH_WINDOW`] a rule must be seen breached
+/// before the attempt is stopped. NVML's numbers trail the program: a framework that
+/// frees and allocates again, an allocator trimming its pool at the next synchronize,
+/// or a process NVML listed as it exited all read as a breach once, and two such
+/// passing readings can fall close together. Three within the window are no longer
+/// passing: the program holds what is not its own. A steady breach is stopped at its
+/// third reading, two seconds after the first, so a neighbour is short of memory for
+/// seconds, about as with the continuous 3 s this replaces.
+pub const BREACH_READINGS_TO_STOP: usize = 3;
+
+/// How far back breaches are counted: the readings taken less than this before the
+/// current one (at [`WATCH_INTERVAL`], the last ten readings). A reading within the
+/// limit does not clear the count, so a program that dips under its limit for a
+/// reading between breaches is stopped all the same. Ten seconds bounds what goes
+/// unseen: a program over its limit in one reading of every four is stopped (three
+/// breaches in ten seconds), and one that stays under it longer holds memory not its
+/// own in two readings of ten at most; a longer window would also add up an honest
+/// program's rare passing readings over a long run into a stop.
+pub const BREACH_WINDOW: Duration = Duration::from_secs(10);
 
 /// The SIGTERM-to-SIGKILL time of a stop: short, since the attempt is taking memory
 /// that is not its own, but enough for a framework to flush its logs.
@@ -50,7 +77,9 @@ pub const STOP_GRACE_PERIOD: Duration = Duration::from_secs(2);
 pub struct WatchedAttempt {
     pub attempt: v1::AttemptRef,
     pub gpu_uuid: String,
-    /// The attempt process: the root of its process tree.
+    /// The attempt process: the root of its process tree, which is what the attempt's
+    /// processes are taken to be when it has no container or its container's list
+    /// cannot be read.
     pub process_id: u32,
     pub slice_bytes: u64,
     /// The context allowance: the GPU's measured per-attempt context reservation
@@ -61,12 +90,50 @@ pub struct WatchedAttempt {
     /// The attempt's guard account, for attempts whose programs run under the guard;
     /// `None` for engine attempts, which the engine itself keeps inside their slice.
     pub guard_account: Option<PathBuf>,
+    /// The `cgroup.procs` file of the attempt's container's cgroup (host pids, one a
+    /// line), for an attempt that runs in a container. Its members (and those of the
+    /// cgroups below it) are the attempt's processes: a process cannot leave its cgroup
+    /// as it can leave a process tree.
+    pub container_processes: Option<PathBuf>,
 }
 
 impl WatchedAttempt {
-    /// What the tree may hold on the GPU: slice plus context.
+    /// What the attempt's processes may hold on the GPU: slice plus context.
     pub fn allowed_bytes(&self) -> u64 {
         self.slice_bytes.saturating_add(self.context_bytes)
+    }
+}
+
+/// What one round reads for its attempts, each named once.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WatchTargets {
+    pub gpu_uuids: Vec<String>,
+    pub guard_accounts: Vec<PathBuf>,
+    pub container_process_files: Vec<PathBuf>,
+}
+
+impl WatchTargets {
+    pub fn of(attempts: &[WatchedAttempt]) -> WatchTargets {
+        fn sorted<T: Ord>(mut items: Vec<T>) -> Vec<T> {
+            items.sort();
+            items.dedup();
+            items
+        }
+        WatchTargets {
+            gpu_uuids: sorted(attempts.iter().map(|w| w.gpu_uuid.clone()).collect()),
+            guard_accounts: sorted(
+                attempts
+                    .iter()
+                    .filter_map(|w| w.guard_account.clone())
+                    .collect(),
+            ),
+            container_process_files: sorted(
+                attempts
+                    .iter()
+                    .filter_map(|w| w.container_processes.clone())
+                    .collect(),
+            ),
+        }
     }
 }
 
@@ -79,13 +146,20 @@ pub struct WatchReading {
     pub parents: HashMap<u32, u32>,
     /// By account file: the process ids holding a slot, or why it cannot be read.
     pub guard_slots: HashMap<PathBuf, Result<HashSet<u32>, String>>,
+    /// By container `cgroup.procs` file: its processes (host pids). A file that could
+    /// not be read is missing.
+    pub container_members: HashMap<PathBuf, HashSet<u32>>,
+    /// For the processes on the watched GPUs: host pid -> its pid in its innermost pid
+    /// namespace, which is what the guard records in its account. A process missing
+    /// here (ended, or `/proc` not read) is taken to be its host pid.
+    pub innermost_pids: HashMap<u32, u32>,
 }
 
-/// Where readings come from: NVML and `/proc` on a node ([`SystemWatchSource`]), a
-/// script in tests.
+/// Where readings come from: NVML, `/proc` and the cgroups on a node
+/// ([`SystemWatchSource`]), a script in tests.
 pub trait WatchSource: Clone + Send + 'static {
     /// Blocking: called on a blocking thread.
-    fn read(&self, gpu_uuids: &[String], guard_accounts: &[PathBuf]) -> WatchReading;
+    fn read(&self, targets: &WatchTargets) -> WatchReading;
 }
 
 /// What the watchdog needs from the worker.
@@ -96,7 +170,8 @@ pub trait WatchedAttempts {
     fn stop(&self, attempt: &v1::AttemptRef, control: AttemptControl);
 }
 
-/// An attempt's tree seen over its slice and context, within the grace: a warning.
+/// An attempt's processes seen over its slice and context, not (yet) stopped for it: a
+/// warning.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SliceOverrun {
     pub attempt: v1::AttemptRef,
@@ -132,7 +207,7 @@ impl SliceOverrun {
 /// What one round decided about one attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WatchFinding {
-    /// Over its slice and context, still within the grace.
+    /// Over its slice and context, not (yet) in enough readings to be stopped.
     Overrun(SliceOverrun),
     /// To be stopped; it ends FAILED with `reason`.
     Stop {
@@ -152,12 +227,45 @@ struct AttemptMemory {
     /// The usage last warned about: a steady breach is warned about once, a new peak
     /// again.
     warned_bytes: Option<u64>,
-    /// Since when the tree has been over its slice and context, reading after reading.
-    over_since: Option<Instant>,
-    /// Since when each process has been on the GPU without a slot in the guard account.
-    unguarded_since: HashMap<u32, Instant>,
+    /// The readings that saw the attempt over its slice and context.
+    overrun_readings: BreachWindow,
+    /// The readings that saw a process of the attempt on its GPU without a slot in its
+    /// guard account. Counted for the attempt, not per process, so a program that
+    /// starts a new unguarded process every few readings is counted all the same.
+    unguarded_readings: BreachWindow,
     /// A stop was asked for: nothing more to decide.
     stopped: bool,
+}
+
+/// When one rule was seen breached, over the last [`BREACH_WINDOW`].
+#[derive(Debug, Default)]
+struct BreachWindow {
+    breach_times: VecDeque<Instant>,
+}
+
+impl BreachWindow {
+    /// Counts a reading at `now` that saw the breach, forgets those that fell out of the
+    /// window, and says whether the breach has now been seen in enough readings to stop
+    /// the attempt.
+    fn breached_enough_at(&mut self, now: Instant) -> bool {
+        while self
+            .breach_times
+            .front()
+            .is_some_and(|&time| now.duration_since(time) >= BREACH_WINDOW)
+        {
+            self.breach_times.pop_front();
+        }
+        self.breach_times.push_back(now);
+        self.breach_times.len() >= BREACH_READINGS_TO_STOP
+    }
+}
+
+/// How a stop message says how often the breach was seen.
+fn breach_count_phrase() -> String {
+    format!(
+        "in {BREACH_READINGS_TO_STOP} of its last {} s of readings",
+        BREACH_WINDOW.as_secs()
+    )
 }
 
 /// `job/attempt`: names one attempt.
@@ -186,35 +294,26 @@ pub fn process_tree(root: u32, parents: &HashMap<u32, u32>) -> HashSet<u32> {
     tree
 }
 
-/// The parent process id in the text of `/proc/<pid>/stat`: "pid (comm) state ppid ...",
-/// where comm may hold spaces and parentheses, so the fields are counted after its last
-/// `)`.
-pub fn parent_from_stat(stat: &str) -> Option<u32> {
-    let after_name = &stat[stat.rfind(')')? + 1..];
-    let mut fields = after_name.split_whitespace();
-    let _state = fields.next()?;
-    fields.next()?.parse().ok()
-}
-
-/// Every process's parent, read from `proc_root` (`/proc`). A process that ends while
-/// it is read is left out.
-pub fn read_process_parents(proc_root: &Path) -> HashMap<u32, u32> {
-    let Ok(entries) = std::fs::read_dir(proc_root) else {
-        return HashMap::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|entry| {
-            let process_id = entry.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
-            Some((process_id, parent_from_stat(&stat)?))
-        })
-        .collect()
+/// The attempt's processes (host pids) in this reading: its container's members, or
+/// its process tree.
+pub fn attempt_processes(watched: &WatchedAttempt, reading: &WatchReading) -> HashSet<u32> {
+    if let Some(members) = watched
+        .container_processes
+        .as_ref()
+        .and_then(|file| reading.container_members.get(file))
+    {
+        return members.clone();
+    }
+    // No container, or its list could not be read: the container is still being made
+    // (runc has not made its cgroup yet) or is ending (its cgroup is gone). The process
+    // tree is the best reading left for those seconds; it misses only processes that
+    // left the tree.
+    process_tree(watched.process_id, &reading.parents)
 }
 
 /// The pure part of the watchdog: what to do about each attempt after one reading at
-/// `now`. `memory` carries the breaches' start times and the warnings already given, and
-/// forgets attempts that are no longer in `attempts`.
+/// `now`. `memory` carries the breaches within the window and the warnings already
+/// given, and forgets attempts that are no longer in `attempts`.
 pub fn judge_round(
     attempts: &[WatchedAttempt],
     reading: &WatchReading,
@@ -235,16 +334,16 @@ pub fn judge_round(
         if remembered.stopped {
             continue;
         }
+        // No reading of its GPU: nothing seen either way, so the breaches counted
+        // within the window stay as they are, as they do through a reading within the
+        // limit.
         let Some(processes) = reading.gpu_processes.get(&watched.gpu_uuid) else {
-            // No reading of its GPU: a breach must be seen to last, reading after reading.
-            remembered.over_since = None;
-            remembered.unguarded_since.clear();
             continue;
         };
-        let tree = process_tree(watched.process_id, &reading.parents);
+        let members = attempt_processes(watched, reading);
         let on_gpu: Vec<&ProcessUsage> = processes
             .iter()
-            .filter(|process| tree.contains(&process.process_id))
+            .filter(|process| members.contains(&process.process_id))
             .collect();
         let stop = judge_unguarded(watched, &on_gpu, reading, remembered, now)
             .or_else(|| judge_overrun(watched, &on_gpu, remembered, now, &mut findings));
@@ -259,8 +358,9 @@ pub fn judge_round(
     findings
 }
 
-/// The overrun rule: the tree's usage over slice + context. Warns (pushing onto
-/// `findings`) while within the grace; returns the stop message after it.
+/// The overrun rule: the attempt's usage over slice + context. Warns (pushing onto
+/// `findings`) at each new peak; returns the stop message once the overrun was seen in
+/// [`BREACH_READINGS_TO_STOP`] readings within the window.
 fn judge_overrun(
     watched: &WatchedAttempt,
     on_gpu: &[&ProcessUsage],
@@ -271,19 +371,18 @@ fn judge_overrun(
     // A process can appear more than once (e.g. once per MIG compute instance).
     let used_bytes: u64 = on_gpu.iter().map(|process| process.used_bytes).sum();
     if used_bytes <= watched.allowed_bytes() {
-        remembered.over_since = None;
         return None;
     }
-    let since = *remembered.over_since.get_or_insert(now);
-    if now.duration_since(since) > GRACE {
+    if remembered.overrun_readings.breached_enough_at(now) {
         return Some(format!(
-            "stopped by the worker: attempt {} held {} of device memory on its gpu for more \
-             than {}s, more than its slice of {} plus the context allowance of {}",
+            "stopped by the worker: attempt {} held {} of device memory on its gpu, more \
+             than its slice of {} plus the context allowance of {}; it was over its slice \
+             {}",
             attempt_key(&watched.attempt),
             HumanBytes(used_bytes),
-            GRACE.as_secs(),
             HumanBytes(watched.slice_bytes),
             HumanBytes(watched.context_bytes),
+            breach_count_phrase(),
         ));
     }
     if remembered.warned_bytes.is_none_or(|last| used_bytes > last) {
@@ -299,8 +398,9 @@ fn judge_overrun(
     None
 }
 
-/// The guard rule, for attempts under the guard: a process of the tree on the GPU with
-/// no slot in the account. Returns the stop message once one has lasted past the grace.
+/// The guard rule, for attempts under the guard: a process of the attempt on the GPU
+/// with no slot in the account. Returns the stop message once that was seen in
+/// [`BREACH_READINGS_TO_STOP`] readings within the window.
 fn judge_unguarded(
     watched: &WatchedAttempt,
     on_gpu: &[&ProcessUsage],
@@ -314,40 +414,44 @@ fn judge_unguarded(
         Some(Err(reason)) => (HashSet::new(), Some(reason.as_str())),
         None => (HashSet::new(), Some("it was not read")),
     };
-    let unguarded: Vec<&&ProcessUsage> = on_gpu
+    // The guard runs inside the process and records the pid the process sees, its
+    // pid in its innermost namespace (1 for a container's first process), where NVML
+    // lists the host pid. Outside a container the two are the same.
+    let innermost_pid = |process: &ProcessUsage| {
+        reading
+            .innermost_pids
+            .get(&process.process_id)
+            .copied()
+            .unwrap_or(process.process_id)
+    };
+    let unguarded = on_gpu
         .iter()
-        .filter(|process| !slots.contains(&process.process_id))
-        .collect();
-    remembered
-        .unguarded_since
-        .retain(|process_id, _| unguarded.iter().any(|p| p.process_id == *process_id));
-    let mut stop = None;
-    for process in unguarded {
-        let since = *remembered
-            .unguarded_since
-            .entry(process.process_id)
-            .or_insert(now);
-        if stop.is_none() && now.duration_since(since) > GRACE {
-            let account_note = unreadable
-                .map(|reason| format!(" (its guard account cannot be read: {reason})"))
-                .unwrap_or_default();
-            stop = Some(format!(
-                "stopped by the worker: process {} of attempt {} used the gpu without the \
-                 guard (was LD_PRELOAD removed?): it held {} of device memory for more than \
-                 {}s with no slot in the attempt's guard account{account_note}",
-                process.process_id,
-                attempt_key(&watched.attempt),
-                HumanBytes(process.used_bytes),
-                GRACE.as_secs(),
-            ));
-        }
+        .find(|process| !slots.contains(&innermost_pid(process)))?;
+    if !remembered.unguarded_readings.breached_enough_at(now) {
+        return None;
     }
-    stop
+    let namespace_note = match innermost_pid(unguarded) {
+        pid if pid == unguarded.process_id => String::new(),
+        pid => format!(" (pid {pid} in its container)"),
+    };
+    let account_note = unreadable
+        .map(|reason| format!(" (its guard account cannot be read: {reason})"))
+        .unwrap_or_default();
+    Some(format!(
+        "stopped by the worker: process {}{namespace_note} of attempt {} used the gpu \
+         without the guard (was LD_PRELOAD removed?): it held {} of device memory with no \
+         slot in the attempt's guard account; the attempt had such a process {}\
+         {account_note}",
+        unguarded.process_id,
+        attempt_key(&watched.attempt),
+        HumanBytes(unguarded.used_bytes),
+        breach_count_phrase(),
+    ))
 }
 
 /// One round: reads through `source` on a blocking thread, decides, warns (tracing and
 /// a log line to the scheduler through `reports`) and stops through `attempts`. `now`
-/// is the time the round counts the grace with.
+/// is the time the round counts its breaches at.
 pub async fn watch_once(
     source: &impl WatchSource,
     attempts: &impl WatchedAttempts,
@@ -360,22 +464,15 @@ pub async fn watch_once(
         memory.attempts.clear();
         return;
     }
-    let mut gpu_uuids: Vec<String> = watched.iter().map(|w| w.gpu_uuid.clone()).collect();
-    gpu_uuids.sort();
-    gpu_uuids.dedup();
-    let guard_accounts: Vec<PathBuf> = watched
-        .iter()
-        .filter_map(|w| w.guard_account.clone())
-        .collect();
+    let targets = WatchTargets::of(&watched);
     let source = source.clone();
-    let reading =
-        match tokio::task::spawn_blocking(move || source.read(&gpu_uuids, &guard_accounts)).await {
-            Ok(reading) => reading,
-            Err(error) => {
-                tracing::warn!(%error, "the watchdog's reading stopped");
-                return;
-            }
-        };
+    let reading = match tokio::task::spawn_blocking(move || source.read(&targets)).await {
+        Ok(reading) => reading,
+        Err(error) => {
+            tracing::warn!(%error, "the watchdog's reading stopped");
+            return;
+        }
+    };
     // Only attempts that still run: one may have ended during the reading.
     let running: HashSet<String> = attempts
         .running()
@@ -428,54 +525,6 @@ pub async fn run_watchdog(
     loop {
         interval.tick().await;
         watch_once(&source, &attempts, &mut memory, &reports, Instant::now()).await;
-    }
-}
-
-/// Readings on a node: NVML for the GPUs, `/proc` for the trees, the guard accounts.
-#[derive(Debug, Clone)]
-pub struct SystemWatchSource {
-    nvml: NvmlHandle,
-    proc_root: PathBuf,
-}
-
-impl SystemWatchSource {
-    pub fn new(nvml: NvmlHandle) -> SystemWatchSource {
-        SystemWatchSource {
-            nvml,
-            proc_root: PathBuf::from("/proc"),
-        }
-    }
-}
-
-impl WatchSource for SystemWatchSource {
-    fn read(&self, gpu_uuids: &[String], guard_accounts: &[PathBuf]) -> WatchReading {
-        let mut gpu_processes = HashMap::new();
-        for uuid in gpu_uuids {
-            match self.nvml.compute_processes(uuid) {
-                Ok(processes) => {
-                    gpu_processes.insert(uuid.clone(), processes);
-                }
-                Err(error) => tracing::warn!(%error, "cannot read per-process gpu memory"),
-            }
-        }
-        // No process on the watched GPUs: nothing to place in a tree.
-        let parents = if gpu_processes
-            .values()
-            .any(|processes| !processes.is_empty())
-        {
-            read_process_parents(&self.proc_root)
-        } else {
-            HashMap::new()
-        };
-        let guard_slots = guard_accounts
-            .iter()
-            .map(|account| (account.clone(), account_process_ids(account)))
-            .collect();
-        WatchReading {
-            gpu_processes,
-            parents,
-            guard_slots,
-        }
     }
 }
 

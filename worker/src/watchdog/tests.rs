@@ -1,6 +1,7 @@
 //! The watchdog's rules on scripted readings, and a stop carried through to a real
 //! attempt process's final report, without NVML.
 
+use std::path::Path;
 use std::process::Stdio;
 
 use super::*;
@@ -26,6 +27,7 @@ fn watched(job: &str, gpu: &str, process_id: u32, slice_bytes: u64) -> WatchedAt
         slice_bytes,
         context_bytes: 300 * MIB,
         guard_account: None,
+        container_processes: None,
     }
 }
 
@@ -48,7 +50,7 @@ fn reading(processes: Vec<ProcessUsage>, parents: &[(u32, u32)]) -> WatchReading
     WatchReading {
         gpu_processes: HashMap::from([("GPU-0".to_string(), processes)]),
         parents: parents.iter().copied().collect(),
-        guard_slots: HashMap::new(),
+        ..Default::default()
     }
 }
 
@@ -204,29 +206,39 @@ fn a_steady_overrun_is_warned_about_once_and_a_new_peak_again() {
     let start = Instant::now();
     let mut round =
         |used, time| judge_round(&attempts, &at(used), &mut memory, seconds(start, time));
+    // Readings 6 to 7 s apart: never three breaches within the window, so never stopped.
     assert_eq!(overruns(&round(2048 * MIB, 0.0)).len(), 1);
-    assert!(round(2048 * MIB, 1.0).is_empty());
-    assert!(round(1500 * MIB, 2.0).is_empty());
-    let again = round(3072 * MIB, 2.5);
+    assert!(round(2048 * MIB, 6.0).is_empty());
+    assert!(round(1500 * MIB, 13.0).is_empty());
+    let again = round(3072 * MIB, 20.0);
     assert_eq!(overruns(&again).len(), 1);
     assert_eq!(overruns(&again)[0].used_bytes, 3072 * MIB);
 }
 
 #[test]
-fn an_overrun_that_outlasts_the_grace_stops_the_attempt_once() {
+fn an_overrun_seen_in_three_readings_stops_the_attempt_once() {
     let attempts = [watched("job-a", "GPU-0", 100, 1024 * MIB)];
     let over = reading(vec![usage(100, 2048 * MIB)], &[]);
     let mut memory = WatchMemory::default();
     let start = Instant::now();
     assert!(stops(&judge_round(&attempts, &over, &mut memory, start)).is_empty());
-    // Exactly the grace is not longer than the grace.
-    assert!(stops(&judge_round(&attempts, &over, &mut memory, start + GRACE)).is_empty());
-    let findings = judge_round(&attempts, &over, &mut memory, seconds(start, 3.5));
+    // Two readings are not enough.
+    assert!(
+        stops(&judge_round(
+            &attempts,
+            &over,
+            &mut memory,
+            seconds(start, 1.0)
+        ))
+        .is_empty()
+    );
+    let findings = judge_round(&attempts, &over, &mut memory, seconds(start, 2.0));
     assert_eq!(
         stops(&findings),
         [
-            "stopped by the worker: attempt job-a/2 held 2 GiB of device memory on its gpu for \
-          more than 3s, more than its slice of 1 GiB plus the context allowance of 300 MiB"
+            "stopped by the worker: attempt job-a/2 held 2 GiB of device memory on its gpu, \
+          more than its slice of 1 GiB plus the context allowance of 300 MiB; it was over its \
+          slice in 3 of its last 10 s of readings"
         ]
     );
     // Asked once: the attempt's watcher does the rest.
@@ -234,7 +246,7 @@ fn an_overrun_that_outlasts_the_grace_stops_the_attempt_once() {
 }
 
 #[test]
-fn a_breach_must_last_reading_after_reading() {
+fn breaches_count_only_within_the_window() {
     let attempts = [watched("job-a", "GPU-0", 100, 1024 * MIB)];
     let over = reading(vec![usage(100, 2048 * MIB)], &[]);
     let within = reading(vec![usage(100, 1024 * MIB)], &[]);
@@ -252,13 +264,14 @@ fn a_breach_must_last_reading_after_reading() {
     };
     assert_eq!(round(&over, 0.0), 0);
     assert_eq!(round(&within, 2.0), 0);
-    // The clock started again at 3.0: not stopped at 5.0.
-    assert_eq!(round(&over, 3.0), 0);
     assert_eq!(round(&over, 5.0), 0);
-    // A round whose GPU could not be read restarts it too.
-    assert_eq!(round(&unread, 6.0), 0);
-    assert_eq!(round(&over, 7.0), 0);
-    assert_eq!(round(&over, 10.5), 1);
+    // The breach at 0.0 is 10 s old: out of the window, so two within it, not three.
+    assert_eq!(round(&over, 10.0), 0);
+    // A round whose GPU could not be read is neither a breach nor its end: the
+    // breaches at 5.0 and 10.0 still count with the next.
+    assert_eq!(round(&unread, 11.0), 0);
+    assert_eq!(round(&within, 12.0), 0);
+    assert_eq!(round(&over, 14.5), 1);
 }
 
 #[test]
@@ -285,7 +298,7 @@ fn readings_of_other_gpus_or_missing_gpus_decide_nothing() {
 }
 
 #[test]
-fn a_guarded_process_on_the_gpu_without_a_slot_is_stopped_after_the_grace() {
+fn a_guarded_process_on_the_gpu_without_a_slot_is_stopped_at_its_third_reading() {
     let attempts = [guarded("job-a", 100, 4096 * MIB)];
     // 101 registered with the guard; 102 reached the GPU without it. Both small.
     let parents = [(100, 1), (101, 100), (102, 100)];
@@ -303,14 +316,15 @@ fn a_guarded_process_on_the_gpu_without_a_slot_is_stopped_after_the_grace() {
         stops(&findings),
         [
             "stopped by the worker: process 102 of attempt job-a/2 used the gpu without the \
-          guard (was LD_PRELOAD removed?): it held 400 MiB of device memory for more than 3s \
-          with no slot in the attempt's guard account"
+          guard (was LD_PRELOAD removed?): it held 400 MiB of device memory with no slot in \
+          the attempt's guard account; the attempt had such a process in 3 of its last 10 s \
+          of readings"
         ]
     );
 }
 
 #[test]
-fn a_process_the_guard_registers_within_the_grace_is_fine() {
+fn a_process_the_guard_registers_after_a_reading_is_fine() {
     let attempts = [guarded("job-a", 100, 4096 * MIB)];
     let on_gpu = reading(vec![usage(100, 500 * MIB)], &[]);
     let before = with_slots(on_gpu.clone(), "job-a", &[]);
@@ -321,14 +335,16 @@ fn a_process_the_guard_registers_within_the_grace_is_fine() {
     for time in [1.0, 4.0, 10.0] {
         assert!(judge_round(&attempts, &after, &mut memory, seconds(start, time)).is_empty());
     }
-    // Losing the slot later starts a new grace, not the old one.
+    // Losing the slot later counts anew: the reading at 0.0 is out of the window, so
+    // the third reading without the slot stops the attempt, not the second.
     assert!(judge_round(&attempts, &before, &mut memory, seconds(start, 11.0)).is_empty());
+    assert!(judge_round(&attempts, &before, &mut memory, seconds(start, 12.0)).is_empty());
     assert_eq!(
         stops(&judge_round(
             &attempts,
             &before,
             &mut memory,
-            seconds(start, 14.5)
+            seconds(start, 13.0)
         ))
         .len(),
         1
@@ -346,7 +362,8 @@ fn an_unreadable_account_counts_as_no_slots_and_says_why() {
     let mut memory = WatchMemory::default();
     let start = Instant::now();
     judge_round(&attempts, &unreadable, &mut memory, start);
-    let findings = judge_round(&attempts, &unreadable, &mut memory, seconds(start, 4.0));
+    judge_round(&attempts, &unreadable, &mut memory, seconds(start, 1.0));
+    let findings = judge_round(&attempts, &unreadable, &mut memory, seconds(start, 2.0));
     let reasons = stops(&findings);
     assert_eq!(reasons.len(), 1);
     assert!(
@@ -365,7 +382,7 @@ fn engine_attempts_are_never_flagged_as_unguarded() {
     let on_gpu = reading(vec![usage(100, 500 * MIB)], &[]);
     let mut memory = WatchMemory::default();
     let start = Instant::now();
-    for time in [0.0, 4.0, 60.0] {
+    for time in [0.0, 1.0, 2.0, 3.0, 4.0, 60.0] {
         assert!(judge_round(&attempts, &on_gpu, &mut memory, seconds(start, time)).is_empty());
     }
 }
@@ -380,7 +397,8 @@ fn a_guarded_attempt_over_its_slice_is_stopped_by_the_overrun_rule_too() {
         overruns(&judge_round(&attempts, &over, &mut memory, start)).len(),
         1
     );
-    let findings = judge_round(&attempts, &over, &mut memory, seconds(start, 4.0));
+    judge_round(&attempts, &over, &mut memory, seconds(start, 1.0));
+    let findings = judge_round(&attempts, &over, &mut memory, seconds(start, 2.0));
     assert!(stops(&findings)[0].contains("more than its slice of 1 GiB"));
 }
 
@@ -400,12 +418,294 @@ fn ended_attempts_are_forgotten() {
     assert!(memory.attempts.is_empty());
 }
 
+#[test]
+fn an_attempt_that_dips_under_its_limit_between_overruns_is_stopped() {
+    // Over, under, over, under, over, a reading a second. The rule this replaced
+    // stopped only a breach that lasted 3 s reading after reading: each dip restarted
+    // its clock, so this pattern, repeated for ever, was never stopped while the
+    // program held memory not its own in three readings of five.
+    let attempts = [watched("job-a", "GPU-0", 100, 1024 * MIB)];
+    let over = reading(vec![usage(100, 2048 * MIB)], &[]);
+    let under = reading(vec![usage(100, 1000 * MIB)], &[]);
+    let mut memory = WatchMemory::default();
+    let start = Instant::now();
+    let mut stopped_at = Vec::new();
+    for (second, reading) in [&over, &under, &over, &under, &over]
+        .into_iter()
+        .enumerate()
+    {
+        let findings = judge_round(
+            &attempts,
+            reading,
+            &mut memory,
+            seconds(start, second as f64),
+        );
+        for reason in stops(&findings) {
+            assert!(reason.ends_with("over its slice in 3 of its last 10 s of readings"));
+            stopped_at.push(second);
+        }
+    }
+    assert_eq!(stopped_at, [4]);
+}
+
+#[test]
+fn unguarded_processes_are_counted_for_the_attempt_not_one_by_one() {
+    // A new process without the guard every other reading, each gone before the next:
+    // no one process is seen twice, but the attempt used the gpu without the guard in
+    // three readings of five.
+    let attempts = [guarded("job-a", 100, 4096 * MIB)];
+    let unguarded = |process_id| {
+        with_slots(
+            reading(
+                vec![usage(100, 500 * MIB), usage(process_id, 400 * MIB)],
+                &[(100, 1), (process_id, 100)],
+            ),
+            "job-a",
+            &[100],
+        )
+    };
+    let guarded_only = with_slots(reading(vec![usage(100, 500 * MIB)], &[]), "job-a", &[100]);
+    let pattern = [
+        unguarded(101),
+        guarded_only.clone(),
+        unguarded(102),
+        guarded_only,
+        unguarded(103),
+    ];
+    let mut memory = WatchMemory::default();
+    let start = Instant::now();
+    let mut stopped = Vec::new();
+    for (second, reading) in pattern.iter().enumerate() {
+        let findings = judge_round(
+            &attempts,
+            reading,
+            &mut memory,
+            seconds(start, second as f64),
+        );
+        for reason in stops(&findings) {
+            stopped.push((second, reason.to_string()));
+        }
+    }
+    assert_eq!(stopped.len(), 1, "{stopped:?}");
+    assert_eq!(stopped[0].0, 4);
+    assert!(
+        stopped[0].1.starts_with(
+            "stopped by the worker: process 103 of attempt job-a/2 used the gpu without the guard"
+        ),
+        "{}",
+        stopped[0].1
+    );
+}
+
+#[test]
+fn a_single_spike_in_the_window_is_only_warned_about() {
+    let attempts = [watched("job-a", "GPU-0", 100, 1024 * MIB)];
+    let spike = reading(vec![usage(100, 2048 * MIB)], &[]);
+    let under = reading(vec![usage(100, 1000 * MIB)], &[]);
+    let mut memory = WatchMemory::default();
+    let start = Instant::now();
+    let findings = judge_round(&attempts, &spike, &mut memory, start);
+    assert!(stops(&findings).is_empty(), "{findings:?}");
+    assert_eq!(overruns(&findings).len(), 1);
+    for second in 1..=20 {
+        let findings = judge_round(
+            &attempts,
+            &under,
+            &mut memory,
+            seconds(start, second as f64),
+        );
+        assert!(findings.is_empty(), "{findings:?}");
+    }
+}
+
+const CGROUP_PROCS: &str = "/sys/fs/cgroup/carve/job-a-2/cgroup.procs";
+
+fn in_container(watched: WatchedAttempt) -> WatchedAttempt {
+    WatchedAttempt {
+        container_processes: Some(PathBuf::from(CGROUP_PROCS)),
+        ..watched
+    }
+}
+
+fn with_members(mut reading: WatchReading, members: &[u32]) -> WatchReading {
+    reading.container_members.insert(
+        PathBuf::from(CGROUP_PROCS),
+        members.iter().copied().collect(),
+    );
+    reading
+}
+
+#[test]
+fn a_process_that_left_the_tree_is_counted_through_its_container_and_stopped() {
+    // 150 double-forked to init: it is no longer in the tree of 100, but it is still
+    // in the container's cgroup. 200 is a neighbour outside the container.
+    let parents = [(100, 1), (101, 100), (150, 1), (200, 1)];
+    let on_gpu = vec![
+        usage(101, 500 * MIB),
+        usage(150, 1500 * MIB),
+        usage(200, 10_000 * MIB),
+    ];
+    let without_container = [watched("job-a", "GPU-0", 100, 1024 * MIB)];
+    let tree_only = first_round(&without_container, &reading(on_gpu.clone(), &parents));
+    assert!(tree_only.is_empty(), "the tree misses 150: {tree_only:?}");
+
+    let attempts = [in_container(watched("job-a", "GPU-0", 100, 1024 * MIB))];
+    let listed = with_members(reading(on_gpu.clone(), &parents), &[100, 101, 150]);
+    let mut memory = WatchMemory::default();
+    let start = Instant::now();
+    let first = judge_round(&attempts, &listed, &mut memory, start);
+    assert_eq!(overruns(&first)[0].used_bytes, 2000 * MIB);
+    judge_round(&attempts, &listed, &mut memory, seconds(start, 1.0));
+    let third = judge_round(&attempts, &listed, &mut memory, seconds(start, 2.0));
+    assert_eq!(stops(&third).len(), 1, "{third:?}");
+    assert!(stops(&third)[0].contains("held 1.95 GiB"), "{third:?}");
+
+    // The cgroup's members are exactly the attempt's processes: 101 is in the tree of
+    // 100 but, not listed, is not counted.
+    let listed_without_101 = with_members(reading(on_gpu.clone(), &parents), &[100, 150]);
+    assert_eq!(
+        overruns(&first_round(&attempts, &listed_without_101))[0].used_bytes,
+        1500 * MIB
+    );
+    // The container's list not read (starting, ending): its process tree again.
+    let unlisted = first_round(&attempts, &reading(on_gpu, &parents));
+    assert!(unlisted.is_empty(), "{unlisted:?}");
+}
+
+#[test]
+fn a_container_process_is_matched_to_its_slot_by_its_pid_in_the_container() {
+    // 4711 is pid 1 in its container, 4712 is pid 7. The account holds 1 (4711's) and
+    // 4712, which inside the container is some other process's pid, not 4712's.
+    let attempts = [in_container(guarded("job-a", 4700, 4096 * MIB))];
+    let mut seen = with_slots(
+        with_members(
+            reading(vec![usage(4711, 500 * MIB), usage(4712, 400 * MIB)], &[]),
+            &[4700, 4711, 4712],
+        ),
+        "job-a",
+        &[1, 4712],
+    );
+    seen.innermost_pids = HashMap::from([(4711, 1), (4712, 7)]);
+    let mut memory = WatchMemory::default();
+    let start = Instant::now();
+    assert!(judge_round(&attempts, &seen, &mut memory, start).is_empty());
+    assert!(judge_round(&attempts, &seen, &mut memory, seconds(start, 1.0)).is_empty());
+    let findings = judge_round(&attempts, &seen, &mut memory, seconds(start, 2.0));
+    assert_eq!(
+        stops(&findings),
+        [
+            "stopped by the worker: process 4712 (pid 7 in its container) of attempt job-a/2 \
+          used the gpu without the guard (was LD_PRELOAD removed?): it held 400 MiB of device \
+          memory with no slot in the attempt's guard account; the attempt had such a process \
+          in 3 of its last 10 s of readings"
+        ]
+    );
+
+    // Once 7 has its slot, neither is unguarded, reading after reading.
+    let registered = with_slots(seen, "job-a", &[1, 7]);
+    let mut memory = WatchMemory::default();
+    for second in 0..12 {
+        let findings = judge_round(
+            &attempts,
+            &registered,
+            &mut memory,
+            seconds(start, second as f64),
+        );
+        assert!(findings.is_empty(), "{findings:?}");
+    }
+}
+
+#[test]
+fn the_innermost_pid_is_the_last_field_of_nspid() {
+    let status = "Name:\tpython3\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t4711\nNgid:\t0\n\
+                  Pid:\t4711\nPPid:\t4700\nTracerPid:\t0\nUid:\t1000\t1000\t1000\t1000\n\
+                  NStgid:\t4711\t12\t1\nNSpid:\t4711\t12\t1\nNSpgid:\t4700\t1\t1\n\
+                  NSsid:\t4700\t1\t1\nVmPeak:\t  123456 kB\n";
+    assert_eq!(innermost_pid_from_status(status), Some(1));
+    // Not in a container: the one field is the host pid.
+    assert_eq!(
+        innermost_pid_from_status("Pid:\t4711\nNSpid:\t4711\n"),
+        Some(4711)
+    );
+    // A kernel before 4.1 has no such line; a torn one is no answer either.
+    assert_eq!(innermost_pid_from_status("Pid:\t4711\nPPid:\t1\n"), None);
+    assert_eq!(innermost_pid_from_status("NSpid:\t4711\t1"), Some(1));
+    assert_eq!(innermost_pid_from_status("NSpid:\t4711\t"), Some(4711));
+    assert_eq!(innermost_pid_from_status("NSpid:\n"), None);
+}
+
+#[test]
+fn innermost_pids_are_read_from_a_proc_directory() {
+    let proc_root = tempfile::tempdir().unwrap();
+    for (process_id, status) in [
+        (10, "Pid:\t10\nNSpid:\t10\t1\n"),
+        // No NSpid line: its host pid.
+        (11, "Pid:\t11\n"),
+    ] {
+        let directory = proc_root.path().join(process_id.to_string());
+        std::fs::create_dir(&directory).unwrap();
+        std::fs::write(directory.join("status"), status).unwrap();
+    }
+    // 12 ended before it was read: left out.
+    assert_eq!(
+        read_innermost_pids(proc_root.path(), [10, 11, 12]),
+        HashMap::from([(10, 1), (11, 11)])
+    );
+    // This test runs in the pid namespace of the /proc it reads.
+    let own = std::process::id();
+    assert_eq!(
+        read_innermost_pids(Path::new("/proc"), [own]),
+        HashMap::from([(own, own)])
+    );
+}
+
+#[test]
+fn a_container_s_members_are_read_from_its_cgroup_and_the_cgroups_below_it() {
+    assert_eq!(
+        process_ids_from_cgroup_procs("4711\n4712\n\n"),
+        HashSet::from([4711, 4712])
+    );
+    let cgroup = tempfile::tempdir().unwrap();
+    std::fs::write(cgroup.path().join("cgroup.procs"), "10\n11\n").unwrap();
+    std::fs::write(cgroup.path().join("memory.max"), "max\n").unwrap();
+    // A child cgroup the container made, and one below that.
+    let inner = cgroup.path().join("inner");
+    std::fs::create_dir_all(inner.join("deeper")).unwrap();
+    std::fs::write(inner.join("cgroup.procs"), "12\n").unwrap();
+    std::fs::write(inner.join("deeper").join("cgroup.procs"), "13\n").unwrap();
+    assert_eq!(
+        read_cgroup_members(&cgroup.path().join("cgroup.procs")).unwrap(),
+        HashSet::from([10, 11, 12, 13])
+    );
+    // The container's cgroup gone (or not made yet): an error, and the watchdog falls
+    // back to the process tree.
+    assert!(read_cgroup_members(&cgroup.path().join("gone").join("cgroup.procs")).is_err());
+}
+
+#[test]
+fn a_round_reads_each_gpu_account_and_container_once() {
+    let first = in_container(guarded("job-a", 100, 1024 * MIB));
+    let second = WatchedAttempt {
+        attempt: attempt("job-b"),
+        ..first.clone()
+    };
+    let engine = watched("job-c", "GPU-1", 300, 1024 * MIB);
+    assert_eq!(
+        WatchTargets::of(&[first, second, engine]),
+        WatchTargets {
+            gpu_uuids: vec!["GPU-0".into(), "GPU-1".into()],
+            guard_accounts: vec![PathBuf::from("/attempts/job-a/gpu-memory.account")],
+            container_process_files: vec![PathBuf::from(CGROUP_PROCS)],
+        }
+    );
+}
+
 /// The same reading every round.
 #[derive(Debug, Clone)]
 struct FixedSource(WatchReading);
 
 impl WatchSource for FixedSource {
-    fn read(&self, _gpu_uuids: &[String], _guard_accounts: &[PathBuf]) -> WatchReading {
+    fn read(&self, _targets: &WatchTargets) -> WatchReading {
         self.0.clone()
     }
 }
@@ -488,8 +788,13 @@ async fn a_round_warns_through_the_reports_and_stops_through_the_control_channel
         panic!("no warning");
     };
     assert_eq!(line.level, "warn");
-    assert!(controls.try_recv().is_err(), "stopped within the grace");
-    rounds.at(4.0).await;
+    assert!(controls.try_recv().is_err(), "stopped at the first reading");
+    rounds.at(1.0).await;
+    assert!(
+        controls.try_recv().is_err(),
+        "stopped at the second reading"
+    );
+    rounds.at(2.0).await;
     let Ok(AttemptControl::StopAsFailed {
         grace_period,
         reason,
@@ -529,6 +834,7 @@ impl LiveAttempt {
         let (reports, sent) = mpsc::unbounded_channel();
         let watcher = tokio::spawn(watch_attempt_process(
             child,
+            None,
             attempt("job-a"),
             reports.clone(),
             control_receiver,
@@ -561,7 +867,7 @@ impl LiveAttempt {
 #[tokio::test]
 async fn a_stopped_attempt_process_is_killed_and_ends_failed_with_the_watchdog_s_reason() {
     // A real process tree in its own group, as the worker starts attempts: a shell
-    // whose child holds "device memory" (the scripted reading) past the grace.
+    // whose child holds "device memory" (the scripted reading) over three readings.
     let live = LiveAttempt::start("sleep 60 & wait", &[]);
     let shell = live.shell;
     // The sleeping child is the one on the GPU; find it in /proc as the watchdog does.
@@ -580,7 +886,7 @@ async fn a_stopped_attempt_process_is_killed_and_ends_failed_with_the_watchdog_s
     let reading = WatchReading {
         gpu_processes: HashMap::from([("GPU-0".to_string(), vec![usage(sleeper, 2048 * MIB)])]),
         parents: read_process_parents(Path::new("/proc")),
-        guard_slots: HashMap::new(),
+        ..Default::default()
     };
     let mut rounds = Rounds::new(
         FixedSource(reading),
@@ -588,8 +894,9 @@ async fn a_stopped_attempt_process_is_killed_and_ends_failed_with_the_watchdog_s
         live.control.clone(),
         live.reports.clone(),
     );
-    rounds.at(0.0).await;
-    rounds.at(4.0).await;
+    for time in [0.0, 1.0, 2.0] {
+        rounds.at(time).await;
+    }
     let finished = live.finished().await;
     assert_eq!(finished.outcome, v1::AttemptOutcome::Failed as i32);
     assert!(
@@ -667,7 +974,10 @@ async fn on_a_real_gpu_a_child_over_the_slice_is_seen_in_the_tree_and_stopped() 
     });
     ready.await.expect("the holder took its memory");
     let source = SystemWatchSource::new(nvml);
-    let reading = source.read(std::slice::from_ref(&gpu.uuid), &[]);
+    let reading = source.read(&WatchTargets {
+        gpu_uuids: vec![gpu.uuid.clone()],
+        ..Default::default()
+    });
     let tree = process_tree(shell, &reading.parents);
     let on_gpu: Vec<ProcessUsage> = reading.gpu_processes[&gpu.uuid]
         .iter()
@@ -687,15 +997,24 @@ async fn on_a_real_gpu_a_child_over_the_slice_is_seen_in_the_tree_and_stopped() 
         "NVML did not see the child in the tree"
     );
     assert!(!on_gpu.iter().any(|process| process.process_id == shell));
-    // A 256 MiB slice with a 128 MiB context allowance: over, and stopped after the grace.
+    // The holder runs in the worker's pid namespace: its innermost pid is its host pid.
+    for process in &on_gpu {
+        assert_eq!(
+            reading.innermost_pids.get(&process.process_id),
+            Some(&process.process_id)
+        );
+    }
+    // A 256 MiB slice with a 128 MiB context allowance: over, and stopped at the third
+    // reading.
     let watched = WatchedAttempt {
         context_bytes: 128 * MIB,
         ..watched("job-a", &gpu.uuid, shell, 256 * MIB)
     };
     let control = live.control.clone();
     let mut rounds = Rounds::new(source, watched, control, live.reports.clone());
-    rounds.at(0.0).await;
-    rounds.at(4.0).await;
+    for time in [0.0, 1.0, 2.0] {
+        rounds.at(time).await;
+    }
     let finished = live.finished().await;
     println!("final report: {finished:?}");
     assert_eq!(finished.outcome, v1::AttemptOutcome::Failed as i32);
