@@ -589,6 +589,7 @@ pub fn worker_command_to_proto(command: WorkerCommand) -> v1::SchedulerMessage {
                     location: assignment.resume_from.location,
                 }),
                 profile: assignment.profile,
+                tenant: assignment.tenant,
             })
         }
         WorkerCommand::Cancel {

@@ -315,6 +315,7 @@ impl Scheduler {
                         .unwrap_or(checkpoint_location),
                 },
                 profile,
+                tenant: job.tenant.clone(),
             }),
         );
         self.emit_state(

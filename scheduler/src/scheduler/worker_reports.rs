@@ -159,4 +159,6 @@ pub struct Assignment {
     pub resume_from: Checkpoint,
     /// Run a command job's profile instead of training.
     pub profile: bool,
+    /// The job's tenant, whose host uid range the worker runs the attempt under.
+    pub tenant: String,
 }
