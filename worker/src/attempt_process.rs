@@ -26,6 +26,7 @@ use crate::child_protocol::{
     ChildLine, OUT_OF_MEMORY_EXIT_CODE, STOPPED_ON_SIGTERM_EXIT_CODE, WORKER_GONE_EXIT_CODE,
 };
 use crate::error::WorkerError;
+use crate::sandbox::{Container, ContainerRequest, Sandbox, container_exit_status};
 
 /// How many stderr lines a failure message quotes.
 const STDERR_LINES_KEPT: usize = 20;
@@ -82,37 +83,100 @@ impl WorkerStop {
     }
 }
 
+/// Variables of the worker's own environment an engine attempt process gets: where the
+/// CUDA libraries are, the engine's tuning switches, and Rust's diagnostics. The engine
+/// is Carve's own code, so these are the operator's, never a tenant's; nothing else of
+/// the worker's environment reaches it.
+const ENGINE_ENVIRONMENT_PREFIXES: [&str; 5] = [
+    "PATH",
+    "LD_LIBRARY_PATH",
+    "CARVE_CUDA_",
+    "RUST_BACKTRACE",
+    "RUST_LOG",
+];
+
+impl AttemptLaunch {
+    /// The attempt process's command line: `PROGRAM attempt --spec-file ...`.
+    pub fn argv(&self) -> Vec<String> {
+        let path = |path: &PathBuf| path.to_string_lossy().into_owned();
+        let mut argv = vec![
+            path(&self.program),
+            "attempt".into(),
+            "--spec-file".into(),
+            path(&self.spec_file),
+            "--config-json".into(),
+            self.config_json.clone(),
+            "--slice-bytes".into(),
+            self.slice_bytes.to_string(),
+            "--checkpoint".into(),
+            path(&self.checkpoint),
+        ];
+        if let Some(resume) = &self.resume {
+            argv.extend(["--resume".into(), path(resume)]);
+        }
+        argv
+    }
+
+    /// The attempt process's whole environment: [`ENGINE_ENVIRONMENT_PREFIXES`] of the
+    /// worker's, and its GPU.
+    pub fn environment(&self) -> Vec<(String, String)> {
+        let mut environment: Vec<(String, String)> = std::env::vars()
+            .filter(|(name, _)| {
+                ENGINE_ENVIRONMENT_PREFIXES.iter().any(|prefix| {
+                    name == prefix || (prefix.ends_with('_') && name.starts_with(prefix))
+                })
+            })
+            .collect();
+        if let Some(uuid) = &self.cuda_gpu_uuid {
+            // NVML's index and CUDA's device ordinal can differ (CUDA orders by speed
+            // unless told otherwise); the uuid names the same GPU for both, and the
+            // process then sees it as its only device, ordinal 0.
+            environment.push(("CUDA_VISIBLE_DEVICES".into(), uuid.clone()));
+            environment.push((
+                crate::attempt_child::CUDA_DEVICE_VARIABLE.into(),
+                "0".into(),
+            ));
+        }
+        environment
+    }
+}
+
 /// Starts the engine's attempt process (`PROGRAM attempt ...`), supervised as
-/// [`spawn_supervised`] says.
-pub async fn spawn_attempt_process(launch: &AttemptLaunch) -> Result<Child, WorkerError> {
-    let mut command = Command::new(&launch.program);
-    command
-        .arg("attempt")
-        .arg("--spec-file")
-        .arg(&launch.spec_file)
-        .arg("--config-json")
-        .arg(&launch.config_json)
-        .arg("--slice-bytes")
-        .arg(launch.slice_bytes.to_string())
-        .arg("--checkpoint")
-        .arg(&launch.checkpoint);
-    if let Some(resume) = &launch.resume {
-        command.arg("--resume").arg(resume);
+/// [`spawn_supervised`] says: in the container `container` describes when there is one,
+/// else directly with the worker's rights.
+pub async fn spawn_attempt_process(
+    launch: &AttemptLaunch,
+    container: Option<(&Sandbox, ContainerRequest)>,
+) -> Result<(Child, Option<Container>), WorkerError> {
+    let argv = launch.argv();
+    let environment = launch.environment();
+    let (command, container) = match container {
+        Some((sandbox, request)) => {
+            let (command, container) = sandbox.prepare(&ContainerRequest {
+                argv,
+                environment,
+                ..request
+            })?;
+            (command, Some(container))
+        }
+        None => {
+            let mut command = Command::new(&argv[0]);
+            command.args(&argv[1..]).env_clear().envs(environment);
+            (command, None)
+        }
+    };
+    match spawn_supervised(command).await {
+        Ok(child) => Ok((child, container)),
+        Err(error) => {
+            if let Some(container) = &container {
+                container.remove();
+            }
+            Err(WorkerError::AttemptProcess(format!(
+                "cannot start {}: {error}",
+                launch.program.display()
+            )))
+        }
     }
-    if let Some(uuid) = &launch.cuda_gpu_uuid {
-        // NVML's index and CUDA's device ordinal can differ (CUDA orders by speed unless
-        // told otherwise); the uuid names the same GPU for both, and the process then
-        // sees it as its only device, ordinal 0.
-        command
-            .env("CUDA_VISIBLE_DEVICES", uuid)
-            .env(crate::attempt_child::CUDA_DEVICE_VARIABLE, "0");
-    }
-    spawn_supervised(command).await.map_err(|error| {
-        WorkerError::AttemptProcess(format!(
-            "cannot start {}: {error}",
-            launch.program.display()
-        ))
-    })
 }
 
 /// Starts `command` as an attempt's process, engine or command job alike: stdin closed,
@@ -218,6 +282,7 @@ pub fn signal_process_group(process_group: u32, signal: Signal) -> std::io::Resu
 /// slice there, so the scheduler never hears "finished" while the slice is still held.
 pub async fn watch_attempt_process(
     mut child: Child,
+    container: Option<Container>,
     attempt: v1::AttemptRef,
     reports: mpsc::UnboundedSender<Body>,
     mut control: mpsc::UnboundedReceiver<AttemptControl>,
@@ -250,7 +315,7 @@ pub async fn watch_attempt_process(
     let mut final_line: Option<ChildLine> = None;
     let mut measured_peak_bytes = 0u64;
     let mut steps_reported: Option<u64> = None;
-    let mut stopper = ProcessStopper::new(process_id);
+    let mut stopper = ProcessStopper::new(process_id, container.clone());
     let send = |body: Body| {
         // The receiver lives as long as the worker; a send fails only at shutdown.
         let _ = reports.send(body);
@@ -291,7 +356,13 @@ pub async fn watch_attempt_process(
                     Ok(None) | Err(_) => stdout_lines = None,
                 }
             }
-            status = child.wait(), if stdout_lines.is_none() => break status,
+            status = child.wait(), if stdout_lines.is_none() => {
+                // The engine's own 143 means it checkpointed on SIGTERM.
+                break status.map(|status| match &container {
+                    Some(_) => container_exit_status(status, &[STOPPED_ON_SIGTERM_EXIT_CODE]),
+                    None => status,
+                });
+            }
             command = control.recv(), if !stopper.is_stopping() => {
                 stopper.begin(&mut child, command, &attempt.job_id);
             }
@@ -300,6 +371,9 @@ pub async fn watch_attempt_process(
             }
         }
     };
+    if let Some(container) = &container {
+        container.remove();
+    }
     if let Some(reader) = stderr_reader {
         // The pipe closes when the process is gone; a grandchild holding it must not
         // hold up the report.
@@ -360,21 +434,25 @@ pub struct Observed {
     pub steps: Option<u64>,
 }
 
-/// A stop the worker asked for, as it goes: SIGTERM to the process group at once, SIGKILL
-/// when the grace period is over (at once without one). One per process: the process
-/// group is the process's id.
+/// A stop the worker asked for, as it goes: SIGTERM to the process group (every process
+/// of its container, when it has one) at once, SIGKILL when the grace period is over (at
+/// once without one). One per process: the process group is the process's id.
 #[derive(Debug)]
 pub struct ProcessStopper {
     process_group: u32,
+    /// The container the process runs in: its processes are not in the runtime's
+    /// process group, so they are signalled through the runtime.
+    container: Option<Container>,
     stop: Option<WorkerStop>,
     kill_at: Option<Instant>,
     killed: bool,
 }
 
 impl ProcessStopper {
-    pub fn new(process_group: u32) -> ProcessStopper {
+    pub fn new(process_group: u32, container: Option<Container>) -> ProcessStopper {
         ProcessStopper {
             process_group,
+            container,
             stop: None,
             kill_at: None,
             killed: false,
@@ -407,10 +485,14 @@ impl ProcessStopper {
         tracing::info!(job = %job_id, process_id, ?grace_period, ?stop, "stopping an attempt");
         self.stop = Some(stop);
         if grace_period.is_zero() {
-            kill_group(child, process_id);
+            self.kill_everything(child);
             self.killed = true;
         } else {
-            if let Err(error) = signal_process_group(process_id, Signal::TERM) {
+            let sent = match &self.container {
+                Some(container) => container.signal_all("TERM"),
+                None => signal_process_group(process_id, Signal::TERM),
+            };
+            if let Err(error) = sent {
                 tracing::warn!(process_id, %error, "cannot send sigterm");
             }
             self.kill_at = Some(Instant::now() + grace_period);
@@ -426,8 +508,19 @@ impl ProcessStopper {
     pub fn kill(&mut self, child: &mut Child, job_id: &str) {
         let process_id = self.process_group;
         tracing::info!(job = %job_id, process_id, "grace period over: killing the attempt");
-        kill_group(child, process_id);
+        self.kill_everything(child);
         self.killed = true;
+    }
+
+    /// SIGKILL to every process of the container first (the runtime's own process
+    /// cannot pass a SIGKILL on), then to the process group.
+    fn kill_everything(&self, child: &mut Child) {
+        if let Some(container) = &self.container
+            && let Err(error) = container.signal_all("KILL")
+        {
+            tracing::warn!(container = %container.name(), %error, "cannot kill the container");
+        }
+        kill_group(child, self.process_group);
     }
 
     /// Why the worker stopped the process; `None` when it did not.

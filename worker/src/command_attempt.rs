@@ -16,6 +16,7 @@
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
+use std::sync::Arc;
 use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
@@ -37,7 +38,12 @@ use crate::command_output::{
     BoundedLines, LineTail, MOST_LINE_BYTES, ProgressLine, STDERR_TAIL_LINES, parse_progress_line,
     start_error_text,
 };
+use crate::error::WorkerError;
 use crate::guard_environment::AttemptGuard;
+use crate::sandbox::{
+    Container, ContainerRequest, HostPath, Sandbox, UNCONTAINED_WARNING, container_exit_status,
+    give_directory_to,
+};
 
 /// The variable that tells the program its slice's size, with or without the guard (a
 /// program on a simulated GPU without the guard can account for itself against it).
@@ -72,18 +78,33 @@ pub struct CommandAttemptLaunch {
     pub attempt_directory: PathBuf,
     /// Run the profile instead of training.
     pub profile: bool,
+    /// Where each run is contained; `None`: the program runs with the worker's rights.
+    pub sandbox: Option<Arc<Sandbox>>,
+    /// The job's tenant: whose host ids its container runs under.
+    pub tenant: String,
+    /// The slice's GPU's device nodes, the only ones its container sees.
+    pub devices: Vec<PathBuf>,
+    /// The first part of its containers' names (a run number follows).
+    pub container_name: String,
 }
 
 /// What the worker learns of the processes an attempt starts (a profile starts one per
 /// run): it records them, and lets the watchdog watch them.
 pub trait CommandProcesses: Send {
-    fn started(&mut self, process_id: u32, guard_account: Option<&Path>);
+    /// `container_processes`: the `cgroup.procs` file of the run's container, when it has
+    /// one.
+    fn started(
+        &mut self,
+        process_id: u32,
+        guard_account: Option<&Path>,
+        container_processes: Option<&Path>,
+    );
     fn exited(&mut self, process_id: u32);
 }
 
 /// Nobody to tell (tests).
 impl CommandProcesses for () {
-    fn started(&mut self, _process_id: u32, _guard_account: Option<&Path>) {}
+    fn started(&mut self, _: u32, _: Option<&Path>, _: Option<&Path>) {}
     fn exited(&mut self, _process_id: u32) {}
 }
 
@@ -103,6 +124,7 @@ pub async fn run_command_attempt(
         control: &mut control,
         processes: &mut processes,
         announced: false,
+        runs: 0,
     };
     let finals = if launch.profile {
         runner.profile().await
@@ -156,6 +178,8 @@ struct Runner<'a, P: CommandProcesses> {
     processes: &'a mut P,
     /// Whether `AttemptStarted` went out.
     announced: bool,
+    /// Runs started so far (each run's container has its own name).
+    runs: u32,
 }
 
 impl<P: CommandProcesses> Runner<'_, P> {
@@ -255,13 +279,22 @@ impl<P: CommandProcesses> Runner<'_, P> {
             peak_bytes: 0,
             progress: ProgressLine::default(),
         };
-        let (command, argv, guard) = match self.prepare(plan) {
+        self.runs += 1;
+        let PreparedRun {
+            command,
+            argv,
+            guard,
+            container,
+        } = match self.prepare(plan) {
             Ok(prepared) => prepared,
             Err(message) => return not_started(message),
         };
         let child = match spawn_supervised(command).await {
             Ok(child) => child,
             Err(error) => {
+                if let Some(container) = &container {
+                    container.remove();
+                }
                 return not_started(format!(
                     "could not start {}: {}",
                     argv[0],
@@ -276,11 +309,15 @@ impl<P: CommandProcesses> Runner<'_, P> {
             attempt = attempt.attempt_number,
             process_id,
             under_guard = guard.is_some(),
+            contained = container.is_some(),
             argv = ?argv,
             "command started"
         );
-        self.processes
-            .started(process_id, guard.as_ref().map(AttemptGuard::account_file));
+        self.processes.started(
+            process_id,
+            guard.as_ref().map(AttemptGuard::account_file),
+            container.as_ref().map(Container::processes_file),
+        );
         if !self.announced {
             self.announced = true;
             self.send(Body::AttemptStarted(v1::worker_message::AttemptStarted {
@@ -289,19 +326,30 @@ impl<P: CommandProcesses> Runner<'_, P> {
                 resumed_from: None,
                 command_argv: argv,
             }));
+            if container.is_none() {
+                self.send(uncontained_log_line(attempt));
+            }
         }
-        let record = self.watch(child, process_id, plan, guard.as_ref()).await;
+        let record = self
+            .watch(child, process_id, plan, guard.as_ref(), container.as_ref())
+            .await;
+        if let Some(container) = &container {
+            container.remove();
+        }
         self.processes.exited(process_id);
         record
     }
 
-    /// The directories, the guard's account and the command of one run.
-    fn prepare(
-        &self,
-        plan: &RunPlan,
-    ) -> Result<(Command, Vec<String>, Option<AttemptGuard>), String> {
+    /// The directories, the guard's account and the command of one run, and its
+    /// container when the worker contains its attempts.
+    fn prepare(&self, plan: &RunPlan) -> Result<PreparedRun, String> {
         let launch = self.launch;
-        for directory in [&plan.checkpoint_dir, &launch.attempt_directory] {
+        let directories = [
+            &plan.checkpoint_dir,
+            &launch.checkpoint_dir,
+            &launch.attempt_directory,
+        ];
+        for directory in directories {
             std::fs::create_dir_all(directory)
                 .map_err(|error| format!("cannot create {}: {error}", directory.display()))?;
         }
@@ -325,29 +373,113 @@ impl<P: CommandProcesses> Runner<'_, P> {
             plan.max_steps,
         )
         .map_err(|error| format!("cannot render the command: {error}"))?;
-        let Some((program, arguments)) = rendered.argv.split_first() else {
+        if rendered.argv.is_empty() {
             return Err("the command is empty".to_string());
-        };
+        }
         let working_directory = rendered
             .working_directory
             .as_ref()
             .map_or_else(|| launch.attempt_directory.clone(), PathBuf::from);
         if !working_directory.is_dir() {
             return Err(format!(
-                "could not start {program}: its working directory {} does not exist",
+                "could not start {}: its working directory {} does not exist",
+                rendered.argv[0],
                 working_directory.display()
             ));
         }
-        let mut command = Command::new(program);
-        command.args(arguments).current_dir(&working_directory);
-        match &guard {
-            Some(guard) => guard.apply_environment(&mut command, &rendered.env),
-            None => {
-                command.envs(&rendered.env);
+        // Nothing of the worker's own environment: only the job's (its `env` and the
+        // `CARVE_*` values), then the guard's, which the job cannot override.
+        let mut environment = match &guard {
+            Some(guard) => guard.program_environment(&rendered.env),
+            None => rendered.env.clone(),
+        };
+        environment.insert(
+            ENVIRONMENT_SLICE_BYTES.to_string(),
+            launch.slice_bytes.to_string(),
+        );
+        let environment: Vec<(String, String)> = environment.into_iter().collect();
+        let (command, container) = match &launch.sandbox {
+            Some(sandbox) => {
+                let (command, container) = self
+                    .contain(
+                        sandbox,
+                        plan,
+                        &rendered.argv,
+                        environment,
+                        &working_directory,
+                        guard.as_ref(),
+                    )
+                    .map_err(|error| error.to_string())?;
+                (command, Some(container))
             }
+            None => {
+                // Where the job sets no PATH, the worker's, so that `python3` means here
+                // what it means to the person who started the worker.
+                let mut command = Command::new(&rendered.argv[0]);
+                command
+                    .args(&rendered.argv[1..])
+                    .current_dir(&working_directory)
+                    .env_clear();
+                if let Some(path) = std::env::var_os("PATH") {
+                    command.env("PATH", path);
+                }
+                command.envs(environment);
+                (command, None)
+            }
+        };
+        Ok(PreparedRun {
+            command,
+            argv: rendered.argv,
+            guard,
+            container,
+        })
+    }
+
+    /// The container of one run: the program sees the system directories, its working
+    /// directory read-only (the attempt's own directory, read-write, when the spec names
+    /// none), its checkpoint directory and its attempt's directory read-write (both
+    /// given to its tenant's uid), the guard read-only, and its GPU.
+    fn contain(
+        &self,
+        sandbox: &Sandbox,
+        plan: &RunPlan,
+        argv: &[String],
+        environment: Vec<(String, String)>,
+        working_directory: &Path,
+        guard: Option<&AttemptGuard>,
+    ) -> Result<(Command, Container), WorkerError> {
+        let launch = self.launch;
+        let owner = sandbox.program_owner(&launch.tenant)?;
+        give_directory_to(&launch.checkpoint_dir, owner)?;
+        give_directory_to(&launch.attempt_directory, owner)?;
+        let mut host_paths = vec![
+            HostPath::writable(&launch.checkpoint_dir),
+            HostPath::writable(&launch.attempt_directory),
+        ];
+        // The attempt's own directory is its working directory when the spec names none.
+        let working_directory = if working_directory == launch.attempt_directory {
+            working_directory.to_path_buf()
+        } else {
+            let path = sandbox.job_path("command.working_directory", working_directory)?;
+            host_paths.push(HostPath::read_only(&path));
+            path
+        };
+        if !plan.checkpoint_dir.starts_with(&launch.attempt_directory) {
+            give_directory_to(&plan.checkpoint_dir, owner)?;
+            host_paths.push(HostPath::writable(&plan.checkpoint_dir));
         }
-        command.env(ENVIRONMENT_SLICE_BYTES, launch.slice_bytes.to_string());
-        Ok((command, rendered.argv, guard))
+        if let Some(guard) = guard {
+            host_paths.push(HostPath::read_only(guard.library()));
+        }
+        sandbox.prepare(&ContainerRequest {
+            name: format!("{}-{}", launch.container_name, self.runs),
+            tenant: launch.tenant.clone(),
+            argv: argv.to_vec(),
+            environment,
+            working_directory,
+            host_paths,
+            devices: launch.devices.clone(),
+        })
     }
 
     /// Reads the run's output and controls until it has exited, then classifies its end.
@@ -357,6 +489,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
         process_id: u32,
         plan: &RunPlan,
         guard: Option<&AttemptGuard>,
+        container: Option<&Container>,
     ) -> RunRecord {
         let job_id = self.launch.attempt.job_id.clone();
         let mut stdout = child
@@ -372,7 +505,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
             stderr_tail: LineTail::new(STDERR_TAIL_LINES),
             progress_since_tick: false,
         };
-        let mut stopper = ProcessStopper::new(process_id);
+        let mut stopper = ProcessStopper::new(process_id, container.cloned());
         let mut status: Option<std::io::Result<ExitStatus>> = None;
         let mut drain_until: Option<Instant> = None;
         let mut ticks =
@@ -389,7 +522,10 @@ impl<P: CommandProcesses> Runner<'_, P> {
                     None => stderr = None,
                 },
                 exited = child.wait(), if status.is_none() => {
-                    status = Some(exited);
+                    status = Some(exited.map(|status| match container {
+                        Some(_) => container_exit_status(status, &[]),
+                        None => status,
+                    }));
                     drain_until = Some(Instant::now() + OUTPUT_DRAIN);
                 }
                 // A process the program left behind holds the pipes: stop reading.
@@ -542,6 +678,24 @@ impl<P: CommandProcesses> Runner<'_, P> {
             peak_bytes,
         })
     }
+}
+
+/// One run, ready to start.
+struct PreparedRun {
+    command: Command,
+    /// The rendered argv, as the job's attempt records it.
+    argv: Vec<String>,
+    guard: Option<AttemptGuard>,
+    container: Option<Container>,
+}
+
+/// The log line that says an attempt runs uncontained, so `carve logs` shows it.
+fn uncontained_log_line(attempt: &v1::AttemptRef) -> Body {
+    Body::Log(v1::worker_message::LogLine {
+        attempt: Some(attempt.clone()),
+        level: "warn".into(),
+        message: UNCONTAINED_WARNING.to_string(),
+    })
 }
 
 /// What a run's output built up while it ran.

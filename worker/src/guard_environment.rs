@@ -228,16 +228,21 @@ impl AttemptGuard {
         variables
     }
 
-    /// Sets the job's own environment and then the guard's on `command`, in the order
-    /// that lets the guard's win (see [`AttemptGuard::environment`]).
-    pub fn apply_environment(
+    /// The program's whole environment: the job's own with the guard's over it, each
+    /// name once, so the guard's win (see [`AttemptGuard::environment`]) whoever reads
+    /// the list (a container's list with a name twice would give the first).
+    pub fn program_environment(
         &self,
-        command: &mut tokio::process::Command,
         job_environment: &BTreeMap<String, String>,
-    ) {
-        command
-            .envs(job_environment)
-            .envs(self.environment(job_environment));
+    ) -> BTreeMap<String, String> {
+        let mut merged = job_environment.clone();
+        merged.extend(self.environment(job_environment));
+        merged
+    }
+
+    /// The guard library the program preloads.
+    pub fn library(&self) -> &Path {
+        &self.library
     }
 
     /// The account now: in use and peak for the attempt and per process, for progress
@@ -430,22 +435,14 @@ mod tests {
     }
 
     #[test]
-    fn applied_to_a_command_the_guard_s_variables_win() {
+    fn merged_with_the_job_s_the_guard_s_variables_win() {
         let directory = tempfile::tempdir().unwrap();
         let guard = prepared(directory.path());
         let job = BTreeMap::from([
             ("CARVE_GUARD_LIMIT_BYTES".to_string(), "1".to_string()),
             ("MY_SETTING".to_string(), "kept".to_string()),
         ]);
-        let mut command = tokio::process::Command::new("true");
-        guard.apply_environment(&mut command, &job);
-        let set: BTreeMap<String, String> = command
-            .as_std()
-            .get_envs()
-            .filter_map(|(name, value)| {
-                Some((name.to_str()?.to_string(), value?.to_str()?.to_string()))
-            })
-            .collect();
+        let set = guard.program_environment(&job);
         assert_eq!(set["CARVE_GUARD_LIMIT_BYTES"], (3 * GIB).to_string());
         assert_eq!(set["MY_SETTING"], "kept");
         assert_eq!(set["LD_PRELOAD"], "/opt/carve/libcarve_guard.so");

@@ -15,6 +15,7 @@
 //! - `guard_environment`: the guard for one attempt: its account, its environment, reading
 //!   the account and the OOM record;
 //! - `nvml`: real GPUs through NVML: discovery and each GPU's compute processes;
+//! - `sandbox`: every attempt in its own OCI container (bundle, runtime, tenants' ids);
 //! - `watchdog`: stops an attempt whose process tree holds more than its slice and
 //!   context, or (under the guard) uses the GPU without the guard.
 //!
@@ -32,6 +33,7 @@ pub mod gpus;
 pub mod guard_environment;
 pub mod leftover_processes;
 pub mod nvml;
+pub mod sandbox;
 pub mod token_file;
 pub mod watchdog;
 pub mod worker;

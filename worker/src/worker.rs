@@ -25,6 +25,7 @@ use crate::gpus::{SimulatedGpu, SliceBook, WorkerGpu, discover_gpus};
 use crate::guard_environment::{find_guard_library, find_simulated_guard_library};
 use crate::leftover_processes::{LeftoverOutcome, kill_leftover_processes, record_directory};
 use crate::nvml::{DiscoveredGpu, NvmlHandle, open_nvml};
+use crate::sandbox::{Sandbox, SandboxSettings};
 use crate::watchdog::{SystemWatchSource, WatchedAttempt, WatchedAttempts, run_watchdog};
 
 mod command_launch;
@@ -72,6 +73,9 @@ pub struct WorkerConfig {
     /// simulated GPUs used when it passes the check, else their programs run without it
     /// ([`crate::guard_environment::find_simulated_guard_library`]).
     pub guard_library: Option<PathBuf>,
+    /// How attempts are contained (`--oci-runtime`, `--insecure-no-sandbox`, the limits;
+    /// see [`crate::sandbox`]).
+    pub sandbox: SandboxSettings,
 }
 
 /// The default context reservation, on real and simulated GPUs alike: what an attempt
@@ -106,6 +110,7 @@ impl WorkerConfig {
             scheduler_ca_certificate_pem: None,
             client_identity: None,
             guard_library: None,
+            sandbox: SandboxSettings::default(),
         }
     }
 }
@@ -129,6 +134,9 @@ struct RunningAttempt {
     /// The guard account of an attempt whose program runs under the guard; `None` for
     /// engine attempts (see [`WatchedAttempt::guard_account`]).
     guard_account: Option<PathBuf>,
+    /// The `cgroup.procs` file of the container its program runs in; `None` when it is
+    /// not contained (see [`WatchedAttempt::container_processes`]).
+    container_processes: Option<PathBuf>,
 }
 
 /// What the session loop and the attempt watchers share.
@@ -142,9 +150,41 @@ struct SharedState {
 
 type Shared = Arc<Mutex<SharedState>>;
 
-/// The checkpoint file of one attempt, in the checkpoint directory.
+/// The checkpoint file of one attempt, in its job's directory ([`job_directory`]).
 pub fn checkpoint_file_name(attempt: &v1::AttemptRef) -> String {
     format!("{}.attempt-{}.ckpt", attempt.job_id, attempt.attempt_number)
+}
+
+/// A job's own directory in the checkpoint directory: its checkpoints, the one
+/// directory of the job its attempts may write (`{checkpoint_dir}` of command jobs).
+pub fn job_directory(checkpoint_directory: &Path, attempt: &v1::AttemptRef) -> PathBuf {
+    checkpoint_directory.join(&attempt.job_id)
+}
+
+/// The name of an attempt's container (a command job's runs add their number): unique
+/// among the worker's containers, and in the runtime's alphabet.
+fn container_name(attempt: &v1::AttemptRef) -> String {
+    let job: String = attempt
+        .job_id
+        .chars()
+        .map(|character| {
+            if character.is_ascii_alphanumeric() || character == '-' {
+                character
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("carve-{job}-{}", attempt.attempt_number)
+}
+
+/// One attempt's own directory in the checkpoint directory: its spec file, or a command
+/// job's guard account and OOM record and its working directory when the spec names none.
+pub fn attempt_directory(checkpoint_directory: &Path, attempt: &v1::AttemptRef) -> PathBuf {
+    checkpoint_directory.join(format!(
+        "{}.attempt-{}.run",
+        attempt.job_id, attempt.attempt_number
+    ))
 }
 
 /// `job/attempt`: names one attempt in the worker's tables.
@@ -196,6 +236,8 @@ struct Worker {
     /// The guard for command jobs on simulated GPUs, when one was named or is in its
     /// default place (the fake driver's tests); without it they run without the guard.
     simulated_guard_library: Option<PathBuf>,
+    /// Where attempts are contained; `None`: they run with the worker's rights.
+    sandbox: Option<Arc<Sandbox>>,
 }
 
 /// Runs the worker until `shutdown` completes; then stops its attempts.
@@ -236,6 +278,17 @@ pub async fn run_worker(
         find_simulated_guard_library(config.guard_library.as_deref(), &config.attempt_program);
     let process_records = record_directory(&config.checkpoint_directory, &config.hostname);
     kill_leftovers_of_a_previous_life(&process_records);
+    let sandbox = Sandbox::open(
+        &config.sandbox,
+        &config.checkpoint_directory,
+        &config.hostname,
+    )?
+    .map(Arc::new);
+    if let Some(sandbox) = &sandbox {
+        for name in sandbox.remove_leftover_containers() {
+            tracing::warn!(container = %name, "removed a container left over from this worker's previous run");
+        }
+    }
     let (reports, mut incoming_reports) = mpsc::unbounded_channel();
     let shared = Shared::default();
     // The watchdog watches real GPUs only: a simulated GPU has no device memory to take.
@@ -267,6 +320,7 @@ pub async fn run_worker(
         draining: false,
         guard_library,
         simulated_guard_library,
+        sandbox,
     };
     tokio::pin!(shutdown);
     let mut backoff = worker.config.reconnect_backoff_initial;
@@ -362,6 +416,7 @@ impl WatchedAttempts for WorkerAttempts {
                     slice_bytes: running.slice_bytes,
                     context_bytes: *self.context_bytes.get(&running.gpu_uuid)?,
                     guard_account: running.guard_account.clone(),
+                    container_processes: running.container_processes.clone(),
                 })
             })
             .collect()
@@ -719,8 +774,9 @@ impl Worker {
         gpu: &WorkerGpu,
     ) -> Result<(), WorkerError> {
         match parse_spec_json(&assignment.spec_json) {
-            Ok(ValidatedSpec::Model(_)) => {
-                self.launch_model(assignment, attempt, config, gpu).await
+            Ok(ValidatedSpec::Model(job)) => {
+                self.launch_model(assignment, attempt, config, gpu, &job)
+                    .await
             }
             Ok(ValidatedSpec::Command(job)) => {
                 self.launch_command(assignment, attempt, config, gpu, job)

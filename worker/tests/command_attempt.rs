@@ -76,6 +76,10 @@ fn launch(
         checkpoint_dir: directory.join("job-1"),
         attempt_directory: directory.join("job-1.attempt-1.run"),
         profile,
+        sandbox: None,
+        tenant: "tenant-a".into(),
+        devices: Vec::new(),
+        container_name: "carve-job-1-1".into(),
     }
 }
 

@@ -68,6 +68,14 @@ async fn cluster(directory: &Path, gpu_bytes: u64, guard: Option<PathBuf>) -> Cl
             config.simulated_gpus = vec![SimulatedGpu {
                 total_bytes: gpu_bytes,
             }];
+            // Contained, the program sees its code (the examples) and, as the operator's
+            // read-only paths, the fake driver where the test's build left it.
+            config.sandbox.job_paths = vec![examples()];
+            config.sandbox.read_only_host_paths = guard
+                .iter()
+                .filter_map(|guard| guard.parent().map(Path::to_path_buf))
+                .chain([directory.join("lib")])
+                .collect();
             config.guard_library = guard;
         },
     )

@@ -10,11 +10,15 @@ use carve_proto::convert::precision_from_proto;
 use carve_proto::v1;
 use tokio::sync::mpsc;
 
-use super::{RunningAttempt, Shared, StartedAttemptProcess, Worker, attempt_key, lock};
+use super::{
+    RunningAttempt, Shared, StartedAttemptProcess, Worker, attempt_directory, attempt_key,
+    container_name, job_directory, lock,
+};
 use crate::command_attempt::{CommandAttemptLaunch, CommandProcesses, run_command_attempt};
 use crate::error::WorkerError;
 use crate::gpus::WorkerGpu;
 use crate::leftover_processes::{record_for, write_record};
+use crate::sandbox::gpu_device_nodes;
 
 impl Worker {
     /// Starts a command job's attempt: a task runs its program (or its profile runs)
@@ -47,12 +51,17 @@ impl Worker {
             slice_bytes: assignment.slice_bytes,
             gpu_uuid: gpu.uuid.clone(),
             guard_library,
-            checkpoint_dir: directory.join(&attempt.job_id),
-            attempt_directory: directory.join(format!(
-                "{}.attempt-{}.run",
-                attempt.job_id, attempt.attempt_number
-            )),
+            checkpoint_dir: job_directory(directory, attempt),
+            attempt_directory: attempt_directory(directory, attempt),
             profile: assignment.profile,
+            sandbox: self.sandbox.clone(),
+            tenant: assignment.tenant.clone(),
+            devices: if gpu.simulated {
+                Vec::new()
+            } else {
+                gpu_device_nodes(gpu.index)
+            },
+            container_name: container_name(attempt),
         };
         tracing::info!(
             job = %attempt.job_id,
@@ -75,6 +84,7 @@ impl Worker {
                 process_id: 0,
                 slice_bytes: assignment.slice_bytes,
                 guard_account: None,
+                container_processes: None,
             },
         );
         let processes = WorkerCommandProcesses {
@@ -127,10 +137,16 @@ struct WorkerCommandProcesses {
 }
 
 impl CommandProcesses for WorkerCommandProcesses {
-    fn started(&mut self, process_id: u32, guard_account: Option<&Path>) {
+    fn started(
+        &mut self,
+        process_id: u32,
+        guard_account: Option<&Path>,
+        container_processes: Option<&Path>,
+    ) {
         if let Some(running) = lock(&self.shared).running.get_mut(&self.key) {
             running.process_id = process_id;
             running.guard_account = guard_account.map(Path::to_path_buf);
+            running.container_processes = container_processes.map(Path::to_path_buf);
         }
         // Without a record a worker that crashes and comes back could not find this
         // process; the parent-death signal still covers it, so go on.
@@ -154,6 +170,7 @@ impl CommandProcesses for WorkerCommandProcesses {
         if let Some(running) = lock(&self.shared).running.get_mut(&self.key) {
             running.process_id = 0;
             running.guard_account = None;
+            running.container_processes = None;
         }
         if let Some(record_file) = self.record_file.take() {
             let _ = std::fs::remove_file(record_file);

@@ -1,19 +1,24 @@
 //! Starting a model job's attempt: its spec file, the engine's attempt process
-//! (`carve-worker attempt ...`), its process record, and the task that watches it.
+//! (`carve-worker attempt ...`) in its container, its process record, and the task that
+//! watches it.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
+use carve_core::spec::DataFiles;
+use carve_core::validate::ValidatedJob;
 use carve_proto::v1;
 use tokio::sync::mpsc;
 
 use super::{
-    RunningAttempt, StartedAttemptProcess, Worker, attempt_key, checkpoint_file_name, lock,
+    RunningAttempt, StartedAttemptProcess, Worker, attempt_directory, attempt_key,
+    checkpoint_file_name, container_name, job_directory, lock,
 };
 use crate::attempt_process::{AttemptLaunch, spawn_attempt_process, watch_attempt_process};
 use crate::child_protocol::ConfigArgument;
 use crate::error::WorkerError;
 use crate::gpus::WorkerGpu;
 use crate::leftover_processes::{record_for, write_record};
+use crate::sandbox::{ContainerRequest, HostPath, give_directory_to, gpu_device_nodes};
 
 impl Worker {
     /// Writes the spec file, starts the process and a task that watches it.
@@ -23,12 +28,19 @@ impl Worker {
         attempt: &v1::AttemptRef,
         config: &v1::RunConfig,
         gpu: &WorkerGpu,
+        job: &ValidatedJob,
     ) -> Result<(), WorkerError> {
         let directory = &self.config.checkpoint_directory;
-        let spec_file = directory.join(format!(
-            "{}.attempt-{}.spec.json",
-            attempt.job_id, attempt.attempt_number
-        ));
+        // The attempt's own directory holds its spec; the job's holds its checkpoints
+        // (a container sees these two and nothing else of the checkpoint directory).
+        let run_directory = attempt_directory(directory, attempt);
+        let checkpoints = job_directory(directory, attempt);
+        for path in [&run_directory, &checkpoints] {
+            tokio::fs::create_dir_all(path).await.map_err(|error| {
+                WorkerError::io(format!("cannot create {}", path.display()), error)
+            })?;
+        }
+        let spec_file = run_directory.join("spec.json");
         tokio::fs::write(&spec_file, &assignment.spec_json)
             .await
             .map_err(|error| {
@@ -46,7 +58,7 @@ impl Worker {
             // its session) must never rewrite what the next attempt resumes from. The
             // scheduler keeps only the locations reported by the attempt holding the
             // lease, which is what promotes a file to "the job's checkpoint".
-            checkpoint: directory.join(checkpoint_file_name(attempt)),
+            checkpoint: checkpoints.join(checkpoint_file_name(attempt)),
             resume: assignment
                 .resume_from
                 .as_ref()
@@ -55,7 +67,45 @@ impl Worker {
             // A simulated GPU's attempt trains on the cpu backend.
             cuda_gpu_uuid: (!gpu.simulated).then(|| gpu.uuid.clone()),
         };
-        let child = spawn_attempt_process(&launch).await?;
+        let container = match &self.sandbox {
+            Some(sandbox) => {
+                give_directory_to(&checkpoints, sandbox.program_owner(&assignment.tenant)?)?;
+                let mut host_paths = vec![
+                    HostPath::read_only(&launch.program),
+                    HostPath::read_only(&run_directory),
+                    HostPath::writable(&checkpoints),
+                ];
+                // A checkpoint from before per-job directories, or from another layout.
+                if let Some(resume) = &launch.resume
+                    && !resume.starts_with(&checkpoints)
+                    && resume.exists()
+                {
+                    host_paths.push(HostPath::read_only(resume));
+                }
+                host_paths.extend(data_files(job).into_iter().map(HostPath::read_only));
+                Some((
+                    sandbox.as_ref(),
+                    ContainerRequest {
+                        name: container_name(attempt),
+                        tenant: assignment.tenant.clone(),
+                        argv: Vec::new(),
+                        environment: Vec::new(),
+                        working_directory: run_directory.clone(),
+                        host_paths,
+                        devices: if gpu.simulated {
+                            Vec::new()
+                        } else {
+                            gpu_device_nodes(gpu.index)
+                        },
+                    },
+                ))
+            }
+            None => None,
+        };
+        let (child, container) = spawn_attempt_process(&launch, container).await?;
+        let container_processes = container
+            .as_ref()
+            .map(|container| container.processes_file().to_path_buf());
         let process_id = child.id().unwrap_or(0);
         // Without a record a worker that crashes and comes back could not find this
         // process; the parent-death signal still covers it, so go on.
@@ -86,6 +136,7 @@ impl Worker {
                 process_id,
                 slice_bytes: assignment.slice_bytes,
                 guard_account: None,
+                container_processes,
             },
         );
         if let Some(observer) = &self.config.process_observer {
@@ -100,6 +151,7 @@ impl Worker {
         let gpu_uuid = assignment.gpu_uuid.clone();
         tokio::spawn(watch_attempt_process(
             child,
+            container,
             attempt.clone(),
             self.reports.clone(),
             control_receiver,
@@ -108,7 +160,7 @@ impl Worker {
                 shared.running.remove(&key);
                 shared.slices.release(&gpu_uuid, &key);
                 // The spec file and the record were only for the process.
-                let _ = std::fs::remove_file(&spec_file);
+                let _ = std::fs::remove_dir_all(&run_directory);
                 if let Some(record_file) = &record_file {
                     let _ = std::fs::remove_file(record_file);
                 }
@@ -116,4 +168,21 @@ impl Worker {
         ));
         Ok(())
     }
+}
+
+/// The files a model job reads its data from (absolute, as `carve submit` sends them).
+fn data_files(job: &ValidatedJob) -> Vec<&Path> {
+    let data = &job.spec.data;
+    [&data.train, &data.test]
+        .into_iter()
+        .flatten()
+        .flat_map(|files: &DataFiles| {
+            [&files.images, &files.labels, &files.inputs, &files.targets]
+                .into_iter()
+                .flatten()
+                .chain(files.files.iter())
+        })
+        .map(Path::new)
+        .filter(|path| path.is_absolute())
+        .collect()
 }

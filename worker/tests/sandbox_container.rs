@@ -1,0 +1,111 @@
+//! The sandbox with the real OCI runtime: a container runs as its tenant's own host uid,
+//! sees its own paths and nothing else, has no network but loopback, and is removed with
+//! everything in it. Needs runc (CI installs it) and root; elsewhere it says why it
+//! cannot run, and fails in CI.
+
+use std::path::Path;
+use std::time::Duration;
+
+use carve_worker::sandbox::{
+    ContainerRequest, HostPath, Sandbox, SandboxPolicy, SandboxSettings, container_exit_status,
+    give_directory_to,
+};
+
+/// A sandbox over `directory`, or `None` (with the reason printed) where this machine
+/// cannot contain anything; in CI that is a failure.
+fn sandbox(directory: &Path) -> Option<Sandbox> {
+    let settings = SandboxSettings {
+        policy: SandboxPolicy::Required,
+        ..SandboxSettings::default()
+    };
+    match Sandbox::open(&settings, directory, "test-node") {
+        Ok(sandbox) => sandbox,
+        Err(error) if std::env::var_os("CI").is_none() => {
+            eprintln!("skipped: no sandbox on this machine ({error})");
+            None
+        }
+        Err(error) => panic!("CI must be able to contain attempts: {error}"),
+    }
+}
+
+/// Runs `script` with `sh -c` in a container of `tenant` that sees `host_paths`;
+/// returns its exit status, stdout and stderr.
+async fn run_in_container(
+    sandbox: &Sandbox,
+    name: &str,
+    tenant: &str,
+    script: &str,
+    host_paths: Vec<HostPath>,
+) -> (std::process::ExitStatus, String, String) {
+    let (mut command, container) = sandbox
+        .prepare(&ContainerRequest {
+            name: name.to_string(),
+            tenant: tenant.to_string(),
+            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            environment: vec![("GREETING".into(), "hello".into())],
+            working_directory: "/tmp".into(),
+            host_paths,
+            devices: Vec::new(),
+        })
+        .unwrap();
+    let output = tokio::time::timeout(Duration::from_secs(60), command.output())
+        .await
+        .expect("the container ended in time")
+        .unwrap();
+    container.remove();
+    (
+        container_exit_status(output.status, &[]),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn a_container_sees_its_own_paths_as_its_tenant_and_nothing_of_the_worker() {
+    let directory = tempfile::tempdir().unwrap();
+    let Some(sandbox) = sandbox(&directory.path().join("worker")) else {
+        return;
+    };
+    let job = directory.path().join("jobs").join("job-a");
+    std::fs::create_dir_all(&job).unwrap();
+    give_directory_to(&job, sandbox.program_owner("alice").unwrap()).unwrap();
+    let secret = directory.path().join("worker-secret");
+    std::fs::write(&secret, "token").unwrap();
+    let script = format!(
+        "id -u; echo $GREETING; echo written > {job}/out; cat {secret} || echo no-secret; \
+         ls /proc | grep -c '^[0-9]' ; cat /sys/class/net/*/operstate 2>/dev/null | wc -l; \
+         echo $CARVE_TOKEN; touch /usr/x 2>/dev/null || echo read-only",
+        job = job.display(),
+        secret = secret.display()
+    );
+    let (status, stdout, stderr) = run_in_container(
+        &sandbox,
+        "carve-test-1",
+        "alice",
+        &script,
+        vec![HostPath::writable(&job)],
+    )
+    .await;
+    assert!(status.success(), "{status}: {stdout}\n{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines[0], "1000", "{stdout}");
+    assert_eq!(lines[1], "hello");
+    assert_eq!(lines[2], "no-secret", "{stdout}");
+    let processes: u32 = lines[3].trim().parse().unwrap();
+    assert!(
+        processes <= 4,
+        "its own pid namespace: {processes} processes seen"
+    );
+    assert_eq!(lines[4].trim(), "1", "only loopback: {stdout}");
+    assert_eq!(lines[5], "", "no token in its environment");
+    assert_eq!(lines[6], "read-only");
+    // Written as alice's own host uid, not as root.
+    use std::os::unix::fs::MetadataExt;
+    let written = std::fs::metadata(job.join("out")).unwrap();
+    assert_eq!(written.uid(), sandbox.program_owner("alice").unwrap().0);
+    assert_ne!(written.uid(), 0);
+    assert_ne!(
+        sandbox.program_owner("alice").unwrap(),
+        sandbox.program_owner("bob").unwrap()
+    );
+}
