@@ -21,6 +21,7 @@ use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::SchedulerConfig;
 use carve_worker::gpus::{SimulatedGpu, parse_simulated_gpus};
 use carve_worker::nvml::discover_nvml_gpus;
+use carve_worker::sandbox::SandboxPolicy;
 use carve_worker::{WorkerConfig, run_worker};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -197,14 +198,7 @@ async fn run_cluster(
         let (user_token, worker_token) = create_tenant_and_tokens(admin).await?;
         let channel = connect_channel(&endpoint, None, None, &user_token).await?;
         let real_gpus = arguments.real_gpus;
-        let worker = start_worker(
-            &endpoint,
-            worker_token,
-            gpus,
-            real_gpus,
-            program,
-            &checkpoints,
-        );
+        let worker = start_worker(&endpoint, worker_token, gpus, real_gpus, program, &data_dir);
         println!(
             "carve dev: a scheduler and a worker ({}) are running",
             if real_gpus {
@@ -273,14 +267,21 @@ fn start_worker(
     gpus: Vec<SimulatedGpu>,
     real_gpus: bool,
     program: PathBuf,
-    checkpoints: &Path,
+    data_dir: &Path,
 ) -> Stoppable {
     let mut config = WorkerConfig::new(endpoint, worker_token, gpus, program);
     // Simulated GPUs alone unless asked: a dev cluster on a GPU machine behaves the same
     // as anywhere else.
     config.discover_real_gpus = real_gpus;
     config.hostname = "dev-node".into();
-    config.checkpoint_directory = checkpoints.to_path_buf();
+    config.checkpoint_directory = data_dir.join("checkpoints");
+    // Contained when this machine has a runtime (and loudly not, when it has none):
+    // jobs may name their code where carve dev runs and where the demo writes its own.
+    config.sandbox.policy = SandboxPolicy::IfAvailable;
+    config.sandbox.job_paths = std::env::current_dir()
+        .into_iter()
+        .chain([data_dir.join("programs")])
+        .collect();
     config.reconnect_backoff_initial = Duration::from_millis(50);
     config.reconnect_backoff_max = Duration::from_secs(1);
     Stoppable::spawn("worker", move |stopped| run_worker(config, stopped))

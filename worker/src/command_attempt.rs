@@ -244,7 +244,10 @@ impl<P: CommandProcesses> Runner<'_, P> {
                         .max(record.peak_bytes),
                     ran_out: true,
                 },
-                RunEnd::Exited(CommandRunEnd::Failed { message }) | RunEnd::NotStarted(message) => {
+                RunEnd::Exited(
+                    CommandRunEnd::Failed { message } | CommandRunEnd::Interrupted { message },
+                )
+                | RunEnd::NotStarted(message) => {
                     return ended(
                         attempt,
                         v1::AttemptOutcome::Failed,
@@ -303,6 +306,13 @@ impl<P: CommandProcesses> Runner<'_, P> {
             }
         };
         let process_id = child.id().unwrap_or(0);
+        // In a container the program is the runtime's child, not the worker's: its own
+        // pid is what the worker records and the watchdog starts from.
+        let program_process_id = match &container {
+            Some(container) => container.program_process_id().await,
+            None => None,
+        }
+        .unwrap_or(process_id);
         let attempt = &self.launch.attempt;
         tracing::info!(
             job = %attempt.job_id,
@@ -314,7 +324,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
             "command started"
         );
         self.processes.started(
-            process_id,
+            program_process_id,
             guard.as_ref().map(AttemptGuard::account_file),
             container.as_ref().map(Container::processes_file),
         );
@@ -336,7 +346,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
         if let Some(container) = &container {
             container.remove();
         }
-        self.processes.exited(process_id);
+        self.processes.exited(program_process_id);
         record
     }
 
@@ -766,6 +776,9 @@ pub fn training_final_reports(attempt: &v1::AttemptRef, record: RunRecord) -> Ve
         }
         RunEnd::Exited(CommandRunEnd::Failed { message }) => {
             vec![end(v1::AttemptOutcome::Failed, message.clone())]
+        }
+        RunEnd::Exited(CommandRunEnd::Interrupted { message }) => {
+            vec![end(v1::AttemptOutcome::Interrupted, message.clone())]
         }
         RunEnd::Exited(CommandRunEnd::OutOfMemory {
             source,

@@ -11,6 +11,9 @@ use carve_proto::client::ClientIdentity;
 use carve_proto::logging::{LogFormat, init_logging};
 use carve_worker::attempt_child::{AttemptArguments, attempt_command};
 use carve_worker::gpus::parse_simulated_gpus;
+use carve_worker::sandbox::{
+    AttemptLimits, DEFAULT_FIRST_HOST_UID, SandboxPolicy, SandboxSettings,
+};
 use carve_worker::token_file::worker_token;
 use carve_worker::worker::DEFAULT_CONTEXT_BYTES;
 use carve_worker::{WorkerConfig, run_worker};
@@ -78,6 +81,41 @@ struct Arguments {
     /// pipelines).
     #[arg(long, env = "CARVE_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
+    /// The OCI runtime every attempt runs in (its own container); found on PATH (runc,
+    /// then crun) without it. The worker refuses to start without one unless
+    /// --insecure-no-sandbox.
+    #[arg(long, env = "CARVE_OCI_RUNTIME")]
+    oci_runtime: Option<PathBuf>,
+    /// Run attempts without containers, with the worker's own rights: any tenant's
+    /// program can then read other tenants' files and take over the worker. Every such
+    /// attempt says so in its log.
+    #[arg(long, env = "CARVE_INSECURE_NO_SANDBOX")]
+    insecure_no_sandbox: bool,
+    /// Host memory each attempt's container may use (its files in /tmp included).
+    #[arg(long, env = "CARVE_ATTEMPT_MEMORY", default_value = "16GiB", value_parser = parse_byte_size_argument)]
+    attempt_memory: u64,
+    /// Processes and threads each attempt's container may have.
+    #[arg(long, env = "CARVE_ATTEMPT_PIDS", default_value_t = 4096)]
+    attempt_pids: i64,
+    /// CPUs' worth of time each attempt's container may use (e.g. 4 or 0.5); no cap
+    /// without it.
+    #[arg(long, env = "CARVE_ATTEMPT_CPUS")]
+    attempt_cpus: Option<f64>,
+    /// The size of each container's private /tmp and of its /dev/shm.
+    #[arg(long, env = "CARVE_ATTEMPT_SCRATCH", default_value = "1GiB", value_parser = parse_byte_size_argument)]
+    attempt_scratch: u64,
+    /// A host directory every container sees read-only (a shared data set, a Python
+    /// environment outside /usr); repeat for more.
+    #[arg(long = "sandbox-read-only", value_name = "DIR")]
+    sandbox_read_only: Vec<PathBuf>,
+    /// A host directory under which jobs may name their working directory (tenants'
+    /// code), seen read-only; repeat for more. A job naming another is refused.
+    #[arg(long = "sandbox-job-path", value_name = "DIR")]
+    sandbox_job_path: Vec<PathBuf>,
+    /// A tenant whose containers share the host's network (reading data from object
+    /// stores); others have only loopback. Repeat for more.
+    #[arg(long = "sandbox-host-network", value_name = "TENANT")]
+    sandbox_host_network: Vec<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -164,6 +202,25 @@ fn run(arguments: Arguments) -> Result<()> {
     config.scheduler_ca_certificate_pem = scheduler_ca_certificate_pem;
     config.client_identity = client_identity;
     config.guard_library = arguments.guard_library;
+    config.sandbox = SandboxSettings {
+        policy: if arguments.insecure_no_sandbox {
+            SandboxPolicy::Off
+        } else {
+            SandboxPolicy::Required
+        },
+        runtime: arguments.oci_runtime,
+        first_host_uid: DEFAULT_FIRST_HOST_UID,
+        limits: AttemptLimits {
+            memory_bytes: arguments.attempt_memory,
+            pids: arguments.attempt_pids,
+            cpus: arguments.attempt_cpus,
+            tmp_bytes: arguments.attempt_scratch,
+            shm_bytes: arguments.attempt_scratch,
+        },
+        read_only_host_paths: arguments.sandbox_read_only,
+        host_network_tenants: arguments.sandbox_host_network,
+        job_paths: arguments.sandbox_job_path,
+    };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
         let shutdown = carve_proto::client::shutdown_signal();

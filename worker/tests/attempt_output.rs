@@ -91,7 +91,11 @@ async fn a_finished_attempt_keeps_its_results_and_its_output_is_in_the_logs(
     database_url: String,
 ) {
     let program = program_warning_first(directory);
-    let cluster = Cluster::start(directory, database_url, program, ADMIN, |_| {}).await;
+    // The wrapper execs the worker binary, which its container must see too.
+    let cluster = Cluster::start(directory, database_url, program, ADMIN, |config| {
+        config.sandbox.read_only_host_paths = vec![worker_binary()];
+    })
+    .await;
     let job = cluster.submit(tiny_job_spec("results", 20, 50, "")).await;
     let finished = cluster
         .wait_for_state(&job.id, v1::JobState::Succeeded)
@@ -139,6 +143,7 @@ async fn a_resumed_attempt_shows_the_step_it_loaded(directory: &Path, database_u
     let first = cluster.next_process().await;
     let checkpoint = cluster
         .checkpoints
+        .join(&job.id)
         .join(format!("{}.attempt-1.ckpt", job.id));
     poll_until(
         WAIT,

@@ -221,6 +221,14 @@ pub enum CommandRunEnd {
         /// the last lines of stderr.
         message: String,
     },
+    /// Killed by a signal from outside that the worker did not send (an operator, a node
+    /// agent, the kernel): not the program's doing, so it is retried from its
+    /// checkpoint as an engine attempt is.
+    Interrupted {
+        /// "killed by signal 15 (SIGTERM), which the worker did not send", then the last
+        /// lines of stderr.
+        message: String,
+    },
 }
 
 /// What the worker knows when a run's process has exited.
@@ -243,7 +251,9 @@ pub struct CommandExit<'a> {
 /// Classifies a run's end. Exit 0 is success whatever stderr says. Non-zero (or a
 /// signal) with a guard refusal is an OOM from the guard's numbers; else with a framework
 /// message an OOM from its numbers (missing ones filled from the slice and the peak);
-/// else a failure with at most the last 20 lines of stderr.
+/// else, ended by a signal it did not raise on itself (not a fault: SEGV, BUS, ILL, FPE,
+/// ABRT, SYS, TRAP), an interruption; else a failure with at most the last 20 lines of
+/// stderr.
 pub fn classify_command_exit(exit: &CommandExit<'_>) -> CommandRunEnd {
     if exit.exit_code == Some(0) {
         return CommandRunEnd::Succeeded;
@@ -278,9 +288,20 @@ pub fn classify_command_exit(exit: &CommandExit<'_>) -> CommandRunEnd {
             evidence: oom.line,
         };
     }
-    CommandRunEnd::Failed {
-        message: failure_message(exit),
+    if exit.exit_code.is_none() && exit.signal.is_some_and(|signal| !is_fault_signal(signal)) {
+        return CommandRunEnd::Interrupted {
+            message: failure_message(exit, ", which the worker did not send"),
+        };
     }
+    CommandRunEnd::Failed {
+        message: failure_message(exit, ""),
+    }
+}
+
+/// Signals the kernel raises on a process for its own fault (SIGSEGV, SIGBUS, SIGILL,
+/// SIGFPE, SIGABRT, SIGSYS, SIGTRAP): retrying would repeat them.
+fn is_fault_signal(signal: i32) -> bool {
+    [11, 7, 4, 8, 6, 31, 5].contains(&signal)
 }
 
 /// Lines of stderr a failure message keeps.
@@ -289,9 +310,9 @@ const FAILURE_STDERR_LINES: usize = 20;
 /// under 4 KiB, small enough for a job's row and a terminal.
 const FAILURE_LINE_BYTES: usize = 176;
 
-/// "exited with status 2" / "killed by signal 9 (SIGKILL)", then the last lines of
-/// stderr, each cut to [`FAILURE_LINE_BYTES`].
-fn failure_message(exit: &CommandExit<'_>) -> String {
+/// "exited with status 2" / "killed by signal 9 (SIGKILL)" and `note`, then the last
+/// lines of stderr, each cut to [`FAILURE_LINE_BYTES`].
+fn failure_message(exit: &CommandExit<'_>, note: &str) -> String {
     let how = match (exit.exit_code, exit.signal) {
         (Some(code), _) => format!("exited with status {code}"),
         (None, Some(signal)) => match signal_name(signal) {
@@ -300,6 +321,7 @@ fn failure_message(exit: &CommandExit<'_>) -> String {
         },
         (None, None) => "ended without an exit status".to_string(),
     };
+    let how = format!("{how}{note}");
     let skip = exit.stderr_tail.len().saturating_sub(FAILURE_STDERR_LINES);
     let lines: Vec<String> = exit.stderr_tail[skip..]
         .iter()

@@ -147,6 +147,27 @@ impl Container {
         command
     }
 
+    /// The host pid of the container's first process (the program), once the runtime
+    /// has created it; `None` when it ended or never started within a second. This is
+    /// the process an operator (or the kernel) would kill, and what the worker records.
+    pub async fn program_process_id(&self) -> Option<u32> {
+        for _ in 0..100 {
+            let output = tokio::process::Command::from(self.runtime_command())
+                .args(["state", &self.name])
+                .output()
+                .await
+                .ok()?;
+            if output.status.success() {
+                let state: serde_json::Value = serde_json::from_slice(&output.stdout).ok()?;
+                if let Some(pid) = state["pid"].as_u64().filter(|pid| *pid > 0) {
+                    return u32::try_from(pid).ok();
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        None
+    }
+
     /// Sends `signal` (`TERM`, `KILL`) to every process of the container, not only its
     /// first: a process the program started in a session of its own is reached too.
     pub fn signal_all(&self, signal: &str) -> std::io::Result<()> {

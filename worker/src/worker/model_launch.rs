@@ -106,7 +106,13 @@ impl Worker {
         let container_processes = container
             .as_ref()
             .map(|container| container.processes_file().to_path_buf());
-        let process_id = child.id().unwrap_or(0);
+        // In a container the attempt process is the runtime's child, not the worker's.
+        let process_id = match &container {
+            Some(container) => container.program_process_id().await,
+            None => None,
+        }
+        .or(child.id())
+        .unwrap_or(0);
         // Without a record a worker that crashes and comes back could not find this
         // process; the parent-death signal still covers it, so go on.
         let record_file = record_for(&attempt.job_id, attempt.attempt_number, process_id)

@@ -24,7 +24,10 @@ pub const WAIT: Duration = Duration::from_secs(60);
 /// worker's started attempt processes.
 pub struct Cluster {
     pub channel: Channel,
+    /// `http://127.0.0.1:PORT` of the scheduler.
+    pub address: String,
     pub user: String,
+    pub worker_token: String,
     pub checkpoints: PathBuf,
     pub started_processes: mpsc::UnboundedReceiver<StartedAttemptProcess>,
     _stop_scheduler: oneshot::Sender<()>,
@@ -71,7 +74,7 @@ impl Cluster {
         let gpus = vec![SimulatedGpu {
             total_bytes: 1 << 30,
         }];
-        let mut config = WorkerConfig::new(address, worker_token, gpus, program);
+        let mut config = WorkerConfig::new(address.clone(), worker_token.clone(), gpus, program);
         config.hostname = "test-node".into();
         config.discover_real_gpus = false;
         config.context_bytes = 64 << 20;
@@ -85,7 +88,9 @@ impl Cluster {
         }));
         Cluster {
             channel,
+            address,
             user,
+            worker_token,
             checkpoints,
             started_processes,
             _stop_scheduler: stop_scheduler,
@@ -98,29 +103,44 @@ impl Cluster {
     }
 
     pub async fn submit(&self, spec: String) -> v1::Job {
+        self.submit_as(&self.user, spec).await
+    }
+
+    /// Submits as the user of `token` (another tenant's).
+    pub async fn submit_as(&self, token: &str, spec: String) -> v1::Job {
         let request = v1::SubmitJobRequest {
             spec_json: spec,
             idempotency_key: String::new(),
         };
-        let response = self
-            .jobs()
-            .submit_job(authorized(request, &self.user))
-            .await;
+        let response = self.jobs().submit_job(authorized(request, token)).await;
         response.unwrap().into_inner().job.unwrap()
     }
 
     pub async fn get(&self, job_id: &str) -> v1::Job {
+        self.get_as(&self.user, job_id).await
+    }
+
+    pub async fn get_as(&self, token: &str, job_id: &str) -> v1::Job {
         let request = v1::GetJobRequest {
             job_id: job_id.into(),
         };
-        let response = self.jobs().get_job(authorized(request, &self.user)).await;
+        let response = self.jobs().get_job(authorized(request, token)).await;
         response.unwrap().into_inner().job.unwrap()
     }
 
     pub async fn wait_for_state(&self, job_id: &str, state: v1::JobState) -> v1::Job {
+        self.wait_for_state_as(&self.user, job_id, state).await
+    }
+
+    pub async fn wait_for_state_as(
+        &self,
+        token: &str,
+        job_id: &str,
+        state: v1::JobState,
+    ) -> v1::Job {
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
-            let job = self.get(job_id).await;
+            let job = self.get_as(token, job_id).await;
             if job.state == state as i32 {
                 return job;
             }
@@ -134,15 +154,22 @@ impl Cluster {
 
     /// The log lines of attempt `attempt_number` of the job, as `carve logs --attempt`.
     pub async fn attempt_lines(&self, job_id: &str, attempt_number: u32) -> Vec<v1::JobLogLine> {
+        self.attempt_lines_as(&self.user, job_id, attempt_number)
+            .await
+    }
+
+    pub async fn attempt_lines_as(
+        &self,
+        token: &str,
+        job_id: &str,
+        attempt_number: u32,
+    ) -> Vec<v1::JobLogLine> {
         let request = v1::GetJobLogsRequest {
             job_id: job_id.into(),
             attempt_number,
             ..Default::default()
         };
-        let response = self
-            .jobs()
-            .get_job_logs(authorized(request, &self.user))
-            .await;
+        let response = self.jobs().get_job_logs(authorized(request, token)).await;
         response.unwrap().into_inner().lines
     }
 

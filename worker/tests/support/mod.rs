@@ -66,7 +66,23 @@ pub fn worker_process_command(
         .arg(checkpoints)
         .arg("--hostname")
         .arg(hostname);
+    // Contained where this machine can (CI installs runc and runs as root); elsewhere
+    // the worker is told to run without, as it refuses to start otherwise.
+    if !can_contain() {
+        command.arg("--insecure-no-sandbox");
+    }
     command
+}
+
+/// Whether attempts can run in containers here: a runtime and root. CI must be able to.
+pub fn can_contain() -> bool {
+    let can =
+        carve_worker::sandbox::find_runtime(None).is_ok() && rustix::process::geteuid().is_root();
+    assert!(
+        can || std::env::var_os("CI").is_none(),
+        "CI must be able to contain attempts (runc installed, root)"
+    );
+    can
 }
 
 /// `token` in a file at `path` that its owner alone may read, as carve-worker demands

@@ -293,15 +293,29 @@ fn any_other_exit_is_a_failure_with_the_last_lines_of_stderr() {
     assert!(message.starts_with("exited with status 2; the last lines of stderr:\nline 11\n"));
     assert!(message.ends_with("line 30"));
     assert!(!message.contains("line 10\n"));
-    let CommandRunEnd::Failed { message } = classify_command_exit(&exit(None, Some(9), &[])) else {
-        panic!("expected a failure");
+    // Killed from outside: an interruption, retried from the checkpoint.
+    let CommandRunEnd::Interrupted { message } = classify_command_exit(&exit(None, Some(9), &[]))
+    else {
+        panic!("expected an interruption");
     };
-    assert_eq!(message, "killed by signal 9 (SIGKILL); stderr was empty");
-    let CommandRunEnd::Failed { message } = classify_command_exit(&exit(None, Some(64), &[]))
+    assert_eq!(
+        message,
+        "killed by signal 9 (SIGKILL), which the worker did not send; stderr was empty"
+    );
+    // A fault of its own is the program's failure.
+    let CommandRunEnd::Failed { message } = classify_command_exit(&exit(None, Some(11), &[]))
     else {
         panic!("expected a failure");
     };
-    assert_eq!(message, "killed by signal 64; stderr was empty");
+    assert!(message.starts_with("killed by signal 11"), "{message}");
+    let CommandRunEnd::Interrupted { message } = classify_command_exit(&exit(None, Some(64), &[]))
+    else {
+        panic!("expected an interruption");
+    };
+    assert_eq!(
+        message,
+        "killed by signal 64, which the worker did not send; stderr was empty"
+    );
     let CommandRunEnd::Failed { message } = classify_command_exit(&exit(None, None, &[])) else {
         panic!("expected a failure");
     };
