@@ -327,19 +327,42 @@ pub fn account_process_ids(account_file: &Path) -> Result<HashSet<u32>, String> 
     }
 }
 
+/// The most of an OOM record the worker reads: thousands of lines, far more than the
+/// first refusal it needs, and a bound on what a job can make the worker hold.
+pub const MOST_OOM_RECORD_BYTES: u64 = 1 << 20;
+
 /// The lines of an OOM record (see [`AttemptGuard::read_oom_record`]); empty without a
-/// file.
+/// file. The record is in a directory the job may write, so the worker reads it never
+/// through a symbolic link (to another job's file, or one of the host's), only as a
+/// regular file, and at most [`MOST_OOM_RECORD_BYTES`] of it, whole lines only.
 pub fn read_oom_record(path: &Path) -> Result<Vec<OomRecordLine>, WorkerError> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(text) => text,
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let cannot_read = |error| WorkerError::io(format!("cannot read {}", path.display()), error);
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(path)
+    {
+        Ok(file) => file,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(error) => {
-            return Err(WorkerError::io(
-                format!("cannot read {}", path.display()),
-                error,
-            ));
-        }
+        Err(error) => return Err(cannot_read(error)),
     };
+    if !file.metadata().map_err(cannot_read)?.is_file() {
+        return Err(WorkerError::Guard(format!(
+            "{}: not a regular file",
+            path.display()
+        )));
+    }
+    let mut bytes = Vec::new();
+    file.take(MOST_OOM_RECORD_BYTES)
+        .read_to_end(&mut bytes)
+        .map_err(cannot_read)?;
+    let whole_lines = bytes
+        .iter()
+        .rposition(|byte| *byte == b'\n')
+        .map_or(0, |last| last + 1);
+    let text = String::from_utf8_lossy(&bytes[..whole_lines]);
     OomRecordLine::parse_record(&text)
         .map_err(|error| WorkerError::Guard(format!("{}: {error}", path.display())))
 }
@@ -379,6 +402,37 @@ mod tests {
             "a variable set twice: {variables:?}"
         );
         (directory, guard, variables.into_iter().collect())
+    }
+
+    /// The record is in the job's directory: a link the job planted there (to a file of
+    /// the host) is not read through, a device is not read at all, and a huge record is
+    /// read only to its bound.
+    #[test]
+    fn a_planted_oom_record_is_not_followed_and_a_huge_one_is_bounded() {
+        let directory = tempfile::tempdir().unwrap();
+        let secret = directory.path().join("host-secret");
+        std::fs::write(&secret, "{\"not\": \"yours\"}\n").unwrap();
+        let planted = directory.path().join(OOM_RECORD_FILE_NAME);
+        std::os::unix::fs::symlink(&secret, &planted).unwrap();
+        assert!(read_oom_record(&planted).is_err());
+        assert!(read_oom_record(Path::new("/dev/zero")).is_err());
+
+        let huge = directory.path().join("huge.jsonl");
+        let line = OomRecordLine {
+            entry_point: "cuMemAlloc_v2".into(),
+            requested_bytes: 1,
+            in_use_bytes: 2,
+            limit_bytes: 3,
+            peak_bytes: 2,
+            process_id: 7,
+            time_unix_ms: 0,
+        }
+        .to_json_line();
+        let repeats = (2 * MOST_OOM_RECORD_BYTES as usize) / line.len();
+        std::fs::write(&huge, line.repeat(repeats)).unwrap();
+        let lines = read_oom_record(&huge).unwrap();
+        assert!(!lines.is_empty());
+        assert!(lines.len() < repeats, "read only to the bound");
     }
 
     #[test]

@@ -16,6 +16,7 @@
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -155,17 +156,22 @@ impl Account {
         Ok(account)
     }
 
-    /// Maps an existing account, checking that it is one.
+    /// Maps an existing account, checking that it is one. Never through a symbolic link
+    /// and only a regular file: the account lives in a directory the job may write, and
+    /// the worker, which reads it with more rights than the job, must not be sent to
+    /// another attempt's account or any other file.
     pub fn open(path: &Path) -> Result<Account, AccountError> {
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .map_err(|source| io_error(path, source))?;
-        let length = file
-            .metadata()
-            .map_err(|source| io_error(path, source))?
-            .len();
+        let metadata = file.metadata().map_err(|source| io_error(path, source))?;
+        if !metadata.is_file() {
+            return Err(not_an_account(path, "not a regular file".into()));
+        }
+        let length = metadata.len();
         if length != FILE_BYTES as u64 {
             return Err(not_an_account(
                 path,
@@ -405,7 +411,21 @@ fn write_new_file(path: &Path, limit_bytes: u64) -> Result<PathBuf, AccountError
         std::mem::offset_of!(Header, limit_bytes),
         &limit_bytes.to_ne_bytes(),
     );
-    let mut file = File::create(&staged).map_err(|source| io_error(&staged, source))?;
+    // A new file, never one already there: the directory is the job's, and whatever it
+    // left under this name (a symbolic link to a file of the host, say) must not be
+    // written through by the worker.
+    match std::fs::remove_file(&staged) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => return Err(io_error(&staged, source)),
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o600)
+        .open(&staged)
+        .map_err(|source| io_error(&staged, source))?;
     file.write_all(&bytes)
         .map_err(|source| io_error(&staged, source))?;
     Ok(staged)

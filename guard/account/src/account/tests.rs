@@ -238,3 +238,34 @@ fn files_that_are_not_accounts_are_refused_with_the_reason() {
         Err(AccountError::Io { .. })
     ));
 }
+
+/// A job may write the directory its account is in; the worker, which opens and creates
+/// accounts with more rights than the job, must never be led through a link it planted.
+#[test]
+fn an_account_is_never_opened_or_staged_through_a_link_the_job_planted() {
+    let directory = tempfile::tempdir().unwrap();
+    let (_other, other) = new_account(100 * MIB);
+    let planted = directory.path().join("gpu-memory.account");
+    std::os::unix::fs::symlink(other.path(), &planted).unwrap();
+    let error = Account::open(&planted).unwrap_err().to_string();
+    assert!(error.contains("gpu-memory.account"), "{error}");
+
+    // The staged file's name is predictable; a link there to a file of the host must
+    // not be written through, and the account is made all the same.
+    let victim = directory.path().join("host-file");
+    std::fs::write(&victim, "precious").unwrap();
+    let account_path = directory.path().join("fresh.account");
+    let staged = directory
+        .path()
+        .join(format!(".fresh.account.{}.new", std::process::id()));
+    std::os::unix::fs::symlink(&victim, &staged).unwrap();
+    let account = Account::create(&account_path, 10 * MIB).unwrap();
+    assert_eq!(account.limit_bytes(), 10 * MIB);
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+
+    // Not a regular file: refused, not mapped.
+    let error = Account::open(Path::new("/dev/zero"))
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("not a regular file"), "{error}");
+}
