@@ -109,3 +109,53 @@ async fn a_container_sees_its_own_paths_as_its_tenant_and_nothing_of_the_worker(
         sandbox.program_owner("bob").unwrap()
     );
 }
+
+/// What a job names (its working directory, a model's data files) is bound into its
+/// container past the permissions of the directories above it, so only paths under the
+/// operator's job paths are taken, never the worker's own directory, never through a
+/// link that leads elsewhere.
+#[test]
+fn a_job_may_name_only_paths_under_the_operator_s_job_paths() {
+    let directory = tempfile::tempdir().unwrap();
+    let jobs = directory.path().join("jobs");
+    let code = jobs.join("alice-code");
+    std::fs::create_dir_all(&code).unwrap();
+    let worker = directory.path().join("worker");
+    std::fs::create_dir_all(worker.join("job-of-bob")).unwrap();
+    let settings = SandboxSettings {
+        policy: SandboxPolicy::Required,
+        job_paths: vec![jobs.clone(), directory.path().join("worker")],
+        ..SandboxSettings::default()
+    };
+    let sandbox = match Sandbox::open(&settings, &worker, "test-node") {
+        Ok(Some(sandbox)) => sandbox,
+        Ok(None) => unreachable!("required"),
+        Err(error) if std::env::var_os("CI").is_none() => {
+            eprintln!("skipped: no sandbox on this machine ({error})");
+            return;
+        }
+        Err(error) => panic!("CI must be able to contain attempts: {error}"),
+    };
+    let field = "command.working_directory";
+    assert_eq!(
+        sandbox.job_path(field, &code).unwrap(),
+        code.canonicalize().unwrap()
+    );
+    // Another job's directory in the worker's, even where an operator's job path covers it.
+    let error = sandbox
+        .job_path(field, &worker.join("job-of-bob"))
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("worker's own directory"), "{error}");
+    // Anywhere else on the host.
+    let error = sandbox
+        .job_path(field, Path::new("/etc"))
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("--sandbox-job-path"), "{error}");
+    // A link under a job path that leads out of it.
+    let link = jobs.join("link-to-etc");
+    std::os::unix::fs::symlink("/etc", &link).unwrap();
+    let error = sandbox.job_path(field, &link).unwrap_err().to_string();
+    assert!(error.contains(field), "{error}");
+}

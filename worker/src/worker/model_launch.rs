@@ -82,7 +82,11 @@ impl Worker {
                 {
                     host_paths.push(HostPath::read_only(resume));
                 }
-                host_paths.extend(data_files(job).into_iter().map(HostPath::read_only));
+                // The job names its data files: each must be where the operator lets
+                // jobs read (a bound file bypasses the permissions of its directories).
+                for (field, path) in data_files(job) {
+                    host_paths.push(HostPath::read_only(sandbox.job_path(field, path)?));
+                }
                 Some((
                     sandbox.as_ref(),
                     ContainerRequest {
@@ -176,19 +180,19 @@ impl Worker {
     }
 }
 
-/// The files a model job reads its data from (absolute, as `carve submit` sends them).
-fn data_files(job: &ValidatedJob) -> Vec<&Path> {
+/// The files a model job reads its data from, each with the field that names it
+/// (absolute, as `carve submit` sends them).
+fn data_files(job: &ValidatedJob) -> Vec<(&'static str, &Path)> {
     let data = &job.spec.data;
-    [&data.train, &data.test]
+    [("data.train", &data.train), ("data.test", &data.test)]
         .into_iter()
-        .flatten()
-        .flat_map(|files: &DataFiles| {
+        .filter_map(|(field, files)| Some((field, files.as_ref()?)))
+        .flat_map(|(field, files): (&'static str, &DataFiles)| {
             [&files.images, &files.labels, &files.inputs, &files.targets]
                 .into_iter()
                 .flatten()
                 .chain(files.files.iter())
+                .map(move |path| (field, Path::new(path)))
         })
-        .map(Path::new)
-        .filter(|path| path.is_absolute())
         .collect()
 }
