@@ -56,6 +56,11 @@ pub struct CommandSpec {
     /// unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub working_directory: Option<String>,
+    /// Host paths (absolute) the program reads besides its working directory: a data
+    /// set, a virtual environment. Its container sees them read-only, and a worker takes
+    /// only paths under the directories its operator lets jobs name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub read_only_paths: Vec<String>,
     /// The effective batch the optimizer sees per step, which Carve keeps.
     pub global_batch: u64,
     /// Samples per forward/backward pass of the first attempt; must divide

@@ -136,13 +136,24 @@ pub fn validate_command_job_spec(
     let command = &spec.command;
     let uses_max_steps = validate_templates(command)?;
     validate_environment_names(command)?;
-    if let Some(directory) = &command.working_directory
-        && (!directory.starts_with('/') || directory.contains('\0'))
-    {
-        return Err(FieldError::new(
-            "command.working_directory",
-            format!("{directory:?} must be an absolute path without NUL characters"),
-        ));
+    let named_paths = command
+        .working_directory
+        .iter()
+        .map(|directory| ("command.working_directory".to_string(), directory))
+        .chain(
+            command
+                .read_only_paths
+                .iter()
+                .enumerate()
+                .map(|(index, path)| (format!("command.read_only_paths[{index}]"), path)),
+        );
+    for (field, path) in named_paths {
+        if !path.starts_with('/') || path.contains('\0') {
+            return Err(FieldError::new(
+                field,
+                format!("{path:?} must be an absolute path without NUL characters"),
+            ));
+        }
     }
     validate_batches(command)?;
     validate_precisions(command)?;

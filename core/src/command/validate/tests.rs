@@ -283,6 +283,20 @@ fn environment_names_must_be_valid_and_not_carves() {
 }
 
 #[test]
+fn read_only_paths_must_be_absolute_and_are_named_by_their_index() {
+    let error = refused(&edited(
+        "steps = 1000\n",
+        "steps = 1000\nread_only_paths = [\"/data/digits\", \"venv\"]\n",
+    ));
+    assert_eq!(error.field, "command.read_only_paths[1]");
+    let job = command_job(&edited(
+        "steps = 1000\n",
+        "steps = 1000\nread_only_paths = [\"/data/digits\"]\n",
+    ));
+    assert_eq!(job.spec.command.read_only_paths, ["/data/digits"]);
+}
+
+#[test]
 fn working_directory_must_be_absolute() {
     let error = refused(&edited(
         "steps = 1000\n",
