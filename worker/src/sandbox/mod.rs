@@ -157,13 +157,24 @@ impl Sandbox {
             std::fs::create_dir_all(path).map_err(|error| {
                 WorkerError::io(format!("cannot create {}", path.display()), error)
             })?;
-            // The runtime sets a container's root up as the container's root user (the
-            // tenant's first host uid), which must pass through to it; nobody but the
-            // worker may list what is there (the configs hold tenants' secrets).
+        }
+        // The runtime sets a container's root up as the container's root user (the
+        // tenant's first host uid), which must pass through every directory above it,
+        // whatever the worker's umask; nobody but the worker may list what is there (the
+        // configs hold tenants' secrets).
+        for path in [
+            &directory,
+            &directory.join("runtime-state"),
+            &directory.join("bundles"),
+            &state_directory,
+            &bundle_directory,
+        ] {
             traversable_only(path)?;
         }
+        // One table per node: nodes sharing a checkpoint directory (NFS) must not
+        // rewrite one file together.
         let identities = TenantIdentities::open(
-            &directory.join("tenant-ids.json"),
+            &directory.join(format!("tenant-ids-{hostname}.json")),
             settings.first_host_uid,
             IDS_PER_TENANT,
         )?;
