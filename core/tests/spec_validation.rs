@@ -930,6 +930,78 @@ fn vram_sizes_round_trip_to_the_same_bytes() {
 }
 
 #[test]
+fn max_duration_is_read_and_round_trips_for_both_kinds_of_job() {
+    use std::time::Duration;
+
+    let text = edit(
+        &base_spec(),
+        "vram = \"auto\"",
+        "vram = \"auto\"\nmax_duration = \"1h30m\"",
+    );
+    let spec = load(&text).spec;
+    assert_eq!(spec.resources.max_duration.as_deref(), Some("1h30m"));
+    assert_eq!(
+        spec.resources.max_duration_limit(),
+        Ok(Some(Duration::from_secs(5_400)))
+    );
+    assert_round_trips(&spec);
+    // Without it, the worker's limit alone: nothing is written back either.
+    let spec = load(&base_spec()).spec;
+    assert_eq!(spec.resources.max_duration_limit(), Ok(None));
+    let json = serde_json::to_string(&spec).unwrap();
+    assert!(!json.contains("max_duration"), "{json}");
+
+    // A command job shares [resources], and its checks.
+    let command = |max_duration: &str| {
+        format!(
+            "name = \"sleeper\"\n[command]\nargv = [\"sleep\", \"600\"]\n\
+             global_batch = 1\n[resources]\nvram = \"1GiB\"\nmax_duration = {max_duration}\n"
+        )
+    };
+    let job = carve_core::command::validate::load_spec_toml(&command("\"2s\"")).unwrap();
+    assert_eq!(
+        job.resources().max_duration_limit(),
+        Ok(Some(Duration::from_secs(2)))
+    );
+    let error = carve_core::command::validate::load_spec_toml(&command("\"2 weeks\""))
+        .expect_err("an unknown unit");
+    assert_eq!(error.field, "resources.max_duration");
+    assert!(error.reason.contains("unknown unit 'w'"), "{error:?}");
+}
+
+#[test]
+fn a_bad_max_duration_is_rejected_with_its_reason() {
+    let with = |written: &str| {
+        edit(
+            &base_spec(),
+            "vram = \"auto\"",
+            &format!("vram = \"auto\"\nmax_duration = {written}"),
+        )
+    };
+    let field = "resources.max_duration";
+    assert_rejected(&with("\"0s\""), field, &["\"0s\"", "longer than 0s"]);
+    assert_rejected(&with("\"0h0m\""), field, &["longer than 0s"]);
+    assert_rejected(&with("\"90\""), field, &["90 has no unit", "90m"]);
+    assert_rejected(&with("\"1.5h\""), field, &["unknown unit '.'"]);
+    assert_rejected(&with("\"30m2h\""), field, &["longest unit first"]);
+    assert_rejected(&with("\"\""), field, &["is empty"]);
+    assert_rejected(&with("\"99999999999999999999d\""), field, &["too long"]);
+    // Not a string at all: the parser names the field.
+    let error = load_error(&with("7200"));
+    assert_eq!(error.field, field, "{error:?}");
+    // Over the API (JSON) the same check names the same field.
+    let spec = parse_job_spec_toml(&with("\"2h\"")).unwrap();
+    let json = serde_json::to_string(&spec).unwrap().replacen(
+        "\"max_duration\":\"2h\"",
+        "\"max_duration\":\"2 hours\"",
+        1,
+    );
+    let error = validate_job_spec(parse_job_spec_json(&json).unwrap()).expect_err("bad unit");
+    assert_eq!(error.field, field, "{error:?}");
+    assert!(error.reason.contains("\"2 hours\""), "{error:?}");
+}
+
+#[test]
 fn workspace_limit_round_trips() {
     for (written, bytes) in [
         ("\"64MiB\"", 64u64 << 20),

@@ -17,13 +17,16 @@
 //! - `nvml`: real GPUs through NVML: discovery and each GPU's compute processes;
 //! - `sandbox`: every attempt in its own OCI container (bundle, runtime, tenants' ids);
 //! - `watchdog`: stops an attempt whose process tree holds more than its slice and
-//!   context, or (under the guard) uses the GPU without the guard.
+//!   context, or (under the guard) uses the GPU without the guard;
+//! - `attempt_limits`: stops an attempt that runs past its max_duration or whose
+//!   directories hold more than the checkpoint limit.
 //!
 //! Architecture invariants: the worker never admits a slice its GPU cannot hold; an
 //! attempt process that ends without its final line is a failed or an interrupted
 //! attempt, never an OOM; and no attempt process outlives its worker.
 
 pub mod attempt_child;
+pub mod attempt_limits;
 pub mod attempt_process;
 pub mod child_protocol;
 pub mod command_attempt;

@@ -4,12 +4,15 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use carve_core::bytes::parse_byte_size;
+use carve_core::spec::parse_duration;
 use carve_proto::client::ClientIdentity;
 use carve_proto::logging::{LogFormat, init_logging};
 use carve_worker::attempt_child::{AttemptArguments, attempt_command};
+use carve_worker::attempt_limits::{DEFAULT_MEASURE_INTERVAL, RunLimits};
 use carve_worker::gpus::parse_simulated_gpus;
 use carve_worker::sandbox::{
     AttemptLimits, DEFAULT_FIRST_HOST_UID, SandboxPolicy, SandboxSettings,
@@ -104,6 +107,17 @@ struct Arguments {
     /// The size of each container's private /tmp and of its /dev/shm.
     #[arg(long, env = "CARVE_ATTEMPT_SCRATCH", default_value = "1GiB", value_parser = parse_byte_size_argument)]
     attempt_scratch: u64,
+    /// The longest any attempt may run, wall clock (e.g. 7d, 48h, 90m, 1h30m), with or
+    /// without a container; a job may ask for less (resources.max_duration). An attempt
+    /// past it is stopped (SIGTERM, SIGKILL 10 s later) and ends failed. `none`: only
+    /// the jobs' own limits.
+    #[arg(long, env = "CARVE_ATTEMPT_MAX_DURATION", default_value = "7d", value_parser = parse_max_duration_argument)]
+    attempt_max_duration: OrNone<Duration>,
+    /// The most a job's checkpoint directory (with its attempt's own directory) may hold
+    /// on disk, measured every few seconds; an attempt past it is stopped and ends
+    /// failed. `none`: not measured.
+    #[arg(long, env = "CARVE_ATTEMPT_CHECKPOINT_LIMIT", default_value = "64GiB", value_parser = parse_checkpoint_limit_argument)]
+    attempt_checkpoint_limit: OrNone<u64>,
     /// A host directory every container sees read-only (a shared data set, a Python
     /// environment outside /usr); repeat for more.
     #[arg(long = "sandbox-read-only", value_name = "DIR")]
@@ -127,6 +141,34 @@ enum Command {
 
 fn parse_byte_size_argument(text: &str) -> Result<u64, String> {
     parse_byte_size(text).map_err(|error| error.to_string())
+}
+
+/// A limit, or `none` for no limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct OrNone<T>(Option<T>);
+
+/// `value` read by `parse`, or `none`; a zero limit is refused (it would stop every
+/// attempt at once: `none` says what was meant).
+fn limit_or_none<T: PartialEq + Default>(
+    text: &str,
+    parse: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<OrNone<T>, String> {
+    if text.trim().eq_ignore_ascii_case("none") {
+        return Ok(OrNone(None));
+    }
+    let value = parse(text)?;
+    if value == T::default() {
+        return Err("must be more than 0 (or none for no limit)".into());
+    }
+    Ok(OrNone(Some(value)))
+}
+
+fn parse_max_duration_argument(text: &str) -> Result<OrNone<Duration>, String> {
+    limit_or_none(text, parse_duration)
+}
+
+fn parse_checkpoint_limit_argument(text: &str) -> Result<OrNone<u64>, String> {
+    limit_or_none(text, parse_byte_size_argument)
 }
 
 fn hostname() -> String {
@@ -221,6 +263,11 @@ fn run(arguments: Arguments) -> Result<()> {
         host_network_tenants: arguments.sandbox_host_network,
         job_paths: arguments.sandbox_job_path,
     };
+    config.run_limits = RunLimits {
+        max_duration: arguments.attempt_max_duration.0,
+        checkpoint_bytes: arguments.attempt_checkpoint_limit.0,
+        measure_interval: DEFAULT_MEASURE_INTERVAL,
+    };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
         let shutdown = carve_proto::client::shutdown_signal();
@@ -274,6 +321,46 @@ mod tests {
                 .guard_library,
             Some(PathBuf::from("/opt/carve/libcarve_guard.so"))
         );
+    }
+
+    #[test]
+    fn the_worker_s_own_limits_have_defaults_and_none() {
+        let defaults = parse(&[]).unwrap();
+        assert_eq!(
+            defaults.attempt_max_duration,
+            OrNone(Some(Duration::from_secs(7 * 24 * 3_600)))
+        );
+        assert_eq!(defaults.attempt_checkpoint_limit, OrNone(Some(64 << 30)));
+        let set = parse(&[
+            "--attempt-max-duration",
+            "1h30m",
+            "--attempt-checkpoint-limit",
+            "500MiB",
+        ])
+        .unwrap();
+        assert_eq!(
+            set.attempt_max_duration,
+            OrNone(Some(Duration::from_secs(5_400)))
+        );
+        assert_eq!(set.attempt_checkpoint_limit, OrNone(Some(500 << 20)));
+        let off = parse(&[
+            "--attempt-max-duration",
+            "none",
+            "--attempt-checkpoint-limit",
+            "NONE",
+        ])
+        .unwrap();
+        assert_eq!(off.attempt_max_duration, OrNone(None));
+        assert_eq!(off.attempt_checkpoint_limit, OrNone(None));
+        for (flag, value, reason) in [
+            ("--attempt-max-duration", "0s", "more than 0"),
+            ("--attempt-max-duration", "90", "has no unit"),
+            ("--attempt-checkpoint-limit", "0", "more than 0"),
+            ("--attempt-checkpoint-limit", "lots", "not a number"),
+        ] {
+            let error = parse(&[flag, value]).unwrap_err().to_string();
+            assert!(error.contains(flag) && error.contains(reason), "{error}");
+        }
     }
 
     #[test]

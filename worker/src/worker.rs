@@ -8,7 +8,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use carve_core::command::validate::{ValidatedSpec, parse_spec_json};
 use carve_proto::ApiError;
@@ -19,6 +19,10 @@ use carve_proto::v1::worker_service_client::WorkerServiceClient;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::attempt_limits::{
+    LimitedAttempt, LimitedAttempts, MaxDuration, RunLimits, effective_max_duration,
+    run_attempt_limits,
+};
 use crate::attempt_process::AttemptControl;
 use crate::error::WorkerError;
 use crate::gpus::{SimulatedGpu, SliceBook, WorkerGpu, discover_gpus};
@@ -76,6 +80,10 @@ pub struct WorkerConfig {
     /// How attempts are contained (`--oci-runtime`, `--insecure-no-sandbox`, the limits;
     /// see [`crate::sandbox`]).
     pub sandbox: SandboxSettings,
+    /// What the worker itself holds every attempt to, contained or not: its wall-clock
+    /// limit and the size of its directories (`--attempt-max-duration`,
+    /// `--attempt-checkpoint-limit`; see [`crate::attempt_limits`]).
+    pub run_limits: RunLimits,
 }
 
 /// The default context reservation, on real and simulated GPUs alike: what an attempt
@@ -111,6 +119,7 @@ impl WorkerConfig {
             client_identity: None,
             guard_library: None,
             sandbox: SandboxSettings::default(),
+            run_limits: RunLimits::default(),
         }
     }
 }
@@ -137,6 +146,13 @@ struct RunningAttempt {
     /// The `cgroup.procs` file of the container its program runs in; `None` when it is
     /// not contained (see [`WatchedAttempt::container_processes`]).
     container_processes: Option<PathBuf>,
+    /// When the worker started it, what its wall clock counts from.
+    started: Instant,
+    /// Its wall-clock limit, the job's or the worker's ([`effective_max_duration`]).
+    max_duration: Option<MaxDuration>,
+    /// The directories its program may write: the job's ([`job_directory`]) and its own
+    /// ([`attempt_directory`]), which `--attempt-checkpoint-limit` bounds together.
+    directories: Vec<PathBuf>,
 }
 
 /// What the session loop and the attempt watchers share.
@@ -297,6 +313,13 @@ pub async fn run_worker(
         .filter(|gpu| !gpu.simulated)
         .map(|gpu| (gpu.uuid.clone(), gpu.context_bytes))
         .collect();
+    // The worker's own limits hold on every attempt, real GPU or simulated.
+    let limits = tokio::spawn(run_attempt_limits(
+        config.run_limits.clone(),
+        WorkerLimitedAttempts {
+            shared: shared.clone(),
+        },
+    ));
     let watchdog = match nvml {
         Some(nvml) if !context_bytes.is_empty() => Some(tokio::spawn(run_watchdog(
             SystemWatchSource::new(nvml),
@@ -351,6 +374,7 @@ pub async fn run_worker(
     if let Some(watchdog) = watchdog {
         watchdog.abort();
     }
+    limits.abort();
     // Shutting down: the attempts die with the worker (their processes would outlive it
     // otherwise); the scheduler requeues them when the lease runs out.
     for running in lock(&worker.shared).running.values() {
@@ -418,6 +442,32 @@ impl WatchedAttempts for WorkerAttempts {
                     guard_account: running.guard_account.clone(),
                     container_processes: running.container_processes.clone(),
                 })
+            })
+            .collect()
+    }
+
+    fn stop(&self, attempt: &v1::AttemptRef, control: AttemptControl) {
+        if let Some(running) = lock(&self.shared).running.get(&attempt_key(attempt)) {
+            let _ = running.control.send(control);
+        }
+    }
+}
+
+/// The limits' view of the worker's attempts: every one that runs, on any GPU.
+struct WorkerLimitedAttempts {
+    shared: Shared,
+}
+
+impl LimitedAttempts for WorkerLimitedAttempts {
+    fn running(&self) -> Vec<LimitedAttempt> {
+        lock(&self.shared)
+            .running
+            .values()
+            .map(|running| LimitedAttempt {
+                attempt: running.attempt.clone(),
+                started: running.started,
+                max_duration: running.max_duration,
+                directories: running.directories.clone(),
             })
             .collect()
     }
@@ -773,15 +823,23 @@ impl Worker {
         config: &v1::RunConfig,
         gpu: &WorkerGpu,
     ) -> Result<(), WorkerError> {
-        match parse_spec_json(&assignment.spec_json) {
-            Ok(ValidatedSpec::Model(job)) => {
-                self.launch_model(assignment, attempt, config, gpu, &job)
+        let spec = parse_spec_json(&assignment.spec_json)
+            .map_err(|error| WorkerError::Attempt(format!("the job spec: {error}")))?;
+        // The job may ask for less time than the worker allows, never more.
+        let job_max_duration = spec
+            .resources()
+            .max_duration_limit()
+            .map_err(|error| WorkerError::Attempt(format!("the job spec: {error}")))?;
+        let max_duration =
+            effective_max_duration(job_max_duration, self.config.run_limits.max_duration);
+        match spec {
+            ValidatedSpec::Model(job) => {
+                self.launch_model(assignment, attempt, config, gpu, &job, max_duration)
                     .await
             }
-            Ok(ValidatedSpec::Command(job)) => {
-                self.launch_command(assignment, attempt, config, gpu, job)
+            ValidatedSpec::Command(job) => {
+                self.launch_command(assignment, attempt, config, gpu, job, max_duration)
             }
-            Err(error) => Err(WorkerError::Attempt(format!("the job spec: {error}"))),
         }
     }
 }

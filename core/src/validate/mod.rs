@@ -153,6 +153,7 @@ pub(crate) fn validate_resources(resources: &ResourcesSpec) -> Result<(), FieldE
             "must be \"auto\" or more than 0 bytes",
         ));
     }
+    resources.max_duration_limit()?;
     Ok(())
 }
 

@@ -3,6 +3,7 @@
 //! to the watchdog and recorded for a worker that comes back after a crash.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use carve_core::command::validate::ValidatedCommandJob;
 use carve_core::plan::RunConfig;
@@ -14,6 +15,7 @@ use super::{
     RunningAttempt, Shared, StartedAttemptProcess, Worker, attempt_directory, attempt_key,
     container_name, job_directory, lock,
 };
+use crate::attempt_limits::MaxDuration;
 use crate::command_attempt::{CommandAttemptLaunch, CommandProcesses, run_command_attempt};
 use crate::error::WorkerError;
 use crate::gpus::WorkerGpu;
@@ -30,6 +32,7 @@ impl Worker {
         config: &v1::RunConfig,
         gpu: &WorkerGpu,
         job: ValidatedCommandJob,
+        max_duration: Option<MaxDuration>,
     ) -> Result<(), WorkerError> {
         let guard_library = if gpu.simulated {
             self.simulated_guard_library.clone()
@@ -85,6 +88,13 @@ impl Worker {
                 slice_bytes: assignment.slice_bytes,
                 guard_account: None,
                 container_processes: None,
+                // A profile's runs count together, from here.
+                started: Instant::now(),
+                max_duration,
+                directories: vec![
+                    launch.checkpoint_dir.clone(),
+                    launch.attempt_directory.clone(),
+                ],
             },
         );
         let processes = WorkerCommandProcesses {

@@ -3,6 +3,7 @@
 //! watches it.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use carve_core::spec::DataFiles;
 use carve_core::validate::ValidatedJob;
@@ -13,6 +14,7 @@ use super::{
     RunningAttempt, StartedAttemptProcess, Worker, attempt_directory, attempt_key,
     checkpoint_file_name, container_name, job_directory, lock,
 };
+use crate::attempt_limits::MaxDuration;
 use crate::attempt_process::{AttemptLaunch, spawn_attempt_process, watch_attempt_process};
 use crate::child_protocol::ConfigArgument;
 use crate::error::WorkerError;
@@ -29,6 +31,7 @@ impl Worker {
         config: &v1::RunConfig,
         gpu: &WorkerGpu,
         job: &ValidatedJob,
+        max_duration: Option<MaxDuration>,
     ) -> Result<(), WorkerError> {
         let directory = &self.config.checkpoint_directory;
         // The attempt's own directory holds its spec; the job's holds its checkpoints
@@ -147,6 +150,9 @@ impl Worker {
                 slice_bytes: assignment.slice_bytes,
                 guard_account: None,
                 container_processes,
+                started: Instant::now(),
+                max_duration,
+                directories: vec![checkpoints.clone(), run_directory.clone()],
             },
         );
         if let Some(observer) = &self.config.process_observer {
