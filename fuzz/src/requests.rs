@@ -688,6 +688,7 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
                 location: "/checkpoints/job.ckpt".into(),
             }),
             command_argv: Vec::new(),
+            uncontained: false,
         }),
         Body::Progress(v1::worker_message::Progress {
             attempt: attempt(),

@@ -178,6 +178,7 @@ pub fn attempt_to_proto(attempt: &AttemptRecord) -> v1::Attempt {
         .map(Into::into)
         .collect(),
         oom_detected_by: attempt.details.oom_detected_by.clone(),
+        uncontained: attempt.details.uncontained,
     }
 }
 
@@ -464,6 +465,7 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
             attempt: attempt_ref_from_proto(started.attempt),
             resumed_from: started.resumed_from.map(checkpoint_from_proto),
             command_argv: started.command_argv,
+            uncontained: started.uncontained,
         },
         Body::Progress(progress) => WorkerReport::Progress {
             attempt: attempt_ref_from_proto(progress.attempt),

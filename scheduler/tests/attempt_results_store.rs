@@ -1,6 +1,6 @@
 //! What the store keeps of each attempt's results and start (issue 19): the final loss,
 //! test accuracy, steps and throughput stored with its outcome, and the start and
-//! checkpoint the attempt itself reported. Every test runs against SQLite and against the
+//! checkpoint the attempt itself reported (and whether it ran uncontained). Every test runs against SQLite and against the
 //! PostgreSQL server this binary starts (`support/mod.rs`), as `sqlite::NAME` and
 //! `postgres::NAME`, like the store contract suite.
 
@@ -9,7 +9,8 @@ mod support;
 
 use carve_scheduler::convert::attempt_to_proto;
 use carve_scheduler::store::{
-    AttemptEndDetails, AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, JobState, Store,
+    AttemptEndDetails, AttemptOutcome, AttemptRecord, AttemptResults, AttemptStartDetails,
+    JobRecord, JobState, Store,
 };
 use support::{T0, TestDb, attempt, finish_plainly, job, open_with_acme};
 
@@ -105,7 +106,14 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
     let (store, running) = store_with_a_running_attempt(db).await;
     // A report quoting another lease epoch changes nothing.
     let stale = store
-        .record_attempt_started("j", 1, 7, T0 + 5, Some(("/elsewhere.ckpt", 1)), "")
+        .record_attempt_started(
+            "j",
+            1,
+            7,
+            T0 + 5,
+            Some(("/elsewhere.ckpt", 1)),
+            &AttemptStartDetails::default(),
+        )
         .await
         .unwrap();
     assert!(!stale);
@@ -116,7 +124,7 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
     // A worker that does not say where it resumed leaves the expected checkpoint.
     assert!(
         store
-            .record_attempt_started("j", 1, 1, T0 + 10, None, "")
+            .record_attempt_started("j", 1, 1, T0 + 10, None, &AttemptStartDetails::default())
             .await
             .unwrap()
     );
@@ -126,6 +134,9 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
         (started.resumed_from.as_deref(), started.resumed_from_step),
         (Some("/ckpt/j.ckpt"), 100)
     );
+    // A worker that does not say it is uncontained (contained, or too old): contained.
+    assert!(!started.details.uncontained);
+    assert!(!attempt_to_proto(&started).uncontained);
     // The checkpoint the attempt really loaded wins over the scheduler's guess.
     assert!(
         store
@@ -135,7 +146,10 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
                 1,
                 T0 + 20,
                 Some(("/ckpt/j.attempt-1.ckpt", 300)),
-                r#"["python3","train.py"]"#
+                &AttemptStartDetails {
+                    command_argv_json: r#"["python3","train.py"]"#.into(),
+                    uncontained: true,
+                },
             )
             .await
             .unwrap()
@@ -150,6 +164,9 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
         attempt_to_proto(&resumed).command_argv,
         vec!["python3".to_string(), "train.py".to_string()]
     );
+    // A worker without a container says its attempt ran with the worker's rights.
+    assert!(resumed.details.uncontained);
+    assert!(attempt_to_proto(&resumed).uncontained);
     let shown = attempt_to_proto(&resumed).resumed_from.unwrap();
     assert_eq!(shown.step, 300);
     // An attempt that ended is not started again.
@@ -158,10 +175,31 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
         .unwrap();
     assert!(
         !store
-            .record_attempt_started("j", 1, 1, T0 + 40, None, r#"["sh"]"#)
+            .record_attempt_started(
+                "j",
+                1,
+                1,
+                T0 + 40,
+                None,
+                &AttemptStartDetails {
+                    command_argv_json: r#"["sh"]"#.into(),
+                    uncontained: false,
+                },
+            )
             .await
             .unwrap()
     );
     let ended = store.list_attempts("j").await.unwrap().remove(0);
     assert_eq!(ended.details.command_argv_json, r#"["python3","train.py"]"#);
+    assert!(
+        ended.details.uncontained,
+        "the start's word is kept at the end"
+    );
+    // Reopened, it is still there (a column, not memory).
+    let reopened = db.open().await;
+    assert!(
+        reopened.list_attempts("j").await.unwrap()[0]
+            .details
+            .uncontained
+    );
 }

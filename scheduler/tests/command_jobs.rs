@@ -42,10 +42,12 @@ fn attempt_of(assignment: &v1::scheduler_message::Assignment) -> v1::AttemptRef 
     assignment.attempt.clone().unwrap()
 }
 
+/// Reports `assignment` started, running `argv`; `uncontained`: without a container.
 async fn started_with_argv(
     worker: &mut TestWorker,
     assignment: &v1::scheduler_message::Assignment,
     argv: &[&str],
+    uncontained: bool,
 ) {
     worker
         .send(v1::worker_message::Body::AttemptStarted(
@@ -54,6 +56,7 @@ async fn started_with_argv(
                 reserved_bytes: assignment.slice_bytes,
                 resumed_from: None,
                 command_argv: argv.iter().map(|arg| arg.to_string()).collect(),
+                uncontained,
             },
         ))
         .await;
@@ -74,7 +77,7 @@ async fn a_profile_sizes_the_job_and_an_oom_is_retried_with_accumulation() {
     let profile = worker.next_assignment().await;
     assert!(profile.profile);
     assert_eq!(profile.config.as_ref().unwrap().micro_batch_size, 64);
-    started_with_argv(&mut worker, &profile, &["python3", "train.py"]).await;
+    started_with_argv(&mut worker, &profile, &["python3", "train.py"], false).await;
     // fixed 1 GiB + 16 MiB per sample.
     worker
         .report_finished(v1::worker_message::AttemptFinished {
@@ -107,7 +110,13 @@ async fn a_profile_sizes_the_job_and_an_oom_is_retried_with_accumulation() {
         "slice {}",
         training.slice_bytes
     );
-    started_with_argv(&mut worker, &training, &["python3", "train.py", "64"]).await;
+    started_with_argv(
+        &mut worker,
+        &training,
+        &["python3", "train.py", "64"],
+        false,
+    )
+    .await;
     // Memory the two-step profile did not see: the guard refused 512 MiB at 1.9 GiB.
     worker
         .send(v1::worker_message::Body::Oom(
@@ -134,7 +143,8 @@ async fn a_profile_sizes_the_job_and_an_oom_is_retried_with_accumulation() {
     assert_eq!(attempt_of(&retry).attempt_number, 3);
     assert_eq!(config.batch_size, 64, "the global batch is kept");
     assert_eq!(config.micro_batch_size, 32);
-    started_with_argv(&mut worker, &retry, &["python3", "train.py", "32"]).await;
+    // The retry runs on a worker restarted without its sandbox (--insecure-no-sandbox).
+    started_with_argv(&mut worker, &retry, &["python3", "train.py", "32"], true).await;
     worker.succeed(&retry, 1800 * MIB).await;
     wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
 
@@ -153,6 +163,15 @@ async fn a_profile_sizes_the_job_and_an_oom_is_retried_with_accumulation() {
         "{second:?}"
     );
     assert_eq!(second.command_argv, ["python3", "train.py", "64"]);
+    // Only the attempt its worker said ran uncontained shows it.
+    assert_eq!(
+        shown
+            .attempts
+            .iter()
+            .map(|attempt| attempt.uncontained)
+            .collect::<Vec<_>>(),
+        [false, false, true]
+    );
     assert_eq!(
         third.chosen_because,
         "after attempt 2 ran out of memory: micro-batch 64 -> 32 (2 accumulation steps)"

@@ -293,6 +293,7 @@ async fn failover_worker(endpoints: Vec<String>, token: String, log: Arc<Mutex<W
                                     reserved_bytes: assignment.slice_bytes,
                                     resumed_from: None,
                                     command_argv: Vec::new(),
+                                    uncontained: false,
                                 },
                             );
                             sent.push((sequence, body.clone()));

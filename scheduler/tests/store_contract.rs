@@ -12,10 +12,10 @@ use carve_proto::ApiError;
 use carve_scheduler::convert::{attempt_to_proto, job_to_proto};
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::store::{
-    AttemptOutcome, AttemptRecord, AttemptResults, Backend, JobFilter, JobRecord, JobState,
-    LogBatcher, LogBatcherSettings, LogLineRecord, LogPage, LogQuery, MAX_LOG_LINES_PER_JOB,
-    MAX_LOG_MESSAGE_BYTES, NewLogLine, Role, Store, SubmitBatcher, TenantRecord, TokenRecord,
-    WorkerRecord, WorkerState,
+    AttemptDetails, AttemptOutcome, AttemptRecord, AttemptResults, Backend, JobFilter, JobRecord,
+    JobState, LogBatcher, LogBatcherSettings, LogLineRecord, LogPage, LogQuery,
+    MAX_LOG_LINES_PER_JOB, MAX_LOG_MESSAGE_BYTES, NewLogLine, Role, Store, SubmitBatcher,
+    TenantRecord, TokenRecord, WorkerRecord, WorkerState,
 };
 use support::{T0, TestDb, attempt, finish_plainly, job, open_with_acme, tenant};
 
@@ -900,6 +900,11 @@ async fn attempts_are_listed_by_number(db: &TestDb) {
         resumed_from: Some("/ckpt/j/10".into()),
         resumed_from_step: 10,
         finished_at_ms: Some(T0 + 99),
+        // Its worker ran it without a container.
+        details: AttemptDetails {
+            uncontained: true,
+            ..AttemptDetails::default()
+        },
         ..attempt("j", 3, 5)
     };
     for record in [

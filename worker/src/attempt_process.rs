@@ -26,7 +26,9 @@ use crate::child_protocol::{
     ChildLine, OUT_OF_MEMORY_EXIT_CODE, STOPPED_ON_SIGTERM_EXIT_CODE, WORKER_GONE_EXIT_CODE,
 };
 use crate::error::WorkerError;
-use crate::sandbox::{Container, ContainerRequest, Sandbox, container_exit_status};
+use crate::sandbox::{
+    Container, ContainerRequest, Sandbox, UNCONTAINED_WARNING, container_exit_status,
+};
 
 /// How many stderr lines a failure message quotes.
 const STDERR_LINES_KEPT: usize = 20;
@@ -316,6 +318,7 @@ pub async fn watch_attempt_process(
     let mut measured_peak_bytes = 0u64;
     let mut steps_reported: Option<u64> = None;
     let mut stopper = ProcessStopper::new(process_id, container.clone());
+    let uncontained = container.is_none();
     let send = |body: Body| {
         // The receiver lives as long as the worker; a send fails only at shutdown.
         let _ = reports.send(body);
@@ -343,8 +346,11 @@ pub async fn watch_attempt_process(
                                     }
                                     _ => {}
                                 }
-                                if let Some(body) = report_for_line(&attempt, &line) {
+                                if let Some(body) = report_for_line(&attempt, &line, uncontained) {
                                     send(body);
+                                    if uncontained && matches!(line, ChildLine::Started { .. }) {
+                                        send(uncontained_log_line(&attempt));
+                                    }
                                 } else {
                                     final_line = Some(line);
                                 }
@@ -410,6 +416,16 @@ fn output_log_line(attempt: &v1::AttemptRef, message: String) -> Body {
         attempt: Some(attempt.clone()),
         level: output_level(&message).into(),
         message,
+    })
+}
+
+/// The log line that says an attempt runs uncontained, so `carve logs` shows it (its
+/// `AttemptStarted` says so too, for `carve get`).
+pub(crate) fn uncontained_log_line(attempt: &v1::AttemptRef) -> Body {
+    Body::Log(v1::worker_message::LogLine {
+        attempt: Some(attempt.clone()),
+        level: "warn".into(),
+        message: UNCONTAINED_WARNING.to_string(),
     })
 }
 
@@ -548,8 +564,9 @@ fn kill_group(child: &mut Child, process_group: u32) {
 }
 
 /// The message for a line that is not final; `None` for the final lines (finished,
-/// oom), which are reported once the process has exited.
-fn report_for_line(attempt: &v1::AttemptRef, line: &ChildLine) -> Option<Body> {
+/// oom), which are reported once the process has exited. `uncontained`: the attempt
+/// runs without a container, which its start says.
+fn report_for_line(attempt: &v1::AttemptRef, line: &ChildLine, uncontained: bool) -> Option<Body> {
     let attempt = Some(attempt.clone());
     match line {
         ChildLine::Started {
@@ -564,6 +581,7 @@ fn report_for_line(attempt: &v1::AttemptRef, line: &ChildLine) -> Option<Body> {
                 location: checkpoint.location.clone(),
             }),
             command_argv: Vec::new(),
+            uncontained,
         })),
         ChildLine::Progress {
             step,

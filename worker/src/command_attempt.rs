@@ -32,7 +32,7 @@ use tokio::time::Instant;
 
 use crate::attempt_process::{
     AttemptControl, ProcessStopper, WorkerStop, signal_process_group, sleep_until_or_never,
-    spawn_supervised,
+    spawn_supervised, uncontained_log_line,
 };
 use crate::command_output::{
     BoundedLines, LineTail, MOST_LINE_BYTES, ProgressLine, STDERR_TAIL_LINES, parse_progress_line,
@@ -41,8 +41,7 @@ use crate::command_output::{
 use crate::error::WorkerError;
 use crate::guard_environment::AttemptGuard;
 use crate::sandbox::{
-    Container, ContainerRequest, HostPath, Sandbox, UNCONTAINED_WARNING, container_exit_status,
-    give_directory_to,
+    Container, ContainerRequest, HostPath, Sandbox, container_exit_status, give_directory_to,
 };
 
 /// The variable that tells the program its slice's size, with or without the guard (a
@@ -335,6 +334,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
                 reserved_bytes: self.launch.slice_bytes,
                 resumed_from: None,
                 command_argv: argv,
+                uncontained: container.is_none(),
             }));
             if container.is_none() {
                 self.send(uncontained_log_line(attempt));
@@ -697,15 +697,6 @@ struct PreparedRun {
     argv: Vec<String>,
     guard: Option<AttemptGuard>,
     container: Option<Container>,
-}
-
-/// The log line that says an attempt runs uncontained, so `carve logs` shows it.
-fn uncontained_log_line(attempt: &v1::AttemptRef) -> Body {
-    Body::Log(v1::worker_message::LogLine {
-        attempt: Some(attempt.clone()),
-        level: "warn".into(),
-        message: UNCONTAINED_WARNING.to_string(),
-    })
 }
 
 /// What a run's output built up while it ran.

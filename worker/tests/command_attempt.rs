@@ -12,6 +12,7 @@ use carve_proto::v1;
 use carve_proto::v1::worker_message::Body;
 use carve_worker::attempt_process::AttemptControl;
 use carve_worker::command_attempt::{CommandAttemptLaunch, run_command_attempt};
+use carve_worker::sandbox::UNCONTAINED_WARNING;
 use serde_json::json;
 use tokio::sync::mpsc;
 
@@ -177,7 +178,14 @@ async fn output_becomes_log_lines_and_progress_and_exit_0_succeeds() {
     );
     assert_eq!(started[0].reserved_bytes, SLICE_BYTES);
     assert_eq!(started[0].command_argv[4], "4", "the rendered argv");
+    // No sandbox here: the start says the attempt ran with the worker's rights, and its
+    // log says so loudly.
+    assert!(started[0].uncontained, "{:?}", started[0]);
     let logs = logs(&reports);
+    assert!(
+        logs.contains(&("warn".to_string(), UNCONTAINED_WARNING.to_string())),
+        "{logs:#?}"
+    );
     let checkpoint_dir = directory.path().join("job-1");
     let attempt_directory = directory.path().join("job-1.attempt-1.run");
     for expected in [

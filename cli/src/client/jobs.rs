@@ -568,31 +568,7 @@ fn print_job_details(job: &v1::Job) {
 /// measured: the lines `get` prints under the attempts table.
 fn print_attempt_stories(job: &v1::Job) {
     for attempt in &job.attempts {
-        let mut lines = Vec::new();
-        if !attempt.chosen_because.is_empty() {
-            lines.push(format!("why:      {}", attempt.chosen_because));
-        }
-        if !attempt.command_argv.is_empty() {
-            lines.push(format!("ran:      {}", attempt.command_argv.join(" ")));
-        }
-        if !attempt.profile_points.is_empty() {
-            let points: Vec<String> = attempt
-                .profile_points
-                .iter()
-                .map(|point| {
-                    format!(
-                        "micro-batch {}: {}{}",
-                        point.micro_batch,
-                        bytes_text(Some(point.peak_bytes)),
-                        if point.ran_out { " (ran out)" } else { "" }
-                    )
-                })
-                .collect();
-            lines.push(format!("measured: {}", points.join(", ")));
-        }
-        if !attempt.oom_detected_by.is_empty() {
-            lines.push(format!("oom seen by {}", attempt.oom_detected_by));
-        }
+        let lines = attempt_story(attempt);
         if lines.is_empty() {
             continue;
         }
@@ -603,6 +579,44 @@ fn print_attempt_stories(job: &v1::Job) {
             println!("    {line}");
         }
     }
+}
+
+/// What `get` says of an attempt that ran without its container.
+const UNCONTAINED_LINE: &str =
+    "contained: NO — ran with the worker's rights (no OCI runtime, or --insecure-no-sandbox)";
+
+/// One attempt's story lines (none when there is nothing to tell).
+fn attempt_story(attempt: &v1::Attempt) -> Vec<String> {
+    let mut lines = Vec::new();
+    // First: nothing else about the attempt matters as much.
+    if attempt.uncontained {
+        lines.push(UNCONTAINED_LINE.to_string());
+    }
+    if !attempt.chosen_because.is_empty() {
+        lines.push(format!("why:      {}", attempt.chosen_because));
+    }
+    if !attempt.command_argv.is_empty() {
+        lines.push(format!("ran:      {}", attempt.command_argv.join(" ")));
+    }
+    if !attempt.profile_points.is_empty() {
+        let points: Vec<String> = attempt
+            .profile_points
+            .iter()
+            .map(|point| {
+                format!(
+                    "micro-batch {}: {}{}",
+                    point.micro_batch,
+                    bytes_text(Some(point.peak_bytes)),
+                    if point.ran_out { " (ran out)" } else { "" }
+                )
+            })
+            .collect();
+        lines.push(format!("measured: {}", points.join(", ")));
+    }
+    if !attempt.oom_detected_by.is_empty() {
+        lines.push(format!("oom seen by {}", attempt.oom_detected_by));
+    }
+    lines
 }
 
 pub async fn cancel(arguments: CancelArguments) -> Result<ExitCode> {
@@ -717,5 +731,38 @@ mod tests {
             &config(8, 8, v1::Precision::Fp32),
             &config(8, 4, v1::Precision::Fp32)
         ));
+    }
+
+    #[test]
+    fn an_uncontained_attempt_says_so_first_and_a_contained_one_says_nothing_of_it() {
+        let contained = v1::Attempt {
+            number: 1,
+            command_argv: vec!["python3".into(), "train.py".into()],
+            ..v1::Attempt::default()
+        };
+        assert_eq!(attempt_story(&contained), ["ran:      python3 train.py"]);
+        let uncontained = v1::Attempt {
+            uncontained: true,
+            ..contained
+        };
+        assert_eq!(
+            attempt_story(&uncontained),
+            [
+                "contained: NO — ran with the worker's rights (no OCI runtime, or \
+                 --insecure-no-sandbox)",
+                "ran:      python3 train.py"
+            ]
+        );
+        // A model job's attempt has no other story: it is still told.
+        let engine = v1::Attempt {
+            uncontained: true,
+            ..v1::Attempt::default()
+        };
+        assert_eq!(attempt_story(&engine), [UNCONTAINED_LINE]);
+        // -o json and yaml carry the field, whatever its value.
+        let json = message_json(&uncontained, "carve.v1.Attempt").unwrap();
+        assert_eq!(json["uncontained"], serde_json::Value::Bool(true));
+        let json = message_json(&v1::Attempt::default(), "carve.v1.Attempt").unwrap();
+        assert_eq!(json["uncontained"], serde_json::Value::Bool(false));
     }
 }

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use crate::auth::{Caller, Role, generate_id};
 use crate::cache::LOOKUP_TIME_TO_LIVE;
 use crate::error::SchedulerError;
-use crate::store::{AttemptOutcome, AttemptResults, WorkerRecord};
+use crate::store::{AttemptOutcome, AttemptResults, AttemptStartDetails, WorkerRecord};
 use crate::worker_session::{LiveSession, SessionHandle};
 
 use super::command_jobs::{OomDetected, command_argv_to_json, display_argv};
@@ -431,8 +431,9 @@ impl Scheduler {
                 attempt,
                 resumed_from,
                 command_argv,
+                uncontained,
             } => {
-                self.attempt_started(worker_id, attempt, resumed_from, &command_argv)
+                self.attempt_started(worker_id, attempt, resumed_from, &command_argv, uncontained)
                     .await
             }
             WorkerReport::Progress { attempt, progress } => {
@@ -535,14 +536,16 @@ impl Scheduler {
         }
     }
 
-    /// An attempt started training in its slice: the time it began and the checkpoint it
-    /// says it loaded are stored, and a placed job becomes running.
+    /// An attempt started training in its slice: the time it began, the checkpoint it
+    /// says it loaded, the argv it ran and whether it runs uncontained are stored, and a
+    /// placed job becomes running.
     async fn attempt_started(
         &self,
         worker_id: &str,
         attempt: AttemptRef,
         resumed_from: Option<Checkpoint>,
         command_argv: &[String],
+        uncontained: bool,
     ) -> Result<(), SchedulerError> {
         let _guard = self.job_changes.lock().await;
         if self.current_attempt(worker_id, &attempt).is_none() {
@@ -560,7 +563,10 @@ impl Scheduler {
                 attempt.lease_epoch as i64,
                 now_ms(),
                 resumed,
-                &command_argv_to_json(command_argv),
+                &AttemptStartDetails {
+                    command_argv_json: command_argv_to_json(command_argv),
+                    uncontained,
+                },
             )
             .await?;
         if !command_argv.is_empty() {

@@ -92,6 +92,9 @@ pub enum WorkerReport {
         resumed_from: Option<Checkpoint>,
         /// A command job's argv as the worker rendered it; empty for model jobs.
         command_argv: Vec<String>,
+        /// It runs without its container, with the worker's rights; false when contained
+        /// or from a worker too old to say.
+        uncontained: bool,
     },
     Progress {
         attempt: AttemptRef,

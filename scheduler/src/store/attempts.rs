@@ -7,6 +7,15 @@ use super::columns::oom_to_json;
 use super::records::attempt_display_id;
 use super::{AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, Store, insert_error};
 
+/// What an attempt's start adds to its details (`AttemptDetails`): the argv a command
+/// job's worker ran, as a JSON list ('' for none), and whether it runs without its
+/// container (false when contained, or from a worker too old to say).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AttemptStartDetails {
+    pub command_argv_json: String,
+    pub uncontained: bool,
+}
+
 /// What an attempt's end adds to its details (`AttemptDetails`): a profile's points and
 /// who detected an out-of-memory; both empty otherwise.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -21,17 +30,17 @@ const ATTEMPT_COLUMNS: &str = "job_id, attempt_number, config_json, estimate_byt
      slice_bytes, worker_id, gpu_id, lease_epoch, outcome, measured_peak_bytes, oom_json, \
      message, resumed_from, started_at_ms, finished_at_ms, resumed_from_step, final_loss, \
      test_accuracy, steps_done, samples_per_second, profile, chosen_because, command_argv_json, \
-     profile_points_json, oom_detected_by";
+     profile_points_json, oom_detected_by, uncontained";
 
 const INSERT_ATTEMPT_SQL: &str = "INSERT INTO attempts (job_id, attempt_number, config_json, \
      estimate_bytes, slice_bytes, worker_id, gpu_id, lease_epoch, outcome, \
      measured_peak_bytes, oom_json, message, resumed_from, started_at_ms, finished_at_ms, \
      resumed_from_step, final_loss, test_accuracy, steps_done, samples_per_second, profile, \
-     chosen_because, command_argv_json, profile_points_json, oom_detected_by) \
+     chosen_because, command_argv_json, profile_points_json, oom_detected_by, uncontained) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, \
-     $19, $20, $21, $22, $23, $24, $25)";
+     $19, $20, $21, $22, $23, $24, $25, $26)";
 
-/// Binds an attempt's columns in the order of [`ATTEMPT_COLUMNS`] ($1 to $25).
+/// Binds an attempt's columns in the order of [`ATTEMPT_COLUMNS`] ($1 to $26).
 macro_rules! bind_attempt_columns {
     ($query:expr, $attempt:expr) => {
         $query
@@ -60,6 +69,7 @@ macro_rules! bind_attempt_columns {
             .bind(&$attempt.details.command_argv_json)
             .bind(&$attempt.details.profile_points_json)
             .bind(&$attempt.details.oom_detected_by)
+            .bind($attempt.details.uncontained)
     };
 }
 
@@ -173,7 +183,8 @@ impl Store {
     /// is, and so is an attempt that does not exist: `Ok(false)`). `resumed_from` is the
     /// checkpoint the attempt itself loaded, with its step: it replaces the one the
     /// scheduler expected when set, and leaves it when `None` (a worker that does not
-    /// say). `command_argv_json` is what a command job's worker ran ('' for none).
+    /// say). `start` is what the worker said of the attempt: its argv, whether it runs
+    /// uncontained.
     pub async fn record_attempt_started(
         &self,
         job_id: &str,
@@ -181,7 +192,7 @@ impl Store {
         lease_epoch: i64,
         started_at_ms: i64,
         resumed_from: Option<(&str, i64)>,
-        command_argv_json: &str,
+        start: &AttemptStartDetails,
     ) -> Result<bool, SchedulerError> {
         let (location, step) = resumed_from.unzip();
         let updated = with_pool!(self, pool => {
@@ -189,7 +200,7 @@ impl Store {
                 "UPDATE attempts SET started_at_ms = $4, \
                  resumed_from = COALESCE($5, resumed_from), \
                  resumed_from_step = COALESCE($6, resumed_from_step), \
-                 command_argv_json = $8 \
+                 command_argv_json = $8, uncontained = $9 \
                  WHERE job_id = $1 AND attempt_number = $2 AND lease_epoch = $3 \
                  AND outcome = $7",
             )
@@ -200,7 +211,8 @@ impl Store {
             .bind(location)
             .bind(step)
             .bind(AttemptOutcome::Running.name())
-            .bind(command_argv_json)
+            .bind(&start.command_argv_json)
+            .bind(start.uncontained)
             .execute(pool)
             .await?
             .rows_affected()
@@ -242,7 +254,8 @@ impl Store {
              profile = excluded.profile, chosen_because = excluded.chosen_because, \
              command_argv_json = excluded.command_argv_json, \
              profile_points_json = excluded.profile_points_json, \
-             oom_detected_by = excluded.oom_detected_by \
+             oom_detected_by = excluded.oom_detected_by, \
+             uncontained = excluded.uncontained \
              WHERE attempts.lease_epoch < excluded.lease_epoch"
         );
         with_write_tx!(self, tx => {

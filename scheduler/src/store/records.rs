@@ -200,7 +200,7 @@ pub struct AttemptRecord {
 }
 
 /// The rest of an attempt's story: written at placement (`profile`, `chosen_because`),
-/// at start (`command_argv_json`) and at its end (`profile_points_json`,
+/// at start (`command_argv_json`, `uncontained`) and at its end (`profile_points_json`,
 /// `oom_detected_by`). Empty for rows from before these columns, and the command fields
 /// for model jobs.
 #[derive(Debug, Clone, Default, PartialEq, Eq, sqlx::FromRow)]
@@ -215,6 +215,9 @@ pub struct AttemptDetails {
     pub profile_points_json: String,
     /// Who detected an out-of-memory ("allocator", "guard", "pytorch", ...).
     pub oom_detected_by: String,
+    /// Its worker said it ran without its container, with the worker's rights (false
+    /// when contained, from a worker too old to say, or before it started).
+    pub uncontained: bool,
 }
 
 /// What an attempt achieved, as its worker reported at its end; every field is `None`

@@ -281,6 +281,7 @@ impl TestWorker {
                 reserved_bytes: assignment.slice_bytes,
                 resumed_from,
                 command_argv: Vec::new(),
+                uncontained: false,
             },
         ))
         .await

@@ -1,5 +1,6 @@
 //! The worker's side of an attempt: how its end is reported (outcomes, messages,
-//! results), how its output is leveled, and which process groups are never signalled.
+//! results), how its output is leveled, which process groups are never signalled, and
+//! that an attempt without a container says so.
 
 use super::*;
 use std::os::unix::process::ExitStatusExt;
@@ -238,4 +239,58 @@ fn output_lines_get_the_level_their_words_say() {
     assert_eq!(output_level("RuntimeError: CUDA error"), "error");
     assert_eq!(output_level("Traceback (most recent call last):"), "error");
     assert_eq!(output_level("epoch 1: loss 0.5"), "info");
+}
+
+#[tokio::test]
+async fn an_engine_attempt_without_a_container_says_so_at_its_start() {
+    // An attempt process as the engine's: it says it started, then ends.
+    let child = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg(r#"echo '{"type":"started","reserved_bytes":5,"pid":9}'"#)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let (reports, mut sent) = mpsc::unbounded_channel();
+    let (_control, control) = mpsc::unbounded_channel();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        watch_attempt_process(child, None, attempt(), reports, control, || {}),
+    )
+    .await
+    .expect("the attempt process ended");
+    let bodies: Vec<Body> = std::iter::from_fn(|| sent.try_recv().ok()).collect();
+    let Some(Body::AttemptStarted(started)) = bodies.first() else {
+        panic!("no start first: {bodies:?}")
+    };
+    assert!(started.uncontained, "{started:?}");
+    assert_eq!(started.reserved_bytes, 5);
+    // The same warning a command job's uncontained attempt logs, right after its start.
+    assert_eq!(bodies.get(1), Some(&uncontained_log_line(&attempt())));
+    let Some(Body::Log(line)) = bodies.get(1) else {
+        unreachable!()
+    };
+    assert_eq!(
+        (line.level.as_str(), line.message.as_str()),
+        ("warn", UNCONTAINED_WARNING)
+    );
+}
+
+#[test]
+fn a_contained_engine_attempt_s_start_says_nothing_of_it() {
+    let line = ChildLine::Started {
+        reserved_bytes: 5,
+        pid: 9,
+        resumed_from: None,
+    };
+    let Some(Body::AttemptStarted(contained)) = report_for_line(&attempt(), &line, false) else {
+        panic!("not a start")
+    };
+    assert!(!contained.uncontained);
+    let Some(Body::AttemptStarted(uncontained)) = report_for_line(&attempt(), &line, true) else {
+        panic!("not a start")
+    };
+    assert!(uncontained.uncontained);
 }
