@@ -275,13 +275,12 @@ fn start_worker(
     config.discover_real_gpus = real_gpus;
     config.hostname = "dev-node".into();
     config.checkpoint_directory = data_dir.join("checkpoints");
-    // Contained when this machine has a runtime (and loudly not, when it has none):
-    // jobs may name their code where carve dev runs and where the demo writes its own.
+    // Contained when this machine has a runtime (and loudly not, when it has none).
+    // A dev cluster has one tenant, the person who started it: its jobs may name any
+    // path of the host as their code or data (read-only, as the tenant's own uid, so
+    // only what others may read), never the worker's own directory.
     config.sandbox.policy = SandboxPolicy::IfAvailable;
-    config.sandbox.job_paths = std::env::current_dir()
-        .into_iter()
-        .chain([data_dir.join("programs")])
-        .collect();
+    config.sandbox.job_paths = vec![PathBuf::from("/")];
     config.reconnect_backoff_initial = Duration::from_millis(50);
     config.reconnect_backoff_max = Duration::from_secs(1);
     Stoppable::spawn("worker", move |stopped| run_worker(config, stopped))

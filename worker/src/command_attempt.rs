@@ -474,6 +474,12 @@ impl<P: CommandProcesses> Runner<'_, P> {
             host_paths.push(HostPath::read_only(&path));
             path
         };
+        for (index, path) in launch.job.spec.command.read_only_paths.iter().enumerate() {
+            let field = format!("command.read_only_paths[{index}]");
+            host_paths.push(HostPath::read_only(
+                sandbox.job_path(&field, Path::new(path))?,
+            ));
+        }
         if !plan.checkpoint_dir.starts_with(&launch.attempt_directory) {
             give_directory_to(&plan.checkpoint_dir, owner)?;
             host_paths.push(HostPath::writable(&plan.checkpoint_dir));

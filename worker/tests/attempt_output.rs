@@ -14,6 +14,7 @@ use carve_proto::v1;
 use carve_testing::PgServer;
 
 #[path = "support/cluster.rs"]
+#[allow(dead_code, reason = "not every helper is used here")]
 mod cluster;
 use cluster::{Cluster, WAIT};
 

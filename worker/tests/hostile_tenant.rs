@@ -10,9 +10,11 @@
 //! fails in CI).
 
 #[path = "support/mod.rs"]
+#[allow(dead_code, reason = "the chaos test's helpers are not all used here")]
 mod support;
 
 #[path = "support/cluster.rs"]
+#[allow(dead_code, reason = "not every helper is used here")]
 mod cluster;
 
 use std::collections::BTreeMap;

@@ -10,6 +10,7 @@ use std::time::Duration;
 use carve_proto::v1;
 
 #[path = "support/cluster.rs"]
+#[allow(dead_code, reason = "not every helper is used here")]
 mod cluster;
 use cluster::{Cluster, WAIT};
 
