@@ -83,6 +83,7 @@ fn profile_admit_oom_and_one_retry_that_keeps_the_global_batch() {
         stderr_tail: &stderr,
         slice_bytes,
         peak_bytes: slice_bytes - MIB,
+        host_memory_limit_reached: None,
     });
     let CommandRunEnd::OutOfMemory { source, report, .. } = end else {
         panic!("expected an OOM, got {end:?}");

@@ -377,6 +377,8 @@ pub async fn watch_attempt_process(
             }
         }
     };
+    // Read before the container's cgroups go with it.
+    let host_memory_limit_reached = container.as_ref().and_then(Container::reached_memory_limit);
     if let Some(container) = &container {
         container.remove();
     }
@@ -395,6 +397,7 @@ pub async fn watch_attempt_process(
     let observed = Observed {
         peak_bytes: measured_peak_bytes,
         steps: steps_reported,
+        host_memory_limit_reached,
     };
     for body in final_reports(
         &attempt,
@@ -448,6 +451,9 @@ pub struct Observed {
     pub peak_bytes: u64,
     /// The step of the last progress line.
     pub steps: Option<u64>,
+    /// The container's host memory limit, when its memory reached it (the kernel's OOM
+    /// killer then killed a process in it).
+    pub host_memory_limit_reached: Option<u64>,
 }
 
 /// A stop the worker asked for, as it goes: SIGTERM to the process group (every process
@@ -710,7 +716,8 @@ pub fn final_reports(
             )),
         ],
         (None, _, _) => {
-            let (outcome, mut message) = classify_unreported_end(&exit_status);
+            let (outcome, mut message) =
+                classify_unreported_end(&exit_status, observed.host_memory_limit_reached);
             if !stderr_tail.is_empty() {
                 message.push_str("; last lines of its stderr:\n");
                 message.push_str(&stderr_tail.join("\n"));
@@ -732,6 +739,7 @@ pub fn final_reports(
 /// exit code are the program's own FAILED: retrying would repeat them.
 fn classify_unreported_end(
     exit_status: &std::io::Result<ExitStatus>,
+    host_memory_limit_reached: Option<u64>,
 ) -> (v1::AttemptOutcome, String) {
     use std::os::unix::process::ExitStatusExt;
     let status = match exit_status {
@@ -743,6 +751,19 @@ fn classify_unreported_end(
             );
         }
     };
+    if let (Some(limit), Some(signal)) = (host_memory_limit_reached, status.signal())
+        && signal == Signal::KILL.as_raw()
+    {
+        // The kernel's OOM killer: killed again at every retry, so the job's own failure.
+        return (
+            v1::AttemptOutcome::Failed,
+            format!(
+                "the attempt process was killed by the kernel (SIGKILL): its container \
+                 reached its host memory limit of {} (the worker's --attempt-memory)",
+                carve_core::bytes::HumanBytes(limit)
+            ),
+        );
+    }
     if let Some(signal) = status.signal() {
         let name = signal_name(signal);
         return if is_fault_signal(signal) {

@@ -590,6 +590,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
                 guard,
                 &output.stderr_tail.to_vec(),
                 peak_bytes,
+                container.and_then(Container::reached_memory_limit),
             )),
         };
         RunRecord {
@@ -655,14 +656,16 @@ impl<P: CommandProcesses> Runner<'_, P> {
         }));
     }
 
-    /// How an exited run ended: the guard's first OOM record, the stderr tail and the
-    /// exit status, as `carve_core::command::oom` decides.
+    /// How an exited run ended: the guard's first OOM record, the stderr tail, the exit
+    /// status and whether its container reached its host memory limit, as
+    /// `carve_core::command::oom` decides.
     fn classify(
         &self,
         status: &std::io::Result<ExitStatus>,
         guard: Option<&AttemptGuard>,
         stderr_tail: &[String],
         peak_bytes: u64,
+        host_memory_limit_reached: Option<u64>,
     ) -> CommandRunEnd {
         let status = match status {
             Ok(status) => status,
@@ -692,6 +695,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
             stderr_tail,
             slice_bytes: self.launch.slice_bytes,
             peak_bytes,
+            host_memory_limit_reached,
         })
     }
 }

@@ -159,3 +159,67 @@ fn a_job_may_name_only_paths_under_the_operator_s_job_paths() {
     let error = sandbox.job_path(field, &link).unwrap_err().to_string();
     assert!(error.contains(field), "{error}");
 }
+
+/// A program the kernel kills at its container's host memory limit is told apart from one
+/// killed from outside: the first is the job's own failure, the second an interruption.
+#[tokio::test]
+async fn a_program_killed_at_its_memory_limit_is_told_apart_from_one_killed_from_outside() {
+    let directory = tempfile::tempdir().unwrap();
+    let settings = SandboxSettings {
+        policy: SandboxPolicy::Required,
+        limits: carve_worker::sandbox::AttemptLimits {
+            memory_bytes: 128 << 20,
+            ..Default::default()
+        },
+        ..SandboxSettings::default()
+    };
+    let sandbox = match Sandbox::open(&settings, &directory.path().join("worker"), "test-node") {
+        Ok(Some(sandbox)) => sandbox,
+        Ok(None) => unreachable!("required"),
+        Err(error) if std::env::var_os("CI").is_none() => {
+            eprintln!("skipped: no sandbox on this machine ({error})");
+            return;
+        }
+        Err(error) => panic!("CI must be able to contain attempts: {error}"),
+    };
+    let run = |name: &str, script: &str| {
+        let (command, container) = sandbox
+            .prepare(&ContainerRequest {
+                name: name.to_string(),
+                tenant: "alice".to_string(),
+                argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+                environment: Vec::new(),
+                working_directory: "/tmp".into(),
+                host_paths: Vec::new(),
+                devices: Vec::new(),
+            })
+            .unwrap();
+        (command, container)
+    };
+    use std::os::unix::process::ExitStatusExt;
+
+    let (mut command, container) = run(
+        "carve-test-memory",
+        "exec python3 -c 'b = bytearray(512 << 20); print(len(b))'",
+    );
+    let status = container_exit_status(command.status().await.unwrap(), &[]);
+    let reached = container.reached_memory_limit();
+    container.remove();
+    assert_eq!(status.signal(), Some(9), "{status}");
+    assert_eq!(reached, Some(128 << 20));
+
+    // Killed from the host, as an operator or a node agent would.
+    let (mut command, container) = run("carve-test-killed", "exec sleep 60");
+    let mut child = command.spawn().unwrap();
+    let program = container.program_process_id().await.expect("it started");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(program as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let status = container_exit_status(child.wait().await.unwrap(), &[]);
+    let reached = container.reached_memory_limit();
+    container.remove();
+    assert_eq!(status.signal(), Some(9), "{status}");
+    assert_eq!(reached, None);
+}

@@ -246,14 +246,18 @@ pub struct CommandExit<'a> {
     /// framework message that lacks numbers.
     pub slice_bytes: u64,
     pub peak_bytes: u64,
+    /// The container's host memory limit, when its memory reached it (the kernel's OOM
+    /// killer then killed a process in it); `None` when it did not, or runs uncontained.
+    pub host_memory_limit_reached: Option<u64>,
 }
 
 /// Classifies a run's end. Exit 0 is success whatever stderr says. Non-zero (or a
 /// signal) with a guard refusal is an OOM from the guard's numbers; else with a framework
 /// message an OOM from its numbers (missing ones filled from the slice and the peak);
-/// else, ended by a signal it did not raise on itself (not a fault: SEGV, BUS, ILL, FPE,
-/// ABRT, SYS, TRAP), an interruption; else a failure with at most the last 20 lines of
-/// stderr.
+/// else, killed by SIGKILL when its container had reached its host memory limit, a
+/// failure of its own (the kernel's OOM killer; retrying would repeat it); else, ended by
+/// a signal it did not raise on itself (not a fault: SEGV, BUS, ILL, FPE, ABRT, SYS,
+/// TRAP), an interruption; else a failure with at most the last 20 lines of stderr.
 pub fn classify_command_exit(exit: &CommandExit<'_>) -> CommandRunEnd {
     if exit.exit_code == Some(0) {
         return CommandRunEnd::Succeeded;
@@ -288,6 +292,18 @@ pub fn classify_command_exit(exit: &CommandExit<'_>) -> CommandRunEnd {
             evidence: oom.line,
         };
     }
+    if let (Some(limit), Some(SIGKILL)) = (exit.host_memory_limit_reached, exit.signal) {
+        return CommandRunEnd::Failed {
+            message: failure_message(
+                exit,
+                &format!(
+                    " by the kernel: its container reached its host memory limit of {} \
+                     (the worker's --attempt-memory)",
+                    HumanBytes(limit)
+                ),
+            ),
+        };
+    }
     if exit.exit_code.is_none() && exit.signal.is_some_and(|signal| !is_fault_signal(signal)) {
         return CommandRunEnd::Interrupted {
             message: failure_message(exit, ", which the worker did not send"),
@@ -297,6 +313,8 @@ pub fn classify_command_exit(exit: &CommandExit<'_>) -> CommandRunEnd {
         message: failure_message(exit, ""),
     }
 }
+
+const SIGKILL: i32 = 9;
 
 /// Signals the kernel raises on a process for its own fault (SIGSEGV, SIGBUS, SIGILL,
 /// SIGFPE, SIGABRT, SIGSYS, SIGTRAP): retrying would repeat them.

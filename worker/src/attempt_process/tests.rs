@@ -76,6 +76,7 @@ fn unreported_end(status: std::io::Result<ExitStatus>) -> (v1::AttemptOutcome, S
     let observed = Observed {
         peak_bytes: 7,
         steps: None,
+        host_memory_limit_reached: None,
     };
     let reports = final_reports(
         &attempt(),
@@ -183,6 +184,7 @@ fn a_stopped_attempt_is_cancelled_or_failed_with_its_reason() {
             Observed {
                 peak_bytes: 42,
                 steps: Some(30),
+                host_memory_limit_reached: None,
             },
             &["ignored".into()],
         );
@@ -209,6 +211,7 @@ fn a_finished_attempt_reports_its_results() {
     let observed = Observed {
         peak_bytes: 9,
         steps: Some(490),
+        host_memory_limit_reached: None,
     };
     let reports = final_reports(
         &attempt(),
@@ -293,4 +296,33 @@ fn a_contained_engine_attempt_s_start_says_nothing_of_it() {
         panic!("not a start")
     };
     assert!(uncontained.uncontained);
+}
+
+/// The kernel's OOM killer in a container at its host memory limit is the job's own
+/// failure, not an interruption: retried, it would be killed again, forever.
+#[test]
+fn a_process_killed_at_its_container_s_memory_limit_fails() {
+    let reports = final_reports(
+        &attempt(),
+        Ok(ExitStatus::from_raw(9)),
+        None,
+        None,
+        Observed {
+            host_memory_limit_reached: Some(256 << 20),
+            ..Observed::default()
+        },
+        &[],
+    );
+    let [Body::AttemptFinished(finished)] = reports.as_slice() else {
+        panic!("one finish: {reports:?}");
+    };
+    assert_eq!(finished.outcome, v1::AttemptOutcome::Failed as i32);
+    assert!(
+        finished.message.contains("host memory limit of 256 MiB"),
+        "{}",
+        finished.message
+    );
+    // The same SIGKILL without the limit reached came from outside: interrupted.
+    let (outcome, _) = unreported_end(Ok(ExitStatus::from_raw(9)));
+    assert_eq!(outcome, v1::AttemptOutcome::Interrupted);
 }

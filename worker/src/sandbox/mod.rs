@@ -26,6 +26,7 @@
 //! ([`Sandbox::remove_leftover_containers`]).
 
 mod bundle;
+mod cgroups;
 mod identities;
 mod runtime;
 
@@ -35,6 +36,7 @@ use std::process::ExitStatus;
 use std::sync::Mutex;
 
 pub use bundle::{AttemptLimits, ContainerRequest, HostPath, gpu_device_nodes};
+pub use cgroups::AttemptCgroup;
 pub use identities::{TenantIdentities, TenantIdentity};
 pub use runtime::{Container, find_runtime};
 
@@ -270,20 +272,26 @@ impl Sandbox {
             &identity,
             &self.settings,
             host_network,
-            &cgroups_path(&request.name),
+            &AttemptCgroup::new(&request.name).runtime_path(),
         )?;
         let bundle = self.bundle_directory.join(&request.name);
-        let container = Container::new(
-            self.runtime.clone(),
-            self.state_directory.clone(),
-            request.name.clone(),
-            bundle.clone(),
-            cgroup_processes_file(&request.name),
-        );
+        let container = self.container(&request.name);
         // A bundle of the same name is a run that a worker killed mid-way left behind.
         container.remove();
         bundle::write_bundle(&bundle, &spec, &identity)?;
         Ok((container.run_command(), container))
+    }
+
+    /// The handle of the container `name`, whether or not it exists.
+    fn container(&self, name: &str) -> Container {
+        Container::new(
+            self.runtime.clone(),
+            self.state_directory.clone(),
+            name.to_string(),
+            self.bundle_directory.join(name),
+            AttemptCgroup::new(name),
+            self.settings.limits.memory_bytes,
+        )
     }
 
     /// Ends and removes every container in this worker's runtime state: those a
@@ -292,14 +300,7 @@ impl Sandbox {
     pub fn remove_leftover_containers(&self) -> Vec<String> {
         let names = runtime::list_containers(&self.runtime, &self.state_directory);
         for name in &names {
-            Container::new(
-                self.runtime.clone(),
-                self.state_directory.clone(),
-                name.clone(),
-                self.bundle_directory.join(name),
-                cgroup_processes_file(name),
-            )
-            .remove();
+            self.container(name).remove();
         }
         // Bundles whose containers never started (or were removed above).
         if let Ok(entries) = std::fs::read_dir(&self.bundle_directory) {
@@ -308,25 +309,6 @@ impl Sandbox {
             }
         }
         names
-    }
-}
-
-/// The cgroup of a container, relative to the cgroup roots: one per run, under `carve/`
-/// so an operator finds every attempt in one place.
-fn cgroups_path(name: &str) -> PathBuf {
-    PathBuf::from("/carve").join(name)
-}
-
-/// The `cgroup.procs` file that lists every process of the container `name`, on a
-/// unified (v2) hierarchy or, on v1, in the pids controller's.
-pub fn cgroup_processes_file(name: &str) -> PathBuf {
-    let root = Path::new("/sys/fs/cgroup");
-    let relative = cgroups_path(name);
-    let relative = relative.strip_prefix("/").unwrap_or(&relative);
-    if root.join("cgroup.controllers").exists() {
-        root.join(relative).join("cgroup.procs")
-    } else {
-        root.join("pids").join(relative).join("cgroup.procs")
     }
 }
 

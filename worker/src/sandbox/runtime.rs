@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
+use super::cgroups::AttemptCgroup;
 use crate::error::WorkerError;
 
 /// Runtimes looked for on `PATH`, in order. runc works on cgroup v1, v2 and the hybrid
@@ -95,7 +96,9 @@ pub struct Container {
     state_directory: PathBuf,
     name: String,
     bundle: PathBuf,
+    cgroup: AttemptCgroup,
     processes_file: PathBuf,
+    memory_limit_bytes: u64,
 }
 
 impl Container {
@@ -104,15 +107,27 @@ impl Container {
         state_directory: PathBuf,
         name: String,
         bundle: PathBuf,
-        processes_file: PathBuf,
+        cgroup: AttemptCgroup,
+        memory_limit_bytes: u64,
     ) -> Container {
         Container {
             runtime,
             state_directory,
             name,
             bundle,
-            processes_file,
+            processes_file: cgroup.processes_file(),
+            cgroup,
+            memory_limit_bytes,
         }
+    }
+
+    /// The host memory limit, when the program's container reached it: the kernel's
+    /// OOM killer then killed a process in it (the program itself, when it ended by
+    /// SIGKILL). Read after the program ended and before [`Container::remove`].
+    pub fn reached_memory_limit(&self) -> Option<u64> {
+        self.cgroup
+            .reached_memory_limit(self.memory_limit_bytes)
+            .then_some(self.memory_limit_bytes)
     }
 
     pub fn name(&self) -> &str {
@@ -196,6 +211,7 @@ impl Container {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
+        self.cgroup.remove();
         if let Err(error) = std::fs::remove_dir_all(&self.bundle)
             && error.kind() != std::io::ErrorKind::NotFound
         {

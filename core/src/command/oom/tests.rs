@@ -189,6 +189,7 @@ fn exit<'a>(exit_code: Option<i32>, signal: Option<i32>, stderr: &'a [String]) -
         stderr_tail: stderr,
         slice_bytes: 8 * GIB,
         peak_bytes: 7 * GIB,
+        host_memory_limit_reached: None,
     }
 }
 
@@ -293,6 +294,21 @@ fn any_other_exit_is_a_failure_with_the_last_lines_of_stderr() {
     assert!(message.starts_with("exited with status 2; the last lines of stderr:\nline 11\n"));
     assert!(message.ends_with("line 30"));
     assert!(!message.contains("line 10\n"));
+    // Killed by the kernel's OOM killer in a container at its host memory limit: the
+    // program's own failure (a retry would only be killed again).
+    let CommandRunEnd::Failed { message } = classify_command_exit(&CommandExit {
+        host_memory_limit_reached: Some(GIB),
+        ..exit(None, Some(9), &[])
+    }) else {
+        panic!("expected a failure");
+    };
+    assert!(
+        message.starts_with(
+            "killed by signal 9 (SIGKILL) by the kernel: its container reached its host \
+             memory limit of 1 GiB"
+        ),
+        "{message}"
+    );
     // Killed from outside: an interruption, retried from the checkpoint.
     let CommandRunEnd::Interrupted { message } = classify_command_exit(&exit(None, Some(9), &[]))
     else {
