@@ -3,6 +3,7 @@
 //! that an attempt without a container says so.
 
 use super::*;
+use crate::child_protocol::{OUT_OF_MEMORY_EXIT_CODE, WORKER_GONE_EXIT_CODE};
 use std::os::unix::process::ExitStatusExt;
 
 fn attempt() -> v1::AttemptRef {

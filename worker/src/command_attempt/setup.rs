@@ -1,0 +1,172 @@
+//! Setting one run of a command job's program up: its directories, the guard's account,
+//! its whole environment (nothing of the worker's), and its container when the worker
+//! contains attempts (which host paths it sees, owned by whom).
+
+use std::path::{Path, PathBuf};
+
+use carve_core::command::render::render_command;
+use tokio::process::Command;
+
+use super::{CommandProcesses, ENVIRONMENT_SLICE_BYTES, RunPlan, Runner};
+use crate::error::WorkerError;
+use crate::guard_environment::AttemptGuard;
+use crate::sandbox::{Container, ContainerRequest, HostPath, Sandbox, give_directory_to};
+
+/// One run, ready to start.
+pub(super) struct PreparedRun {
+    pub(super) command: Command,
+    /// The rendered argv, as the job's attempt records it.
+    pub(super) argv: Vec<String>,
+    pub(super) guard: Option<AttemptGuard>,
+    pub(super) container: Option<Container>,
+}
+
+impl<P: CommandProcesses> Runner<'_, P> {
+    /// The directories, the guard's account and the command of one run, and its
+    /// container when the worker contains its attempts.
+    pub(super) fn prepare(&self, plan: &RunPlan) -> Result<PreparedRun, String> {
+        let launch = self.launch;
+        let directories = [
+            &plan.checkpoint_dir,
+            &launch.checkpoint_dir,
+            &launch.attempt_directory,
+        ];
+        for directory in directories {
+            std::fs::create_dir_all(directory)
+                .map_err(|error| format!("cannot create {}: {error}", directory.display()))?;
+        }
+        let guard = launch
+            .guard_library
+            .as_deref()
+            .map(|library| {
+                AttemptGuard::prepare(
+                    library,
+                    &launch.attempt_directory,
+                    launch.slice_bytes,
+                    &launch.gpu_uuid,
+                )
+            })
+            .transpose()
+            .map_err(|error| error.to_string())?;
+        let rendered = render_command(
+            &launch.job,
+            &plan.config,
+            &plan.checkpoint_dir.to_string_lossy(),
+            plan.max_steps,
+        )
+        .map_err(|error| format!("cannot render the command: {error}"))?;
+        if rendered.argv.is_empty() {
+            return Err("the command is empty".to_string());
+        }
+        let working_directory = rendered
+            .working_directory
+            .as_ref()
+            .map_or_else(|| launch.attempt_directory.clone(), PathBuf::from);
+        if !working_directory.is_dir() {
+            return Err(format!(
+                "could not start {}: its working directory {} does not exist",
+                rendered.argv[0],
+                working_directory.display()
+            ));
+        }
+        // Nothing of the worker's own environment: only the job's (its `env` and the
+        // `CARVE_*` values), then the guard's, which the job cannot override.
+        let mut environment = match &guard {
+            Some(guard) => guard.program_environment(&rendered.env),
+            None => rendered.env.clone(),
+        };
+        environment.insert(
+            ENVIRONMENT_SLICE_BYTES.to_string(),
+            launch.slice_bytes.to_string(),
+        );
+        let environment: Vec<(String, String)> = environment.into_iter().collect();
+        let (command, container) = match &launch.sandbox {
+            Some(sandbox) => {
+                let (command, container) = self
+                    .contain(
+                        sandbox,
+                        plan,
+                        &rendered.argv,
+                        environment,
+                        &working_directory,
+                        guard.as_ref(),
+                    )
+                    .map_err(|error| error.to_string())?;
+                (command, Some(container))
+            }
+            None => {
+                // Where the job sets no PATH, the worker's, so that `python3` means here
+                // what it means to the person who started the worker.
+                let mut command = Command::new(&rendered.argv[0]);
+                command
+                    .args(&rendered.argv[1..])
+                    .current_dir(&working_directory)
+                    .env_clear();
+                if let Some(path) = std::env::var_os("PATH") {
+                    command.env("PATH", path);
+                }
+                command.envs(environment);
+                (command, None)
+            }
+        };
+        Ok(PreparedRun {
+            command,
+            argv: rendered.argv,
+            guard,
+            container,
+        })
+    }
+
+    /// The container of one run: the program sees the system directories, its working
+    /// directory read-only (the attempt's own directory, read-write, when the spec names
+    /// none), its checkpoint directory and its attempt's directory read-write (both
+    /// given to its tenant's uid), the guard read-only, and its GPU.
+    fn contain(
+        &self,
+        sandbox: &Sandbox,
+        plan: &RunPlan,
+        argv: &[String],
+        environment: Vec<(String, String)>,
+        working_directory: &Path,
+        guard: Option<&AttemptGuard>,
+    ) -> Result<(Command, Container), WorkerError> {
+        let launch = self.launch;
+        let owner = sandbox.program_owner(&launch.tenant)?;
+        give_directory_to(&launch.checkpoint_dir, owner)?;
+        give_directory_to(&launch.attempt_directory, owner)?;
+        let mut host_paths = vec![
+            HostPath::writable(&launch.checkpoint_dir),
+            HostPath::writable(&launch.attempt_directory),
+        ];
+        // The attempt's own directory is its working directory when the spec names none.
+        let working_directory = if working_directory == launch.attempt_directory {
+            working_directory.to_path_buf()
+        } else {
+            let path = sandbox.job_path("command.working_directory", working_directory)?;
+            host_paths.push(HostPath::read_only(&path));
+            path
+        };
+        for (index, path) in launch.job.spec.command.read_only_paths.iter().enumerate() {
+            let field = format!("command.read_only_paths[{index}]");
+            host_paths.push(HostPath::read_only(
+                sandbox.job_path(&field, Path::new(path))?,
+            ));
+        }
+        if !plan.checkpoint_dir.starts_with(&launch.attempt_directory) {
+            give_directory_to(&plan.checkpoint_dir, owner)?;
+            host_paths.push(HostPath::writable(&plan.checkpoint_dir));
+        }
+        if let Some(guard) = guard {
+            host_paths.push(HostPath::read_only(guard.library()));
+        }
+        sandbox.prepare(&ContainerRequest {
+            name: format!("{}-{}", launch.container_name, self.runs),
+            tenant: launch.tenant.clone(),
+            argv: argv.to_vec(),
+            environment,
+            working_directory,
+            host_paths,
+            devices: launch.devices.clone(),
+        })
+    }
+}
