@@ -19,21 +19,22 @@ use carve_proto::v1::worker_service_client::WorkerServiceClient;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::attempt_limits::{
-    LimitedAttempt, LimitedAttempts, MaxDuration, RunLimits, effective_max_duration,
-    run_attempt_limits,
-};
+use crate::attempt_limits::{MaxDuration, RunLimits, effective_max_duration, run_attempt_limits};
 use crate::attempt_process::AttemptControl;
 use crate::error::WorkerError;
 use crate::gpus::{SimulatedGpu, SliceBook, WorkerGpu, discover_gpus};
 use crate::guard_environment::{find_guard_library, find_simulated_guard_library};
-use crate::leftover_processes::{LeftoverOutcome, kill_leftover_processes, record_directory};
-use crate::nvml::{DiscoveredGpu, NvmlHandle, open_nvml};
+use crate::leftover_processes::record_directory;
 use crate::sandbox::{Sandbox, SandboxSettings};
-use crate::watchdog::{SystemWatchSource, WatchedAttempt, WatchedAttempts, run_watchdog};
+use crate::watchdog::{SystemWatchSource, run_watchdog};
 
 mod command_launch;
 mod model_launch;
+mod startup;
+mod watched;
+
+use startup::{find_real_gpus, kill_leftovers_of_a_previous_life};
+use watched::{WorkerAttempts, WorkerLimitedAttempts};
 
 /// Everything the worker needs to start.
 #[derive(Debug, Clone)]
@@ -141,10 +142,10 @@ struct RunningAttempt {
     process_id: u32,
     slice_bytes: u64,
     /// The guard account of an attempt whose program runs under the guard; `None` for
-    /// engine attempts (see [`WatchedAttempt::guard_account`]).
+    /// engine attempts (see [`crate::watchdog::WatchedAttempt::guard_account`]).
     guard_account: Option<PathBuf>,
     /// The `cgroup.procs` file of the container its program runs in; `None` when it is
-    /// not contained (see [`WatchedAttempt::container_processes`]).
+    /// not contained (see [`crate::watchdog::WatchedAttempt::container_processes`]).
     container_processes: Option<PathBuf>,
     /// When the worker started it, what its wall clock counts from.
     started: Instant,
@@ -385,142 +386,6 @@ pub async fn run_worker(
     }
     tracing::info!("worker stopped");
     stopped_by.map_or(Ok(()), Err)
-}
-
-/// SIGKILLs the attempt processes a previous run of this worker left running (see
-/// [`crate::leftover_processes`]) before anything new starts: each holds its slice's
-/// memory and writes checkpoints nobody reads.
-fn kill_leftovers_of_a_previous_life(process_records: &Path) {
-    for outcome in kill_leftover_processes(process_records) {
-        match outcome {
-            LeftoverOutcome::Killed(record) => tracing::warn!(
-                job = %record.job_id,
-                attempt = record.attempt_number,
-                process_id = record.process_id,
-                "killed an attempt process left over from this worker's previous run"
-            ),
-            LeftoverOutcome::AlreadyGone(_) => {}
-            LeftoverOutcome::OwnedByALiveWorker(record) => tracing::warn!(
-                job = %record.job_id,
-                process_id = record.process_id,
-                worker_process_id = record.worker_process_id,
-                directory = %process_records.display(),
-                "another live worker records its attempts in this directory: left alone; \
-                 give each worker its own --checkpoint-dir or --hostname"
-            ),
-            LeftoverOutcome::Unreadable { file, reason } => tracing::warn!(
-                file = %file.display(),
-                %reason,
-                "an unreadable attempt process record: removed"
-            ),
-        }
-    }
-}
-
-/// The watchdog's view of the worker's attempts: those on real GPUs, each with its GPU's
-/// context allowance.
-struct WorkerAttempts {
-    shared: Shared,
-    /// By GPU uuid, real GPUs only.
-    context_bytes: HashMap<String, u64>,
-}
-
-impl WatchedAttempts for WorkerAttempts {
-    fn running(&self) -> Vec<WatchedAttempt> {
-        lock(&self.shared)
-            .running
-            .values()
-            // 0: a command attempt between two of its programs' runs.
-            .filter(|running| running.process_id != 0)
-            .filter_map(|running| {
-                Some(WatchedAttempt {
-                    attempt: running.attempt.clone(),
-                    gpu_uuid: running.gpu_uuid.clone(),
-                    process_id: running.process_id,
-                    slice_bytes: running.slice_bytes,
-                    context_bytes: *self.context_bytes.get(&running.gpu_uuid)?,
-                    guard_account: running.guard_account.clone(),
-                    container_processes: running.container_processes.clone(),
-                })
-            })
-            .collect()
-    }
-
-    fn stop(&self, attempt: &v1::AttemptRef, control: AttemptControl) {
-        if let Some(running) = lock(&self.shared).running.get(&attempt_key(attempt)) {
-            let _ = running.control.send(control);
-        }
-    }
-}
-
-/// The limits' view of the worker's attempts: every one that runs, on any GPU.
-struct WorkerLimitedAttempts {
-    shared: Shared,
-}
-
-impl LimitedAttempts for WorkerLimitedAttempts {
-    fn running(&self) -> Vec<LimitedAttempt> {
-        lock(&self.shared)
-            .running
-            .values()
-            .map(|running| LimitedAttempt {
-                attempt: running.attempt.clone(),
-                started: running.started,
-                max_duration: running.max_duration,
-                directories: running.directories.clone(),
-            })
-            .collect()
-    }
-
-    fn stop(&self, attempt: &v1::AttemptRef, control: AttemptControl) {
-        if let Some(running) = lock(&self.shared).running.get(&attempt_key(attempt)) {
-            let _ = running.control.send(control);
-        }
-    }
-}
-
-/// NVML and the real GPUs it sees, or why there are none. Without NVML the worker goes
-/// on with the simulated GPUs alone (and refuses to start without those either).
-async fn find_real_gpus(
-    config: &WorkerConfig,
-) -> Result<(Option<NvmlHandle>, Vec<DiscoveredGpu>), WorkerError> {
-    if !config.discover_real_gpus {
-        return Ok((None, Vec::new()));
-    }
-    // "no nvml (<why>)" reads better without the error's own "nvml: " prefix.
-    let why = |error: WorkerError| match error {
-        WorkerError::Nvml(reason) => reason,
-        other => other.to_string(),
-    };
-    match open_nvml().await {
-        Ok((nvml, gpus)) => {
-            for gpu in &gpus {
-                tracing::info!(
-                    index = gpu.index,
-                    uuid = %gpu.uuid,
-                    model = %gpu.model_name,
-                    total_bytes = gpu.total_bytes,
-                    free_bytes = gpu.free_bytes,
-                    compute_capability = %gpu.compute_capability,
-                    mig_enabled = ?gpu.mig_enabled,
-                    "found a gpu"
-                );
-            }
-            if gpus.is_empty() {
-                tracing::info!("nvml found no gpu: offering only simulated gpus");
-            }
-            Ok((Some(nvml), gpus))
-        }
-        Err(error) if config.simulated_gpus.is_empty() => Err(WorkerError::NoGpus(format!(
-            "no nvml ({}) and no simulated gpus; pass --sim-gpus (e.g. 2x16GiB) to \
-             simulate gpus",
-            why(error)
-        ))),
-        Err(error) => {
-            tracing::info!("no nvml ({}): offering only simulated gpus", why(error));
-            Ok((None, Vec::new()))
-        }
-    }
 }
 
 fn proto_duration(duration: Option<prost_types::Duration>) -> Option<Duration> {
