@@ -11,12 +11,13 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::bytes::parse_byte_size;
 use crate::error::FieldError;
 
 mod duration;
+mod sizes;
 
 pub use duration::{format_duration, parse_duration};
+pub use sizes::{ByteSize, VramRequest};
 
 /// A whole job: the model, how to train it, on what data, with what resources, and what to
 /// do when it runs out of memory.
@@ -627,79 +628,6 @@ impl ResourcesSpec {
             return Err(refused("must be longer than 0s".into()));
         }
         Ok(Some(duration))
-    }
-}
-
-/// How much GPU memory the job asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum VramRequest {
-    /// The slice is sized by the estimator.
-    #[default]
-    Auto,
-    /// A fixed slice of this many bytes.
-    Bytes(u64),
-}
-
-impl Serialize for VramRequest {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        match self {
-            VramRequest::Auto => serializer.serialize_str("auto"),
-            VramRequest::Bytes(bytes) => ByteSize(*bytes).serialize(serializer),
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for VramRequest {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged, expecting = "\"auto\" or a size such as \"6GiB\"")]
-        enum Written {
-            Text(String),
-            Bytes(u64),
-        }
-        match Written::deserialize(deserializer)? {
-            Written::Text(text) if text.trim().eq_ignore_ascii_case("auto") => {
-                Ok(VramRequest::Auto)
-            }
-            Written::Text(text) => parse_byte_size(&text)
-                .map(VramRequest::Bytes)
-                .map_err(serde::de::Error::custom),
-            Written::Bytes(bytes) => Ok(VramRequest::Bytes(bytes)),
-        }
-    }
-}
-
-/// A byte count written as a size string (`"256MiB"`) or a plain integer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ByteSize(pub u64);
-
-impl Serialize for ByteSize {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        // Exact units only, so a round trip gives back the same number of bytes.
-        let bytes = self.0;
-        let text = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")]
-            .iter()
-            .find(|(shift, _)| bytes != 0 && bytes.is_multiple_of(1u64 << shift))
-            .map(|(shift, unit)| format!("{}{unit}", bytes >> shift))
-            .unwrap_or_else(|| format!("{bytes}B"));
-        serializer.serialize_str(&text)
-    }
-}
-
-impl<'de> Deserialize<'de> for ByteSize {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged, expecting = "a size such as \"256MiB\" or a number of bytes")]
-        enum Written {
-            Text(String),
-            Bytes(u64),
-        }
-        match Written::deserialize(deserializer)? {
-            Written::Text(text) => parse_byte_size(&text)
-                .map(ByteSize)
-                .map_err(serde::de::Error::custom),
-            Written::Bytes(bytes) => Ok(ByteSize(bytes)),
-        }
     }
 }
 
