@@ -21,7 +21,7 @@ use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::SchedulerConfig;
 use carve_worker::gpus::{SimulatedGpu, parse_simulated_gpus};
 use carve_worker::nvml::discover_nvml_gpus;
-use carve_worker::sandbox::SandboxPolicy;
+use carve_worker::sandbox::{SandboxPolicy, uncontained_reason};
 use carve_worker::{WorkerConfig, run_worker};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -281,6 +281,13 @@ fn start_worker(
     // only what others may read), never the worker's own directory.
     config.sandbox.policy = SandboxPolicy::IfAvailable;
     config.sandbox.job_paths = vec![PathBuf::from("/")];
+    if let Some(reason) = uncontained_reason(&config.sandbox) {
+        println!(
+            "WARNING: attempts are NOT contained: each runs with your rights (its files, \
+             processes and network), because {reason}. Install runc (apt-get install runc) \
+             and run carve dev as root to contain them."
+        );
+    }
     config.reconnect_backoff_initial = Duration::from_millis(50);
     config.reconnect_backoff_max = Duration::from_secs(1);
     Stoppable::spawn("worker", move |stopped| run_worker(config, stopped))

@@ -121,6 +121,23 @@ pub const UNCONTAINED_WARNING: &str = "this attempt is NOT contained: it runs wi
      worker's rights (its files, its processes, its network), because the worker has no \
      OCI runtime (install runc) or was started with --insecure-no-sandbox";
 
+/// Why a worker that is not root cannot contain attempts.
+const NOT_ROOT: &str = "containers with a user namespace per tenant need the worker to run as \
+                        root (as kubelet and slurmd do); or --insecure-no-sandbox";
+
+/// Why attempts under `settings` would run uncontained on this machine, for a front end
+/// that says so before it starts a worker (`carve dev`); `None` when they will be
+/// contained. The same checks as [`Sandbox::open`], which logs them.
+pub fn uncontained_reason(settings: &SandboxSettings) -> Option<String> {
+    if settings.policy == SandboxPolicy::Off {
+        return Some("--insecure-no-sandbox".to_string());
+    }
+    if let Err(error) = find_runtime(settings.runtime.as_deref()) {
+        return Some(error.to_string());
+    }
+    (!rustix::process::geteuid().is_root()).then(|| NOT_ROOT.to_string())
+}
+
 impl Sandbox {
     /// The sandbox as `settings` ask, with its files under `worker_directory` (the
     /// checkpoint directory) for the node `hostname`; `None` when attempts run
@@ -144,13 +161,11 @@ impl Sandbox {
             Err(error) => return Err(error),
         };
         if !rustix::process::geteuid().is_root() {
-            let reason = "containers with a user namespace per tenant need the worker to run \
-                          as root (as kubelet and slurmd do); or --insecure-no-sandbox";
             if settings.policy == SandboxPolicy::IfAvailable {
-                tracing::error!("{reason}: {UNCONTAINED_WARNING}");
+                tracing::error!("{NOT_ROOT}: {UNCONTAINED_WARNING}");
                 return Ok(None);
             }
-            return Err(WorkerError::invalid_setting("--oci-runtime", reason));
+            return Err(WorkerError::invalid_setting("--oci-runtime", NOT_ROOT));
         }
         let directory = worker_directory.join("sandbox");
         let state_directory = directory.join("runtime-state").join(hostname);
