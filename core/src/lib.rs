@@ -18,5 +18,6 @@ pub mod shrink;
 pub mod simulation;
 pub mod spec;
 pub mod validate;
+pub mod workload;
 
 pub use error::{CoreError, FieldError};

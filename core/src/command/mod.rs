@@ -9,8 +9,8 @@
 //! model where model jobs use the estimator.
 //!
 //! - `spec`: the `[command]` job file format;
-//! - `validate`: its checks, with field paths, and [`validate::ValidatedSpec`], either kind
-//!   of job as the scheduler and the worker read a stored spec;
+//! - `validate`: its checks, with field paths; [`validate::ValidatedSpec`], either kind
+//!   of job, is `crate::workload::Workload` under its older name;
 //! - `render`: placeholders to the argv and environment of one attempt;
 //! - `memory_model`: the fitted model, its predictions and refinement;
 //! - `shrink`: the next configuration after an OOM, in one step;

@@ -1,19 +1,15 @@
 //! Checking a command job, and reading a spec of either kind.
 //!
 //! A spec is a command job when its top level has a `command` table; every other spec is
-//! a model job, read by `crate::validate` as before, so its errors are unchanged.
-
-use serde::Deserialize;
-use serde::de::IgnoredAny;
+//! a model job, read by `crate::validate` as before, so its errors are unchanged. Which
+//! kind a text is, and reading either, is `crate::workload`'s; the functions here that
+//! read either kind forward to it.
 
 use crate::error::FieldError;
 use crate::plan::RunConfig;
 use crate::shrink::divisors_descending;
-use crate::spec::{OomPolicySpec, Precision, ResourcesSpec, ShrinkStrategy, VramRequest};
-use crate::validate::{
-    MAX_BATCH_SIZE, SpecWarning, ValidatedJob, load_job_spec_toml, parse_job_spec_json, parse_json,
-    parse_toml, validate_job_spec, validate_name, validate_oom_policy, validate_resources,
-};
+use crate::spec::{Precision, ShrinkStrategy, VramRequest};
+use crate::validate::{MAX_BATCH_SIZE, validate_name, validate_oom_policy, validate_resources};
 
 use super::render::{TemplatePiece, parse_template};
 use super::spec::{CommandJobSpec, CommandSpec};
@@ -59,61 +55,9 @@ impl ValidatedCommandJob {
     }
 }
 
-/// A stored or submitted spec of either kind.
-// A model job carries its inferred graph and is the larger; a spec is read once per submit
-// or stored job, so boxing it would only make every caller write `Box::new`.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug, Clone, PartialEq)]
-pub enum ValidatedSpec {
-    Model(ValidatedJob),
-    Command(ValidatedCommandJob),
-}
-
-impl ValidatedSpec {
-    pub fn name(&self) -> &str {
-        match self {
-            ValidatedSpec::Model(job) => &job.spec.name,
-            ValidatedSpec::Command(job) => &job.spec.name,
-        }
-    }
-
-    pub fn priority(&self) -> i32 {
-        match self {
-            ValidatedSpec::Model(job) => job.spec.priority,
-            ValidatedSpec::Command(job) => job.spec.priority,
-        }
-    }
-
-    pub fn resources(&self) -> &ResourcesSpec {
-        match self {
-            ValidatedSpec::Model(job) => &job.spec.resources,
-            ValidatedSpec::Command(job) => &job.spec.resources,
-        }
-    }
-
-    pub fn oom(&self) -> &OomPolicySpec {
-        match self {
-            ValidatedSpec::Model(job) => &job.spec.oom,
-            ValidatedSpec::Command(job) => &job.spec.oom,
-        }
-    }
-
-    /// The configuration the spec asks for.
-    pub fn initial_config(&self) -> RunConfig {
-        match self {
-            ValidatedSpec::Model(job) => RunConfig::from_spec(&job.spec),
-            ValidatedSpec::Command(job) => job.initial_config(),
-        }
-    }
-
-    /// What is allowed but probably a mistake.
-    pub fn warnings(&self) -> Vec<SpecWarning> {
-        match self {
-            ValidatedSpec::Model(job) => job.warnings(),
-            ValidatedSpec::Command(_) => Vec::new(),
-        }
-    }
-}
+/// A stored or submitted spec of either kind: the workload (`crate::workload`), under the
+/// name it had before it moved there.
+pub use crate::workload::Workload as ValidatedSpec;
 
 /// Every check of a command job: name (the model jobs' rule), argv not empty, placeholders
 /// known (`render::PLACEHOLDERS`) and well formed, `{max_steps}` needs `steps`, `vram =
@@ -386,58 +330,16 @@ fn validate_command_strategies(spec: &CommandJobSpec) -> Result<(), FieldError> 
     Ok(())
 }
 
-/// Which sections a spec's top level has, whatever else it holds: enough to tell a
-/// command job from a model job before reading either strictly.
-#[derive(Deserialize)]
-struct TopLevelSections {
-    command: Option<IgnoredAny>,
-    model: Option<IgnoredAny>,
-    training: Option<IgnoredAny>,
-    data: Option<IgnoredAny>,
-}
-
-impl TopLevelSections {
-    /// `Ok(true)` for a command job, `Ok(false)` for a model job (or a document that is
-    /// not a table, which the model job parser reports as before).
-    fn is_command_job(sections: Option<TopLevelSections>) -> Result<bool, FieldError> {
-        let Some(sections) = sections else {
-            return Ok(false);
-        };
-        if sections.command.is_none() {
-            return Ok(false);
-        }
-        if sections.model.is_some() || sections.training.is_some() || sections.data.is_some() {
-            return Err(FieldError::new(
-                "command",
-                "a job has either [command] or [model], [training] and [data], not both",
-            ));
-        }
-        Ok(true)
-    }
-}
-
-/// Reads and checks a spec of either kind from JSON (how it travels over the API).
+/// Reads and checks a spec of either kind from JSON (how it travels over the API):
+/// [`crate::workload::Workload::from_json`].
 pub fn parse_spec_json(text: &str) -> Result<ValidatedSpec, FieldError> {
-    let sections = serde_json::from_str::<TopLevelSections>(text).ok();
-    if TopLevelSections::is_command_job(sections)? {
-        let spec: CommandJobSpec = parse_json(text)?;
-        Ok(ValidatedSpec::Command(validate_command_job_spec(spec)?))
-    } else {
-        Ok(ValidatedSpec::Model(validate_job_spec(
-            parse_job_spec_json(text)?,
-        )?))
-    }
+    ValidatedSpec::from_json(text)
 }
 
-/// Reads and checks a spec of either kind from a TOML job file.
+/// Reads and checks a spec of either kind from a TOML job file:
+/// [`crate::workload::Workload::from_toml`].
 pub fn load_spec_toml(text: &str) -> Result<ValidatedSpec, FieldError> {
-    let sections = toml::from_str::<TopLevelSections>(text).ok();
-    if TopLevelSections::is_command_job(sections)? {
-        let spec: CommandJobSpec = parse_toml(text)?;
-        Ok(ValidatedSpec::Command(validate_command_job_spec(spec)?))
-    } else {
-        Ok(ValidatedSpec::Model(load_job_spec_toml(text)?))
-    }
+    ValidatedSpec::from_toml(text)
 }
 
 /// The half precision a command job's `mixed_precision` strategy moves to: the job's
