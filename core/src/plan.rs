@@ -7,17 +7,19 @@
 //! data or math, so the estimate is the allocator's real peak and there is no second copy
 //! of the allocation logic to drift (docs/design.md, "The memory model").
 //!
-//! A plan has three phases:
+//! A plan has four phases:
 //! - `setup`, run once per attempt: weights, fp32 masters (mixed precision), gradients,
 //!   optimizer state and the prefetched input batches. Nothing in it is freed during
 //!   training.
 //! - `micro_batch`, run `accumulation_steps` times per step: forward, loss, backward, with
 //!   gradients accumulated into the persistent gradient buffers.
 //! - `update`, run once per step: the optimizer.
+//! - `evaluation`, run once per micro-batch of the test set after training: forward in
+//!   inference mode (each output freed once the next layer has read it) and the loss.
 //!
-//! Every buffer allocated in `micro_batch` or `update` is freed in the same phase, so the
-//! allocator is back in the same state after each phase (coalescing is complete) and one
-//! replay of each phase gives the peak of any number of repetitions.
+//! Every buffer allocated in `micro_batch`, `update` or `evaluation` is freed in the same
+//! phase, so the allocator is back in the same state after each phase (coalescing is
+//! complete) and one replay of each phase gives the peak of any number of repetitions.
 //!
 //! Buffers are placed by liveness: allocated just before the first operation that touches
 //! them, freed just after the last one. Which buffers backward reads is decided by the
