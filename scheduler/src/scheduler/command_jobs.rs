@@ -7,11 +7,12 @@ use carve_core::admission::size_slice_at_admission;
 use carve_core::command::memory_model::{CommandMemoryModel, ProfilePoint};
 use carve_core::command::render::RenderedCommand;
 use carve_core::command::shrink::plan_command_shrink;
-use carve_core::command::spec::CommandJobSpec;
+use carve_core::command::spec::{CommandJobSpec, CommandSpec};
 use carve_core::command::validate::{ValidatedCommandJob, validate_command_job_spec};
 use carve_core::job_state::{AttemptOutcome, JobEvent};
 use carve_core::plan::RunConfig;
 use carve_core::spec::VramRequest;
+use carve_core::workload::JobKind;
 use sha2::{Digest, Sha256};
 
 use crate::convert::{config_from_json, config_to_json, estimate_to_json};
@@ -70,11 +71,42 @@ fn short_digest(text: &str) -> String {
         .collect()
 }
 
+/// The command of a stored job's spec (job `job_id`'s, of `kind`), read as it was
+/// admitted: only the `command` table is parsed (the rest of the spec is skipped,
+/// whatever its size) and nothing is checked again, so reads never validate. `None` for
+/// a kind without a command. A command job whose command no longer parses is a corrupt
+/// row.
+pub(super) fn stored_command(
+    job_id: &str,
+    kind: JobKind,
+    spec_json: &str,
+) -> Result<Option<CommandSpec>, SchedulerError> {
+    #[derive(serde::Deserialize)]
+    struct CommandOnly {
+        command: CommandSpec,
+    }
+    match kind {
+        JobKind::Model => Ok(None),
+        JobKind::Command => serde_json::from_str::<CommandOnly>(spec_json)
+            .map(|spec| Some(spec.command))
+            .map_err(|error| {
+                SchedulerError::Api(carve_proto::ApiError::Internal(format!(
+                    "corrupt row: jobs {job_id:?} spec_json: {error}"
+                )))
+            }),
+    }
+}
+
 /// The key a command's memory model is stored under: what decides its memory apart from
 /// the knobs Carve turns (argv, environment, working directory, the precisions and the
 /// recompute arguments); not its name, priority or batch sizes.
 pub(super) fn command_shape_key(job: &ValidatedCommandJob) -> String {
-    let command = &job.spec.command;
+    shape_key_of_command(&job.spec.command)
+}
+
+/// [`command_shape_key`] of a command as stored, unvalidated (validation changes no field
+/// the key reads, so both give the same key).
+pub(super) fn shape_key_of_command(command: &CommandSpec) -> String {
     let shape = serde_json::json!({
         "argv": command.argv,
         "env": command.env,
@@ -155,16 +187,17 @@ impl Scheduler {
     }
 
     /// The memory model a command job is sized by (its command's, once a profile
-    /// measured it); `None` for model jobs and before the profile.
+    /// measured it); `None` for model jobs and before the profile. The spec is read as
+    /// stored, not validated again (a page of jobs reads its models at once instead:
+    /// `Scheduler::job_views`).
     pub async fn job_memory_model(
         &self,
         job: &crate::store::JobRecord,
     ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
-        if !is_command_spec(&job.spec_json) {
+        let Some(command) = stored_command(&job.id, job.kind, &job.spec_json)? else {
             return Ok(None);
-        }
-        let command = stored_command_job(&job.spec_json)?;
-        self.command_memory_model(&command_shape_key(&command))
+        };
+        self.command_memory_model(&shape_key_of_command(&command))
             .await
     }
 

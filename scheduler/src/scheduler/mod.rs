@@ -57,7 +57,7 @@ pub use admission::{AdmittedConfig, SPEC_MAX_BYTES, SubmittedJob, check_spec_siz
 pub use leadership::{Candidate, LeaderRole};
 use placement::PassInputs;
 pub use preemption::PreemptionSettings;
-pub use views::{GpuView, SliceOwner, SliceView, WorkerView};
+pub use views::{GpuView, JobPage, JobView, SliceOwner, SliceView, WorkerView};
 
 /// Timing of leases and passes.
 #[derive(Debug, Clone)]

@@ -1,13 +1,17 @@
 //! Read views of the live state and of jobs, as the job and cluster services and the
 //! metrics page show them.
 
+use std::collections::HashMap;
+
+use carve_core::command::memory_model::CommandMemoryModel;
 use carve_proto::ApiError;
 
 use crate::auth::{Caller, Role};
 use crate::error::SchedulerError;
 use crate::metrics::{ClusterGauges, Metrics, MetricsSource};
-use crate::store::{AttemptRecord, JobRecord};
+use crate::store::{AttemptRecord, JobFilter, JobRecord};
 
+use super::command_jobs::{shape_key_of_command, stored_command};
 use super::worker_reports::{Gpu, TrainingProgress};
 use super::{RunningAttempt, Scheduler, WorkerState};
 
@@ -52,6 +56,78 @@ impl Scheduler {
     /// A job's attempts, by number.
     pub async fn attempts(&self, job_id: &str) -> Result<Vec<AttemptRecord>, SchedulerError> {
         self.store.list_attempts(job_id).await
+    }
+
+    /// `job` as reads show it (see [`JobView`]); the same reads as a page of one.
+    pub async fn job_view(&self, job: JobRecord) -> Result<JobView, SchedulerError> {
+        let mut views = self.job_views(vec![job]).await?;
+        Ok(views.remove(0))
+    }
+
+    /// Each of `jobs` as reads show it, in order, in two queries whatever their number:
+    /// the attempts of them all, and the memory models of their commands' distinct
+    /// shapes. Nothing is validated or estimated: a command's shape key is read from its
+    /// spec as stored.
+    pub async fn job_views(&self, jobs: Vec<JobRecord>) -> Result<Vec<JobView>, SchedulerError> {
+        let ids: Vec<&str> = jobs.iter().map(|job| job.id.as_str()).collect();
+        let mut attempts = self.store.attempts_of_jobs(&ids).await?;
+        let mut shape_keys: Vec<Option<String>> = Vec::with_capacity(jobs.len());
+        for job in &jobs {
+            shape_keys.push(
+                stored_command(&job.id, job.kind, &job.spec_json)?
+                    .as_ref()
+                    .map(shape_key_of_command),
+            );
+        }
+        let mut distinct: Vec<&str> = shape_keys.iter().flatten().map(String::as_str).collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let mut models: HashMap<String, CommandMemoryModel> = HashMap::new();
+        for (shape_key, json) in self.store.command_memory_models(&distinct).await? {
+            let model = serde_json::from_str(&json).map_err(|error| {
+                SchedulerError::Api(ApiError::Internal(format!(
+                    "corrupt row: command_memory_models {shape_key:?}: {error}"
+                )))
+            })?;
+            models.insert(shape_key, model);
+        }
+        Ok(jobs
+            .into_iter()
+            .zip(shape_keys)
+            .map(|(job, shape_key)| JobView {
+                attempts: attempts.remove(&job.id).unwrap_or_default(),
+                memory_model: shape_key.and_then(|key| models.get(&key).cloned()),
+                progress: self.latest_progress(&job.id),
+                job,
+            })
+            .collect())
+    }
+
+    /// One page of the jobs the caller may see (see `list_jobs`), each as reads show it,
+    /// for a response of at most `budget_bytes` of jobs: jobs whose stored text alone
+    /// would pass it are left to the next page before their attempts and models are
+    /// read (the caller cuts the page exactly, by the encoded size; see
+    /// [`JobPage::keep_first`]).
+    pub async fn job_page(
+        &self,
+        caller: &Caller,
+        filter: JobFilter,
+        budget_bytes: usize,
+    ) -> Result<JobPage, SchedulerError> {
+        let (mut jobs, mut next_page_token) = self.list_jobs(caller, filter).await?;
+        let mut bytes = 0;
+        let fitting = jobs
+            .iter()
+            .take_while(|job| {
+                bytes += shown_text_bytes(job);
+                bytes <= budget_bytes
+            })
+            .count();
+        cut_page(&mut jobs, &mut next_page_token, fitting, |job| job);
+        Ok(JobPage {
+            jobs: self.job_views(jobs).await?,
+            next_page_token,
+        })
     }
 
     /// The number and the latest progress report of the attempt of `job_id` running on
@@ -228,6 +304,68 @@ fn slice_view(job_id: &str, running: &RunningAttempt) -> SliceView {
     }
 }
 
+/// A job as reads (GetJob, ListJobs, CancelJob) show it.
+#[derive(Debug, Clone)]
+pub struct JobView {
+    pub job: JobRecord,
+    /// Its attempts, by number.
+    pub attempts: Vec<AttemptRecord>,
+    /// The memory model its command is sized by: a command job's once a profile
+    /// measured its shape, `None` for model jobs and before the profile.
+    pub memory_model: Option<CommandMemoryModel>,
+    /// The number and the latest progress report of its attempt running on this
+    /// scheduler, if that reported any.
+    pub progress: Option<(u32, TrainingProgress)>,
+}
+
+/// One page of ListJobs: jobs newest first, and the token of the next page (`None` on
+/// the last).
+#[derive(Debug, Clone)]
+pub struct JobPage {
+    pub jobs: Vec<JobView>,
+    pub next_page_token: Option<String>,
+}
+
+impl JobPage {
+    /// Keeps the first `count` jobs (at least one, when the page has any): the next page
+    /// then starts right after the last one kept, so a page cut short (ListJobs' byte
+    /// budget) loses and repeats nothing.
+    pub fn keep_first(&mut self, count: usize) {
+        cut_page(&mut self.jobs, &mut self.next_page_token, count, |view| {
+            &view.job
+        });
+    }
+}
+
+/// Keeps the first `count` (at least one) of a page's `jobs`; when that drops any, the
+/// page's `token` becomes the one after the last kept.
+fn cut_page<T>(
+    jobs: &mut Vec<T>,
+    token: &mut Option<String>,
+    count: usize,
+    record: impl Fn(&T) -> &JobRecord,
+) {
+    let count = count.max(1);
+    if count < jobs.len() {
+        jobs.truncate(count);
+        *token = jobs
+            .last()
+            .map(|last| crate::store::page_token_after(record(last)));
+    }
+}
+
+/// The bytes of a job's stored text that its message carries as they are (id, tenant,
+/// name, spec, message, waiting reason): less than its encoded size, whatever else it
+/// shows.
+fn shown_text_bytes(job: &JobRecord) -> usize {
+    job.id.len()
+        + job.tenant.len()
+        + job.name.len()
+        + job.spec_json.len()
+        + job.message.len()
+        + job.waiting_reason.len()
+}
+
 /// A worker as reads show it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerView {
@@ -331,4 +469,73 @@ fn ambiguous_reference(
             listed.join(", ")
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use carve_core::command::validate::validate_command_job_spec;
+
+    use super::super::command_jobs::{command_shape_key, shape_key_of_command, stored_command};
+    use carve_core::command::spec::CommandSpec;
+    use carve_core::workload::JobKind;
+
+    use crate::error::SchedulerError;
+
+    /// A command job's spec as a user may write it, with every field the shape key reads.
+    const PINNED_SPEC: &str = r#"{
+        "name": "pinned",
+        "description": "not part of the key",
+        "command": {
+            "argv": ["python3", "train.py", "--micro-batch", "{micro_batch}",
+                     "--precision", "{precision}", "--steps", "{max_steps}"],
+            "env": { "DATA": "/data/set", "SEED": "7" },
+            "working_directory": "/work",
+            "global_batch": 64,
+            "micro_batch": 32,
+            "steps": 100,
+            "precisions": ["bf16", "fp32"],
+            "recompute": { "argv": ["--checkpointing"] }
+        },
+        "resources": { "vram": "auto" },
+        "oom": { "strategies": ["accumulate"] }
+    }"#;
+
+    /// The key of [`PINNED_SPEC`] as the scheduler computed it before reads stopped
+    /// validating (commit 48efa21): memory models stored under it must still be found.
+    const PINNED_KEY: &str = "b2ed8872a7ff3098860e1dcc4c04cf6d";
+
+    fn stored(spec_json: &str) -> Result<Option<CommandSpec>, SchedulerError> {
+        stored_command("job", JobKind::Command, spec_json)
+    }
+
+    #[test]
+    fn a_stored_command_has_the_shape_key_it_was_admitted_with() {
+        let validated = validate_command_job_spec(serde_json::from_str(PINNED_SPEC).unwrap());
+        assert_eq!(command_shape_key(&validated.unwrap()), PINNED_KEY);
+        let command = stored(PINNED_SPEC).unwrap().unwrap();
+        assert_eq!(shape_key_of_command(&command), PINNED_KEY);
+    }
+
+    #[test]
+    fn reading_a_stored_command_does_not_validate_it() {
+        // global_batch 0 and a relative working directory fail validation; a read of a
+        // row stored by an older, laxer version still finds its shape.
+        let lax = PINNED_SPEC
+            .replace(r#""global_batch": 64"#, r#""global_batch": 0"#)
+            .replace(r#""/work""#, r#""work""#);
+        assert!(validate_command_job_spec(serde_json::from_str(&lax).unwrap()).is_err());
+        assert!(stored(&lax).unwrap().is_some());
+        // A model job has no command (its text is not read); an unreadable row is an
+        // error naming it.
+        assert!(
+            stored_command("job", JobKind::Model, PINNED_SPEC)
+                .unwrap()
+                .is_none()
+        );
+        let error = stored(r#"{"command": {"argv": 3}}"#).unwrap_err();
+        assert!(
+            error.to_string().contains(r#"jobs "job" spec_json"#),
+            "{error}"
+        );
+    }
 }

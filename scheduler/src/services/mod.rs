@@ -20,7 +20,7 @@ use crate::convert::{
     attach_progress, job_state_from_proto, job_to_proto, submitted_job_to_proto, timestamp,
 };
 use crate::metrics::{Metrics, SubmitRejection};
-use crate::scheduler::{Scheduler, now_ms};
+use crate::scheduler::{JobView, Scheduler, now_ms};
 use crate::store::{JobFilter, JobRecord, LogLineRecord, LogQuery};
 
 /// One handle on the scheduler for all four services.
@@ -49,16 +49,48 @@ impl Services {
             .map_err(Status::from)
     }
 
-    /// A job as the API shows it, with its attempts.
-    async fn job_message(&self, job: &JobRecord) -> Result<v1::Job, Status> {
-        let attempts = self.scheduler.attempts(&job.id).await?;
-        let mut message = job_to_proto(job, &attempts)?;
-        message.memory_model = self.scheduler.job_memory_model(job).await?.map(Into::into);
-        if let Some((attempt_number, progress)) = self.scheduler.latest_progress(&job.id) {
-            attach_progress(&mut message, attempt_number, &progress);
-        }
-        Ok(message)
+    /// A job as the API shows it, with its attempts (the reads of a page of one).
+    async fn job_message(&self, job: JobRecord) -> Result<v1::Job, Status> {
+        view_message(&self.scheduler.job_view(job).await?)
     }
+}
+
+/// A job as the API shows it: its record, attempts, memory model and progress.
+fn view_message(view: &JobView) -> Result<v1::Job, Status> {
+    let mut message = job_to_proto(&view.job, &view.attempts)?;
+    message.memory_model = view.memory_model.clone().map(Into::into);
+    if let Some((attempt_number, progress)) = &view.progress {
+        attach_progress(&mut message, *attempt_number, progress);
+    }
+    Ok(message)
+}
+
+/// The most bytes of jobs one ListJobs response carries: a page stops before the job
+/// that would pass it (a page's first job is always sent, and a job is at most a 1 MiB
+/// spec and its attempts), so every page fits under the 4 MiB a gRPC client decodes by
+/// default, with room for the page token and the frame.
+pub const LIST_JOBS_RESPONSE_BUDGET_BYTES: usize = 3 << 20;
+
+/// What `job` adds to an encoded ListJobsResponse: its field's tag, its length and itself.
+fn encoded_len_in_list(job: &v1::Job) -> usize {
+    let length = prost::Message::encoded_len(job);
+    prost::encoding::key_len(1) + prost::encoding::encoded_len_varint(length as u64) + length
+}
+
+/// The first jobs of `views` as messages, as many as fit in `budget_bytes` (the first
+/// always does).
+fn messages_within(views: &[JobView], budget_bytes: usize) -> Result<Vec<v1::Job>, Status> {
+    let mut messages = Vec::with_capacity(views.len());
+    let mut bytes = 0;
+    for view in views {
+        let message = view_message(view)?;
+        bytes += encoded_len_in_list(&message);
+        if bytes > budget_bytes && !messages.is_empty() {
+            break;
+        }
+        messages.push(message);
+    }
+    Ok(messages)
 }
 
 fn log_line_proto(line: LogLineRecord) -> v1::JobLogLine {
@@ -164,7 +196,7 @@ impl JobService for Services {
             .scheduler
             .visible_job(&caller, &request.get_ref().job_id)
             .await?;
-        let job = self.job_message(&job).await?;
+        let job = self.job_message(job).await?;
         Ok(Response::new(v1::GetJobResponse { job: Some(job) }))
     }
 
@@ -193,9 +225,9 @@ impl JobService for Services {
                 format!("{} is more than the limit of 1000", request.page_size),
             ));
         }
-        let (jobs, next_page_token) = self
+        let mut page = self
             .scheduler
-            .list_jobs(
+            .job_page(
                 &caller,
                 JobFilter {
                     tenant: (!request.tenant.is_empty()).then_some(request.tenant),
@@ -208,15 +240,16 @@ impl JobService for Services {
                     },
                     page_token: (!request.page_token.is_empty()).then_some(request.page_token),
                 },
+                LIST_JOBS_RESPONSE_BUDGET_BYTES,
             )
             .await?;
-        let mut messages = Vec::with_capacity(jobs.len());
-        for job in &jobs {
-            messages.push(self.job_message(job).await?);
-        }
+        // Bounded in bytes as well as in jobs: a page that would not fit is cut short,
+        // and its token continues right after the last job sent.
+        let messages = messages_within(&page.jobs, LIST_JOBS_RESPONSE_BUDGET_BYTES)?;
+        page.keep_first(messages.len());
         Ok(Response::new(v1::ListJobsResponse {
             jobs: messages,
-            next_page_token: next_page_token.unwrap_or_default(),
+            next_page_token: page.next_page_token.unwrap_or_default(),
         }))
     }
 
@@ -232,7 +265,7 @@ impl JobService for Services {
             .scheduler
             .cancel(&caller, &request.job_id, &request.reason)
             .await?;
-        let job = self.job_message(&job).await?;
+        let job = self.job_message(job).await?;
         Ok(Response::new(v1::CancelJobResponse { job: Some(job) }))
     }
 

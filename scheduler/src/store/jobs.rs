@@ -447,7 +447,7 @@ impl Store {
         });
         let next_page_token = if jobs.len() > page_size {
             jobs.truncate(page_size);
-            jobs.last().map(|last| last.submit_sequence.to_string())
+            jobs.last().map(page_token_after)
         } else {
             None
         };
@@ -620,6 +620,14 @@ impl Store {
 
 /// The most job ids one waiting-reason `UPDATE` names (one parameter each).
 pub const WAITING_REASON_IDS_PER_STATEMENT: usize = 500;
+
+/// The `next_page_token` of a page of [`Store::list_jobs`] whose last job is `last`: the
+/// next page starts right after it (tokens are keys, newest first: the jobs submitted
+/// before it). A caller that shows fewer jobs than the store listed (ListJobs cuts a page
+/// that would not fit its byte budget) gives the token after the last job it shows.
+pub fn page_token_after(last: &JobRecord) -> String {
+    last.submit_sequence.to_string()
+}
 
 fn parse_page_token(token: &str) -> Result<i64, SchedulerError> {
     token

@@ -87,6 +87,7 @@ macro_rules! with_write_tx {
 mod attempts;
 mod batcher;
 mod columns;
+mod job_pages;
 mod jobs;
 pub mod leadership;
 mod logs;
@@ -98,7 +99,9 @@ mod workers;
 
 pub use attempts::{AttemptEndDetails, AttemptStartDetails};
 pub use batcher::SubmitBatcher;
-pub use jobs::{WAITING_REASON_IDS_PER_STATEMENT, WAITING_REASONS_PER_TRANSACTION};
+pub use jobs::{
+    WAITING_REASON_IDS_PER_STATEMENT, WAITING_REASONS_PER_TRANSACTION, page_token_after,
+};
 pub use logs::{
     DEFAULT_LOG_PAGE_SIZE, LOG_LEVELS, LogBatcher, LogBatcherSettings, LogLineRecord, LogPage,
     LogQuery, MAX_LOG_LINES_PER_JOB, MAX_LOG_MESSAGE_BYTES, MAX_LOG_PAGE_SIZE, NewLogLine,
