@@ -26,8 +26,14 @@
 //! freed bytes, then the lowest GPU id. GPUs and attempts are sorted first, so the answer
 //! does not depend on the order of the input vectors. A GPU on which the job already fits
 //! needs no preemption and gives no plan; neither does one too small for it at all.
+//!
+//! What happens around the choice (the claims, the victims being evicted, when an
+//! attempt's end counts as preempted, the cap's history) is the [`book`]'s, which the
+//! scheduler and the simulator both keep.
 
 use std::cmp::Ordering;
+
+pub mod book;
 
 /// The job that cannot be placed.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -63,8 +63,6 @@ struct JobRun {
     attempt: Option<Attempt>,
     /// Attempts started so far: an event made for an earlier attempt is stale.
     attempts_started: u32,
-    /// When the job was preempted (for the cap per hour).
-    preempted_at_s: Vec<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,7 +155,7 @@ struct Simulation<'a> {
     jobs_on_gpu: Vec<u32>,
     /// The jobs running on each GPU.
     running_on_gpu: Vec<BTreeSet<usize>>,
-    preemption: preemption::PreemptionBook,
+    preemption: preemption::Preemptions,
     tenant_of_job: Vec<usize>,
     job_ids: Vec<String>,
     runs: Vec<JobRun>,
@@ -247,7 +245,7 @@ impl<'a> Simulation<'a> {
             total_bytes: cluster.gpu_bytes as f64 * cluster.gpu_count() as f64,
             jobs_on_gpu: vec![0; gpus.len()],
             running_on_gpu: vec![BTreeSet::new(); gpus.len()],
-            preemption: preemption::PreemptionBook::default(),
+            preemption: preemption::Preemptions::default(),
             problem: SchedulingProblem {
                 gpus,
                 tenants,
@@ -272,7 +270,6 @@ impl<'a> Simulation<'a> {
                     out_of_memory_attempts: 0,
                     attempt: None,
                     attempts_started: 0,
-                    preempted_at_s: Vec::new(),
                 })
                 .collect(),
             queue: vec![BTreeSet::new(); workload.tenants.len()],
@@ -575,7 +572,7 @@ impl<'a> Simulation<'a> {
         self.jobs_on_gpu[gpu] += 1;
         self.running_on_gpu[gpu].insert(job);
         // Placed, here or elsewhere: the bytes held for it are free again.
-        self.preemption.claims.remove(&job);
+        self.preemption.placed(job);
         self.allocated_bytes += u128::from(slice);
         self.used_bytes += u128::from(used_bytes);
         self.running_jobs += 1;
