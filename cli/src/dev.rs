@@ -27,6 +27,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::client::connection::connect_channel;
+use crate::client::failure::FailureKind;
 use crate::client::output::{
     bytes_text, config_text, is_terminal, job_state_name, outcome_name, precision_name,
     print_wide_table,
@@ -217,7 +218,7 @@ async fn run_cluster(
                 code = run_demo(&channel, &data_dir) => code?,
                 () = shutdown_signal() => {
                     println!("interrupted; stopping");
-                    ExitCode::from(130)
+                    ExitCode::from(FailureKind::Interrupted)
                 }
             }
         } else {
@@ -453,7 +454,7 @@ async fn run_demo(channel: &AuthenticatedChannel, data_dir: &Path) -> Result<Exi
     Ok(if all_succeeded {
         ExitCode::SUCCESS
     } else {
-        ExitCode::FAILURE
+        ExitCode::from(FailureKind::Other)
     })
 }
 

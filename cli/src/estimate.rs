@@ -14,6 +14,7 @@ use carve_core::validate::{parse_job_spec_toml, validate_job_spec};
 use carve_core::{CoreError, FieldError};
 use serde_json::{Value, json};
 
+use crate::client::failure::FailureKind;
 use crate::spec_input::{
     job_spec_name, print_job_spec_warnings, read_job_spec_text, refuse_command_job,
 };
@@ -127,7 +128,7 @@ pub fn run(arguments: EstimateArguments) -> Result<ExitCode> {
     Ok(if fits {
         ExitCode::SUCCESS
     } else {
-        ExitCode::from(3)
+        ExitCode::from(FailureKind::OutOfMemory)
     })
 }
 

@@ -19,6 +19,7 @@ use carve_engine::data::open_data_sets;
 use carve_engine::trainer::{Progress, TrainingOptions, train};
 use serde_json::json;
 
+use crate::client::failure::FailureKind;
 use crate::elapsed::{duration_text, timing_text};
 use crate::estimate::config_json;
 use crate::spec_input::{
@@ -288,7 +289,7 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
                 });
                 println!("{}", serde_json::to_string_pretty(&output)?);
             }
-            Ok(ExitCode::from(3))
+            Ok(ExitCode::from(FailureKind::OutOfMemory))
         }
         Err(error) => Err(error.into()),
     }

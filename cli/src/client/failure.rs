@@ -25,7 +25,8 @@ Exit codes:
   7   invalid argument: a rejected spec or request field (the message names it)
   8   resource exhausted: the job can never fit (quota or largest GPU)
   10  the watched job failed
-  11  the watched job was cancelled";
+  11  the watched job was cancelled
+  130 interrupted (Ctrl-C during carve dev --demo)";
 
 /// Why a command failed, as far as the exit code is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +52,9 @@ pub enum FailureKind {
     JobFailed,
     /// A watched job ended CANCELLED.
     JobCancelled,
+    /// `carve dev --demo` stopped by Ctrl-C (or SIGTERM) before its jobs ended: 130, the
+    /// code a shell gives a command ended by SIGINT.
+    Interrupted,
 }
 
 impl FailureKind {
@@ -67,7 +71,16 @@ impl FailureKind {
             FailureKind::ResourceExhausted => 8,
             FailureKind::JobFailed => 10,
             FailureKind::JobCancelled => 11,
+            FailureKind::Interrupted => 130,
         }
+    }
+}
+
+impl From<FailureKind> for ExitCode {
+    /// How a command that ends without an error (`Ok(code)`) still exits with a failure's
+    /// code: `ExitCode::from(FailureKind::OutOfMemory)`, never a number written elsewhere.
+    fn from(kind: FailureKind) -> Self {
+        ExitCode::from(kind.exit_code())
     }
 }
 
@@ -106,7 +119,7 @@ fn failure_kind(error: &anyhow::Error) -> FailureKind {
 /// The exit code for an error that ended a command: the kind of the first
 /// [`ClientFailure`] in its chain, 1 when there is none.
 pub fn exit_code_for_error(error: &anyhow::Error) -> ExitCode {
-    ExitCode::from(failure_kind(error).exit_code())
+    ExitCode::from(failure_kind(error))
 }
 
 /// The failures of a command that does the same to several jobs (`carve cancel J1 J2`):
@@ -124,7 +137,7 @@ impl FailureTally {
     }
 
     pub fn exit_code(&self) -> ExitCode {
-        ExitCode::from(self.first.map_or(0, FailureKind::exit_code))
+        self.first.map_or(ExitCode::SUCCESS, ExitCode::from)
     }
 }
 
@@ -257,6 +270,30 @@ pub fn lower_os_error(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The numbers scripts branch on, pinned here: every other file names a kind.
+    #[test]
+    fn every_failure_kind_keeps_its_exit_number() {
+        let cases = [
+            (FailureKind::Other, 1),
+            (FailureKind::Usage, 2),
+            (FailureKind::OutOfMemory, 3),
+            (FailureKind::CannotConnect, 4),
+            (FailureKind::Authentication, 5),
+            (FailureKind::NotFound, 6),
+            (FailureKind::InvalidArgument, 7),
+            (FailureKind::ResourceExhausted, 8),
+            (FailureKind::JobFailed, 10),
+            (FailureKind::JobCancelled, 11),
+            (FailureKind::Interrupted, 130),
+        ];
+        for (kind, number) in cases {
+            assert_eq!(kind.exit_code(), number, "{kind:?}");
+            assert_eq!(ExitCode::from(kind), ExitCode::from(number), "{kind:?}");
+            let listed = format!("\n  {number:<3} ");
+            assert!(EXIT_CODES_HELP.contains(&listed), "{kind:?}: {listed:?}");
+        }
+    }
 
     #[test]
     fn every_status_code_a_script_branches_on_gets_its_exit_code() {

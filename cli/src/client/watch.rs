@@ -553,19 +553,19 @@ mod tests {
         );
         assert_eq!(
             code(&ended(State::Failed, Outcome::OutOfMemory)),
-            ExitCode::from(3)
+            ExitCode::from(FailureKind::OutOfMemory)
         );
         assert_eq!(
             code(&ended(State::Failed, Outcome::Failed)),
-            ExitCode::from(10)
+            ExitCode::from(FailureKind::JobFailed)
         );
         assert_eq!(
             code(&ended(State::Cancelled, Outcome::Cancelled)),
-            ExitCode::from(11)
+            ExitCode::from(FailureKind::JobCancelled)
         );
         assert_eq!(
             code(&ended(State::Running, Outcome::Running)),
-            ExitCode::from(1)
+            ExitCode::from(FailureKind::Other)
         );
         let error = job_exit(&ended(State::Failed, Outcome::Failed)).unwrap_err();
         assert_eq!(error.to_string(), "job job-1 (mnist) failed: why");
