@@ -7,6 +7,7 @@ use std::io::Read as _;
 use std::path::Path;
 
 use carve_core::validate::ValidatedJob;
+use carve_core::workload::{JobKind, SpecFormat};
 
 fn is_stdin(path: &Path) -> bool {
     path.as_os_str() == "-"
@@ -86,16 +87,17 @@ pub fn make_data_paths_absolute(document: &mut toml::Table, base: &Path) -> Resu
     Ok(())
 }
 
-/// Refuses a command job (a TOML spec with a `[command]` table) where only a model job
-/// makes sense: `carve estimate` and `carve run`.
+/// Refuses a job whose memory is measured by running it (a command job: a TOML spec with
+/// a `[command]` table, as core's `JobKind::of_spec_text` reads it) where only a job the
+/// estimator sizes makes sense: `carve estimate` and `carve run`.
 pub fn refuse_command_job(text: &str, spec_name: &str) -> Result<(), String> {
-    match toml::from_str::<toml::Table>(text) {
-        Ok(document) if document.contains_key("command") => Err(format!(
+    if JobKind::of_spec_text(text, SpecFormat::Toml).memory_is_measured() {
+        return Err(format!(
             "{spec_name} {}",
             carve_proto::convert::COMMAND_JOB_HAS_NO_ESTIMATE
-        )),
-        _ => Ok(()),
+        ));
     }
+    Ok(())
 }
 
 /// Gives a command job (a spec with a `[command]` table) an absolute working directory:
@@ -196,5 +198,18 @@ mod tests {
         let mut model: toml::Table = toml::from_str("name = \"m\"\n").unwrap();
         make_command_directory_absolute(&mut model, Path::new("/jobs")).unwrap();
         assert!(!model.contains_key("command"));
+    }
+
+    #[test]
+    fn estimate_and_run_refuse_a_command_job_by_core_s_reading_of_its_kind() {
+        let refused = refuse_command_job("name = \"x\"\n[command]\nargv = [\"t\"]\n", "job.toml")
+            .unwrap_err();
+        assert!(
+            refused.starts_with("job.toml is a command job"),
+            "{refused}"
+        );
+        assert!(refuse_command_job("name = \"m\"\n[model]\nloss = \"mse\"\n", "m.toml").is_ok());
+        // Not TOML: left to the parser, which names the error.
+        assert!(refuse_command_job("name = [", "bad.toml").is_ok());
     }
 }

@@ -11,12 +11,12 @@
 
 use carve_core::allocator::OutOfMemory;
 use carve_core::command::memory_model::{CommandMemoryModel, ProfilePoint};
-use carve_core::command::validate::{ValidatedSpec, parse_spec_json};
 use carve_core::estimator::MemoryEstimate;
 use carve_core::plan::RunConfig;
 use carve_core::shrink::{ShrinkDecision, ShrinkStep};
 use carve_core::spec::{JobSpec, Precision};
 use carve_core::validate::{ValidatedJob, parse_job_spec_json, validate_job_spec};
+use carve_core::workload::{JobKind, SpecFormat, Workload};
 
 use crate::status::{ApiError, join_field};
 use crate::v1;
@@ -121,18 +121,23 @@ pub const COMMAND_JOB_HAS_NO_ESTIMATE: &str = "is a command job: Carve cannot se
      (carve submit), or taken from resources.vram; there is nothing to estimate or train \
      here";
 
-/// Whether a spec text is a command job's (it has a top-level `command`), read without
-/// validating it.
+/// The kind of job the API's `spec_json` is: a command job when it has a top-level
+/// `command`, read without validating it. The protocol's one reading of a kind from text
+/// ([`JobKind::of_spec_text`]); past admission the kind is stored with the job.
+pub fn spec_kind_from_json(spec_json: &str) -> JobKind {
+    JobKind::of_spec_text(spec_json, SpecFormat::Json)
+}
+
+/// Whether the API's `spec_json` is a command job's ([`spec_kind_from_json`]).
 pub fn is_command_spec_json(spec_json: &str) -> bool {
-    serde_json::from_str::<serde_json::Value>(spec_json)
-        .is_ok_and(|document| document.get("command").is_some())
+    spec_kind_from_json(spec_json) == JobKind::Command
 }
 
 /// Parses and validates a spec of either kind (a model job, or a command job: one with a
-/// `command` table) from the API's `spec_json`. Errors name the field under
-/// [`SPEC_FIELD`].
-pub fn validated_spec_from_json(spec_json: &str) -> Result<ValidatedSpec, ApiError> {
-    parse_spec_json(spec_json).map_err(|error| ApiError::from(error).prefix_field(SPEC_FIELD))
+/// `command` table) from the API's `spec_json` ([`Workload::from_json`]). Errors name the
+/// field under [`SPEC_FIELD`].
+pub fn validated_spec_from_json(spec_json: &str) -> Result<Workload, ApiError> {
+    Workload::from_json(spec_json).map_err(|error| ApiError::from(error).prefix_field(SPEC_FIELD))
 }
 
 impl From<CommandMemoryModel> for v1::CommandMemoryModel {

@@ -189,6 +189,7 @@ mod tests {
             id: id.into(),
             tenant: "alpha".into(),
             name: id.into(),
+            kind: carve_core::workload::JobKind::Model,
             spec_json: "{}".into(),
             state,
             priority: 0,

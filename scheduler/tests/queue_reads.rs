@@ -5,6 +5,7 @@
 #[macro_use]
 mod support;
 
+use carve_core::workload::JobKind;
 use carve_scheduler::store::{
     JobRecord, JobState, QueueFingerprint, Store, WAITING_REASON_IDS_PER_STATEMENT,
     WAITING_REASONS_PER_TRANSACTION,
@@ -32,6 +33,7 @@ fn job(id: &str, tenant: &str, priority: i64, required_bytes: i64) -> JobRecord 
         id: id.into(),
         tenant: tenant.into(),
         name: id.into(),
+        kind: JobKind::Model,
         spec_json: r#"{"name":"a spec the pass never reads"}"#.into(),
         state: JobState::Queued,
         priority,

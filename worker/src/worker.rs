@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use carve_core::command::validate::{ValidatedSpec, parse_spec_json};
+use carve_core::workload::Workload;
 use carve_proto::ApiError;
 use carve_proto::client::{BearerToken, ClientIdentity, connect, failover_endpoints};
 use carve_proto::v1;
@@ -688,7 +688,9 @@ impl Worker {
         config: &v1::RunConfig,
         gpu: &WorkerGpu,
     ) -> Result<(), WorkerError> {
-        let spec = parse_spec_json(&assignment.spec_json)
+        // The kind is the one the spec's text declares (`Workload::from_json`): an
+        // assignment carries the spec as submitted.
+        let spec = Workload::from_json(&assignment.spec_json)
             .map_err(|error| WorkerError::Attempt(format!("the job spec: {error}")))?;
         // The job may ask for less time than the worker allows, never more.
         let job_max_duration = spec
@@ -697,12 +699,14 @@ impl Worker {
             .map_err(|error| WorkerError::Attempt(format!("the job spec: {error}")))?;
         let max_duration =
             effective_max_duration(job_max_duration, self.config.run_limits.max_duration);
+        // Each kind has its own launcher: the engine's attempt process or the program
+        // under the guard.
         match spec {
-            ValidatedSpec::Model(job) => {
+            Workload::Model(job) => {
                 self.launch_model(assignment, attempt, config, gpu, &job, max_duration)
                     .await
             }
-            ValidatedSpec::Command(job) => {
+            Workload::Command(job) => {
                 self.launch_command(assignment, attempt, config, gpu, job, max_duration)
             }
         }

@@ -6,16 +6,13 @@
 use std::sync::Arc;
 
 use carve_core::admission::{AdmittedSlice, size_slice_at_admission};
-use carve_core::command::shrink::plan_command_shrink;
-use carve_core::command::validate::ValidatedSpec;
-use carve_core::estimator::{MemoryEstimate, estimate_job};
+use carve_core::estimator::MemoryEstimate;
 use carve_core::job_state::JobState;
 use carve_core::plan::RunConfig;
 use carve_core::scheduling::{GpuState, TenantState, WaitReason, can_ever_fit};
-use carve_core::shrink::{ShrinkDecision, plan_shrink};
-use carve_core::spec::VramRequest;
+use carve_core::shrink::ShrinkDecision;
+use carve_core::workload::Workload;
 use carve_proto::ApiError;
-use sha2::{Digest, Sha256};
 
 use crate::auth::{Caller, Role, authenticate, generate_id};
 use crate::cache::{
@@ -26,10 +23,6 @@ use crate::error::SchedulerError;
 use crate::metrics::SubmitRejection;
 use crate::store::{AttemptRecord, JobRecord, TenantRecord, TokenRecord};
 
-use super::command_jobs::{
-    PROFILE_ESTIMATE_SOURCE, PROFILE_SLICE_WITHOUT_GPUS, command_peak_key, command_shape_key,
-    needs_profile, unmeasured_estimate,
-};
 use super::{Scheduler, StateChange, now_ms, spec_error};
 
 /// How many distinct spec texts keep their analysis; specs are resubmitted verbatim
@@ -41,20 +34,20 @@ const ANALYSED_SPECS_CAPACITY: usize = 256;
 const ANALYSED_SPEC_MAX_BYTES: usize = 64 * 1024;
 
 /// A spec as admission sees it before sizing: everything here depends on the spec's
-/// text alone (validation, the configuration it asks for, the estimate and the shape
+/// text alone (validation, the configuration it asks for, the estimate and the peak
 /// key are pure functions of it), so a spec submitted again reuses it.
 ///
 /// A command job's memory is not a function of its text (it comes from the model a
 /// profile stored for its command, or from its declared `vram`): its `estimate` is
-/// `None`, and admission looks the model up.
+/// `None` (`Workload::spec_estimate`), and admission looks the model up.
 #[derive(Debug)]
 struct AnalysedSpec {
-    job: ValidatedSpec,
+    job: Workload,
     config: RunConfig,
     estimate: Option<Arc<MemoryEstimate>>,
-    /// The key measured peaks of this shape are kept under (model jobs; command jobs
-    /// key theirs by the command and the configuration admitted).
-    shape_key: String,
+    /// The key measured peaks of this job at `config` are kept under
+    /// (`Workload::peak_key`).
+    peak_key: String,
     /// `config` and `estimate` as a job row stores them, used as they are when admission
     /// keeps the spec's own configuration.
     config_json: String,
@@ -108,58 +101,22 @@ fn waiting_reason_at_submit(gpus: &[GpuState]) -> String {
     }
 }
 
-/// The key under which measured peaks of "the same job shape" are remembered: the model
-/// and the run config.
-pub(super) fn shape_key(model: &carve_core::spec::ModelSpec, config: &RunConfig) -> String {
-    let model = serde_json::to_string(model).unwrap_or_default();
-    let digest = Sha256::digest(format!("{model}|{}", config_to_json(config)).as_bytes());
-    digest
-        .iter()
-        .take(16)
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
-}
-
-/// Validation, the configuration the spec asks for, its estimate and shape key: what
+/// Validation, the configuration the spec asks for, its estimate and peak key: what
 /// admission needs of a spec's text alone.
 fn analyse_spec_text(spec_json: &str) -> Result<AnalysedSpec, SchedulerError> {
-    let job = match carve_proto::convert::validated_spec_from_json(spec_json).map_err(spec_error)? {
-        ValidatedSpec::Model(job) => job,
-        ValidatedSpec::Command(command) => {
-            let config = command.initial_config();
-            return Ok(AnalysedSpec {
-                shape_key: command_peak_key(&command, &config),
-                config_json: config_to_json(&config),
-                job: ValidatedSpec::Command(command),
-                config,
-                estimate: None,
-                estimate_json: String::new(),
-            });
-        }
-    };
+    let job = carve_proto::convert::validated_spec_from_json(spec_json).map_err(spec_error)?;
     // A worker runs the job in a directory of its own, where a relative path means
     // nothing the person who wrote it had in mind.
-    carve_core::validate::require_absolute_data_paths(&job.spec).map_err(|error| {
-        ApiError::InvalidArgument {
-            field: format!("spec.{}", error.field),
-            reason: error.reason,
-        }
-    })?;
-    let config = RunConfig::from_spec(&job.spec);
-    let estimate = estimate_job(&job, &config).map_err(|error| ApiError::InvalidArgument {
-        field: format!("spec.{}", error.field),
-        reason: error.reason,
-    })?;
-    let shape_key = shape_key(&job.spec.model, &config);
-    let config_json = config_to_json(&config);
-    let estimate_json = estimate_to_json(&estimate);
+    job.require_absolute_paths().map_err(spec_error_of_field)?;
+    let config = job.initial_config();
+    let estimate = job.spec_estimate(&config).map_err(spec_error_of_field)?;
     Ok(AnalysedSpec {
-        job: ValidatedSpec::Model(job),
+        peak_key: job.peak_key(&config),
+        config_json: config_to_json(&config),
+        estimate_json: estimate.as_ref().map(estimate_to_json).unwrap_or_default(),
+        estimate: estimate.map(Arc::new),
+        job,
         config,
-        estimate: Some(Arc::new(estimate)),
-        shape_key,
-        config_json,
-        estimate_json,
     })
 }
 
@@ -186,6 +143,15 @@ pub struct AdmittedConfig {
 /// The longest spec text the scheduler accepts: a spec at the layer limit with long
 /// names stays well under it, and a larger one would only cost time to parse.
 pub const SPEC_MAX_BYTES: usize = 1 << 20;
+
+/// A spec's own error (an estimate it cannot have), named under `spec.`.
+fn spec_error_of_field(error: carve_core::FieldError) -> SchedulerError {
+    ApiError::InvalidArgument {
+        field: format!("spec.{}", error.field),
+        reason: error.reason,
+    }
+    .into()
+}
 
 /// Refuses a spec text over [`SPEC_MAX_BYTES`] before it is parsed.
 pub fn check_spec_size(spec_json: &str) -> Result<(), SchedulerError> {
@@ -306,39 +272,26 @@ impl Scheduler {
         let job = &analysed.job;
         let tenant = self.tenant(&caller.tenant).await?;
         let correction = self
-            .peak_correction(&analysed.shape_key)
+            .peak_correction(&analysed.peak_key)
             .await?
             .unwrap_or(1.0);
         let gpus = self.gpu_states();
-        // What the job needs as written: the estimator's answer for a model job; for a
-        // command job, its command's model (a profile measured it), else its declared
-        // vram, else the profile it runs first in a roomy slice.
-        let (spec_estimate, command_model) = match job {
-            ValidatedSpec::Model(_) => (
-                analysed.estimate.clone().ok_or_else(|| {
-                    ApiError::Internal("a model job was analysed without an estimate".into())
-                })?,
-                None,
+        // What the job needs as written: the estimator's answer for a model job (from
+        // the analysis); for a command job, its command's model (a profile measured it),
+        // else its declared vram, else the profile it runs first in a roomy slice.
+        let measured = self.measured_memory_model(job).await?;
+        let spec_estimate = match &analysed.estimate {
+            Some(estimate) => Arc::clone(estimate),
+            None => Arc::new(
+                job.estimate(
+                    &analysed.config,
+                    measured.as_ref(),
+                    largest_usable_gpu(&gpus),
+                )
+                .map_err(spec_error_of_field)?,
             ),
-            ValidatedSpec::Command(command) => {
-                let model = self
-                    .command_memory_model(&command_shape_key(command))
-                    .await?;
-                let estimate = match (&model, command.spec.resources.vram) {
-                    (Some(model), _) => model.estimate(&analysed.config),
-                    (None, VramRequest::Bytes(bytes)) => {
-                        unmeasured_estimate(analysed.config, bytes, "the declared vram")
-                    }
-                    (None, VramRequest::Auto) => unmeasured_estimate(
-                        analysed.config,
-                        largest_usable_gpu(&gpus).unwrap_or(PROFILE_SLICE_WITHOUT_GPUS),
-                        PROFILE_ESTIMATE_SOURCE,
-                    ),
-                };
-                (Arc::new(estimate), model)
-            }
         };
-        let profile = matches!(job, ValidatedSpec::Command(command) if needs_profile(command, command_model.as_ref()));
+        let profile = job.needs_profile(measured.as_ref());
         // Sizing asks for a shrink only when the job does not fit as written; the shrink
         // planner then runs on the compute pool, and sizing is done again with its answer.
         let size = |shrink: Option<&ShrinkDecision>| {
@@ -374,25 +327,11 @@ impl Scheduler {
                 let shrinking = Arc::clone(&analysed);
                 let decision = self
                     .compute
-                    .run(&caller.tenant, move || match &shrinking.job {
-                        ValidatedSpec::Model(model_job) => {
-                            plan_shrink(model_job, &shrinking.config, None, limit)
-                                .map_err(|error| error.to_string())
-                        }
-                        ValidatedSpec::Command(command) => match command_model {
-                            Some(model) => plan_command_shrink(
-                                command,
-                                &model,
-                                &shrinking.config,
-                                None,
-                                limit,
-                            )
-                            .map_err(|error| error.to_string()),
-                            None => Err(format!(
-                                "its declared vram is more than the {} a GPU of this cluster can give",
-                                carve_core::bytes::HumanBytes(limit)
-                            )),
-                        },
+                    .run(&caller.tenant, move || {
+                        shrinking
+                            .job
+                            .plan_shrink(&shrinking.config, None, limit, measured.as_ref())
+                            .map_err(|error| error.to_string())
                     })
                     .await?
                     .map_err(|error| {
@@ -435,6 +374,7 @@ impl Scheduler {
             id: generate_id("job"),
             tenant: caller.tenant.clone(),
             name: job.name().to_string(),
+            kind: job.kind(),
             spec_json: spec_json.to_string(),
             state: JobState::Queued,
             priority: i64::from(job.priority()),

@@ -12,7 +12,7 @@ use carve_core::command::validate::{ValidatedCommandJob, validate_command_job_sp
 use carve_core::job_state::{AttemptOutcome, JobEvent};
 use carve_core::plan::RunConfig;
 use carve_core::spec::VramRequest;
-use carve_core::workload::JobKind;
+use carve_core::workload::{JobKind, Workload};
 use sha2::{Digest, Sha256};
 
 use crate::convert::{config_from_json, config_to_json, estimate_to_json};
@@ -50,8 +50,6 @@ pub(super) fn display_argv(argv: &[String]) -> String {
     }
     .display_line()
 }
-
-pub(super) use carve_proto::convert::is_command_spec_json as is_command_spec;
 
 /// A stored command job's spec, parsed and checked again (cheap: no model to infer).
 pub(super) fn stored_command_job(spec_json: &str) -> Result<ValidatedCommandJob, SchedulerError> {
@@ -117,21 +115,18 @@ pub(super) fn shape_key_of_command(command: &CommandSpec) -> String {
     short_digest(&format!("command|{shape}"))
 }
 
-/// The key measured peaks of a command job are kept under (its command shape and its
-/// configuration), like `admission::shape_key` for model jobs.
-pub(super) fn command_peak_key(job: &ValidatedCommandJob, config: &RunConfig) -> String {
-    short_digest(&format!(
-        "{}|{}",
-        command_shape_key(job),
-        config_to_json(config)
-    ))
-}
-
-/// Whether a command job's next attempt must be a profile: its memory is not known yet
-/// (`vram = "auto"` and no model for its shape) and none of its attempts measured it.
-pub(super) fn needs_profile(job: &ValidatedCommandJob, model: Option<&CommandMemoryModel>) -> bool {
-    job.spec.resources.vram == VramRequest::Auto && model.is_none()
-}
+    /// What has been measured of a workload's memory: for a command job, the memory
+    /// model its command's profile stored (`None` before one); `None` for a model job,
+    /// which the estimator sizes. What `Workload`'s methods take as `measured`.
+    pub(super) async fn measured_memory_model(
+        &self,
+        workload: &Workload,
+    ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
+        match workload.as_command() {
+            Some(command) => self.command_memory_model(&command_shape_key(command)).await,
+            None => Ok(None),
+        }
+    }
 
 impl Scheduler {
     /// The memory model stored for a command shape, if a profile measured one.
@@ -204,7 +199,7 @@ impl Scheduler {
     /// Gives the profile of each job in `waiting` (queued jobs larger than every GPU,
     /// with the largest GPU's usable bytes) that is a command job still to be profiled
     /// the largest slice the cluster has: its slice was chosen at submit, roomy for the
-    /// GPUs known then (or [`PROFILE_SLICE_WITHOUT_GPUS`] before any registered), and a
+    /// GPUs known then (or `workload::PROFILE_SLICE_WITHOUT_GPUS` before any registered), and a
     /// profile needs room, not a size. Returns how many it changed.
     pub(super) async fn fit_profiles_to_the_cluster(
         &self,
@@ -212,26 +207,27 @@ impl Scheduler {
     ) -> Result<usize, SchedulerError> {
         let mut refitted = 0;
         for (job_id, largest_gpu) in waiting {
+            // Only a kind whose memory is measured has a profile to make room for.
             let mut job = self.store.get_job(job_id).await?;
             if job.state != carve_core::job_state::JobState::Queued
-                || !is_command_spec(&job.spec_json)
+                || !job.kind.memory_is_measured()
             {
                 continue;
             }
-            let command = stored_command_job(&job.spec_json)?;
-            let model = self
-                .command_memory_model(&command_shape_key(&command))
-                .await?;
-            if !needs_profile(&command, model.as_ref()) {
+            let workload = self.stored_workload(&job).await?;
+            let measured = self.measured_memory_model(&workload).await?;
+            if !workload.needs_profile(measured.as_ref()) {
                 continue;
             }
             let config = config_from_json(&job.config_json)?;
-            job.required_bytes = *largest_gpu as i64;
-            job.estimate_json = estimate_to_json(&unmeasured_estimate(
-                config,
-                *largest_gpu,
-                PROFILE_ESTIMATE_SOURCE,
-            ));
+            // A profile's estimate is the slice it runs in: the largest GPU's.
+            let estimate = workload
+                .estimate(&config, measured.as_ref(), Some(*largest_gpu))
+                .map_err(|error| {
+                    SchedulerError::invalid_argument(format!("spec.{}", error.field), error.reason)
+                })?;
+            job.required_bytes = estimate.required_bytes as i64;
+            job.estimate_json = estimate_to_json(&estimate);
             job.waiting_reason.clear();
             self.update_job(&job).await?;
             refitted += 1;
@@ -354,36 +350,5 @@ impl Scheduler {
         }
         self.wake();
         Ok(())
-    }
-}
-
-/// Where a to-be-profiled command job's slice size comes from, as its estimate says.
-pub(super) const PROFILE_ESTIMATE_SOURCE: &str =
-    "a profile measures it first, in the largest slice a GPU gives";
-
-/// The slice a command job's profile gets when no GPU is known at submit (the job waits
-/// for one anyway; a profile that runs out in it still gives a lower bound).
-pub(super) const PROFILE_SLICE_WITHOUT_GPUS: u64 = 16 << 30;
-
-/// The estimate a command job is stored with while nothing measured its memory: `bytes`
-/// (its declared vram, or its profile's slice) and where that number comes from.
-pub(super) fn unmeasured_estimate(
-    config: RunConfig,
-    bytes: u64,
-    source: &str,
-) -> carve_core::estimator::MemoryEstimate {
-    carve_core::estimator::MemoryEstimate {
-        config,
-        peak_bytes: bytes,
-        required_bytes: bytes,
-        persistent_bytes: 0,
-        fragmentation_bytes_at_peak: 0,
-        fragmentation_at_peak: 0.0,
-        by_category: carve_core::plan::MemoryCategory::ALL
-            .iter()
-            .map(|category| (*category, 0))
-            .collect(),
-        by_layer: Vec::new(),
-        peak_during: format!("command: {source}"),
     }
 }

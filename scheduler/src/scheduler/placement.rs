@@ -18,10 +18,9 @@ use carve_core::plan::RunConfig;
 
 use crate::store::{AttemptDetails, AttemptRecord, JobRecord, QueueFingerprint, TenantRecord};
 
-use super::command_jobs::{command_shape_key, is_command_spec, needs_profile, stored_command_job};
 use super::logs::JobUpdateKind;
 use super::worker_reports::{Assignment, AttemptRef, Checkpoint, WorkerCommand};
-use super::{RunningAttempt, Scheduler, now_ms, spec_error, transition};
+use super::{RunningAttempt, Scheduler, now_ms, transition};
 
 /// What a scheduling pass decides from, as far as it can tell cheaply: a pass with the
 /// same inputs as the last one that finished is skipped.
@@ -243,7 +242,7 @@ impl Scheduler {
         let attempt_number = job.attempts_count + 1;
         let config = config_from_json(&job.config_json)?;
         // The estimate of the job's configuration is stored with it (admission and
-        // OOM shrinks keep it current): nothing is validated or estimated here.
+        // OOM shrinks keep it current): nothing is estimated here.
         let estimate_bytes = estimate_from_json(&job.estimate_json, None)?.required_bytes;
         // Not `move_job`: the placed job is stored with its attempt, in one transaction.
         let (profile, chosen_because) = self
@@ -336,28 +335,21 @@ impl Scheduler {
         config: &RunConfig,
         attempt_number: i64,
     ) -> Result<(bool, String), SchedulerError> {
-        let (spec_config, profile) = if is_command_spec(&job.spec_json) {
-            let command = stored_command_job(&job.spec_json)?;
-            let model = self
-                .command_memory_model(&command_shape_key(&command))
-                .await?;
-            let profile = needs_profile(&command, model.as_ref());
-            if profile {
-                let [first, second] = command.profile_micro_batches();
-                return Ok((
-                    true,
-                    format!(
-                        "profile: {} steps at micro-batches {first} and {second} measure the program's memory",
-                        command.spec.command.profile.steps
-                    ),
-                ));
-            }
-            (command.initial_config(), profile)
-        } else {
-            let spec =
-                carve_proto::convert::job_spec_from_json(&job.spec_json).map_err(spec_error)?;
-            (RunConfig::from_spec(&spec), false)
-        };
+        // The spec is read as its stored kind (checked, never estimated): what it asks
+        // for and whether its memory must be measured first.
+        let workload = self.stored_workload(job).await?;
+        let measured = self.measured_memory_model(&workload).await?;
+        if let Some(profile) = workload.profile_plan(measured.as_ref()) {
+            let [first, second] = profile.micro_batches;
+            return Ok((
+                true,
+                format!(
+                    "profile: {} steps at micro-batches {first} and {second} measure the program's memory",
+                    profile.steps
+                ),
+            ));
+        }
+        let spec_config = workload.initial_config();
         let previous = if attempt_number > 1 {
             self.store.list_attempts(&job.id).await?.pop()
         } else {
@@ -393,7 +385,7 @@ impl Scheduler {
                 with_change(text, &before)
             }
         };
-        Ok((profile, why))
+        Ok((false, why))
     }
 
     /// Stores the waiting reasons that changed since the last pass, grouped by reason.

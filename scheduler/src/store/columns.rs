@@ -1,8 +1,8 @@
 //! How typed values are read from and written to their columns: the row boundary.
 //!
 //! Every typed column is text, read through [`TextColumn`]: state columns (a job's
-//! state, an attempt's outcome, a worker's state, a token's role) hold the lowercase
-//! `name()` of their enum; the out-of-memory report is JSON, read through a private serde
+//! state and kind, an attempt's outcome, a worker's state, a token's role) hold the
+//! lowercase `name()` of their enum; the out-of-memory report is JSON, read through a private serde
 //! struct whose numbers are all required. A value this build cannot read fails the row's
 //! decoding with the column and the value, which the scheduler's error turns into a
 //! "corrupt row" error: never a default state or a report of zero bytes.
@@ -11,9 +11,9 @@ use carve_core::FieldError;
 use carve_core::allocator::OutOfMemory;
 use serde::{Deserialize, Serialize};
 use sqlx::error::BoxDynError;
-use sqlx::{Database, Decode, Type};
+use sqlx::{ColumnIndex, Database, Decode, FromRow, Row, Type};
 
-use super::records::{AttemptOutcome, JobState, Role, WorkerState};
+use super::records::{AttemptOutcome, JobKind, JobRecord, JobState, Role, WorkerState};
 
 /// A value read from a text column (`None`: NULL).
 pub(crate) trait FromColumnText: Sized {
@@ -61,6 +61,7 @@ macro_rules! text_columns {
 
 text_columns!(
     JobState,
+    JobKind,
     AttemptOutcome,
     WorkerState,
     Role,
@@ -77,7 +78,57 @@ macro_rules! stored_by_name {
     )*};
 }
 
-stored_by_name!(JobState, AttemptOutcome, WorkerState, Role);
+stored_by_name!(JobState, JobKind, AttemptOutcome, WorkerState, Role);
+
+/// A job from its row, by column name. A value that cannot be read (a state or kind this
+/// build does not know, a NULL) is a decode error naming the column and the job's id, so
+/// the "corrupt row" error says which job to look at: `column "kind" of job "job-1":
+/// "batch" is not a job kind (model, command)`.
+impl<'r, R> FromRow<'r, R> for JobRecord
+where
+    R: Row,
+    &'r str: ColumnIndex<R>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    Option<String>: Decode<'r, R::Database> + Type<R::Database>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    Option<i64>: Decode<'r, R::Database> + Type<R::Database>,
+    TextColumn<JobState>: Decode<'r, R::Database> + Type<R::Database>,
+    TextColumn<JobKind>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    fn from_row(row: &'r R) -> Result<Self, sqlx::Error> {
+        let id: String = row.try_get("id")?;
+        let of_this_job = |error: sqlx::Error| match error {
+            sqlx::Error::ColumnDecode { index, source } => sqlx::Error::ColumnDecode {
+                index: format!("{index} of job {id:?}"),
+                source,
+            },
+            other => other,
+        };
+        let state: TextColumn<JobState> = row.try_get("state").map_err(of_this_job)?;
+        let kind: TextColumn<JobKind> = row.try_get("kind").map_err(of_this_job)?;
+        Ok(JobRecord {
+            tenant: row.try_get("tenant").map_err(of_this_job)?,
+            name: row.try_get("name").map_err(of_this_job)?,
+            kind: kind.into(),
+            spec_json: row.try_get("spec_json").map_err(of_this_job)?,
+            state: state.into(),
+            priority: row.try_get("priority").map_err(of_this_job)?,
+            submit_sequence: row.try_get("submit_sequence").map_err(of_this_job)?,
+            idempotency_key: row.try_get("idempotency_key").map_err(of_this_job)?,
+            config_json: row.try_get("config_json").map_err(of_this_job)?,
+            estimate_json: row.try_get("estimate_json").map_err(of_this_job)?,
+            required_bytes: row.try_get("required_bytes").map_err(of_this_job)?,
+            waiting_reason: row.try_get("waiting_reason").map_err(of_this_job)?,
+            message: row.try_get("message").map_err(of_this_job)?,
+            created_at_ms: row.try_get("created_at_ms").map_err(of_this_job)?,
+            finished_at_ms: row.try_get("finished_at_ms").map_err(of_this_job)?,
+            checkpoint_location: row.try_get("checkpoint_location").map_err(of_this_job)?,
+            checkpoint_step: row.try_get("checkpoint_step").map_err(of_this_job)?,
+            attempts_count: row.try_get("attempts_count").map_err(of_this_job)?,
+            id,
+        })
+    }
+}
 
 impl FromColumnText for Option<OutOfMemory> {
     fn from_column_text(text: Option<&str>) -> Result<Self, FieldError> {
@@ -196,6 +247,7 @@ mod tests {
             id: "j".into(),
             tenant: "acme".into(),
             name: "j".into(),
+            kind: JobKind::Model,
             spec_json: "{}".into(),
             state: JobState::Queued,
             priority: 0,
@@ -246,6 +298,19 @@ mod tests {
         corrupt(&store, "UPDATE jobs SET state = 'sleeping'").await;
         let error = store.get_job("j").await.unwrap_err();
         assert_corrupt_row(error, "state", "\"sleeping\" is not a job state");
+        // A kind this build does not know is not a model job.
+        corrupt(
+            &store,
+            "UPDATE jobs SET state = 'queued', kind = 'distributed'",
+        )
+        .await;
+        let error = store.get_job("j").await.unwrap_err();
+        assert_corrupt_row(
+            error,
+            "\"kind\" of job \"j\"",
+            "\"distributed\" is not a job kind (model, command)",
+        );
+        corrupt(&store, "UPDATE jobs SET kind = 'model'").await;
 
         // Numbers missing or of the wrong kind are not zeros.
         for report in [

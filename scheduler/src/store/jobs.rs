@@ -14,9 +14,9 @@ use crate::error::SchedulerError;
 pub(super) const JOB_COLUMNS: &str = "id, tenant, name, spec_json, state, priority, \
      submit_sequence, idempotency_key, config_json, estimate_json, required_bytes, \
      waiting_reason, message, created_at_ms, finished_at_ms, checkpoint_location, \
-     attempts_count, checkpoint_step";
+     attempts_count, checkpoint_step, kind";
 
-/// Binds a job's columns in the order of [`JOB_COLUMNS`] ($1 to $18).
+/// Binds a job's columns in the order of [`JOB_COLUMNS`] ($1 to $19).
 macro_rules! bind_job_columns {
     ($query:expr, $job:expr) => {
         $query
@@ -38,6 +38,7 @@ macro_rules! bind_job_columns {
             .bind(&$job.checkpoint_location)
             .bind($job.attempts_count)
             .bind($job.checkpoint_step)
+            .bind($job.kind.name())
     };
 }
 
@@ -46,7 +47,7 @@ macro_rules! bind_job_columns {
 pub(super) const UPDATE_JOB_SQL: &str = "UPDATE jobs SET name = $2, spec_json = $3, \
      state = $4, priority = $5, config_json = $6, estimate_json = $7, required_bytes = $8, \
      waiting_reason = $9, message = $10, finished_at_ms = $11, checkpoint_location = $12, \
-     attempts_count = $13, checkpoint_step = $14 WHERE id = $1";
+     attempts_count = $13, checkpoint_step = $14, kind = $15 WHERE id = $1";
 
 /// Binds the parameters of [`UPDATE_JOB_SQL`].
 macro_rules! bind_job_update {
@@ -66,6 +67,7 @@ macro_rules! bind_job_update {
             .bind(&$job.checkpoint_location)
             .bind($job.attempts_count)
             .bind($job.checkpoint_step)
+            .bind($job.kind.name())
     };
 }
 pub(super) use bind_job_update;
@@ -232,7 +234,8 @@ impl Store {
                             .push_bind(job.finished_at_ms)
                             .push_bind(job.checkpoint_location.clone())
                             .push_bind(job.attempts_count)
-                            .push_bind(job.checkpoint_step);
+                            .push_bind(job.checkpoint_step)
+                            .push_bind(job.kind.name());
                     });
                     insert.build().execute(&mut *tx).await?;
                 }
@@ -268,7 +271,7 @@ impl Store {
             format!("SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = $1 AND idempotency_key = $2");
         let insert = format!(
             "INSERT INTO jobs ({JOB_COLUMNS}) VALUES \
-             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)"
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)"
         );
         let outcomes = with_write_tx!(self, tx => {
             // Bumping the counter first takes the write lock (SQLite) or the counter's row

@@ -11,6 +11,7 @@ use carve_core::allocator::OutOfMemory;
 use super::columns::TextColumn;
 pub use crate::auth::Role;
 pub use carve_core::job_state::{AttemptOutcome, JobState};
+pub use carve_core::workload::JobKind;
 
 /// Where a worker stands (`WorkerRecord::state`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -81,14 +82,19 @@ impl TokenRecord {
 
 /// A job. `submit_sequence` is assigned by the store at submit (whatever the caller put
 /// there) and orders jobs newest first in listings.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+///
+/// Read from its row by `columns.rs` (a value it cannot read names the job's id and the
+/// column).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobRecord {
     pub id: String,
     /// Must name an existing tenant (a foreign key).
     pub tenant: String,
     pub name: String,
+    /// Model job or command job, set at admission: readers read `spec_json` as this kind
+    /// (`Workload::from_stored`) and never tell the kind from the text.
+    pub kind: JobKind,
     pub spec_json: String,
-    #[sqlx(try_from = "TextColumn<JobState>")]
     pub state: JobState,
     pub priority: i64,
     pub submit_sequence: i64,

@@ -65,6 +65,7 @@ macro_rules! on_both_databases {
 
 use std::sync::OnceLock;
 
+use carve_core::workload::JobKind;
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::store::{
     AttemptOutcome, AttemptRecord, AttemptResults, Backend, JobRecord, JobState, Store,
@@ -156,6 +157,7 @@ pub fn job(id: &str, tenant: &str, name: &str) -> JobRecord {
         id: id.to_string(),
         tenant: tenant.to_string(),
         name: name.to_string(),
+        kind: JobKind::Model,
         spec_json: format!(r#"{{"name":"{name}"}}"#),
         state: JobState::Queued,
         priority: 0,
