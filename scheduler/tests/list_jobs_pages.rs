@@ -227,7 +227,7 @@ async fn a_page_shows_each_jobs_attempts_and_memory_model_as_get_job_does() {
     let by_name = |name: &str| page.jobs.iter().find(|job| job.name == name).unwrap();
     assert_eq!(by_name("profiled").attempts.len(), 2);
     assert!(by_name("profiled").attempts[0].profile);
-    let model = by_name("profiled").memory_model.clone().unwrap();
+    let model = by_name("profiled").memory_model.unwrap();
     assert_eq!(by_name("again").memory_model, Some(model));
     assert_eq!(by_name("again").id, again.id);
     assert_eq!(by_name("small").memory_model, None);

@@ -299,6 +299,9 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
         .collect();
     let mut jobs = Vec::new();
     let mut page_token = String::new();
+    // A page may hold fewer jobs than asked (the scheduler also bounds a page in bytes,
+    // so that it fits what this client decodes): the token, not the count, says whether
+    // more are left.
     loop {
         let wanted = match arguments.limit {
             0 => 1000,

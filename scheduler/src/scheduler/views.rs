@@ -96,7 +96,7 @@ impl Scheduler {
             .zip(shape_keys)
             .map(|(job, shape_key)| JobView {
                 attempts: attempts.remove(&job.id).unwrap_or_default(),
-                memory_model: shape_key.and_then(|key| models.get(&key).cloned()),
+                memory_model: shape_key.and_then(|key| models.get(&key).copied()),
                 progress: self.latest_progress(&job.id),
                 job,
             })
