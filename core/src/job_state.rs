@@ -247,6 +247,27 @@ pub fn next_state(current: JobState, event: JobEvent) -> Result<JobState, Invali
     })
 }
 
+/// How a job the store shows with an attempt in flight (placed or running) moves when
+/// none of its attempts is running any more: an attempt's end was stored without the
+/// job's move (as code before the two were written in one transaction could leave it),
+/// and the job would otherwise wait forever. It moves as its last attempt's end would
+/// have moved it where that end decided the job alone: a success succeeds it, a failure
+/// fails it, a cancel cancels it. Anything else (an out-of-memory report, a lost,
+/// interrupted or preempted attempt, a profile, no attempt at all) sends it back to the
+/// queue to run again from its checkpoint, where the usual paths decide again: a
+/// retry's configuration comes from the next report, not from a guess here.
+pub fn event_for_stranded_job(
+    last_attempt: Option<AttemptOutcome>,
+    last_was_profile: bool,
+) -> JobEvent {
+    match last_attempt {
+        Some(AttemptOutcome::Succeeded) if !last_was_profile => JobEvent::AttemptSucceeded,
+        Some(AttemptOutcome::Failed) => JobEvent::AttemptFailed,
+        Some(AttemptOutcome::Cancelled) => JobEvent::CancelRequested,
+        _ => JobEvent::AttemptLost,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -415,5 +436,29 @@ mod tests {
         assert!(AttemptOutcome::try_from("oom").is_err());
         assert!(!JobState::Running.is_terminal());
         assert!(JobState::Running.holds_slice() && !JobState::Queued.holds_slice());
+    }
+    #[test]
+    fn a_stranded_job_moves_as_its_last_attempt_ended_or_runs_again() {
+        use AttemptOutcome::*;
+        for (last, profile, expected) in [
+            (Some(Succeeded), false, JobEvent::AttemptSucceeded),
+            (Some(Succeeded), true, JobEvent::AttemptLost),
+            (Some(Failed), false, JobEvent::AttemptFailed),
+            (Some(Cancelled), false, JobEvent::CancelRequested),
+            (Some(OutOfMemory), false, JobEvent::AttemptLost),
+            (Some(Lost), false, JobEvent::AttemptLost),
+            (Some(Interrupted), false, JobEvent::AttemptLost),
+            (Some(Preempted), false, JobEvent::AttemptLost),
+            (None, false, JobEvent::AttemptLost),
+        ] {
+            let event = event_for_stranded_job(last, profile);
+            assert_eq!(event, expected, "{last:?}, profile {profile}");
+            for state in [JobState::Placed, JobState::Running] {
+                assert!(
+                    next_state(state, event).is_ok(),
+                    "{event:?} moves a {state:?} job"
+                );
+            }
+        }
     }
 }

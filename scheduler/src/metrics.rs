@@ -43,6 +43,8 @@ pub struct Metrics {
     /// nothing smaller fits.
     pub oom_retries_exhausted: Counter,
     pub attempts_lost: Counter,
+    /// Jobs found placed or running with every attempt ended, moved on at recovery.
+    pub stranded_jobs_recovered: Counter,
     /// Attempts asked to stop to make room for an urgent job.
     pub preemptions: Counter,
     pub jobs_succeeded: Counter,
@@ -71,6 +73,7 @@ impl Default for Metrics {
             retries: Counter::default(),
             oom_retries_exhausted: Counter::default(),
             attempts_lost: Counter::default(),
+            stranded_jobs_recovered: Counter::default(),
             preemptions: Counter::default(),
             jobs_succeeded: Counter::default(),
             jobs_failed: Counter::default(),
@@ -293,6 +296,11 @@ impl Metrics {
                 "carve_attempts_lost",
                 "attempts lost with their worker",
                 &self.attempts_lost,
+            ),
+            (
+                "carve_stranded_jobs_recovered",
+                "jobs found placed or running with every attempt ended, moved on at recovery",
+                &self.stranded_jobs_recovered,
             ),
             (
                 "carve_preemptions",

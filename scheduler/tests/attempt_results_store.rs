@@ -9,8 +9,8 @@ mod support;
 
 use carve_scheduler::convert::attempt_to_proto;
 use carve_scheduler::store::{
-    AttemptEndDetails, AttemptOutcome, AttemptRecord, AttemptResults, AttemptStartDetails,
-    JobRecord, JobState, Store,
+    AttemptEnd, AttemptEndDetails, AttemptOutcome, AttemptRecord, AttemptResults,
+    AttemptStartDetails, JobRecord, JobState, Store,
 };
 use support::{T0, TestDb, attempt, finish_plainly, job, open_with_acme};
 
@@ -61,20 +61,23 @@ async fn results_are_stored_with_the_outcome_and_shown(db: &TestDb) {
         samples_per_second: Some(1234.5),
     };
     store
-        .finish_attempt(
-            "j",
-            1,
-            1,
-            AttemptOutcome::Succeeded,
-            Some(3 << 20),
-            None,
-            "",
-            T0 + 9_000,
-            &results,
-            &AttemptEndDetails {
-                profile_points_json: String::new(),
-                oom_detected_by: "guard".into(),
+        .end_attempt(
+            &AttemptEnd {
+                job_id: "j".into(),
+                attempt_number: 1,
+                lease_epoch: 1,
+                outcome: AttemptOutcome::Succeeded,
+                measured_peak_bytes: Some(3 << 20),
+                oom: None,
+                message: String::new(),
+                finished_at_ms: T0 + 9_000,
+                results,
+                details: AttemptEndDetails {
+                    profile_points_json: String::new(),
+                    oom_detected_by: "guard".into(),
+                },
             },
+            None,
         )
         .await
         .unwrap();

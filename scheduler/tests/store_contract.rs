@@ -12,8 +12,8 @@ use carve_proto::ApiError;
 use carve_scheduler::convert::{attempt_to_proto, job_to_proto};
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::store::{
-    AttemptDetails, AttemptOutcome, AttemptRecord, AttemptResults, Backend, JobFilter, JobRecord,
-    JobState, LogBatcher, LogBatcherSettings, LogLineRecord, LogPage, LogQuery,
+    AttemptDetails, AttemptEnd, AttemptOutcome, AttemptRecord, AttemptResults, Backend, JobFilter,
+    JobRecord, JobState, LogBatcher, LogBatcherSettings, LogLineRecord, LogPage, LogQuery,
     MAX_LOG_LINES_PER_JOB, MAX_LOG_MESSAGE_BYTES, NewLogLine, Role, Store, SubmitBatcher,
     TenantRecord, TokenRecord, WorkerRecord, WorkerState,
 };
@@ -946,17 +946,20 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
     // A report from the worker that held attempt 2 under epoch 2, before it was
     // reassigned under epoch 3.
     let stale = store
-        .finish_attempt(
-            "j",
-            2,
-            2,
-            AttemptOutcome::Succeeded,
-            Some(10),
+        .end_attempt(
+            &AttemptEnd {
+                job_id: "j".into(),
+                attempt_number: 2,
+                lease_epoch: 2,
+                outcome: AttemptOutcome::Succeeded,
+                measured_peak_bytes: Some(10),
+                oom: None,
+                message: "done".into(),
+                finished_at_ms: T0 + 50,
+                results: AttemptResults::default(),
+                details: Default::default(),
+            },
             None,
-            "done",
-            T0 + 50,
-            &AttemptResults::default(),
-            &Default::default(),
         )
         .await;
     assert_eq!(
@@ -979,17 +982,20 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
         peak: 1024,
     };
     store
-        .finish_attempt(
-            "j",
-            2,
-            3,
-            AttemptOutcome::OutOfMemory,
-            Some(2 << 20),
-            Some(&oom),
-            "oom in conv",
-            T0 + 60,
-            &AttemptResults::default(),
-            &Default::default(),
+        .end_attempt(
+            &AttemptEnd {
+                job_id: "j".into(),
+                attempt_number: 2,
+                lease_epoch: 3,
+                outcome: AttemptOutcome::OutOfMemory,
+                measured_peak_bytes: Some(2 << 20),
+                oom: Some(oom),
+                message: "oom in conv".into(),
+                finished_at_ms: T0 + 60,
+                results: AttemptResults::default(),
+                details: Default::default(),
+            },
+            None,
         )
         .await
         .unwrap();
@@ -1021,17 +1027,20 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
         Err(SchedulerError::Api(ApiError::InvalidArgument { field, .. })) if field == "outcome"
     ));
     store
-        .finish_attempt(
-            "j",
-            1,
-            1,
-            AttemptOutcome::Lost,
+        .end_attempt(
+            &AttemptEnd {
+                job_id: "j".into(),
+                attempt_number: 1,
+                lease_epoch: 1,
+                outcome: AttemptOutcome::Lost,
+                measured_peak_bytes: None,
+                oom: None,
+                message: "worker w-1 lost its lease".into(),
+                finished_at_ms: T0 + 80,
+                results: AttemptResults::default(),
+                details: Default::default(),
+            },
             None,
-            None,
-            "worker w-1 lost its lease",
-            T0 + 80,
-            &AttemptResults::default(),
-            &Default::default(),
         )
         .await
         .unwrap();

@@ -17,8 +17,7 @@ use sha2::{Digest, Sha256};
 
 use crate::convert::{config_from_json, config_to_json, estimate_to_json};
 use crate::error::SchedulerError;
-use crate::metrics::Metrics;
-use crate::store::{AttemptEndDetails, AttemptResults};
+use crate::store::{AttemptEnd, AttemptEndDetails, AttemptResults};
 
 use super::admission::largest_usable_gpu;
 use super::worker_reports::AttemptRef;
@@ -115,6 +114,7 @@ pub(super) fn shape_key_of_command(command: &CommandSpec) -> String {
     short_digest(&format!("command|{shape}"))
 }
 
+impl Scheduler {
     /// What has been measured of a workload's memory: for a command job, the memory
     /// model its command's profile stored (`None` before one); `None` for a model job,
     /// which the estimator sizes. What `Workload`'s methods take as `measured`.
@@ -128,7 +128,6 @@ pub(super) fn shape_key_of_command(command: &CommandSpec) -> String {
         }
     }
 
-impl Scheduler {
     /// The memory model stored for a command shape, if a profile measured one.
     pub(super) async fn command_memory_model(
         &self,
@@ -207,8 +206,8 @@ impl Scheduler {
     ) -> Result<usize, SchedulerError> {
         let mut refitted = 0;
         for (job_id, largest_gpu) in waiting {
-            // Only a kind whose memory is measured has a profile to make room for.
             let mut job = self.store.get_job(job_id).await?;
+            // Only a kind whose memory is measured has a profile to make room for.
             if job.state != carve_core::job_state::JobState::Queued
                 || !job.kind.memory_is_measured()
             {
@@ -275,27 +274,26 @@ impl Scheduler {
             .map(|point| point.peak_bytes)
             .max()
             .unwrap_or(0);
-        self.store
-            .finish_attempt(
-                &attempt.job_id,
-                i64::from(attempt.attempt_number),
-                attempt.lease_epoch as i64,
-                AttemptOutcome::Succeeded,
-                Some(peak as i64),
-                None,
-                &format!("profile measured {points_text}"),
-                now,
-                &AttemptResults::default(),
-                &AttemptEndDetails {
-                    profile_points_json: serde_json::to_string(&points).unwrap_or_default(),
-                    oom_detected_by: String::new(),
-                },
-            )
-            .await?;
-        self.live().running.remove(&attempt.job_id);
-        self.emit_attempt_line(&attempt, format!("profile measured {points_text}"));
+        let end = AttemptEnd {
+            job_id: attempt.job_id.clone(),
+            attempt_number: i64::from(attempt.attempt_number),
+            lease_epoch: attempt.lease_epoch as i64,
+            outcome: AttemptOutcome::Succeeded,
+            measured_peak_bytes: Some(peak as i64),
+            oom: None,
+            message: format!("profile measured {points_text}"),
+            finished_at_ms: now,
+            results: AttemptResults::default(),
+            details: AttemptEndDetails {
+                profile_points_json: serde_json::to_string(&points).unwrap_or_default(),
+                oom_detected_by: String::new(),
+            },
+        };
         if job.state.is_terminal() {
             // Cancelled meanwhile: the slice is free, nothing to size.
+            self.end_attempt_with_job(&end, &mut job, None).await?;
+            self.live().running.remove(&attempt.job_id);
+            self.emit_attempt_line(&attempt, end.message);
             self.wake();
             return Ok(());
         }
@@ -315,7 +313,9 @@ impl Scheduler {
             .map_err(|error| error.to_string())?;
             Ok((model, admitted))
         });
-        match sized {
+        // The job's move is decided first and stored with the profile's end in one
+        // transaction.
+        let (event, reason) = match sized {
             Ok((model, admitted)) => {
                 self.put_command_memory_model(&command_shape_key(&command), &model)
                     .await?;
@@ -336,17 +336,23 @@ impl Scheduler {
                         format!(", shrunk to fit: {change}")
                     }
                 );
-                self.move_job(&mut job, JobEvent::ProfileMeasured, &message)
-                    .await?;
+                (JobEvent::ProfileMeasured, message)
             }
             Err(why) => {
                 let message = format!("the profile cannot size the job: {why}");
                 job.message.clone_from(&message);
                 job.finished_at_ms = Some(now);
-                self.move_job(&mut job, JobEvent::AttemptFailed, &message)
-                    .await?;
-                Metrics::count(&self.metrics.jobs_failed);
+                (JobEvent::AttemptFailed, message)
             }
+        };
+        let change = self
+            .end_attempt_with_job(&end, &mut job, Some(event))
+            .await?;
+        self.live().running.remove(&attempt.job_id);
+        self.emit_attempt_line(&attempt, end.message);
+        if let Some(change) = change {
+            self.emit_state(&job.id, change, &reason);
+            self.count_job_change(change);
         }
         self.wake();
         Ok(())

@@ -36,7 +36,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use carve_core::job_state::{JobEvent, JobState, next_state};
 use carve_core::scheduling::GpuState;
-use carve_core::validate::ValidatedJob;
+use carve_core::workload::Workload;
 use carve_proto::ApiError;
 use tokio::sync::{Notify, broadcast, mpsc};
 use tokio::time::Instant;
@@ -46,7 +46,7 @@ use crate::compute_pool::{ComputeLimits, ComputePool};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use crate::queue::QueueMirror;
-use crate::store::{JobRecord, Store, SubmitBatcher, WorkerRecord, WorkerState};
+use crate::store::{AttemptEnd, JobRecord, Store, SubmitBatcher, WorkerRecord, WorkerState};
 use crate::worker_session::LiveSession;
 pub use logs::{JobUpdate, JobUpdateKind};
 use worker_reports::{Gpu, WorkerCommand};
@@ -269,12 +269,6 @@ fn transition(job: &mut JobRecord, event: JobEvent) -> Result<StateChange, Sched
     Ok(StateChange { previous, next })
 }
 
-/// The spec of a stored job, validated again: it was valid at submit, so an error here
-/// means the store holds something this build cannot read.
-fn stored_spec_text(spec_json: &str) -> Result<ValidatedJob, SchedulerError> {
-    carve_proto::convert::validated_job_from_json(spec_json).map_err(spec_error)
-}
-
 fn spec_error(error: ApiError) -> SchedulerError {
     match error {
         invalid @ ApiError::InvalidArgument { .. } => SchedulerError::Api(invalid),
@@ -337,6 +331,25 @@ impl Scheduler {
         result
     }
 
+    /// A stored job's workload, read as the kind stored with it. It was valid at submit,
+    /// so an error here means the store holds something this build cannot read. Reading a
+    /// model job infers its graph, which grows with the model: the compute pool runs it
+    /// (the scheduler's own work, charged to no tenant's budget).
+    async fn stored_workload(&self, job: &JobRecord) -> Result<Workload, SchedulerError> {
+        let (kind, spec_json) = (job.kind, job.spec_json.clone());
+        let job_id = job.id.clone();
+        self.compute
+            .run_for_scheduler(move || Workload::from_stored(kind, &spec_json))
+            .await?
+            .map_err(|error| {
+                ApiError::Internal(format!(
+                    "job {job_id}: its stored spec cannot be read: spec.{}: {}",
+                    error.field, error.reason
+                ))
+                .into()
+            })
+    }
+
     /// Makes a job's change of state: its transition through core's state machine on
     /// `event`, the store update (with whatever else the caller changed in `job`), and
     /// the StateChanged event with `reason`. Called under `job_changes`; nothing is stored
@@ -350,6 +363,29 @@ impl Scheduler {
         let change = transition(job, event)?;
         self.update_job(job).await?;
         self.emit_state(&job.id, change, reason);
+        Ok(change)
+    }
+
+    /// Ends an attempt and stores its job in one transaction ([`Store::end_attempt`]):
+    /// moved by `event` through core's state machine when one is given (nothing is stored
+    /// when the transition does not exist), or as it is (with whatever the caller changed)
+    /// when not. Either both are stored or neither is, so a failure between them cannot
+    /// leave a job placed or running with its attempt ended. The caller announces the
+    /// returned change (`emit_state`) once it has said what led to it. Called under
+    /// `job_changes`.
+    async fn end_attempt_with_job(
+        &self,
+        end: &AttemptEnd,
+        job: &mut JobRecord,
+        event: Option<JobEvent>,
+    ) -> Result<Option<StateChange>, SchedulerError> {
+        let change = event.map(|event| transition(job, event)).transpose()?;
+        let result = self.store.end_attempt(end, Some(job)).await;
+        match &result {
+            Ok(()) => self.queue().note(job),
+            Err(_) => self.queue().invalidate(),
+        }
+        result?;
         Ok(change)
     }
 

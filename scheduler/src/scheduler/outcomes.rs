@@ -5,10 +5,8 @@
 use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
-use carve_core::command::memory_model::CommandMemoryModel;
-use carve_core::command::shrink::plan_command_shrink;
 use carve_core::job_state::{AttemptOutcome, JobEvent, JobState};
-use carve_core::shrink::{OomObservation, plan_shrink};
+use carve_core::shrink::OomObservation;
 use carve_proto::ApiError;
 use tokio::time::Instant;
 
@@ -16,16 +14,12 @@ use crate::auth::Caller;
 use crate::convert::{config_from_json, config_to_json, estimate_to_json};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
-use crate::store::{AttemptEndDetails, AttemptResults, JobRecord};
+use crate::store::{AttemptEnd, AttemptEndDetails, AttemptResults, JobRecord};
 
-use super::admission::shape_key;
-use super::command_jobs::{OomDetected, command_peak_key, is_command_spec, stored_command_job};
+use super::command_jobs::OomDetected;
 use super::logs::JobUpdateKind;
 use super::worker_reports::{AttemptRef, Checkpoint, WorkerCommand};
-use super::{
-    INFRASTRUCTURE_RETRIES, RunningAttempt, Scheduler, WorkerState, now_ms, spec_error,
-    stored_spec_text,
-};
+use super::{INFRASTRUCTURE_RETRIES, RunningAttempt, Scheduler, StateChange, WorkerState, now_ms};
 
 impl Scheduler {
     /// Cancels the job `reference` names (as [`Scheduler::visible_job`] reads it) if it has
@@ -91,88 +85,91 @@ impl Scheduler {
             .current_attempt(worker_id, &attempt)
             .ok_or_else(|| self.fenced(&attempt))?;
         let now = now_ms();
-        self.store
-            .finish_attempt(
-                &attempt.job_id,
-                i64::from(attempt.attempt_number),
-                attempt.lease_epoch as i64,
-                AttemptOutcome::OutOfMemory,
-                Some(report.peak as i64),
-                Some(&report),
-                &if detected.evidence.is_empty() {
-                    report.to_string()
-                } else {
-                    detected.evidence.clone()
-                },
-                now,
-                &running.results_so_far(),
-                &AttemptEndDetails {
-                    profile_points_json: String::new(),
-                    oom_detected_by: detected.by.clone(),
-                },
-            )
-            .await?;
-        self.live().running.remove(&attempt.job_id);
-        Metrics::count(&self.metrics.out_of_memory_reports);
+        let end = AttemptEnd {
+            job_id: attempt.job_id.clone(),
+            attempt_number: i64::from(attempt.attempt_number),
+            lease_epoch: attempt.lease_epoch as i64,
+            outcome: AttemptOutcome::OutOfMemory,
+            measured_peak_bytes: Some(report.peak as i64),
+            oom: Some(report),
+            message: if detected.evidence.is_empty() {
+                report.to_string()
+            } else {
+                detected.evidence.clone()
+            },
+            finished_at_ms: now,
+            results: running.results_so_far(),
+            details: AttemptEndDetails {
+                profile_points_json: String::new(),
+                oom_detected_by: detected.by.clone(),
+            },
+        };
         let mut job = self.store.get_job(&attempt.job_id).await?;
         if let Some(checkpoint) = checkpoint.filter(|checkpoint| !checkpoint.location.is_empty()) {
             job.checkpoint_location = Some(checkpoint.location);
             job.checkpoint_step = checkpoint.step as i64;
         }
         let old_config = config_from_json(&job.config_json)?;
-        self.emit(
-            &job.id,
-            JobUpdateKind::OutOfMemory {
-                attempt_number: attempt.attempt_number,
-                config: old_config,
-                report,
-            },
-        );
+        let job_id = job.id.clone();
+        let announce_out_of_memory = |config| {
+            Metrics::count(&self.metrics.out_of_memory_reports);
+            self.emit(
+                &job_id,
+                JobUpdateKind::OutOfMemory {
+                    attempt_number: attempt.attempt_number,
+                    config,
+                    report,
+                },
+            );
+        };
         if job.state.is_terminal() {
             // Cancelled meanwhile: the slice is free, nothing to retry.
+            self.end_attempt_with_job(&end, &mut job, None).await?;
+            self.live().running.remove(&attempt.job_id);
+            announce_out_of_memory(old_config);
             self.wake();
             return Ok(());
         }
-        let attempts = self.store.list_attempts(&job.id).await?;
-        let out_of_memory_attempts = attempts
+        // This attempt is still running in the store: it is counted by hand.
+        let out_of_memory_attempts = 1 + self
+            .store
+            .list_attempts(&job.id)
+            .await?
             .iter()
-            .filter(|attempt| attempt.outcome == AttemptOutcome::OutOfMemory)
+            .filter(|stored| {
+                stored.outcome == AttemptOutcome::OutOfMemory
+                    && stored.attempt_number != end.attempt_number
+            })
             .count();
         let observation = OomObservation {
             report,
             estimated_required_bytes: running.estimate_bytes,
         };
         let slice_bytes = running.slice_bytes;
-        let (max_retries, planned) = if is_command_spec(&job.spec_json) {
-            // A command job's next configuration comes from its memory model, raised to
-            // what this attempt showed it needed (without a profile, from the OOM alone).
-            let command = stored_command_job(&job.spec_json)?;
-            let needed = report.in_use.saturating_add(report.requested);
-            let model = self
-                .refine_command_memory_model(&command, &old_config, needed)
-                .await?
-                .unwrap_or_else(|| CommandMemoryModel::from_out_of_memory(&old_config, &report));
-            let planned = plan_command_shrink(
-                &command,
-                &model,
-                &old_config,
-                Some(&observation),
-                slice_bytes,
-            );
-            (command.spec.oom.max_retries, planned)
-        } else {
-            // Validation and the shrink planner grow with the model: the compute pool
-            // runs them (the scheduler's own work, charged to no tenant's budget).
-            let spec_json = job.spec_json.clone();
-            self.compute
-                .run_for_scheduler(move || {
-                    let validated = stored_spec_text(&spec_json)?;
-                    let planned =
-                        plan_shrink(&validated, &old_config, Some(&observation), slice_bytes);
-                    Ok::<_, SchedulerError>((validated.spec.oom.max_retries, planned))
-                })
-                .await??
+        let workload = self.stored_workload(&job).await?;
+        // A command job's memory model (by its command's shape) is raised to what this
+        // attempt showed it needed; without one, the planner works from the OOM alone.
+        let measured = match workload.as_command() {
+            Some(command) => {
+                let needed = report.in_use.saturating_add(report.requested);
+                self.refine_command_memory_model(command, &old_config, needed)
+                    .await?
+            }
+            None => None,
         };
+        let max_retries = workload.max_oom_retries();
+        // The shrink planner grows with the model: the compute pool runs it.
+        let planned = self
+            .compute
+            .run_for_scheduler(move || {
+                workload.plan_shrink(
+                    &old_config,
+                    Some(&observation),
+                    slice_bytes,
+                    measured.as_ref(),
+                )
+            })
+            .await?;
         let retries_left = out_of_memory_attempts <= max_retries as usize;
         match planned {
             Ok(decision) if retries_left && decision.config != old_config => {
@@ -181,6 +178,14 @@ impl Scheduler {
                 job.required_bytes =
                     running.slice_bytes.max(decision.estimate.required_bytes) as i64;
                 job.waiting_reason = String::new();
+                let event = JobEvent::AttemptOutOfMemory {
+                    retry_allowed: true,
+                };
+                let change = self
+                    .end_attempt_with_job(&end, &mut job, Some(event))
+                    .await?;
+                self.live().running.remove(&attempt.job_id);
+                announce_out_of_memory(old_config);
                 // The decision's event comes first: the log tells the shrink, then the
                 // job's return to the queue with it.
                 self.emit(
@@ -190,14 +195,10 @@ impl Scheduler {
                         decision: decision.clone(),
                     },
                 );
-                self.move_job(
-                    &mut job,
-                    JobEvent::AttemptOutOfMemory {
-                        retry_allowed: true,
-                    },
-                    "out of memory: retrying with a smaller configuration",
-                )
-                .await?;
+                if let Some(change) = change {
+                    let reason = "out of memory: retrying with a smaller configuration";
+                    self.emit_state(&job.id, change, reason);
+                }
                 Metrics::count(&self.metrics.retries);
             }
             outcome => {
@@ -211,14 +212,17 @@ impl Scheduler {
                 let message = format!("out of memory ({report}); {why}");
                 job.message.clone_from(&message);
                 job.finished_at_ms = Some(now);
-                self.move_job(
-                    &mut job,
-                    JobEvent::AttemptOutOfMemory {
-                        retry_allowed: false,
-                    },
-                    &message,
-                )
-                .await?;
+                let event = JobEvent::AttemptOutOfMemory {
+                    retry_allowed: false,
+                };
+                let change = self
+                    .end_attempt_with_job(&end, &mut job, Some(event))
+                    .await?;
+                self.live().running.remove(&attempt.job_id);
+                announce_out_of_memory(old_config);
+                if let Some(change) = change {
+                    self.emit_state(&job.id, change, &message);
+                }
                 Metrics::count(&self.metrics.jobs_failed);
                 Metrics::count(&self.metrics.oom_retries_exhausted);
             }
@@ -269,91 +273,101 @@ impl Scheduler {
         };
         let measured = (measured_peak_bytes > 0).then_some(measured_peak_bytes as i64);
         results.steps_done = results.steps_done.or(running.results_so_far().steps_done);
-        self.store
-            .finish_attempt(
-                &attempt.job_id,
-                i64::from(attempt.attempt_number),
-                attempt.lease_epoch as i64,
-                outcome,
-                measured,
-                None,
-                message,
-                now,
-                &results,
-                &AttemptEndDetails::default(),
-            )
-            .await?;
+        let end = AttemptEnd {
+            job_id: attempt.job_id.clone(),
+            attempt_number: i64::from(attempt.attempt_number),
+            lease_epoch: attempt.lease_epoch as i64,
+            outcome,
+            measured_peak_bytes: measured,
+            oom: None,
+            message: message.to_string(),
+            finished_at_ms: now,
+            results,
+            details: AttemptEndDetails::default(),
+        };
+        let mut job = self.store.get_job(&attempt.job_id).await?;
+        // The job's move is decided before anything is written, and stored with the
+        // attempt's end in one transaction.
+        let mut backoff = None;
+        let (event, reason) = if job.state.is_terminal() {
+            (None, String::new())
+        } else {
+            match outcome {
+                AttemptOutcome::Preempted => {
+                    // Back to the queue at once (no backoff), keeping its submit sequence:
+                    // it is ahead of its younger peers, and resumes from its checkpoint.
+                    job.waiting_reason = format!(
+                        "preempted: resumes from the checkpoint of step {}",
+                        job.checkpoint_step
+                    );
+                    job.message = message.to_string();
+                    let note = format!(
+                        "attempt {} {message}; attempt {} resumes from step {}",
+                        attempt.attempt_number,
+                        attempt.attempt_number + 1,
+                        job.checkpoint_step
+                    );
+                    (Some(JobEvent::AttemptLost), note)
+                }
+                AttemptOutcome::Interrupted => {
+                    let what_happened = format!(
+                        "attempt {} was interrupted: {}",
+                        attempt.attempt_number, message
+                    );
+                    let retry = self
+                        .plan_infrastructure_retry(&mut job, &end, &what_happened, now)
+                        .await?;
+                    backoff = retry.backoff;
+                    (Some(retry.event), retry.reason)
+                }
+                _ => {
+                    job.finished_at_ms = Some(now);
+                    if outcome == AttemptOutcome::Failed {
+                        job.message =
+                            format!("attempt {} failed: {}", attempt.attempt_number, message);
+                    }
+                    let event = match outcome {
+                        AttemptOutcome::Succeeded => JobEvent::AttemptSucceeded,
+                        AttemptOutcome::Cancelled => JobEvent::CancelRequested,
+                        _ => JobEvent::AttemptFailed,
+                    };
+                    (Some(event), message.to_string())
+                }
+            }
+        };
+        let change = self.end_attempt_with_job(&end, &mut job, event).await?;
         self.log_results(&attempt.job_id, attempt.attempt_number, &results);
         self.live().running.remove(&attempt.job_id);
-        let mut job = self.store.get_job(&attempt.job_id).await?;
+        if let Some(change) = change {
+            self.emit_state(&job.id, change, &reason);
+            self.count_job_change(change);
+        }
+        self.back_off(&job.id, backoff);
         if let (Some(measured), AttemptOutcome::Succeeded) = (measured, outcome) {
             let config = config_from_json(&job.config_json)?;
-            let shape_key = if is_command_spec(&job.spec_json) {
-                let command = stored_command_job(&job.spec_json)?;
-                self.refine_command_memory_model(&command, &config, measured as u64)
+            let workload = self.stored_workload(&job).await?;
+            if let Some(command) = workload.as_command() {
+                self.refine_command_memory_model(command, &config, measured as u64)
                     .await?;
-                command_peak_key(&command, &config)
-            } else {
-                // The model as written is all the key needs: parsed, not validated again.
-                let spec =
-                    carve_proto::convert::job_spec_from_json(&job.spec_json).map_err(spec_error)?;
-                shape_key(&spec.model, &config)
-            };
+            }
+            let shape_key = workload.peak_key(&config);
             self.store
                 .record_peak(&shape_key, running.estimate_bytes as i64, measured, now)
                 .await?;
             self.lookups.peak_corrections.invalidate(&shape_key);
         }
-        if outcome == AttemptOutcome::Preempted {
-            if !job.state.is_terminal() {
-                // Back to the queue at once (no backoff), keeping its submit sequence: it
-                // is ahead of its younger peers, and resumes from its checkpoint.
-                job.waiting_reason = format!(
-                    "preempted: resumes from the checkpoint of step {}",
-                    job.checkpoint_step
-                );
-                job.message = message.to_string();
-                let note = format!(
-                    "attempt {} {message}; attempt {} resumes from step {}",
-                    attempt.attempt_number,
-                    attempt.attempt_number + 1,
-                    job.checkpoint_step
-                );
-                self.move_job(&mut job, JobEvent::AttemptLost, &note)
-                    .await?;
-            }
-        } else if outcome == AttemptOutcome::Interrupted {
-            if !job.state.is_terminal() {
-                self.retry_after_infrastructure_failure(
-                    &mut job,
-                    attempt.attempt_number,
-                    &format!(
-                        "attempt {} was interrupted: {}",
-                        attempt.attempt_number, message
-                    ),
-                    now,
-                )
-                .await?;
-            }
-        } else if !job.state.is_terminal() {
-            let event = match outcome {
-                AttemptOutcome::Succeeded => JobEvent::AttemptSucceeded,
-                AttemptOutcome::Cancelled => JobEvent::CancelRequested,
-                _ => JobEvent::AttemptFailed,
-            };
-            job.finished_at_ms = Some(now);
-            if outcome == AttemptOutcome::Failed {
-                job.message = format!("attempt {} failed: {}", attempt.attempt_number, message);
-            }
-            let change = self.move_job(&mut job, event, message).await?;
-            Metrics::count(match change.next {
-                JobState::Succeeded => &self.metrics.jobs_succeeded,
-                JobState::Cancelled => &self.metrics.jobs_cancelled,
-                _ => &self.metrics.jobs_failed,
-            });
-        }
         self.wake();
         Ok(())
+    }
+
+    /// Counts a job's change that an attempt's end made in the metrics of ended jobs.
+    pub(super) fn count_job_change(&self, change: StateChange) {
+        match change.next {
+            JobState::Succeeded => Metrics::count(&self.metrics.jobs_succeeded),
+            JobState::Cancelled => Metrics::count(&self.metrics.jobs_cancelled),
+            JobState::Failed => Metrics::count(&self.metrics.jobs_failed),
+            _ => {}
+        }
     }
 
     /// Workers silent for longer than the lease lose their attempts, which go back to
@@ -444,8 +458,9 @@ impl Scheduler {
     }
 
     /// Ends `running` (already taken out of the live state) as lost with `message`, and
-    /// retries its job after the infrastructure backoff for `reason`. Called under
-    /// `job_changes`.
+    /// retries its job after the infrastructure backoff for `reason`, both in one write.
+    /// An attempt that already ended or was reassigned is left as it is: whoever ended
+    /// or reassigned it moved its job with it. Called under `job_changes`.
     pub(super) async fn lose_attempt(
         &self,
         job_id: &str,
@@ -455,58 +470,67 @@ impl Scheduler {
         now: i64,
     ) -> Result<(), SchedulerError> {
         Metrics::count(&self.metrics.attempts_lost);
-        let fenced = self
-            .store
-            .finish_attempt(
-                job_id,
-                i64::from(running.attempt_number),
-                running.lease_epoch as i64,
-                AttemptOutcome::Lost,
-                None,
-                None,
-                message,
-                now,
-                &running.results_so_far(),
-                &AttemptEndDetails::default(),
-            )
-            .await;
-        if let Err(error) = fenced
-            && !matches!(error, SchedulerError::Conflict(_))
-        {
-            return Err(error);
-        }
+        let end = AttemptEnd {
+            job_id: job_id.to_string(),
+            attempt_number: i64::from(running.attempt_number),
+            lease_epoch: running.lease_epoch as i64,
+            outcome: AttemptOutcome::Lost,
+            measured_peak_bytes: None,
+            oom: None,
+            message: message.to_string(),
+            finished_at_ms: now,
+            results: running.results_so_far(),
+            details: AttemptEndDetails::default(),
+        };
         let mut job = self.store.get_job(job_id).await?;
-        if !job.state.is_terminal() {
-            self.retry_after_infrastructure_failure(&mut job, running.attempt_number, reason, now)
-                .await?;
+        let retry = if job.state.is_terminal() {
+            None
+        } else {
+            Some(
+                self.plan_infrastructure_retry(&mut job, &end, reason, now)
+                    .await?,
+            )
+        };
+        let event = retry.as_ref().map(|retry| retry.event);
+        match self.end_attempt_with_job(&end, &mut job, event).await {
+            Ok(change) => {
+                if let (Some(change), Some(retry)) = (change, retry) {
+                    self.emit_state(&job.id, change, &retry.reason);
+                    self.count_job_change(change);
+                    self.back_off(&job.id, retry.backoff);
+                }
+                Ok(())
+            }
+            Err(SchedulerError::Conflict(_)) => Ok(()),
+            Err(error) => Err(error),
         }
-        Ok(())
     }
 
-    /// After an attempt died of an infrastructure failure (its outcome, `lost` or
-    /// `interrupted`, already stored): the job goes back to the queue to resume from its
-    /// checkpoint after a backoff that doubles with each such failure, or fails once it
-    /// has had [`INFRASTRUCTURE_RETRIES`] retries. Called under `job_changes`.
-    async fn retry_after_infrastructure_failure(
+    /// What an infrastructure failure (an attempt `end` says was lost or interrupted)
+    /// does to its job, decided before anything is written: back to the queue to resume
+    /// from its checkpoint after a backoff that doubles with each such failure, or failed
+    /// once it has had [`INFRASTRUCTURE_RETRIES`] retries. Sets the job's waiting reason
+    /// or its message and end. Called under `job_changes`.
+    async fn plan_infrastructure_retry(
         &self,
         job: &mut JobRecord,
-        attempt_number: u32,
+        end: &AttemptEnd,
         what_happened: &str,
         now: i64,
-    ) -> Result<(), SchedulerError> {
-        let failures = self
+    ) -> Result<InfrastructureRetry, SchedulerError> {
+        // The attempt that ends now is still running in the store: counted by hand.
+        let failures = 1 + self
             .store
             .list_attempts(&job.id)
             .await?
             .iter()
-            .filter(|attempt| {
+            .filter(|stored| {
                 matches!(
-                    attempt.outcome,
+                    stored.outcome,
                     AttemptOutcome::Lost | AttemptOutcome::Interrupted
-                )
+                ) && stored.attempt_number != end.attempt_number
             })
-            .count()
-            .max(1);
+            .count();
         if failures > INFRASTRUCTURE_RETRIES {
             let message = format!(
                 "{what_happened}; it was the job's {failures}th infrastructure failure, and \
@@ -514,10 +538,11 @@ impl Scheduler {
             );
             job.message.clone_from(&message);
             job.finished_at_ms = Some(now);
-            self.move_job(job, JobEvent::AttemptFailed, &message)
-                .await?;
-            Metrics::count(&self.metrics.jobs_failed);
-            return Ok(());
+            return Ok(InfrastructureRetry {
+                event: JobEvent::AttemptFailed,
+                reason: message,
+                backoff: None,
+            });
         }
         let backoff = self
             .settings
@@ -527,19 +552,33 @@ impl Scheduler {
             "backing off for {backoff:?} after an infrastructure failure ({failures} of \
              {INFRASTRUCTURE_RETRIES} retries)"
         );
-        self.move_job(
-            job,
-            JobEvent::AttemptLost,
-            &format!(
+        Ok(InfrastructureRetry {
+            event: JobEvent::AttemptLost,
+            reason: format!(
                 "{what_happened}; attempt {} resumes from the checkpoint after {backoff:?}",
-                attempt_number + 1
+                end.attempt_number + 1
             ),
-        )
-        .await?;
-        // Under `job_changes`, like every pass: none reads the queue before this is set.
-        self.live()
-            .backing_off
-            .insert(job.id.clone(), Instant::now() + backoff);
-        Ok(())
+            backoff: Some(backoff),
+        })
     }
+
+    /// Holds a job back from placement for `backoff`, once its return to the queue is
+    /// stored. Under `job_changes`, like every pass: none reads the queue before this
+    /// is set.
+    fn back_off(&self, job_id: &str, backoff: Option<Duration>) {
+        if let Some(backoff) = backoff {
+            self.live()
+                .backing_off
+                .insert(job_id.to_string(), Instant::now() + backoff);
+        }
+    }
+}
+
+/// What an infrastructure failure does to its job ([`Scheduler::plan_infrastructure_retry`]):
+/// its move, the reason its log gives, and the wait before it is placed again (none when
+/// it fails).
+struct InfrastructureRetry {
+    event: JobEvent,
+    reason: String,
+    backoff: Option<Duration>,
 }

@@ -1,11 +1,14 @@
-//! Recovery after a start: the live state rebuilt from the store.
+//! Recovery after a start: the live state rebuilt from the store, and jobs left placed or
+//! running with every attempt ended moved on.
 
 use std::collections::HashMap;
 
-use carve_core::job_state::{AttemptOutcome, JobState};
+use carve_core::job_state::{AttemptOutcome, JobEvent, JobState, event_for_stranded_job};
 use tokio::time::Instant;
 
 use crate::error::SchedulerError;
+use crate::metrics::Metrics;
+use crate::store::{AttemptRecord, JobRecord};
 
 use super::sessions::GpuJson;
 use super::worker_reports::Gpu;
@@ -13,7 +16,8 @@ use super::{LiveWorker, RunningAttempt, Scheduler, WorkerState};
 
 impl Scheduler {
     /// Rebuilds the live state from the store after a start: attempts still running keep
-    /// their slices, and their workers get one lease to come back.
+    /// their slices, and their workers get one lease to come back. A job placed or
+    /// running none of whose attempts runs is moved on (see [`event_for_stranded_job`]).
     pub async fn recover(&self) -> Result<(), SchedulerError> {
         let workers = self.store.list_workers().await?;
         let active = self
@@ -21,12 +25,17 @@ impl Scheduler {
             .jobs_in_states(&[JobState::Placed, JobState::Running])
             .await?;
         let mut running = HashMap::new();
+        let mut stranded = Vec::new();
         for job in active {
             let attempts = self.store.list_attempts(&job.id).await?;
-            if let Some(attempt) = attempts
+            let Some(attempt) = attempts
                 .iter()
                 .rev()
                 .find(|attempt| attempt.outcome == AttemptOutcome::Running)
+            else {
+                stranded.push((job, attempts.last().cloned()));
+                continue;
+            };
             {
                 running.insert(
                     job.id.clone(),
@@ -47,29 +56,84 @@ impl Scheduler {
                 );
             }
         }
-        let mut live = self.live();
-        for worker in workers {
-            if worker.state == WorkerState::Lost {
-                continue;
+        {
+            let mut live = self.live();
+            for worker in workers {
+                if worker.state == WorkerState::Lost {
+                    continue;
+                }
+                let gpus: Vec<Gpu> = serde_json::from_str::<Vec<GpuJson>>(&worker.gpus_json)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(GpuJson::into_gpu)
+                    .collect();
+                let state = worker.state;
+                live.workers.insert(
+                    worker.id.clone(),
+                    LiveWorker {
+                        record: worker,
+                        gpus,
+                        state,
+                        last_heartbeat: Instant::now(),
+                        session: None,
+                    },
+                );
             }
-            let gpus: Vec<Gpu> = serde_json::from_str::<Vec<GpuJson>>(&worker.gpus_json)
-                .unwrap_or_default()
-                .into_iter()
-                .map(GpuJson::into_gpu)
-                .collect();
-            let state = worker.state;
-            live.workers.insert(
-                worker.id.clone(),
-                LiveWorker {
-                    record: worker,
-                    gpus,
-                    state,
-                    last_heartbeat: Instant::now(),
-                    session: None,
-                },
-            );
+            live.running = running;
         }
-        live.running = running;
+        for (job, last_attempt) in stranded {
+            self.move_stranded_job(job, last_attempt.as_ref()).await?;
+        }
+        Ok(())
+    }
+
+    /// Moves a job the store shows placed or running, none of whose attempts runs, as
+    /// its last attempt (`last_attempt`) ended, and says so in its log.
+    async fn move_stranded_job(
+        &self,
+        mut job: JobRecord,
+        last_attempt: Option<&AttemptRecord>,
+    ) -> Result<(), SchedulerError> {
+        let _guard = self.job_changes.lock().await;
+        let event = event_for_stranded_job(
+            last_attempt.map(|attempt| attempt.outcome),
+            last_attempt.is_some_and(|attempt| attempt.details.profile),
+        );
+        let what_ended = match last_attempt {
+            Some(attempt) => format!(
+                "attempt {} ended ({}{})",
+                attempt.attempt_number,
+                attempt.outcome,
+                if attempt.message.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", attempt.message)
+                }
+            ),
+            None => "it has no attempt".to_string(),
+        };
+        let reason = format!(
+            "recovered: the job was left {} after {what_ended}; {}",
+            job.state,
+            match event {
+                JobEvent::AttemptLost => "it runs again from its checkpoint",
+                _ => "it ends as that attempt did",
+            }
+        );
+        tracing::warn!(job = %job.id, %reason, "a stranded job was moved on");
+        if event == JobEvent::AttemptLost {
+            job.waiting_reason.clone_from(&reason);
+        } else {
+            job.finished_at_ms = Some(
+                last_attempt
+                    .and_then(|attempt| attempt.finished_at_ms)
+                    .unwrap_or_else(super::now_ms),
+            );
+            job.message.clone_from(&reason);
+        }
+        let change = self.move_job(&mut job, event, &reason).await?;
+        self.count_job_change(change);
+        Metrics::count(&self.metrics.stranded_jobs_recovered);
         Ok(())
     }
 }

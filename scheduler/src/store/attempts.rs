@@ -23,6 +23,23 @@ pub struct AttemptEndDetails {
     pub profile_points_json: String,
     pub oom_detected_by: String,
 }
+/// How a running attempt ended, as [`Store::end_attempt`] stores it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttemptEnd {
+    pub job_id: String,
+    pub attempt_number: i64,
+    /// The epoch of the assignment that reports the end: the write is fenced by it.
+    pub lease_epoch: i64,
+    /// Anything but running.
+    pub outcome: AttemptOutcome,
+    pub measured_peak_bytes: Option<i64>,
+    pub oom: Option<OutOfMemory>,
+    pub message: String,
+    pub finished_at_ms: i64,
+    pub results: AttemptResults,
+    pub details: AttemptEndDetails,
+}
+
 use super::leadership::{UNFENCED, check_fence};
 use crate::error::SchedulerError;
 
@@ -99,27 +116,42 @@ impl Store {
         }))
     }
 
-    /// Ends a running attempt with `outcome`, FENCED by its lease epoch: the attempt is
-    /// updated only while its stored `lease_epoch` equals `lease_epoch` and it is still
-    /// running. A report quoting another epoch is `Conflict("attempt j/2 was reassigned
-    /// (lease epoch 3, reported 2)")`, one about an attempt that already ended is
-    /// `Conflict("attempt j/2 already ended (succeeded)")`, and one about an attempt
-    /// that does not exist is `NotFound`. `outcome` must not be running. `results` and
-    /// `ended` are stored with the outcome.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn finish_attempt(
+    /// Ends a running attempt as `end` says and, in the same transaction, rewrites its
+    /// job as [`Store::update_job`] does when `job` is given (the job's move that the
+    /// end decides): both are stored or neither is, so no job is left placed or running
+    /// with its attempt ended. FENCED by the attempt's lease epoch: the attempt is
+    /// updated only while its stored `lease_epoch` equals `end.lease_epoch` and it is
+    /// still running. A report quoting another epoch is `Conflict("attempt j/2 was
+    /// reassigned (lease epoch 3, reported 2)")`, one about an attempt that already ended
+    /// is `Conflict("attempt j/2 already ended (succeeded)")`, and one about an attempt
+    /// that does not exist is `NotFound`; a job that does not exist is `NotFound`.
+    /// `end.outcome` must not be running.
+    pub async fn end_attempt(
         &self,
-        job_id: &str,
-        attempt_number: i64,
-        lease_epoch: i64,
-        outcome: AttemptOutcome,
-        measured_peak_bytes: Option<i64>,
-        oom: Option<&OutOfMemory>,
-        message: &str,
-        finished_at_ms: i64,
-        results: &AttemptResults,
-        ended: &AttemptEndDetails,
+        end: &AttemptEnd,
+        job: Option<&JobRecord>,
     ) -> Result<(), SchedulerError> {
+        let AttemptEnd {
+            job_id,
+            attempt_number,
+            lease_epoch,
+            outcome,
+            measured_peak_bytes,
+            oom,
+            message,
+            finished_at_ms,
+            results,
+            details: ended,
+        } = end;
+        let (attempt_number, lease_epoch, outcome) = (*attempt_number, *lease_epoch, *outcome);
+        if let Some(job) = job
+            && job.id != *job_id
+        {
+            return Err(SchedulerError::invalid_argument(
+                "job.id",
+                format!("is {:?} but the attempt is of {job_id:?}", job.id),
+            ));
+        }
         if outcome == AttemptOutcome::Running {
             return Err(SchedulerError::invalid_argument(
                 "outcome",
@@ -141,7 +173,7 @@ impl Store {
             .bind(lease_epoch)
             .bind(outcome.name())
             .bind(measured_peak_bytes)
-            .bind(oom.map(oom_to_json))
+            .bind(oom.as_ref().map(oom_to_json))
             .bind(message)
             .bind(finished_at_ms)
             .bind(AttemptOutcome::Running.name())
@@ -174,12 +206,21 @@ impl Store {
                     )),
                 });
             }
+            if let Some(job) = job {
+                let updated = bind_job_update!(sqlx::query(UPDATE_JOB_SQL), job)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                if updated == 0 {
+                    return Err(SchedulerError::not_found("job", &job.id));
+                }
+            }
         });
         Ok(())
     }
 
     /// Records that a running attempt started training at `started_at_ms`, FENCED like
-    /// [`Store::finish_attempt`] (an attempt reassigned or ended meanwhile is left as it
+    /// [`Store::end_attempt`] (an attempt reassigned or ended meanwhile is left as it
     /// is, and so is an attempt that does not exist: `Ok(false)`). `resumed_from` is the
     /// checkpoint the attempt itself loaded, with its step: it replaces the one the
     /// scheduler expected when set, and leaves it when `None` (a worker that does not

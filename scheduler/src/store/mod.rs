@@ -97,7 +97,7 @@ mod tenants;
 mod tokens;
 mod workers;
 
-pub use attempts::{AttemptEndDetails, AttemptStartDetails};
+pub use attempts::{AttemptEnd, AttemptEndDetails, AttemptStartDetails};
 pub use batcher::SubmitBatcher;
 pub use jobs::{
     WAITING_REASON_IDS_PER_STATEMENT, WAITING_REASONS_PER_TRANSACTION, page_token_after,

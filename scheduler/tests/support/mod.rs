@@ -68,7 +68,7 @@ use std::sync::OnceLock;
 use carve_core::workload::JobKind;
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::store::{
-    AttemptOutcome, AttemptRecord, AttemptResults, Backend, JobRecord, JobState, Store,
+    AttemptEnd, AttemptOutcome, AttemptRecord, AttemptResults, Backend, JobRecord, JobState, Store,
     TenantRecord,
 };
 pub use carve_testing::PgServer;
@@ -219,17 +219,20 @@ pub async fn finish_plainly(
 ) -> Result<(), SchedulerError> {
     let results = AttemptResults::default();
     store
-        .finish_attempt(
-            job_id,
-            number,
-            lease_epoch,
-            outcome,
+        .end_attempt(
+            &AttemptEnd {
+                job_id: job_id.to_string(),
+                attempt_number: number,
+                lease_epoch,
+                outcome,
+                measured_peak_bytes: None,
+                oom: None,
+                message: String::new(),
+                finished_at_ms: at,
+                results,
+                details: Default::default(),
+            },
             None,
-            None,
-            "",
-            at,
-            &results,
-            &Default::default(),
         )
         .await
 }

@@ -193,6 +193,23 @@ impl TestWorker {
         }
     }
 
+    /// Sends one message the scheduler must refuse; returns the status it ends the
+    /// session with (a refused report is not acknowledged: the worker sends it again on
+    /// its next session).
+    pub async fn send_refused(&mut self, body: v1::worker_message::Body) -> tonic::Status {
+        self.sequence += 1;
+        self.outgoing
+            .send(v1::WorkerMessage {
+                sequence: self.sequence,
+                body: Some(body),
+            })
+            .await
+            .unwrap();
+        self.session_end(WORKER_DEADLINE)
+            .await
+            .unwrap_or_else(|| panic!("message {} was not refused", self.sequence))
+    }
+
     /// The next message from the session within `wait`, acks included; None when none
     /// came.
     async fn receive_from_stream(&mut self, wait: Duration) -> Option<v1::scheduler_message::Body> {
