@@ -9,36 +9,8 @@ use tonic::metadata::MetadataMap;
 
 use crate::cache::ShortLivedCache;
 use crate::error::SchedulerError;
+pub use crate::store::Role;
 use crate::store::{Store, TokenRecord};
-
-/// Who is calling.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Role {
-    User,
-    Admin,
-    Worker,
-}
-
-impl Role {
-    pub const ALL: [Role; 3] = [Role::User, Role::Admin, Role::Worker];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Role::User => "user",
-            Role::Admin => "admin",
-            Role::Worker => "worker",
-        }
-    }
-
-    pub fn from_name(name: &str) -> Option<Role> {
-        match name {
-            "user" => Some(Role::User),
-            "admin" => Some(Role::Admin),
-            "worker" => Some(Role::Worker),
-            _ => None,
-        }
-    }
-}
 
 /// An authenticated caller.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,7 +9,6 @@
 use carve_core::allocator::OutOfMemory;
 
 use super::columns::TextColumn;
-pub use crate::auth::Role;
 pub use carve_core::job_state::{AttemptOutcome, JobState};
 pub use carve_core::workload::JobKind;
 
@@ -34,6 +33,35 @@ impl WorkerState {
             WorkerState::Ready => "ready",
             WorkerState::Draining => "draining",
             WorkerState::Lost => "lost",
+        }
+    }
+}
+
+/// What a token may do (`TokenRecord::role`), and so who is calling (`auth::Caller`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Role {
+    User,
+    Admin,
+    Worker,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::User, Role::Admin, Role::Worker];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::User => "user",
+            Role::Admin => "admin",
+            Role::Worker => "worker",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Role> {
+        match name {
+            "user" => Some(Role::User),
+            "admin" => Some(Role::Admin),
+            "worker" => Some(Role::Worker),
+            _ => None,
         }
     }
 }
