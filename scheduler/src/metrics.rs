@@ -45,6 +45,9 @@ pub struct Metrics {
     pub attempts_lost: Counter,
     /// Jobs found placed or running with every attempt ended, moved on at recovery.
     pub stranded_jobs_recovered: Counter,
+    /// Stored specs read (parsed and checked) again after admission: a job first seen
+    /// after a restart, or one past the cache of read specs.
+    pub stored_spec_reads: Counter,
     /// Attempts asked to stop to make room for an urgent job.
     pub preemptions: Counter,
     pub jobs_succeeded: Counter,
@@ -74,6 +77,7 @@ impl Default for Metrics {
             oom_retries_exhausted: Counter::default(),
             attempts_lost: Counter::default(),
             stranded_jobs_recovered: Counter::default(),
+            stored_spec_reads: Counter::default(),
             preemptions: Counter::default(),
             jobs_succeeded: Counter::default(),
             jobs_failed: Counter::default(),
@@ -301,6 +305,12 @@ impl Metrics {
                 "carve_stranded_jobs_recovered",
                 "jobs found placed or running with every attempt ended, moved on at recovery",
                 &self.stranded_jobs_recovered,
+            ),
+            (
+                "carve_stored_spec_reads",
+                "stored specs read again after admission (a job first seen after a restart, \
+                 or past the cache of read specs)",
+                &self.stored_spec_reads,
             ),
             (
                 "carve_preemptions",

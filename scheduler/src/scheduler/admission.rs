@@ -29,6 +29,11 @@ use super::{Scheduler, StateChange, now_ms, spec_error};
 /// (sweeps, retries, scripts), and a miss only costs one validation and estimate.
 const ANALYSED_SPECS_CAPACITY: usize = 256;
 
+/// How many stored jobs' read specs the scheduler keeps (`Lookups::workloads`): about the
+/// jobs queued and running on a large cluster; past it a job's spec is read again when
+/// needed, which costs time, never correctness.
+const STORED_WORKLOADS_CAPACITY: usize = 4096;
+
 /// Specs longer than this are analysed every time rather than held as cache keys, so
 /// the spec cache stays under ANALYSED_SPECS_CAPACITY x this (16 MiB).
 const ANALYSED_SPEC_MAX_BYTES: usize = 64 * 1024;
@@ -42,7 +47,9 @@ const ANALYSED_SPEC_MAX_BYTES: usize = 64 * 1024;
 /// `None` (`Workload::spec_estimate`), and admission looks the model up.
 #[derive(Debug)]
 struct AnalysedSpec {
-    job: Workload,
+    /// Shared with the job ids that admission stores with this spec
+    /// (`Lookups::workloads`), so nothing reads the spec again while they live.
+    job: Arc<Workload>,
     config: RunConfig,
     estimate: Option<Arc<MemoryEstimate>>,
     /// The key measured peaks of this job at `config` are kept under
@@ -68,6 +75,10 @@ pub(super) struct Lookups {
     pub(super) peak_corrections: ShortLivedCache<String, Option<f64>>,
     /// By the spec's exact text.
     specs: BoundedCache<String, Arc<AnalysedSpec>>,
+    /// Stored jobs' specs as read, by job id: put there by admission and by the first
+    /// read of a job's stored spec (`Scheduler::stored_workload`), so a job's spec is
+    /// parsed and checked once in a scheduler's life, not at each placement or report.
+    pub(super) workloads: BoundedCache<String, Arc<Workload>>,
 }
 
 impl Lookups {
@@ -78,6 +89,7 @@ impl Lookups {
             tenants: ShortLivedCache::new(LOOKUP_TIME_TO_LIVE, LOOKUP_CAPACITY),
             peak_corrections: ShortLivedCache::new(LOOKUP_TIME_TO_LIVE, LOOKUP_CAPACITY),
             specs: BoundedCache::new(ANALYSED_SPECS_CAPACITY),
+            workloads: BoundedCache::new(STORED_WORKLOADS_CAPACITY),
         }
     }
 }
@@ -115,7 +127,7 @@ fn analyse_spec_text(spec_json: &str) -> Result<AnalysedSpec, SchedulerError> {
         config_json: config_to_json(&config),
         estimate_json: estimate.as_ref().map(estimate_to_json).unwrap_or_default(),
         estimate: estimate.map(Arc::new),
-        job,
+        job: Arc::new(job),
         config,
     })
 }
@@ -425,6 +437,9 @@ impl Scheduler {
             previous: JobState::Queued,
             next: JobState::Queued,
         };
+        self.lookups
+            .workloads
+            .insert(outcome.job.id.clone(), Arc::clone(&analysed.job));
         self.emit_state(&outcome.job.id, submitted, "submitted");
         self.wake();
         // A job created just now has no attempts, and its configuration and estimate

@@ -7,8 +7,8 @@ use carve_core::admission::size_slice_at_admission;
 use carve_core::command::memory_model::{CommandMemoryModel, ProfilePoint};
 use carve_core::command::render::RenderedCommand;
 use carve_core::command::shrink::plan_command_shrink;
-use carve_core::command::spec::{CommandJobSpec, CommandSpec};
-use carve_core::command::validate::{ValidatedCommandJob, validate_command_job_spec};
+use carve_core::command::spec::CommandSpec;
+use carve_core::command::validate::ValidatedCommandJob;
 use carve_core::job_state::{AttemptOutcome, JobEvent};
 use carve_core::plan::RunConfig;
 use carve_core::spec::VramRequest;
@@ -48,16 +48,6 @@ pub(super) fn display_argv(argv: &[String]) -> String {
         working_directory: None,
     }
     .display_line()
-}
-
-/// A stored command job's spec, parsed and checked again (cheap: no model to infer).
-pub(super) fn stored_command_job(spec_json: &str) -> Result<ValidatedCommandJob, SchedulerError> {
-    let spec: CommandJobSpec = serde_json::from_str(spec_json).map_err(|error| {
-        SchedulerError::invalid_argument("spec_json", format!("stored command job: {error}"))
-    })?;
-    validate_command_job_spec(spec).map_err(|error| {
-        SchedulerError::invalid_argument(format!("spec.{}", error.field), error.reason)
-    })
 }
 
 fn short_digest(text: &str) -> String {
@@ -249,7 +239,13 @@ impl Scheduler {
             return Err(self.fenced(&attempt));
         }
         let mut job = self.store.get_job(&attempt.job_id).await?;
-        let command = stored_command_job(&job.spec_json)?;
+        let workload = self.stored_workload(&job).await?;
+        let command = workload.as_command().ok_or_else(|| {
+            SchedulerError::Api(carve_proto::ApiError::FailedPrecondition(format!(
+                "job {} is a {} job: only a command job's attempt is a profile",
+                job.id, job.kind
+            )))
+        })?;
         let config = config_from_json(&job.config_json)?;
         let fitted = CommandMemoryModel::fit(
             &points,
@@ -306,7 +302,7 @@ impl Scheduler {
                 1.0,
                 largest_usable_gpu(&gpus),
                 |current, limit| {
-                    plan_command_shrink(&command, &model, current, None, limit)
+                    plan_command_shrink(command, &model, current, None, limit)
                         .map(|decision| (decision.config, decision.estimate.required_bytes))
                 },
             )
@@ -317,7 +313,7 @@ impl Scheduler {
         // transaction.
         let (event, reason) = match sized {
             Ok((model, admitted)) => {
-                self.put_command_memory_model(&command_shape_key(&command), &model)
+                self.put_command_memory_model(&command_shape_key(command), &model)
                     .await?;
                 let estimate = model.estimate(&admitted.config);
                 job.config_json = config_to_json(&admitted.config);

@@ -30,7 +30,7 @@ mod views;
 pub mod worker_reports;
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -331,23 +331,34 @@ impl Scheduler {
         result
     }
 
-    /// A stored job's workload, read as the kind stored with it. It was valid at submit,
-    /// so an error here means the store holds something this build cannot read. Reading a
-    /// model job infers its graph, which grows with the model: the compute pool runs it
-    /// (the scheduler's own work, charged to no tenant's budget).
-    async fn stored_workload(&self, job: &JobRecord) -> Result<Workload, SchedulerError> {
+    /// A stored job's workload, read as the kind stored with it: from memory when
+    /// admission or an earlier read left it there (`Lookups::workloads`), else parsed and
+    /// checked once and kept. It was valid at submit, so an error here means the store
+    /// holds something this build cannot read. Reading a model job infers its graph,
+    /// which grows with the model: the compute pool runs it (the scheduler's own work,
+    /// charged to no tenant's budget).
+    async fn stored_workload(&self, job: &JobRecord) -> Result<Arc<Workload>, SchedulerError> {
+        if let Some(workload) = self.lookups.workloads.get(&job.id) {
+            return Ok(workload);
+        }
+        Metrics::count(&self.metrics.stored_spec_reads);
         let (kind, spec_json) = (job.kind, job.spec_json.clone());
         let job_id = job.id.clone();
-        self.compute
+        let workload = self
+            .compute
             .run_for_scheduler(move || Workload::from_stored(kind, &spec_json))
             .await?
             .map_err(|error| {
-                ApiError::Internal(format!(
+                SchedulerError::from(ApiError::Internal(format!(
                     "job {job_id}: its stored spec cannot be read: spec.{}: {}",
                     error.field, error.reason
-                ))
-                .into()
-            })
+                )))
+            })?;
+        let workload = Arc::new(workload);
+        self.lookups
+            .workloads
+            .insert(job.id.clone(), Arc::clone(&workload));
+        Ok(workload)
     }
 
     /// Makes a job's change of state: its transition through core's state machine on
