@@ -24,4 +24,3 @@ pub mod scheduler;
 pub mod server;
 pub mod services;
 pub mod store;
-mod worker_session;

@@ -25,6 +25,7 @@ mod outcomes;
 mod placement;
 mod preemption;
 mod recovery;
+mod session_handles;
 mod sessions;
 mod views;
 pub mod worker_reports;
@@ -38,16 +39,14 @@ use carve_core::job_state::{JobEvent, JobState, next_state};
 use carve_core::scheduling::GpuState;
 use carve_core::workload::Workload;
 use carve_proto::ApiError;
-use tokio::sync::{Notify, broadcast, mpsc};
+use tokio::sync::{Notify, broadcast};
 use tokio::time::Instant;
-use tonic::Status;
 
 use crate::compute_pool::{ComputeLimits, ComputePool};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use crate::queue::QueueMirror;
 use crate::store::{AttemptEnd, JobRecord, Store, SubmitBatcher, WorkerRecord, WorkerState};
-use crate::worker_session::LiveSession;
 pub use logs::{JobUpdate, JobUpdateKind};
 use worker_reports::{Gpu, WorkerCommand};
 
@@ -57,6 +56,8 @@ pub use admission::{AdmittedConfig, SPEC_MAX_BYTES, SubmittedJob, check_spec_siz
 pub use leadership::{Candidate, LeaderRole};
 use placement::PassInputs;
 pub use preemption::PreemptionSettings;
+use session_handles::LiveSession;
+pub use session_handles::{SessionHandle, SessionSender};
 pub use views::{GpuView, JobPage, JobView, SliceOwner, SliceView, WorkerView};
 
 /// Timing of leases and passes.
@@ -97,10 +98,6 @@ impl Default for SchedulerSettings {
         }
     }
 }
-
-/// A worker's session stream, as the scheduler writes it (the handler makes the wire
-/// messages).
-pub type SessionSender = mpsc::Sender<Result<WorkerCommand, Status>>;
 
 #[derive(Debug)]
 struct LiveWorker {

@@ -13,15 +13,15 @@ use crate::auth::{Caller, Role, generate_id};
 use crate::cache::LOOKUP_TIME_TO_LIVE;
 use crate::error::SchedulerError;
 use crate::store::{AttemptOutcome, AttemptResults, AttemptStartDetails, WorkerRecord};
-use crate::worker_session::{LiveSession, SessionHandle};
 
 use super::command_jobs::{OomDetected, command_argv_to_json, display_argv};
 use super::logs::JobUpdateKind;
+use super::session_handles::{LiveSession, SessionHandle, SessionSender};
 use super::worker_reports::{
     AttemptRef, Checkpoint, Gpu, GpuFreeBytes, Registered, WorkerCommand, WorkerRegistration,
     WorkerReport,
 };
-use super::{LiveWorker, RunningAttempt, Scheduler, SessionSender, WorkerState, now_ms};
+use super::{LiveWorker, RunningAttempt, Scheduler, WorkerState, now_ms};
 
 impl Scheduler {
     pub async fn register_worker(

@@ -206,7 +206,7 @@ impl WorkerService for Services {
             .await?;
         let commands =
             ReceiverStream::new(receiver).map(|command| command.map(worker_command_to_proto));
-        crate::worker_session::serve_session(
+        super::worker_session::serve_session(
             self.scheduler.clone(),
             hello.worker_id,
             session,

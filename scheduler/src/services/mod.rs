@@ -36,6 +36,7 @@ fn invalid(field: &str, reason: impl Into<String>) -> Status {
 mod admin;
 mod cluster;
 mod watch;
+mod worker_session;
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<v1::JobEvent, Status>> + Send>>;
 type SchedulerMessageStream =

@@ -11,64 +11,27 @@
 //! wait for the job lock behind a long scheduling pass. A worker's liveness therefore
 //! depends only on its messages arriving, never on how busy the scheduler's job
 //! changes are.
+//!
+//! The scheduler's side of the session (`LiveSession`, `SessionHandle`) is the
+//! scheduler's own (`scheduler/session_handles.rs`): this file uses the scheduler, never
+//! the reverse.
 
 use std::sync::Arc;
 
 use carve_proto::ApiError;
 use carve_proto::v1;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tonic::{Status, Streaming};
 
 use crate::convert::worker_report_from_proto;
 use crate::error::SchedulerError;
 use crate::scheduler::worker_reports::{WorkerCommand, WorkerReport};
-use crate::scheduler::{Scheduler, SessionSender};
+use crate::scheduler::{Scheduler, SessionHandle, SessionSender};
 
 /// Reports a session may have waiting for the report task; past this the reader waits
 /// too, which slows the worker's stream (HTTP/2 flow control), not the scheduler.
 const REPORTS_IN_FLIGHT: usize = 1024;
-
-/// The scheduler's side of a worker's live session.
-#[derive(Debug)]
-pub(crate) struct LiveSession {
-    pub id: u64,
-    /// The token the session was opened with: revoking it ends the session.
-    pub token_id: String,
-    pub sender: SessionSender,
-    /// Dropping it ends the session as replaced; `end` ends it with a reason.
-    ender: Option<oneshot::Sender<Status>>,
-}
-
-impl LiveSession {
-    /// The live half of a new session and the handle its stream's tasks keep.
-    pub fn open(id: u64, token_id: String, sender: SessionSender) -> (LiveSession, SessionHandle) {
-        let (ender, ended) = oneshot::channel();
-        (
-            LiveSession {
-                id,
-                token_id,
-                sender,
-                ender: Some(ender),
-            },
-            SessionHandle { id, ended },
-        )
-    }
-
-    /// Ends the session; the worker receives `why` as the stream's final status.
-    pub fn end(mut self, why: SchedulerError) {
-        if let Some(ender) = self.ender.take() {
-            let _ = ender.send(Status::from(why));
-        }
-    }
-}
-
-/// What the stream's tasks hold: the session's id, and word of its end.
-#[derive(Debug)]
-pub struct SessionHandle {
-    pub id: u64,
-    ended: oneshot::Receiver<Status>,
-}
 
 /// Serves an opened session until the worker closes it, the scheduler ends it or stops.
 pub fn serve_session(
@@ -116,7 +79,7 @@ pub fn serve_session(
         }
     });
     let mut shutting_down = scheduler.shutting_down();
-    let mut ended = session.ended;
+    let mut ended = session.into_ended();
     tokio::spawn(async move {
         let mut ended_by_scheduler = None;
         loop {
