@@ -184,7 +184,6 @@ async fn run_cluster(
     let data_dir = data_dir
         .canonicalize()
         .with_context(|| format!("cannot resolve {}", data_dir.display()))?;
-    let checkpoints = data_dir.join("checkpoints");
     let listener = tokio::net::TcpListener::bind(arguments.listen)
         .await
         .with_context(|| format!("cannot listen on {}", arguments.listen))?;
@@ -192,7 +191,7 @@ async fn run_cluster(
     let endpoint = format!("http://{address}");
 
     let admin_token = carve_scheduler::auth::generate_secret();
-    let scheduler = start_scheduler(&data_dir, &checkpoints, listener, admin_token.clone());
+    let scheduler = start_scheduler(&data_dir, listener, admin_token.clone());
     let result = async {
         // The listener is bound already, so connecting succeeds at once.
         let admin = connect_channel(&endpoint, None, None, &admin_token).await?;
@@ -241,7 +240,6 @@ async fn run_cluster(
 
 fn start_scheduler(
     data_dir: &Path,
-    checkpoints: &Path,
     listener: tokio::net::TcpListener,
     admin_token: String,
 ) -> Stoppable {
@@ -250,7 +248,6 @@ fn start_scheduler(
         settings: SchedulerSettings {
             heartbeat_interval: Duration::from_secs(1),
             scheduling_interval: Duration::from_millis(200),
-            checkpoint_directory: checkpoints.display().to_string(),
             ..SchedulerSettings::default()
         },
         admin_token: Some(admin_token),

@@ -586,9 +586,9 @@ pub fn worker_command_to_proto(command: WorkerCommand) -> v1::SchedulerMessage {
                 config: Some(assignment.config.into()),
                 gpu_uuid: assignment.gpu_uuid,
                 slice_bytes: assignment.slice_bytes,
-                resume_from: Some(v1::Checkpoint {
-                    step: assignment.resume_from.step,
-                    location: assignment.resume_from.location,
+                resume_from: assignment.resume_from.map(|checkpoint| v1::Checkpoint {
+                    step: checkpoint.step,
+                    location: checkpoint.location,
                 }),
                 profile: assignment.profile,
                 tenant: assignment.tenant,

@@ -85,8 +85,10 @@ pub struct GivenSettings {
     /// [default: 30].
     #[arg(long, env = "CARVE_PREEMPTION_GRACE_SECONDS")]
     pub preemption_grace_seconds: Option<u64>,
-    /// Directory (on the workers) for checkpoints [default: checkpoints].
-    #[arg(long, env = "CARVE_CHECKPOINT_DIR")]
+    /// Ignored, and said so at start (kept so that configurations naming it still
+    /// start): the workers' own `--checkpoint-dir` says where attempts write, and an
+    /// attempt resumes only from a checkpoint an earlier attempt reported.
+    #[arg(long, env = "CARVE_CHECKPOINT_DIR", hide = true)]
     pub checkpoint_dir: Option<String>,
     /// Replicas on PostgreSQL: milliseconds the leader's lease lasts without renewal,
     /// about the longest a failover takes [default: 10000].
@@ -153,6 +155,8 @@ pub struct Settings {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// The CA client certificates must be signed by, when requiring them.
     pub tls_client_ca: Option<PathBuf>,
+    /// Settings given that no longer do anything, each with why: said at start.
+    pub ignored: Vec<String>,
 }
 
 /// `on`/`off` (or `true`/`false`), for a switch given as a flag or variable.
@@ -257,11 +261,19 @@ pub fn resolve(
             },
             leader_lease,
             advertise_endpoint: given.advertise_endpoint.or(file.advertise_endpoint),
-            checkpoint_directory: given
-                .checkpoint_dir
-                .or(file.checkpoint_dir)
-                .unwrap_or(defaults.checkpoint_directory),
         },
+        ignored: given
+            .checkpoint_dir
+            .or(file.checkpoint_dir)
+            .map(|directory| {
+                format!(
+                    "checkpoint_dir ({directory}) is ignored: each worker's --checkpoint-dir \
+                     says where its attempts write, and an attempt resumes only from a \
+                     checkpoint an earlier attempt reported"
+                )
+            })
+            .into_iter()
+            .collect(),
         metrics_listen: given.metrics_listen.or(file.metrics_listen),
         tls,
         tls_client_ca,
@@ -284,6 +296,9 @@ impl Settings {
     /// The address to listen on and the server's configuration, reading the files the
     /// settings name and making the default database's directory.
     pub fn load(self) -> Result<(String, SchedulerConfig)> {
+        for ignored in &self.ignored {
+            tracing::warn!("{ignored}");
+        }
         let database_url = match self.database {
             Some(database) => database,
             None => default_database()?,
@@ -408,7 +423,7 @@ mod tests {
             settings.scheduler.scheduling_interval,
             Duration::from_secs(2)
         );
-        assert_eq!(settings.scheduler.checkpoint_directory, "checkpoints");
+        assert_eq!(settings.ignored, Vec::<String>::new());
         assert_eq!(settings.metrics_listen, None);
         assert_eq!(settings.tls, None);
     }
@@ -483,9 +498,11 @@ mod tests {
             settings.scheduler.heartbeat_interval,
             Duration::from_secs(3)
         );
-        assert_eq!(
-            settings.scheduler.checkpoint_directory,
-            "/shared/checkpoints"
+        assert_eq!(settings.ignored.len(), 1, "{:?}", settings.ignored);
+        assert!(
+            settings.ignored[0].starts_with("checkpoint_dir (/shared/checkpoints) is ignored"),
+            "{:?}",
+            settings.ignored
         );
         assert_eq!(
             settings.metrics_listen,
@@ -531,7 +548,6 @@ mod tests {
             settings.scheduler.heartbeat_interval,
             Duration::from_secs(4)
         );
-        assert_eq!(settings.scheduler.checkpoint_directory, "checkpoints");
         assert_eq!(
             settings.admin_token,
             Some(AdminTokenSource::Secret(
@@ -693,7 +709,6 @@ mod tests {
             "CARVE_LEASE_SECONDS",
             "CARVE_HEARTBEAT_SECONDS",
             "CARVE_SCHEDULING_INTERVAL_MS",
-            "CARVE_CHECKPOINT_DIR",
             "CARVE_METRICS_LISTEN",
             "CARVE_TLS_CERT",
             "CARVE_TLS_KEY",
@@ -706,5 +721,7 @@ mod tests {
         }
         assert!(!help.contains("do-not-print-me"), "{help}");
         assert!(!help.contains("password"), "{help}");
+        // Ignored, kept only so old configurations start: not offered to new ones.
+        assert!(!help.contains("CARVE_CHECKPOINT_DIR"), "{help}");
     }
 }

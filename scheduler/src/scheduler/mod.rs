@@ -68,8 +68,6 @@ pub struct SchedulerSettings {
     pub heartbeat_interval: Duration,
     /// A pass also runs at least this often, besides every submit and report.
     pub scheduling_interval: Duration,
-    /// Where attempts write checkpoints: `{checkpoint_directory}/{job id}.ckpt` on the worker.
-    pub checkpoint_directory: String,
     /// The wait before a job whose attempt died of an infrastructure failure (a lost
     /// worker, an interrupted process) is placed again; it doubles with each such failure
     /// of the job.
@@ -90,7 +88,6 @@ impl Default for SchedulerSettings {
             lease_duration: Duration::from_secs(30),
             heartbeat_interval: Duration::from_secs(5),
             scheduling_interval: Duration::from_secs(2),
-            checkpoint_directory: "checkpoints".to_string(),
             infrastructure_retry_backoff: Duration::from_secs(2),
             preemption: PreemptionSettings::default(),
             leader_lease: Duration::from_secs(10),

@@ -293,7 +293,6 @@ impl Scheduler {
                 started_at_ms: now,
             },
         );
-        let checkpoint_location = format!("{}/{}.ckpt", self.settings.checkpoint_directory, job.id);
         self.send_to_worker(
             &placement.worker_id,
             WorkerCommand::Assignment(Assignment {
@@ -306,13 +305,12 @@ impl Scheduler {
                 config,
                 gpu_uuid: placement.gpu_id.clone(),
                 slice_bytes: placement.slice_bytes,
-                resume_from: Checkpoint {
+                // Only what an attempt reported: each worker's own directory layout says
+                // where its attempts write, and the scheduler does not guess a path.
+                resume_from: job.checkpoint_location.clone().map(|location| Checkpoint {
                     step: job.checkpoint_step.max(0) as u64,
-                    location: job
-                        .checkpoint_location
-                        .clone()
-                        .unwrap_or(checkpoint_location),
-                },
+                    location,
+                }),
                 profile,
                 tenant: job.tenant.clone(),
             }),

@@ -159,7 +159,8 @@ pub struct Assignment {
     pub gpu_uuid: String,
     pub slice_bytes: u64,
     /// Where to resume from when the file exists, and where to write checkpoints.
-    pub resume_from: Checkpoint,
+    /// The checkpoint an earlier attempt reported; `None` starts from scratch.
+    pub resume_from: Option<Checkpoint>,
     /// Run a command job's profile instead of training.
     pub profile: bool,
     /// The job's tenant, whose host uid range the worker runs the attempt under.

@@ -55,7 +55,6 @@ pub fn test_config(
             lease_duration: lease,
             heartbeat_interval: Duration::from_millis(100),
             scheduling_interval: Duration::from_millis(50),
-            checkpoint_directory: "/checkpoints".into(),
             infrastructure_retry_backoff: Duration::from_millis(100),
             ..SchedulerSettings::default()
         },
