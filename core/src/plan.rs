@@ -36,10 +36,17 @@ use crate::spec::{JobSpec, Precision};
 mod backward;
 mod compile;
 mod liveness;
+mod operands;
 
 pub use compile::{
     CONVOLUTION_WORKSPACE_HEADROOM, compile_step_plan, im2col_workspace_elements,
     workspace_elements,
+};
+pub use operands::{
+    BatchNormGradients, BatchNormParameters, GradientSumOperands, InitializeOperands,
+    KernelParameters, LayerBackwardOperands, LayerForwardOperands, LayerParameters,
+    LossGradientOperands, LossOperands, OperandError, OptimizerOperands, OptimizerState,
+    OverflowOperands, ParameterGradients, half_gradient_layout,
 };
 
 /// How one attempt runs a job: the knobs the shrink planner turns.
@@ -392,14 +399,14 @@ pub enum OperationKind {
     LayerBackward {
         layer: usize,
     },
-    /// `writes[0] += reads[0]`: a second branch's gradient summed in place into a
-    /// tensor's gradient (a tensor read by several layers gets the sum of theirs). `layer`
+    /// `into += from` ([`GradientSumOperands`]): a second branch's gradient summed in place
+    /// into a tensor's gradient (a tensor read by several layers gets the sum of theirs). `layer`
     /// is the reader whose gradient is added.
     AccumulateGradient {
         layer: usize,
     },
-    /// `writes[0] = reads[0]`: an `add` hands its output gradient to each input; all but
-    /// one get a copy, since each is then accumulated into separately.
+    /// `into = from` ([`GradientSumOperands`]): an `add` hands its output gradient to each
+    /// input; all but one get a copy, since each is then accumulated into separately.
     CopyGradient {
         layer: usize,
     },
@@ -418,6 +425,11 @@ pub enum OperationKind {
     LossEvaluate,
 }
 
+/// One operation of a phase: the buffers it reads, writes and uses as scratch, in the
+/// order liveness allocates them. Which buffer plays which part is not read from these
+/// lists by position: the compiler builds each kind from its operands struct and the
+/// engine reads them back through the matching accessor (`operands.rs`: for example
+/// [`LossOperands`] and [`Operation::loss_operands`]), which checks every buffer's role.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Operation {
     pub kind: OperationKind,

@@ -3,6 +3,9 @@
 //! recomputation of segments just before their backward.
 
 use super::compile::{ForwardPass, PersistentBuffers, PlanBuilder, layer_forward};
+use super::operands::{
+    GradientSumOperands, LayerBackwardOperands, LayerParameters, ParameterGradients,
+};
 use super::*;
 use crate::model::{LayerNode, LayerOp, TensorSource};
 
@@ -72,12 +75,13 @@ impl GradientTable {
         }
         match self.gradients[index] {
             None => self.gradients[index] = Some(gradient),
-            Some(existing) => operations.push(Operation {
-                kind: OperationKind::AccumulateGradient { layer },
-                reads: vec![gradient],
-                writes: vec![existing],
-                scratch: Vec::new(),
-            }),
+            Some(existing) => operations.push(
+                GradientSumOperands {
+                    from: gradient,
+                    into: existing,
+                }
+                .operation(OperationKind::AccumulateGradient { layer }),
+            ),
         }
     }
 }
@@ -171,12 +175,13 @@ fn add_backward(
             continue;
         }
         let copy = input_gradient_buffer(builder, layer.index, *source)?;
-        operations.push(Operation {
-            kind: OperationKind::CopyGradient { layer: layer.index },
-            reads: vec![gradient],
-            writes: vec![copy],
-            scratch: Vec::new(),
-        });
+        operations.push(
+            GradientSumOperands {
+                from: gradient,
+                into: copy,
+            }
+            .operation(OperationKind::CopyGradient { layer: layer.index }),
+        );
         table.gradients[producer] = Some(copy);
     }
     // Last, so the buffer is not summed into while the others still read it.
@@ -217,16 +222,12 @@ fn layer_backward(
 ) -> Result<(), FieldError> {
     let index = layer.index;
     let owner = BufferOwner::Layer(index);
-    let mut reads = vec![gradient];
-    if layer.backward_reads_input() {
-        reads.extend(read.inputs_of(layer));
-    }
-    if layer.backward_reads_output() {
-        reads.push(read.outputs[index]);
-    }
-    reads.extend(&read.side_outputs[index]);
-    reads.extend(&persistent.weights[index]);
-    let mut writes = Vec::new();
+    let inputs = if layer.backward_reads_input() {
+        read.inputs_of(layer)
+    } else {
+        Vec::new()
+    };
+    let mut input_gradients = Vec::new();
     let mut handed = Vec::new();
     for source in &layer.inputs {
         // cuDNN's batch-norm backward always writes the input gradient, and a concat
@@ -236,29 +237,39 @@ fn layer_backward(
             continue;
         }
         let input_gradient = input_gradient_buffer(builder, index, *source)?;
-        writes.push(input_gradient);
+        input_gradients.push(input_gradient);
         handed.push((*source, input_gradient));
     }
-    writes.extend(persistent.gradients[index].iter().flatten());
-    let mut scratch: Vec<BufferId> = builder.workspace(layer)?.into_iter().collect();
+    let workspace = builder.workspace(layer)?;
     let trainable_elements = layer.trainable_parameter_elements();
-    if builder.config.precision.is_mixed() && trainable_elements > 0 {
+    let half_gradients = if builder.config.precision.is_mixed() && trainable_elements > 0 {
         // Half-precision kernels produce half gradients; they are added into the fp32
         // gradients so accumulation does not lose precision.
-        scratch.push(builder.add_buffer(
+        Some(builder.add_buffer(
             BufferRole::HalfGradients,
             owner,
             MemoryCategory::Transients,
             builder.activation_type(),
             trainable_elements,
-        )?);
-    }
-    operations.push(Operation {
-        kind: OperationKind::LayerBackward { layer: index },
-        reads,
-        writes,
-        scratch,
-    });
+        )?)
+    } else {
+        None
+    };
+    let operands = LayerBackwardOperands {
+        output_gradient: gradient,
+        inputs: &inputs,
+        output: layer.backward_reads_output().then(|| read.outputs[index]),
+        side_output: read.side_outputs[index],
+        parameters: LayerParameters::name(layer, persistent.weights[index].iter().copied())?,
+        input_gradients: &input_gradients,
+        parameter_gradients: ParameterGradients::name(
+            layer,
+            persistent.gradients[index].iter().flatten().copied(),
+        )?,
+        workspace,
+        half_gradients,
+    };
+    operations.push(operands.operation(index));
     for (source, input_gradient) in handed {
         table.contribute(source, input_gradient, index, operations);
     }
@@ -290,7 +301,7 @@ fn recompute_segment(
         )?;
         operations.push(step.operation);
         read.outputs[recompute_index] = step.output;
-        read.side_outputs[recompute_index] = step.side_outputs;
+        read.side_outputs[recompute_index] = step.side_output;
     }
     Ok(())
 }

@@ -4,6 +4,10 @@
 
 use super::backward::backward_pass;
 use super::liveness::place_by_liveness;
+use super::operands::{
+    InitializeOperands, LayerForwardOperands, LayerParameters, LossGradientOperands, LossOperands,
+    OptimizerOperands, OptimizerState, OverflowOperands,
+};
 use super::*;
 use crate::model::{LayerNode, LayerOp, ParameterTensor, TensorSource};
 use crate::spec::LossKind;
@@ -184,7 +188,8 @@ pub(super) struct PersistentBuffers {
 pub(super) struct ForwardPass {
     pub(super) model_input: BufferId,
     pub(super) outputs: Vec<BufferId>,
-    pub(super) side_outputs: Vec<Vec<BufferId>>,
+    /// Dropout's mask or batch norm's statistics, by layer.
+    pub(super) side_outputs: Vec<Option<BufferId>>,
 }
 
 impl ForwardPass {
@@ -427,12 +432,13 @@ fn setup_steps(
                 }
             }
         }
-        setup.push(PlanStep::Run(Operation {
-            kind: OperationKind::InitializeParameters,
-            reads,
-            writes,
-            scratch: Vec::new(),
-        }));
+        setup.push(PlanStep::Run(
+            InitializeOperands {
+                masters: &reads,
+                weights: &writes,
+            }
+            .operation(),
+        ));
     }
     setup
 }
@@ -442,7 +448,7 @@ fn setup_steps(
 pub(super) struct LayerForward {
     pub(super) operation: Operation,
     pub(super) output: BufferId,
-    pub(super) side_outputs: Vec<BufferId>,
+    pub(super) side_output: Option<BufferId>,
 }
 
 pub(super) fn layer_forward(
@@ -454,62 +460,58 @@ pub(super) fn layer_forward(
 ) -> Result<LayerForward, FieldError> {
     let output = builder.layer_output(layer, &inputs)?;
     // Inference keeps nothing for a backward pass.
-    let side_outputs = if matches!(kind, OperationKind::LayerInference { .. }) {
-        Vec::new()
+    let side_output = if matches!(kind, OperationKind::LayerInference { .. }) {
+        None
     } else {
-        layer_side_outputs(builder, layer)?
+        layer_side_output(builder, layer)?
     };
     let workspace = builder.workspace(layer)?;
-    let writes = if layer.is_view() {
-        Vec::new()
-    } else {
-        std::iter::once(output)
-            .chain(side_outputs.iter().copied())
-            .collect()
+    let operands = LayerForwardOperands {
+        inputs: &inputs,
+        parameters: LayerParameters::name(layer, weights.iter().copied())?,
+        // A view writes nothing: its output is its input's buffer.
+        output: (!layer.is_view()).then_some(output),
+        side_output,
+        workspace,
     };
-    let mut reads = inputs;
-    reads.extend(weights);
     Ok(LayerForward {
-        operation: Operation {
-            kind,
-            reads,
-            writes,
-            scratch: workspace.into_iter().collect(),
-        },
+        operation: operands.operation(kind),
         output,
-        side_outputs,
+        side_output,
     })
 }
 
-/// Buffers a layer's forward writes besides its output, all kept for backward: the
+/// The buffer a layer's forward writes besides its output, kept for backward: the
 /// dropout mask, batch norm's per-channel statistics.
-fn layer_side_outputs(
+fn layer_side_output(
     builder: &mut PlanBuilder<'_>,
     layer: &LayerNode,
-) -> Result<Vec<BufferId>, FieldError> {
+) -> Result<Option<BufferId>, FieldError> {
     let owner = BufferOwner::Layer(layer.index);
     match layer.op {
         LayerOp::Dropout { .. } => {
             let elements = builder.per_micro_batch(layer.output_shape.elements(), owner)?;
-            Ok(vec![builder.add_buffer(
+            Ok(Some(builder.add_buffer(
                 BufferRole::DropoutMask,
                 owner,
                 MemoryCategory::Activations,
                 ElementType::U8,
                 elements,
-            )?])
+            )?))
         }
         LayerOp::BatchNorm { .. } => {
-            let channels = layer.parameters[0].elements;
-            Ok(vec![builder.add_buffer(
+            let channels = LayerParameters::of_layer(layer)?
+                .batch_norm()
+                .map_or(0, |parameters| parameters.gamma.elements);
+            Ok(Some(builder.add_buffer(
                 BufferRole::BatchStatistics,
                 owner,
                 MemoryCategory::Activations,
                 ElementType::F32,
                 2 * channels,
-            )?])
+            )?))
         }
-        _ => Ok(Vec::new()),
+        _ => Ok(None),
     }
 }
 
@@ -538,7 +540,7 @@ fn forward_pass(
         )?;
         operations.push(step.operation);
         forward.outputs.push(step.output);
-        forward.side_outputs.push(step.side_outputs);
+        forward.side_outputs.push(step.side_output);
     }
     Ok(forward)
 }
@@ -577,14 +579,16 @@ fn loss_pass(
     target: BufferId,
     operations: &mut Vec<Operation>,
 ) -> Result<BufferId, FieldError> {
-    let mut loss_reads = vec![final_output, target];
-    let (loss_value, probabilities) = loss_outputs(builder)?;
-    operations.push(Operation {
-        kind: OperationKind::LossForward,
-        reads: loss_reads.clone(),
-        writes: std::iter::once(loss_value).chain(probabilities).collect(),
-        scratch: Vec::new(),
-    });
+    let (loss, probabilities) = loss_outputs(builder)?;
+    operations.push(
+        LossOperands {
+            output: final_output,
+            target,
+            loss,
+            probabilities,
+        }
+        .operation(OperationKind::LossForward),
+    );
     let output_gradient_elements =
         builder.per_micro_batch(builder.graph.output_shape().elements(), BufferOwner::Loss)?;
     let output_gradient = builder.add_buffer(
@@ -594,17 +598,16 @@ fn loss_pass(
         builder.activation_type(),
         output_gradient_elements,
     )?;
-    if let Some(probabilities) = probabilities {
-        // Cross-entropy's gradient is softmax minus one-hot: it needs the probabilities,
-        // not the logits.
-        loss_reads[0] = probabilities;
-    }
-    operations.push(Operation {
-        kind: OperationKind::LossBackward,
-        reads: loss_reads,
-        writes: vec![output_gradient],
-        scratch: Vec::new(),
-    });
+    operations.push(
+        LossGradientOperands {
+            // Cross-entropy's gradient is softmax minus one-hot: it needs the
+            // probabilities, not the logits.
+            predictions: probabilities.unwrap_or(final_output),
+            target,
+            output_gradient,
+        }
+        .operation(),
+    );
     Ok(output_gradient)
 }
 
@@ -622,34 +625,36 @@ fn update_operations(
             ElementType::I32,
             1,
         )?;
-        operations.push(Operation {
-            kind: OperationKind::CheckOverflow,
-            reads: persistent
-                .gradients
-                .iter()
-                .flat_map(|layer| layer.iter().flatten().copied())
-                .collect(),
-            writes: Vec::new(),
-            scratch: vec![flag],
-        });
+        let gradients: Vec<BufferId> = persistent
+            .gradients
+            .iter()
+            .flat_map(|layer| layer.iter().flatten().copied())
+            .collect();
+        operations.push(
+            OverflowOperands {
+                gradients: &gradients,
+                flag,
+            }
+            .operation(),
+        );
     }
     for layer in &builder.graph.layers {
         for (parameter_index, gradient) in persistent.gradients[layer.index].iter().enumerate() {
             let Some(gradient) = gradient else { continue };
-            let mut writes = vec![persistent.weights[layer.index][parameter_index]];
-            if let Some(Some(master)) = persistent.masters[layer.index].get(parameter_index) {
-                writes.push(*master);
-            }
-            writes.extend(&persistent.optimizer_state[layer.index][parameter_index]);
-            operations.push(Operation {
-                kind: OperationKind::OptimizerUpdate {
-                    layer: layer.index,
-                    parameter: parameter_index,
-                },
-                reads: vec![*gradient],
-                writes,
-                scratch: Vec::new(),
-            });
+            let operands = OptimizerOperands {
+                gradient: *gradient,
+                weights: persistent.weights[layer.index][parameter_index],
+                master: persistent.masters[layer.index]
+                    .get(parameter_index)
+                    .copied()
+                    .flatten(),
+                state: OptimizerState::from_slots(
+                    persistent.optimizer_state[layer.index][parameter_index]
+                        .iter()
+                        .copied(),
+                )?,
+            };
+            operations.push(operands.operation(layer.index, parameter_index));
         }
     }
     Ok(operations)
@@ -668,12 +673,15 @@ fn evaluation_operations(
         |layer| OperationKind::LayerInference { layer },
         &mut operations,
     )?;
-    let (loss_value, probabilities) = loss_outputs(builder)?;
-    operations.push(Operation {
-        kind: OperationKind::LossEvaluate,
-        reads: vec![forward.final_output(), persistent.target],
-        writes: std::iter::once(loss_value).chain(probabilities).collect(),
-        scratch: Vec::new(),
-    });
+    let (loss, probabilities) = loss_outputs(builder)?;
+    operations.push(
+        LossOperands {
+            output: forward.final_output(),
+            target: persistent.target,
+            loss,
+            probabilities,
+        }
+        .operation(OperationKind::LossEvaluate),
+    );
     Ok(operations)
 }
