@@ -31,6 +31,7 @@ use carve_proto::v1::cluster_service_server::ClusterService;
 use carve_proto::v1::job_service_server::JobService;
 use carve_proto::v1::worker_service_server::WorkerService;
 use carve_scheduler::auth::hash_secret;
+use carve_scheduler::convert::job_update_to_stored_event;
 use carve_scheduler::scheduler::{Scheduler, SchedulerSettings, now_ms};
 use carve_scheduler::services::Services;
 use carve_scheduler::store::{Role, Store, TenantRecord, TokenRecord};
@@ -143,7 +144,11 @@ fn harness() -> &'static Harness {
                     .await
                     .expect("create the fuzz tokens");
             }
-            let scheduler = Arc::new(Scheduler::new(store, SchedulerSettings::default()));
+            let scheduler = Arc::new(Scheduler::new(
+                store,
+                SchedulerSettings::default(),
+                job_update_to_stored_event,
+            ));
             scheduler.recover().await.expect("recover the empty store");
             Services { scheduler }
         });

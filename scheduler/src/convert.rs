@@ -1,7 +1,12 @@
-//! Between the scheduler's types and the wire, in one place: run configs and estimates
-//! as JSON in the store; jobs and attempts as generated protobuf messages for the
-//! handlers; what workers send (registration, session reports) into the scheduler's own
-//! types (`scheduler/worker_reports.rs`).
+//! Between the scheduler's types and the wire, in one place: jobs and attempts as
+//! generated protobuf messages for the handlers (their run configs and estimates read
+//! from the store's JSON columns, `store/json_columns.rs`); job updates as watch events,
+//! and as the bytes their log lines store (the encoder the server hands the scheduler);
+//! what workers send (registration, session reports) into the scheduler's own types
+//! (`scheduler/worker_reports.rs`).
+//!
+//! This module is above the scheduler: it uses the scheduler's types, and the scheduler
+//! never names it (`scheduler/tests/module_layers.rs`).
 //!
 //! A job is read far more often than it is submitted (listings, watches, every poll of
 //! `carve status`), so reads show the estimate stored with the job at submit (and at
@@ -15,10 +20,8 @@ use carve_core::command::memory_model::ProfilePoint;
 use carve_core::estimator::MemoryEstimate;
 use carve_core::job_state::{AttemptOutcome, JobState};
 use carve_core::plan::RunConfig;
-use carve_core::spec::Precision;
 use carve_proto::ApiError;
 use carve_proto::v1;
-use serde::{Deserialize, Serialize};
 
 use crate::error::SchedulerError;
 use crate::scheduler::worker_reports::{
@@ -26,53 +29,7 @@ use crate::scheduler::worker_reports::{
     WorkerRegistration, WorkerReport,
 };
 use crate::scheduler::{JobUpdate, JobUpdateKind, SliceView, SubmittedJob, WorkerView};
-use crate::store::{AttemptRecord, AttemptResults, JobRecord, WorkerState};
-
-/// A run config as job and attempt rows store it (`config_json`). The keys are in
-/// alphabetical order, as the text has always been written (the admission cache keys
-/// hash it).
-#[derive(Debug, Serialize, Deserialize)]
-struct StoredRunConfig {
-    batch_size: u64,
-    micro_batch_size: u64,
-    precision: String,
-    prefetch_batches: u64,
-    recompute_segment_layers: Option<u64>,
-    workspace_limit_bytes: u64,
-}
-
-pub fn config_to_json(config: &RunConfig) -> String {
-    let stored = StoredRunConfig {
-        batch_size: config.batch_size,
-        micro_batch_size: config.micro_batch_size,
-        precision: config.precision.name().to_string(),
-        prefetch_batches: config.prefetch_batches,
-        recompute_segment_layers: config.recompute_segment_layers,
-        workspace_limit_bytes: config.workspace_limit_bytes,
-    };
-    // Numbers and a string: serializing them cannot fail.
-    serde_json::to_string(&stored).unwrap_or_default()
-}
-
-/// The run config a row stores. `Internal` when the text is not one (a corrupt row must
-/// not read as some other configuration).
-pub fn config_from_json(text: &str) -> Result<RunConfig, SchedulerError> {
-    let stored: StoredRunConfig = serde_json::from_str(text)
-        .map_err(|error| ApiError::Internal(format!("stored run config: {error}")))?;
-    Ok(RunConfig {
-        batch_size: stored.batch_size,
-        micro_batch_size: stored.micro_batch_size,
-        precision: Precision::from_name(&stored.precision).ok_or_else(|| {
-            ApiError::Internal(format!(
-                "stored run config: {:?} is not a precision",
-                stored.precision
-            ))
-        })?,
-        recompute_segment_layers: stored.recompute_segment_layers,
-        workspace_limit_bytes: stored.workspace_limit_bytes,
-        prefetch_batches: stored.prefetch_batches,
-    })
-}
+use crate::store::{AttemptRecord, AttemptResults, JobRecord, StoredEstimate, WorkerState};
 
 pub fn timestamp(milliseconds: i64) -> prost_types::Timestamp {
     prost_types::Timestamp {
@@ -146,7 +103,8 @@ fn oom_to_proto(report: &OutOfMemory) -> v1::OutOfMemoryReport {
 pub fn attempt_to_proto(attempt: &AttemptRecord) -> v1::Attempt {
     v1::Attempt {
         number: attempt.attempt_number as u32,
-        config: config_from_json(&attempt.config_json).ok().map(Into::into),
+        // A config it cannot read shows none (the attempt's other fields still show).
+        config: attempt.config().ok().map(Into::into),
         estimate_bytes: attempt.estimate_bytes as u64,
         slice_bytes: attempt.slice_bytes as u64,
         measured_peak_bytes: attempt.measured_peak_bytes.map(|bytes| bytes as u64),
@@ -192,81 +150,10 @@ pub fn attach_progress(job: &mut v1::Job, attempt_number: u32, progress: &Traini
     }
 }
 
-/// A job's estimate as its row stores it: everything the API shows of an estimate but
-/// the configuration, which is the row's `config_json`. Rows written before the
-/// breakdowns were stored hold only `peak_bytes` and `required_bytes`; the other fields
-/// read as empty. The two byte counts are required, so a corrupt row is an error rather
-/// than an estimate of zero bytes.
-#[derive(Debug, Serialize, Deserialize)]
-struct StoredEstimate {
-    peak_bytes: u64,
-    required_bytes: u64,
-    #[serde(default)]
-    persistent_bytes: u64,
-    #[serde(default)]
-    fragmentation_bytes_at_peak: u64,
-    #[serde(default)]
-    fragmentation_at_peak: f64,
-    #[serde(default)]
-    by_category: Vec<StoredCategoryBytes>,
-    #[serde(default)]
-    by_layer: Vec<StoredLayerBytes>,
-    #[serde(default)]
-    peak_during: String,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct StoredCategoryBytes {
-    category: String,
-    bytes: u64,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct StoredLayerBytes {
-    layer: String,
-    bytes: u64,
-}
-
-/// An estimate as a job row stores it (`JobRecord::estimate_json`).
-pub fn estimate_to_json(estimate: &MemoryEstimate) -> String {
-    let stored = StoredEstimate {
-        peak_bytes: estimate.peak_bytes,
-        required_bytes: estimate.required_bytes,
-        persistent_bytes: estimate.persistent_bytes,
-        fragmentation_bytes_at_peak: estimate.fragmentation_bytes_at_peak,
-        fragmentation_at_peak: estimate.fragmentation_at_peak,
-        by_category: estimate
-            .by_category
-            .iter()
-            .map(|(category, bytes)| StoredCategoryBytes {
-                category: category.name().to_string(),
-                bytes: *bytes,
-            })
-            .collect(),
-        by_layer: estimate
-            .by_layer
-            .iter()
-            .map(|layer| StoredLayerBytes {
-                layer: layer.label.clone(),
-                bytes: layer.bytes,
-            })
-            .collect(),
-        peak_during: estimate.peak_during.clone(),
-    };
-    // Plain numbers, strings and lists: serializing them cannot fail (a NaN share, which
-    // JSON cannot hold, becomes null and reads back as an error, not as a number).
-    serde_json::to_string(&stored).unwrap_or_default()
-}
-
-/// The estimate a job row stores, for the configuration `config` (the row's own), as
-/// the API shows it. `Internal` when the stored text is not an estimate.
-pub fn estimate_from_json(
-    text: &str,
-    config: Option<RunConfig>,
-) -> Result<v1::MemoryEstimate, SchedulerError> {
-    let stored: StoredEstimate = serde_json::from_str(text)
-        .map_err(|error| ApiError::Internal(format!("stored estimate: {error}")))?;
-    Ok(v1::MemoryEstimate {
+/// A job's stored estimate (`JobRecord::estimate`), for the configuration `config` (the
+/// row's own), as the API shows it.
+pub fn estimate_to_proto(stored: StoredEstimate, config: Option<RunConfig>) -> v1::MemoryEstimate {
+    v1::MemoryEstimate {
         config: config.map(Into::into),
         peak_bytes: stored.peak_bytes,
         required_bytes: stored.required_bytes,
@@ -290,7 +177,7 @@ pub fn estimate_from_json(
             .collect(),
         fragmentation_bytes_at_peak: stored.fragmentation_bytes_at_peak,
         peak_during: stored.peak_during,
-    })
+    }
 }
 
 /// A job with its attempts and the estimate stored with it: nothing is validated or
@@ -300,14 +187,8 @@ pub fn job_to_proto(
     job: &JobRecord,
     attempts: &[AttemptRecord],
 ) -> Result<v1::Job, SchedulerError> {
-    let within_job = |error: SchedulerError| match error {
-        SchedulerError::Api(ApiError::Internal(message)) => {
-            SchedulerError::Api(ApiError::Internal(format!("job {}: {message}", job.id)))
-        }
-        other => other,
-    };
-    let config = config_from_json(&job.config_json).map_err(within_job)?;
-    let estimate = estimate_from_json(&job.estimate_json, Some(config)).map_err(within_job)?;
+    let config = job.config()?;
+    let estimate = estimate_to_proto(job.estimate()?, Some(config));
     let mut message = job_proto_from_parts(job, attempts, Some(config), None);
     message.estimate = Some(estimate);
     Ok(message)
@@ -575,6 +456,13 @@ pub fn job_update_to_proto(update: &JobUpdate) -> v1::JobEvent {
     }
 }
 
+/// A job's update as its log line stores it (`job_log_lines.event`): the watch stream's
+/// event, encoded, which a resumed watch decodes and replays. The scheduler is handed
+/// this at construction ([`crate::scheduler::EncodeJobEvent`]).
+pub fn job_update_to_stored_event(update: &JobUpdate) -> Vec<u8> {
+    carve_proto::encode_job_event(&job_update_to_proto(update))
+}
+
 /// A command for a worker as its session stream carries it.
 pub fn worker_command_to_proto(command: WorkerCommand) -> v1::SchedulerMessage {
     use v1::scheduler_message::Body;
@@ -667,6 +555,7 @@ mod tests {
     use carve_core::validate::load_job_spec_toml;
 
     use super::*;
+    use crate::store::{estimate_from_json, estimate_to_json};
 
     /// What a read shows is exactly what the estimator said at submit, breakdowns
     /// included: the stored form loses nothing the API carries.
@@ -676,26 +565,8 @@ mod tests {
         let config = RunConfig::from_spec(&job.spec);
         let estimate = estimate_job(&job, &config).unwrap();
         assert!(!estimate.by_layer.is_empty() && estimate.persistent_bytes > 0);
-        let read = estimate_from_json(&estimate_to_json(&estimate), Some(config)).unwrap();
+        let stored = estimate_from_json(&estimate_to_json(&estimate)).unwrap();
+        let read = estimate_to_proto(stored, Some(config));
         assert_eq!(read, v1::MemoryEstimate::from(&estimate));
-    }
-
-    #[test]
-    fn a_corrupt_stored_estimate_is_an_error() {
-        for text in [
-            "",
-            "{}",
-            r#"{"peak_bytes":1}"#,
-            r#"{"peak_bytes":-1,"required_bytes":2}"#,
-            r#"{"peak_bytes":1,"required_bytes":2,"by_layer":"x"}"#,
-        ] {
-            assert!(
-                matches!(
-                    estimate_from_json(text, None),
-                    Err(SchedulerError::Api(ApiError::Internal(_)))
-                ),
-                "{text:?}"
-            );
-        }
     }
 }

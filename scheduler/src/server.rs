@@ -244,7 +244,11 @@ pub async fn run(
         );
     }
     let postgres = store.backend() == Backend::Postgres;
-    let scheduler = Arc::new(Scheduler::new(store, config.settings.clone()));
+    let scheduler = Arc::new(Scheduler::new(
+        store,
+        config.settings.clone(),
+        crate::convert::job_update_to_stored_event,
+    ));
     let candidate = Candidate {
         holder: generate_id("replica"),
         endpoint: config

@@ -18,10 +18,11 @@ use crate::auth::{Caller, Role, authenticate, generate_id};
 use crate::cache::{
     BoundedCache, LOOKUP_CAPACITY, LOOKUP_TIME_TO_LIVE, ShortLivedCache, TOKEN_USE_RECORD_INTERVAL,
 };
-use crate::convert::{config_to_json, estimate_to_json};
 use crate::error::SchedulerError;
 use crate::metrics::SubmitRejection;
-use crate::store::{AttemptRecord, JobRecord, TenantRecord, TokenRecord};
+use crate::store::{
+    AttemptRecord, JobRecord, TenantRecord, TokenRecord, config_to_json, estimate_to_json,
+};
 
 use super::{Scheduler, StateChange, now_ms, spec_error};
 

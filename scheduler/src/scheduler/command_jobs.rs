@@ -15,9 +15,10 @@ use carve_core::spec::VramRequest;
 use carve_core::workload::{JobKind, Workload};
 use sha2::{Digest, Sha256};
 
-use crate::convert::{config_from_json, config_to_json, estimate_to_json};
 use crate::error::SchedulerError;
-use crate::store::{AttemptEnd, AttemptEndDetails, AttemptResults};
+use crate::store::{
+    AttemptEnd, AttemptEndDetails, AttemptResults, config_to_json, estimate_to_json,
+};
 
 use super::admission::largest_usable_gpu;
 use super::worker_reports::AttemptRef;
@@ -208,7 +209,7 @@ impl Scheduler {
             if !workload.needs_profile(measured.as_ref()) {
                 continue;
             }
-            let config = config_from_json(&job.config_json)?;
+            let config = job.config()?;
             // A profile's estimate is the slice it runs in: the largest GPU's.
             let estimate = workload
                 .estimate(&config, measured.as_ref(), Some(*largest_gpu))
@@ -246,7 +247,7 @@ impl Scheduler {
                 job.id, job.kind
             )))
         })?;
-        let config = config_from_json(&job.config_json)?;
+        let config = job.config()?;
         let fitted = CommandMemoryModel::fit(
             &points,
             config.precision,

@@ -17,7 +17,8 @@ use super::worker_reports::{AttemptRef, TrainingProgress};
 use super::{Scheduler, StateChange, now_ms};
 
 /// What watchers of a job are told, as the scheduler's own type; the watch handler makes
-/// the wire event of it (`convert::job_update_to_proto`).
+/// the wire event of it (`convert::job_update_to_proto`), and the encoder the scheduler
+/// was built with ([`EncodeJobEvent`]) the bytes its log line stores.
 #[derive(Debug, Clone, PartialEq)]
 pub struct JobUpdate {
     pub job_id: String,
@@ -59,6 +60,12 @@ pub enum JobUpdateKind {
     },
 }
 
+/// A job update as its log line stores it (`job_log_lines.event`, what a resumed watch
+/// replays): the wire's `JobEvent`, encoded. The layer that owns the wire hands it to the
+/// scheduler at construction (`Scheduler::new`, `convert::job_update_to_stored_event`),
+/// so the scheduler stores events without naming the wire.
+pub type EncodeJobEvent = fn(&JobUpdate) -> Vec<u8>;
+
 impl JobUpdate {
     /// Whether the job ended with this update: a watch stops after it.
     pub fn ends_the_job(&self) -> bool {
@@ -84,9 +91,7 @@ impl Scheduler {
         };
         if let Some(mut line) = log_line_for_event(job_id, update.time_ms, &update.kind) {
             if !matches!(update.kind, JobUpdateKind::Log { .. }) {
-                line.event = Some(carve_proto::encode_job_event(
-                    &crate::convert::job_update_to_proto(&update),
-                ));
+                line.event = Some((self.encode_event)(&update));
             }
             self.logs.append(line);
         }

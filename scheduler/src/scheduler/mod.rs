@@ -31,8 +31,8 @@ mod views;
 pub mod worker_reports;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use carve_core::job_state::{JobEvent, JobState, next_state};
@@ -47,7 +47,7 @@ use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use crate::queue::QueueMirror;
 use crate::store::{AttemptEnd, JobRecord, Store, SubmitBatcher, WorkerRecord, WorkerState};
-pub use logs::{JobUpdate, JobUpdateKind};
+pub use logs::{EncodeJobEvent, JobUpdate, JobUpdateKind};
 use worker_reports::{Gpu, WorkerCommand};
 
 pub use admin::CreatedToken;
@@ -211,6 +211,8 @@ pub struct Scheduler {
     job_changes: tokio::sync::Mutex<()>,
     wake: Notify,
     events: broadcast::Sender<JobUpdate>,
+    /// How an event's log line stores it (see [`EncodeJobEvent`]).
+    encode_event: EncodeJobEvent,
     event_sequence: AtomicU64,
     pub metrics: Metrics,
     stopping: tokio::sync::watch::Sender<bool>,
@@ -271,7 +273,14 @@ fn spec_error(error: ApiError) -> SchedulerError {
 }
 
 impl Scheduler {
-    pub fn new(store: Store, settings: SchedulerSettings) -> Scheduler {
+    /// A scheduler over `store`; `encode_event` is how a job event's log line stores it
+    /// (`convert::job_update_to_stored_event`: the wire's encoding, which the scheduler
+    /// does not name).
+    pub fn new(
+        store: Store,
+        settings: SchedulerSettings,
+        encode_event: EncodeJobEvent,
+    ) -> Scheduler {
         let batcher = SubmitBatcher::spawn(store.clone());
         let logs = crate::store::LogBatcher::spawn(store.clone());
         let (events, _) = broadcast::channel(4096);
@@ -284,6 +293,7 @@ impl Scheduler {
             job_changes: tokio::sync::Mutex::new(()),
             wake: Notify::new(),
             events,
+            encode_event,
             event_sequence: AtomicU64::new(1),
             metrics: Metrics::default(),
             stopping: tokio::sync::watch::Sender::new(false),

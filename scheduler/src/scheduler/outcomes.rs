@@ -11,10 +11,11 @@ use carve_proto::ApiError;
 use tokio::time::Instant;
 
 use crate::auth::Caller;
-use crate::convert::{config_from_json, config_to_json, estimate_to_json};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
-use crate::store::{AttemptEnd, AttemptEndDetails, AttemptResults, JobRecord};
+use crate::store::{
+    AttemptEnd, AttemptEndDetails, AttemptResults, JobRecord, config_to_json, estimate_to_json,
+};
 
 use super::command_jobs::OomDetected;
 use super::logs::JobUpdateKind;
@@ -109,7 +110,7 @@ impl Scheduler {
             job.checkpoint_location = Some(checkpoint.location);
             job.checkpoint_step = checkpoint.step as i64;
         }
-        let old_config = config_from_json(&job.config_json)?;
+        let old_config = job.config()?;
         let job_id = job.id.clone();
         let announce_out_of_memory = |config| {
             Metrics::count(&self.metrics.out_of_memory_reports);
@@ -344,7 +345,7 @@ impl Scheduler {
         }
         self.back_off(&job.id, backoff);
         if let (Some(measured), AttemptOutcome::Succeeded) = (measured, outcome) {
-            let config = config_from_json(&job.config_json)?;
+            let config = job.config()?;
             let workload = self.stored_workload(&job).await?;
             if let Some(command) = workload.as_command() {
                 self.refine_command_memory_model(command, &config, measured as u64)

@@ -11,7 +11,6 @@ use carve_core::scheduling::{
 };
 use tokio::time::Instant;
 
-use crate::convert::{config_from_json, estimate_from_json};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use carve_core::plan::RunConfig;
@@ -240,10 +239,10 @@ impl Scheduler {
             return Ok(false);
         }
         let attempt_number = job.attempts_count + 1;
-        let config = config_from_json(&job.config_json)?;
+        let config = job.config()?;
         // The estimate of the job's configuration is stored with it (admission and
         // OOM shrinks keep it current): nothing is estimated here.
-        let estimate_bytes = estimate_from_json(&job.estimate_json, None)?.required_bytes;
+        let estimate_bytes = job.estimate()?.required_bytes;
         // Not `move_job`: the placed job is stored with its attempt, in one transaction.
         let (profile, chosen_because) = self
             .why_this_configuration(&job, &config, attempt_number)
@@ -368,7 +367,7 @@ impl Scheduler {
                 with_change("sized by the profile".to_string(), &spec_config)
             }
             Some(previous) => {
-                let before = config_from_json(&previous.config_json).unwrap_or(spec_config);
+                let before = previous.config().unwrap_or(spec_config);
                 let text = if previous.outcome == AttemptOutcome::OutOfMemory {
                     format!(
                         "after attempt {} ran out of memory",

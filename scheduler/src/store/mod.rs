@@ -89,6 +89,7 @@ mod batcher;
 mod columns;
 mod job_pages;
 mod jobs;
+mod json_columns;
 pub mod leadership;
 mod logs;
 mod peaks;
@@ -101,6 +102,10 @@ pub use attempts::{AttemptEnd, AttemptEndDetails, AttemptStartDetails};
 pub use batcher::SubmitBatcher;
 pub use jobs::{
     WAITING_REASON_IDS_PER_STATEMENT, WAITING_REASONS_PER_TRANSACTION, page_token_after,
+};
+pub use json_columns::{
+    CONFIG_COLUMN, CorruptColumn, ESTIMATE_COLUMN, StoredCategoryBytes, StoredEstimate,
+    StoredLayerBytes, config_from_json, config_to_json, estimate_from_json, estimate_to_json,
 };
 pub use logs::{
     DEFAULT_LOG_PAGE_SIZE, LOG_LEVELS, LogBatcher, LogBatcherSettings, LogLineRecord, LogPage,

@@ -1,8 +1,9 @@
 //! The rows the store keeps, as plain structs with typed states (how those are read
 //! from their columns is `columns.rs`).
 //!
-//! The JSON blobs other than the out-of-memory report (job spec, run config, estimate,
-//! GPUs) are stored as text exactly as given and parsed by their readers (`convert.rs`).
+//! The run config and the estimate are JSON read and written through `json_columns.rs`;
+//! the other JSON blobs but the out-of-memory report (job spec, GPUs) are stored as text
+//! exactly as given and parsed by their readers.
 //! Times are milliseconds since the Unix epoch, chosen by the caller (the scheduler owns
 //! the clock). Ids are chosen by the caller.
 
@@ -130,7 +131,7 @@ pub struct JobRecord {
     pub idempotency_key: Option<String>,
     /// The run config the next (or the running) attempt uses, as JSON.
     pub config_json: String,
-    /// The estimate of `config_json`, as JSON (`convert::estimate_to_json`): job reads
+    /// The estimate of `config_json`, as JSON (`json_columns.rs`; read by `JobRecord::estimate`): job reads
     /// show it as stored, never estimating again.
     pub estimate_json: String,
     /// The slice size `estimate_json` needs.
