@@ -1,5 +1,7 @@
 //! The one reading of a plan operation, shared by the backends: which operation it is,
-//! which buffers play which role, and which layer family's kernel runs.
+//! which buffers play which role, and which layer family's kernel runs. Which buffer is
+//! which comes from core's operand accessors (`Operation::layer_forward_operands`,
+//! `loss_operands`, ...), never from a position in the operation's lists.
 //!
 //! A backend implements one trait per layer family (the families of `kernels/`: conv,
 //! dense, pooling, activation, batch norm, dropout, loss, optimizer) plus `LayerPasses`,
@@ -7,8 +9,12 @@
 //! the match over operation kinds and layer kinds is written once, here, and a new layer
 //! kind is a compile error in every backend until each has its kernel.
 
-use carve_core::model::{ActivationKind, FeatureShape, LayerNode, LayerOp};
-use carve_core::plan::{BufferId, BufferOwner, BufferRole, BufferSpec, Operation, OperationKind};
+use carve_core::model::{ActivationKind, FeatureShape, LayerNode, LayerOp, ParameterTensor};
+use carve_core::plan::{
+    BatchNormParameters, BufferId, BufferRole, GradientSumOperands, KernelParameters,
+    LayerBackwardOperands, LayerForwardOperands, LayerParameters, LossGradientOperands,
+    LossOperands, Operation, OperationKind, OptimizerOperands, ParameterGradients,
+};
 
 use crate::backend::{OperationContext, OperationResult};
 use crate::error::EngineError;
@@ -50,69 +56,71 @@ pub(crate) fn windowed_shapes(layer: &LayerNode, batch: usize) -> Option<Windowe
     })
 }
 
-/// The ids an operation touches, sorted out by what they are for.
-#[derive(Debug, Default)]
-pub(crate) struct Roles {
-    /// The (last) input; `inputs` has them all, in order, for merges.
+/// The buffers of a layer operation by what they are for, forward or backward alike, as
+/// core's operand accessors name them.
+#[derive(Debug)]
+pub(crate) struct Roles<'a> {
+    /// The input of a single-input layer (`None` for a merge, which reads `inputs`).
     pub(crate) input: Option<BufferId>,
-    pub(crate) inputs: Vec<BufferId>,
+    /// Every input, in the layer's input order (for backward: those kept for it).
+    pub(crate) inputs: &'a [BufferId],
     pub(crate) output: Option<BufferId>,
-    pub(crate) parameters: Vec<BufferId>,
+    pub(crate) parameters: LayerParameters<BufferId>,
+    /// Dropout's mask or batch norm's statistics.
     pub(crate) side: Option<BufferId>,
+    /// Backward: the gradient of the layer's output.
     pub(crate) gradient_in: Option<BufferId>,
+    /// Backward: the input gradient of a single-input layer, when one is needed.
     pub(crate) input_gradient: Option<BufferId>,
-    /// Every input gradient written, in input order (a concat writes one per input).
-    pub(crate) input_gradients: Vec<BufferId>,
-    pub(crate) parameter_gradients: Vec<BufferId>,
+    /// Backward: every input gradient written, in input order (a concat writes one per
+    /// input).
+    pub(crate) input_gradients: &'a [BufferId],
+    /// Backward: the fp32 gradients the computed ones are added into.
+    pub(crate) parameter_gradients: ParameterGradients<BufferId>,
     pub(crate) workspace: Option<BufferId>,
     pub(crate) half_gradients: Option<BufferId>,
 }
 
-pub(crate) fn sort_roles(
-    operation: &Operation,
-    buffers: &[BufferSpec],
-    layer_index: usize,
-) -> Roles {
-    let mut roles = Roles::default();
-    let is_backward = matches!(operation.kind, OperationKind::LayerBackward { .. });
-    for (position, id) in operation.reads.iter().enumerate() {
-        let spec = &buffers[id.0];
-        if is_backward && position == 0 {
-            roles.gradient_in = Some(*id);
-            continue;
-        }
-        match spec.role {
-            BufferRole::Parameter { .. } => roles.parameters.push(*id),
-            BufferRole::DropoutMask | BufferRole::BatchStatistics => roles.side = Some(*id),
-            BufferRole::LayerOutput if spec.owner == BufferOwner::Layer(layer_index) => {
-                roles.output = Some(*id)
-            }
-            _ => {
-                roles.input = Some(*id);
-                roles.inputs.push(*id);
-            }
+/// The one buffer of a single-input layer's list.
+fn sole(ids: &[BufferId]) -> Option<BufferId> {
+    match ids {
+        [only] => Some(*only),
+        _ => None,
+    }
+}
+
+impl<'a> Roles<'a> {
+    fn forward(operands: LayerForwardOperands<'a>) -> Roles<'a> {
+        Roles {
+            input: sole(operands.inputs),
+            inputs: operands.inputs,
+            output: operands.output,
+            parameters: operands.parameters,
+            side: operands.side_output,
+            gradient_in: None,
+            input_gradient: None,
+            input_gradients: &[],
+            parameter_gradients: ParameterGradients::None,
+            workspace: operands.workspace,
+            half_gradients: None,
         }
     }
-    for id in &operation.writes {
-        match buffers[id.0].role {
-            BufferRole::LayerOutput => roles.output = Some(*id),
-            BufferRole::DropoutMask | BufferRole::BatchStatistics => roles.side = Some(*id),
-            BufferRole::InputGradient => {
-                roles.input_gradient = Some(*id);
-                roles.input_gradients.push(*id);
-            }
-            BufferRole::Gradient { .. } => roles.parameter_gradients.push(*id),
-            _ => {}
+
+    fn backward(operands: LayerBackwardOperands<'a>) -> Roles<'a> {
+        Roles {
+            input: sole(operands.inputs),
+            inputs: operands.inputs,
+            output: operands.output,
+            parameters: operands.parameters,
+            side: operands.side_output,
+            gradient_in: Some(operands.output_gradient),
+            input_gradient: sole(operands.input_gradients),
+            input_gradients: operands.input_gradients,
+            parameter_gradients: operands.parameter_gradients,
+            workspace: operands.workspace,
+            half_gradients: operands.half_gradients,
         }
     }
-    for id in &operation.scratch {
-        match buffers[id.0].role {
-            BufferRole::Workspace => roles.workspace = Some(*id),
-            BufferRole::HalfGradients => roles.half_gradients = Some(*id),
-            _ => {}
-        }
-    }
-    roles
 }
 
 /// Max or average pooling: one family, one kernel each way on both backends.
@@ -130,7 +138,7 @@ pub(crate) struct LayerCall<'a> {
     pub(crate) context: &'a OperationContext<'a>,
     pub(crate) layer: &'a LayerNode,
     pub(crate) layer_index: usize,
-    pub(crate) roles: Roles,
+    pub(crate) roles: Roles<'a>,
     /// Samples in this micro-batch.
     pub(crate) batch: usize,
 }
@@ -140,15 +148,25 @@ impl<'a> LayerCall<'a> {
         operation: &'a Operation,
         context: &'a OperationContext<'a>,
         layer_index: usize,
-    ) -> LayerCall<'a> {
-        LayerCall {
+    ) -> Result<LayerCall<'a>, EngineError> {
+        let layer = context.graph.layers.get(layer_index).ok_or_else(|| {
+            EngineError::Backend(format!(
+                "the plan names layer {layer_index}, the model has none"
+            ))
+        })?;
+        let roles = if matches!(operation.kind, OperationKind::LayerBackward { .. }) {
+            Roles::backward(operation.layer_backward_operands(context.plan, layer)?)
+        } else {
+            Roles::forward(operation.layer_forward_operands(context.plan, layer)?)
+        };
+        Ok(LayerCall {
             operation,
             context,
-            layer: &context.graph.layers[layer_index],
+            layer,
             layer_index,
-            roles: sort_roles(operation, &context.plan.buffers, layer_index),
+            roles,
             batch: context.samples,
-        }
+        })
     }
 
     pub(crate) fn input_elements(&self) -> usize {
@@ -206,12 +224,40 @@ impl<'a> LayerCall<'a> {
         Ok((input, output))
     }
 
-    /// The error for a backward that lacks one of its buffers.
+    /// The kernel and bias of a conv2d, depthwise conv2d or dense layer.
+    pub(crate) fn kernel_parameters(&self) -> Result<KernelParameters<BufferId>, EngineError> {
+        self.roles
+            .parameters
+            .kernel()
+            .ok_or_else(|| self.missing("kernel"))
+    }
+
+    /// Batch norm's gamma, beta and running statistics.
+    pub(crate) fn batch_norm_parameters(
+        &self,
+    ) -> Result<BatchNormParameters<BufferId>, EngineError> {
+        self.roles
+            .parameters
+            .batch_norm()
+            .ok_or_else(|| self.missing("gamma, beta and running statistics"))
+    }
+
+    /// The layer's own parameter tensors (shapes, element counts), by name.
+    pub(crate) fn parameter_tensors(
+        &self,
+    ) -> Result<LayerParameters<&'a ParameterTensor>, EngineError> {
+        Ok(LayerParameters::of_layer(self.layer)?)
+    }
+
+    /// The error for an operation that lacks one of its buffers.
     pub(crate) fn missing(&self, what: &str) -> EngineError {
-        EngineError::Backend(format!(
-            "{} backward without its {what}",
-            self.layer.label()
-        ))
+        let pass = match self.operation.kind {
+            OperationKind::LayerBackward { .. } => "backward",
+            OperationKind::LayerRecompute { .. } => "recompute",
+            OperationKind::LayerInference { .. } => "inference",
+            _ => "forward",
+        };
+        EngineError::Backend(format!("{} {pass} without its {what}", self.layer.label()))
     }
 }
 
@@ -387,55 +433,23 @@ pub(crate) trait DropoutKernels: LayerPasses {
 }
 
 pub(crate) trait LossKernels {
-    /// The loss of the model output against the targets (`reads`: output, targets;
-    /// `writes`: the loss value, then the probabilities for cross-entropy).
+    /// The loss of the model output against the targets, into `operands.loss` (and the
+    /// probabilities for cross-entropy).
     fn loss_forward(
         &mut self,
-        operation: &Operation,
+        operands: &LossOperands,
         context: &mut OperationContext<'_>,
     ) -> Result<OperationResult, EngineError>;
     /// The loss gradient, scaled by `context.loss_gradient_scale`.
     fn loss_backward(
         &mut self,
-        operation: &Operation,
+        operands: &LossGradientOperands,
         context: &mut OperationContext<'_>,
     ) -> Result<(), EngineError>;
 }
 
-/// An optimizer update's buffers, as the plan lists them.
-#[derive(Debug)]
-pub(crate) struct OptimizerBuffers {
-    pub(crate) gradient: BufferId,
-    /// The weights the layers compute with.
-    pub(crate) weights: BufferId,
-    /// The fp32 masters under mixed precision.
-    pub(crate) master: Option<BufferId>,
-    pub(crate) states: Vec<BufferId>,
-}
-
-impl OptimizerBuffers {
-    fn of(operation: &Operation, buffers: &[BufferSpec]) -> OptimizerBuffers {
-        let with_role = |matches_role: fn(&BufferRole) -> bool| {
-            operation
-                .writes
-                .iter()
-                .copied()
-                .filter(move |id| matches_role(&buffers[id.0].role))
-        };
-        OptimizerBuffers {
-            gradient: operation.reads[0],
-            weights: operation.writes[0],
-            master: with_role(|role| matches!(role, BufferRole::MasterParameter { .. })).next(),
-            states: with_role(|role| matches!(role, BufferRole::OptimizerState { .. })).collect(),
-        }
-    }
-
-    /// Where the update happens: on the fp32 masters under mixed precision (the compute
-    /// copy is then rounded from them), else on the weights.
-    pub(crate) fn target(&self) -> BufferId {
-        self.master.unwrap_or(self.weights)
-    }
-}
+/// An optimizer update's buffers, as core names them.
+pub(crate) type OptimizerBuffers = OptimizerOperands;
 
 pub(crate) trait OptimizerKernels {
     /// One parameter's update (when `context.apply_update`), then its gradient zeroed.
@@ -510,10 +524,11 @@ pub(crate) fn run_operation<K: OperationKernels>(
     operation: &Operation,
     context: &mut OperationContext<'_>,
 ) -> Result<OperationResult, EngineError> {
+    let plan = context.plan;
     match operation.kind {
         OperationKind::InitializeParameters => {
-            for (master, weights) in operation.reads.iter().zip(&operation.writes) {
-                kernels.initialize_parameters(*master, *weights)?;
+            for (master, weights) in operation.initialize_operands(plan)?.pairs() {
+                kernels.initialize_parameters(master, weights)?;
             }
         }
         OperationKind::LayerForward { layer }
@@ -525,13 +540,14 @@ pub(crate) fn run_operation<K: OperationKernels>(
             layer_backward(kernels, operation, context, layer)?
         }
         OperationKind::LossForward | OperationKind::LossEvaluate => {
-            return kernels.loss_forward(operation, context);
+            return kernels.loss_forward(&operation.loss_operands(plan)?, context);
         }
-        OperationKind::LossBackward => kernels.loss_backward(operation, context)?,
+        OperationKind::LossBackward => {
+            kernels.loss_backward(&operation.loss_gradient_operands(plan)?, context)?
+        }
         OperationKind::AccumulateGradient { .. } | OperationKind::CopyGradient { .. } => {
-            let from = operation.reads[0];
-            let into = operation.writes[0];
-            let spec = &context.plan.buffers[into.0];
+            let GradientSumOperands { from, into } = operation.gradient_sum_operands(plan)?;
+            let spec = plan.buffer(into);
             // Gradients are per micro-batch: a short batch sums only its own samples.
             let per_sample = spec.elements / context.plan.config.micro_batch_size.max(1);
             let elements = (per_sample as usize) * context.samples;
@@ -539,12 +555,12 @@ pub(crate) fn run_operation<K: OperationKernels>(
             kernels.gradient_sum(from, into, elements, accumulate)?;
         }
         OperationKind::CheckOverflow => {
-            let finite = kernels.gradients_are_finite(&operation.reads)?;
+            let operands = operation.overflow_operands(plan)?;
+            let finite = kernels.gradients_are_finite(operands.gradients)?;
             *context.apply_update = context.loss_scaler.update(!finite);
         }
         OperationKind::OptimizerUpdate { .. } => {
-            let buffers = OptimizerBuffers::of(operation, &context.plan.buffers);
-            kernels.optimizer_update(&buffers, context)?
+            kernels.optimizer_update(&operation.optimizer_operands(plan)?, context)?
         }
     }
     Ok(OperationResult::default())
@@ -560,7 +576,7 @@ fn layer_forward<K: OperationKernels>(
     if context.graph.layers[layer_index].is_view() {
         return Ok(());
     }
-    let call = LayerCall::new(operation, context, layer_index);
+    let call = LayerCall::new(operation, context, layer_index)?;
     match call.layer.op {
         LayerOp::Add => return kernels.add_forward(&call),
         LayerOp::Concat => return kernels.concat_forward(&call),
@@ -602,7 +618,7 @@ fn layer_backward<K: OperationKernels>(
     context: &OperationContext<'_>,
     layer_index: usize,
 ) -> Result<(), EngineError> {
-    let call = LayerCall::new(operation, context, layer_index);
+    let call = LayerCall::new(operation, context, layer_index)?;
     match call.layer.op {
         // An add has no backward of its own: the plan hands its gradient on.
         LayerOp::Add => return Ok(()),

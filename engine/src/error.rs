@@ -2,6 +2,7 @@
 
 use carve_core::FieldError;
 use carve_core::allocator::OutOfMemory;
+use carve_core::plan::OperandError;
 
 /// Everything that can stop a training attempt.
 #[derive(Debug, thiserror::Error)]
@@ -21,6 +22,14 @@ pub enum EngineError {
     /// The backend failed for a reason other than memory.
     #[error("backend: {0}")]
     Backend(String),
+}
+
+/// The plan's operations do not list the buffers their kind and layer say: the compiler
+/// and the engine disagree about the plan, which stops the attempt like a backend failure.
+impl From<OperandError> for EngineError {
+    fn from(error: OperandError) -> EngineError {
+        EngineError::Backend(error.to_string())
+    }
 }
 
 impl EngineError {

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use carve_core::estimator::{MemoryEstimate, estimate_plan};
-use carve_core::model::{LayerNode, LayerOp};
+use carve_core::model::{LayerNode, LayerOp, ParameterTensor};
 use carve_core::plan::{
     BufferId, BufferOwner, BufferRole, PlanStep, RunConfig, StepPlan, compile_step_plan,
 };
@@ -89,6 +89,8 @@ struct ParameterBuffers {
     name: String,
     layer: usize,
     parameter: usize,
+    /// The model's tensor: its name and shape decide its initial values.
+    tensor: ParameterTensor,
     elements: usize,
     trainable: bool,
     weights: BufferId,
@@ -133,6 +135,7 @@ fn parameter_buffers(job: &ValidatedJob, plan: &StepPlan) -> Vec<ParameterBuffer
                 name: format!("{}/{}", layer.label(), parameter.name),
                 layer: layer.index,
                 parameter: parameter_index,
+                tensor: parameter.clone(),
                 elements: parameter.elements as usize,
                 trainable: parameter.trainable,
                 weights: weights[0],
@@ -146,8 +149,12 @@ fn parameter_buffers(job: &ValidatedJob, plan: &StepPlan) -> Vec<ParameterBuffer
 
 /// Keras defaults: Glorot-uniform kernels, zero biases and betas, unit gammas, running
 /// mean 0 and variance 1.
-fn initial_values(layer: &LayerNode, parameter: usize, seed: u64) -> Vec<f32> {
-    let tensor = &layer.parameters[parameter];
+fn initial_values(
+    layer: &LayerNode,
+    parameter: usize,
+    tensor: &ParameterTensor,
+    seed: u64,
+) -> Vec<f32> {
     let elements = tensor.elements as usize;
     match tensor.name {
         "kernel" => {
@@ -224,15 +231,22 @@ pub fn train_with<B: Backend>(
     mut executor: Executor<B>,
     on_progress: &mut dyn FnMut(&Progress),
 ) -> Result<TrainingReport, EngineError> {
-    let result = run_training(
-        job,
-        data,
-        options,
-        &plan,
-        estimate,
-        &mut executor,
-        on_progress,
-    );
+    // Every operation read through core's operand accessors once, before anything runs:
+    // a plan the engine would misread stops the attempt here (each run reads them again).
+    let result = plan
+        .check_operands(&job.graph)
+        .map_err(EngineError::from)
+        .and_then(|()| {
+            run_training(
+                job,
+                data,
+                options,
+                &plan,
+                estimate,
+                &mut executor,
+                on_progress,
+            )
+        });
     // Whatever happened, the attempt gives its slice back.
     executor.release_everything();
     result
@@ -434,7 +448,12 @@ impl<B: Backend> Run<'_, B> {
                 Some(checkpoint) => {
                     checkpoint_values(checkpoint, &parameter.name, parameter.elements)?
                 }
-                None => initial_values(layer, parameter.parameter, self.job.spec.training.seed),
+                None => initial_values(
+                    layer,
+                    parameter.parameter,
+                    &parameter.tensor,
+                    self.job.spec.training.seed,
+                ),
             };
             // Under mixed precision the compute copy is cast from the master by the setup
             // operations below.

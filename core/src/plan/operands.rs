@@ -471,6 +471,21 @@ impl<T> OptimizerState<T> {
         }
     }
 
+    /// `map` with a fallible `f`: the first error, if any.
+    pub fn try_map<U, E>(
+        self,
+        mut f: impl FnMut(T) -> Result<U, E>,
+    ) -> Result<OptimizerState<U>, E> {
+        Ok(match self {
+            OptimizerState::None => OptimizerState::None,
+            OptimizerState::Velocity(velocity) => OptimizerState::Velocity(f(velocity)?),
+            OptimizerState::Moments { first, second } => OptimizerState::Moments {
+                first: f(first)?,
+                second: f(second)?,
+            },
+        })
+    }
+
     pub fn as_mut(&mut self) -> OptimizerState<&mut T> {
         match self {
             OptimizerState::None => OptimizerState::None,

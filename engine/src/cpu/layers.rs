@@ -1,8 +1,10 @@
 //! The cpu backend's layer kernels: each family's forward and backward on f32 copies of
 //! its buffers (`Workbench`), which `LayerPasses` takes out before and puts back after.
 
-use carve_core::model::{ActivationKind, LayerNode, LayerOp};
-use carve_core::plan::BufferId;
+use carve_core::model::{ActivationKind, LayerOp};
+use carve_core::plan::{
+    BatchNormGradients, BufferId, KernelParameters, ParameterGradients, half_gradient_layout,
+};
 
 use super::{CpuBackend, Workbench};
 use crate::backend::Backend;
@@ -81,7 +83,7 @@ pub(crate) struct CpuBackward {
     mask_id: Option<BufferId>,
     input_gradient: Option<Vec<f32>>,
     workspace: Vec<f32>,
-    parameter_gradients: Vec<Vec<f32>>,
+    parameter_gradients: ParameterGradients<Vec<f32>>,
 }
 
 /// What a backward's kernel sees of its buffers.
@@ -92,7 +94,7 @@ struct BackwardViews<'s> {
     output: Option<&'s [f32]>,
     dx: Option<&'s mut [f32]>,
     workspace: &'s mut Vec<f32>,
-    parameter_gradients: &'s mut [Vec<f32>],
+    parameter_gradients: ParameterGradients<&'s mut Vec<f32>>,
 }
 
 impl CpuBackward {
@@ -113,7 +115,7 @@ impl CpuBackward {
                 .as_mut()
                 .map(|values| &mut values[..input_elements]),
             workspace: &mut self.workspace,
-            parameter_gradients: &mut self.parameter_gradients,
+            parameter_gradients: self.parameter_gradients.as_mut(),
         }
     }
 }
@@ -146,7 +148,7 @@ impl LayerPasses for CpuBackend {
         let (input_id, output_id) = call.forward_buffers()?;
         let statistics_id = call.batch_statistics();
         let mut ids = vec![input_id, output_id];
-        ids.extend(&roles.parameters);
+        ids.extend(roles.parameters.list());
         ids.extend(statistics_id);
         ids.extend(roles.workspace);
         let mut bench = self.bench(ids)?;
@@ -156,12 +158,15 @@ impl LayerPasses for CpuBackend {
         let statistics = statistics_id.map(|id| bench.take(id)).unwrap_or_default();
         let is_batch_norm_training =
             matches!(call.layer.op, LayerOp::BatchNorm { .. }) && !call.is_inference();
-        let running = is_batch_norm_training.then(|| {
-            (
-                bench.take(roles.parameters[2]),
-                bench.take(roles.parameters[3]),
-            )
-        });
+        let running = if is_batch_norm_training {
+            let batch_norm = call.batch_norm_parameters()?;
+            Some((
+                bench.take(batch_norm.running_mean),
+                bench.take(batch_norm.running_variance),
+            ))
+        } else {
+            None
+        };
         Ok(Some(CpuForward {
             bench,
             input_id,
@@ -196,8 +201,9 @@ impl LayerPasses for CpuBackend {
             bench.give(id, statistics);
         }
         if let Some((running_mean, running_variance)) = running {
-            bench.give(call.roles.parameters[2], running_mean);
-            bench.give(call.roles.parameters[3], running_variance);
+            let batch_norm = call.batch_norm_parameters()?;
+            bench.give(batch_norm.running_mean, running_mean);
+            bench.give(batch_norm.running_variance, running_variance);
         }
         bench.give(output_id, output);
         self.return_bench(bench)
@@ -212,20 +218,15 @@ impl LayerPasses for CpuBackend {
         let mut ids = vec![gradient_in_id];
         ids.extend(roles.input);
         ids.extend(roles.output);
-        ids.extend(roles.parameters.iter().copied());
+        ids.extend(roles.parameters.list());
         ids.extend(roles.side.filter(|id| Some(*id) != mask_id));
         ids.extend(roles.input_gradient);
         ids.extend(roles.workspace);
         let mut bench = self.bench(ids)?;
         let input_gradient = roles.input_gradient.map(|id| bench.take(id));
         let workspace = roles.workspace.map(|id| bench.take(id)).unwrap_or_default();
-        let parameter_gradients = call
-            .layer
-            .parameters
-            .iter()
-            .filter(|parameter| parameter.trainable)
-            .map(|parameter| vec![0.0; parameter.elements as usize])
-            .collect();
+        let parameter_gradients = ParameterGradients::of_layer(call.layer)?
+            .map(|tensor| vec![0.0; tensor.elements as usize]);
         Ok(Some(CpuBackward {
             bench,
             gradient_in_id,
@@ -257,22 +258,27 @@ impl LayerPasses for CpuBackend {
         }
         self.return_bench(bench)?;
         if let Some(half_id) = roles.half_gradients {
-            let flat: Vec<f32> = parameter_gradients.iter().flatten().copied().collect();
+            // Rounded through the half scratch, laid out as core says.
+            let layout = half_gradient_layout(call.layer)?.list();
+            let elements = layout.last().map_or(0, |range| range.end as usize);
+            let mut flat = vec![0.0; elements];
+            for (range, values) in layout.iter().zip(parameter_gradients.as_mut().list()) {
+                flat[range.start as usize..range.end as usize].copy_from_slice(values);
+            }
             self.write_f32(half_id, &flat)?;
             let rounded = self.read_f32(half_id)?;
-            let mut offset = 0;
-            for values in &mut parameter_gradients {
-                let length = values.len();
-                values.copy_from_slice(&rounded[offset..offset + length]);
-                offset += length;
+            for (range, values) in layout.iter().zip(parameter_gradients.as_mut().list()) {
+                values.copy_from_slice(&rounded[range.start as usize..range.end as usize]);
             }
         }
-        for (gradient_id, computed) in roles.parameter_gradients.iter().zip(parameter_gradients) {
-            let mut accumulated = self.take_f32(*gradient_id)?;
+        let accumulated_into = roles.parameter_gradients.list();
+        for (gradient_id, computed) in accumulated_into.into_iter().zip(parameter_gradients.list())
+        {
+            let mut accumulated = self.take_f32(gradient_id)?;
             for (sum, value) in accumulated.iter_mut().zip(computed) {
                 *sum += value;
             }
-            self.put_f32(*gradient_id, accumulated)?;
+            self.put_f32(gradient_id, accumulated)?;
         }
         Ok(())
     }
@@ -285,15 +291,14 @@ impl ConvKernels for CpuBackend {
         forward: &mut CpuForward,
         use_bias: bool,
     ) -> Result<(), EngineError> {
+        let KernelParameters { kernel, bias } = call.kernel_parameters()?;
         let views = forward.views(call);
-        let parameter = |index: usize| views.bench.get(call.roles.parameters[index]);
         let shapes = windowed_shapes(call.layer, call.batch).expect("conv has a window");
-        let bias = use_bias.then(|| parameter(1));
         conv2d_forward(
             &shapes,
             views.input,
-            parameter(0),
-            bias,
+            views.bench.get(kernel),
+            bias.filter(|_| use_bias).map(|id| views.bench.get(id)),
             views.output,
             views.workspace,
         );
@@ -306,18 +311,18 @@ impl ConvKernels for CpuBackend {
         backward: &mut CpuBackward,
         _use_bias: bool,
     ) -> Result<(), EngineError> {
+        let kernel = call.kernel_parameters()?.kernel;
         let views = backward.views(call);
         let shapes = windowed_shapes(call.layer, call.batch).expect("conv has a window");
-        let (kernel_gradient, rest) = views.parameter_gradients.split_at_mut(1);
+        let gradients = kernel_gradients(call, views.parameter_gradients)?;
         conv2d_backward(
             &shapes,
             views.input.ok_or_else(|| call.missing("input"))?,
-            views.bench.get(call.roles.parameters[0]),
+            views.bench.get(kernel),
             views.dy,
             views.dx,
-            &mut kernel_gradient[0],
-            // Only trainable tensors have gradients here: the bias, when there is one.
-            rest.first_mut().map(Vec::as_mut_slice),
+            gradients.kernel,
+            gradients.bias.map(Vec::as_mut_slice),
             views.workspace,
         );
         Ok(())
@@ -330,14 +335,14 @@ impl ConvKernels for CpuBackend {
         multiplier: usize,
         use_bias: bool,
     ) -> Result<(), EngineError> {
+        let KernelParameters { kernel, bias } = call.kernel_parameters()?;
         let views = forward.views(call);
-        let parameter = |index: usize| views.bench.get(call.roles.parameters[index]);
         depthwise_conv2d_forward(
             &Self::depthwise_shapes(call),
             multiplier,
             views.input,
-            parameter(0),
-            use_bias.then(|| parameter(1)),
+            views.bench.get(kernel),
+            bias.filter(|_| use_bias).map(|id| views.bench.get(id)),
             views.output,
         );
         Ok(())
@@ -350,17 +355,18 @@ impl ConvKernels for CpuBackend {
         multiplier: usize,
         _use_bias: bool,
     ) -> Result<(), EngineError> {
+        let kernel = call.kernel_parameters()?.kernel;
         let views = backward.views(call);
-        let (kernel_gradient, rest) = views.parameter_gradients.split_at_mut(1);
+        let gradients = kernel_gradients(call, views.parameter_gradients)?;
         depthwise_conv2d_backward(
             &Self::depthwise_shapes(call),
             multiplier,
             views.input.ok_or_else(|| call.missing("input"))?,
-            views.bench.get(call.roles.parameters[0]),
+            views.bench.get(kernel),
             views.dy,
             views.dx,
-            &mut kernel_gradient[0],
-            rest.first_mut().map(Vec::as_mut_slice),
+            gradients.kernel,
+            gradients.bias.map(Vec::as_mut_slice),
         );
         Ok(())
     }
@@ -380,16 +386,15 @@ impl DenseKernels for CpuBackend {
         units: usize,
         use_bias: bool,
     ) -> Result<(), EngineError> {
+        let KernelParameters { kernel, bias } = call.kernel_parameters()?;
         let views = forward.views(call);
-        let parameter = |index: usize| views.bench.get(call.roles.parameters[index]);
-        let bias = use_bias.then(|| parameter(1));
         dense_forward(
             call.batch,
             call.layer.input_shape.elements() as usize,
             units,
             views.input,
-            parameter(0),
-            bias,
+            views.bench.get(kernel),
+            bias.filter(|_| use_bias).map(|id| views.bench.get(id)),
             views.output,
         );
         Ok(())
@@ -402,19 +407,19 @@ impl DenseKernels for CpuBackend {
         units: usize,
         _use_bias: bool,
     ) -> Result<(), EngineError> {
+        let kernel = call.kernel_parameters()?.kernel;
         let views = backward.views(call);
-        let (kernel_gradient, rest) = views.parameter_gradients.split_at_mut(1);
+        let gradients = kernel_gradients(call, views.parameter_gradients)?;
         dense_backward(
             call.batch,
             call.layer.input_shape.elements() as usize,
             units,
             views.input.ok_or_else(|| call.missing("input"))?,
-            views.bench.get(call.roles.parameters[0]),
+            views.bench.get(kernel),
             views.dy,
             views.dx,
-            &mut kernel_gradient[0],
-            // Only trainable tensors have gradients here: the bias, when there is one.
-            rest.first_mut().map(Vec::as_mut_slice),
+            gradients.kernel,
+            gradients.bias.map(Vec::as_mut_slice),
         );
         Ok(())
     }
@@ -566,17 +571,18 @@ impl BatchNormKernels for CpuBackend {
         momentum: f64,
         epsilon: f64,
     ) -> Result<(), EngineError> {
+        let batch_norm = call.batch_norm_parameters()?;
+        let settings = batch_norm_settings(call, momentum, epsilon)?;
         let views = forward.views(call);
-        let parameter = |index: usize| views.bench.get(call.roles.parameters[index]);
-        let settings = batch_norm_settings(call.layer, momentum, epsilon);
+        let parameter = |id: BufferId| views.bench.get(id);
         if call.is_inference() {
             batch_norm_forward_inference(
                 &settings,
                 views.input,
-                parameter(0),
-                parameter(1),
-                parameter(2),
-                parameter(3),
+                parameter(batch_norm.gamma),
+                parameter(batch_norm.beta),
+                parameter(batch_norm.running_mean),
+                parameter(batch_norm.running_variance),
                 views.output,
             );
         } else {
@@ -584,8 +590,8 @@ impl BatchNormKernels for CpuBackend {
             batch_norm_forward_training(
                 &settings,
                 views.input,
-                parameter(0),
-                parameter(1),
+                parameter(batch_norm.gamma),
+                parameter(batch_norm.beta),
                 views.output,
                 views.statistics,
                 running,
@@ -601,19 +607,26 @@ impl BatchNormKernels for CpuBackend {
         momentum: f64,
         epsilon: f64,
     ) -> Result<(), EngineError> {
-        let views = backward.views(call);
-        let settings = batch_norm_settings(call.layer, momentum, epsilon);
+        let gamma = call.batch_norm_parameters()?.gamma;
+        let settings = batch_norm_settings(call, momentum, epsilon)?;
         let statistics = call.roles.side.ok_or_else(|| call.missing("statistics"))?;
-        let (gamma_gradient, beta_gradient) = views.parameter_gradients.split_at_mut(1);
+        let views = backward.views(call);
+        let BatchNormGradients {
+            gamma: gamma_gradient,
+            beta: beta_gradient,
+        } = views
+            .parameter_gradients
+            .batch_norm()
+            .ok_or_else(|| call.missing("gamma and beta gradients"))?;
         batch_norm_backward(
             &settings,
             views.input.ok_or_else(|| call.missing("input"))?,
-            views.bench.get(call.roles.parameters[0]),
+            views.bench.get(gamma),
             views.bench.get(statistics),
             views.dy,
             views.dx.ok_or_else(|| call.missing("input gradient"))?,
-            &mut gamma_gradient[0],
-            &mut beta_gradient[0],
+            gamma_gradient,
+            beta_gradient,
         );
         Ok(())
     }
@@ -663,10 +676,30 @@ impl DropoutKernels for CpuBackend {
         self.put_mask(mask_id, mask)
     }
 }
-fn batch_norm_settings(layer: &LayerNode, momentum: f64, epsilon: f64) -> BatchNormSettings {
-    BatchNormSettings {
-        channels: layer.parameters[0].elements as usize,
+
+/// A kernel layer's computed kernel and bias gradients.
+fn kernel_gradients<'v>(
+    call: &LayerCall<'_>,
+    gradients: ParameterGradients<&'v mut Vec<f32>>,
+) -> Result<KernelParameters<&'v mut Vec<f32>>, EngineError> {
+    gradients
+        .kernel()
+        .ok_or_else(|| call.missing("kernel gradient"))
+}
+
+fn batch_norm_settings(
+    call: &LayerCall<'_>,
+    momentum: f64,
+    epsilon: f64,
+) -> Result<BatchNormSettings, EngineError> {
+    let gamma = call
+        .parameter_tensors()?
+        .batch_norm()
+        .ok_or_else(|| call.missing("gamma"))?
+        .gamma;
+    Ok(BatchNormSettings {
+        channels: gamma.elements as usize,
         epsilon: epsilon as f32,
         momentum: momentum as f32,
-    }
+    })
 }

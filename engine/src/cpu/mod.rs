@@ -12,7 +12,10 @@ mod merge;
 
 use std::collections::HashMap;
 
-use carve_core::plan::{BufferId, BufferRole, BufferSpec, ElementType, Operation};
+use carve_core::plan::{
+    BufferId, BufferRole, BufferSpec, ElementType, LossGradientOperands, LossOperands, Operation,
+    OptimizerState,
+};
 use carve_core::spec::{LossKind, OptimizerSpec};
 use half::{bf16, f16};
 
@@ -269,18 +272,20 @@ impl CpuBackend {
 impl LossKernels for CpuBackend {
     fn loss_forward(
         &mut self,
-        operation: &Operation,
+        operands: &LossOperands,
         context: &mut OperationContext<'_>,
     ) -> Result<OperationResult, EngineError> {
-        let output_id = operation.reads[0];
-        let target_id = operation.reads[1];
+        let output_id = operands.output;
+        let target_id = operands.target;
         let batch = context.samples;
         let output_elements = context.graph.output_shape().elements() as usize;
         let logits = self.read_f32(output_id)?;
         let logits = &logits[..batch * output_elements];
         match context.graph.loss {
             LossKind::SoftmaxCrossEntropy => {
-                let probabilities_id = operation.writes[1];
+                let probabilities_id = operands.probabilities.ok_or_else(|| {
+                    EngineError::Backend("cross-entropy without its probabilities".into())
+                })?;
                 let mut probabilities = self.take_f32(probabilities_id)?;
                 let labels = &self.labels(target_id)?[..batch];
                 let loss_sum = softmax_cross_entropy_forward(
@@ -298,7 +303,7 @@ impl LossKernels for CpuBackend {
                     labels,
                 );
                 self.put_f32(probabilities_id, probabilities)?;
-                self.report_loss(operation.writes[0], loss_sum, batch, Some(correct))
+                self.report_loss(operands.loss, loss_sum, batch, Some(correct))
             }
             LossKind::Mse => {
                 let targets = self.read_f32(target_id)?;
@@ -308,24 +313,24 @@ impl LossKernels for CpuBackend {
                     logits,
                     &targets[..batch * output_elements],
                 );
-                self.report_loss(operation.writes[0], loss_sum, batch, None)
+                self.report_loss(operands.loss, loss_sum, batch, None)
             }
         }
     }
 
     fn loss_backward(
         &mut self,
-        operation: &Operation,
+        operands: &LossGradientOperands,
         context: &mut OperationContext<'_>,
     ) -> Result<(), EngineError> {
         let batch = context.samples;
         let output_elements = context.graph.output_shape().elements() as usize;
-        let gradient_id = operation.writes[0];
+        let gradient_id = operands.output_gradient;
         let mut gradient = self.take_f32(gradient_id)?;
-        let values = self.read_f32(operation.reads[0])?;
+        let values = self.read_f32(operands.predictions)?;
         match context.graph.loss {
             LossKind::SoftmaxCrossEntropy => {
-                let labels = &self.labels(operation.reads[1])?[..batch];
+                let labels = &self.labels(operands.target)?[..batch];
                 softmax_cross_entropy_backward(
                     batch,
                     output_elements,
@@ -336,7 +341,7 @@ impl LossKernels for CpuBackend {
                 );
             }
             LossKind::Mse => {
-                let targets = self.read_f32(operation.reads[1])?;
+                let targets = self.read_f32(operands.target)?;
                 mse_backward(
                     batch,
                     output_elements,
@@ -362,42 +367,46 @@ impl OptimizerKernels for CpuBackend {
         if *context.apply_update {
             let weights_id = buffers.weights;
             let master_id = buffers.master;
-            let state_ids = &buffers.states;
-            let target_id = buffers.target();
+            let target_id = buffers.updated();
             let mut parameters = self.take_f32(target_id)?;
             // The scale the gradients were computed with, not the one the overflow check may
             // just have doubled.
             let gradient_scale = context.loss_scaler.unscale_factor();
-            let mut states: Vec<Vec<f32>> = state_ids
-                .iter()
-                .map(|id| self.take_f32(*id))
-                .collect::<Result<_, _>>()?;
-            match context.optimizer {
-                OptimizerSpec::Sgd(settings) => {
-                    sgd_update(
-                        &mut parameters,
-                        &gradient,
-                        states.first_mut().map(|values| &mut values[..]),
-                        settings,
-                        gradient_scale,
-                    );
+            let mut state = buffers.state.try_map(|id| self.take_f32(id))?;
+            match (context.optimizer, state.as_mut()) {
+                (OptimizerSpec::Sgd(settings), OptimizerState::None) => {
+                    sgd_update(&mut parameters, &gradient, None, settings, gradient_scale)
                 }
-                OptimizerSpec::Adam(settings) | OptimizerSpec::Adamw(settings) => {
-                    let (first, second) = states.split_at_mut(1);
-                    adam_update(
-                        &mut parameters,
-                        &gradient,
-                        &mut first[0],
-                        &mut second[0],
-                        context.optimizer_update_number,
-                        settings,
-                        matches!(context.optimizer, OptimizerSpec::Adamw(_)),
-                        gradient_scale,
-                    );
+                (OptimizerSpec::Sgd(settings), OptimizerState::Velocity(velocity)) => sgd_update(
+                    &mut parameters,
+                    &gradient,
+                    Some(velocity.as_mut_slice()),
+                    settings,
+                    gradient_scale,
+                ),
+                (
+                    OptimizerSpec::Adam(settings) | OptimizerSpec::Adamw(settings),
+                    OptimizerState::Moments { first, second },
+                ) => adam_update(
+                    &mut parameters,
+                    &gradient,
+                    first,
+                    second,
+                    context.optimizer_update_number,
+                    settings,
+                    matches!(context.optimizer, OptimizerSpec::Adamw(_)),
+                    gradient_scale,
+                ),
+                (optimizer, _) => {
+                    return Err(EngineError::Backend(format!(
+                        "{} with {} optimizer state tensors",
+                        optimizer.kind_name(),
+                        buffers.state.list().len()
+                    )));
                 }
             }
-            for (id, values) in state_ids.iter().zip(states) {
-                self.put_f32(*id, values)?;
+            for (id, values) in buffers.state.list().into_iter().zip(state.list()) {
+                self.put_f32(id, values)?;
             }
             if master_id.is_some() {
                 self.put_f32(weights_id, parameters.clone())?;

@@ -7,7 +7,7 @@
 //! channel runs where their scratch cannot hold the channels, for a backward without an
 //! input gradient, and with the `legacy-batch-norm` tuning.
 
-use carve_core::plan::ElementType;
+use carve_core::plan::{BatchNormGradients, ElementType};
 
 use super::batch_norm_kernels::{
     CHANNELS_PER_GROUP, SCRATCH_MEANS_OFFSET, SCRATCH_PARTIALS_OFFSET, coalesced_chunks,
@@ -28,13 +28,13 @@ impl BatchNormKernels for CudaBackend {
         let layer = call.layer;
         let CudaForward { input, output } = *forward;
         let t = type_code(output.element_type);
-        let parameter = |index: usize| self.forward_parameter(call, index);
-        let channels = layer.parameters[0].elements as usize;
+        let channels = batch_norm_channels(call)?;
         let rows = call.input_elements() / channels.max(1);
-        let gamma = parameter(0)?;
-        let beta = parameter(1)?;
-        let running_mean = parameter(2)?;
-        let running_variance = parameter(3)?;
+        let parameters = call.batch_norm_parameters()?;
+        let gamma = self.buffer(parameters.gamma)?;
+        let beta = self.buffer(parameters.beta)?;
+        let running_mean = self.buffer(parameters.running_mean)?;
+        let running_variance = self.buffer(parameters.running_variance)?;
         if gamma.element_type != beta.element_type
             || running_mean.element_type != ElementType::F32
             || running_variance.element_type != ElementType::F32
@@ -139,15 +139,16 @@ impl BatchNormKernels for CudaBackend {
         _momentum: f64,
         _epsilon: f64,
     ) -> Result<(), EngineError> {
-        let layer = call.layer;
         let gradient_in = backward.gradient_in;
         let input = backward.saved_input(call)?;
         let statistics = self.buffer(call.roles.side.ok_or_else(|| call.missing("statistics"))?)?;
-        let gamma = self.backward_parameter(call, 0)?;
-        let channels = layer.parameters[0].elements as usize;
+        let gamma = self.buffer(call.batch_norm_parameters()?.gamma)?;
+        let channels = batch_norm_channels(call)?;
         let rows = call.input_elements() / channels.max(1);
-        let gamma_target = backward.target(call, 0, "gamma gradient")?;
-        let beta_target = backward.target(call, 1, "beta gradient")?;
+        let BatchNormGradients {
+            gamma: gamma_target,
+            beta: beta_target,
+        } = backward.batch_norm_targets(call)?;
         let coalesced = self.coalesced_batch_norm_chunks(rows, channels);
         if let (Some(chunks), Some(input_gradient)) = (coalesced, backward.input_gradient) {
             let (scratch, _) = self.device.scratch();
@@ -210,6 +211,15 @@ impl BatchNormKernels for CudaBackend {
         )?;
         Ok(())
     }
+}
+
+/// Batch norm's channels: the elements of its gamma.
+fn batch_norm_channels(call: &LayerCall<'_>) -> Result<usize, EngineError> {
+    let tensors = call
+        .parameter_tensors()?
+        .batch_norm()
+        .ok_or_else(|| call.missing("gamma"))?;
+    Ok(tensors.gamma.elements as usize)
 }
 
 impl CudaBackend {

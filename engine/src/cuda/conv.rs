@@ -384,10 +384,10 @@ impl ConvKernels for CudaBackend {
         let LayerCall { layer, batch, .. } = *call;
         let CudaForward { input, output } = *forward;
         let element_type = output.element_type;
-        let parameter = |index: usize| self.forward_parameter(call, index);
         let geometry = kernel_geometry(layer, batch).expect("conv has a window");
-        let kernel = parameter(0)?;
-        let bias = if use_bias { Some(parameter(1)?) } else { None };
+        let parameters = call.kernel_parameters()?;
+        let kernel = self.buffer(parameters.kernel)?;
+        let bias = self.parameter_buffer(parameters.bias.filter(|_| use_bias))?;
         let (workspace, workspace_bytes) = self.workspace_of(call)?;
         if let Some(route) = cudnn_route(layer, &geometry, element_type, workspace_bytes) {
             let buffers = ConvolutionBuffers {
@@ -440,13 +440,10 @@ impl ConvKernels for CudaBackend {
         let element_type = backward.gradient_in.element_type;
         let geometry = kernel_geometry(layer, batch).expect("conv has a window");
         let input = backward.saved_input(call)?;
-        let kernel = self.backward_parameter(call, 0)?;
-        let kernel_target = backward.target(call, 0, "kernel gradient")?;
-        let bias_target = if use_bias {
-            backward.targets.get(1).copied()
-        } else {
-            None
-        };
+        let kernel = self.buffer(call.kernel_parameters()?.kernel)?;
+        let targets = backward.kernel_targets(call)?;
+        let kernel_target = targets.kernel;
+        let bias_target = targets.bias.filter(|_| use_bias);
         let (workspace, workspace_bytes) = self.workspace_of(call)?;
         let buffers = ConvBackwardBuffers {
             geometry,
@@ -584,7 +581,7 @@ impl CudaBackend {
         backward: &CudaBackward,
         buffers: &ConvBackwardBuffers,
     ) -> Result<(), EngineError> {
-        let LayerCall { layer, batch, .. } = *call;
+        let LayerCall { batch, .. } = *call;
         let CudaBackward {
             gradient_in,
             input_gradient,
@@ -611,7 +608,12 @@ impl CudaBackend {
                 ],
             )?;
         }
-        let kernel_elements = layer.parameters[0].elements;
+        let kernel_elements = call
+            .parameter_tensors()?
+            .kernel()
+            .ok_or_else(|| call.missing("kernel"))?
+            .kernel
+            .elements;
         self.launch(
             "conv_backward_filter_direct",
             LaunchShape::Elements(kernel_elements),

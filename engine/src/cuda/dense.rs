@@ -1,6 +1,8 @@
 //! The cuda backend's dense layers: cuBLAS GEMMs with fp32 accumulation, the bias and its
 //! gradient through NVRTC kernels.
 
+use carve_core::plan::KernelParameters;
+
 use super::device::{GemmCall, LaunchShape};
 use super::{CudaBackend, CudaBackward, CudaForward, count, pointer, type_code};
 use crate::dispatch::{DenseKernels, LayerCall};
@@ -17,7 +19,8 @@ impl DenseKernels for CudaBackend {
         let LayerCall { layer, batch, .. } = *call;
         let CudaForward { input, output } = *forward;
         let element_type = output.element_type;
-        let kernel = self.forward_parameter(call, 0)?;
+        let parameters = call.kernel_parameters()?;
+        let kernel = self.buffer(parameters.kernel)?;
         let in_features = layer.input_shape.elements() as usize;
         // Row-major Y[N, out] = X[N, in] W[in, out] is column-major
         // Y^T = W^T X^T: m = out, n = N, k = in.
@@ -39,8 +42,7 @@ impl DenseKernels for CudaBackend {
                 beta: 0.0,
             })
             .map_err(|failure| self.fail(failure.during(layer.label())))?;
-        if use_bias {
-            let bias = self.forward_parameter(call, 1)?;
+        if let Some(bias) = self.parameter_buffer(parameters.bias.filter(|_| use_bias))? {
             self.launch(
                 "add_bias_rows",
                 LaunchShape::Elements(call.output_elements() as u64),
@@ -68,9 +70,12 @@ impl DenseKernels for CudaBackend {
         let gradient_in = backward.gradient_in;
         let element_type = gradient_in.element_type;
         let input = backward.saved_input(call)?;
-        let kernel = self.backward_parameter(call, 0)?;
+        let kernel = self.buffer(call.kernel_parameters()?.kernel)?;
         let in_features = layer.input_shape.elements() as usize;
-        let kernel_target = backward.target(call, 0, "kernel gradient")?;
+        let KernelParameters {
+            kernel: kernel_target,
+            bias: bias_target,
+        } = backward.kernel_targets(call)?;
         // dW[in, out] (+)= X^T dY: column-major dW^T = dY^T X, m = out, n = in, k = N.
         self.device
             .gemm(&GemmCall {
@@ -111,7 +116,7 @@ impl DenseKernels for CudaBackend {
                 })
                 .map_err(|failure| self.fail(failure.during(layer.label())))?;
         }
-        if use_bias && let Some(bias_target) = backward.targets.get(1).copied() {
+        if use_bias && let Some(bias_target) = bias_target {
             self.column_sums(gradient_in, batch as u64, units as u64, bias_target)?;
         }
         Ok(())

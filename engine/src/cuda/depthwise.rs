@@ -3,6 +3,8 @@
 //! kernels the convolutions already use (`pad_images`, `crop_images`). Depthwise kernels
 //! stay HWIO on the device (only conv2d kernels are stored KRSC for cuDNN).
 
+use carve_core::plan::KernelParameters;
+
 use super::device::{KernelArgument, LaunchShape};
 use super::{CudaBackend, CudaBackward, CudaForward, count, kernel_geometry, pointer, type_code};
 use crate::dispatch::{LayerCall, image_shape};
@@ -17,12 +19,9 @@ impl CudaBackend {
     ) -> Result<(), EngineError> {
         let CudaForward { input, output } = *forward;
         let geometry = kernel_geometry(call.layer, call.batch).expect("depthwise has a window");
-        let kernel = self.forward_parameter(call, 0)?;
-        let bias = if use_bias {
-            Some(self.forward_parameter(call, 1)?)
-        } else {
-            None
-        };
+        let parameters = call.kernel_parameters()?;
+        let kernel = self.buffer(parameters.kernel)?;
+        let bias = self.parameter_buffer(parameters.bias.filter(|_| use_bias))?;
         self.launch(
             "depthwise_forward_direct",
             LaunchShape::Elements(call.output_elements() as u64),
@@ -47,7 +46,11 @@ impl CudaBackend {
         let gradient_in = backward.gradient_in;
         let t = type_code(gradient_in.element_type);
         let input = backward.saved_input(call)?;
-        let kernel = self.backward_parameter(call, 0)?;
+        let kernel = self.buffer(call.kernel_parameters()?.kernel)?;
+        let KernelParameters {
+            kernel: kernel_target,
+            bias: bias_target,
+        } = backward.kernel_targets(call)?;
         if let Some(dx) = backward.input_gradient {
             self.launch(
                 "depthwise_backward_data_direct",
@@ -61,10 +64,15 @@ impl CudaBackend {
                 ],
             )?;
         }
-        let kernel_target = backward.target(call, 0, "kernel gradient")?;
+        let kernel_elements = call
+            .parameter_tensors()?
+            .kernel()
+            .ok_or_else(|| call.missing("kernel"))?
+            .kernel
+            .elements;
         self.launch(
             "depthwise_backward_filter_direct",
-            LaunchShape::Elements(call.layer.parameters[0].elements),
+            LaunchShape::Elements(kernel_elements),
             &[
                 pointer(input.address),
                 pointer(gradient_in.address),
@@ -76,7 +84,7 @@ impl CudaBackend {
             ],
         )?;
         if use_bias {
-            let bias_target = backward.target(call, 1, "bias gradient")?;
+            let bias_target = bias_target.ok_or_else(|| call.missing("bias gradient"))?;
             self.column_sums(
                 gradient_in,
                 (call.batch as i64 * geometry.output_height * geometry.output_width) as u64,

@@ -1,7 +1,7 @@
 //! The cuda backend's losses: softmax cross-entropy and MSE as NVRTC kernels, which report
 //! the loss sum, the correct count and any out-of-range label through the mailbox.
 
-use carve_core::plan::{ElementType, Operation};
+use carve_core::plan::{ElementType, LossGradientOperands, LossOperands};
 use carve_core::spec::LossKind;
 
 use super::device::{KernelArgument, LaunchShape};
@@ -52,12 +52,12 @@ impl CudaBackend {
 impl LossKernels for CudaBackend {
     fn loss_forward(
         &mut self,
-        operation: &Operation,
+        operands: &LossOperands,
         context: &mut OperationContext<'_>,
     ) -> Result<OperationResult, EngineError> {
-        let output = self.buffer(operation.reads[0])?;
-        let target = self.buffer(operation.reads[1])?;
-        let loss_value = self.buffer(operation.writes[0])?;
+        let output = self.buffer(operands.output)?;
+        let target = self.buffer(operands.target)?;
+        let loss_value = self.buffer(operands.loss)?;
         let batch = context.samples;
         let per_sample = context.graph.output_shape().elements() as usize;
         self.device
@@ -66,7 +66,9 @@ impl LossKernels for CudaBackend {
         let mailbox_address = self.device.mailbox_address();
         match context.graph.loss {
             LossKind::SoftmaxCrossEntropy => {
-                let probabilities = self.buffer(operation.writes[1])?;
+                let probabilities = self.buffer(operands.probabilities.ok_or_else(|| {
+                    EngineError::Backend("cross-entropy without its probabilities".into())
+                })?)?;
                 if probabilities.element_type != ElementType::F32
                     || target.element_type != ElementType::I32
                 {
@@ -126,14 +128,14 @@ impl LossKernels for CudaBackend {
 
     fn loss_backward(
         &mut self,
-        operation: &Operation,
+        operands: &LossGradientOperands,
         context: &mut OperationContext<'_>,
     ) -> Result<(), EngineError> {
         let batch = context.samples;
         let per_sample = context.graph.output_shape().elements() as usize;
-        let gradient = self.buffer(operation.writes[0])?;
-        let values = self.buffer(operation.reads[0])?;
-        let targets = self.buffer(operation.reads[1])?;
+        let gradient = self.buffer(operands.output_gradient)?;
+        let values = self.buffer(operands.predictions)?;
+        let targets = self.buffer(operands.target)?;
         let elements = batch * per_sample;
         match context.graph.loss {
             LossKind::SoftmaxCrossEntropy => self.launch(

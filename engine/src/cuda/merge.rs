@@ -43,11 +43,14 @@ impl CudaBackend {
 impl MergeKernels for CudaBackend {
     fn add_forward(&mut self, call: &LayerCall<'_>) -> Result<(), EngineError> {
         let output = self.merge_output(call)?;
-        let inputs = self.same_type_buffers(call, &call.roles.inputs)?;
+        let inputs = self.same_type_buffers(call, call.roles.inputs)?;
         let elements = call.output_elements();
         let t = output.element_type;
-        let mut first = inputs[0].address;
-        for input in &inputs[1..] {
+        let Some((first, rest)) = inputs.split_first() else {
+            return Err(call.missing("inputs"));
+        };
+        let mut first = first.address;
+        for input in rest {
             self.launch(
                 "add_elements",
                 LaunchShape::Elements(elements as u64),
@@ -66,7 +69,7 @@ impl MergeKernels for CudaBackend {
 
     fn concat_forward(&mut self, call: &LayerCall<'_>) -> Result<(), EngineError> {
         let output = self.merge_output(call)?;
-        let inputs = self.same_type_buffers(call, &call.roles.inputs)?;
+        let inputs = self.same_type_buffers(call, call.roles.inputs)?;
         let (rows, widths) = concat_layout(call);
         self.concat_launches(rows, &widths, &inputs, output, false)
     }
@@ -77,7 +80,7 @@ impl MergeKernels for CudaBackend {
             .gradient_in
             .ok_or_else(|| call.missing("gradient"))?;
         let gradient = self.buffer(gradient_id)?;
-        let slices = self.same_type_buffers(call, &call.roles.input_gradients)?;
+        let slices = self.same_type_buffers(call, call.roles.input_gradients)?;
         let (rows, widths) = concat_layout(call);
         self.concat_launches(rows, &widths, &slices, gradient, true)
     }

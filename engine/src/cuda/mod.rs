@@ -69,7 +69,10 @@ mod tuning;
 use std::collections::HashMap;
 
 use carve_core::model::{LayerNode, LayerOp, ModelGraph};
-use carve_core::plan::{BufferId, BufferOwner, BufferRole, BufferSpec, ElementType, Operation};
+use carve_core::plan::{
+    BatchNormGradients, BufferId, BufferOwner, BufferRole, BufferSpec, ElementType,
+    KernelParameters, LayerParameters, Operation, ParameterGradients, half_gradient_layout,
+};
 use half::{bf16, f16};
 
 pub use algorithms::{
@@ -190,8 +193,15 @@ impl CudaBackend {
         let conv_kernels = graph
             .layers
             .iter()
-            .filter_map(|layer| match (layer.op, layer.parameters.first()) {
-                (LayerOp::Conv2d { .. }, Some(kernel)) if kernel.shape.len() == 4 => Some((
+            .filter_map(|layer| {
+                let kernel = match LayerParameters::of_layer(layer) {
+                    Ok(LayerParameters::Kernel(tensors)) => Some(tensors.kernel),
+                    _ => None,
+                };
+                Some((layer, kernel?))
+            })
+            .filter_map(|(layer, kernel)| match layer.op {
+                LayerOp::Conv2d { .. } if kernel.shape.len() == 4 => Some((
                     layer.index,
                     KernelDimensions {
                         height: kernel.shape[0] as usize,
@@ -521,7 +531,8 @@ pub(crate) struct CudaBackward {
     input: Option<DeviceBuffer>,
     output: Option<DeviceBuffer>,
     input_gradient: Option<DeviceBuffer>,
-    targets: Vec<GradientTarget>,
+    /// Where each trained parameter's gradient goes.
+    targets: ParameterGradients<GradientTarget>,
 }
 
 /// What a backward needs but the plan did not give is an error naming the layer and the
@@ -540,17 +551,24 @@ impl CudaBackward {
             .ok_or_else(|| call.missing("input gradient"))
     }
 
-    /// The gradient target of the layer's `index`th parameter, `what` naming it.
-    fn target(
+    /// Where a kernel layer's kernel and bias gradients go.
+    fn kernel_targets(
         &self,
         call: &LayerCall<'_>,
-        index: usize,
-        what: &str,
-    ) -> Result<GradientTarget, EngineError> {
+    ) -> Result<KernelParameters<GradientTarget>, EngineError> {
         self.targets
-            .get(index)
-            .copied()
-            .ok_or_else(|| call.missing(what))
+            .kernel()
+            .ok_or_else(|| call.missing("kernel gradient"))
+    }
+
+    /// Where batch norm's gamma and beta gradients go.
+    fn batch_norm_targets(
+        &self,
+        call: &LayerCall<'_>,
+    ) -> Result<BatchNormGradients<GradientTarget>, EngineError> {
+        self.targets
+            .batch_norm()
+            .ok_or_else(|| call.missing("gamma and beta gradients"))
     }
 }
 
@@ -642,16 +660,14 @@ impl LayerPasses for CudaBackend {
         // Under mixed precision the gradients were written in half precision to the
         // scratch; they are added into the fp32 gradients here, as the cpu backend does.
         if roles.half_gradients.is_some() {
-            let trainable = layer
-                .parameters
-                .iter()
-                .filter(|parameter| parameter.trainable);
+            let trained = ParameterGradients::of_layer(layer)?.list();
             for ((target, gradient_id), parameter) in targets
-                .iter()
-                .zip(&roles.parameter_gradients)
-                .zip(trainable)
+                .list()
+                .into_iter()
+                .zip(roles.parameter_gradients.list())
+                .zip(trained)
             {
-                let gradient = self.buffer(*gradient_id)?;
+                let gradient = self.buffer(gradient_id)?;
                 if gradient.element_type != ElementType::F32 {
                     return Err(EngineError::Backend(format!(
                         "{}: gradients must be fp32",
@@ -675,77 +691,55 @@ impl LayerPasses for CudaBackend {
 }
 
 impl CudaBackend {
-    /// A forward's parameter `index`.
-    fn forward_parameter(
-        &self,
-        call: &LayerCall<'_>,
-        index: usize,
-    ) -> Result<DeviceBuffer, EngineError> {
-        let id = call.roles.parameters.get(index).ok_or_else(|| {
-            EngineError::Backend(format!("{} has no parameter {index}", call.layer.label()))
-        })?;
-        self.buffer(*id)
+    /// A parameter's device buffer, if the layer has it.
+    fn parameter_buffer(&self, id: Option<BufferId>) -> Result<Option<DeviceBuffer>, EngineError> {
+        id.map(|id| self.buffer(id)).transpose()
     }
 
-    /// A backward's parameter `index`.
-    fn backward_parameter(
-        &self,
-        call: &LayerCall<'_>,
-        index: usize,
-    ) -> Result<DeviceBuffer, EngineError> {
-        let id = call
-            .roles
-            .parameters
-            .get(index)
-            .ok_or_else(|| call.missing("parameters"))?;
-        self.buffer(*id)
-    }
-
-    /// Where each trainable parameter's gradient goes, in the plan's order.
+    /// Where each trained parameter's gradient goes: its place in the half scratch under
+    /// mixed precision (core's `half_gradient_layout`), else its fp32 gradient.
     fn gradient_targets(
         &self,
         layer: &LayerNode,
-        roles: &Roles,
-    ) -> Result<Vec<GradientTarget>, EngineError> {
-        let trainable: Vec<u64> = layer
-            .parameters
-            .iter()
-            .filter(|parameter| parameter.trainable)
-            .map(|parameter| parameter.elements)
-            .collect();
+        roles: &Roles<'_>,
+    ) -> Result<ParameterGradients<GradientTarget>, EngineError> {
         match roles.half_gradients {
             Some(scratch_id) => {
                 let scratch = self.buffer(scratch_id)?;
-                let mut offset = 0u64;
-                let mut targets = Vec::new();
-                for elements in trainable {
-                    targets.push(GradientTarget {
-                        address: scratch.address + offset * scratch.element_type.bytes(),
-                        element_type: scratch.element_type,
-                        accumulate: false,
-                    });
-                    offset += elements;
-                }
-                if offset > scratch.elements {
+                let layout = half_gradient_layout(layer)?;
+                if layout
+                    .clone()
+                    .list()
+                    .iter()
+                    .any(|range| range.end > scratch.elements)
+                {
                     return Err(EngineError::Backend(format!(
                         "{}: the half-gradient scratch is too small",
                         layer.label()
                     )));
                 }
-                Ok(targets)
+                Ok(layout.map(|range| GradientTarget {
+                    address: scratch.address + range.start * scratch.element_type.bytes(),
+                    element_type: scratch.element_type,
+                    accumulate: false,
+                }))
             }
-            None => roles
-                .parameter_gradients
-                .iter()
-                .map(|id| {
-                    let buffer = self.buffer(*id)?;
-                    Ok(GradientTarget {
-                        address: buffer.address,
-                        element_type: buffer.element_type,
-                        accumulate: true,
+            None => {
+                let targets = roles
+                    .parameter_gradients
+                    .list()
+                    .into_iter()
+                    .map(|id| {
+                        let buffer = self.buffer(id)?;
+                        Ok(GradientTarget {
+                            address: buffer.address,
+                            element_type: buffer.element_type,
+                            accumulate: true,
+                        })
                     })
-                })
-                .collect(),
+                    .collect::<Result<Vec<_>, EngineError>>()?;
+                Ok(ParameterGradients::name(layer, targets)?)
+            }
         }
     }
 }

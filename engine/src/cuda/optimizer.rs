@@ -1,11 +1,11 @@
 //! The cuda backend's optimizers: SGD and Adam(W) as NVRTC kernels on the fp32 masters (or
 //! weights), with the same per-step constants as the cpu kernels.
 
-use carve_core::plan::ElementType;
+use carve_core::plan::{ElementType, OptimizerState};
 use carve_core::spec::OptimizerSpec;
 
 use super::device::{KernelArgument, LaunchShape};
-use super::{CudaBackend, DeviceBuffer, pointer, type_code};
+use super::{CudaBackend, pointer, type_code};
 use crate::backend::OperationContext;
 use crate::dispatch::{OptimizerBuffers, OptimizerKernels};
 use crate::error::EngineError;
@@ -20,15 +20,12 @@ impl OptimizerKernels for CudaBackend {
         if *context.apply_update {
             let weights_id = buffers.weights;
             let master_id = buffers.master;
-            let states: Vec<DeviceBuffer> = buffers
-                .states
-                .iter()
-                .map(|id| self.buffer(*id))
-                .collect::<Result<_, _>>()?;
-            let target = self.buffer(buffers.target())?;
+            let state = buffers.state.try_map(|id| self.buffer(id))?;
+            let target = self.buffer(buffers.updated())?;
             let all_fp32 = target.element_type == ElementType::F32
                 && gradient.element_type == ElementType::F32
-                && states
+                && state
+                    .list()
                     .iter()
                     .all(|state| state.element_type == ElementType::F32);
             if !all_fp32 {
@@ -55,7 +52,10 @@ impl OptimizerKernels for CudaBackend {
                     &[
                         pointer(target.address),
                         pointer(gradient.address),
-                        pointer(states.first().map_or(0, |velocity| velocity.address)),
+                        pointer(match state {
+                            OptimizerState::Velocity(velocity) => velocity.address,
+                            _ => 0,
+                        }),
                         pointer(weights_address),
                         weights_type,
                         KernelArgument::I64(elements as i64),
@@ -67,8 +67,8 @@ impl OptimizerKernels for CudaBackend {
                     ],
                 )?,
                 OptimizerSpec::Adam(settings) | OptimizerSpec::Adamw(settings) => {
-                    let (first, second) = match states.as_slice() {
-                        [first, second, ..] => (*first, *second),
+                    let (first, second) = match state {
+                        OptimizerState::Moments { first, second } => (first, second),
                         _ => {
                             return Err(EngineError::Backend(
                                 "adam needs two optimizer state tensors".into(),
