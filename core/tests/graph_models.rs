@@ -200,8 +200,13 @@ fn a_tensor_read_by_two_layers_lives_until_the_later_and_its_gradient_is_summed(
             .find(|operation| operation.kind == OperationKind::LayerForward { layer })
             .unwrap()
     };
-    let stem_out = forward_of(2).writes[0];
-    assert!(forward_of(6).reads.contains(&stem_out));
+    let forward_operands = |layer: usize| {
+        forward_of(layer)
+            .layer_forward_operands(&plan, &job.graph.layers[layer])
+            .unwrap()
+    };
+    let stem_out = forward_operands(2).output.unwrap();
+    assert!(forward_operands(6).inputs.contains(&stem_out));
     let add_position = steps
         .iter()
         .position(|step| matches!(step, PlanStep::Run(op) if op.kind == OperationKind::LayerForward { layer: 6 }))
@@ -215,9 +220,8 @@ fn a_tensor_read_by_two_layers_lives_until_the_later_and_its_gradient_is_summed(
         .collect();
     assert!(sums.len() >= 2, "{sums:?}");
     for sum in &sums {
-        assert_eq!(sum.reads.len(), 1);
-        assert_eq!(sum.writes.len(), 1);
-        assert_ne!(sum.reads[0], sum.writes[0]);
+        let operands = sum.gradient_sum_operands(&plan).unwrap();
+        assert_ne!(operands.from, operands.into);
     }
     // Every backward runs once, and the estimate replays this plan.
     let backwards = ops
@@ -449,6 +453,10 @@ proptest::proptest! {
             config.recompute_segment_layers = recompute.filter(|segment| *segment <= job.graph.layers.len() as u64);
             let plan = plan(&job, &config);
             check_phase(&plan, &format!("{config}\n{text}"));
+            // Every operation reads back through core's named operand accessors.
+            if let Err(error) = plan.check_operands(&job.graph) {
+                proptest::prop_assert!(false, "{error}\n{config}\n{text}");
+            }
             let backwards: Vec<usize> = operations(&plan.micro_batch)
                 .iter()
                 .filter_map(|operation| match operation.kind {

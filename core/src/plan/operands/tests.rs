@@ -715,3 +715,37 @@ fn parameters_are_named_from_the_model_and_counted() {
     );
     assert!(OptimizerState::from_slots([1, 2, 3]).is_err());
 }
+
+#[test]
+fn every_example_reads_back_under_every_precision_and_recomputation() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut checked = 0;
+    for folder in ["examples", "examples/keras", "engine/tests/specs"] {
+        let mut paths: Vec<_> = std::fs::read_dir(root.join(folder))
+            .unwrap()
+            .map(|entry| entry.unwrap().path())
+            .filter(|path| {
+                path.extension()
+                    .is_some_and(|extension| extension == "toml")
+            })
+            .collect();
+        paths.sort();
+        for path in paths {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let job = load_job_spec_toml(&text).unwrap_or_else(|error| panic!("{path:?}: {error}"));
+            for precision in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+                for recompute in [None, Some(2)] {
+                    let mut config = RunConfig::from_spec(&job.spec);
+                    config.precision = precision;
+                    config.recompute_segment_layers = recompute;
+                    let plan = compile_step_plan(&job, &config).unwrap();
+                    if let Err(error) = plan.check_operands(&job.graph) {
+                        panic!("{path:?} {config}: {error}");
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked >= 6 * 10, "only {checked} plans checked");
+}
