@@ -50,7 +50,6 @@ impl Server {
             settings: SchedulerSettings {
                 heartbeat_interval: Duration::from_millis(100),
                 scheduling_interval: Duration::from_millis(50),
-                checkpoint_directory: "/checkpoints".into(),
                 ..SchedulerSettings::default()
             },
             admin_token: admin_token.map(str::to_string),

@@ -80,7 +80,6 @@ fn run_scheduler_process(directory: &Path) {
                 lease_duration: Duration::from_secs(2),
                 heartbeat_interval: Duration::from_millis(200),
                 scheduling_interval: Duration::from_millis(100),
-                checkpoint_directory: directory.join("checkpoints").display().to_string(),
                 ..SchedulerSettings::default()
             },
             admin_token: Some(ADMIN.into()),

@@ -87,7 +87,6 @@ async fn start_scheduler_with_tls(
     lease: Duration,
     tls: Option<(String, String)>,
 ) -> (Channel, oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
-    let checkpoints = directory.join("checkpoints");
     let scheme = if tls.is_some() { "https" } else { "http" };
     let address = format!("{scheme}://{}", listener.local_addr().unwrap());
     let client_tls = tls.as_ref().map(|(certificate, _)| {
@@ -100,7 +99,6 @@ async fn start_scheduler_with_tls(
             lease_duration: lease,
             heartbeat_interval: Duration::from_millis(200),
             scheduling_interval: Duration::from_millis(50),
-            checkpoint_directory: checkpoints.display().to_string(),
             infrastructure_retry_backoff: Duration::from_millis(100),
             ..SchedulerSettings::default()
         },

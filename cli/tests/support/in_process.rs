@@ -45,7 +45,6 @@ pub async fn start(
         settings: SchedulerSettings {
             heartbeat_interval: Duration::from_millis(100),
             scheduling_interval: Duration::from_millis(50),
-            checkpoint_directory: "/checkpoints".into(),
             ..SchedulerSettings::default()
         },
         admin_token: Some(ADMIN.into()),

@@ -50,7 +50,6 @@ impl Cluster {
             lease_duration: Duration::from_secs(30),
             heartbeat_interval: Duration::from_millis(200),
             scheduling_interval: Duration::from_millis(50),
-            checkpoint_directory: checkpoints.display().to_string(),
             infrastructure_retry_backoff: Duration::from_millis(100),
             // Tests preempt young attempts (jobs of equal priority are never preempted).
             preemption: PreemptionSettings {
