@@ -130,8 +130,22 @@ impl RunConfig {
     }
 
     /// Checks the settings that need no model: what a worker or a store reading a config
-    /// back can check on its own.
+    /// back can check on its own. A model job's: its batch settings
+    /// ([`RunConfig::check_batch_settings`]) and 1 to 16 prefetched batches.
     pub fn check_settings(&self) -> Result<(), FieldError> {
+        self.check_batch_settings()?;
+        if self.prefetch_batches == 0 || self.prefetch_batches > 16 {
+            return Err(FieldError::new(
+                "prefetch_batches",
+                format!("{} must be between 1 and 16", self.prefetch_batches),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks the knobs every kind of job has: a batch and micro-batch of at least 1, the
+    /// micro-batch dividing the batch, and a recompute segment of at least 1 layer.
+    pub fn check_batch_settings(&self) -> Result<(), FieldError> {
         if self.batch_size == 0 {
             return Err(FieldError::new("batch_size", "must be at least 1"));
         }
@@ -151,12 +165,6 @@ impl RunConfig {
             return Err(FieldError::new(
                 "recompute_segment_layers",
                 "must be at least 1",
-            ));
-        }
-        if self.prefetch_batches == 0 || self.prefetch_batches > 16 {
-            return Err(FieldError::new(
-                "prefetch_batches",
-                format!("{} must be between 1 and 16", self.prefetch_batches),
             ));
         }
         Ok(())

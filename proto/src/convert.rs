@@ -9,6 +9,7 @@
 //! so reading one goes through [`required_enum`] or [`precision_from_proto`], which reject
 //! both the `*_UNSPECIFIED` zero and numbers this version does not know.
 
+use carve_core::FieldError;
 use carve_core::allocator::OutOfMemory;
 use carve_core::command::memory_model::{CommandMemoryModel, ProfilePoint};
 use carve_core::estimator::MemoryEstimate;
@@ -209,6 +210,29 @@ impl TryFrom<v1::RunConfig> for RunConfig {
 /// the field under `field` (`config.micro_batch_size`). When the job is at hand, prefer
 /// [`run_config_for_job`], which also checks the config against the model.
 pub fn run_config_from_proto(config: &v1::RunConfig, field: &str) -> Result<RunConfig, ApiError> {
+    checked_run_config(config, field, RunConfig::check_settings)
+}
+
+/// Reads a run config from the wire and checks it as `workload`'s kind reads it
+/// ([`Workload::check_config`]: a model job's against its model, a command job's by the
+/// knobs a command has), so one conversion serves both kinds. Errors name the field
+/// under `field`.
+pub fn run_config_for_workload(
+    config: &v1::RunConfig,
+    workload: &Workload,
+    field: &str,
+) -> Result<RunConfig, ApiError> {
+    checked_run_config(config, field, |run_config| {
+        workload.check_config(run_config)
+    })
+}
+
+/// The run config `config` says, refused with `check`'s error (its field under `field`).
+fn checked_run_config(
+    config: &v1::RunConfig,
+    field: &str,
+    check: impl FnOnce(&RunConfig) -> Result<(), FieldError>,
+) -> Result<RunConfig, ApiError> {
     let run_config = RunConfig {
         batch_size: config.batch_size,
         micro_batch_size: config.micro_batch_size,
@@ -217,9 +241,7 @@ pub fn run_config_from_proto(config: &v1::RunConfig, field: &str) -> Result<RunC
         workspace_limit_bytes: config.workspace_limit_bytes,
         prefetch_batches: config.prefetch_batches,
     };
-    run_config
-        .check_settings()
-        .map_err(|error| ApiError::from(error).prefix_field(field))?;
+    check(&run_config).map_err(|error| ApiError::from(error).prefix_field(field))?;
     Ok(run_config)
 }
 
@@ -231,11 +253,7 @@ pub fn run_config_for_job(
     job: &ValidatedJob,
     field: &str,
 ) -> Result<RunConfig, ApiError> {
-    let run_config = run_config_from_proto(config, field)?;
-    run_config
-        .check(&job.graph)
-        .map_err(|error| ApiError::from(error).prefix_field(field))?;
-    Ok(run_config)
+    checked_run_config(config, field, |run_config| run_config.check(&job.graph))
 }
 
 impl From<&MemoryEstimate> for v1::MemoryEstimate {

@@ -162,8 +162,8 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
     .map_err(|error| WorkerError::Attempt(format!("the run config: {error}")))?;
     // Relative data paths are relative to the worker's working directory.
     let data = open_data_sets(&job, Path::new(".")).map_err(engine_error)?;
-    // A checkpoint to resume from is only used when it is really there: the scheduler
-    // names the place a checkpoint would be even for a first attempt.
+    // A checkpoint to resume from is only used when it is really there: the file an
+    // earlier attempt reported may be gone (on another node's own disk, or removed).
     let resume = arguments.resume.clone().filter(|path| path.is_file());
     let resumed_step = match &resume {
         Some(path) => Some(read_checkpoint(path).map_err(engine_error)?.step),

@@ -699,6 +699,11 @@ impl Worker {
             .map_err(|error| WorkerError::Attempt(format!("the job spec: {error}")))?;
         let max_duration =
             effective_max_duration(job_max_duration, self.config.run_limits.max_duration);
+        // One conversion for both kinds, checked as the job's kind reads a config (the
+        // model job's attempt process checks it again against its model, in its own
+        // process, before training).
+        let run_config = carve_proto::convert::run_config_for_workload(config, &spec, "config")
+            .map_err(|error| WorkerError::Attempt(format!("the run config: {error}")))?;
         // Each kind has its own launcher: the engine's attempt process or the program
         // under the guard.
         match spec {
@@ -707,7 +712,7 @@ impl Worker {
                     .await
             }
             Workload::Command(job) => {
-                self.launch_command(assignment, attempt, config, gpu, job, max_duration)
+                self.launch_command(assignment, attempt, run_config, gpu, job, max_duration)
             }
         }
     }

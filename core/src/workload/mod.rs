@@ -316,6 +316,32 @@ impl Workload {
         }
     }
 
+    /// Checks a configuration that came from outside (the wire, an override) as this
+    /// job's kind reads it: a model job's against its model ([`RunConfig::check`]); a
+    /// command job's by the knobs a command has ([`RunConfig::check_batch_settings`]),
+    /// its engine-only knobs (workspace, prefetch) unused and so 0, as
+    /// [`Workload::initial_config`] makes them.
+    pub fn check_config(&self, config: &RunConfig) -> Result<(), FieldError> {
+        match self {
+            Workload::Model(job) => config.check(&job.graph),
+            Workload::Command(_) => {
+                config.check_batch_settings()?;
+                for (field, value) in [
+                    ("workspace_limit_bytes", config.workspace_limit_bytes),
+                    ("prefetch_batches", config.prefetch_batches),
+                ] {
+                    if value != 0 {
+                        return Err(FieldError::new(
+                            field,
+                            format!("is {value}, but a command job has no such knob: must be 0"),
+                        ));
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// How many out-of-memory retries the job allows (`oom.max_retries`).
     pub fn max_oom_retries(&self) -> u32 {
         self.oom().max_retries

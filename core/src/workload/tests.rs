@@ -482,3 +482,46 @@ fn peak_keys_do_not_change_between_builds() {
         "v2|command|3f0af8d0553a15a1ce3e385ceaa6552c"
     );
 }
+
+#[test]
+fn a_config_from_outside_is_checked_as_its_jobs_kind_reads_one() {
+    // A command job has no engine knobs: 0 there is its own config, anything else is
+    // refused naming the knob.
+    let command = command();
+    let own = command.initial_config();
+    assert_eq!(command.check_config(&own), Ok(()));
+    let prefetching = RunConfig {
+        prefetch_batches: 2,
+        ..own
+    };
+    let refused = command.check_config(&prefetching).unwrap_err();
+    assert_eq!(refused.field, "prefetch_batches");
+    let with_workspace = RunConfig {
+        workspace_limit_bytes: 1 << 20,
+        ..own
+    };
+    let refused = command.check_config(&with_workspace).unwrap_err();
+    assert_eq!(refused.field, "workspace_limit_bytes");
+    let uneven = RunConfig {
+        micro_batch_size: own.batch_size + 1,
+        ..own
+    };
+    assert_eq!(
+        command.check_config(&uneven).unwrap_err().field,
+        "micro_batch_size"
+    );
+
+    // A model job's config is checked against its model: prefetching is the engine's,
+    // and a command job's 0 there is refused.
+    let model = model();
+    let own = model.initial_config();
+    assert_eq!(model.check_config(&own), Ok(()));
+    let without_prefetch = RunConfig {
+        prefetch_batches: 0,
+        ..own
+    };
+    assert_eq!(
+        model.check_config(&without_prefetch).unwrap_err().field,
+        "prefetch_batches"
+    );
+}

@@ -7,7 +7,6 @@ use std::time::Instant;
 
 use carve_core::command::validate::ValidatedCommandJob;
 use carve_core::plan::RunConfig;
-use carve_proto::convert::precision_from_proto;
 use carve_proto::v1;
 use tokio::sync::mpsc;
 
@@ -29,7 +28,7 @@ impl Worker {
         &self,
         assignment: &v1::scheduler_message::Assignment,
         attempt: &v1::AttemptRef,
-        config: &v1::RunConfig,
+        config: RunConfig,
         gpu: &WorkerGpu,
         job: ValidatedCommandJob,
         max_duration: Option<MaxDuration>,
@@ -50,7 +49,7 @@ impl Worker {
         let launch = CommandAttemptLaunch {
             attempt: attempt.clone(),
             job,
-            config: command_run_config(config)?,
+            config,
             slice_bytes: assignment.slice_bytes,
             gpu_uuid: gpu.uuid.clone(),
             guard_library,
@@ -120,20 +119,6 @@ impl Worker {
         ));
         Ok(())
     }
-}
-
-/// A command job's config from the wire. Not `run_config_from_proto`: its checks are a
-/// model job's (prefetch 1 to 16), and a command job's config has 0 there.
-fn command_run_config(config: &v1::RunConfig) -> Result<RunConfig, WorkerError> {
-    Ok(RunConfig {
-        batch_size: config.batch_size,
-        micro_batch_size: config.micro_batch_size,
-        precision: precision_from_proto(config.precision, "config.precision")
-            .map_err(|error| WorkerError::Attempt(error.to_string()))?,
-        recompute_segment_layers: config.recompute_segment_layers,
-        workspace_limit_bytes: config.workspace_limit_bytes,
-        prefetch_batches: config.prefetch_batches,
-    })
 }
 
 /// The worker's tables kept up to date with a command attempt's processes.
