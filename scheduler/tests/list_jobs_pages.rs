@@ -203,6 +203,9 @@ async fn a_page_shows_each_jobs_attempts_and_memory_model_as_get_job_does() {
     submit(&channel, &user, cluster::JOB, "").await.unwrap();
     let other_shape = profiled_command_job("other").replace("train.py", "other.py");
     submit(&channel, &user, &other_shape, "").await.unwrap();
+    // The passes place what fits meanwhile (the worker answers nothing more): once they
+    // have, the list and the gets below read the same attempts.
+    worker.messages_within(Duration::from_millis(500)).await;
 
     let page = list_jobs(&channel, &user, v1::ListJobsRequest::default())
         .await

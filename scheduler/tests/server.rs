@@ -14,7 +14,7 @@ use tonic::{Code, Request};
 
 #[path = "support/worker.rs"]
 mod test_worker;
-use test_worker::{TestWorker, authorized};
+use test_worker::{TestWorker, authorized, out_of_memory_in};
 
 #[path = "support/cluster.rs"]
 mod cluster;
@@ -85,18 +85,6 @@ async fn a_job_goes_from_submit_to_success_and_watch_sees_every_state() {
         finished.attempts[0].outcome,
         v1::AttemptOutcome::Succeeded as i32
     );
-}
-
-/// An attempt in a slice of `slice_bytes` that died a quarter short of it: something
-/// outside the plan took memory.
-fn out_of_memory_in(slice_bytes: u64) -> v1::OutOfMemoryReport {
-    v1::OutOfMemoryReport {
-        requested_bytes: slice_bytes / 2,
-        in_use_bytes: slice_bytes / 4 * 3,
-        limit_bytes: slice_bytes,
-        largest_free_bytes: slice_bytes / 4,
-        peak_bytes: slice_bytes / 4 * 3,
-    }
 }
 
 #[tokio::test]

@@ -17,24 +17,7 @@ async fn a_jobs_spec_is_read_once_through_placements_an_oom_retry_and_its_succes
     let (cluster, channel, user, _, mut worker) =
         cluster::start_with_worker(Duration::from_secs(30), "alice").await;
     let (job, first) = cluster::submit_and_place(&channel, &user, &mut worker).await;
-    let slice = first.slice_bytes;
-    worker
-        .send(v1::worker_message::Body::Oom(
-            v1::worker_message::OomReport {
-                attempt: first.attempt.clone(),
-                report: Some(v1::OutOfMemoryReport {
-                    requested_bytes: slice / 2,
-                    in_use_bytes: slice / 4 * 3,
-                    limit_bytes: slice,
-                    largest_free_bytes: slice / 4,
-                    peak_bytes: slice / 4 * 3,
-                }),
-                checkpoint: None,
-                detected_by: String::new(),
-                evidence: String::new(),
-            },
-        ))
-        .await;
+    worker.run_out_of_memory(&first).await;
     let second = worker.next_assignment().await;
     assert_eq!(second.attempt.as_ref().unwrap().attempt_number, 2);
     worker.succeed(&second, 1 << 20).await;

@@ -204,24 +204,7 @@ async fn a_job_failed_out_of_memory_with_no_retry_left_is_counted() {
         .job
         .unwrap();
     let assignment = worker.next_assignment().await;
-    let slice = assignment.slice_bytes;
-    worker
-        .send(v1::worker_message::Body::Oom(
-            v1::worker_message::OomReport {
-                attempt: assignment.attempt.clone(),
-                report: Some(v1::OutOfMemoryReport {
-                    requested_bytes: slice / 2,
-                    in_use_bytes: slice / 4 * 3,
-                    limit_bytes: slice,
-                    largest_free_bytes: slice / 4,
-                    peak_bytes: slice / 4 * 3,
-                }),
-                checkpoint: None,
-                detected_by: String::new(),
-                evidence: String::new(),
-            },
-        ))
-        .await;
+    worker.run_out_of_memory(&assignment).await;
     let failed = wait_for_state(&channel, &user, &job.id, v1::JobState::Failed).await;
     assert!(failed.message.contains("retry limit"), "{failed:?}");
 

@@ -29,6 +29,18 @@ pub fn authorized<T>(message: T, token: &str) -> Request<T> {
     carve_proto::client::authorized_request(message, token).expect("a valid token")
 }
 
+/// What an attempt in a slice of `slice_bytes` reports when it died a quarter short of
+/// it: something outside the plan took memory.
+pub fn out_of_memory_in(slice_bytes: u64) -> v1::OutOfMemoryReport {
+    v1::OutOfMemoryReport {
+        requested_bytes: slice_bytes / 2,
+        in_use_bytes: slice_bytes / 4 * 3,
+        limit_bytes: slice_bytes,
+        largest_free_bytes: slice_bytes / 4,
+        peak_bytes: slice_bytes / 4 * 3,
+    }
+}
+
 pub struct TestWorker {
     pub id: String,
     heartbeating: Arc<AtomicBool>,
@@ -330,6 +342,24 @@ impl TestWorker {
             v1::worker_message::CheckpointWritten {
                 attempt: Some(attempt.clone()),
                 checkpoint: Some(v1::Checkpoint { step, location }),
+            },
+        ))
+        .await
+    }
+
+    /// Reports the attempt of `assignment` ran out of memory ([`out_of_memory_in`] its
+    /// slice), without a checkpoint; returns what else the scheduler sent meanwhile.
+    pub async fn run_out_of_memory(
+        &mut self,
+        assignment: &v1::scheduler_message::Assignment,
+    ) -> Vec<v1::scheduler_message::Body> {
+        self.send(v1::worker_message::Body::Oom(
+            v1::worker_message::OomReport {
+                attempt: assignment.attempt.clone(),
+                report: Some(out_of_memory_in(assignment.slice_bytes)),
+                checkpoint: None,
+                detected_by: String::new(),
+                evidence: String::new(),
             },
         ))
         .await
