@@ -1,6 +1,6 @@
 //! Attempts of jobs, with updates fenced by the lease epoch of their assignment.
 
-use super::jobs::{UPDATE_JOB_SQL, bind_job_update};
+use super::jobs::{UPDATE_JOB_SQL, bind_job_update, update_job_row};
 use carve_core::allocator::OutOfMemory;
 
 use super::columns::oom_to_json;
@@ -207,13 +207,7 @@ impl Store {
                 });
             }
             if let Some(job) = job {
-                let updated = bind_job_update!(sqlx::query(UPDATE_JOB_SQL), job)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
-                if updated == 0 {
-                    return Err(SchedulerError::not_found("job", &job.id));
-                }
+                update_job_row!(tx, job);
             }
         });
         Ok(())
@@ -301,13 +295,7 @@ impl Store {
         );
         with_write_tx!(self, tx => {
             check_fence!(self, tx);
-            let updated = bind_job_update!(sqlx::query(UPDATE_JOB_SQL), job)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            if updated == 0 {
-                return Err(SchedulerError::not_found("job", &job.id));
-            }
+            update_job_row!(tx, job);
             let written = bind_attempt_columns!(sqlx::query(&upsert), attempt)
                 .execute(&mut *tx)
                 .await?

@@ -72,6 +72,23 @@ macro_rules! bind_job_update {
 }
 pub(super) use bind_job_update;
 
+/// Rewrites `job`'s row in the transaction `tx` ([`UPDATE_JOB_SQL`]), returning
+/// `NotFound` from the enclosing function (the transaction dropped, nothing written)
+/// when the job does not exist. Every write that moves a job uses it, alone or with an
+/// attempt's row.
+macro_rules! update_job_row {
+    ($tx:ident, $job:expr) => {
+        let updated = bind_job_update!(sqlx::query(UPDATE_JOB_SQL), $job)
+            .execute(&mut *$tx)
+            .await?
+            .rows_affected();
+        if updated == 0 {
+            return Err(SchedulerError::not_found("job", &$job.id));
+        }
+    };
+}
+pub(super) use update_job_row;
+
 /// The most waiting reasons [`Store::set_waiting_reasons`] writes in one transaction.
 pub const WAITING_REASONS_PER_TRANSACTION: usize = 4096;
 
@@ -463,16 +480,10 @@ impl Store {
     pub async fn update_job(&self, job: &JobRecord) -> Result<(), SchedulerError> {
         // Fenced like placements: a deposed leader must not requeue or fail a job the
         // new leader placed (no check on an unfenced store).
-        let updated = with_write_tx!(self, tx => {
+        with_write_tx!(self, tx => {
             check_fence!(self, tx);
-            bind_job_update!(sqlx::query(UPDATE_JOB_SQL), job)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected()
+            update_job_row!(tx, job);
         });
-        if updated == 0 {
-            return Err(SchedulerError::not_found("job", &job.id));
-        }
         Ok(())
     }
 
