@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
 use carve_core::command::memory_model::ProfilePoint;
+use carve_core::command::oom::OomSource;
 use carve_core::estimator::MemoryEstimate;
 use carve_core::job_state::{AttemptOutcome, JobState};
 use carve_core::plan::RunConfig;
@@ -135,7 +136,11 @@ pub fn attempt_to_proto(attempt: &AttemptRecord) -> v1::Attempt {
         .into_iter()
         .map(Into::into)
         .collect(),
-        oom_detected_by: attempt.details.oom_detected_by.clone(),
+        oom_detected_by: attempt
+            .details
+            .oom_detected_by
+            .map(|source| source.name().to_string())
+            .unwrap_or_default(),
         uncontained: attempt.details.uncontained,
     }
 }
@@ -365,10 +370,13 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
             attempt: attempt_ref_from_proto(oom.attempt),
             report: oom.report.unwrap_or_default().into(),
             checkpoint: oom.checkpoint.map(checkpoint_from_proto),
+            // Empty from a worker older than the field: its engine's allocator.
             detected_by: if oom.detected_by.is_empty() {
-                "allocator".to_string()
+                OomSource::Allocator
             } else {
-                oom.detected_by
+                OomSource::from_name(&oom.detected_by).map_err(|error| {
+                    ApiError::invalid_argument("oom.detected_by", error.reason)
+                })?
             },
             evidence: oom.evidence,
         },
@@ -568,5 +576,37 @@ mod tests {
         let stored = estimate_from_json(&estimate_to_json(&estimate)).unwrap();
         let read = estimate_to_proto(stored, Some(config));
         assert_eq!(read, v1::MemoryEstimate::from(&estimate));
+    }
+
+    /// An out-of-memory report names its detector by one of core's names; none (a worker
+    /// older than the field) is the engine's allocator, and any other name is refused
+    /// naming the field, not stored as whatever text a worker sent.
+    #[test]
+    fn an_oom_reports_detector_is_read_by_name_and_an_unknown_one_is_refused() {
+        let report = |detected_by: &str| {
+            worker_report_from_proto(v1::WorkerMessage {
+                sequence: 1,
+                body: Some(v1::worker_message::Body::Oom(v1::worker_message::OomReport {
+                    attempt: None,
+                    report: None,
+                    checkpoint: None,
+                    detected_by: detected_by.into(),
+                    evidence: String::new(),
+                })),
+            })
+        };
+        let detector = |detected_by: &str| match report(detected_by) {
+            Ok(WorkerReport::OutOfMemory { detected_by, .. }) => detected_by,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(detector(""), OomSource::Allocator);
+        assert_eq!(detector("pytorch"), OomSource::PyTorch);
+        match report("'; DROP TABLE attempts; --") {
+            Err(ApiError::InvalidArgument { field, reason }) => {
+                assert_eq!(field, "oom.detected_by");
+                assert!(reason.contains("is not an out-of-memory detector"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

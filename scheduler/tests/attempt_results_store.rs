@@ -10,7 +10,7 @@ mod support;
 use carve_scheduler::convert::attempt_to_proto;
 use carve_scheduler::store::{
     AttemptEnd, AttemptEndDetails, AttemptOutcome, AttemptRecord, AttemptResults,
-    AttemptStartDetails, JobRecord, JobState, Store,
+    AttemptStartDetails, JobRecord, JobState, OomSource, Store,
 };
 use support::{T0, TestDb, attempt, finish_plainly, job, open_with_acme};
 
@@ -74,7 +74,7 @@ async fn results_are_stored_with_the_outcome_and_shown(db: &TestDb) {
                 results,
                 details: AttemptEndDetails {
                     profile_points_json: String::new(),
-                    oom_detected_by: "guard".into(),
+                    oom_detected_by: Some(OomSource::Guard),
                 },
             },
             None,

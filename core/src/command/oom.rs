@@ -3,12 +3,18 @@
 //! on stderr; a program that caught its own OOM and went on (exit 0) is not one; every
 //! other exit is a failure with the last lines of stderr.
 
+use std::fmt;
+
+use crate::FieldError;
 use crate::allocator::OutOfMemory;
 use crate::bytes::HumanBytes;
 
-/// Who said the run was out of memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Who said an attempt was out of memory: Carve's engine (a model job's slice
+/// allocator) or, for a command job, the guard or a framework's message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OomSource {
+    /// Carve's own engine: the slice allocator refused (a model job).
+    Allocator,
     /// The guard refused an allocation (its OOM record).
     Guard,
     PyTorch,
@@ -21,8 +27,21 @@ pub enum OomSource {
 }
 
 impl OomSource {
+    pub const ALL: [OomSource; 8] = [
+        OomSource::Allocator,
+        OomSource::Guard,
+        OomSource::PyTorch,
+        OomSource::TensorFlow,
+        OomSource::Jax,
+        OomSource::Cublas,
+        OomSource::Cudnn,
+        OomSource::Cuda,
+    ];
+
+    /// The stable lowercase name the protocol and the store carry.
     pub fn name(self) -> &'static str {
         match self {
+            OomSource::Allocator => "allocator",
             OomSource::Guard => "guard",
             OomSource::PyTorch => "pytorch",
             OomSource::TensorFlow => "tensorflow",
@@ -31,6 +50,31 @@ impl OomSource {
             OomSource::Cudnn => "cudnn",
             OomSource::Cuda => "cuda",
         }
+    }
+
+    /// The source named `name`, or an error listing the names there are.
+    pub fn from_name(name: &str) -> Result<OomSource, FieldError> {
+        OomSource::ALL
+            .into_iter()
+            .find(|source| source.name() == name)
+            .ok_or_else(|| {
+                let names = OomSource::ALL.map(OomSource::name);
+                FieldError::not_one_of(name, "an out-of-memory detector", &names)
+            })
+    }
+}
+
+impl fmt::Display for OomSource {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str(self.name())
+    }
+}
+
+impl TryFrom<&str> for OomSource {
+    type Error = FieldError;
+
+    fn try_from(name: &str) -> Result<OomSource, FieldError> {
+        OomSource::from_name(name)
     }
 }
 

@@ -5,6 +5,7 @@
 
 use carve_core::admission::size_slice_at_admission;
 use carve_core::command::memory_model::{CommandMemoryModel, ProfilePoint};
+use carve_core::command::oom::OomSource;
 use carve_core::command::render::RenderedCommand;
 use carve_core::command::shrink::plan_command_shrink;
 use carve_core::command::spec::CommandSpec;
@@ -25,10 +26,9 @@ use super::worker_reports::AttemptRef;
 use super::{Scheduler, now_ms};
 
 /// Who detected an attempt's out-of-memory, and what they said.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub(super) struct OomDetected {
-    /// "allocator" (Carve's engine), "guard", "pytorch", ...
-    pub by: String,
+    pub by: OomSource,
     /// The guard's numbers or the framework's line; may be empty.
     pub evidence: String,
 }
@@ -283,7 +283,7 @@ impl Scheduler {
             results: AttemptResults::default(),
             details: AttemptEndDetails {
                 profile_points_json: serde_json::to_string(&points).unwrap_or_default(),
-                oom_detected_by: String::new(),
+                oom_detected_by: None,
             },
         };
         if job.state.is_terminal() {

@@ -102,7 +102,7 @@ impl Scheduler {
             results: running.results_so_far(),
             details: AttemptEndDetails {
                 profile_points_json: String::new(),
-                oom_detected_by: detected.by.clone(),
+                oom_detected_by: Some(detected.by),
             },
         };
         let mut job = self.store.get_job(&attempt.job_id).await?;

@@ -3,6 +3,7 @@
 //! `convert.rs` turns them from and into the generated messages; nothing in the
 //! scheduler reads or writes a generated type of a worker's.
 
+use carve_core::command::oom::OomSource;
 use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
@@ -114,8 +115,8 @@ pub enum WorkerReport {
         report: OutOfMemory,
         /// The last checkpoint the attempt wrote, to resume from.
         checkpoint: Option<Checkpoint>,
-        /// Who detected it ("allocator", "guard", "pytorch", ...).
-        detected_by: String,
+        /// Who detected it: Carve's engine, the guard, a framework.
+        detected_by: OomSource,
         /// For people: the guard's numbers or the framework's line; may be empty.
         evidence: String,
     },

@@ -3,9 +3,11 @@
 use super::jobs::{UPDATE_JOB_SQL, bind_job_update, update_job_row};
 use carve_core::allocator::OutOfMemory;
 
-use super::columns::oom_to_json;
+use super::columns::{oom_detector_column, oom_to_json};
 use super::records::attempt_display_id;
-use super::{AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, Store, insert_error};
+use super::{
+    AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, OomSource, Store, insert_error,
+};
 
 /// What an attempt's start adds to its details (`AttemptDetails`): the argv a command
 /// job's worker ran, as a JSON list ('' for none), and whether it runs without its
@@ -21,7 +23,7 @@ pub struct AttemptStartDetails {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AttemptEndDetails {
     pub profile_points_json: String,
-    pub oom_detected_by: String,
+    pub oom_detected_by: Option<OomSource>,
 }
 /// How a running attempt ended, as [`Store::end_attempt`] stores it.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,7 +87,7 @@ macro_rules! bind_attempt_columns {
             .bind(&$attempt.details.chosen_because)
             .bind(&$attempt.details.command_argv_json)
             .bind(&$attempt.details.profile_points_json)
-            .bind(&$attempt.details.oom_detected_by)
+            .bind(oom_detector_column($attempt.details.oom_detected_by))
             .bind($attempt.details.uncontained)
     };
 }
@@ -182,7 +184,7 @@ impl Store {
             .bind(results.steps_done)
             .bind(results.samples_per_second)
             .bind(&ended.profile_points_json)
-            .bind(&ended.oom_detected_by)
+            .bind(oom_detector_column(ended.oom_detected_by))
             .execute(&mut *tx)
             .await?
             .rows_affected();

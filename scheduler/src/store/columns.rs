@@ -9,6 +9,7 @@
 
 use carve_core::FieldError;
 use carve_core::allocator::OutOfMemory;
+use carve_core::command::oom::OomSource;
 use serde::{Deserialize, Serialize};
 use sqlx::error::BoxDynError;
 use sqlx::{ColumnIndex, Database, Decode, FromRow, Row, Type};
@@ -65,7 +66,8 @@ text_columns!(
     AttemptOutcome,
     WorkerState,
     Role,
-    Option<OutOfMemory>
+    Option<OutOfMemory>,
+    Option<OomSource>
 );
 
 macro_rules! stored_by_name {
@@ -134,6 +136,22 @@ impl FromColumnText for Option<OutOfMemory> {
     fn from_column_text(text: Option<&str>) -> Result<Self, FieldError> {
         text.map(oom_from_json).transpose()
     }
+}
+
+/// Who detected an attempt's out-of-memory, by [`OomSource::name`]; '' (or NULL, in rows
+/// from before the column) for none.
+impl FromColumnText for Option<OomSource> {
+    fn from_column_text(text: Option<&str>) -> Result<Self, FieldError> {
+        match text {
+            None | Some("") => Ok(None),
+            Some(name) => OomSource::from_name(name).map(Some),
+        }
+    }
+}
+
+/// The text [`Option<OomSource>`]'s column holds (see its [`FromColumnText`]).
+pub(super) fn oom_detector_column(detector: Option<OomSource>) -> &'static str {
+    detector.map_or("", OomSource::name)
 }
 
 /// By [`WorkerState::name`].

@@ -11,6 +11,7 @@ use carve_core::allocator::OutOfMemory;
 
 use super::columns::TextColumn;
 pub use carve_core::job_state::{AttemptOutcome, JobState};
+pub use carve_core::command::oom::OomSource;
 pub use carve_core::workload::JobKind;
 
 /// Where a worker stands (`WorkerRecord::state`).
@@ -248,8 +249,10 @@ pub struct AttemptDetails {
     pub command_argv_json: String,
     /// What a profile measured, as a JSON list of `ProfilePoint`s ('' otherwise).
     pub profile_points_json: String,
-    /// Who detected an out-of-memory ("allocator", "guard", "pytorch", ...).
-    pub oom_detected_by: String,
+    /// Who detected an out-of-memory (`None` for an attempt that did not run out, and
+    /// rows from before the column). Stored by name, '' for none.
+    #[sqlx(try_from = "TextColumn<Option<OomSource>>")]
+    pub oom_detected_by: Option<OomSource>,
     /// Its worker said it ran without its container, with the worker's rights (false
     /// when contained, from a worker too old to say, or before it started).
     pub uncontained: bool,

@@ -97,7 +97,9 @@ pub fn final_reports(
                     step: checkpoint.step,
                     location: checkpoint.location,
                 }),
-                detected_by: "allocator".to_string(),
+                detected_by: carve_core::command::oom::OomSource::Allocator
+                    .name()
+                    .to_string(),
                 evidence: String::new(),
             }),
             // The protocol's closing message; the scheduler already settled the attempt

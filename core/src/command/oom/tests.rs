@@ -349,3 +349,16 @@ fn a_failure_message_stays_under_4_kib() {
     assert_eq!(message.lines().count(), 21);
     assert!(message.lines().nth(1).unwrap().ends_with("..."));
 }
+
+#[test]
+fn every_detector_reads_back_from_its_name_and_an_unknown_one_is_refused() {
+    for source in OomSource::ALL {
+        assert_eq!(OomSource::from_name(source.name()), Ok(source));
+        assert_eq!(source.to_string(), source.name());
+    }
+    let refused = OomSource::from_name("telepathy").unwrap_err();
+    assert!(
+        refused.reason.contains("\"telepathy\" is not an out-of-memory detector (allocator, guard"),
+        "{refused:?}"
+    );
+}
