@@ -374,9 +374,8 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
             detected_by: if oom.detected_by.is_empty() {
                 OomSource::Allocator
             } else {
-                OomSource::from_name(&oom.detected_by).map_err(|error| {
-                    ApiError::invalid_argument("oom.detected_by", error.reason)
-                })?
+                OomSource::from_name(&oom.detected_by)
+                    .map_err(|error| ApiError::invalid_argument("oom.detected_by", error.reason))?
             },
             evidence: oom.evidence,
         },
@@ -586,13 +585,15 @@ mod tests {
         let report = |detected_by: &str| {
             worker_report_from_proto(v1::WorkerMessage {
                 sequence: 1,
-                body: Some(v1::worker_message::Body::Oom(v1::worker_message::OomReport {
-                    attempt: None,
-                    report: None,
-                    checkpoint: None,
-                    detected_by: detected_by.into(),
-                    evidence: String::new(),
-                })),
+                body: Some(v1::worker_message::Body::Oom(
+                    v1::worker_message::OomReport {
+                        attempt: None,
+                        report: None,
+                        checkpoint: None,
+                        detected_by: detected_by.into(),
+                        evidence: String::new(),
+                    },
+                )),
             })
         };
         let detector = |detected_by: &str| match report(detected_by) {
@@ -604,7 +605,10 @@ mod tests {
         match report("'; DROP TABLE attempts; --") {
             Err(ApiError::InvalidArgument { field, reason }) => {
                 assert_eq!(field, "oom.detected_by");
-                assert!(reason.contains("is not an out-of-memory detector"), "{reason}");
+                assert!(
+                    reason.contains("is not an out-of-memory detector"),
+                    "{reason}"
+                );
             }
             other => panic!("{other:?}"),
         }

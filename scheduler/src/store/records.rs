@@ -10,8 +10,8 @@
 use carve_core::allocator::OutOfMemory;
 
 use super::columns::TextColumn;
-pub use carve_core::job_state::{AttemptOutcome, JobState};
 pub use carve_core::command::oom::OomSource;
+pub use carve_core::job_state::{AttemptOutcome, JobState};
 pub use carve_core::workload::JobKind;
 
 /// Where a worker stands (`WorkerRecord::state`).

@@ -358,7 +358,9 @@ fn every_detector_reads_back_from_its_name_and_an_unknown_one_is_refused() {
     }
     let refused = OomSource::from_name("telepathy").unwrap_err();
     assert!(
-        refused.reason.contains("\"telepathy\" is not an out-of-memory detector (allocator, guard"),
+        refused
+            .reason
+            .contains("\"telepathy\" is not an out-of-memory detector (allocator, guard"),
         "{refused:?}"
     );
 }
