@@ -16,7 +16,6 @@
 use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
-use carve_core::command::memory_model::ProfilePoint;
 use carve_core::command::oom::OomSource;
 use carve_core::estimator::MemoryEstimate;
 use carve_core::job_state::{AttemptOutcome, JobState};
@@ -125,17 +124,16 @@ pub fn attempt_to_proto(attempt: &AttemptRecord) -> v1::Attempt {
         steps_done: attempt.results.steps_done.map(|steps| steps.max(0) as u64),
         samples_per_second: attempt.results.samples_per_second,
         progress: None,
-        // Written by this scheduler as JSON lists: a row it cannot read shows none.
-        command_argv: serde_json::from_str(&attempt.details.command_argv_json).unwrap_or_default(),
+        command_argv: attempt.details.command_argv.clone(),
         chosen_because: attempt.details.chosen_because.clone(),
         profile: attempt.details.profile,
-        profile_points: serde_json::from_str::<Vec<ProfilePoint>>(
-            &attempt.details.profile_points_json,
-        )
-        .unwrap_or_default()
-        .into_iter()
-        .map(Into::into)
-        .collect(),
+        profile_points: attempt
+            .details
+            .profile_points
+            .iter()
+            .copied()
+            .map(Into::into)
+            .collect(),
         oom_detected_by: attempt
             .details
             .oom_detected_by

@@ -10,13 +10,14 @@ mod support;
 use carve_scheduler::convert::attempt_to_proto;
 use carve_scheduler::store::{
     AttemptEnd, AttemptEndDetails, AttemptOutcome, AttemptRecord, AttemptResults,
-    AttemptStartDetails, JobRecord, JobState, OomSource, Store,
+    AttemptStartDetails, Backend, JobRecord, JobState, OomSource, Store,
 };
 use support::{T0, TestDb, attempt, finish_plainly, job, open_with_acme};
 
 on_both_databases!(
     results_are_stored_with_the_outcome_and_shown,
     an_attempt_s_start_and_resume_step_are_its_own_word,
+    an_unreadable_detail_column_is_an_error_naming_it_not_an_empty_value,
 );
 
 /// A store holding tenant `acme` and its placed job `j` with attempt 1 (lease epoch 1),
@@ -73,7 +74,7 @@ async fn results_are_stored_with_the_outcome_and_shown(db: &TestDb) {
                 finished_at_ms: T0 + 9_000,
                 results,
                 details: AttemptEndDetails {
-                    profile_points_json: String::new(),
+                    profile_points: Vec::new(),
                     oom_detected_by: Some(OomSource::Guard),
                 },
             },
@@ -150,7 +151,7 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
                 T0 + 20,
                 Some(("/ckpt/j.attempt-1.ckpt", 300)),
                 &AttemptStartDetails {
-                    command_argv_json: r#"["python3","train.py"]"#.into(),
+                    command_argv: vec!["python3".into(), "train.py".into()],
                     uncontained: true,
                 },
             )
@@ -185,7 +186,7 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
                 T0 + 40,
                 None,
                 &AttemptStartDetails {
-                    command_argv_json: r#"["sh"]"#.into(),
+                    command_argv: vec!["sh".into()],
                     uncontained: false,
                 },
             )
@@ -193,7 +194,7 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
             .unwrap()
     );
     let ended = store.list_attempts("j").await.unwrap().remove(0);
-    assert_eq!(ended.details.command_argv_json, r#"["python3","train.py"]"#);
+    assert_eq!(ended.details.command_argv, ["python3", "train.py"]);
     assert!(
         ended.details.uncontained,
         "the start's word is kept at the end"
@@ -205,4 +206,59 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
             .details
             .uncontained
     );
+}
+
+/// Runs `sql` on `db` through a connection of its own, as an operator's typo would.
+async fn run_sql(db: &TestDb, sql: &str) {
+    match db.backend() {
+        Backend::Sqlite => {
+            let pool = sqlx::SqlitePool::connect_with(
+                sqlx::sqlite::SqliteConnectOptions::new().filename(db.url()),
+            )
+            .await
+            .unwrap();
+            sqlx::query(sql).execute(&pool).await.unwrap();
+            pool.close().await;
+        }
+        Backend::Postgres => {
+            let pool = sqlx::PgPool::connect(db.url()).await.unwrap();
+            sqlx::query(sql).execute(&pool).await.unwrap();
+            pool.close().await;
+        }
+    }
+}
+
+/// An attempt's argv, profile points and OOM detector are typed columns: a value this
+/// build cannot read fails the read naming the column, rather than showing the attempt
+/// with no argv, no points or no detector.
+async fn an_unreadable_detail_column_is_an_error_naming_it_not_an_empty_value(db: &TestDb) {
+    let (store, _) = store_with_a_running_attempt(db).await;
+    for (column, value) in [
+        ("command_argv_json", "python3 train.py"),
+        ("profile_points_json", "[{\"micro_batch\": \"many\"}]"),
+        ("oom_detected_by", "telepathy"),
+    ] {
+        run_sql(
+            db,
+            &format!("UPDATE attempts SET {column} = '{value}' WHERE job_id = 'j'"),
+        )
+        .await;
+        let read = store.list_attempts("j").await;
+        let error = read
+            .expect_err("an unreadable column is an error")
+            .to_string();
+        assert!(
+            error.contains("corrupt row") && error.contains(column),
+            "{column}: {error}"
+        );
+        run_sql(
+            db,
+            &format!("UPDATE attempts SET {column} = '' WHERE job_id = 'j'"),
+        )
+        .await;
+        assert!(
+            store.list_attempts("j").await.is_ok(),
+            "{column} '' is none"
+        );
+    }
 }

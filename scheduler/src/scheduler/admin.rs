@@ -12,7 +12,7 @@ use crate::store::{
     JobFilter, JobRecord, JobState, TenantDeletion, TenantRecord, TokenRecord, WorkerRecord,
 };
 
-use super::sessions::GpuJson;
+use super::sessions::gpus_from_column;
 use super::{GpuView, Scheduler, WorkerView};
 
 /// A new token and its secret, shown this once.
@@ -292,11 +292,16 @@ fn stored_worker_view(record: &WorkerRecord) -> WorkerView {
         id: record.id.clone(),
         hostname: record.hostname.clone(),
         state: record.state,
-        gpus: serde_json::from_str::<Vec<GpuJson>>(&record.gpus_json)
-            .unwrap_or_default()
+        // Removing a worker whose row cannot be read must still work: its view shows no
+        // GPU, and the log says why.
+        gpus: gpus_from_column(record)
+            .unwrap_or_else(|error| {
+                tracing::warn!(worker = %record.id, %error, "removing a worker whose GPUs cannot be read");
+                Vec::new()
+            })
             .into_iter()
             .map(|gpu| GpuView {
-                gpu: gpu.into_gpu(),
+                gpu,
                 slices: Vec::new(),
             })
             .collect(),

@@ -33,14 +33,6 @@ pub(super) struct OomDetected {
     pub evidence: String,
 }
 
-/// A rendered argv as its attempt row stores it: a JSON list, '' for none.
-pub(super) fn command_argv_to_json(argv: &[String]) -> String {
-    if argv.is_empty() {
-        return String::new();
-    }
-    serde_json::to_string(argv).unwrap_or_default()
-}
-
 /// A rendered argv as one line a person can read.
 pub(super) fn display_argv(argv: &[String]) -> String {
     RenderedCommand {
@@ -282,7 +274,7 @@ impl Scheduler {
             finished_at_ms: now,
             results: AttemptResults::default(),
             details: AttemptEndDetails {
-                profile_points_json: serde_json::to_string(&points).unwrap_or_default(),
+                profile_points: points.clone(),
                 oom_detected_by: None,
             },
         };

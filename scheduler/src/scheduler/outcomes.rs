@@ -101,7 +101,7 @@ impl Scheduler {
             finished_at_ms: now,
             results: running.results_so_far(),
             details: AttemptEndDetails {
-                profile_points_json: String::new(),
+                profile_points: Vec::new(),
                 oom_detected_by: Some(detected.by),
             },
         };

@@ -10,8 +10,7 @@ use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use crate::store::{AttemptRecord, JobRecord};
 
-use super::sessions::GpuJson;
-use super::worker_reports::Gpu;
+use super::sessions::gpus_from_column;
 use super::{LiveWorker, RunningAttempt, Scheduler, WorkerState};
 
 impl Scheduler {
@@ -62,11 +61,7 @@ impl Scheduler {
                 if worker.state == WorkerState::Lost {
                     continue;
                 }
-                let gpus: Vec<Gpu> = serde_json::from_str::<Vec<GpuJson>>(&worker.gpus_json)
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(GpuJson::into_gpu)
-                    .collect();
+                let gpus = gpus_from_column(&worker)?;
                 let state = worker.state;
                 live.workers.insert(
                     worker.id.clone(),

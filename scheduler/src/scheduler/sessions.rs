@@ -14,7 +14,7 @@ use crate::cache::LOOKUP_TIME_TO_LIVE;
 use crate::error::SchedulerError;
 use crate::store::{AttemptOutcome, AttemptResults, AttemptStartDetails, WorkerRecord};
 
-use super::command_jobs::{OomDetected, command_argv_to_json, display_argv};
+use super::command_jobs::{OomDetected, display_argv};
 use super::logs::JobUpdateKind;
 use super::session_handles::{LiveSession, SessionHandle, SessionSender};
 use super::worker_reports::{
@@ -86,14 +86,7 @@ impl Scheduler {
         let record = WorkerRecord {
             id: worker_id.clone(),
             hostname: request.hostname.clone(),
-            gpus_json: serde_json::to_string(
-                &request
-                    .gpus
-                    .iter()
-                    .map(GpuJson::from_gpu)
-                    .collect::<Vec<_>>(),
-            )
-            .unwrap_or_else(|_| "[]".into()),
+            gpus_json: gpus_to_column(&request.gpus),
             state: WorkerState::Ready,
             last_heartbeat_ms: now,
             registered_at_ms: now,
@@ -564,7 +557,7 @@ impl Scheduler {
                 now_ms(),
                 resumed,
                 &AttemptStartDetails {
-                    command_argv_json: command_argv_to_json(command_argv),
+                    command_argv: command_argv.to_vec(),
                     uncontained,
                 },
             )
@@ -631,9 +624,31 @@ impl Scheduler {
     }
 }
 
+/// A worker's GPUs as its row keeps them (column `gpus_json`): the one encoder.
+fn gpus_to_column(gpus: &[Gpu]) -> String {
+    let stored: Vec<GpuJson> = gpus.iter().map(GpuJson::from_gpu).collect();
+    // Strings, integers and booleans always serialise.
+    serde_json::to_string(&stored).unwrap_or_else(|_| "[]".into())
+}
+
+/// A worker's GPUs from its row (column `gpus_json`), as registered: the one decoder. A
+/// column this build cannot read is an error naming the worker and the column, never a
+/// worker without GPUs.
+pub(super) fn gpus_from_column(record: &WorkerRecord) -> Result<Vec<Gpu>, SchedulerError> {
+    serde_json::from_str::<Vec<GpuJson>>(&record.gpus_json)
+        .map(|gpus| gpus.into_iter().map(GpuJson::into_gpu).collect())
+        .map_err(|error| {
+            ApiError::Internal(format!(
+                "corrupt row: column gpus_json of worker {:?}: {error}",
+                record.id
+            ))
+            .into()
+        })
+}
+
 /// How a worker's GPUs are kept in the store (JSON, not the wire format).
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
-pub(super) struct GpuJson {
+struct GpuJson {
     uuid: String,
     index: u32,
     model_name: String,
@@ -658,7 +673,7 @@ impl GpuJson {
 
     /// The GPU as registered: all its memory but the context's is free until a
     /// heartbeat says otherwise.
-    pub(super) fn into_gpu(self) -> Gpu {
+    fn into_gpu(self) -> Gpu {
         Gpu {
             uuid: self.uuid,
             index: self.index,

@@ -3,18 +3,19 @@
 use super::jobs::{UPDATE_JOB_SQL, bind_job_update, update_job_row};
 use carve_core::allocator::OutOfMemory;
 
-use super::columns::{oom_detector_column, oom_to_json};
+use super::columns::{json_list_column, oom_detector_column, oom_to_json};
 use super::records::attempt_display_id;
 use super::{
-    AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, OomSource, Store, insert_error,
+    AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, OomSource, ProfilePoint, Store,
+    insert_error,
 };
 
 /// What an attempt's start adds to its details (`AttemptDetails`): the argv a command
-/// job's worker ran, as a JSON list ('' for none), and whether it runs without its
-/// container (false when contained, or from a worker too old to say).
+/// job's worker ran (empty for none), and whether it runs without its container (false
+/// when contained, or from a worker too old to say).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AttemptStartDetails {
-    pub command_argv_json: String,
+    pub command_argv: Vec<String>,
     pub uncontained: bool,
 }
 
@@ -22,7 +23,7 @@ pub struct AttemptStartDetails {
 /// who detected an out-of-memory; both empty otherwise.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AttemptEndDetails {
-    pub profile_points_json: String,
+    pub profile_points: Vec<ProfilePoint>,
     pub oom_detected_by: Option<OomSource>,
 }
 /// How a running attempt ended, as [`Store::end_attempt`] stores it.
@@ -85,8 +86,8 @@ macro_rules! bind_attempt_columns {
             .bind($attempt.results.samples_per_second)
             .bind($attempt.details.profile)
             .bind(&$attempt.details.chosen_because)
-            .bind(&$attempt.details.command_argv_json)
-            .bind(&$attempt.details.profile_points_json)
+            .bind(json_list_column(&$attempt.details.command_argv))
+            .bind(json_list_column(&$attempt.details.profile_points))
             .bind(oom_detector_column($attempt.details.oom_detected_by))
             .bind($attempt.details.uncontained)
     };
@@ -183,7 +184,7 @@ impl Store {
             .bind(results.test_accuracy)
             .bind(results.steps_done)
             .bind(results.samples_per_second)
-            .bind(&ended.profile_points_json)
+            .bind(json_list_column(&ended.profile_points))
             .bind(oom_detector_column(ended.oom_detected_by))
             .execute(&mut *tx)
             .await?
@@ -248,7 +249,7 @@ impl Store {
             .bind(location)
             .bind(step)
             .bind(AttemptOutcome::Running.name())
-            .bind(&start.command_argv_json)
+            .bind(json_list_column(&start.command_argv))
             .bind(start.uncontained)
             .execute(pool)
             .await?

@@ -9,6 +9,7 @@
 
 use carve_core::FieldError;
 use carve_core::allocator::OutOfMemory;
+use carve_core::command::memory_model::ProfilePoint;
 use carve_core::command::oom::OomSource;
 use serde::{Deserialize, Serialize};
 use sqlx::error::BoxDynError;
@@ -67,7 +68,9 @@ text_columns!(
     WorkerState,
     Role,
     Option<OutOfMemory>,
-    Option<OomSource>
+    Option<OomSource>,
+    Vec<String>,
+    Vec<ProfilePoint>
 );
 
 macro_rules! stored_by_name {
@@ -147,6 +150,41 @@ impl FromColumnText for Option<OomSource> {
             Some(name) => OomSource::from_name(name).map(Some),
         }
     }
+}
+
+/// A command job's rendered argv, a JSON list of strings; '' (or NULL) for none.
+impl FromColumnText for Vec<String> {
+    fn from_column_text(text: Option<&str>) -> Result<Self, FieldError> {
+        json_list_from_column(text, "an argv (a JSON list of strings)")
+    }
+}
+
+/// A profile's points, a JSON list of `ProfilePoint`s; '' (or NULL) for none.
+impl FromColumnText for Vec<ProfilePoint> {
+    fn from_column_text(text: Option<&str>) -> Result<Self, FieldError> {
+        json_list_from_column(text, "profile points (a JSON list)")
+    }
+}
+
+fn json_list_from_column<T: serde::de::DeserializeOwned>(
+    text: Option<&str>,
+    what: &str,
+) -> Result<Vec<T>, FieldError> {
+    match text {
+        None | Some("") => Ok(Vec::new()),
+        Some(text) => serde_json::from_str(text)
+            .map_err(|error| FieldError::new("", format!("is not {what}: {error}"))),
+    }
+}
+
+/// The text a list column holds (see the [`FromColumnText`] of `Vec<String>` and
+/// `Vec<ProfilePoint>`): '' for an empty list, else JSON.
+pub(super) fn json_list_column<T: Serialize>(items: &[T]) -> String {
+    if items.is_empty() {
+        return String::new();
+    }
+    // A list of strings or of plain numbers and booleans always serialises.
+    serde_json::to_string(items).unwrap_or_default()
 }
 
 /// The text [`Option<OomSource>`]'s column holds (see its [`FromColumnText`]).

@@ -114,7 +114,7 @@ pub use logs::{
 };
 pub use records::{
     AttemptDetails, AttemptOutcome, AttemptRecord, AttemptResults, DEFAULT_PAGE_SIZE, JobFilter,
-    JobRecord, JobState, MAX_PAGE_SIZE, OomSource, QueueFingerprint, QueuedJob, Role,
+    JobRecord, JobState, MAX_PAGE_SIZE, OomSource, ProfilePoint, QueueFingerprint, QueuedJob, Role,
     SubmitOutcome, TenantRecord, TokenRecord, WorkerRecord, WorkerState,
 };
 pub use tenants::{MAX_TENANT_NAME_LENGTH, TenantDeletion, check_tenant_name};

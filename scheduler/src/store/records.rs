@@ -10,6 +10,7 @@
 use carve_core::allocator::OutOfMemory;
 
 use super::columns::TextColumn;
+pub use carve_core::command::memory_model::ProfilePoint;
 pub use carve_core::command::oom::OomSource;
 pub use carve_core::job_state::{AttemptOutcome, JobState};
 pub use carve_core::workload::JobKind;
@@ -245,10 +246,17 @@ pub struct AttemptDetails {
     pub profile: bool,
     /// Why the attempt ran with its configuration, for people.
     pub chosen_because: String,
-    /// The argv the worker rendered, as a JSON list of strings ('' when unknown).
-    pub command_argv_json: String,
-    /// What a profile measured, as a JSON list of `ProfilePoint`s ('' otherwise).
-    pub profile_points_json: String,
+    /// The argv the worker rendered (empty when unknown). Column `command_argv_json`:
+    /// a JSON list, '' for none.
+    #[sqlx(rename = "command_argv_json", try_from = "TextColumn<Vec<String>>")]
+    pub command_argv: Vec<String>,
+    /// What a profile measured (empty otherwise). Column `profile_points_json`: a JSON
+    /// list, '' for none.
+    #[sqlx(
+        rename = "profile_points_json",
+        try_from = "TextColumn<Vec<ProfilePoint>>"
+    )]
+    pub profile_points: Vec<ProfilePoint>,
     /// Who detected an out-of-memory (`None` for an attempt that did not run out, and
     /// rows from before the column). Stored by name, '' for none.
     #[sqlx(try_from = "TextColumn<Option<OomSource>>")]
