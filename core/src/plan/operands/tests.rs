@@ -6,8 +6,10 @@
 use std::collections::HashSet;
 
 use super::*;
-use crate::model::TensorSource;
-use crate::plan::{BufferSpec, ElementType, RunConfig, compile_step_plan};
+use crate::model::{LayerOp, TensorSource};
+use crate::plan::{
+    BufferId, BufferSpec, ElementType, RunConfig, compile_step_plan, workspace_elements,
+};
 use crate::spec::Precision;
 use crate::validate::{ValidatedJob, load_job_spec_toml};
 
