@@ -19,6 +19,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use carve_testing::source_tree::{code_only, rust_files_under};
+
 /// The layers, top first: a module may use its own layer's modules and those below.
 const LAYERS: &[(&str, &[&str])] = &[
     ("the server, which wires everything", &["server"]),
@@ -44,9 +46,9 @@ fn read(path: &Path) -> String {
 }
 
 /// The modules a crate root declares (`mod name;`, `pub mod name;`, `pub(crate) mod
-/// name;`), in the code as [`blank_non_code`] leaves it.
+/// name;`), in the code as [`code_only`] leaves it.
 fn declared_modules(root_source: &str) -> BTreeSet<String> {
-    let code = blank_non_code(root_source);
+    let code = code_only(root_source);
     code.lines()
         .filter_map(|line| {
             let line = line.trim();
@@ -58,149 +60,6 @@ fn declared_modules(root_source: &str) -> BTreeSet<String> {
             Some(name.to_string())
         })
         .collect()
-}
-
-/// Every `.rs` file under `directory`, as paths from `root` written with `/`.
-fn rust_files_under(root: &Path, directory: &Path, found: &mut BTreeSet<String>) {
-    let entries = std::fs::read_dir(directory)
-        .unwrap_or_else(|error| panic!("reading {}: {error}", directory.display()));
-    for entry in entries {
-        let path = entry.expect("directory entry").path();
-        if path.is_dir() {
-            rust_files_under(root, &path, found);
-        } else if path.extension().is_some_and(|extension| extension == "rs") {
-            let relative = path.strip_prefix(root).expect("under the root");
-            found.insert(
-                relative
-                    .components()
-                    .map(|component| component.as_os_str().to_string_lossy().into_owned())
-                    .collect::<Vec<_>>()
-                    .join("/"),
-            );
-        }
-    }
-}
-
-/// `source` with comments, string literals and character literals replaced by spaces
-/// (line breaks kept, so line numbers still hold). Lifetimes (`'a`) stay.
-fn blank_non_code(source: &str) -> String {
-    let chars: Vec<char> = source.chars().collect();
-    let mut out = String::with_capacity(source.len());
-    let blank = |out: &mut String, character: char| {
-        out.push(if character == '\n' { '\n' } else { ' ' });
-    };
-    let mut index = 0;
-    while index < chars.len() {
-        let character = chars[index];
-        let next = chars.get(index + 1).copied();
-        let previous_is_identifier =
-            index > 0 && (chars[index - 1].is_alphanumeric() || chars[index - 1] == '_');
-        if character == '/' && next == Some('/') {
-            while index < chars.len() && chars[index] != '\n' {
-                blank(&mut out, chars[index]);
-                index += 1;
-            }
-        } else if character == '/' && next == Some('*') {
-            let mut depth = 0;
-            while index < chars.len() {
-                if chars[index] == '/' && chars.get(index + 1) == Some(&'*') {
-                    depth += 1;
-                    out.push_str("  ");
-                    index += 2;
-                } else if chars[index] == '*' && chars.get(index + 1) == Some(&'/') {
-                    depth -= 1;
-                    out.push_str("  ");
-                    index += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    blank(&mut out, chars[index]);
-                    index += 1;
-                }
-            }
-        } else if !previous_is_identifier
-            && (character == 'r' || character == 'b')
-            && raw_string_hashes(&chars, index).is_some()
-        {
-            // r"..", r#".."#, br"..": no escapes; ends at a quote and as many hashes.
-            let (start, hashes) = raw_string_hashes(&chars, index).expect("checked");
-            for &skipped in &chars[index..start + 1] {
-                blank(&mut out, skipped);
-            }
-            index = start + 1;
-            while index < chars.len() {
-                if chars[index] == '"'
-                    && chars[index + 1..]
-                        .iter()
-                        .take(hashes)
-                        .filter(|&&hash| hash == '#')
-                        .count()
-                        == hashes
-                {
-                    for _ in 0..=hashes {
-                        out.push(' ');
-                    }
-                    index += 1 + hashes;
-                    break;
-                }
-                blank(&mut out, chars[index]);
-                index += 1;
-            }
-        } else if character == '"' {
-            out.push(' ');
-            index += 1;
-            while index < chars.len() && chars[index] != '"' {
-                if chars[index] == '\\' {
-                    blank(&mut out, chars[index]);
-                    index += 1;
-                }
-                if index < chars.len() {
-                    blank(&mut out, chars[index]);
-                    index += 1;
-                }
-            }
-            out.push(' ');
-            index += 1;
-        } else if character == '\'' && next == Some('\\') {
-            // An escaped character literal: '\n', '\'', '\u{..}'.
-            out.push_str("  ");
-            index += 2;
-            while index < chars.len() && chars[index] != '\'' {
-                blank(&mut out, chars[index]);
-                index += 1;
-            }
-            out.push(' ');
-            index += 1;
-        } else if character == '\'' && chars.get(index + 2) == Some(&'\'') {
-            // A plain character literal: 'x', '"'.
-            out.push_str("   ");
-            index += 3;
-        } else {
-            out.push(character);
-            index += 1;
-        }
-    }
-    out
-}
-
-/// Where a raw string literal starting at `index` opens: the index of its opening quote
-/// and its number of hashes, or `None` when none starts there.
-fn raw_string_hashes(chars: &[char], index: usize) -> Option<(usize, usize)> {
-    let mut at = index;
-    if chars.get(at) == Some(&'b') {
-        at += 1;
-    }
-    if chars.get(at) != Some(&'r') {
-        return None;
-    }
-    at += 1;
-    let mut hashes = 0;
-    while chars.get(at) == Some(&'#') {
-        hashes += 1;
-        at += 1;
-    }
-    (chars.get(at) == Some(&'"')).then_some((at, hashes))
 }
 
 /// The crate-level names a file's code refers to, with their 1-based lines: what
@@ -339,7 +198,7 @@ fn library_references() -> (BTreeSet<String>, Vec<Reference>) {
         } else {
             parts.len()
         };
-        let code = blank_non_code(&read(&root.join(&file)));
+        let code = code_only(&read(&root.join(&file)));
         for (line, name) in crate_references(&code, depth) {
             if name != module && modules.contains(&name) {
                 references.push(Reference {
@@ -540,7 +399,7 @@ let quote = '"';
 fn f<'a>(x: &'a str) -> &'a str { super::super::metrics::count(); x }
 use super::views;
 "##;
-    let code = blank_non_code(source);
+    let code = code_only(source);
     assert_eq!(code.lines().count(), source.lines().count());
     let names: Vec<(usize, String)> = crate_references(&code, 2);
     assert_eq!(

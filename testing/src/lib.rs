@@ -53,6 +53,7 @@ use sqlx::Connection;
 pub mod certificates;
 pub mod cluster;
 pub mod examples;
+pub mod source_tree;
 
 pub use certificates::{PemPair, TestAuthority};
 

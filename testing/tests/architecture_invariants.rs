@@ -15,59 +15,12 @@
 //! `cfg_attr` too) whose list holds `unsafe_code`, outside `//` comments.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("carve-testing lives one directory below the workspace root")
-        .to_path_buf()
-}
+use carve_testing::source_tree::{code_only, rust_files_under, workspace_members, workspace_root};
 
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|error| panic!("{}: {error}", path.display()))
-}
-
-/// The `members = [...]` list of the workspace's Cargo.toml (one array of plain strings).
-fn workspace_members(cargo_toml: &str) -> Vec<String> {
-    let start = cargo_toml
-        .find("members")
-        .expect("the workspace Cargo.toml has a members list");
-    let open = start + cargo_toml[start..].find('[').expect("members is an array");
-    let close = open
-        + cargo_toml[open..]
-            .find(']')
-            .expect("members array is closed");
-    cargo_toml[open + 1..close]
-        .split(',')
-        .map(|entry| entry.trim().trim_matches('"').to_string())
-        .filter(|entry| !entry.is_empty())
-        .collect()
-}
-
-/// Every `.rs` file under `directory` (build outputs in `target/` left out), as paths
-/// from `root` written with `/`.
-fn rust_files_under(root: &Path, directory: &Path, found: &mut BTreeSet<String>) {
-    let entries = std::fs::read_dir(directory)
-        .unwrap_or_else(|error| panic!("reading {}: {error}", directory.display()));
-    for entry in entries {
-        let path = entry.expect("directory entry").path();
-        if path.is_dir() {
-            if path.file_name().is_some_and(|name| name == "target") {
-                continue;
-            }
-            rust_files_under(root, &path, found);
-        } else if path.extension().is_some_and(|extension| extension == "rs") {
-            let relative = path
-                .strip_prefix(root)
-                .expect("under the root")
-                .components()
-                .map(|component| component.as_os_str().to_string_lossy().into_owned())
-                .collect::<Vec<_>>()
-                .join("/");
-            found.insert(relative);
-        }
-    }
 }
 
 /// Every Rust file of every workspace member: `src/`, `tests/`, `benches/`, build scripts.
@@ -82,93 +35,6 @@ fn workspace_rust_files(root: &Path) -> BTreeSet<String> {
         rust_files_under(root, &root.join(member), &mut files);
     }
     files
-}
-
-/// `source` with its comments and the contents of its string and character literals
-/// taken out, line breaks kept (so line numbers stay): what the compiler reads as code,
-/// and no text that merely mentions an attribute or a call.
-fn code_only(source: &str) -> String {
-    let characters: Vec<char> = source.chars().collect();
-    let at = |index: usize| characters.get(index).copied();
-    let mut code = String::with_capacity(source.len());
-    let mut index = 0;
-    while let Some(character) = at(index) {
-        let previous_is_identifier = index > 0 && is_identifier_character(characters[index - 1]);
-        if character == '/' && at(index + 1) == Some('/') {
-            while at(index).is_some_and(|character| character != '\n') {
-                index += 1;
-            }
-        } else if character == '/' && at(index + 1) == Some('*') {
-            let mut depth = 0;
-            while let Some(character) = at(index) {
-                if character == '/' && at(index + 1) == Some('*') {
-                    depth += 1;
-                    index += 2;
-                } else if character == '*' && at(index + 1) == Some('/') {
-                    depth -= 1;
-                    index += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    if character == '\n' {
-                        code.push('\n');
-                    }
-                    index += 1;
-                }
-            }
-        } else if character == '"' || (character == 'r' && !previous_is_identifier) {
-            // A string: "...", or a raw one, r"..." or r#"..."#.
-            let hashes = if character == 'r' {
-                let hashes = (index + 1..)
-                    .take_while(|&next| at(next) == Some('#'))
-                    .count();
-                if at(index + 1 + hashes) != Some('"') {
-                    code.push(character);
-                    index += 1;
-                    continue;
-                }
-                index += 1 + hashes;
-                Some(hashes)
-            } else {
-                None
-            };
-            index += 1;
-            let closing: Vec<char> = std::iter::once('"')
-                .chain(std::iter::repeat_n('#', hashes.unwrap_or(0)))
-                .collect();
-            while let Some(character) = at(index) {
-                if characters[index..].starts_with(&closing) {
-                    index += closing.len();
-                    break;
-                }
-                if character == '\n' {
-                    code.push('\n');
-                }
-                // An escape in a plain string skips the character it escapes (\").
-                index += if character == '\\' && hashes.is_none() {
-                    2
-                } else {
-                    1
-                };
-            }
-            code.push_str("\"\"");
-        } else if character == '\'' && at(index + 1) == Some('\\') {
-            // An escaped character literal: '\n', '\'', '\u{1F600}'.
-            index += 3;
-            while at(index).is_some_and(|character| character != '\'') {
-                index += 1;
-            }
-            index += 1;
-        } else if character == '\'' && at(index + 2) == Some('\'') {
-            index += 3;
-        } else {
-            // Code, a lifetime's quote included.
-            code.push(character);
-            index += 1;
-        }
-    }
-    code
 }
 
 /// The numbered lines of `source`'s code (see [`code_only`]).

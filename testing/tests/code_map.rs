@@ -21,30 +21,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("carve-testing lives one directory below the workspace root")
-        .to_path_buf()
-}
-
-/// The `members = [...]` list of the workspace's Cargo.toml, read without a TOML parser
-/// (the list is one array of plain strings).
-fn workspace_members(cargo_toml: &str) -> Vec<String> {
-    let start = cargo_toml
-        .find("members")
-        .expect("the workspace Cargo.toml has a members list");
-    let open = start + cargo_toml[start..].find('[').expect("members is an array");
-    let close = open
-        + cargo_toml[open..]
-            .find(']')
-            .expect("members array is closed");
-    cargo_toml[open + 1..close]
-        .split(',')
-        .map(|entry| entry.trim().trim_matches('"').to_string())
-        .filter(|entry| !entry.is_empty())
-        .collect()
-}
+use carve_testing::source_tree::{workspace_members, workspace_root};
 
 /// The lines of the first fenced block after `## Code map`.
 fn code_map_lines(architecture: &str) -> Vec<&str> {
