@@ -80,24 +80,7 @@ async fn a_profile_sizes_the_job_and_an_oom_is_retried_with_accumulation() {
     started_with_argv(&mut worker, &profile, &["python3", "train.py"], false).await;
     // fixed 1 GiB + 16 MiB per sample.
     worker
-        .report_finished(v1::worker_message::AttemptFinished {
-            attempt: profile.attempt.clone(),
-            outcome: v1::AttemptOutcome::Succeeded as i32,
-            measured_peak_bytes: 2 * GIB,
-            profile_points: vec![
-                v1::ProfilePoint {
-                    micro_batch: 32,
-                    peak_bytes: GIB + 32 * 16 * MIB,
-                    ran_out: false,
-                },
-                v1::ProfilePoint {
-                    micro_batch: 64,
-                    peak_bytes: GIB + 64 * 16 * MIB,
-                    ran_out: false,
-                },
-            ],
-            ..Default::default()
-        })
+        .finish_profile(&profile, GIB, 16 * MIB, [32, 64])
         .await;
 
     // Sized by the model: the configuration as written, in a slice of what it needs.

@@ -171,24 +171,7 @@ async fn a_page_shows_each_jobs_attempts_and_memory_model_as_get_job_does() {
     assert!(profile.profile);
     worker.started(&profile).await;
     worker
-        .report_finished(v1::worker_message::AttemptFinished {
-            attempt: profile.attempt.clone(),
-            outcome: v1::AttemptOutcome::Succeeded as i32,
-            measured_peak_bytes: 2 * GIB,
-            profile_points: vec![
-                v1::ProfilePoint {
-                    micro_batch: 32,
-                    peak_bytes: GIB + 32 * 16 * MIB,
-                    ran_out: false,
-                },
-                v1::ProfilePoint {
-                    micro_batch: 64,
-                    peak_bytes: GIB + 64 * 16 * MIB,
-                    ran_out: false,
-                },
-            ],
-            ..Default::default()
-        })
+        .finish_profile(&profile, GIB, 16 * MIB, [32, 64])
         .await;
     let training = worker.next_assignment().await;
     assert_eq!(training.attempt.as_ref().unwrap().job_id, profiled.id);

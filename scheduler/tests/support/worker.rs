@@ -365,6 +365,38 @@ impl TestWorker {
         .await
     }
 
+    /// Reports the profile of `assignment` succeeded, measuring `fixed_bytes` plus
+    /// `per_sample_bytes` per sample at each of `micro_batches` (its peak the larger);
+    /// returns what else the scheduler sent meanwhile.
+    pub async fn finish_profile(
+        &mut self,
+        assignment: &v1::scheduler_message::Assignment,
+        fixed_bytes: u64,
+        per_sample_bytes: u64,
+        micro_batches: [u64; 2],
+    ) -> Vec<v1::scheduler_message::Body> {
+        let points: Vec<v1::ProfilePoint> = micro_batches
+            .iter()
+            .map(|&micro_batch| v1::ProfilePoint {
+                micro_batch,
+                peak_bytes: fixed_bytes + micro_batch * per_sample_bytes,
+                ran_out: false,
+            })
+            .collect();
+        self.report_finished(v1::worker_message::AttemptFinished {
+            attempt: assignment.attempt.clone(),
+            outcome: v1::AttemptOutcome::Succeeded as i32,
+            measured_peak_bytes: points
+                .iter()
+                .map(|point| point.peak_bytes)
+                .max()
+                .unwrap_or(0),
+            profile_points: points,
+            ..Default::default()
+        })
+        .await
+    }
+
     /// Reports the attempt of `assignment` succeeded with a measured `peak`; returns what
     /// else the scheduler sent meanwhile.
     pub async fn succeed(
