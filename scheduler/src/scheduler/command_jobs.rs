@@ -77,6 +77,19 @@ pub(super) fn stored_command(
     }
 }
 
+/// A command shape's memory model from its stored row: the one decoder, an unreadable row
+/// an error naming it.
+pub(super) fn stored_memory_model(
+    shape_key: &str,
+    json: &str,
+) -> Result<CommandMemoryModel, SchedulerError> {
+    serde_json::from_str(json).map_err(|error| {
+        SchedulerError::Api(carve_proto::ApiError::Internal(format!(
+            "corrupt row: command_memory_models {shape_key:?}: {error}"
+        )))
+    })
+}
+
 /// The key a command's memory model is stored under: what decides its memory apart from
 /// the knobs Carve turns (argv, environment, working directory, the precisions and the
 /// recompute arguments); not its name, priority or batch sizes.
@@ -119,11 +132,7 @@ impl Scheduler {
         let Some(json) = self.store.command_memory_model(shape_key).await? else {
             return Ok(None);
         };
-        serde_json::from_str(&json).map(Some).map_err(|error| {
-            SchedulerError::Api(carve_proto::ApiError::Internal(format!(
-                "corrupt row: command_memory_models {shape_key:?}: {error}"
-            )))
-        })
+        stored_memory_model(shape_key, &json).map(Some)
     }
 
     /// Stores a command shape's memory model, replacing the one it had.

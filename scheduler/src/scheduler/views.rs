@@ -11,7 +11,7 @@ use crate::error::SchedulerError;
 use crate::metrics::{ClusterGauges, Metrics, MetricsSource};
 use crate::store::{AttemptRecord, JobFilter, JobRecord};
 
-use super::command_jobs::{shape_key_of_command, stored_command};
+use super::command_jobs::{shape_key_of_command, stored_command, stored_memory_model};
 use super::worker_reports::{Gpu, TrainingProgress};
 use super::{RunningAttempt, Scheduler, WorkerState};
 
@@ -84,11 +84,7 @@ impl Scheduler {
         distinct.dedup();
         let mut models: HashMap<String, CommandMemoryModel> = HashMap::new();
         for (shape_key, json) in self.store.command_memory_models(&distinct).await? {
-            let model = serde_json::from_str(&json).map_err(|error| {
-                SchedulerError::Api(ApiError::Internal(format!(
-                    "corrupt row: command_memory_models {shape_key:?}: {error}"
-                )))
-            })?;
+            let model = stored_memory_model(&shape_key, &json)?;
             models.insert(shape_key, model);
         }
         Ok(jobs
