@@ -18,6 +18,7 @@ on_both_databases!(
     results_are_stored_with_the_outcome_and_shown,
     an_attempt_s_start_and_resume_step_are_its_own_word,
     an_unreadable_detail_column_is_an_error_naming_it_not_an_empty_value,
+    a_tenants_argv_is_stored_and_shown_exactly_whatever_it_holds,
 );
 
 /// A store holding tenant `acme` and its placed job `j` with attempt 1 (lease epoch 1),
@@ -261,4 +262,42 @@ async fn an_unreadable_detail_column_is_an_error_naming_it_not_an_empty_value(db
             "{column} '' is none"
         );
     }
+}
+
+/// A command job's argv is the tenant's own text: quotes, brackets, SQL, line breaks and
+/// empty arguments are stored and shown as exactly the arguments they were, never split,
+/// joined or read as the column's own syntax.
+async fn a_tenants_argv_is_stored_and_shown_exactly_whatever_it_holds(db: &TestDb) {
+    let (store, _) = store_with_a_running_attempt(db).await;
+    let argv: Vec<String> = [
+        "python3",
+        "",
+        "\"]",
+        "'; UPDATE attempts SET outcome = 'succeeded'; --",
+        "a\nb",
+        "[\"x\", \"y\"]",
+        "\\",
+    ]
+    .map(String::from)
+    .to_vec();
+    assert!(
+        store
+            .record_attempt_started(
+                "j",
+                1,
+                1,
+                T0 + 10,
+                None,
+                &AttemptStartDetails {
+                    command_argv: argv.clone(),
+                    uncontained: false,
+                },
+            )
+            .await
+            .unwrap()
+    );
+    let started = store.list_attempts("j").await.unwrap().remove(0);
+    assert_eq!(started.details.command_argv, argv);
+    assert_eq!(started.outcome, AttemptOutcome::Running);
+    assert_eq!(attempt_to_proto(&started).command_argv, argv);
 }
