@@ -485,6 +485,7 @@ pub fn worker_command_to_proto(command: WorkerCommand) -> v1::SchedulerMessage {
                 }),
                 profile: assignment.profile,
                 tenant: assignment.tenant,
+                kind: assignment.kind.name().to_string(),
             })
         }
         WorkerCommand::Cancel {

@@ -76,6 +76,7 @@ async fn a_profile_sizes_the_job_and_an_oom_is_retried_with_accumulation() {
     // largest slice a GPU gives.
     let profile = worker.next_assignment().await;
     assert!(profile.profile);
+    assert_eq!(profile.kind, "command");
     assert_eq!(profile.config.as_ref().unwrap().micro_batch_size, 64);
     started_with_argv(&mut worker, &profile, &["python3", "train.py"], false).await;
     // fixed 1 GiB + 16 MiB per sample.

@@ -38,6 +38,8 @@ async fn a_job_goes_from_submit_to_success_and_watch_sees_every_state() {
     let attempt = assignment.attempt.clone().unwrap();
     assert_eq!(attempt.job_id, job.id);
     assert_eq!(attempt.attempt_number, 1);
+    // The kind stored at admission travels with the assignment; the worker never sniffs it.
+    assert_eq!(assignment.kind, "model");
     assert!(assignment.slice_bytes >= job.estimate.as_ref().unwrap().peak_bytes);
     worker.report_started(&assignment).await;
     worker.report_halfway(&attempt).await;

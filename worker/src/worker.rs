@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use carve_core::workload::Workload;
+use carve_core::workload::{JobKind, Workload};
 use carve_proto::ApiError;
 use carve_proto::client::{BearerToken, ClientIdentity, connect, failover_endpoints};
 use carve_proto::v1;
@@ -688,9 +688,11 @@ impl Worker {
         config: &v1::RunConfig,
         gpu: &WorkerGpu,
     ) -> Result<(), WorkerError> {
-        // The kind is the one the spec's text declares (`Workload::from_json`): an
-        // assignment carries the spec as submitted.
-        let spec = Workload::from_json(&assignment.spec_json)
+        // The kind is the one the scheduler stored at admission: the spec is read strictly
+        // as that kind, never sniffed from its text.
+        let kind = JobKind::from_name(&assignment.kind)
+            .map_err(|error| WorkerError::Attempt(format!("the assignment's kind: {error}")))?;
+        let spec = Workload::from_stored(kind, &assignment.spec_json)
             .map_err(|error| WorkerError::Attempt(format!("the job spec: {error}")))?;
         // The job may ask for less time than the worker allows, never more.
         let job_max_duration = spec

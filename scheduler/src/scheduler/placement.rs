@@ -312,6 +312,7 @@ impl Scheduler {
                 }),
                 profile,
                 tenant: job.tenant.clone(),
+                kind: job.kind,
             }),
         );
         self.emit_state(

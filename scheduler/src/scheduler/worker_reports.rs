@@ -10,6 +10,7 @@ use carve_core::allocator::OutOfMemory;
 use carve_core::command::memory_model::ProfilePoint;
 use carve_core::job_state::AttemptOutcome;
 use carve_core::plan::RunConfig;
+use carve_core::workload::JobKind;
 
 use crate::store::AttemptResults;
 
@@ -166,4 +167,6 @@ pub struct Assignment {
     pub profile: bool,
     /// The job's tenant, whose host uid range the worker runs the attempt under.
     pub tenant: String,
+    /// The kind stored with the job at admission: the worker reads the spec as this kind.
+    pub kind: JobKind,
 }
