@@ -4,7 +4,9 @@
 //!
 //! The scaling for a precision or recomputation the profile did not run with is an
 //! assumption (documented on [`CommandMemoryModel::need_bytes`]); the first run with it
-//! measures the truth, and [`CommandMemoryModel::refined`] keeps it.
+//! measures the truth, and [`CommandMemoryModel::refined`] keeps it. What a model may
+//! learn at all (unmeasured profiles, outliers, the floor, declared sizes) is
+//! [`learning`]'s.
 
 use serde::{Deserialize, Serialize};
 
@@ -14,6 +16,8 @@ use crate::error::FieldError;
 use crate::estimator::MemoryEstimate;
 use crate::plan::{MemoryCategory, RunConfig};
 use crate::spec::Precision;
+
+pub mod learning;
 
 /// One profile run: the micro-batch it ran with and the guard's peak for it. A run that
 /// ran out of memory gives `in_use + requested` as a lower bound, with `ran_out` set.

@@ -11,6 +11,7 @@ use crate::shrink::divisors_descending;
 use crate::spec::{Precision, ShrinkStrategy, VramRequest};
 use crate::validate::{MAX_BATCH_SIZE, validate_name, validate_oom_policy, validate_resources};
 
+use super::memory_model::learning::check_declared_vram_is_a_size;
 use super::render::{TemplatePiece, parse_template};
 use super::spec::{CommandJobSpec, CommandSpec};
 
@@ -66,7 +67,8 @@ pub use crate::workload::Workload as ValidatedSpec;
 /// `LD_PRELOAD`, `CUDA_VISIBLE_DEVICES`), an absolute working directory, `global_batch`
 /// at least 1 with a micro-batch that divides it, `precisions` not empty and without
 /// duplicates, `precision` one of them, profile steps >= 1 and its micro-batches
-/// divisors, the resources and OOM policy as for model jobs (strategies a command job
+/// divisors, the resources and OOM policy as for model jobs, a declared vram of at least
+/// 1 MiB (`vram = 2` is a size written without its unit, refused; strategies a command job
 /// cannot use, `workspace`, are refused; `mixed_precision` needs a half precision in
 /// `precisions`; `recompute` needs `command.recompute`).
 ///
@@ -121,6 +123,7 @@ pub fn validate_command_job_spec(
     }
     validate_profile(command)?;
     validate_resources(&spec.resources)?;
+    check_declared_vram_is_a_size(spec.resources.vram)?;
     if spec.oom.strategies == ShrinkStrategy::default_order() {
         spec.oom.strategies.retain(|strategy| {
             *strategy != ShrinkStrategy::Workspace

@@ -370,6 +370,21 @@ fn precisions_are_checked() {
 }
 
 #[test]
+fn a_vram_written_as_a_bare_small_number_is_refused_as_a_missing_unit() {
+    // `vram = 2` meant 2 GiB; taken as bytes it ran the program in a "2 B slice".
+    for written in ["vram = 2", "vram = \"2\"", "vram = 1048575"] {
+        let error = refused(&edited("vram = \"auto\"", written));
+        assert_eq!(error.field, "resources.vram", "{written}");
+        assert!(
+            error.reason.contains("write the unit"),
+            "{written}: {error}"
+        );
+    }
+    let job = command_job(&edited("vram = \"auto\"", "vram = \"2 GiB\""));
+    assert_eq!(job.spec.resources.vram, VramRequest::Bytes(2 << 30));
+}
+
+#[test]
 fn resources_and_oom_policy_are_checked_as_for_model_jobs() {
     assert_eq!(
         refused(&edited("vram = \"auto\"", "vram = 0")).field,
