@@ -17,6 +17,7 @@ pub mod scheduling;
 pub mod shrink;
 pub mod simulation;
 pub mod spec;
+pub mod step_rate;
 pub mod validate;
 pub mod workload;
 

@@ -13,11 +13,14 @@
 //!   of job, is `crate::workload::Workload` under its older name;
 //! - `render`: placeholders to the argv and environment of one attempt;
 //! - `memory_model`: the fitted model, its predictions and refinement;
+//! - `metrics`: the results a program reports (`accuracy`, `val_loss`, `metric_*`) and
+//!   their bounds;
 //! - `shrink`: the next configuration after an OOM, in one step;
 //! - `oom`: telling an OOM from other failures by the guard's record and the frameworks'
 //!   messages.
 
 pub mod memory_model;
+pub mod metrics;
 pub mod oom;
 pub mod render;
 pub mod shrink;
