@@ -93,162 +93,60 @@ pub struct FrameworkOom {
     pub line: String,
 }
 
-/// Finds the first fatal out-of-memory message in `stderr_lines`: PyTorch "CUDA out of
-/// memory. Tried to allocate ..." (and the cudaMallocAsync wording "CUDA error: out of
-/// memory"), TensorFlow "OOM when allocating tensor" / "ran out of memory trying to
-/// allocate" / `STATUS_ALLOC_FAILED`, `CUDNN_STATUS_ALLOC_FAILED`, JAX
-/// "RESOURCE_EXHAUSTED: Out of memory", `CUBLAS_STATUS_ALLOC_FAILED`,
-/// `CUDA_ERROR_OUT_OF_MEMORY`.
+/// Finds the out-of-memory message the program ended with in `stderr_lines` (its tail),
+/// or `None` when it ended with another error.
+///
+/// Only the error the program ended with counts (`terminal_error`): the exception text of
+/// its last Python traceback (with the tracebacks chained to it), or without one, from
+/// the last error or out-of-memory line to the end. A memory warning a framework
+/// recovers from (TensorFlow's and XLA's BFC "ran out of memory trying to allocate",
+/// "failed to allocate ... from device") is never one, and a warning followed by an
+/// unrelated error is that error. The messages (`messages`): PyTorch "CUDA out of
+/// memory. Tried to allocate ..." (1.x and 2.x, `torch.OutOfMemoryError`,
+/// `torch.cuda.OutOfMemoryError`), its cudaMallocAsync backend's "would exceed allowed
+/// memory. (out of memory)" and "CUDA error: out of memory"; TensorFlow "OOM when
+/// allocating tensor" on a GPU and `STATUS_ALLOC_FAILED`; JAX/XLA "RESOURCE_EXHAUSTED:
+/// Out of memory ..." and "Failed to allocate request for ..."; `CUDNN_STATUS_ALLOC_FAILED`;
+/// `CUBLAS_STATUS_ALLOC_FAILED`; the driver's `CUDA_ERROR_OUT_OF_MEMORY` and the
+/// runtime's `cudaErrorMemoryAllocation`. An error that only says "cuDNN failed to
+/// initialize" (or "Blas GEMM launch failed") is an OOM when the log above it says the
+/// library's handle could not allocate.
 pub fn find_framework_oom<'a>(
     stderr_lines: impl IntoIterator<Item = &'a str>,
 ) -> Option<FrameworkOom> {
-    stderr_lines.into_iter().find_map(framework_oom_in_line)
+    let lines: Vec<&str> = stderr_lines.into_iter().collect();
+    let error_lines = terminal_error::terminal_error_lines(&lines);
+    let in_error = error_lines
+        .iter()
+        .find_map(|&index| messages::oom_in_line(lines[index], &lines[index + 1..]));
+    if in_error.is_some() {
+        return in_error;
+    }
+    let first_error_line = *error_lines.first()?;
+    if !error_lines
+        .iter()
+        .any(|&index| messages::refers_to_log_above(lines[index]))
+    {
+        return None;
+    }
+    let logged = lines[..first_error_line]
+        .iter()
+        .rev()
+        .find(|line| messages::library_allocation_source(line).is_some())?;
+    Some(FrameworkOom {
+        source: messages::library_allocation_source(logged)?,
+        requested_bytes: None,
+        in_use_bytes: None,
+        line: logged
+            .trim()
+            .chars()
+            .take(EVIDENCE_LINE_CHARACTERS)
+            .collect(),
+    })
 }
 
 /// The longest line kept as evidence.
 const EVIDENCE_LINE_CHARACTERS: usize = 300;
-
-/// One line's out-of-memory message, the most specific pattern first (a JAX line may
-/// quote the driver's `CUDA_ERROR_OUT_OF_MEMORY`, a TensorFlow one cuDNN's status).
-fn framework_oom_in_line(line: &str) -> Option<FrameworkOom> {
-    let (source, requested_bytes, in_use_bytes) = if line.contains("CUDA out of memory") {
-        (
-            OomSource::PyTorch,
-            size_after(line, "Tried to allocate "),
-            pytorch_in_use(line),
-        )
-    } else if line.contains("CUDA error: out of memory") {
-        (OomSource::PyTorch, None, None)
-    } else if line.contains("OOM when allocating tensor") {
-        (OomSource::TensorFlow, tensorflow_tensor_bytes(line), None)
-    } else if line.contains("ran out of memory trying to allocate") {
-        (
-            OomSource::TensorFlow,
-            size_after(line, "ran out of memory trying to allocate "),
-            None,
-        )
-    } else if line.contains("RESOURCE_EXHAUSTED")
-        && line.to_ascii_lowercase().contains("out of memory")
-    {
-        let requested = size_after(line, "trying to allocate ")
-            .or_else(|| size_after(line, "allocating "))
-            .or_else(|| size_after(line, "allocate "));
-        (OomSource::Jax, requested, None)
-    } else if line.contains("CUDNN_STATUS_ALLOC_FAILED") {
-        (OomSource::Cudnn, None, None)
-    } else if line.contains("CUBLAS_STATUS_ALLOC_FAILED") {
-        (OomSource::Cublas, None, None)
-    } else if line.contains("STATUS_ALLOC_FAILED") {
-        (OomSource::TensorFlow, None, None)
-    } else if line.contains("CUDA_ERROR_OUT_OF_MEMORY")
-        || line.contains("cudaErrorMemoryAllocation")
-    {
-        (OomSource::Cuda, None, None)
-    } else {
-        return None;
-    };
-    Some(FrameworkOom {
-        source,
-        requested_bytes,
-        in_use_bytes,
-        line: line.trim().chars().take(EVIDENCE_LINE_CHARACTERS).collect(),
-    })
-}
-
-/// What PyTorch says its caching allocator held: 2.x gives "X is allocated by PyTorch,
-/// and Y is reserved by PyTorch but unallocated" (held = X + Y); 1.x gives "X reserved in
-/// total by PyTorch" (all it held) and "Z already allocated" (the part in tensors).
-fn pytorch_in_use(line: &str) -> Option<u64> {
-    if let Some(allocated) = size_before(line, " is allocated by PyTorch") {
-        let unallocated = size_before(line, " is reserved by PyTorch but unallocated").unwrap_or(0);
-        return Some(allocated.saturating_add(unallocated));
-    }
-    size_before(line, " reserved in total by PyTorch")
-        .or_else(|| size_before(line, " already allocated"))
-}
-
-/// TensorFlow's "OOM when allocating tensor with shape[32,64,512,512] and type float":
-/// the elements times the type's size.
-fn tensorflow_tensor_bytes(line: &str) -> Option<u64> {
-    let after_shape = &line[line.find("shape[")? + "shape[".len()..];
-    let dimensions = &after_shape[..after_shape.find(']')?];
-    let elements = dimensions
-        .split(',')
-        .map(str::trim)
-        .filter(|dimension| !dimension.is_empty())
-        .try_fold(1u64, |product, dimension| {
-            product.checked_mul(dimension.parse::<u64>().ok()?)
-        })?;
-    let after_type = &after_shape[after_shape.find(" type ")? + " type ".len()..];
-    let type_name = after_type
-        .split(|character: char| !(character.is_ascii_alphanumeric() || character == '_'))
-        .next()?;
-    elements.checked_mul(tensorflow_type_bytes(type_name)?)
-}
-
-/// The size of one element of a TensorFlow dtype, by the name its messages print.
-fn tensorflow_type_bytes(type_name: &str) -> Option<u64> {
-    Some(match type_name {
-        "bool" | "int8" | "uint8" | "qint8" | "quint8" => 1,
-        "half" | "float16" | "bfloat16" | "int16" | "uint16" | "qint16" | "quint16" => 2,
-        "float" | "float32" | "int32" | "uint32" | "qint32" => 4,
-        "double" | "float64" | "int64" | "uint64" | "complex64" => 8,
-        "complex128" => 16,
-        _ => return None,
-    })
-}
-
-/// The size written right after `marker`: "2.00 GiB", "20.00 MiB", "2.00GiB",
-/// "1073741824 bytes", "512B", a bare number of bytes.
-fn size_after(line: &str, marker: &str) -> Option<u64> {
-    let rest = line[line.find(marker)? + marker.len()..].trim_start();
-    let number_end = rest
-        .find(|character: char| !(character.is_ascii_digit() || character == '.'))
-        .unwrap_or(rest.len());
-    let unit: String = rest[number_end..]
-        .trim_start()
-        .chars()
-        .take_while(char::is_ascii_alphabetic)
-        .collect();
-    size_in_bytes(&rest[..number_end], &unit)
-}
-
-/// The size written right before `marker`: "76.50 GiB is allocated", "14.56GiB already".
-fn size_before(line: &str, marker: &str) -> Option<u64> {
-    let before = line[..line.find(marker)?].trim_end();
-    let unit_start = before
-        .rfind(|character: char| !character.is_ascii_alphabetic())
-        .map_or(0, |index| index + 1);
-    let (number_text, unit) = before.split_at(unit_start);
-    let number_text = number_text.trim_end();
-    let number_start = number_text
-        .rfind(|character: char| !(character.is_ascii_digit() || character == '.'))
-        .map_or(0, |index| index + 1);
-    size_in_bytes(&number_text[number_start..], unit)
-}
-
-/// `number` of `unit` as bytes, rounded; frameworks print two decimals of a binary
-/// unit, so the answer is within half a hundredth of that unit.
-fn size_in_bytes(number: &str, unit: &str) -> Option<u64> {
-    if number.is_empty() || !number.starts_with(|character: char| character.is_ascii_digit()) {
-        return None;
-    }
-    let value: f64 = number.parse().ok()?;
-    let multiplier: f64 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" | "byte" | "bytes" => 1.0,
-        "kib" | "k" => 1024.0,
-        "mib" | "m" => 1024.0 * 1024.0,
-        "gib" | "g" => 1024.0 * 1024.0 * 1024.0,
-        "tib" | "t" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        "kb" => 1e3,
-        "mb" => 1e6,
-        "gb" => 1e9,
-        "tb" => 1e12,
-        _ => return None,
-    };
-    // `as` saturates: an absurd size becomes u64::MAX, never a wrap.
-    Some((value * multiplier).round() as u64)
-}
 
 /// How a run of a command job ended, as the scheduler is told.
 #[derive(Debug, Clone, PartialEq)]
@@ -319,21 +217,11 @@ pub fn classify_command_exit(exit: &CommandExit<'_>) -> CommandRunEnd {
         };
     }
     if let Some(oom) = find_framework_oom(exit.stderr_tail.iter().map(String::as_str)) {
-        let in_use = oom.in_use_bytes.unwrap_or(exit.peak_bytes);
-        // Without the request's size, the run needed at least the whole slice.
-        let requested = oom
-            .requested_bytes
-            .unwrap_or_else(|| exit.slice_bytes.saturating_sub(in_use));
+        let (report, evidence) = framework_report(&oom, exit.slice_bytes, exit.peak_bytes);
         return CommandRunEnd::OutOfMemory {
             source: oom.source,
-            report: OutOfMemory {
-                requested,
-                in_use,
-                limit: exit.slice_bytes,
-                largest_free: exit.slice_bytes.saturating_sub(in_use),
-                peak: exit.peak_bytes.max(in_use),
-            },
-            evidence: oom.line,
+            report,
+            evidence,
         };
     }
     if let (Some(limit), Some(SIGKILL)) = (exit.host_memory_limit_reached, exit.signal) {
@@ -356,6 +244,63 @@ pub fn classify_command_exit(exit: &CommandExit<'_>) -> CommandRunEnd {
     CommandRunEnd::Failed {
         message: failure_message(exit, ""),
     }
+}
+
+/// The OOM report a framework's message gives in a slice of `slice_bytes` whose account
+/// peaked at `peak_bytes`, and its evidence line.
+///
+/// A number above the slice is the framework's view of the whole GPU (PyTorch's "76.50
+/// GiB is allocated by PyTorch" where the driver was not the guard, a TensorFlow tensor
+/// shape printed for another run), not a measurement of this attempt: it is dropped, so
+/// it never becomes the peak or the need the retry is planned from. Numbers missing or
+/// dropped come from the account: in use is its peak; the request is what was left of
+/// the slice (the run needed at least the whole slice). The evidence says which numbers
+/// were dropped.
+pub fn framework_report(
+    oom: &FrameworkOom,
+    slice_bytes: u64,
+    peak_bytes: u64,
+) -> (OutOfMemory, String) {
+    let within_slice = |bytes: &u64| *bytes <= slice_bytes;
+    let dropped: Vec<String> = [
+        ("in use", oom.in_use_bytes),
+        ("requested", oom.requested_bytes),
+    ]
+    .into_iter()
+    .filter_map(|(name, bytes)| {
+        bytes
+            .filter(|bytes| !within_slice(bytes))
+            .map(|bytes| format!("{name} {}", HumanBytes(bytes)))
+    })
+    .collect();
+    let in_use = oom
+        .in_use_bytes
+        .filter(within_slice)
+        .unwrap_or(peak_bytes)
+        .min(slice_bytes);
+    let requested = oom
+        .requested_bytes
+        .filter(within_slice)
+        .unwrap_or_else(|| slice_bytes.saturating_sub(in_use));
+    let report = OutOfMemory {
+        requested,
+        in_use,
+        limit: slice_bytes,
+        largest_free: slice_bytes.saturating_sub(in_use),
+        peak: peak_bytes.max(in_use),
+    };
+    let evidence = if dropped.is_empty() {
+        oom.line.clone()
+    } else {
+        format!(
+            "{} [numbers above the {} slice not used: {}; the framework's view of the whole \
+             GPU, not this attempt's]",
+            oom.line,
+            HumanBytes(slice_bytes),
+            dropped.join(", ")
+        )
+    };
+    (report, evidence)
 }
 
 const SIGKILL: i32 = 9;
@@ -426,6 +371,9 @@ fn signal_name(signal: i32) -> Option<&'static str> {
         _ => return None,
     })
 }
+
+mod messages;
+mod terminal_error;
 
 #[cfg(test)]
 mod tests;

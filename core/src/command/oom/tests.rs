@@ -1,5 +1,6 @@
 //! Real messages from each framework as fixtures, and how a run's end is classified.
 
+use super::messages::{size_after, size_before};
 use super::*;
 
 const GIB: u64 = 1 << 30;
@@ -97,11 +98,41 @@ fn tensorflow_gives_the_tensor_size_from_its_shape_and_type() {
     assert_eq!(found(&absurd).requested_bytes, None);
 }
 
+/// The BFC allocator's "ran out of memory trying to allocate" is a warning: either the
+/// caller recovers ("The caller indicates that this is not a failure") or the op's own
+/// fatal "OOM when allocating tensor" follows it, which is the message that counts. It
+/// used to be read as an OOM by itself, which turned a recovered warning followed by an
+/// unrelated error into a false OOM (issue 28).
 #[test]
-fn tensorflow_bfc_allocator_message_gives_the_request() {
-    let oom = found(TENSORFLOW_BFC);
-    assert_eq!(oom.source, OomSource::TensorFlow);
-    assert_eq!(oom.requested_bytes, Some(2 * GIB));
+fn tensorflow_bfc_allocator_warnings_are_not_an_oom_by_themselves() {
+    assert_eq!(find_framework_oom([TENSORFLOW_BFC]), None);
+    let recovered = "2024-03-01 12:00:00.000000: W tensorflow/tsl/framework/bfc_allocator.cc:296] Allocator (GPU_0_bfc) ran out of memory trying to allocate 2.26GiB with freed_by_count=0. The caller indicates that this is not a failure, but this may mean that there could be performance gains if more memory were available.";
+    assert_eq!(find_framework_oom([recovered]), None);
+    let then_the_op = [TENSORFLOW_BFC, TENSORFLOW_TENSOR];
+    let oom = find_framework_oom(then_the_op).unwrap();
+    assert_eq!(oom.requested_bytes, Some(32 * 64 * 512 * 512 * 4));
+}
+
+#[test]
+fn a_recovered_warning_then_an_unrelated_error_is_that_error() {
+    let recovered = "2024-03-01 12:00:00.000000: W tensorflow/tsl/framework/bfc_allocator.cc:296] Allocator (GPU_0_bfc) ran out of memory trying to allocate 2.26GiB with freed_by_count=0. The caller indicates that this is not a failure, but this may mean that there could be performance gains if more memory were available.";
+    let stderr = lines(&[
+        recovered,
+        "Traceback (most recent call last):",
+        "  File \"train.py\", line 40, in <module>",
+        "    model.fit(x, y)",
+        "ValueError: Shapes (None, 10) and (None, 1) are incompatible",
+    ]);
+    let CommandRunEnd::Failed { message } = classify_command_exit(&exit(Some(1), None, &stderr))
+    else {
+        panic!("expected a failure");
+    };
+    assert!(message.ends_with("are incompatible"), "{message}");
+    // Without the traceback's head (a tail that lost it) the error line still decides.
+    assert_eq!(
+        find_framework_oom([recovered, "ValueError: bad shape"]),
+        None
+    );
 }
 
 #[test]
@@ -250,7 +281,11 @@ fn a_framework_message_is_an_oom_with_its_numbers() {
         "  File \"train.py\"",
         PYTORCH_1,
     ]);
-    match classify_command_exit(&exit(Some(1), None, &stderr)) {
+    // A 16 GiB slice: the message's 14.60 GiB fits in it, so it is a measurement.
+    match classify_command_exit(&CommandExit {
+        slice_bytes: 16 * GIB,
+        ..exit(Some(1), None, &stderr)
+    }) {
         CommandRunEnd::OutOfMemory {
             source,
             report,
@@ -259,9 +294,9 @@ fn a_framework_message_is_an_oom_with_its_numbers() {
             assert_eq!(source, OomSource::PyTorch);
             assert_eq!(report.requested, 20 * MIB);
             assert_eq!(report.in_use, hundredths_of_gib(1460));
-            assert_eq!(report.limit, 8 * GIB);
+            assert_eq!(report.limit, 16 * GIB);
             assert_eq!(report.peak, hundredths_of_gib(1460));
-            assert_eq!(report.largest_free, 0);
+            assert_eq!(report.largest_free, 16 * GIB - hundredths_of_gib(1460));
             assert!(evidence.starts_with("RuntimeError: CUDA out of memory"));
         }
         other => panic!("expected an OOM, got {other:?}"),
@@ -363,4 +398,66 @@ fn every_detector_reads_back_from_its_name_and_an_unknown_one_is_refused() {
             .contains("\"telepathy\" is not an out-of-memory detector (allocator, guard"),
         "{refused:?}"
     );
+}
+
+/// Issue 28: PyTorch's numbers in a 2 GiB slice said 77.52 GiB held ("total capacity of
+/// 79.19 GiB"), the framework's view of the whole GPU: they must not become the peak.
+#[test]
+fn numbers_above_the_slice_are_the_whole_gpus_not_this_attempts() {
+    let pytorch = PYTORCH_2.replace("79.10 GiB", "79.19 GiB");
+    let stderr = lines(&[&pytorch]);
+    let in_a_2_gib_slice = |peak_bytes| CommandExit {
+        slice_bytes: 2 * GIB,
+        peak_bytes,
+        ..exit(Some(1), None, &stderr)
+    };
+    let CommandRunEnd::OutOfMemory {
+        report, evidence, ..
+    } = classify_command_exit(&in_a_2_gib_slice(GIB + 512 * MIB))
+    else {
+        panic!("expected an OOM");
+    };
+    // In use and the peak are the account's; the 2 GiB request fits the slice and stays.
+    assert_eq!(report.in_use, GIB + 512 * MIB);
+    assert_eq!(report.peak, GIB + 512 * MIB);
+    assert_eq!(report.requested, 2 * GIB);
+    assert_eq!(report.limit, 2 * GIB);
+    assert!(
+        evidence.ends_with(
+            "[numbers above the 2 GiB slice not used: in use 77.52 GiB; the framework's \
+             view of the whole GPU, not this attempt's]"
+        ),
+        "{evidence}"
+    );
+    // A simulated GPU measured nothing: the run needed the whole slice, no more known.
+    let CommandRunEnd::OutOfMemory { report, .. } = classify_command_exit(&in_a_2_gib_slice(0))
+    else {
+        panic!("expected an OOM");
+    };
+    assert_eq!(
+        (report.in_use, report.peak, report.requested),
+        (0, 0, 2 * GIB)
+    );
+    // TensorFlow's shape[256,32,1024,1024] float is 32 GiB: not this attempt's request.
+    let tensorflow = TENSORFLOW_TENSOR.replace("[32,64,512,512]", "[256,32,1024,1024]");
+    let stderr = lines(&[&tensorflow]);
+    let CommandRunEnd::OutOfMemory {
+        report, evidence, ..
+    } = classify_command_exit(&CommandExit {
+        slice_bytes: 2 * GIB,
+        peak_bytes: 0,
+        ..exit(Some(1), None, &stderr)
+    })
+    else {
+        panic!("expected an OOM");
+    };
+    assert_eq!((report.in_use, report.requested), (0, 2 * GIB));
+    assert!(evidence.contains("requested 32 GiB"), "{evidence}");
+    // A peak the worker reports above the slice is never taken as in use.
+    let CommandRunEnd::OutOfMemory { report, .. } =
+        classify_command_exit(&in_a_2_gib_slice(3 * GIB))
+    else {
+        panic!("expected an OOM");
+    };
+    assert_eq!((report.in_use, report.requested), (2 * GIB, 2 * GIB));
 }
