@@ -43,6 +43,33 @@ pub fn timing_text(first_step: u64, step: u64, total_steps: u64, elapsed: Durati
     text
 }
 
+/// The timing of a progress report: its worker's own time left when it sent one (the
+/// pace since the first reported step, start-up not counted: `carve_core::step_rate`).
+/// A command job's worker sends none before it knows a pace, and then no ETA is shown;
+/// for a model job's trainer, which sends none, [`timing_text`]'s estimate from the
+/// attempt's start.
+pub fn progress_timing_text(
+    first_step: u64,
+    progress: &carve_proto::v1::TrainingProgress,
+    elapsed: Duration,
+    command_job: bool,
+) -> String {
+    match progress
+        .seconds_left
+        .and_then(|seconds| Duration::try_from_secs_f64(seconds).ok())
+    {
+        Some(left) if progress.step < progress.total_steps => format!(
+            "elapsed {}, ETA {}",
+            duration_text(elapsed),
+            duration_text(left)
+        ),
+        // The worker measures the pace: no time left from it means no pace yet.
+        Some(_) => format!("elapsed {}", duration_text(elapsed)),
+        None if command_job => format!("elapsed {}", duration_text(elapsed)),
+        None => timing_text(first_step, progress.step, progress.total_steps, elapsed),
+    }
+}
+
 /// The time from `start` to `end` (seconds and nanoseconds since the Unix epoch), never
 /// negative: a client clock behind the scheduler's reads as no time at all.
 pub fn between(start: &prost_types::Timestamp, end: &prost_types::Timestamp) -> Duration {
@@ -88,6 +115,35 @@ mod tests {
         assert_eq!(timing_text(300, 400, 500, elapsed), "elapsed 50s, ETA 50s");
         assert_eq!(timing_text(0, 0, 500, elapsed), "elapsed 50s");
         assert_eq!(timing_text(0, 500, 500, elapsed), "elapsed 50s");
+    }
+
+    #[test]
+    fn the_workers_time_left_is_shown_when_it_sent_one() {
+        let progress = carve_proto::v1::TrainingProgress {
+            step: 1,
+            total_steps: 12,
+            seconds_left: Some(5.5),
+            ..Default::default()
+        };
+        // 6 s of start-up before step 1: the estimate from the start says 1m06s.
+        let elapsed = Duration::from_secs(6);
+        assert_eq!(
+            progress_timing_text(0, &progress, elapsed, true),
+            "elapsed 6s, ETA 5s"
+        );
+        let no_pace_yet = carve_proto::v1::TrainingProgress {
+            seconds_left: None,
+            ..progress
+        };
+        assert_eq!(
+            progress_timing_text(0, &no_pace_yet, elapsed, true),
+            "elapsed 6s"
+        );
+        // A model job's trainer sends no time left: the estimate from the start.
+        assert_eq!(
+            progress_timing_text(0, &no_pace_yet, elapsed, false),
+            "elapsed 6s, ETA 1m06s"
+        );
     }
 
     #[test]

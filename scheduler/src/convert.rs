@@ -16,6 +16,7 @@
 use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
+use carve_core::command::metrics::{Metric, MetricSet};
 use carve_core::command::oom::OomSource;
 use carve_core::estimator::MemoryEstimate;
 use carve_core::job_state::{AttemptOutcome, JobState};
@@ -123,6 +124,15 @@ pub fn attempt_to_proto(attempt: &AttemptRecord) -> v1::Attempt {
         test_accuracy: attempt.results.test_accuracy,
         steps_done: attempt.results.steps_done.map(|steps| steps.max(0) as u64),
         samples_per_second: attempt.results.samples_per_second,
+        metrics: attempt
+            .results
+            .metrics
+            .iter()
+            .map(|metric| v1::Metric {
+                name: metric.name.clone(),
+                value: metric.value,
+            })
+            .collect(),
         progress: None,
         command_argv: attempt.details.command_argv.clone(),
         chosen_because: attempt.details.chosen_because.clone(),
@@ -309,6 +319,9 @@ fn progress_from_proto(progress: v1::TrainingProgress) -> TrainingProgress {
         samples_per_second: progress.samples_per_second,
         memory_in_use_bytes: progress.memory_in_use_bytes,
         memory_peak_bytes: progress.memory_peak_bytes,
+        seconds_left: progress
+            .seconds_left
+            .filter(|seconds| seconds.is_finite() && *seconds >= 0.0),
     }
 }
 
@@ -320,6 +333,7 @@ pub fn progress_to_proto(progress: &TrainingProgress) -> v1::TrainingProgress {
         samples_per_second: progress.samples_per_second,
         memory_in_use_bytes: progress.memory_in_use_bytes,
         memory_peak_bytes: progress.memory_peak_bytes,
+        seconds_left: progress.seconds_left,
     }
 }
 
@@ -358,6 +372,11 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
         Body::Log(line) => WorkerReport::Log {
             attempt: attempt_ref_from_proto(line.attempt),
             level: line.level,
+            // Only the two names a line may carry; anything else is no stream.
+            stream: match line.stream.as_str() {
+                "stdout" | "stderr" => line.stream,
+                _ => String::new(),
+            },
             message: line.message,
         },
         Body::CheckpointWritten(written) => WorkerReport::CheckpointWritten {
@@ -395,6 +414,13 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
                 samples_per_second: finished
                     .samples_per_second
                     .filter(|rate| rate.is_finite() && *rate >= 0.0),
+                // A worker's report is held to the bounds its program was: a count of
+                // names, their length and characters, finite values.
+                metrics: MetricSet::bounded(finished.metrics.into_iter().map(|metric| Metric {
+                    name: metric.name,
+                    value: metric.value,
+                }))
+                .into_metrics(),
             },
             profile_points: finished
                 .profile_points
@@ -445,10 +471,12 @@ pub fn job_update_to_proto(update: &JobUpdate) -> v1::JobEvent {
             attempt_number,
             level,
             message,
+            stream,
         } => Event::Log(v1::job_event::LogLine {
             attempt_number: *attempt_number,
             level: level.clone(),
             message: message.clone(),
+            stream: stream.clone(),
         }),
     };
     v1::JobEvent {

@@ -417,6 +417,7 @@ fn output_log_line(attempt: &v1::AttemptRef, message: String) -> Body {
         attempt: Some(attempt.clone()),
         level: output_level(&message).into(),
         message,
+        stream: String::new(),
     })
 }
 
@@ -427,6 +428,7 @@ pub(crate) fn uncontained_log_line(attempt: &v1::AttemptRef) -> Body {
         attempt: Some(attempt.clone()),
         level: "warn".into(),
         message: UNCONTAINED_WARNING.to_string(),
+        stream: String::new(),
     })
 }
 
@@ -603,6 +605,7 @@ fn report_for_line(attempt: &v1::AttemptRef, line: &ChildLine, uncontained: bool
                 samples_per_second: *samples_per_second,
                 memory_in_use_bytes: *memory_in_use_bytes,
                 memory_peak_bytes: *memory_peak_bytes,
+                seconds_left: None,
             }),
         })),
         ChildLine::Checkpoint { step, location } => Some(Body::CheckpointWritten(

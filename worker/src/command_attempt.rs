@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
+use carve_core::command::memory_model::learning::run_peak_bytes;
 use carve_core::command::oom::{CommandExit, CommandRunEnd, classify_command_exit};
 use carve_core::command::validate::ValidatedCommandJob;
 use carve_core::plan::RunConfig;
@@ -34,11 +35,13 @@ use crate::attempt_process::{
     spawn_supervised, uncontained_log_line,
 };
 use crate::command_output::{
-    BoundedLines, LineTail, MOST_LINE_BYTES, ProgressLine, STDERR_TAIL_LINES, parse_progress_line,
+    LineTail, ProgressLine, ProgressPacing, STDERR_TAIL_LINES, parse_progress_line,
     start_error_text,
 };
 use crate::guard_environment::AttemptGuard;
+use crate::program_output::{MOST_LINE_BYTES, OutputLine, OutputStream, ProgramOutput};
 use crate::sandbox::{Container, Sandbox, container_exit_status};
+use carve_core::step_rate::StepRate;
 
 mod setup;
 use setup::PreparedRun;
@@ -359,18 +362,15 @@ impl<P: CommandProcesses> Runner<'_, P> {
         container: Option<&Container>,
     ) -> RunRecord {
         let job_id = self.launch.attempt.job_id.clone();
-        let mut stdout = child
-            .stdout
-            .take()
-            .map(|stream| BoundedLines::new(stream, MOST_LINE_BYTES));
-        let mut stderr = child
-            .stderr
-            .take()
-            .map(|stream| BoundedLines::new(stream, MOST_LINE_BYTES));
+        let mut lines =
+            ProgramOutput::new(child.stdout.take(), child.stderr.take(), MOST_LINE_BYTES);
         let mut output = RunOutput {
             progress: ProgressLine::default(),
             stderr_tail: LineTail::new(STDERR_TAIL_LINES),
             progress_since_tick: false,
+            pacing: ProgressPacing::default(),
+            step_rate: StepRate::default(),
+            started: Instant::now(),
         };
         let mut stopper = ProcessStopper::new(process_id, container.cloned());
         let mut status: Option<std::io::Result<ExitStatus>> = None;
@@ -378,16 +378,18 @@ impl<P: CommandProcesses> Runner<'_, P> {
         let mut ticks =
             tokio::time::interval_at(Instant::now() + PROGRESS_INTERVAL, PROGRESS_INTERVAL);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        while status.is_none() || stdout.is_some() || stderr.is_some() {
+        while status.is_none() || !lines.is_done() {
             tokio::select! {
-                line = next_line(&mut stdout), if stdout.is_some() => match line {
-                    Some(line) => self.on_line(line, false, plan, guard, &mut output),
-                    None => stdout = None,
-                },
-                line = next_line(&mut stderr), if stderr.is_some() => match line {
-                    Some(line) => self.on_line(line, true, plan, guard, &mut output),
-                    None => stderr = None,
-                },
+                line = lines.next_line(), if !lines.is_done() => {
+                    if let Some(line) = line {
+                        self.on_line(line, plan, guard, &mut output);
+                    }
+                }
+                // A progress line that came too soon after the last report, reported now.
+                _ = sleep_until_or_never(output.pacing.pending_due()) => {
+                    output.pacing.reported(Instant::now());
+                    self.report_progress(&output, guard);
+                }
                 exited = child.wait(), if status.is_none() => {
                     status = Some(exited.map(|status| match container {
                         Some(_) => container_exit_status(status, &[]),
@@ -405,10 +407,16 @@ impl<P: CommandProcesses> Runner<'_, P> {
                 }
                 _ = ticks.tick(), if plan.report_progress && guard.is_some() => {
                     if !std::mem::take(&mut output.progress_since_tick) {
-                        self.report_progress(&output.progress, guard);
+                        output.pacing.reported(Instant::now());
+                        self.report_progress(&output, guard);
                     }
                 }
             }
+        }
+        // The last progress is always reported, before the attempt's end.
+        if output.pacing.is_pending() {
+            output.pacing.reported(Instant::now());
+            self.report_progress(&output, guard);
         }
         let status = status.unwrap_or_else(|| Err(std::io::Error::other("not waited for")));
         // What the program left running in its process group (a data loader's worker, a
@@ -429,11 +437,12 @@ impl<P: CommandProcesses> Runner<'_, P> {
                 .ok()
                 .flatten()
         });
-        let peak_bytes = match usage {
-            Some(usage) => usage.peak_bytes,
-            None if guard.is_none() => output.progress.memory_peak_bytes.unwrap_or(0),
-            None => 0,
-        };
+        // The guard's peak when it counted anything, else the program's own figure (a
+        // simulated GPU sees no CUDA call): core's rule.
+        let peak_bytes = run_peak_bytes(
+            usage.map(|usage| usage.peak_bytes),
+            output.progress.memory_peak_bytes,
+        );
         let end = match stopper.into_stop() {
             Some(stop) => RunEnd::Stopped(stop),
             None => RunEnd::Exited(self.classify(
@@ -451,37 +460,56 @@ impl<P: CommandProcesses> Runner<'_, P> {
         }
     }
 
-    /// One line of the program's output: a progress line counts (and is reported), any
-    /// other is a log line, info from stdout and warn from stderr.
+    /// One line of the program's output: a progress line counts (and is reported, at
+    /// most one a second: [`ProgressPacing`]), any other is a log line marked with its
+    /// stream, info from stdout and warn from stderr.
     fn on_line(
         &self,
-        line: String,
-        from_stderr: bool,
+        line: OutputLine,
         plan: &RunPlan,
         guard: Option<&AttemptGuard>,
         output: &mut RunOutput,
     ) {
-        if let Some(progress) = parse_progress_line(&line) {
+        let OutputLine { stream, text } = line;
+        if let Some(progress) = parse_progress_line(&text) {
+            let now = Instant::now();
+            if let Some(step) = progress.step {
+                output
+                    .step_rate
+                    .observe(step, now.duration_since(output.started));
+            }
             output.progress.merge(&progress);
-            if plan.report_progress {
+            if plan.report_progress && progress.has_step_figures() {
                 output.progress_since_tick = true;
-                self.report_progress(&output.progress, guard);
+                if output.pacing.line_came(now) {
+                    self.report_progress(output, guard);
+                }
             }
             return;
         }
-        if from_stderr {
-            output.stderr_tail.push(line.clone());
+        if stream == OutputStream::Stderr {
+            output.stderr_tail.push(text.clone());
         }
         self.send(Body::Log(v1::worker_message::LogLine {
             attempt: Some(self.launch.attempt.clone()),
-            level: if from_stderr { "warn" } else { "info" }.to_string(),
-            message: format!("{}{line}", plan.log_prefix),
+            level: match stream {
+                OutputStream::Stdout => "info",
+                OutputStream::Stderr => "warn",
+            }
+            .to_string(),
+            message: format!("{}{text}", plan.log_prefix),
+            stream: stream.name().to_string(),
         }));
     }
 
-    /// A progress report: the program's last figures, and the guard account's memory
-    /// (the program's own figures without the guard).
-    fn report_progress(&self, progress: &ProgressLine, guard: Option<&AttemptGuard>) {
+    /// A progress report: the program's last figures with the time left at their pace,
+    /// and the guard account's memory (the program's own figures without the guard).
+    fn report_progress(&self, output: &RunOutput, guard: Option<&AttemptGuard>) {
+        let progress = &output.progress;
+        let total_steps = progress
+            .total_steps
+            .or(self.launch.job.spec.command.steps)
+            .unwrap_or(0);
         let usage = guard.and_then(|guard| guard.read_usage().ok().flatten());
         let (in_use, peak) = match (&usage, guard) {
             (Some(usage), _) => (usage.in_use_bytes, usage.peak_bytes),
@@ -495,14 +523,15 @@ impl<P: CommandProcesses> Runner<'_, P> {
             attempt: Some(self.launch.attempt.clone()),
             progress: Some(v1::TrainingProgress {
                 step: progress.step.unwrap_or(0),
-                total_steps: progress
-                    .total_steps
-                    .or(self.launch.job.spec.command.steps)
-                    .unwrap_or(0),
+                total_steps,
                 loss: progress.loss.unwrap_or(0.0),
                 samples_per_second: progress.samples_per_second.unwrap_or(0.0),
                 memory_in_use_bytes: in_use,
                 memory_peak_bytes: peak,
+                seconds_left: output
+                    .step_rate
+                    .time_left(total_steps)
+                    .map(|left| left.as_secs_f64()),
             }),
         }));
     }
@@ -557,16 +586,11 @@ struct RunOutput {
     stderr_tail: LineTail,
     /// A progress line came since the last tick (no account-only report needed).
     progress_since_tick: bool,
-}
-
-/// The next line of a stream that is open; `None` at its end or on an error reading it.
-async fn next_line<R: tokio::io::AsyncRead + Unpin>(
-    lines: &mut Option<BoundedLines<R>>,
-) -> Option<String> {
-    match lines.as_mut() {
-        Some(lines) => lines.next_line().await.ok().flatten(),
-        None => None,
-    }
+    pacing: ProgressPacing,
+    /// The pace of the steps since the first reported one, for the time left.
+    step_rate: StepRate,
+    /// When the run started, the origin of `step_rate`'s moments.
+    started: Instant,
 }
 
 /// The stop a control message asks for (a profile stopped between two runs).
@@ -594,12 +618,24 @@ fn finished(
         attempt: Some(attempt.clone()),
         outcome: outcome as i32,
         final_loss: record.and_then(|record| record.progress.loss),
-        test_accuracy: None,
+        test_accuracy: record.and_then(|record| record.progress.accuracy),
         measured_peak_bytes: record.map_or(0, |record| record.peak_bytes),
         message,
         steps_done: record.and_then(|record| record.progress.step),
         samples_per_second: record.and_then(|record| record.progress.samples_per_second),
         profile_points: Vec::new(),
+        metrics: record.map_or_else(Vec::new, |record| {
+            record
+                .progress
+                .metrics
+                .metrics()
+                .iter()
+                .map(|metric| v1::Metric {
+                    name: metric.name.clone(),
+                    value: metric.value,
+                })
+                .collect()
+        }),
     }
 }
 

@@ -1,18 +1,14 @@
-//! A command job's output as the worker reads it: lines of bounded length (a program
-//! that prints a megabyte without a newline must not grow the worker's memory), the
-//! `CARVE_PROGRESS key=value ...` lines a program may print for its progress, and the
-//! bounded tail of stderr that tells an OOM from another failure.
+//! What the worker makes of a command job's output lines (read by
+//! `crate::program_output`): the `CARVE_PROGRESS key=value ...` lines a program may print
+//! for its progress and results, the pace at which progress is reported (at most one a
+//! second, the last always), and the bounded tail of stderr that tells an OOM from
+//! another failure.
 
 use std::collections::VecDeque;
+use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
-
-/// The longest line kept, in bytes; the rest of a longer line is dropped and the kept part
-/// ends with [`CUT_MARK`].
-pub const MOST_LINE_BYTES: usize = 4096;
-
-/// What a cut line ends with.
-pub const CUT_MARK: &str = " [line cut]";
+use carve_core::command::metrics::{MetricSet, accuracy_of, metric_name_of_key};
+use tokio::time::Instant;
 
 /// How many stderr lines are kept for classifying the end (a Python traceback with its
 /// OOM message fits).
@@ -20,65 +16,6 @@ pub const STDERR_TAIL_LINES: usize = 50;
 
 /// The word that starts a progress line.
 pub const PROGRESS_MARK: &str = "CARVE_PROGRESS";
-
-/// Lines of a stream, each cut at `most_bytes`. Cancel safe: what was read of a line
-/// before a cancelled call stays for the next.
-#[derive(Debug)]
-pub struct BoundedLines<R> {
-    reader: BufReader<R>,
-    most_bytes: usize,
-    line: Vec<u8>,
-    cut: bool,
-}
-
-impl<R: AsyncRead + Unpin> BoundedLines<R> {
-    pub fn new(stream: R, most_bytes: usize) -> BoundedLines<R> {
-        BoundedLines {
-            reader: BufReader::new(stream),
-            most_bytes,
-            line: Vec::new(),
-            cut: false,
-        }
-    }
-
-    /// The next line without its newline (invalid UTF-8 replaced); `None` at the end of
-    /// the stream. A last line without a newline is a line.
-    pub async fn next_line(&mut self) -> std::io::Result<Option<String>> {
-        loop {
-            let available = self.reader.fill_buf().await?;
-            if available.is_empty() {
-                if self.line.is_empty() && !self.cut {
-                    return Ok(None);
-                }
-                return Ok(Some(self.take_line()));
-            }
-            let newline = available.iter().position(|byte| *byte == b'\n');
-            let piece = &available[..newline.unwrap_or(available.len())];
-            let room = self.most_bytes.saturating_sub(self.line.len());
-            if piece.len() > room {
-                self.cut = true;
-            }
-            self.line.extend_from_slice(&piece[..piece.len().min(room)]);
-            let consumed = newline.map_or(available.len(), |at| at + 1);
-            self.reader.consume(consumed);
-            if newline.is_some() {
-                return Ok(Some(self.take_line()));
-            }
-        }
-    }
-
-    fn take_line(&mut self) -> String {
-        let bytes = std::mem::take(&mut self.line);
-        let mut line = String::from_utf8_lossy(&bytes).into_owned();
-        if line.ends_with('\r') {
-            line.pop();
-        }
-        if std::mem::take(&mut self.cut) {
-            line.push_str(CUT_MARK);
-        }
-        line
-    }
-}
 
 /// The last lines of a stream, at most a fixed number.
 #[derive(Debug, Clone)]
@@ -108,7 +45,7 @@ impl LineTail {
 }
 
 /// What one `CARVE_PROGRESS` line said; each key is optional.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ProgressLine {
     pub step: Option<u64>,
     pub total_steps: Option<u64>,
@@ -118,6 +55,10 @@ pub struct ProgressLine {
     /// read (a simulated GPU without the guard, where the program accounts for itself).
     pub memory_in_use_bytes: Option<u64>,
     pub memory_peak_bytes: Option<u64>,
+    /// `accuracy=`: the test accuracy, a fraction from 0 to 1.
+    pub accuracy: Option<f64>,
+    /// `val_loss=` and `metric_<name>=`, bounded as `carve_core::command::metrics` says.
+    pub metrics: MetricSet,
 }
 
 impl ProgressLine {
@@ -133,14 +74,28 @@ impl ProgressLine {
             .memory_peak_bytes
             .max(later.memory_peak_bytes)
             .max(later.memory_in_use_bytes);
+        self.accuracy = later.accuracy.or(self.accuracy);
+        self.metrics.merge(&later.metrics);
+    }
+
+    /// Whether the line says anything of the run's steps (a line with only results, such
+    /// as a final `accuracy=`, is not a progress report of its own).
+    pub fn has_step_figures(&self) -> bool {
+        self.step.is_some()
+            || self.total_steps.is_some()
+            || self.loss.is_some()
+            || self.samples_per_second.is_some()
+            || self.memory_in_use_bytes.is_some()
+            || self.memory_peak_bytes.is_some()
     }
 }
 
 /// Reads a progress line: `CARVE_PROGRESS` (anywhere in the line, so that a logging
 /// prefix such as `INFO:root:` is allowed) followed by space separated `key=value` pairs:
 /// `step`, `total_steps`, `loss`, `samples_per_s`, `memory_in_use_bytes`,
-/// `memory_peak_bytes`. Unknown keys and values that do not parse (or a loss that is not
-/// finite) are ignored. `None` when the line is not a progress line.
+/// `memory_peak_bytes`, `accuracy`, `val_loss` and `metric_<name>`. Unknown keys and
+/// values that do not parse or are not finite are ignored, and so are metrics past the
+/// bounds (`carve_core::command::metrics`). `None` when the line is not a progress line.
 pub fn parse_progress_line(line: &str) -> Option<ProgressLine> {
     let (_, rest) = line.split_once(PROGRESS_MARK)?;
     // `CARVE_PROGRESSED` or `CARVE_PROGRESS=1` are not the mark.
@@ -173,10 +128,67 @@ pub fn parse_progress_line(line: &str) -> Option<ProgressLine> {
             "memory_peak_bytes" => {
                 progress.memory_peak_bytes = value.parse().ok().or(progress.memory_peak_bytes);
             }
-            _ => {}
+            "accuracy" => progress.accuracy = finite().and_then(accuracy_of).or(progress.accuracy),
+            _ => {
+                if let (Some(name), Some(value)) = (metric_name_of_key(key), finite()) {
+                    let _ = progress.metrics.record(name, value);
+                }
+            }
         }
     }
     Some(progress)
+}
+
+/// The least time between two progress reports of a run.
+pub const PROGRESS_REPORT_SPACING: Duration = Duration::from_secs(1);
+
+/// When a run's progress is reported: at most one report per [`PROGRESS_REPORT_SPACING`],
+/// and a line that came too soon is not lost but reported when the spacing has passed
+/// (or at the run's end), so the last progress is always reported. A program printing a
+/// progress line per step for 3,000 fast steps makes a report a second, not 3,000.
+#[derive(Debug, Clone, Default)]
+pub struct ProgressPacing {
+    last_report: Option<Instant>,
+    /// A progress line came since the last report.
+    pending: bool,
+}
+
+impl ProgressPacing {
+    /// A progress line came at `now`: whether to report it now (else it is pending).
+    pub fn line_came(&mut self, now: Instant) -> bool {
+        if self
+            .last_report
+            .is_some_and(|last| now < last + PROGRESS_REPORT_SPACING)
+        {
+            self.pending = true;
+            return false;
+        }
+        self.reported(now);
+        true
+    }
+
+    /// When a pending line is due; `None` with nothing pending.
+    pub fn pending_due(&self) -> Option<Instant> {
+        self.pending
+            .then(|| self.last_report.map(|last| last + PROGRESS_REPORT_SPACING))
+            .flatten()
+    }
+
+    /// Whether a line is waiting to be reported.
+    pub fn is_pending(&self) -> bool {
+        self.pending
+    }
+
+    /// A report went out at `now` (a pending line's, or one the caller made itself).
+    pub fn reported(&mut self, now: Instant) {
+        self.last_report = Some(now);
+        self.pending = false;
+    }
+
+    /// The last report's moment, if any.
+    pub fn last_report(&self) -> Option<Instant> {
+        self.last_report
+    }
 }
 
 /// The message of an error starting a program, without the "(os error 2)" the standard
@@ -193,36 +205,6 @@ pub fn start_error_text(error: &std::io::Error) -> String {
 mod tests {
     use super::*;
 
-    async fn lines_of(input: &[u8], most: usize) -> Vec<String> {
-        let mut lines = BoundedLines::new(input, most);
-        let mut all = Vec::new();
-        while let Some(line) = lines.next_line().await.unwrap() {
-            all.push(line);
-        }
-        all
-    }
-
-    #[tokio::test]
-    async fn lines_are_cut_at_the_bound_and_the_rest_is_dropped() {
-        let mut input = b"short\r\n".to_vec();
-        input.extend(std::iter::repeat_n(b'x', 10_000));
-        input.extend(b"\nafter\nlast without newline");
-        let lines = lines_of(&input, 16).await;
-        assert_eq!(
-            lines,
-            vec![
-                "short".to_string(),
-                format!("{}{CUT_MARK}", "x".repeat(16)),
-                "after".to_string(),
-                format!("last without new{CUT_MARK}"),
-            ]
-        );
-        assert_eq!(lines_of(b"", 16).await, Vec::<String>::new());
-        assert_eq!(lines_of(b"\n\n", 16).await, vec!["", ""]);
-        // Invalid UTF-8 is replaced, not an error.
-        assert_eq!(lines_of(b"a\xffb\n", 16).await, vec!["a\u{fffd}b"]);
-    }
-
     #[test]
     fn progress_lines_are_read_key_by_key() {
         let full = parse_progress_line(
@@ -236,8 +218,7 @@ mod tests {
                 total_steps: Some(100),
                 loss: Some(0.53),
                 samples_per_second: Some(812.5),
-                memory_in_use_bytes: None,
-                memory_peak_bytes: None,
+                ..ProgressLine::default()
             }
         );
         let partial =
@@ -282,8 +263,67 @@ mod tests {
                 samples_per_second: None,
                 memory_in_use_bytes: Some(100),
                 memory_peak_bytes: Some(300),
+                ..ProgressLine::default()
             }
         );
+    }
+
+    #[test]
+    fn results_are_read_as_accuracy_and_bounded_metrics() {
+        let line = parse_progress_line(
+            "CARVE_PROGRESS accuracy=0.931 val_loss=0.41 metric_top5=0.99 metric_f1=nan \
+             metric_=3 metric_a=b accuracy_pct=93",
+        )
+        .unwrap();
+        assert_eq!(line.accuracy, Some(0.931));
+        let metrics: Vec<(&str, f64)> = line
+            .metrics
+            .metrics()
+            .iter()
+            .map(|metric| (metric.name.as_str(), metric.value))
+            .collect();
+        assert_eq!(metrics, vec![("val_loss", 0.41), ("top5", 0.99)]);
+        assert!(!line.has_step_figures());
+        // A percentage is not an accuracy.
+        assert_eq!(
+            parse_progress_line("CARVE_PROGRESS accuracy=93.1")
+                .unwrap()
+                .accuracy,
+            None
+        );
+        // Thousands of distinct keys on lines of a run: the merged set stays bounded.
+        let mut merged = ProgressLine::default();
+        for line_number in 0..500 {
+            let keys: Vec<String> = (0..20)
+                .map(|key| format!("metric_k{line_number}_{key}=1.5"))
+                .collect();
+            let line = format!("CARVE_PROGRESS step={line_number} {}", keys.join(" "));
+            merged.merge(&parse_progress_line(&line).unwrap());
+        }
+        assert_eq!(
+            merged.metrics.metrics().len(),
+            carve_core::command::metrics::MOST_METRICS
+        );
+    }
+
+    #[test]
+    fn progress_is_reported_at_most_once_a_second_and_the_last_is_kept() {
+        let start = Instant::now();
+        let at = |millis: u64| start + Duration::from_millis(millis);
+        let mut pacing = ProgressPacing::default();
+        assert!(pacing.line_came(at(0)));
+        assert_eq!(pacing.pending_due(), None);
+        // 3,000 lines within the next second: none reported, one pending.
+        for millis in 1..=999 {
+            assert!(!pacing.line_came(at(millis)));
+        }
+        assert!(pacing.is_pending());
+        assert_eq!(pacing.pending_due(), Some(at(1000)));
+        pacing.reported(at(1000));
+        assert!(!pacing.is_pending());
+        assert!(pacing.line_came(at(2500)));
+        assert!(!pacing.line_came(at(2600)));
+        assert_eq!(pacing.pending_due(), Some(at(3500)));
     }
 
     #[test]

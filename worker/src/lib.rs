@@ -36,6 +36,7 @@ pub mod gpus;
 pub mod guard_environment;
 pub mod leftover_processes;
 pub mod nvml;
+pub mod program_output;
 pub mod sandbox;
 pub mod token_file;
 pub mod watchdog;

@@ -200,6 +200,7 @@ impl SliceOverrun {
             attempt: Some(self.attempt.clone()),
             level: "warn".into(),
             message: self.message(),
+            stream: String::new(),
         }
     }
 }

@@ -632,6 +632,7 @@ impl Worker {
                 steps_done: None,
                 samples_per_second: None,
                 profile_points: Vec::new(),
+                metrics: Vec::new(),
             }));
     }
 

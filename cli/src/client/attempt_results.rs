@@ -4,7 +4,7 @@
 
 use carve_proto::v1;
 
-use crate::elapsed::{between, duration_text, now_timestamp, timing_text};
+use crate::elapsed::{between, duration_text, now_timestamp, progress_timing_text};
 
 use super::output::{print_table, timestamp_text};
 
@@ -34,8 +34,22 @@ fn first_step(attempt: &v1::Attempt) -> u64 {
         .map_or(0, |checkpoint| checkpoint.step)
 }
 
+/// The metrics a command job's program reported, `val_loss 0.4100, top5 0.9700`; `-`
+/// for none. Names and count are bounded where they are kept, and names hold no
+/// characters that could move a terminal's cursor.
+pub fn metrics_text(metrics: &[v1::Metric]) -> String {
+    if metrics.is_empty() {
+        return "-".into();
+    }
+    metrics
+        .iter()
+        .map(|metric| format!("{} {:.4}", metric.name, metric.value))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// One row of the results table.
-fn results_row(attempt: &v1::Attempt, now: &prost_types::Timestamp) -> [String; 7] {
+fn results_row(attempt: &v1::Attempt, now: &prost_types::Timestamp) -> [String; 8] {
     let progress = attempt.progress.as_ref().filter(|_| is_running(attempt));
     let steps = match (attempt.steps_done, progress) {
         (Some(steps), _) => steps.to_string(),
@@ -59,6 +73,7 @@ fn results_row(attempt: &v1::Attempt, now: &prost_types::Timestamp) -> [String; 
             |accuracy| format!("{:.2}%", accuracy * 100.0),
         ),
         samples_per_second.map_or_else(|| "-".into(), |rate| format!("{rate:.0}")),
+        metrics_text(&attempt.metrics),
     ]
 }
 
@@ -66,7 +81,7 @@ fn results_row(attempt: &v1::Attempt, now: &prost_types::Timestamp) -> [String; 
 /// attempt are its latest progress report's).
 pub fn print_results(job: &v1::Job) {
     let now = now_timestamp();
-    let rows: Vec<[String; 7]> = job
+    let rows: Vec<[String; 8]> = job
         .attempts
         .iter()
         .map(|attempt| results_row(attempt, &now))
@@ -80,6 +95,7 @@ pub fn print_results(job: &v1::Job) {
             "LOSS",
             "ACCURACY",
             "SAMPLES/S",
+            "METRICS",
         ],
         &rows,
     );
@@ -104,11 +120,11 @@ pub fn progress_text(job: &v1::Job) -> Option<String> {
         progress.step,
         progress.total_steps,
         progress.loss,
-        timing_text(
+        progress_timing_text(
             first_step(attempt),
-            progress.step,
-            progress.total_steps,
-            elapsed
+            progress,
+            elapsed,
+            !attempt.command_argv.is_empty()
         )
     ))
 }
@@ -167,7 +183,7 @@ mod tests {
             ..started(2, v1::AttemptOutcome::Succeeded)
         };
         let (row, job) = shown_at(attempt, 5_000);
-        assert_eq!(row, ["1m02s", "500", "0.1235", "91.23%", "1234"]);
+        assert_eq!(row, ["1m02s", "500", "0.1235", "91.23%", "1234", "-"]);
         assert_eq!(last_loss_text(&job), "0.1235");
         assert_eq!(progress_text(&job), None);
     }
@@ -185,7 +201,7 @@ mod tests {
             ..started(1, v1::AttemptOutcome::Running)
         };
         let (row, job) = shown_at(attempt, 1_030);
-        assert_eq!(row, ["30s", "120/500", "0.5000", "-", "64"]);
+        assert_eq!(row, ["30s", "120/500", "0.5000", "-", "64", "-"]);
         assert_eq!(last_loss_text(&job), "0.5000");
         let text = progress_text(&job).unwrap();
         assert!(
@@ -193,5 +209,59 @@ mod tests {
             "{text}"
         );
         assert!(text.contains(", ETA "), "{text}");
+    }
+
+    #[test]
+    fn a_command_jobs_results_show_like_a_model_jobs() {
+        let metric = |name: &str, value| v1::Metric {
+            name: name.into(),
+            value,
+        };
+        let attempt = v1::Attempt {
+            finished_at: Some(at(1_012)),
+            final_loss: Some(0.25),
+            test_accuracy: Some(0.931),
+            steps_done: Some(40),
+            command_argv: vec!["python3".into(), "train.py".into()],
+            metrics: vec![metric("val_loss", 0.41), metric("top5", 0.99)],
+            ..started(1, v1::AttemptOutcome::Succeeded)
+        };
+        let (row, job) = shown_at(attempt, 5_000);
+        assert_eq!(
+            row,
+            [
+                "12s",
+                "40",
+                "0.2500",
+                "93.10%",
+                "-",
+                "val_loss 0.4100, top5 0.9900"
+            ]
+        );
+        assert_eq!(last_loss_text(&job), "0.2500");
+        assert_eq!(metrics_text(&[]), "-");
+    }
+
+    #[test]
+    fn a_command_jobs_eta_waits_for_its_workers_pace() {
+        let progress = |seconds_left| v1::TrainingProgress {
+            step: 1,
+            total_steps: 12,
+            seconds_left,
+            ..v1::TrainingProgress::default()
+        };
+        let running = |progress| v1::Job {
+            attempts: vec![v1::Attempt {
+                progress: Some(progress),
+                command_argv: vec!["python3".into()],
+                ..started(1, v1::AttemptOutcome::Running)
+            }],
+            ..v1::Job::default()
+        };
+        // Step 1 after a long start-up: no pace yet, so no ETA (not "ETA 57s").
+        let text = progress_text(&running(progress(None))).unwrap();
+        assert!(!text.contains("ETA"), "{text}");
+        let text = progress_text(&running(progress(Some(11.0)))).unwrap();
+        assert!(text.ends_with(", ETA 11s"), "{text}");
     }
 }

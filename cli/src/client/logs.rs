@@ -41,10 +41,15 @@ fn print_line(line: &v1::JobLogLine) {
     } else {
         format!("attempt {}", line.attempt_number)
     };
+    // A program's line says its stream (stdout, stderr); other lines their level.
+    let kind = if line.stream.is_empty() {
+        &line.level
+    } else {
+        &line.stream
+    };
     println!(
-        "{} {source} {}: {}",
+        "{} {source} {kind}: {}",
         timestamp_text(line.time.as_ref()),
-        line.level,
         line.message
     );
 }

@@ -2,11 +2,14 @@
 //! end. On a terminal, a live progress bar shows the step, the loss, the throughput, the
 //! slice's memory, the elapsed time and an ETA; while the job is queued, why it waits;
 //! state changes, attempts, out-of-memory reports and shrink decisions print as lines as
-//! they happen. Off a terminal everything is plain lines.
+//! they happen. Off a terminal everything is plain lines, progress at most one line a
+//! second of the job's time (the last one always printed, before the next other line):
+//! a 3,000-step run does not print 3,000 lines into a log file. A command job's program
+//! output (`--logs`) is marked with its stream.
 //! The exit code is the job's: 0 succeeded, 3 failed out of memory, 10 failed, 11
 //! cancelled.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -22,7 +25,10 @@ use super::output::{
     attempt_note, bytes_text, config_text, is_terminal, is_terminal_state, job_state_name,
     oom_text, outcome_name,
 };
-use crate::elapsed::{between, now_timestamp, timing_text};
+use crate::elapsed::{between, now_timestamp, progress_timing_text};
+
+/// Off a terminal, the least time between two progress lines, in the job's event time.
+const PROGRESS_LINE_SPACING_MS: i64 = 1_000;
 
 /// How often a watch of a queued job reads the job again for its waiting reason, which
 /// changes with scheduling passes rather than with events.
@@ -53,7 +59,13 @@ enum Display {
         showing_steps: Cell<bool>,
     },
     /// A pipe or a file: plain lines only, on stdout or stderr.
-    Lines { to_stderr: bool },
+    Lines {
+        to_stderr: bool,
+        /// The event time of the last progress line printed.
+        last_progress_ms: Cell<Option<i64>>,
+        /// A progress line that came too soon, printed before the next other line.
+        held_progress: RefCell<Option<String>>,
+    },
 }
 
 impl Display {
@@ -84,7 +96,11 @@ impl Display {
                 showing_steps: Cell::new(false),
             }
         } else {
-            Display::Lines { to_stderr }
+            Display::Lines {
+                to_stderr,
+                last_progress_ms: Cell::new(None),
+                held_progress: RefCell::new(None),
+            }
         }
     }
 
@@ -102,11 +118,51 @@ impl Display {
     }
 
     fn line(&self, text: &str) {
+        self.print_held_progress();
+        self.print(text);
+    }
+
+    fn print(&self, text: &str) {
         match self {
             Display::Terminal { bar, .. } => bar.println(text),
-            Display::Lines { to_stderr: false } => println!("{text}"),
-            Display::Lines { to_stderr: true } => eprintln!("{text}"),
+            Display::Lines {
+                to_stderr: false, ..
+            } => println!("{text}"),
+            Display::Lines {
+                to_stderr: true, ..
+            } => eprintln!("{text}"),
         }
+    }
+
+    /// The progress line held back, if any: the last progress before what comes next.
+    fn print_held_progress(&self) {
+        if let Display::Lines { held_progress, .. } = self
+            && let Some(held) = held_progress.take()
+        {
+            self.print(&held);
+        }
+    }
+
+    /// Off a terminal, a progress line at `at_ms` (the event's time): printed when a
+    /// second passed since the last one printed, else held (replacing one held before).
+    fn progress_line(&self, text: String, at_ms: Option<i64>) {
+        let Display::Lines {
+            last_progress_ms,
+            held_progress,
+            ..
+        } = self
+        else {
+            return;
+        };
+        if let (Some(at), Some(last)) = (at_ms, last_progress_ms.get())
+            && at.saturating_sub(last) < PROGRESS_LINE_SPACING_MS
+        {
+            *held_progress.borrow_mut() = Some(text);
+            return;
+        }
+        held_progress.take();
+        last_progress_ms.set(at_ms.or(last_progress_ms.get()));
+        self.print(&text);
     }
 
     fn progress(
@@ -114,6 +170,7 @@ impl Display {
         attempt: u32,
         progress: &v1::TrainingProgress,
         running: Option<&v1::Attempt>,
+        at_ms: Option<i64>,
     ) {
         let running = running.filter(|running| running.number == attempt);
         let memory = match running.map(|running| running.slice_bytes) {
@@ -133,11 +190,11 @@ impl Display {
             .and_then(|running| {
                 let started = running.started_at.as_ref()?;
                 let first_step = running.resumed_from.as_ref().map_or(0, |from| from.step);
-                Some(timing_text(
+                Some(progress_timing_text(
                     first_step,
-                    progress.step,
-                    progress.total_steps,
+                    progress,
                     between(started, &now_timestamp()),
+                    !running.command_argv.is_empty(),
                 ))
             })
             .map(|timing| format!("  {timing}"))
@@ -162,14 +219,18 @@ impl Display {
                 bar.set_position(progress.step);
                 bar.set_message(message);
             }
-            Display::Lines { .. } => self.line(&format!(
-                "attempt {attempt}: step {}/{}  {message}",
-                progress.step, progress.total_steps
-            )),
+            Display::Lines { .. } => self.progress_line(
+                format!(
+                    "attempt {attempt}: step {}/{}  {message}",
+                    progress.step, progress.total_steps
+                ),
+                at_ms,
+            ),
         }
     }
 
     fn finish(&self) {
+        self.print_held_progress();
         if let Display::Terminal { bar, .. } = self {
             bar.finish_and_clear();
         }
@@ -248,6 +309,7 @@ pub async fn follow_job(
                         if event.log_sequence > 0 {
                             last_shown = Some(event.log_sequence);
                         }
+                        let time = event.time;
                         if let Some(event) = event.event {
                             if let Event::StateChanged(changed) = &event {
                                 waiting.state = changed.state;
@@ -267,7 +329,11 @@ pub async fn follow_job(
                                     .find(|attempt| attempt.number == progress.attempt_number)
                                     .cloned();
                             }
-                            show_event(&display, &job, event, &mut running);
+                            let at_ms = time.map(|time| {
+                                time.seconds.saturating_mul(1_000)
+                                    + i64::from(time.nanos / 1_000_000)
+                            });
+                            show_event(&display, &job, event, &mut running, at_ms);
                         }
                     }
                     // The stream ends after the event that makes the job terminal.
@@ -365,7 +431,13 @@ impl Waiting {
     }
 }
 
-fn show_event(display: &Display, job: &v1::Job, event: Event, running: &mut Option<v1::Attempt>) {
+fn show_event(
+    display: &Display,
+    job: &v1::Job,
+    event: Event,
+    running: &mut Option<v1::Attempt>,
+    at_ms: Option<i64>,
+) {
     match event {
         Event::StateChanged(changed) => {
             if changed.state == v1::JobState::Queued as i32 {
@@ -403,7 +475,7 @@ fn show_event(display: &Display, job: &v1::Job, event: Event, running: &mut Opti
         }
         Event::Progress(progress) => {
             if let Some(training) = &progress.progress {
-                display.progress(progress.attempt_number, training, running.as_ref());
+                display.progress(progress.attempt_number, training, running.as_ref(), at_ms);
             }
         }
         Event::Oom(oom) => display.line(&format!(
@@ -467,7 +539,13 @@ fn show_event(display: &Display, job: &v1::Job, event: Event, running: &mut Opti
             } else {
                 format!("attempt {}", line.attempt_number)
             };
-            display.line(&format!("[{source}] {}: {}", line.level, line.message));
+            // A program's line says its stream; the worker's and scheduler's their level.
+            let kind = if line.stream.is_empty() {
+                &line.level
+            } else {
+                &line.stream
+            };
+            display.line(&format!("[{source}] {kind}: {}", line.message));
         }
     }
 }

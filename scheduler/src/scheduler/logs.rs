@@ -1,7 +1,15 @@
 //! Job events and job logs: every event is sent to watchers and makes a log line telling
 //! the job's story: the scheduler's notes (attempt 0), and under each attempt's number its
-//! output, its progress, its checkpoints and its results.
+//! output (a command's marked with its stream), its progress, its checkpoints and its
+//! results.
+//!
+//! Progress is paced: at most one progress event a second per job is sent and stored
+//! ([`ProgressPacing`]); one that comes sooner is held, replaced by any later one, and
+//! sent before the job's next other event, so the last progress is always told. A worker
+//! reporting every step of a fast run makes a line a second, not one per step.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 
 use carve_core::allocator::OutOfMemory;
@@ -57,7 +65,66 @@ pub enum JobUpdateKind {
         attempt_number: u32,
         level: String,
         message: String,
+        /// "stdout" or "stderr" for a command's program output; empty otherwise.
+        stream: String,
     },
+}
+
+/// The least time between two progress events of one job that are sent and stored.
+pub const PROGRESS_EVENT_SPACING_MS: i64 = 1_000;
+
+/// Per job: when its last progress event went out, and the one held back since.
+#[derive(Debug, Default)]
+pub struct ProgressPacing {
+    jobs: Mutex<HashMap<String, PacedProgress>>,
+}
+
+#[derive(Debug, Default)]
+struct PacedProgress {
+    last_sent_ms: Option<i64>,
+    held: Option<JobUpdateKind>,
+}
+
+impl ProgressPacing {
+    /// A progress event of `job_id` at `now_ms`: `Some` to send it now, `None` when it
+    /// is held back (it replaces an earlier held one).
+    fn progress(&self, job_id: &str, now_ms: i64, kind: JobUpdateKind) -> Option<JobUpdateKind> {
+        let mut jobs = self
+            .jobs
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let paced = jobs.entry(job_id.to_string()).or_default();
+        if paced
+            .last_sent_ms
+            .is_some_and(|last| now_ms.saturating_sub(last) < PROGRESS_EVENT_SPACING_MS)
+        {
+            paced.held = Some(kind);
+            return None;
+        }
+        paced.last_sent_ms = Some(now_ms);
+        paced.held = None;
+        Some(kind)
+    }
+
+    /// The progress held back for `job_id`, to send before its next other event; a job
+    /// that ended is forgotten.
+    fn take_held(&self, job_id: &str, now_ms: i64, forget: bool) -> Option<JobUpdateKind> {
+        let mut jobs = self
+            .jobs
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let held = jobs.get_mut(job_id).and_then(|paced| {
+            let held = paced.held.take();
+            if held.is_some() {
+                paced.last_sent_ms = Some(now_ms);
+            }
+            held
+        });
+        if forget {
+            jobs.remove(job_id);
+        }
+        held
+    }
 }
 
 /// A job update as its log line stores it (`job_log_lines.event`, what a resumed watch
@@ -83,6 +150,25 @@ impl Scheduler {
     /// watch resumed from the store ([`Scheduler::stored_job_events`]) replays it as it
     /// was sent.
     pub(super) fn emit(&self, job_id: &str, kind: JobUpdateKind) {
+        let now = now_ms();
+        let kind = if matches!(kind, JobUpdateKind::Progress { .. }) {
+            match self.progress_pacing.progress(job_id, now, kind) {
+                Some(kind) => kind,
+                None => return,
+            }
+        } else {
+            let ends =
+                matches!(&kind, JobUpdateKind::StateChanged { state, .. } if state.is_terminal());
+            if let Some(held) = self.progress_pacing.take_held(job_id, now, ends) {
+                self.emit_now(job_id, held);
+            }
+            kind
+        };
+        self.emit_now(job_id, kind);
+    }
+
+    /// [`Scheduler::emit`] without the pacing.
+    fn emit_now(&self, job_id: &str, kind: JobUpdateKind) {
         let update = JobUpdate {
             job_id: job_id.to_string(),
             sequence: self.event_sequence.fetch_add(1, Ordering::Relaxed),
@@ -151,6 +237,7 @@ impl Scheduler {
                 attempt_number: attempt.attempt_number,
                 level: "info".into(),
                 message,
+                stream: String::new(),
             },
         );
     }
@@ -169,6 +256,9 @@ impl Scheduler {
         }
         if let Some(rate) = results.samples_per_second {
             parts.push(format!("{rate:.0} samples/s"));
+        }
+        for metric in &results.metrics {
+            parts.push(format!("{} {}", metric.name, metric.value));
         }
         if parts.is_empty() {
             return;
@@ -209,7 +299,19 @@ fn log_line_for_event(
             attempt_number,
             level,
             message,
-        } => (*attempt_number, level.as_str(), message.clone()),
+            stream,
+        } => {
+            return Some(
+                crate::store::NewLogLine::normalized(
+                    job_id,
+                    time_ms,
+                    i64::from(*attempt_number),
+                    level,
+                    message,
+                )
+                .from_stream(stream),
+            );
+        }
         JobUpdateKind::StateChanged {
             previous,
             state,

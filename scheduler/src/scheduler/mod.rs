@@ -206,6 +206,8 @@ pub struct Scheduler {
     /// Job log lines (worker lines of current attempts, the scheduler's notes), written
     /// in groups; best effort, see `LogBatcher`.
     logs: crate::store::LogBatcher,
+    /// Progress events held back to at most one a second per job (`logs.rs`).
+    progress_pacing: logs::ProgressPacing,
     pub settings: SchedulerSettings,
     live: Mutex<Live>,
     job_changes: tokio::sync::Mutex<()>,
@@ -288,6 +290,7 @@ impl Scheduler {
             store,
             batcher,
             logs,
+            progress_pacing: logs::ProgressPacing::default(),
             settings,
             live: Mutex::new(Live::default()),
             job_changes: tokio::sync::Mutex::new(()),

@@ -283,7 +283,7 @@ impl Scheduler {
             oom: None,
             message: message.to_string(),
             finished_at_ms: now,
-            results,
+            results: results.clone(),
             details: AttemptEndDetails::default(),
         };
         let mut job = self.store.get_job(&attempt.job_id).await?;

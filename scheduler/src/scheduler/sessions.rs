@@ -453,6 +453,7 @@ impl Scheduler {
                 attempt,
                 level,
                 message,
+                stream,
             } => {
                 if self.current_attempt(worker_id, &attempt).is_some() {
                     self.emit(
@@ -461,6 +462,7 @@ impl Scheduler {
                             attempt_number: attempt.attempt_number,
                             level,
                             message,
+                            stream,
                         },
                     );
                 }

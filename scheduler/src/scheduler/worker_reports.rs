@@ -78,6 +78,8 @@ pub struct TrainingProgress {
     pub samples_per_second: f64,
     pub memory_in_use_bytes: u64,
     pub memory_peak_bytes: u64,
+    /// The worker's estimate of the time left (`carve_core::step_rate`), when it made one.
+    pub seconds_left: Option<f64>,
 }
 
 /// One message of a worker's session.
@@ -106,6 +108,8 @@ pub enum WorkerReport {
         attempt: AttemptRef,
         level: String,
         message: String,
+        /// "stdout" or "stderr" for a command's program output; empty otherwise.
+        stream: String,
     },
     CheckpointWritten {
         attempt: AttemptRef,

@@ -101,6 +101,7 @@ fn log_line_proto(line: LogLineRecord) -> v1::JobLogLine {
         attempt_number: line.attempt_number as u32,
         level: line.level,
         message: line.message,
+        stream: line.stream,
     }
 }
 

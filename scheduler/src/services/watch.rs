@@ -58,6 +58,7 @@ fn stored_event_to_proto(job_id: &str, stored: &StoredJobEvent) -> v1::JobEvent 
                 attempt_number: u32::try_from(stored.attempt_number).unwrap_or(0),
                 level: stored.level.clone(),
                 message: stored.message.clone(),
+                stream: stored.stream.clone(),
             })),
             ..v1::JobEvent::default()
         });

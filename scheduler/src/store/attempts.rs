@@ -50,17 +50,18 @@ const ATTEMPT_COLUMNS: &str = "job_id, attempt_number, config_json, estimate_byt
      slice_bytes, worker_id, gpu_id, lease_epoch, outcome, measured_peak_bytes, oom_json, \
      message, resumed_from, started_at_ms, finished_at_ms, resumed_from_step, final_loss, \
      test_accuracy, steps_done, samples_per_second, profile, chosen_because, command_argv_json, \
-     profile_points_json, oom_detected_by, uncontained";
+     profile_points_json, oom_detected_by, uncontained, metrics_json";
 
 const INSERT_ATTEMPT_SQL: &str = "INSERT INTO attempts (job_id, attempt_number, config_json, \
      estimate_bytes, slice_bytes, worker_id, gpu_id, lease_epoch, outcome, \
      measured_peak_bytes, oom_json, message, resumed_from, started_at_ms, finished_at_ms, \
      resumed_from_step, final_loss, test_accuracy, steps_done, samples_per_second, profile, \
-     chosen_because, command_argv_json, profile_points_json, oom_detected_by, uncontained) \
+     chosen_because, command_argv_json, profile_points_json, oom_detected_by, uncontained, \
+     metrics_json) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, \
-     $19, $20, $21, $22, $23, $24, $25, $26)";
+     $19, $20, $21, $22, $23, $24, $25, $26, $27)";
 
-/// Binds an attempt's columns in the order of [`ATTEMPT_COLUMNS`] ($1 to $26).
+/// Binds an attempt's columns in the order of [`ATTEMPT_COLUMNS`] ($1 to $27).
 macro_rules! bind_attempt_columns {
     ($query:expr, $attempt:expr) => {
         $query
@@ -90,6 +91,7 @@ macro_rules! bind_attempt_columns {
             .bind(json_list_column(&$attempt.details.profile_points))
             .bind(oom_detector_column($attempt.details.oom_detected_by))
             .bind($attempt.details.uncontained)
+            .bind(json_list_column(&$attempt.results.metrics))
     };
 }
 
@@ -167,7 +169,7 @@ impl Store {
                 "UPDATE attempts SET outcome = $4, measured_peak_bytes = $5, oom_json = $6, \
                  message = $7, finished_at_ms = $8, final_loss = $10, test_accuracy = $11, \
                  steps_done = $12, samples_per_second = $13, profile_points_json = $14, \
-                 oom_detected_by = $15 \
+                 oom_detected_by = $15, metrics_json = $16 \
                  WHERE job_id = $1 AND attempt_number = $2 AND lease_epoch = $3 \
                  AND outcome = $9",
             )
@@ -186,6 +188,7 @@ impl Store {
             .bind(results.samples_per_second)
             .bind(json_list_column(&ended.profile_points))
             .bind(oom_detector_column(ended.oom_detected_by))
+            .bind(json_list_column(&results.metrics))
             .execute(&mut *tx)
             .await?
             .rows_affected();
@@ -293,7 +296,7 @@ impl Store {
              command_argv_json = excluded.command_argv_json, \
              profile_points_json = excluded.profile_points_json, \
              oom_detected_by = excluded.oom_detected_by, \
-             uncontained = excluded.uncontained \
+             uncontained = excluded.uncontained, metrics_json = excluded.metrics_json \
              WHERE attempts.lease_epoch < excluded.lease_epoch"
         );
         with_write_tx!(self, tx => {

@@ -10,6 +10,7 @@
 use carve_core::FieldError;
 use carve_core::allocator::OutOfMemory;
 use carve_core::command::memory_model::ProfilePoint;
+use carve_core::command::metrics::Metric;
 use carve_core::command::oom::OomSource;
 use serde::{Deserialize, Serialize};
 use sqlx::error::BoxDynError;
@@ -70,7 +71,8 @@ text_columns!(
     Option<OutOfMemory>,
     Option<OomSource>,
     Vec<String>,
-    Vec<ProfilePoint>
+    Vec<ProfilePoint>,
+    Vec<Metric>
 );
 
 macro_rules! stored_by_name {
@@ -156,6 +158,14 @@ impl FromColumnText for Option<OomSource> {
 impl FromColumnText for Vec<String> {
     fn from_column_text(text: Option<&str>) -> Result<Self, FieldError> {
         json_list_from_column(text, "an argv (a JSON list of strings)")
+    }
+}
+
+/// A command job's metrics, a JSON list of `Metric`s (name and value); '' (or NULL) for
+/// none.
+impl FromColumnText for Vec<Metric> {
+    fn from_column_text(text: Option<&str>) -> Result<Self, FieldError> {
+        json_list_from_column(text, "metrics (a JSON list)")
     }
 }
 

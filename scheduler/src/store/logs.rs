@@ -29,10 +29,13 @@ pub const MAX_LOG_PAGE_SIZE: u32 = 10_000;
 /// Levels a line may have (`NewLogLine::level`).
 pub const LOG_LEVELS: &[&str] = &["error", "warn", "info", "debug"];
 
+/// The streams a program's line may come from (`NewLogLine::stream`, or empty).
+pub const LOG_STREAMS: &[&str] = &["stdout", "stderr"];
+
 /// The most bytes of one line's message the store accepts.
 pub const MAX_LOG_MESSAGE_BYTES: usize = 16 * 1024;
 
-/// Rows per INSERT statement (lines: 6 parameters each; sequences: 2) stays far below
+/// Rows per INSERT statement (lines: 8 parameters each; sequences: 2) stays far below
 /// SQLite's limit of 32766 parameters per statement (and PostgreSQL's 65535).
 const INSERT_CHUNK_ROWS: usize = 1_000;
 
@@ -51,6 +54,8 @@ pub struct NewLogLine {
     /// The event the line was made from, encoded (the wire's `JobEvent`), for a watch
     /// resumed from the store; `None` for a line that is only text.
     pub event: Option<Vec<u8>>,
+    /// A command's program output: one of [`LOG_STREAMS`]; empty for other lines.
+    pub stream: String,
 }
 
 impl NewLogLine {
@@ -89,7 +94,19 @@ impl NewLogLine {
             level,
             message,
             event: None,
+            stream: String::new(),
         }
+    }
+
+    /// The line marked as output of the program's `stream` (anything but
+    /// [`LOG_STREAMS`] reads as none).
+    pub fn from_stream(mut self, stream: &str) -> NewLogLine {
+        self.stream = if LOG_STREAMS.contains(&stream) {
+            stream.to_string()
+        } else {
+            String::new()
+        };
+        self
     }
 }
 
@@ -103,6 +120,8 @@ pub struct LogLineRecord {
     pub attempt_number: i64,
     pub level: String,
     pub message: String,
+    /// "stdout" or "stderr" for a command's program output; empty otherwise.
+    pub stream: String,
 }
 
 /// Which lines of a job to read.
@@ -131,6 +150,8 @@ pub struct StoredJobEvent {
     pub message: String,
     /// `NewLogLine::event`.
     pub event: Option<Vec<u8>>,
+    /// `NewLogLine::stream`.
+    pub stream: String,
 }
 
 /// One page of lines, oldest first.
@@ -142,10 +163,11 @@ pub struct LogPage {
     pub more: bool,
 }
 
-const LOG_COLUMNS: &str = "job_id, sequence, time_ms, attempt_number, level, message";
+const LOG_COLUMNS: &str = "job_id, sequence, time_ms, attempt_number, level, message, stream";
 
 /// The columns an append writes.
-const APPEND_COLUMNS: &str = "job_id, sequence, time_ms, attempt_number, level, message, event";
+const APPEND_COLUMNS: &str =
+    "job_id, sequence, time_ms, attempt_number, level, message, event, stream";
 
 impl Store {
     /// Appends `lines` in ONE transaction and keeps the newest [`MAX_LOG_LINES_PER_JOB`]
@@ -237,7 +259,8 @@ impl Store {
                             .push_bind(line.attempt_number)
                             .push_bind(line.level.clone())
                             .push_bind(line.message.clone())
-                            .push_bind(line.event.clone());
+                            .push_bind(line.event.clone())
+                            .push_bind(line.stream.clone());
                     });
                     insert.build().execute(&mut *tx).await?;
                 }
@@ -347,7 +370,7 @@ impl Store {
     ) -> Result<Vec<StoredJobEvent>, SchedulerError> {
         Ok(with_pool!(self, pool => {
             sqlx::query_as(
-                "SELECT sequence, time_ms, attempt_number, level, message, event \
+                "SELECT sequence, time_ms, attempt_number, level, message, event, stream \
                  FROM job_log_lines WHERE job_id = $1 AND sequence > $2 \
                  ORDER BY sequence LIMIT $3",
             )
@@ -382,6 +405,16 @@ fn check_line(index: usize, line: &NewLogLine) -> Result<(), SchedulerError> {
         return Err(SchedulerError::invalid_argument(
             format!("lines[{index}].attempt_number"),
             format!("must not be negative, got {}", line.attempt_number),
+        ));
+    }
+    if !line.stream.is_empty() && !LOG_STREAMS.contains(&line.stream.as_str()) {
+        return Err(SchedulerError::invalid_argument(
+            format!("lines[{index}].stream"),
+            format!(
+                "{:?} is not one of {} (or empty)",
+                line.stream,
+                LOG_STREAMS.join(", ")
+            ),
         ));
     }
     if line.message.len() > MAX_LOG_MESSAGE_BYTES {
@@ -590,8 +623,12 @@ mod tests {
                 level: "warn".into(),
                 message: "disk slow".into(),
                 event: None,
+                stream: String::new(),
             }
         );
+        let marked = NewLogLine::normalized("j", 5, 2, "warn", "x");
+        assert_eq!(marked.clone().from_stream("stderr").stream, "stderr");
+        assert_eq!(marked.from_stream("/dev/tty").stream, "");
         assert_eq!(
             NewLogLine::normalized("j", 0, 1, "Error", "x").level,
             "error"

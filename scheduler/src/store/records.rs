@@ -8,6 +8,7 @@
 //! the clock). Ids are chosen by the caller.
 
 use carve_core::allocator::OutOfMemory;
+use carve_core::command::metrics::Metric;
 
 use super::columns::TextColumn;
 pub use carve_core::command::memory_model::ProfilePoint;
@@ -269,7 +270,7 @@ pub struct AttemptDetails {
 /// What an attempt achieved, as its worker reported at its end; every field is `None`
 /// when unknown (a running attempt, an attempt that ended before its first step, rows
 /// written before these columns existed).
-#[derive(Debug, Clone, Copy, Default, PartialEq, sqlx::FromRow)]
+#[derive(Debug, Clone, Default, PartialEq, sqlx::FromRow)]
 pub struct AttemptResults {
     /// Mean training loss of its last step (never NaN or infinite).
     pub final_loss: Option<f64>,
@@ -279,6 +280,11 @@ pub struct AttemptResults {
     pub steps_done: Option<i64>,
     /// Mean throughput over its own steps.
     pub samples_per_second: Option<f64>,
+    /// What a command job's program reported (`val_loss`, `metric_<name>`), bounded as
+    /// `carve_core::command::metrics` says. Column `metrics_json`: a JSON list, '' for
+    /// none.
+    #[sqlx(rename = "metrics_json", try_from = "TextColumn<Vec<Metric>>")]
+    pub metrics: Vec<Metric>,
 }
 
 impl AttemptRecord {

@@ -36,6 +36,7 @@ pub fn final_reports(
             steps_done: observed.steps,
             samples_per_second: None,
             profile_points: Vec::new(),
+            metrics: Vec::new(),
         }
     };
     let exit_code = exit_status.as_ref().ok().and_then(|status| status.code());

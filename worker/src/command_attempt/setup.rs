@@ -79,6 +79,12 @@ impl<P: CommandProcesses> Runner<'_, P> {
             ENVIRONMENT_SLICE_BYTES.to_string(),
             launch.slice_bytes.to_string(),
         );
+        // Python block-buffers stdout into a pipe: what a program printed would reach
+        // the log after the traceback that followed it on stderr. Unless the job says
+        // otherwise, its lines go out as they are printed.
+        environment
+            .entry("PYTHONUNBUFFERED".to_string())
+            .or_insert_with(|| "1".to_string());
         let environment: Vec<(String, String)> = environment.into_iter().collect();
         let (command, container) = match &launch.sandbox {
             Some(sandbox) => {
