@@ -42,14 +42,17 @@ pub(super) fn oom_in_line(line: &str, following: &[&str]) -> Option<FrameworkOom
             size_after(line, "Failed to allocate request for "),
             None,
         )
-    } else if line.contains("BufferAssignment OOM Debugging") {
-        // XLA's OOM exception text goes on for a hundred lines of buffers: a tail may
-        // have kept only its second line.
+    } else if line.contains("BufferAssignment OOM Debugging")
+        || line.trim_start().starts_with("XLA Label:")
+    {
+        // XLA's OOM exception text goes on for a hundred lines of its peak buffers
+        // ("XLA Label: fusion"): a tail may have kept only those.
         (OomSource::Jax, None, None)
     } else if let Some(source) = library_allocation_source(line) {
         (source, None, None)
     } else if line.contains("CUDA_ERROR_OUT_OF_MEMORY")
         || line.contains("cudaErrorMemoryAllocation")
+        || (is_glog_fatal(line) && line.trim_end().ends_with(": out of memory"))
     {
         (OomSource::Cuda, None, None)
     } else {
