@@ -34,8 +34,10 @@ It trains nothing. It plays a training script's DEVICE MEMORY and its bookkeepin
 - other endings, for tests of how Carve classifies them: --catch-out-of-memory handles
   a refused late allocation (prints the same line, goes on, exits 0), --fail-at-step S
   raises an ordinary error at step S (a traceback, exit 1).
-- progress: one `CARVE_PROGRESS step=.. total_steps=.. loss=.. samples_per_s=..` line per
-  optimizer step on stdout. The loss is made up (a decreasing function of the step
+- progress: one `CARVE_PROGRESS step=.. total_steps=.. loss=.. samples_per_s=..
+  memory_in_use_bytes=.. memory_peak_bytes=..` line per optimizer step on stdout (the
+  memory from its own accounting, which Carve uses where the guard sees no CUDA call: a
+  simulated GPU). The loss is made up (a decreasing function of the step
   alone, so a resumed run continues the same curve); it is a stand-in.
 
 Python 3 standard library only.
@@ -376,7 +378,8 @@ def train(arguments):
         elapsed = max(time.monotonic() - started, 1e-6)
         print(
             f"CARVE_PROGRESS step={step} total_steps={arguments.steps} loss={loss:.4f} "
-            f"samples_per_s={samples / elapsed:.1f}",
+            f"samples_per_s={samples / elapsed:.1f} "
+            f"memory_in_use_bytes={memory.in_use} memory_peak_bytes={memory.peak}",
             flush=True,
         )
     print(

@@ -157,6 +157,23 @@ pub fn judge_measurement(
     Ok(())
 }
 
+/// The peak of one run of a program: the guard's (`guard_peak_bytes`, what its account
+/// counted of the program's CUDA allocations) when it counted anything, else what the
+/// program reported itself (`memory_peak_bytes` in its `CARVE_PROGRESS` lines), else 0
+/// (nothing measured: [`assess_profile`] calls that unmeasured).
+///
+/// The guard wins whenever it saw an allocation: it is the measurement a program cannot
+/// bend. A program's own figure is used only where the guard saw nothing (a simulated
+/// GPU, which sees no CUDA calls; a framework the guard cannot see into), and is still
+/// judged by [`judge_measurement`] before a model learns from it; it sizes only its own
+/// tenant's runs of its own command.
+pub fn run_peak_bytes(guard_peak_bytes: Option<u64>, program_peak_bytes: Option<u64>) -> u64 {
+    match guard_peak_bytes {
+        Some(peak) if peak > 0 => peak,
+        _ => program_peak_bytes.unwrap_or(0),
+    }
+}
+
 /// What a measurement does to a stored model.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Refinement {

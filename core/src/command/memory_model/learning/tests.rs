@@ -227,3 +227,15 @@ fn a_bare_number_of_bytes_too_small_to_be_a_slice_is_refused_as_a_missing_unit()
     assert!(check_declared_vram_is_a_size(VramRequest::Bytes(MIB)).is_ok());
     assert!(check_declared_vram_is_a_size(VramRequest::Auto).is_ok());
 }
+
+#[test]
+fn a_runs_peak_is_the_guards_unless_it_saw_nothing_then_the_programs_own() {
+    // A real GPU: the guard's count wins over whatever the program says.
+    assert_eq!(run_peak_bytes(Some(GIB), Some(10 * GIB)), GIB);
+    // A simulated GPU: the guard saw no CUDA call; the program's own accounting counts.
+    assert_eq!(run_peak_bytes(Some(0), Some(900 * MIB)), 900 * MIB);
+    assert_eq!(run_peak_bytes(None, Some(900 * MIB)), 900 * MIB);
+    // Nothing from either: 0, which a profile calls unmeasured.
+    assert_eq!(run_peak_bytes(Some(0), None), 0);
+    assert_eq!(run_peak_bytes(None, None), 0);
+}
