@@ -325,3 +325,129 @@ fn an_oom_alone_gives_a_worst_case_model_that_still_shrinks() {
     // 36 MiB per sample: 227 fit in 8 GiB, 128 is the largest divisor.
     assert_eq!(decision.config.micro_batch_size, 128);
 }
+
+/// Issue 28's examples, from the program's stderr to the retry's plan: a job of global
+/// batch 64 at micro-batch 64 in a 2 GiB slice on a simulated GPU (the account measured
+/// nothing), whose only model is what the OOM says.
+mod framework_numbers_above_the_slice {
+    use super::*;
+    use crate::command::oom::{
+        CommandExit, CommandRunEnd, FrameworkOom, classify_command_exit, find_framework_oom,
+    };
+    use crate::workload::Workload;
+
+    const SLICE: u64 = 2 * GIB;
+
+    const PYTORCH: &str = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the allocated memory 76.45 GiB is allocated by PyTorch, and 1.16 GiB is reserved by PyTorch but unallocated.";
+
+    const TENSORFLOW: &str = "tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when allocating tensor with shape[256,32,1024,1024] and type float on /job:localhost/replica:0/task:0/device:GPU:0 by allocator GPU_0_bfc";
+
+    /// The report the worker sends for `line` ending a run in the 2 GiB slice.
+    fn reported(line: &str) -> OutOfMemory {
+        let stderr = vec![line.to_string()];
+        match classify_command_exit(&CommandExit {
+            exit_code: Some(1),
+            signal: None,
+            guard_refusal: None,
+            stderr_tail: &stderr,
+            slice_bytes: SLICE,
+            peak_bytes: 0,
+            host_memory_limit_reached: None,
+        }) {
+            CommandRunEnd::OutOfMemory { report, .. } => report,
+            other => panic!("expected an OOM, got {other:?}"),
+        }
+    }
+
+    /// The report built from the message's numbers at face value, as before the fix.
+    fn at_face_value(line: &str) -> OutOfMemory {
+        let oom: FrameworkOom = find_framework_oom([line]).unwrap();
+        let in_use = oom.in_use_bytes.unwrap_or(0);
+        OutOfMemory {
+            requested: oom.requested_bytes.unwrap_or(SLICE - in_use.min(SLICE)),
+            in_use,
+            limit: SLICE,
+            largest_free: SLICE.saturating_sub(in_use),
+            peak: in_use,
+        }
+    }
+
+    /// The retry's config after `report`, planned as the scheduler plans it without a
+    /// memory model (`Workload::plan_shrink`).
+    fn retry(report: OutOfMemory) -> RunConfig {
+        let job = job(64, r#"["fp32"]"#, r#"["accumulate"]"#, "");
+        let current = job.initial_config();
+        assert_eq!(current.micro_batch_size, 64);
+        let observation = OomObservation {
+            report,
+            estimated_required_bytes: SLICE,
+        };
+        Workload::Command(job)
+            .plan_shrink(&current, Some(&observation), SLICE, None)
+            .unwrap()
+            .config
+    }
+
+    #[test]
+    fn pytorchs_whole_gpu_numbers_are_not_the_peak_and_the_retry_halves_the_micro_batch() {
+        let report = reported(PYTORCH);
+        // Not the "76.45 GiB" PEAK of the issue: the account's own (nothing measured).
+        assert_eq!(report.peak, 0);
+        assert!(report.in_use <= SLICE && report.requested <= SLICE);
+        // The message proves only that micro 64 needed more than the slice: the gentlest
+        // retry that assumes no more is micro 32 x 2, not the issue's 1 x 64.
+        let config = retry(report);
+        assert_eq!(
+            (config.micro_batch_size, config.accumulation_steps()),
+            (32, 2)
+        );
+        assert_eq!(config.batch_size, 64);
+        // With the protection off, the same message plans the issue's 1 x 64.
+        let face_value = at_face_value(PYTORCH);
+        assert!(face_value.in_use > 76 * GIB);
+        assert_eq!(retry(face_value).micro_batch_size, 1);
+    }
+
+    #[test]
+    fn a_tensorflow_tensor_larger_than_the_slice_does_not_plan_micro_4() {
+        let report = reported(TENSORFLOW);
+        // shape[256,32,1024,1024] float is 32 GiB, sixteen slices: not this attempt's.
+        assert_eq!(report.requested, SLICE);
+        // Micro 64 needed more than 2 GiB, so at most 32 MiB + 1 byte a sample is
+        // assumed: micro 32 (just over 1 GiB) fits the slice, micro 64 does not.
+        let config = retry(report);
+        assert_eq!(
+            (config.micro_batch_size, config.accumulation_steps()),
+            (32, 2)
+        );
+        // With the protection off: 32 GiB / 64 = 512 MiB a sample, micro 4 x 16.
+        let face_value = at_face_value(TENSORFLOW);
+        assert_eq!(face_value.requested, 32 * GIB);
+        let config = retry(face_value);
+        assert_eq!(
+            (config.micro_batch_size, config.accumulation_steps()),
+            (4, 16)
+        );
+    }
+
+    /// Numbers inside the slice are taken as this attempt's and size the retry: a 1.5
+    /// GiB request on 1.75 GiB in use at micro 64 is 52 MiB a sample, so micro 32 (1.63
+    /// GiB) fits 2 GiB.
+    #[test]
+    fn numbers_inside_the_slice_still_size_the_retry() {
+        let line = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 2.00 GiB of which 256.00 MiB is free. Including non-PyTorch memory, this process has 1.75 GiB memory in use. Of the allocated memory 1.50 GiB is allocated by PyTorch, and 256.00 MiB is reserved by PyTorch but unallocated.";
+        let report = reported(line);
+        assert_eq!(
+            (report.in_use, report.requested),
+            (GIB + 768 * MIB, GIB + 512 * MIB)
+        );
+        let config = retry(report);
+        assert_eq!(
+            (config.micro_batch_size, config.accumulation_steps()),
+            (32, 2)
+        );
+        // Both numbers are at most the slice, so a message alone can show at most twice
+        // the slice needed: the retry from text never goes below half the micro-batch.
+        // Going lower takes a measurement (the guard's record, a profile's model).
+    }
+}
