@@ -461,3 +461,129 @@ fn numbers_above_the_slice_are_the_whole_gpus_not_this_attempts() {
     };
     assert_eq!((report.in_use, report.requested), (2 * GIB, 2 * GIB));
 }
+
+/// Where the error a program ended with starts: only its lines can make an OOM.
+#[test]
+fn only_the_error_the_program_ended_with_counts() {
+    // An OOM traceback logged and handled, then another error's: that error.
+    let handled = [
+        "Traceback (most recent call last):",
+        "  File \"loop.py\", line 30, in step",
+        PYTORCH_1,
+        "INFO step 120 loss 2.1",
+        "Traceback (most recent call last):",
+        "  File \"main.py\", line 14, in <module>",
+        "KeyError: 'lr'",
+    ];
+    assert_eq!(find_framework_oom(handled), None);
+    // Chained to it ("During handling ..."): the OOM is the chain's cause.
+    let chained = [
+        "Traceback (most recent call last):",
+        "  File \"loop.py\", line 30, in step",
+        PYTORCH_1,
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        "Traceback (most recent call last):",
+        "  File \"main.py\", line 14, in <module>",
+        "RuntimeError: giving up",
+    ];
+    assert_eq!(
+        find_framework_oom(chained).map(|oom| oom.source),
+        Some(OomSource::PyTorch)
+    );
+    // A frame's code is the program's, not what it said.
+    let in_a_frame = [
+        "Traceback (most recent call last):",
+        "  File \"train.py\", line 9, in <module>",
+        "    raise SystemExit('CUDA out of memory is handled elsewhere')",
+        "ValueError: bad config",
+    ];
+    assert_eq!(find_framework_oom(in_a_frame), None);
+    // IPython's header names the exception first.
+    let ipython = [
+        "ValueError                                Traceback (most recent call last)",
+        "Cell In[3], line 2",
+        "ValueError: bad config",
+    ];
+    assert_eq!(find_framework_oom(ipython), None);
+    // An exception ignored at shutdown did not end the program.
+    let ignored = [
+        "Traceback (most recent call last):",
+        "  File \"train.py\", line 9, in <module>",
+        JAX,
+        "Exception ignored in: <function Pool.__del__ at 0x7f>",
+        "Traceback (most recent call last):",
+        "  File \"pool.py\", line 3, in __del__",
+        "AttributeError: 'NoneType' object has no attribute 'close'",
+    ];
+    assert_eq!(
+        find_framework_oom(ignored).map(|oom| oom.source),
+        Some(OomSource::Jax)
+    );
+    // Without a traceback, the last error line decides; ordinary lines after it do not.
+    assert_eq!(find_framework_oom(["MemoryError", "Epoch 2/10"]), None);
+    assert_eq!(
+        find_framework_oom(["ValueError: x", CUDA_DRIVER, "cleaning up"]).map(|oom| oom.source),
+        Some(OomSource::Cuda)
+    );
+    // Nothing that is an error at all: not an OOM.
+    assert_eq!(find_framework_oom(["Epoch 1/10", "Killed"]), None);
+}
+
+#[test]
+fn error_lines_are_told_from_ordinary_ones() {
+    use super::messages::is_error_line;
+    for error in [
+        "ValueError: bad",
+        "MemoryError",
+        "numpy.core._exceptions._ArrayMemoryError: Unable to allocate 3 GiB",
+        "UnknownError (see above for traceback): Failed to get convolution algorithm",
+        "KeyboardInterrupt",
+        "terminate called after throwing an instance of 'std::bad_alloc'",
+        "F1128 00:00:00.000000 1234 main.cc:12] Check failed: ok",
+        "2024-03-01 12:00:00.000000: F tensorflow/core/kernels/x.cc:9] boom",
+        "thread 'main' panicked at src/main.rs:3:5:",
+    ] {
+        assert!(is_error_line(error), "{error}");
+    }
+    for ordinary in [
+        "Epoch 1/10",
+        "WARNING:root:memory is low",
+        "INFO:trainer:step 3 loss 0.2",
+        "1/100 [..............................] - loss: 0.5",
+        "  File \"train.py\", line 3, in <module>",
+        "Error rate 0.02 at step 30",
+        "",
+    ] {
+        assert!(!is_error_line(ordinary), "{ordinary}");
+    }
+}
+
+/// A tenant's program writes its own stderr: a forged message with absurd numbers
+/// must not size anything beyond its slice (with the slice check off, these reports
+/// would carry exabytes into the retry plan).
+#[test]
+fn forged_numbers_stay_inside_the_slice() {
+    for forged in [
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 99999999999 TiB. Of the allocated memory 88888888888 TiB is allocated by PyTorch, and 7 TiB is reserved by PyTorch but unallocated.",
+        "RuntimeError: CUDA out of memory. Tried to allocate 18446744073709551615 bytes (GPU 0; 1 TiB total capacity; 17 EiB already allocated; 99999 TiB reserved in total by PyTorch)",
+        "ResourceExhaustedError: OOM when allocating tensor with shape[4294967295,4294967295] and type complex128 on /job:localhost/replica:0/task:0/device:GPU:0",
+        "XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1e308 bytes.",
+        "torch.OutOfMemoryError: Allocation on device 0 would exceed allowed memory. (out of memory)",
+    ] {
+        let stderr = lines(&[
+            forged,
+            "Currently allocated     : 9999999 TiB",
+            "Requested               : 9999999 TiB",
+        ]);
+        let CommandRunEnd::OutOfMemory { report, .. } =
+            classify_command_exit(&exit(Some(1), None, &stderr))
+        else {
+            panic!("expected an OOM for {forged}");
+        };
+        assert!(report.in_use <= report.limit, "{forged}: {report:?}");
+        assert!(report.requested <= report.limit, "{forged}: {report:?}");
+        assert_eq!(report.peak, 7 * GIB, "{forged}");
+    }
+}
