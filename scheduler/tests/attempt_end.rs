@@ -124,6 +124,7 @@ fn succeeded(attempt: &v1::AttemptRef) -> v1::worker_message::Body {
         steps_done: Some(10),
         samples_per_second: None,
         profile_points: Vec::new(),
+        metrics: Vec::new(),
     })
 }
 

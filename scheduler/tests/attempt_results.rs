@@ -105,6 +105,7 @@ async fn results_progress_and_the_resume_step_are_kept_and_shown(db: &TestDb) {
                 samples_per_second: 100.0,
                 memory_in_use_bytes: 1 << 20,
                 memory_peak_bytes: 2 << 20,
+                seconds_left: None,
             },
         )
         .await;
@@ -135,6 +136,7 @@ async fn results_progress_and_the_resume_step_are_kept_and_shown(db: &TestDb) {
             steps_done: Some(500),
             samples_per_second: Some(321.5),
             profile_points: Vec::new(),
+            metrics: Vec::new(),
         })
         .await;
     let ended = wait_for_state(&channel, &user, &job.id, v1::JobState::Succeeded).await;
@@ -188,6 +190,7 @@ async fn an_attempt_ended_early_is_stored_with_the_step_it_reached(db: &TestDb) 
             steps_done: None,
             samples_per_second: None,
             profile_points: Vec::new(),
+            metrics: Vec::new(),
         })
         .await;
     let ended = wait_for_state(&channel, &user, &job.id, v1::JobState::Failed).await;

@@ -61,6 +61,7 @@ async fn results_are_stored_with_the_outcome_and_shown(db: &TestDb) {
         test_accuracy: Some(0.875),
         steps_done: Some(500),
         samples_per_second: Some(1234.5),
+        metrics: Vec::new(),
     };
     store
         .end_attempt(
@@ -73,7 +74,7 @@ async fn results_are_stored_with_the_outcome_and_shown(db: &TestDb) {
                 oom: None,
                 message: String::new(),
                 finished_at_ms: T0 + 9_000,
-                results,
+                results: results.clone(),
                 details: AttemptEndDetails {
                     profile_points: Vec::new(),
                     oom_detected_by: Some(OomSource::Guard),

@@ -311,6 +311,7 @@ async fn job_logs_received_before_a_stop_are_read_after_the_restart() {
                 attempt: Some(attempt.clone()),
                 level: "info".into(),
                 message: format!("step {step}"),
+                stream: String::new(),
             }))
             .await;
     }

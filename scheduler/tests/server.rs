@@ -172,6 +172,7 @@ async fn a_silent_worker_loses_its_attempt_and_cannot_report_on_it_later() {
                     steps_done: None,
                     samples_per_second: None,
                     profile_points: Vec::new(),
+                    metrics: Vec::new(),
                 },
             )),
         })
@@ -639,6 +640,7 @@ async fn job_logs_keep_the_attempts_lines_and_the_schedulers_notes_for_their_ten
             attempt: Some(attempt.clone()),
             level: level.into(),
             message: message.into(),
+            stream: String::new(),
         })
     };
     worker.send(log(&attempt, "info", "step 1 loss 2.30")).await;

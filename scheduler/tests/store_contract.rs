@@ -1529,6 +1529,7 @@ fn log_line(job_id: &str, attempt_number: i64, message: &str) -> NewLogLine {
         level: "info".to_string(),
         message: message.to_string(),
         event: None,
+        stream: String::new(),
     }
 }
 
@@ -1593,6 +1594,7 @@ async fn log_lines_get_per_job_sequences_and_read_in_pages(db: &TestDb) {
             attempt_number: 0,
             level: "warn".into(),
             message: "one 1".into(),
+            stream: String::new(),
         }
     );
     assert_eq!(

@@ -430,6 +430,7 @@ impl TestWorker {
             steps_done: None,
             samples_per_second: None,
             profile_points: Vec::new(),
+            metrics: Vec::new(),
         })
         .await
     }
@@ -469,6 +470,7 @@ impl TestWorker {
             attempt: Some(attempt.clone()),
             level: level.into(),
             message: message.into(),
+            stream: String::new(),
         }))
         .await
     }
@@ -483,5 +485,6 @@ pub fn halfway_progress() -> v1::TrainingProgress {
         samples_per_second: 100.0,
         memory_in_use_bytes: 1 << 20,
         memory_peak_bytes: 2 << 20,
+        seconds_left: None,
     }
 }
