@@ -26,6 +26,10 @@
 //!   urgent jobs are placed in the freed bytes if they still fit there ([`Claim::fits`]);
 //! - [`PreemptionBook::drop_claim`] / [`PreemptionBook::retain_claims`]: a claim lapses
 //!   when its job is placed elsewhere or leaves the queue.
+//!
+//! A caller that keeps the book across restarts (the scheduler stores it) reads what to
+//! store with [`PreemptionBook::claims`] and [`PreemptionBook::evictions`] and rebuilds
+//! it with [`PreemptionBook::restore`]: a claim's victims are the evictions naming it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -232,6 +236,50 @@ impl<J, T> Default for PreemptionBook<J, T> {
 }
 
 impl<J: JobKey, T: Moment> PreemptionBook<J, T> {
+    /// A book holding what a caller kept of an earlier one: `claims` by urgent job (their
+    /// `victims` are ignored), `evictions` by victim, and `recent` preemption times by
+    /// job (in any order). Each claim waits for the evictions that name its job; an
+    /// eviction whose urgent job has no claim (placed elsewhere, or gone) still makes its
+    /// attempt's end a preemption.
+    pub fn restore(
+        claims: impl IntoIterator<Item = (J, Claim<J>)>,
+        evictions: impl IntoIterator<Item = (J, Eviction<J, T>)>,
+        recent: impl IntoIterator<Item = (J, T)>,
+    ) -> Self {
+        let mut claims: BTreeMap<J, Claim<J>> = claims
+            .into_iter()
+            .map(|(job, mut claim)| {
+                claim.victims.clear();
+                (job, claim)
+            })
+            .collect();
+        let evicting: BTreeMap<J, Eviction<J, T>> = evictions.into_iter().collect();
+        for (victim, eviction) in &evicting {
+            if let Some(claim) = claims.get_mut(&eviction.urgent) {
+                claim.victims.insert(victim.clone());
+            }
+        }
+        let mut by_job: BTreeMap<J, Vec<T>> = BTreeMap::new();
+        for (job, time) in recent {
+            by_job.entry(job).or_default().push(time);
+        }
+        for times in by_job.values_mut() {
+            times.sort_by(|left, right| {
+                left.partial_cmp(right).unwrap_or(std::cmp::Ordering::Equal)
+            });
+        }
+        PreemptionBook {
+            claims,
+            evicting,
+            recent: by_job,
+        }
+    }
+
+    /// The victims asked to stop, by victim job.
+    pub fn evictions(&self) -> impl Iterator<Item = (&J, &Eviction<J, T>)> {
+        self.evicting.iter()
+    }
+
     /// The urgent jobs waiting for their victims and the bytes held for them.
     pub fn claims(&self) -> impl Iterator<Item = (&J, &Claim<J>)> {
         self.claims.iter()

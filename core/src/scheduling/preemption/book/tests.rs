@@ -433,3 +433,51 @@ fn the_schedulers_and_the_simulators_books_decide_alike() {
     }
     assert_eq!(simulated.retry_at.map(at), live.retry_at);
 }
+
+#[test]
+fn a_restored_book_decides_as_the_one_it_was_kept_from() {
+    let (book, outcome) = one_gpu_one_victim(1000.0);
+    assert_eq!(outcome.preemptions.len(), 1);
+    let restored = PreemptionBook::restore(
+        book.claims().map(|(job, claim)| {
+            let mut claim = claim.clone();
+            // What a store keeps of a claim: its victims are the evictions naming it.
+            claim.victims.clear();
+            (*job, claim)
+        }),
+        book.evictions()
+            .map(|(job, eviction)| (*job, eviction.clone())),
+        [(0, 1000.0)],
+    );
+    assert_eq!(restored, book);
+
+    // The victim's end is a preemption, its claim is then ready, and no second victim is
+    // chosen for the claimed job while it waits.
+    let mut restored = restored;
+    let gpus = [gpu("g0", 80, 60)];
+    let again = restored.preempt(pass(
+        1001.0,
+        &gpus,
+        vec![occupant(0, 0, 0, 60, 0.0)],
+        vec![waiting(1, 10, 40)],
+    ));
+    assert!(again.preemptions.is_empty(), "{again:?}");
+    assert!(restored.take_eviction(&0, 1).is_some());
+    let ready = restored.take_ready_claims();
+    assert_eq!(ready.len(), 1);
+    assert_eq!(ready[0].0, 1);
+}
+
+#[test]
+fn a_restored_eviction_without_its_claim_still_ends_preempted() {
+    let (book, _) = one_gpu_one_victim(1000.0);
+    let mut restored: PreemptionBook<usize, f64> = PreemptionBook::restore(
+        [],
+        book.evictions()
+            .map(|(job, eviction)| (*job, eviction.clone())),
+        [],
+    );
+    assert!(restored.claims().next().is_none());
+    assert_eq!(restored.preemptions_in_last_hour(&0, 1000.0), 0);
+    assert!(restored.take_eviction(&0, 1).is_some());
+}
