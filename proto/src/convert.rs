@@ -148,6 +148,10 @@ impl From<CommandMemoryModel> for v1::CommandMemoryModel {
             per_sample_bytes: model.per_sample_bytes,
             precision: v1::Precision::from(model.precision).into(),
             recompute: model.recompute,
+            // A bare model says nothing of where it came from: the scheduler, which
+            // knows, sets these.
+            basis: String::new(),
+            measured: true,
         }
     }
 }

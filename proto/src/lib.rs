@@ -100,6 +100,7 @@ mod tests {
                     "WatchJob",
                     "EstimateJob",
                     "GetJobLogs",
+                    "ResetMemoryModels",
                 ],
             ),
             (

@@ -98,6 +98,10 @@ pub struct GivenSettings {
     /// clients of standbys [default: http:// and the listening address].
     #[arg(long, env = "CARVE_ADVERTISE_ENDPOINT")]
     pub advertise_endpoint: Option<String>,
+    /// MiB below which no command job's slice is sized, whatever its memory model
+    /// measured (0: no floor) [default: 256].
+    #[arg(long, env = "CARVE_MIN_SLICE_MIB")]
+    pub min_slice_mib: Option<u64>,
     /// Serve Prometheus metrics at http://ADDRESS/metrics.
     #[arg(long, env = "CARVE_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
@@ -261,6 +265,10 @@ pub fn resolve(
             },
             leader_lease,
             advertise_endpoint: given.advertise_endpoint.or(file.advertise_endpoint),
+            min_slice_bytes: given
+                .min_slice_mib
+                .or(file.min_slice_mib)
+                .map_or(defaults.min_slice_bytes, |mib| mib.saturating_mul(1 << 20)),
         },
         ignored: given
             .checkpoint_dir

@@ -213,7 +213,9 @@ async fn a_page_shows_each_jobs_attempts_and_memory_model_as_get_job_does() {
     let by_name = |name: &str| page.jobs.iter().find(|job| job.name == name).unwrap();
     assert_eq!(by_name("profiled").attempts.len(), 2);
     assert!(by_name("profiled").attempts[0].profile);
-    let model = by_name("profiled").memory_model.unwrap();
+    let model = by_name("profiled").memory_model.clone().unwrap();
+    assert!(model.measured);
+    assert!(model.basis.starts_with("fitted from "), "{}", model.basis);
     assert_eq!(by_name("again").memory_model, Some(model));
     assert_eq!(by_name("again").id, again.id);
     assert_eq!(by_name("small").memory_model, None);
@@ -262,21 +264,27 @@ async fn the_store_reads_a_pages_attempts_and_models_at_once(db: &TestDb) {
     );
 
     store
-        .put_command_memory_model("shape-a", r#"{"a":1}"#, support::T0)
+        .put_command_memory_model("acme", "shape-a", r#"{"a":1}"#, "basis a", support::T0)
         .await
         .unwrap();
     store
-        .put_command_memory_model("shape-b", r#"{"b":2}"#, support::T0)
+        .put_command_memory_model("acme", "shape-b", r#"{"b":2}"#, "basis b", support::T0)
         .await
         .unwrap();
     let models = store
-        .command_memory_models(&["shape-a", "shape-b", "shape-none"])
+        .command_memory_models(&[
+            ("acme", "shape-a"),
+            ("acme", "shape-b"),
+            ("acme", "shape-none"),
+        ])
         .await
         .unwrap();
     assert_eq!(models.len(), 2);
-    assert_eq!(models["shape-a"], r#"{"a":1}"#);
+    let key = |shape: &str| ("acme".to_string(), shape.to_string());
+    assert_eq!(models[&key("shape-a")].model_json, r#"{"a":1}"#);
+    assert_eq!(models[&key("shape-a")].basis, "basis a");
     assert_eq!(
-        Some(models["shape-b"].clone()),
-        store.command_memory_model("shape-b").await.unwrap()
+        Some(models[&key("shape-b")].clone()),
+        store.command_memory_model("acme", "shape-b").await.unwrap()
     );
 }

@@ -514,17 +514,30 @@ fn print_job_details(job: &v1::Job) {
         }
     }
     if let Some(model) = &job.memory_model {
-        println!(
-            "  memory:     {} + {} per sample of the micro-batch (measured at {}{})",
-            bytes_text(Some(model.fixed_bytes)),
-            bytes_text(Some(model.per_sample_bytes)),
-            precision_name(model.precision),
-            if model.recompute {
-                ", recompute on"
-            } else {
-                ""
-            }
-        );
+        if model.measured {
+            println!(
+                "  memory:     {} + {} per sample of the micro-batch (measured at {}{})",
+                bytes_text(Some(model.fixed_bytes)),
+                bytes_text(Some(model.per_sample_bytes)),
+                precision_name(model.precision),
+                if model.recompute {
+                    ", recompute on"
+                } else {
+                    ""
+                }
+            );
+        } else {
+            println!(
+                "  memory:     unmeasured: sized at {} (a fallback, not a measurement)",
+                bytes_text(Some(model.fixed_bytes))
+            );
+        }
+        if !model.basis.is_empty() {
+            println!(
+                "  model:      {} (carve reset-model forgets it)",
+                model.basis
+            );
+        }
     }
     let history = shrink_history(job);
     if !history.is_empty() {

@@ -15,6 +15,7 @@ mod failover_tests;
 pub mod failure;
 pub mod jobs;
 pub mod logs;
+pub mod memory_models;
 pub mod output;
 pub mod overrides;
 pub mod watch;
@@ -42,6 +43,10 @@ pub enum ClientCommand {
     Logs(logs::LogsArguments),
     /// Cancels jobs (each by id, unique id prefix or name).
     Cancel(jobs::CancelArguments),
+    /// Forgets the memory model Carve learned for a command job's program (yours; models
+    /// are per tenant), or with --all every model of a tenant: the next vram = "auto" job
+    /// profiles again.
+    ResetModel(memory_models::ResetModelArguments),
     /// Shows the workers and every GPU as a bar of its memory carved into slices;
     /// `drain` and `undrain` a worker (admins).
     Cluster(cluster::ClusterArguments),
@@ -78,6 +83,7 @@ pub fn run(command: ClientCommand, cli: impl FnOnce() -> clap::Command) -> Resul
             ClientCommand::Watch(arguments) => watch::watch(arguments).await,
             ClientCommand::Logs(arguments) => logs::logs(arguments).await,
             ClientCommand::Cancel(arguments) => jobs::cancel(arguments).await,
+            ClientCommand::ResetModel(arguments) => memory_models::reset_model(arguments).await,
             ClientCommand::Cluster(arguments) => cluster::cluster(arguments).await,
             ClientCommand::Admin(arguments) => admin::admin(arguments).await,
             ClientCommand::Completions(_) => Ok(ExitCode::SUCCESS),

@@ -1,20 +1,19 @@
-//! Command jobs in the scheduler: the memory models of commands (by shape, fitted from
-//! profiles and raised by what later runs measured), a profile's end (the model fitted,
-//! the job sized and queued to train), and the small helpers the session and placement
-//! code share for them. Every decision is core's (`carve_core::command`).
+//! Command jobs in the scheduler: a profile's end (the model fitted, or the profile found
+//! unmeasured and a fallback kept; the job sized and queued to train) and the profiles
+//! made to fit the cluster. The memory models themselves, per tenant, are
+//! `memory_models.rs`'s. Every decision is core's (`carve_core::command`).
 
 use carve_core::admission::size_slice_at_admission;
-use carve_core::command::memory_model::{CommandMemoryModel, ProfilePoint};
+use carve_core::bytes::HumanBytes;
+use carve_core::command::memory_model::ProfilePoint;
+use carve_core::command::memory_model::learning::{
+    LearnedModel, ProfileAssessment, assess_profile, floored_slice_bytes,
+};
 use carve_core::command::oom::OomSource;
 use carve_core::command::render::RenderedCommand;
 use carve_core::command::shrink::plan_command_shrink;
-use carve_core::command::spec::CommandSpec;
-use carve_core::command::validate::ValidatedCommandJob;
 use carve_core::job_state::{AttemptOutcome, JobEvent};
-use carve_core::plan::RunConfig;
 use carve_core::spec::VramRequest;
-use carve_core::workload::{JobKind, Workload};
-use sha2::{Digest, Sha256};
 
 use crate::error::SchedulerError;
 use crate::store::{
@@ -22,16 +21,9 @@ use crate::store::{
 };
 
 use super::admission::largest_usable_gpu;
+use super::memory_models::command_shape_key;
 use super::worker_reports::AttemptRef;
 use super::{Scheduler, now_ms};
-
-/// Who detected an attempt's out-of-memory, and what they said.
-#[derive(Debug, Clone)]
-pub(super) struct OomDetected {
-    pub by: OomSource,
-    /// The guard's numbers or the framework's line; may be empty.
-    pub evidence: String,
-}
 
 /// A rendered argv as one line a person can read.
 pub(super) fn display_argv(argv: &[String]) -> String {
@@ -43,150 +35,15 @@ pub(super) fn display_argv(argv: &[String]) -> String {
     .display_line()
 }
 
-fn short_digest(text: &str) -> String {
-    Sha256::digest(text.as_bytes())
-        .iter()
-        .take(16)
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
-}
-
-/// The command of a stored job's spec (job `job_id`'s, of `kind`), read as it was
-/// admitted: only the `command` table is parsed (the rest of the spec is skipped,
-/// whatever its size) and nothing is checked again, so reads never validate. `None` for
-/// a kind without a command. A command job whose command no longer parses is a corrupt
-/// row.
-pub(super) fn stored_command(
-    job_id: &str,
-    kind: JobKind,
-    spec_json: &str,
-) -> Result<Option<CommandSpec>, SchedulerError> {
-    #[derive(serde::Deserialize)]
-    struct CommandOnly {
-        command: CommandSpec,
-    }
-    match kind {
-        JobKind::Model => Ok(None),
-        JobKind::Command => serde_json::from_str::<CommandOnly>(spec_json)
-            .map(|spec| Some(spec.command))
-            .map_err(|error| {
-                SchedulerError::Api(carve_proto::ApiError::Internal(format!(
-                    "corrupt row: jobs {job_id:?} spec_json: {error}"
-                )))
-            }),
-    }
-}
-
-/// A command shape's memory model from its stored row: the one decoder, an unreadable row
-/// an error naming it.
-pub(super) fn stored_memory_model(
-    shape_key: &str,
-    json: &str,
-) -> Result<CommandMemoryModel, SchedulerError> {
-    serde_json::from_str(json).map_err(|error| {
-        SchedulerError::Api(carve_proto::ApiError::Internal(format!(
-            "corrupt row: command_memory_models {shape_key:?}: {error}"
-        )))
-    })
-}
-
-/// The key a command's memory model is stored under: what decides its memory apart from
-/// the knobs Carve turns (argv, environment, working directory, the precisions and the
-/// recompute arguments); not its name, priority or batch sizes.
-pub(super) fn command_shape_key(job: &ValidatedCommandJob) -> String {
-    shape_key_of_command(&job.spec.command)
-}
-
-/// [`command_shape_key`] of a command as stored, unvalidated (validation changes no field
-/// the key reads, so both give the same key).
-pub(super) fn shape_key_of_command(command: &CommandSpec) -> String {
-    let shape = serde_json::json!({
-        "argv": command.argv,
-        "env": command.env,
-        "working_directory": command.working_directory,
-        "precisions": command.precisions,
-        "recompute": command.recompute,
-    });
-    short_digest(&format!("command|{shape}"))
+/// Who detected an attempt's out-of-memory, and what they said.
+#[derive(Debug, Clone)]
+pub(super) struct OomDetected {
+    pub by: OomSource,
+    /// The guard's numbers or the framework's line; may be empty.
+    pub evidence: String,
 }
 
 impl Scheduler {
-    /// What has been measured of a workload's memory: for a command job, the memory
-    /// model its command's profile stored (`None` before one); `None` for a model job,
-    /// which the estimator sizes. What `Workload`'s methods take as `measured`.
-    pub(super) async fn measured_memory_model(
-        &self,
-        workload: &Workload,
-    ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
-        match workload.as_command() {
-            Some(command) => self.command_memory_model(&command_shape_key(command)).await,
-            None => Ok(None),
-        }
-    }
-
-    /// The memory model stored for a command shape, if a profile measured one.
-    pub(super) async fn command_memory_model(
-        &self,
-        shape_key: &str,
-    ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
-        let Some(json) = self.store.command_memory_model(shape_key).await? else {
-            return Ok(None);
-        };
-        stored_memory_model(shape_key, &json).map(Some)
-    }
-
-    /// Stores a command shape's memory model, replacing the one it had.
-    pub(super) async fn put_command_memory_model(
-        &self,
-        shape_key: &str,
-        model: &CommandMemoryModel,
-    ) -> Result<(), SchedulerError> {
-        let json = serde_json::to_string(model).map_err(|error| {
-            SchedulerError::Api(carve_proto::ApiError::Internal(format!(
-                "cannot write a memory model: {error}"
-            )))
-        })?;
-        self.store
-            .put_command_memory_model(shape_key, &json, now_ms())
-            .await
-    }
-
-    /// Raises a command shape's stored model so that it covers `needed_bytes` at
-    /// `config` (a measured peak, or what an out-of-memory showed was needed), and
-    /// returns the model as it now stands. A shape with no model yet gets none: only a
-    /// profile fits one.
-    pub(super) async fn refine_command_memory_model(
-        &self,
-        job: &ValidatedCommandJob,
-        config: &RunConfig,
-        needed_bytes: u64,
-    ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
-        let shape_key = command_shape_key(job);
-        let Some(model) = self.command_memory_model(&shape_key).await? else {
-            return Ok(None);
-        };
-        let refined = model.refined(config, needed_bytes);
-        if refined != model {
-            self.put_command_memory_model(&shape_key, &refined).await?;
-        }
-        Ok(Some(refined))
-    }
-
-    /// The memory model a command job is sized by (its command's, once a profile
-    /// measured it); `None` for model jobs and before the profile. The spec is read as
-    /// stored, not validated again (a page of jobs reads its models at once instead:
-    /// `Scheduler::job_views`).
-    pub async fn job_memory_model(
-        &self,
-        job: &crate::store::JobRecord,
-    ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
-        let Some(command) = stored_command(&job.id, job.kind, &job.spec_json)? else {
-            return Ok(None);
-        };
-        self.command_memory_model(&shape_key_of_command(&command))
-            .await
-    }
-
     /// Gives the profile of each job in `waiting` (queued jobs larger than every GPU,
     /// with the largest GPU's usable bytes) that is a command job still to be profiled
     /// the largest slice the cluster has: its slice was chosen at submit, roomy for the
@@ -206,7 +63,7 @@ impl Scheduler {
                 continue;
             }
             let workload = self.stored_workload(&job).await?;
-            let measured = self.measured_memory_model(&workload).await?;
+            let measured = self.measured_memory_model(&job.tenant, &workload).await?;
             if !workload.needs_profile(measured.as_ref()) {
                 continue;
             }
@@ -237,9 +94,9 @@ impl Scheduler {
         points: Vec<ProfilePoint>,
     ) -> Result<(), SchedulerError> {
         let _guard = self.job_changes.lock().await;
-        if self.current_attempt(worker_id, &attempt).is_none() {
+        let Some(running) = self.current_attempt(worker_id, &attempt) else {
             return Err(self.fenced(&attempt));
-        }
+        };
         let mut job = self.store.get_job(&attempt.job_id).await?;
         let workload = self.stored_workload(&job).await?;
         let command = workload.as_command().ok_or_else(|| {
@@ -249,10 +106,22 @@ impl Scheduler {
             )))
         })?;
         let config = job.config()?;
-        let fitted = CommandMemoryModel::fit(
+        let gpus = self.gpu_states();
+        let largest_gpu = largest_usable_gpu(&gpus);
+        let declared_bytes = match command.spec.resources.vram {
+            VramRequest::Bytes(bytes) => Some(bytes),
+            VramRequest::Auto => None,
+        };
+        // What the profile measured, judged by core: points of 0 B or past every GPU are
+        // no measurement, and a profile left with none is unmeasured (a fallback, said
+        // so), never a 0-byte model.
+        let assessment = assess_profile(
             &points,
             config.precision,
             config.recompute_segment_layers.is_some(),
+            running.slice_bytes,
+            largest_gpu,
+            declared_bytes,
         );
         let points_text = points
             .iter()
@@ -260,7 +129,7 @@ impl Scheduler {
                 format!(
                     "micro-batch {}: {}{}",
                     point.micro_batch,
-                    carve_core::bytes::HumanBytes(point.peak_bytes),
+                    HumanBytes(point.peak_bytes),
                     if point.ran_out { " (ran out)" } else { "" }
                 )
             })
@@ -295,39 +164,79 @@ impl Scheduler {
             self.wake();
             return Ok(());
         }
-        let gpus = self.gpu_states();
-        let sized = fitted.map_err(|error| error.to_string()).and_then(|model| {
-            let admitted = size_slice_at_admission(
-                VramRequest::Auto,
-                config,
-                model.need_bytes(&config),
-                1.0,
-                largest_usable_gpu(&gpus),
-                |current, limit| {
-                    plan_command_shrink(command, &model, current, None, limit)
-                        .map(|decision| (decision.config, decision.estimate.required_bytes))
+        let source = format!("{} attempt {}'s profile", job.id, attempt.attempt_number);
+        let (learned, basis) = match assessment {
+            ProfileAssessment::Measured { model, ignored } => (
+                LearnedModel {
+                    model,
+                    measured: true,
                 },
-            )
-            .map_err(|error| error.to_string())?;
-            Ok((model, admitted))
-        });
+                format!(
+                    "fitted from {source} ({points_text}){}",
+                    if ignored.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; left out: {}", ignored.join(", "))
+                    }
+                ),
+            ),
+            ProfileAssessment::Unmeasured { fallback, why } => {
+                (fallback, format!("{why} (from {source}: {points_text})"))
+            }
+        };
+        let model = learned.model;
+        let floor = self.settings.min_slice_bytes;
+        let sized = size_slice_at_admission(
+            VramRequest::Auto,
+            config,
+            model.need_bytes(&config),
+            1.0,
+            largest_gpu,
+            |current, limit| {
+                plan_command_shrink(command, &model, current, None, limit)
+                    .map(|decision| (decision.config, decision.estimate.required_bytes))
+            },
+        )
+        .map_err(|error| error.to_string());
         // The job's move is decided first and stored with the profile's end in one
         // transaction.
         let (event, reason) = match sized {
-            Ok((model, admitted)) => {
-                self.put_command_memory_model(&command_shape_key(command), &model)
-                    .await?;
+            Ok(admitted) => {
+                self.put_command_memory_model(
+                    &job.tenant,
+                    &command_shape_key(command),
+                    &learned,
+                    &basis,
+                )
+                .await?;
+                // No slice below the operator's floor, whatever was measured.
+                let slice_bytes = floored_slice_bytes(admitted.slice_bytes, floor, largest_gpu);
                 let estimate = model.estimate(&admitted.config);
                 job.config_json = config_to_json(&admitted.config);
                 job.estimate_json = estimate_to_json(&estimate);
-                job.required_bytes = admitted.slice_bytes as i64;
+                job.required_bytes = slice_bytes as i64;
                 job.waiting_reason.clear();
                 let change = admitted.config.describe_change_from(&config);
                 let message = format!(
-                    "profile: needs {} + {} per sample; slice {}{}",
-                    carve_core::bytes::HumanBytes(model.fixed_bytes),
-                    carve_core::bytes::HumanBytes(model.per_sample_bytes),
-                    carve_core::bytes::HumanBytes(admitted.slice_bytes),
+                    "profile: {}; slice {}{}{}",
+                    if learned.measured {
+                        format!(
+                            "needs {} + {} per sample",
+                            HumanBytes(model.fixed_bytes),
+                            HumanBytes(model.per_sample_bytes)
+                        )
+                    } else {
+                        basis.clone()
+                    },
+                    HumanBytes(slice_bytes),
+                    if slice_bytes > admitted.slice_bytes {
+                        format!(
+                            " (the floor; the model needs {})",
+                            HumanBytes(admitted.slice_bytes)
+                        )
+                    } else {
+                        String::new()
+                    },
                     if change.is_empty() {
                         String::new()
                     } else {

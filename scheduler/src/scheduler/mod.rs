@@ -21,6 +21,7 @@ mod admission;
 mod command_jobs;
 mod leadership;
 mod logs;
+mod memory_models;
 mod outcomes;
 mod placement;
 mod preemption;
@@ -58,6 +59,7 @@ use placement::PassInputs;
 pub use preemption::PreemptionSettings;
 use session_handles::LiveSession;
 pub use session_handles::{SessionHandle, SessionSender};
+pub use memory_models::KnownMemoryModel;
 pub use views::{GpuView, JobPage, JobView, SliceOwner, SliceView, WorkerView};
 
 /// Timing of leases and passes.
@@ -80,6 +82,9 @@ pub struct SchedulerSettings {
     /// Replicas on PostgreSQL: where this replica's gRPC API is reached, told to clients
     /// of standbys (`None`: `http://` and the address it listens on).
     pub advertise_endpoint: Option<String>,
+    /// No command job's slice is sized below this many bytes, whatever its memory model
+    /// measured (`carve_core::command::memory_model::learning::floored_slice_bytes`).
+    pub min_slice_bytes: u64,
 }
 
 impl Default for SchedulerSettings {
@@ -92,6 +97,7 @@ impl Default for SchedulerSettings {
             preemption: PreemptionSettings::default(),
             leader_lease: Duration::from_secs(10),
             advertise_endpoint: None,
+            min_slice_bytes: carve_core::command::memory_model::learning::DEFAULT_SLICE_FLOOR_BYTES,
         }
     }
 }

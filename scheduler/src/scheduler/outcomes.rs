@@ -153,8 +153,16 @@ impl Scheduler {
         let measured = match workload.as_command() {
             Some(command) => {
                 let needed = report.in_use.saturating_add(report.requested);
-                self.refine_command_memory_model(command, &old_config, needed)
-                    .await?
+                self.refine_command_memory_model(
+                    &job.tenant,
+                    &job.id,
+                    attempt.attempt_number,
+                    command,
+                    &old_config,
+                    needed,
+                    "out-of-memory (in use + requested)",
+                )
+                .await?
             }
             None => None,
         };
@@ -348,8 +356,16 @@ impl Scheduler {
             let config = job.config()?;
             let workload = self.stored_workload(&job).await?;
             if let Some(command) = workload.as_command() {
-                self.refine_command_memory_model(command, &config, measured as u64)
-                    .await?;
+                self.refine_command_memory_model(
+                    &job.tenant,
+                    &job.id,
+                    attempt.attempt_number,
+                    command,
+                    &config,
+                    measured as u64,
+                    "measured peak",
+                )
+                .await?;
             }
             let shape_key = workload.peak_key(&config);
             self.store

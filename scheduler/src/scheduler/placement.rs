@@ -336,7 +336,7 @@ impl Scheduler {
         // The spec is read as its stored kind (checked, never estimated): what it asks
         // for and whether its memory must be measured first.
         let workload = self.stored_workload(job).await?;
-        let measured = self.measured_memory_model(&workload).await?;
+        let measured = self.measured_memory_model(&job.tenant, &workload).await?;
         if let Some(profile) = workload.profile_plan(measured.as_ref()) {
             let [first, second] = profile.micro_batches;
             return Ok((

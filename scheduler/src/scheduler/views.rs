@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 
-use carve_core::command::memory_model::CommandMemoryModel;
 use carve_proto::ApiError;
 
 use crate::auth::{Caller, Role};
@@ -11,7 +10,9 @@ use crate::error::SchedulerError;
 use crate::metrics::{ClusterGauges, Metrics, MetricsSource};
 use crate::store::{AttemptRecord, JobFilter, JobRecord};
 
-use super::command_jobs::{shape_key_of_command, stored_command, stored_memory_model};
+use super::memory_models::{
+    KnownMemoryModel, shape_key_of_command, stored_command, stored_memory_model,
+};
 use super::worker_reports::{Gpu, TrainingProgress};
 use super::{RunningAttempt, Scheduler, WorkerState};
 
@@ -71,28 +72,33 @@ impl Scheduler {
     pub async fn job_views(&self, jobs: Vec<JobRecord>) -> Result<Vec<JobView>, SchedulerError> {
         let ids: Vec<&str> = jobs.iter().map(|job| job.id.as_str()).collect();
         let mut attempts = self.store.attempts_of_jobs(&ids).await?;
-        let mut shape_keys: Vec<Option<String>> = Vec::with_capacity(jobs.len());
+        // A command's model is its tenant's: the key is (tenant, shape).
+        let mut model_keys: Vec<Option<(String, String)>> = Vec::with_capacity(jobs.len());
         for job in &jobs {
-            shape_keys.push(
+            model_keys.push(
                 stored_command(&job.id, job.kind, &job.spec_json)?
                     .as_ref()
-                    .map(shape_key_of_command),
+                    .map(|command| (job.tenant.clone(), shape_key_of_command(command))),
             );
         }
-        let mut distinct: Vec<&str> = shape_keys.iter().flatten().map(String::as_str).collect();
+        let mut distinct: Vec<(&str, &str)> = model_keys
+            .iter()
+            .flatten()
+            .map(|(tenant, shape_key)| (tenant.as_str(), shape_key.as_str()))
+            .collect();
         distinct.sort_unstable();
         distinct.dedup();
-        let mut models: HashMap<String, CommandMemoryModel> = HashMap::new();
-        for (shape_key, json) in self.store.command_memory_models(&distinct).await? {
-            let model = stored_memory_model(&shape_key, &json)?;
-            models.insert(shape_key, model);
+        let mut models: HashMap<(String, String), KnownMemoryModel> = HashMap::new();
+        for ((tenant, shape_key), stored) in self.store.command_memory_models(&distinct).await? {
+            let model = stored_memory_model(&tenant, &shape_key, &stored)?;
+            models.insert((tenant, shape_key), model);
         }
         Ok(jobs
             .into_iter()
-            .zip(shape_keys)
-            .map(|(job, shape_key)| JobView {
+            .zip(model_keys)
+            .map(|(job, model_key)| JobView {
                 attempts: attempts.remove(&job.id).unwrap_or_default(),
-                memory_model: shape_key.and_then(|key| models.get(&key).copied()),
+                memory_model: model_key.and_then(|key| models.get(&key).cloned()),
                 progress: self.latest_progress(&job.id),
                 job,
             })
@@ -306,9 +312,10 @@ pub struct JobView {
     pub job: JobRecord,
     /// Its attempts, by number.
     pub attempts: Vec<AttemptRecord>,
-    /// The memory model its command is sized by: a command job's once a profile
-    /// measured its shape, `None` for model jobs and before the profile.
-    pub memory_model: Option<CommandMemoryModel>,
+    /// The memory model its command is sized by (its tenant's model of the command,
+    /// with what it rests on): a command job's once a profile ran for its shape, `None`
+    /// for model jobs and before the profile.
+    pub memory_model: Option<KnownMemoryModel>,
     /// The number and the latest progress report of its attempt running on this
     /// scheduler, if that reported any.
     pub progress: Option<(u32, TrainingProgress)>,
@@ -471,7 +478,7 @@ fn ambiguous_reference(
 mod tests {
     use carve_core::command::validate::validate_command_job_spec;
 
-    use super::super::command_jobs::{command_shape_key, shape_key_of_command, stored_command};
+    use super::super::memory_models::{command_shape_key, shape_key_of_command, stored_command};
     use carve_core::command::spec::CommandSpec;
     use carve_core::workload::JobKind;
 

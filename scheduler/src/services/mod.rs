@@ -59,7 +59,11 @@ impl Services {
 /// A job as the API shows it: its record, attempts, memory model and progress.
 fn view_message(view: &JobView) -> Result<v1::Job, Status> {
     let mut message = job_to_proto(&view.job, &view.attempts)?;
-    message.memory_model = view.memory_model.map(Into::into);
+    message.memory_model = view.memory_model.as_ref().map(|known| v1::CommandMemoryModel {
+        basis: known.basis.clone(),
+        measured: known.learned.measured,
+        ..known.model().into()
+    });
     if let Some((attempt_number, progress)) = &view.progress {
         attach_progress(&mut message, *attempt_number, progress);
     }
@@ -360,5 +364,18 @@ impl JobService for Services {
             last_sequence,
             more: page.more,
         }))
+    }
+
+    async fn reset_memory_models(
+        &self,
+        request: Request<v1::ResetMemoryModelsRequest>,
+    ) -> Result<Response<v1::ResetMemoryModelsResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        let request = request.into_inner();
+        let deleted = self
+            .scheduler
+            .reset_memory_models(&caller, &request.job_id, request.all, &request.tenant)
+            .await?;
+        Ok(Response::new(v1::ResetMemoryModelsResponse { deleted }))
     }
 }

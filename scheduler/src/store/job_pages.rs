@@ -1,6 +1,6 @@
 //! What a page of jobs shows besides the jobs, read for the whole page at once: the
-//! attempts of every job on it and the memory models of their commands' shapes, one
-//! query each rather than one per job (ListJobs was 2N + 1 queries).
+//! attempts of every job on it in one query rather than one per job (ListJobs was 2N + 1
+//! queries); the memory models of their commands are `memory_models.rs`'s.
 
 use std::collections::HashMap;
 
@@ -40,30 +40,5 @@ impl Store {
             }
         }
         Ok(attempts)
-    }
-
-    /// The memory models stored for each of `shape_keys` (as JSON, as
-    /// [`Store::command_memory_model`] returns one), by shape key; a shape no profile
-    /// measured has no entry.
-    pub async fn command_memory_models(
-        &self,
-        shape_keys: &[&str],
-    ) -> Result<HashMap<String, String>, SchedulerError> {
-        let mut models = HashMap::new();
-        for keys in shape_keys.chunks(KEYS_PER_STATEMENT) {
-            let rows: Vec<(String, String)> = with_pool!(self, pool => {
-                let mut query = sqlx::QueryBuilder::new(
-                    "SELECT shape_key, model_json FROM command_memory_models WHERE shape_key IN (",
-                );
-                let mut separated = query.separated(", ");
-                for key in keys {
-                    separated.push_bind(key.to_string());
-                }
-                separated.push_unseparated(")");
-                query.build_query_as().fetch_all(pool).await?
-            });
-            models.extend(rows);
-        }
-        Ok(models)
     }
 }

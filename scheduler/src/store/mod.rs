@@ -92,6 +92,7 @@ mod jobs;
 mod json_columns;
 pub mod leadership;
 mod logs;
+mod memory_models;
 mod peaks;
 mod records;
 mod tenants;
@@ -117,6 +118,7 @@ pub use records::{
     JobRecord, JobState, MAX_PAGE_SIZE, OomSource, ProfilePoint, QueueFingerprint, QueuedJob, Role,
     SubmitOutcome, TenantRecord, TokenRecord, WorkerRecord, WorkerState,
 };
+pub use memory_models::{MemoryModelRow, StoredMemoryModel};
 pub use tenants::{MAX_TENANT_NAME_LENGTH, TenantDeletion, check_tenant_name};
 
 static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");

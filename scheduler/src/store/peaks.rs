@@ -1,7 +1,6 @@
 //! Measured peaks against their estimates, by job shape: the feedback that raises later
-//! estimates of a shape whose attempts peaked above what the estimator said; and the
-//! memory models of command jobs, by command shape, fitted from profiles and raised by
-//! measured peaks.
+//! estimates of a shape whose attempts peaked above what the estimator said. (Command
+//! jobs' memory models are `memory_models.rs`'s.)
 
 use super::Store;
 use crate::error::SchedulerError;
@@ -58,42 +57,5 @@ impl Store {
                 .fetch_one(pool)
                 .await?
         }))
-    }
-
-    /// The memory model of the command shape `shape_key` as JSON (`convert.rs` reads
-    /// it), `None` when no profile measured one yet.
-    pub async fn command_memory_model(
-        &self,
-        shape_key: &str,
-    ) -> Result<Option<String>, SchedulerError> {
-        Ok(with_pool!(self, pool => {
-            sqlx::query_scalar("SELECT model_json FROM command_memory_models WHERE shape_key = $1")
-                .bind(shape_key)
-                .fetch_optional(pool)
-                .await?
-        }))
-    }
-
-    /// Stores (or replaces) the memory model of the command shape `shape_key`.
-    pub async fn put_command_memory_model(
-        &self,
-        shape_key: &str,
-        model_json: &str,
-        at_ms: i64,
-    ) -> Result<(), SchedulerError> {
-        with_pool!(self, pool => {
-            sqlx::query(
-                "INSERT INTO command_memory_models (shape_key, model_json, updated_at_ms) \
-                 VALUES ($1, $2, $3) ON CONFLICT (shape_key) DO UPDATE SET \
-                 model_json = excluded.model_json, updated_at_ms = excluded.updated_at_ms",
-            )
-            .bind(shape_key)
-            .bind(model_json)
-            .bind(at_ms)
-            .execute(pool)
-            .await?
-            .rows_affected()
-        });
-        Ok(())
     }
 }

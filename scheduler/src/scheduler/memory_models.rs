@@ -1,0 +1,310 @@
+//! Command jobs' memory models in the scheduler: one per tenant and command shape, so a
+//! tenant's runs size only that tenant's later runs of the same command. Read for
+//! sizing and for reads (with what each rests on), taught by measurements through
+//! core's rules (`carve_core::command::memory_model::learning`: outliers never move a
+//! model, an unmeasured fallback gives way to the first real measurement), and reset by
+//! the tenant (ResetMemoryModels).
+
+use carve_core::bytes::HumanBytes;
+use carve_core::command::memory_model::CommandMemoryModel;
+use carve_core::command::memory_model::learning::{LearnedModel, Refinement, refine_learned};
+use carve_core::command::spec::CommandSpec;
+use carve_core::command::validate::ValidatedCommandJob;
+use carve_core::plan::RunConfig;
+use carve_core::workload::{JobKind, Workload};
+use sha2::{Digest, Sha256};
+
+use crate::auth::{Caller, Role};
+use crate::error::SchedulerError;
+use crate::store::{JobRecord, StoredMemoryModel};
+
+use super::admission::largest_usable_gpu;
+use super::{Scheduler, now_ms};
+
+/// A command's memory model as reads show it: the model, whether anything measured it
+/// (false: the fallback of an unmeasured profile), and what it rests on, for people.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KnownMemoryModel {
+    pub learned: LearnedModel,
+    pub basis: String,
+}
+
+impl KnownMemoryModel {
+    pub fn model(&self) -> CommandMemoryModel {
+        self.learned.model
+    }
+}
+
+/// The most a model's basis keeps: its origin and the latest change, never an unbounded
+/// history (every measured run may raise a model).
+const BASIS_MOST_BYTES: usize = 1024;
+
+/// What changed with a measurement, appended to a basis that keeps its origin (the text
+/// before the first "; then ") and this latest change.
+fn basis_after(previous: &str, change: &str) -> String {
+    let origin = previous.split("; then ").next().unwrap_or(previous);
+    let mut basis = format!("{origin}; then {change}");
+    if basis.len() > BASIS_MOST_BYTES {
+        let mut end = BASIS_MOST_BYTES;
+        while !basis.is_char_boundary(end) {
+            end -= 1;
+        }
+        basis.truncate(end);
+    }
+    basis
+}
+
+fn short_digest(text: &str) -> String {
+    Sha256::digest(text.as_bytes())
+        .iter()
+        .take(16)
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
+/// The command of a stored job's spec (job `job_id`'s, of `kind`), read as it was
+/// admitted: only the `command` table is parsed (the rest of the spec is skipped,
+/// whatever its size) and nothing is checked again, so reads never validate. `None` for
+/// a kind without a command. A command job whose command no longer parses is a corrupt
+/// row.
+pub(super) fn stored_command(
+    job_id: &str,
+    kind: JobKind,
+    spec_json: &str,
+) -> Result<Option<CommandSpec>, SchedulerError> {
+    #[derive(serde::Deserialize)]
+    struct CommandOnly {
+        command: CommandSpec,
+    }
+    match kind {
+        JobKind::Model => Ok(None),
+        JobKind::Command => serde_json::from_str::<CommandOnly>(spec_json)
+            .map(|spec| Some(spec.command))
+            .map_err(|error| {
+                SchedulerError::Api(carve_proto::ApiError::Internal(format!(
+                    "corrupt row: jobs {job_id:?} spec_json: {error}"
+                )))
+            }),
+    }
+}
+
+/// A command shape's memory model from its stored row: the one decoder, an unreadable row
+/// an error naming it.
+pub(super) fn stored_memory_model(
+    tenant: &str,
+    shape_key: &str,
+    stored: &StoredMemoryModel,
+) -> Result<KnownMemoryModel, SchedulerError> {
+    let learned = serde_json::from_str(&stored.model_json).map_err(|error| {
+        SchedulerError::Api(carve_proto::ApiError::Internal(format!(
+            "corrupt row: command_memory_models ({tenant:?}, {shape_key:?}): {error}"
+        )))
+    })?;
+    Ok(KnownMemoryModel {
+        learned,
+        basis: stored.basis.clone(),
+    })
+}
+
+/// The key a command's memory model is stored under (with its tenant): what decides its
+/// memory apart from the knobs Carve turns (argv, environment, working directory, the
+/// precisions and the recompute arguments); not its name, priority or batch sizes.
+pub(super) fn command_shape_key(job: &ValidatedCommandJob) -> String {
+    shape_key_of_command(&job.spec.command)
+}
+
+/// [`command_shape_key`] of a command as stored, unvalidated (validation changes no field
+/// the key reads, so both give the same key).
+pub(super) fn shape_key_of_command(command: &CommandSpec) -> String {
+    let shape = serde_json::json!({
+        "argv": command.argv,
+        "env": command.env,
+        "working_directory": command.working_directory,
+        "precisions": command.precisions,
+        "recompute": command.recompute,
+    });
+    short_digest(&format!("command|{shape}"))
+}
+
+impl Scheduler {
+    /// What has been measured of a workload's memory: for a command job of `tenant`, the
+    /// memory model `tenant`'s runs of its command left (`None` before one); `None` for
+    /// a model job, which the estimator sizes. What `Workload`'s methods take as
+    /// `measured`.
+    pub(super) async fn measured_memory_model(
+        &self,
+        tenant: &str,
+        workload: &Workload,
+    ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
+        match workload.as_command() {
+            Some(command) => Ok(self
+                .command_memory_model(tenant, &command_shape_key(command))
+                .await?
+                .map(|known| known.model())),
+            None => Ok(None),
+        }
+    }
+
+    /// `tenant`'s memory model of a command shape, if one was learned.
+    pub(super) async fn command_memory_model(
+        &self,
+        tenant: &str,
+        shape_key: &str,
+    ) -> Result<Option<KnownMemoryModel>, SchedulerError> {
+        let Some(stored) = self.store.command_memory_model(tenant, shape_key).await? else {
+            return Ok(None);
+        };
+        stored_memory_model(tenant, shape_key, &stored).map(Some)
+    }
+
+    /// Stores `tenant`'s model of a command shape, replacing the one it had.
+    pub(super) async fn put_command_memory_model(
+        &self,
+        tenant: &str,
+        shape_key: &str,
+        learned: &LearnedModel,
+        basis: &str,
+    ) -> Result<(), SchedulerError> {
+        let json = serde_json::to_string(learned).map_err(|error| {
+            SchedulerError::Api(carve_proto::ApiError::Internal(format!(
+                "cannot write a memory model: {error}"
+            )))
+        })?;
+        self.store
+            .put_command_memory_model(tenant, shape_key, &json, basis, now_ms())
+            .await
+    }
+
+    /// Teaches `tenant`'s model of `job`'s command that a run with `config` needed
+    /// `needed_bytes` (a measured peak, or what an out-of-memory showed was needed;
+    /// `what` says which, for the model's basis), and returns the model as it now stands.
+    /// A shape with no model yet gets none: only a profile fits one. An outlier (0 B,
+    /// more than the largest GPU) changes nothing and is said in the job's log
+    /// (`job_id`, `attempt_number`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn refine_command_memory_model(
+        &self,
+        tenant: &str,
+        job_id: &str,
+        attempt_number: u32,
+        job: &ValidatedCommandJob,
+        config: &RunConfig,
+        needed_bytes: u64,
+        what: &str,
+    ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
+        let shape_key = command_shape_key(job);
+        let Some(known) = self.command_memory_model(tenant, &shape_key).await? else {
+            return Ok(None);
+        };
+        let largest = largest_usable_gpu(&self.gpu_states());
+        match refine_learned(&known.learned, config, needed_bytes, largest) {
+            Refinement::Unchanged => Ok(Some(known.model())),
+            Refinement::Changed(learned) => {
+                let change = format!(
+                    "{} by {job_id} attempt {attempt_number}'s {what} of {} at micro-batch {}",
+                    if known.learned.measured {
+                        "raised"
+                    } else {
+                        "measured"
+                    },
+                    HumanBytes(needed_bytes),
+                    config.micro_batch_size
+                );
+                let basis = basis_after(&known.basis, &change);
+                self.put_command_memory_model(tenant, &shape_key, &learned, &basis)
+                    .await?;
+                Ok(Some(learned.model))
+            }
+            Refinement::Rejected(why) => {
+                let attempt = super::worker_reports::AttemptRef {
+                    job_id: job_id.to_string(),
+                    attempt_number,
+                    lease_epoch: 0,
+                };
+                self.emit_attempt_line(
+                    &attempt,
+                    format!("the memory model is not changed by this attempt's {what}: {why}"),
+                );
+                Ok(Some(known.model()))
+            }
+        }
+    }
+
+    /// The memory model a command job is sized by (its tenant's model of its command);
+    /// `None` for model jobs and before the profile. The spec is read as stored, not
+    /// validated again (a page of jobs reads its models at once instead:
+    /// `Scheduler::job_views`).
+    pub async fn job_memory_model(
+        &self,
+        job: &JobRecord,
+    ) -> Result<Option<KnownMemoryModel>, SchedulerError> {
+        let Some(command) = stored_command(&job.id, job.kind, &job.spec_json)? else {
+            return Ok(None);
+        };
+        self.command_memory_model(&job.tenant, &shape_key_of_command(&command))
+            .await
+    }
+
+    /// Forgets memory models: the model of the command of the job `job_reference` names
+    /// (the job's tenant's), or with `all`, every model of `tenant` (empty: the
+    /// caller's own; another tenant's for admins only). The next `vram = "auto"` job of
+    /// each command profiles again. Returns how many models were deleted.
+    pub async fn reset_memory_models(
+        &self,
+        caller: &Caller,
+        job_reference: &str,
+        all: bool,
+        tenant: &str,
+    ) -> Result<u64, SchedulerError> {
+        caller.require(&[Role::User, Role::Admin])?;
+        match (job_reference.is_empty(), all) {
+            (false, false) => {
+                if !tenant.is_empty() {
+                    return Err(SchedulerError::invalid_argument(
+                        "tenant",
+                        "must be empty with job_id: the job's tenant's model is reset",
+                    ));
+                }
+                let job = self.visible_job(caller, job_reference).await?;
+                let Some(command) = stored_command(&job.id, job.kind, &job.spec_json)? else {
+                    return Err(SchedulerError::invalid_argument(
+                        "job_id",
+                        format!(
+                            "{} is a {} job: only command jobs have memory models",
+                            job.id, job.kind
+                        ),
+                    ));
+                };
+                self.store
+                    .delete_command_memory_models(
+                        &job.tenant,
+                        Some(&shape_key_of_command(&command)),
+                    )
+                    .await
+            }
+            (true, true) => {
+                let tenant = if tenant.is_empty() {
+                    caller.tenant.as_str()
+                } else {
+                    tenant
+                };
+                if !caller.may_access_tenant(tenant) {
+                    return Err(SchedulerError::Api(
+                        carve_proto::ApiError::PermissionDenied(format!(
+                            "tenant: only admins may reset another tenant's ({tenant:?}) models"
+                        )),
+                    ));
+                }
+                self.store.delete_command_memory_models(tenant, None).await
+            }
+            (false, true) => Err(SchedulerError::invalid_argument(
+                "all",
+                "name a job or ask for all of a tenant's models, not both",
+            )),
+            (true, false) => Err(SchedulerError::invalid_argument(
+                "job_id",
+                "must name a job (or set all to reset every model of the tenant)",
+            )),
+        }
+    }
+}
