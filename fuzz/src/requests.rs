@@ -704,6 +704,7 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
                 samples_per_second: 1000.0,
                 memory_in_use_bytes: 1 << 29,
                 memory_peak_bytes: 1 << 29,
+                seconds_left: Some(190.0),
             }),
         }),
         Body::CheckpointWritten(v1::worker_message::CheckpointWritten {
@@ -717,6 +718,7 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
             attempt: attempt(),
             level: "info".into(),
             message: "step 10".into(),
+            stream: "stdout".into(),
         }),
         Body::Oom(v1::worker_message::OomReport {
             attempt: attempt(),
@@ -741,6 +743,10 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
             steps_done: Some(200),
             samples_per_second: Some(1000.0),
             profile_points: Vec::new(),
+            metrics: vec![v1::Metric {
+                name: "val_loss".into(),
+                value: 0.2,
+            }],
         }),
     ];
     let mut session = Vec::new();
