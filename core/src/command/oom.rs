@@ -119,8 +119,16 @@ pub fn find_framework_oom<'a>(
     let in_error = error_lines
         .iter()
         .find_map(|&index| messages::oom_in_line(lines[index], &lines[index + 1..]));
-    if in_error.is_some() {
-        return in_error;
+    if let Some(mut oom) = in_error {
+        // XLA's message inside a TensorFlow error (Keras 3 compiles its steps with XLA)
+        // is TensorFlow's OOM.
+        let tensorflow_error = error_lines.iter().any(|&index| {
+            lines[index].contains("tensorflow.") || lines[index].contains("ResourceExhaustedError")
+        });
+        if oom.source == OomSource::Jax && tensorflow_error {
+            oom.source = OomSource::TensorFlow;
+        }
+        return Some(oom);
     }
     let first_error_line = *error_lines.first()?;
     if !error_lines

@@ -36,6 +36,20 @@ pub(super) fn oom_in_line(line: &str, following: &[&str]) -> Option<FrameworkOom
             .or_else(|| size_after(line, "allocating "))
             .or_else(|| size_after(line, "allocate "));
         (OomSource::Jax, requested, None)
+    } else if line.contains("Out of memory while trying to allocate ") {
+        // XLA's wording without its status on the line: Keras 3 compiling a TensorFlow
+        // step ("Graph execution error:" ... "Out of memory while trying to allocate").
+        (
+            OomSource::Jax,
+            size_after(line, "Out of memory while trying to allocate "),
+            None,
+        )
+    } else if (is_resource_exhausted(line) || line.contains("ResourceExhaustedError"))
+        && line.contains("failed to allocate memory")
+    {
+        // TensorFlow's eager ops: "ResourceExhaustedError: failed to allocate memory
+        // [Op:AddV2]".
+        (OomSource::TensorFlow, None, None)
     } else if is_resource_exhausted(line) && line.contains("Failed to allocate request for ") {
         (
             OomSource::Jax,
