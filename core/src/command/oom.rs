@@ -1,7 +1,11 @@
 //! How a command job's run ended: an OOM only when the program exited non-zero with the
-//! guard's record of a refused allocation or a framework's fatal out-of-memory message
-//! on stderr; a program that caught its own OOM and went on (exit 0) is not one; every
-//! other exit is a failure with the last lines of stderr.
+//! guard's record of a refused allocation (which wins over any text) or when the error
+//! it ended with is a framework's fatal out-of-memory message of the GPU
+//! (`terminal_error` finds that error, `messages` reads the frameworks' words; both are
+//! tested on the real output in `core/tests/oom_corpus/`); a program that caught its own
+//! OOM and went on (exit 0) is not one; every other exit is a failure with the last lines
+//! of stderr. A framework's numbers above the slice are its view of the whole GPU and are
+//! not used ([`framework_report`]).
 
 use std::fmt;
 
@@ -105,8 +109,10 @@ pub struct FrameworkOom {
 /// memory. Tried to allocate ..." (1.x and 2.x, `torch.OutOfMemoryError`,
 /// `torch.cuda.OutOfMemoryError`), its cudaMallocAsync backend's "would exceed allowed
 /// memory. (out of memory)" and "CUDA error: out of memory"; TensorFlow "OOM when
-/// allocating tensor" on a GPU and `STATUS_ALLOC_FAILED`; JAX/XLA "RESOURCE_EXHAUSTED:
-/// Out of memory ..." and "Failed to allocate request for ..."; `CUDNN_STATUS_ALLOC_FAILED`;
+/// allocating tensor" on a GPU, an eager op's "failed to allocate memory" and
+/// `STATUS_ALLOC_FAILED`; JAX/XLA "RESOURCE_EXHAUSTED: Out of memory ...", "Out of memory
+/// while trying to allocate" (also inside a TensorFlow error: Keras 3 compiles with XLA),
+/// "Failed to allocate request for ..." and its buffer report; `CUDNN_STATUS_ALLOC_FAILED`;
 /// `CUBLAS_STATUS_ALLOC_FAILED`; the driver's `CUDA_ERROR_OUT_OF_MEMORY` and the
 /// runtime's `cudaErrorMemoryAllocation`. An error that only says "cuDNN failed to
 /// initialize" (or "Blas GEMM launch failed") is an OOM when the log above it says the
