@@ -87,7 +87,7 @@ impl TryFrom<&str> for OomSource {
 pub struct FrameworkOom {
     pub source: OomSource,
     /// The bytes it tried to allocate, when the message says ("Tried to allocate 2.00
-    /// GiB", "OOM when allocating tensor with shape[32,64,512,512]" and a type: the
+    /// GiB", `OOM when allocating tensor with shape[32,64,512,512]` and a type: the
     /// shape's product times the type's size).
     pub requested_bytes: Option<u64>,
     /// Bytes the framework held, when the message says (PyTorch's "already allocated" /

@@ -199,7 +199,7 @@ fn pytorch_async_numbers(following: &[&str]) -> (Option<u64>, Option<u64>) {
     (requested, in_use)
 }
 
-/// TensorFlow's "OOM when allocating tensor with shape[32,64,512,512] and type float":
+/// TensorFlow's `OOM when allocating tensor with shape[32,64,512,512] and type float`:
 /// the elements times the type's size.
 pub(super) fn tensorflow_tensor_bytes(line: &str) -> Option<u64> {
     let after_shape = &line[line.find("shape[")? + "shape[".len()..];
