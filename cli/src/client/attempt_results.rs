@@ -78,7 +78,8 @@ fn results_row(attempt: &v1::Attempt, now: &prost_types::Timestamp) -> [String; 
 }
 
 /// Prints the results table of a job's attempts (loss and throughput of a running
-/// attempt are its latest progress report's).
+/// attempt are its latest progress report's); a METRICS column when any attempt's
+/// program reported metrics.
 pub fn print_results(job: &v1::Job) {
     let now = now_timestamp();
     let rows: Vec<[String; 8]> = job
@@ -86,19 +87,30 @@ pub fn print_results(job: &v1::Job) {
         .iter()
         .map(|attempt| results_row(attempt, &now))
         .collect();
-    print_table(
-        [
-            "ATTEMPT",
-            "STARTED",
-            "ELAPSED",
-            "STEPS",
-            "LOSS",
-            "ACCURACY",
-            "SAMPLES/S",
-            "METRICS",
-        ],
-        &rows,
-    );
+    let header = [
+        "ATTEMPT",
+        "STARTED",
+        "ELAPSED",
+        "STEPS",
+        "LOSS",
+        "ACCURACY",
+        "SAMPLES/S",
+        "METRICS",
+    ];
+    if job
+        .attempts
+        .iter()
+        .any(|attempt| !attempt.metrics.is_empty())
+    {
+        print_table(header, &rows);
+        return;
+    }
+    let header: [&str; 7] = std::array::from_fn(|column| header[column]);
+    let rows: Vec<[String; 7]> = rows
+        .into_iter()
+        .map(|row| std::array::from_fn(|column| row[column].clone()))
+        .collect();
+    print_table(header, &rows);
 }
 
 /// `step 120/500 (24%), loss 0.4321, elapsed 1m02s, ETA 3m15s` for the running attempt
