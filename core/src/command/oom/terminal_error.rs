@@ -11,7 +11,9 @@
 //! Frames (the indented lines under "Traceback (most recent call last):") are the
 //! program's code, not what it said, and are left out. Without a traceback (a C++
 //! program, or a tail that lost the traceback's head) the error starts at the last line
-//! that is an error or an out-of-memory message and runs to the end.
+//! that is an error or an out-of-memory message and runs to the end. A launcher's error
+//! that only reports its child's failure (torchrun's `ChildFailedError`) stands for the
+//! child's error, found the same way in the lines before it.
 
 use super::messages::{is_error_line, oom_in_line};
 
@@ -19,7 +21,22 @@ use super::messages::{is_error_line, oom_in_line};
 /// when no line is one (a program that exited non-zero saying nothing).
 pub(super) fn terminal_error_lines(lines: &[&str]) -> Vec<usize> {
     match last_chain_start(lines) {
-        Some(chain_start) => exception_text_lines(lines, chain_start),
+        Some(chain_start) => {
+            let text = exception_text_lines(lines, chain_start);
+            // A launcher reporting that its child failed (torchrun's ChildFailedError,
+            // "Root Cause (first observed failure)"): the child's error is the one the
+            // program ended with.
+            if text
+                .iter()
+                .any(|&index| lines[index].contains("ChildFailedError"))
+            {
+                let child = terminal_error_lines(&lines[..chain_start]);
+                if !child.is_empty() {
+                    return child;
+                }
+            }
+            text
+        }
         None => match last_decisive_line(lines) {
             Some(start) => (start..lines.len()).collect(),
             None => Vec::new(),
