@@ -345,6 +345,12 @@ impl Scheduler {
             }
         };
         let change = self.end_attempt_with_job(&end, &mut job, event).await?;
+        if eviction.is_some() {
+            // After the end is stored: a scheduler that stops in between still reads
+            // this victim's report as preempted, and drops the stale row at recovery.
+            self.forget_stored_eviction(&attempt.job_id, attempt.attempt_number)
+                .await;
+        }
         self.log_results(&attempt.job_id, attempt.attempt_number, &results);
         self.live().running.remove(&attempt.job_id);
         if let Some(change) = change {

@@ -1,5 +1,6 @@
-//! Recovery after a start: the live state rebuilt from the store, and jobs left placed or
-//! running with every attempt ended moved on.
+//! Recovery after a start (or on becoming the leader): the live state rebuilt from the
+//! store, preemptions under way included, and jobs left placed or running with every
+//! attempt ended moved on.
 
 use std::collections::HashMap;
 
@@ -10,15 +11,27 @@ use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use crate::store::{AttemptRecord, JobRecord};
 
+use super::preemption::PreemptionLedger;
 use super::sessions::gpus_from_column;
-use super::{LiveWorker, RunningAttempt, Scheduler, WorkerState};
+use super::{LiveWorker, RunningAttempt, Scheduler, WorkerState, now_ms};
+
+/// How far back the preemption times that count towards the cap per job per hour go.
+const PREEMPTION_HISTORY_MS: i64 = 3_600_000;
 
 impl Scheduler {
     /// Rebuilds the live state from the store after a start: attempts still running keep
-    /// their slices, and their workers get one lease to come back. A job placed or
-    /// running none of whose attempts runs is moved on (see [`event_for_stranded_job`]).
+    /// their slices, and their workers get one lease to come back. Preemptions under way
+    /// are loaded into the book as the last scheduler left them: a victim's stop is
+    /// read as preempted, its claim's bytes stay held for the urgent job, and each
+    /// victim's worker is told to stop again (it may never have heard); the first pass
+    /// drops evictions whose attempts no longer run. A job placed or running none of
+    /// whose attempts runs is moved on (see [`event_for_stranded_job`]).
     pub async fn recover(&self) -> Result<(), SchedulerError> {
         let workers = self.store.list_workers().await?;
+        let preemptions = self
+            .store
+            .preemptions(now_ms().saturating_sub(PREEMPTION_HISTORY_MS))
+            .await?;
         let active = self
             .store
             .jobs_in_states(&[JobState::Placed, JobState::Running])
@@ -75,6 +88,7 @@ impl Scheduler {
                 );
             }
             live.running = running;
+            live.preemption = PreemptionLedger::restore(preemptions);
         }
         for (job, last_attempt) in stranded {
             self.move_stranded_job(job, last_attempt.as_ref()).await?;

@@ -94,6 +94,7 @@ pub mod leadership;
 mod logs;
 mod memory_models;
 mod peaks;
+mod preemptions;
 mod records;
 mod tenants;
 mod tokens;
@@ -119,6 +120,7 @@ pub use records::{
     SubmitOutcome, TenantRecord, TokenRecord, WorkerRecord, WorkerState,
 };
 pub use memory_models::{MemoryModelRow, StoredMemoryModel};
+pub use preemptions::{StoredClaim, StoredEviction, StoredPreemptions};
 pub use tenants::{MAX_TENANT_NAME_LENGTH, TenantDeletion, check_tenant_name};
 
 static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
