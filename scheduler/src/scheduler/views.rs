@@ -18,9 +18,15 @@ use super::{RunningAttempt, Scheduler, WorkerState};
 
 impl Scheduler {
     /// The job `reference` names among those the caller may see: its whole id, a prefix
-    /// of its id, or its name; NotFound when it names none (another tenant's job included),
-    /// INVALID_ARGUMENT on `job_id` listing the candidates when it names several. A whole
-    /// id costs one lookup by key, as before references were accepted.
+    /// of its id (with or without `job-`), the last hex digits of its id (at least four),
+    /// or its name; NotFound when it names none (another tenant's job included),
+    /// INVALID_ARGUMENT on `job_id` listing the candidates when it names several. A name
+    /// several jobs share means the one of them still going (queued, placed or running)
+    /// when there is exactly one: a job file resubmitted keeps its name, and the finished
+    /// runs before it are not what a person means. A whole id costs one lookup by key, as
+    /// before references were accepted. Every lookup past the whole id is the caller's
+    /// tenant's alone (an admin's, every tenant's), so another tenant's jobs can be
+    /// neither named nor counted through a short reference.
     pub async fn visible_job(
         &self,
         caller: &Caller,
@@ -39,13 +45,28 @@ impl Scheduler {
             Err(other) => return Err(other),
         }
         let tenant = (caller.role != Role::Admin).then_some(caller.tenant.as_str());
-        let mut candidates = self
+        let (by_id, by_name) = self
             .store
             .jobs_matching_reference(tenant, reference, LISTED_CANDIDATES + 1)
             .await?;
+        let only_names = by_id.is_empty();
+        let mut candidates = by_id;
+        candidates.extend(by_name);
+        candidates.sort_by_key(|job| std::cmp::Reverse(job.submit_sequence));
         match candidates.len() {
             0 => Err(SchedulerError::not_found("job", reference)),
             1 => Ok(candidates.remove(0)),
+            _ if only_names => {
+                let mut active = self.store.active_jobs_named(tenant, reference, 2).await?;
+                if active.len() == 1 {
+                    return Ok(active.remove(0));
+                }
+                Err(ambiguous_reference(
+                    reference,
+                    &candidates,
+                    tenant.is_none(),
+                ))
+            }
             _ => Err(ambiguous_reference(
                 reference,
                 &candidates,

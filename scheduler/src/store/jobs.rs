@@ -16,6 +16,23 @@ pub(super) const JOB_COLUMNS: &str = "id, tenant, name, spec_json, state, priori
      waiting_reason, message, created_at_ms, finished_at_ms, checkpoint_location, \
      attempts_count, checkpoint_step, kind";
 
+/// What every job id starts with; the rest is hex digits (see `auth::generate_id`).
+const JOB_ID_PREFIX: &str = "job-";
+
+/// The fewest hex digits a reference must have to be tried as the end of an id: shorter
+/// ones would name a good part of a tenant's jobs (and read them all to say so). The
+/// last digits of an id are random, so four tell apart the jobs a person has in mind.
+const SHORTEST_ID_SUFFIX: usize = 4;
+
+/// Whether `reference` could be (part of) the hex digits of a job id: 1 to 32 lowercase
+/// hex digits.
+fn is_id_digits(reference: &str) -> bool {
+    (1..=32).contains(&reference.len())
+        && reference
+            .bytes()
+            .all(|byte| byte.is_ascii_digit() || (b'a'..=b'f').contains(&byte))
+}
+
 /// Binds a job's columns in the order of [`JOB_COLUMNS`] ($1 to $19).
 macro_rules! bind_job_columns {
     ($query:expr, $job:expr) => {
@@ -357,54 +374,119 @@ impl Store {
         job.ok_or_else(|| SchedulerError::not_found("job", id))
     }
 
-    /// The jobs a person may mean by `reference`: those whose id starts with it and those
-    /// named exactly it, of `tenant` (every tenant's for `None`), at most `limit` of each
-    /// kind, newest first and without repeats.
+    /// The jobs a person may mean by `reference`, of `tenant` (every tenant's for
+    /// `None`), at most `limit` of each kind, newest first and without repeats: first
+    /// those its id names (the id starts with it; for a reference of hex digits, the id
+    /// starts with `job-` and it, or ends with it when it has at least
+    /// [`SHORTEST_ID_SUFFIX`] digits), then those named exactly it.
     ///
     /// The id prefix is a range of the primary key: from the prefix itself to the prefix
     /// followed by `z`s, past any id's length. Ids are lowercase letters, digits and
     /// dashes, which sort the same by bytes and in PostgreSQL's collations (where a dash
     /// may be ignored), so the range holds every id with the prefix on both databases;
-    /// the `substr` test then keeps exactly those.
+    /// the `substr` test then keeps exactly those. A suffix has no index to use: it reads
+    /// the tenant's jobs (`jobs_by_tenant`), which is why it needs enough digits to be
+    /// worth asking and is never asked for a reference that no id can end with.
     pub async fn jobs_matching_reference(
         &self,
         tenant: Option<&str>,
         reference: &str,
         limit: usize,
-    ) -> Result<Vec<JobRecord>, SchedulerError> {
+    ) -> Result<(Vec<JobRecord>, Vec<JobRecord>), SchedulerError> {
         let tenant_condition = |placeholder: &str| match tenant {
             Some(_) => format!("AND tenant = {placeholder}"),
             None => String::new(),
+        };
+        let hex = is_id_digits(reference);
+        // Ids are `job-` and hex digits, so hex digits alone are the id without its
+        // prefix (a person copies the part that differs).
+        let id_prefix = if hex {
+            format!("{JOB_ID_PREFIX}{reference}")
+        } else {
+            reference.to_string()
         };
         let by_id = format!(
             "SELECT {JOB_COLUMNS} FROM jobs WHERE id >= $1 AND id <= $2 \
              AND substr(id, 1, length($1)) = $1 {} ORDER BY id LIMIT {limit}",
             tenant_condition("$3")
         );
+        let by_suffix = format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE length(id) > length($1) \
+             AND substr(id, length(id) - length($1) + 1) = $1 {} \
+             ORDER BY submit_sequence DESC LIMIT {limit}",
+            tenant_condition("$2")
+        );
         let by_name = format!(
             "SELECT {JOB_COLUMNS} FROM jobs WHERE name = $1 {} \
              ORDER BY submit_sequence DESC LIMIT {limit}",
             tenant_condition("$2")
         );
-        let id_upper_bound = format!("{reference}{}", "z".repeat(64));
-        let (mut jobs, named): (Vec<JobRecord>, Vec<JobRecord>) = with_pool!(self, pool => {
-            let by_id = sqlx::query_as(&by_id).bind(reference).bind(&id_upper_bound);
+        let ask_suffix = hex && reference.len() >= SHORTEST_ID_SUFFIX;
+        let id_upper_bound = format!("{id_prefix}{}", "z".repeat(64));
+        let (mut by_id_jobs, suffixed, named): (Vec<JobRecord>, Vec<JobRecord>, Vec<JobRecord>) = with_pool!(self, pool => {
+            let by_id = sqlx::query_as(&by_id).bind(&id_prefix).bind(&id_upper_bound);
+            let by_suffix = sqlx::query_as(&by_suffix).bind(reference);
             let by_name = sqlx::query_as(&by_name).bind(reference);
             match tenant {
                 Some(tenant) => (
                     by_id.bind(tenant).fetch_all(pool).await?,
+                    if ask_suffix {
+                        by_suffix.bind(tenant).fetch_all(pool).await?
+                    } else {
+                        Vec::new()
+                    },
                     by_name.bind(tenant).fetch_all(pool).await?,
                 ),
-                None => (by_id.fetch_all(pool).await?, by_name.fetch_all(pool).await?),
+                None => (
+                    by_id.fetch_all(pool).await?,
+                    if ask_suffix { by_suffix.fetch_all(pool).await? } else { Vec::new() },
+                    by_name.fetch_all(pool).await?,
+                ),
             }
         });
-        for job in named {
-            if !jobs.iter().any(|seen| seen.id == job.id) {
-                jobs.push(job);
+        for job in suffixed {
+            if !by_id_jobs.iter().any(|seen| seen.id == job.id) {
+                by_id_jobs.push(job);
             }
         }
-        jobs.sort_by_key(|job| std::cmp::Reverse(job.submit_sequence));
-        Ok(jobs)
+        by_id_jobs.sort_by_key(|job| std::cmp::Reverse(job.submit_sequence));
+        let named = named
+            .into_iter()
+            .filter(|job| !by_id_jobs.iter().any(|seen| seen.id == job.id))
+            .collect();
+        Ok((by_id_jobs, named))
+    }
+
+    /// The jobs of `tenant` (every tenant's for `None`) named exactly `name` that are
+    /// still going (queued, placed or running), at most `limit`, newest first: a name
+    /// a file keeps across resubmits means the one of them still going.
+    pub async fn active_jobs_named(
+        &self,
+        tenant: Option<&str>,
+        name: &str,
+        limit: usize,
+    ) -> Result<Vec<JobRecord>, SchedulerError> {
+        let active: Vec<String> = JobState::ALL
+            .iter()
+            .filter(|state| !state.is_terminal())
+            .map(|state| format!("'{}'", state.name()))
+            .collect();
+        let sql = format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE name = $1 AND state IN ({}) {} \
+             ORDER BY submit_sequence DESC LIMIT {limit}",
+            active.join(", "),
+            match tenant {
+                Some(_) => "AND tenant = $2",
+                None => "",
+            }
+        );
+        Ok(with_pool!(self, pool => {
+            let query = sqlx::query_as(&sql).bind(name);
+            match tenant {
+                Some(tenant) => query.bind(tenant).fetch_all(pool).await?,
+                None => query.fetch_all(pool).await?,
+            }
+        }))
     }
 
     /// One page of the jobs that match `filter`, newest (highest `submit_sequence`)
