@@ -1,5 +1,5 @@
-//! `carve submit`, `carve jobs`, `carve get` and `carve cancel`: a researcher's view of
-//! jobs through the JobService.
+//! `carve submit`, `carve get` and `carve cancel`: a researcher's view of jobs through
+//! the JobService (`carve jobs` is job_list.rs).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -7,44 +7,21 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use carve_proto::v1;
 
-use super::attempt_results::{last_loss_text, print_results, progress_text};
+use super::attempt_results::{print_results, progress_text};
 use super::connection::{Connection, ConnectionOptions};
 use super::failure::{ClientFailure, FailureKind, FailureTally};
 use super::output::{
-    ListFormat, OutputFormat, age_text, attempt_note, bytes_text, config_text, job_state_name,
-    message_json, now_seconds, outcome_name, precision_name, print_message, print_structured,
-    print_table, print_wide_table, timestamp_text,
+    OutputFormat, age_text, attempt_note, bytes_text, config_text, job_state_name, message_json,
+    now_seconds, outcome_name, precision_name, print_message, print_structured, print_wide_table,
+    timestamp_text,
 };
 use super::overrides::{SpecOverride, apply_overrides, parse_override, toml_to_json};
+use super::spec_errors::spec_error_in_file;
 use super::watch::{follow_job, job_exit, watch_job};
 use crate::spec_input::{
     data_base_directory, job_spec_name, make_command_directory_absolute, make_data_paths_absolute,
     read_job_spec_text,
 };
-
-/// The job states, as `--state` spells them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum JobStateArgument {
-    Queued,
-    Placed,
-    Running,
-    Succeeded,
-    Failed,
-    Cancelled,
-}
-
-impl From<JobStateArgument> for v1::JobState {
-    fn from(state: JobStateArgument) -> Self {
-        match state {
-            JobStateArgument::Queued => v1::JobState::Queued,
-            JobStateArgument::Placed => v1::JobState::Placed,
-            JobStateArgument::Running => v1::JobState::Running,
-            JobStateArgument::Succeeded => v1::JobState::Succeeded,
-            JobStateArgument::Failed => v1::JobState::Failed,
-            JobStateArgument::Cancelled => v1::JobState::Cancelled,
-        }
-    }
-}
 
 #[derive(Debug, clap::Args)]
 pub struct SubmitArguments {
@@ -77,31 +54,11 @@ pub struct SubmitArguments {
 }
 
 #[derive(Debug, clap::Args)]
-pub struct JobsArguments {
-    /// Only jobs in these states (comma-separated or repeated).
-    #[arg(long, value_enum, value_delimiter = ',')]
-    state: Vec<JobStateArgument>,
-    /// Only jobs whose name starts with this.
-    #[arg(long, value_name = "PREFIX")]
-    name_prefix: Option<String>,
-    /// Only this tenant's jobs (admins; others may name only their own tenant).
-    #[arg(long)]
-    tenant: Option<String>,
-    /// The most jobs to list, newest first; 0 lists every one.
-    #[arg(long, default_value_t = 200)]
-    limit: u32,
-    /// Output format: `table` fits 100 columns, `wide` adds the priority, config,
-    /// attempts and submit time and cuts nothing.
-    #[arg(short = 'o', long, value_enum, default_value_t = ListFormat::Table)]
-    output: ListFormat,
-    #[command(flatten)]
-    connection: ConnectionOptions,
-}
-
-#[derive(Debug, clap::Args)]
 pub struct GetArguments {
-    /// The jobs: each an id, a unique prefix of one, or a job's name. With several, each
-    /// is shown (json and yaml: a list) and the exit code is the first failure's.
+    /// The jobs: each an id (`job-` may be left off), a unique prefix of one, its short
+    /// id (its last hex digits, at least four, as `carve jobs` shows them), or a job's
+    /// name (of several, the one still going). With several, each is shown (json and
+    /// yaml: a list) and the exit code is the first failure's.
     #[arg(required = true, value_name = "JOB")]
     jobs: Vec<String>,
     /// Output format.
@@ -113,9 +70,10 @@ pub struct GetArguments {
 
 #[derive(Debug, clap::Args)]
 pub struct CancelArguments {
-    /// The jobs: each an id, a unique prefix of one, or a job's name. With several, each
-    /// is cancelled and reported (json and yaml: a list); the exit code is the first
-    /// failure's.
+    /// The jobs: each an id (`job-` may be left off), a unique prefix of one, its short
+    /// id (as `carve jobs` shows it), or a job's name (of several, the one still going).
+    /// With several, each is cancelled and reported (json and yaml: a list); the exit
+    /// code is the first failure's.
     #[arg(required = true, value_name = "JOB")]
     jobs: Vec<String>,
     /// Why, for the job's message and its watchers.
@@ -128,8 +86,9 @@ pub struct CancelArguments {
     connection: ConnectionOptions,
 }
 
-/// Reads the job file, applies the overrides and returns the spec as JSON.
-fn spec_json_from_file(arguments: &SubmitArguments) -> Result<String> {
+/// Reads the job file, applies the overrides and returns the file's text and the spec
+/// as JSON.
+fn spec_json_from_file(arguments: &SubmitArguments) -> Result<(String, String)> {
     let spec_name = job_spec_name(&arguments.file);
     let text = read_job_spec_text(&arguments.file)
         .with_context(|| format!("cannot read the job file {spec_name}"))?;
@@ -149,11 +108,11 @@ fn spec_json_from_file(arguments: &SubmitArguments) -> Result<String> {
     // What --set wrote is relative to where the command runs.
     make_data_paths_absolute(&mut document, Path::new(".")).map_err(invalid)?;
     let json = toml_to_json(&toml::Value::Table(document), "").map_err(invalid)?;
-    Ok(json.to_string())
+    Ok((text, json.to_string()))
 }
 
 pub async fn submit(arguments: SubmitArguments) -> Result<ExitCode> {
-    let spec_json = spec_json_from_file(&arguments)?;
+    let (text, spec_json) = spec_json_from_file(&arguments)?;
     let connection = Connection::open(&arguments.connection).await?;
     let action = format!("cannot submit {}", arguments.file.display());
     let request = v1::SubmitJobRequest {
@@ -174,7 +133,10 @@ pub async fn submit(arguments: SubmitArguments) -> Result<ExitCode> {
     } else {
         connection.retrying(submit).await
     }
-    .map_err(|status| connection.failure(&status, &action))?;
+    .map_err(|status| {
+        let status = spec_error_in_file(&status, &text, &arguments.overrides);
+        connection.failure(&status, &action)
+    })?;
     // Named as `carve estimate` and `carve run` name them; the job was admitted anyway.
     let spec_name = job_spec_name(&arguments.file);
     for warning in &response.warnings {
@@ -288,144 +250,6 @@ fn print_submitted(job: &v1::Job, created: bool) {
     if !job.waiting_reason.is_empty() {
         println!("  waiting:   {}", job.waiting_reason);
     }
-}
-
-pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
-    let connection = Connection::open(&arguments.connection).await?;
-    let states: Vec<i32> = arguments
-        .state
-        .iter()
-        .map(|state| v1::JobState::from(*state) as i32)
-        .collect();
-    let mut jobs = Vec::new();
-    let mut page_token = String::new();
-    // A page may hold fewer jobs than asked (the scheduler also bounds a page in bytes,
-    // so that it fits what this client decodes): the token, not the count, says whether
-    // more are left.
-    loop {
-        let wanted = match arguments.limit {
-            0 => 1000,
-            limit => (limit as usize).saturating_sub(jobs.len()).min(1000) as u32,
-        };
-        let request = v1::ListJobsRequest {
-            states: states.clone(),
-            name_prefix: arguments.name_prefix.clone().unwrap_or_default(),
-            tenant: arguments.tenant.clone().unwrap_or_default(),
-            page_size: wanted,
-            page_token: page_token.clone(),
-        };
-        let page = connection
-            .retrying(|connection| {
-                let request = request.clone();
-                async move { connection.jobs().list_jobs(request).await }
-            })
-            .await
-            .map_err(|status| connection.failure(&status, "cannot list jobs"))?;
-        jobs.extend(page.jobs);
-        page_token = page.next_page_token;
-        let full = arguments.limit != 0 && jobs.len() >= arguments.limit as usize;
-        if page_token.is_empty() || full {
-            break;
-        }
-    }
-    if arguments.limit != 0 {
-        jobs.truncate(arguments.limit as usize);
-    }
-    if let Some(format) = arguments.output.document() {
-        let list = v1::ListJobsResponse {
-            jobs,
-            next_page_token: String::new(),
-        };
-        return print_message(&list, "carve.v1.ListJobsResponse", format)
-            .map(|()| ExitCode::SUCCESS);
-    }
-    if jobs.is_empty() {
-        println!("no jobs");
-        return Ok(ExitCode::SUCCESS);
-    }
-    let now = now_seconds();
-    let rows: Vec<[String; 11]> = jobs.iter().map(job_row_wide).collect();
-    let header = [
-        "ID",
-        "NAME",
-        "TENANT",
-        "STATE",
-        "LOSS",
-        "PRIORITY",
-        "CONFIG",
-        "ESTIMATE / PEAK",
-        "ATTEMPTS",
-        "SUBMITTED",
-        "WAITING / MESSAGE",
-    ];
-    if arguments.output == ListFormat::Wide {
-        print_wide_table(header, &rows);
-        return Ok(ExitCode::SUCCESS);
-    }
-    // The default table: the wide one's id, name, state, loss and memory, the age and the
-    // waiting reason, which fit 100 columns beside a whole id.
-    let rows: Vec<[String; 7]> = jobs
-        .iter()
-        .zip(rows)
-        .map(|(job, [id, name, _, state, loss, _, _, memory, _, _, _])| {
-            [
-                id,
-                name,
-                state,
-                loss,
-                memory,
-                age_text(job.created_at.as_ref(), now),
-                job.waiting_reason.clone(),
-            ]
-        })
-        .collect();
-    print_table(
-        [
-            "ID",
-            "NAME",
-            "STATE",
-            "LOSS",
-            "ESTIMATE / PEAK",
-            "AGE",
-            "WAITING",
-        ],
-        &rows,
-    );
-    Ok(ExitCode::SUCCESS)
-}
-
-/// A job's row of `carve jobs -o wide`; the default table takes some of its cells.
-fn job_row_wide(job: &v1::Job) -> [String; 11] {
-    let peak = job
-        .attempts
-        .iter()
-        .rev()
-        .find_map(|attempt| attempt.measured_peak_bytes);
-    let waiting_or_message = match (job.waiting_reason.is_empty(), job.message.is_empty()) {
-        (false, _) | (true, true) => job.waiting_reason.clone(),
-        (true, false) => job.message.clone(),
-    };
-    [
-        job.id.clone(),
-        job.name.clone(),
-        job.tenant.clone(),
-        job_state_name(job.state),
-        last_loss_text(job),
-        job.priority.to_string(),
-        config_text(job.current_config.as_ref()),
-        format!(
-            "{} / {}",
-            bytes_text(
-                job.estimate
-                    .as_ref()
-                    .map(|estimate| estimate.required_bytes)
-            ),
-            bytes_text(peak)
-        ),
-        job.attempts.len().to_string(),
-        timestamp_text(job.created_at.as_ref()),
-        waiting_or_message,
-    ]
 }
 
 pub async fn get(arguments: GetArguments) -> Result<ExitCode> {

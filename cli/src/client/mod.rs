@@ -13,11 +13,13 @@ pub mod connection;
 #[cfg(test)]
 mod failover_tests;
 pub mod failure;
+pub mod job_list;
 pub mod jobs;
 pub mod logs;
 pub mod memory_models;
 pub mod output;
 pub mod overrides;
+pub mod spec_errors;
 pub mod watch;
 
 use std::process::ExitCode;
@@ -31,7 +33,7 @@ pub enum ClientCommand {
     /// configuration (and the shrink it got at admission, if any); --watch follows it.
     Submit(jobs::SubmitArguments),
     /// Lists jobs (the caller's tenant; every tenant for admins), newest first.
-    Jobs(jobs::JobsArguments),
+    Jobs(job_list::JobsArguments),
     /// Shows jobs (each by id, unique id prefix or name): its state and why it waits, its
     /// estimate, every attempt with its config, slice, measured peak and outcome,
     /// out-of-memory numbers and shrinks.
@@ -78,7 +80,7 @@ pub fn run(command: ClientCommand, cli: impl FnOnce() -> clap::Command) -> Resul
     runtime.block_on(async move {
         match command {
             ClientCommand::Submit(arguments) => jobs::submit(arguments).await,
-            ClientCommand::Jobs(arguments) => jobs::list(arguments).await,
+            ClientCommand::Jobs(arguments) => job_list::list(arguments).await,
             ClientCommand::Get(arguments) => jobs::get(arguments).await,
             ClientCommand::Watch(arguments) => watch::watch(arguments).await,
             ClientCommand::Logs(arguments) => logs::logs(arguments).await,

@@ -33,6 +33,20 @@ pub struct SpecOverride {
     value: toml::Value,
 }
 
+impl SpecOverride {
+    /// The key as it was typed.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Whether this override wrote `field` (a field path as the scheduler names one,
+    /// without `spec.`): the key is the field or a table or entry around it. A field
+    /// that is no path (`parse_key` refuses it) is not covered.
+    pub fn covers(&self, field: &str) -> bool {
+        parse_key(field).is_ok_and(|field| field.starts_with(&self.path))
+    }
+}
+
 /// Parses `KEY=VALUE` (clap's value parser for `--set`).
 pub fn parse_override(text: &str) -> Result<SpecOverride, String> {
     let (key, value) = text
@@ -299,6 +313,18 @@ mod tests {
                 .unwrap_err()
                 .contains("not an array index")
         );
+    }
+
+    #[test]
+    fn an_override_covers_the_field_it_sets_and_the_fields_inside_it() {
+        let layer = parse_override("model.layers[0]={ relu = {} }").unwrap();
+        assert_eq!(layer.key(), "model.layers[0]");
+        assert!(layer.covers("model.layers[0]"));
+        assert!(layer.covers("model.layers[0].relu"));
+        assert!(!layer.covers("model.layers[1].relu"));
+        assert!(!layer.covers("model.layers"));
+        assert!(!layer.covers("model"));
+        assert!(!layer.covers(""));
     }
 
     #[test]
