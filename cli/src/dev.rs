@@ -184,6 +184,8 @@ async fn run_cluster(
     let data_dir = data_dir
         .canonicalize()
         .with_context(|| format!("cannot resolve {}", data_dir.display()))?;
+    // Held until this function returns (or the process ends, however it ends).
+    let _lock = lock_data_dir(&data_dir)?;
     let listener = tokio::net::TcpListener::bind(arguments.listen)
         .await
         .with_context(|| format!("cannot listen on {}", arguments.listen))?;
@@ -236,6 +238,53 @@ async fn run_cluster(
     stopped?;
     println!("stopped");
     Ok(code)
+}
+
+/// The file in a data directory that a running `carve dev` holds locked, with its
+/// process id in it.
+const DATA_DIR_LOCK_FILE: &str = "carve-dev.lock";
+
+/// Takes the lock on `data_dir` that says a `carve dev` uses it: a second one on the same
+/// directory would start a scheduler the first one's SQLite lock refuses, and fail far
+/// from the reason. The lock is the kernel's (`flock`), so it goes when the process
+/// does, even killed; the process id in the file is only for the message.
+fn lock_data_dir(data_dir: &Path) -> Result<std::fs::File> {
+    use std::io::{Read as _, Seek as _, Write as _};
+    let path = data_dir.join(DATA_DIR_LOCK_FILE);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::WOULDBLOCK) => {
+            let mut holder = String::new();
+            // Written right after the lock was taken: empty only in that instant.
+            let _ = file.read_to_string(&mut holder);
+            let holder = holder.trim();
+            let holder = if holder.is_empty() {
+                String::new()
+            } else {
+                format!(" (pid {holder})")
+            };
+            bail!(
+                "the data directory {} is in use by another carve dev{holder}; stop that one, \
+                 or give this one another --data-dir",
+                data_dir.display()
+            );
+        }
+        Err(error) => {
+            return Err(error).with_context(|| format!("cannot lock {}", path.display()));
+        }
+    }
+    file.set_len(0)
+        .and_then(|()| file.rewind())
+        .and_then(|()| writeln!(file, "{}", std::process::id()))
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(file)
 }
 
 fn start_scheduler(
@@ -527,4 +576,30 @@ fn print_summary(jobs: &[v1::Job]) {
     println!();
     print_wide_table(header, &rows);
     println!();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_data_directory_in_use_is_refused_naming_the_process_until_it_is_let_go() {
+        let directory = tempfile::tempdir().unwrap();
+        let held = lock_data_dir(directory.path()).unwrap();
+        let refused = lock_data_dir(directory.path()).unwrap_err().to_string();
+        assert_eq!(
+            refused,
+            format!(
+                "the data directory {} is in use by another carve dev (pid {}); stop that \
+                 one, or give this one another --data-dir",
+                directory.path().display(),
+                std::process::id()
+            )
+        );
+        drop(held);
+        // Let go (as when that process ends): the next one takes it, and says so in it.
+        let _taken = lock_data_dir(directory.path()).unwrap();
+        let written = std::fs::read_to_string(directory.path().join(DATA_DIR_LOCK_FILE)).unwrap();
+        assert_eq!(written, format!("{}\n", std::process::id()));
+    }
 }
