@@ -59,11 +59,14 @@ impl Services {
 /// A job as the API shows it: its record, attempts, memory model and progress.
 fn view_message(view: &JobView) -> Result<v1::Job, Status> {
     let mut message = job_to_proto(&view.job, &view.attempts)?;
-    message.memory_model = view.memory_model.as_ref().map(|known| v1::CommandMemoryModel {
-        basis: known.basis.clone(),
-        measured: known.learned.measured,
-        ..known.model().into()
-    });
+    message.memory_model = view
+        .memory_model
+        .as_ref()
+        .map(|known| v1::CommandMemoryModel {
+            basis: known.basis.clone(),
+            measured: known.learned.measured,
+            ..known.model().into()
+        });
     if let Some((attempt_number, progress)) = &view.progress {
         attach_progress(&mut message, *attempt_number, progress);
     }
