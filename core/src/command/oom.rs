@@ -198,8 +198,10 @@ pub struct CommandExit<'a> {
     pub guard_refusal: Option<OutOfMemory>,
     /// The last lines of stderr (the worker keeps a bounded tail).
     pub stderr_tail: &'a [String],
-    /// The slice's size and the account's peak, for an OOM report built from a
-    /// framework message that lacks numbers.
+    /// The slice's size and the run's peak (the guard's account, or where it counted
+    /// nothing the program's own report: `memory_model::learning::run_peak_bytes`), for
+    /// an OOM report built from a framework message whose numbers are missing or above
+    /// the slice.
     pub slice_bytes: u64,
     pub peak_bytes: u64,
     /// The container's host memory limit, when its memory reached it (the kernel's OOM
@@ -269,7 +271,8 @@ pub fn classify_command_exit(exit: &CommandExit<'_>) -> CommandRunEnd {
 /// it never becomes the peak or the need the retry is planned from. Numbers missing or
 /// dropped come from the account: in use is its peak; the request is what was left of
 /// the slice (the run needed at least the whole slice). The evidence says which numbers
-/// were dropped.
+/// were dropped. The peak itself is kept within the slice: where the guard counted
+/// nothing it is the program's own report, which may be anything.
 pub fn framework_report(
     oom: &FrameworkOom,
     slice_bytes: u64,
@@ -301,7 +304,9 @@ pub fn framework_report(
         in_use,
         limit: slice_bytes,
         largest_free: slice_bytes.saturating_sub(in_use),
-        peak: peak_bytes.max(in_use),
+        // The peak may be the program's own report (a simulated GPU, where the guard
+        // counts nothing): above the slice, it is not this attempt's either.
+        peak: peak_bytes.min(slice_bytes).max(in_use),
     };
     let evidence = if dropped.is_empty() {
         oom.line.clone()

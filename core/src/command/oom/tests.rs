@@ -460,6 +460,9 @@ fn numbers_above_the_slice_are_the_whole_gpus_not_this_attempts() {
         panic!("expected an OOM");
     };
     assert_eq!((report.in_use, report.requested), (2 * GIB, 2 * GIB));
+    // Nor as the peak: where the guard counted nothing, the peak is the program's own
+    // report, and a program may report anything.
+    assert_eq!(report.peak, 2 * GIB);
 }
 
 /// Where the error a program ended with starts: only its lines can make an OOM.
