@@ -25,7 +25,7 @@ use crate::store::{
     AttemptRecord, JobRecord, TenantRecord, TokenRecord, config_to_json, estimate_to_json,
 };
 
-use super::{Scheduler, StateChange, now_ms, spec_error};
+use super::{LeaderRole, Scheduler, StateChange, now_ms, spec_error};
 
 /// How many distinct spec texts keep their analysis; specs are resubmitted verbatim
 /// (sweeps, retries, scripts), and a miss only costs one validation and estimate.
@@ -106,8 +106,21 @@ pub(super) fn largest_usable_gpu(gpus: &[GpuState]) -> Option<u64> {
 /// The waiting reason a new job is stored with, in its own submit group: when no GPU is
 /// schedulable, every job of a known tenant waits for that reason (what `solve` says
 /// first, whatever the queue), so the pass has nothing to write for it; otherwise the
-/// reason depends on the queue, and the pass writes it.
-fn waiting_reason_at_submit(gpus: &[GpuState]) -> String {
+/// reason depends on the queue, and the pass writes it. A standby knows no worker (only
+/// the leader has sessions): its answer says the job waits for the leader's next pass,
+/// whose reason replaces it.
+fn waiting_reason_at_submit(gpus: &[GpuState], role: &LeaderRole) -> String {
+    if let LeaderRole::Standby { leader_endpoint } = role {
+        return match leader_endpoint {
+            Some(endpoint) => format!(
+                "queued for the leader's next pass: submitted to a standby replica; the \
+                 leader, at {endpoint}, places it"
+            ),
+            None => "queued for the leader's next pass: submitted to a standby replica while \
+                     no leader is known; the next leader places it"
+                .to_string(),
+        };
+    }
     if gpus.iter().any(|gpu| gpu.schedulable) {
         String::new()
     } else {
@@ -430,7 +443,7 @@ impl Scheduler {
                 None => analysed.estimate_json.clone(),
             },
             required_bytes: slice_bytes as i64,
-            waiting_reason: waiting_reason_at_submit(&gpus),
+            waiting_reason: waiting_reason_at_submit(&gpus, &self.leader_role()),
             message: String::new(),
             created_at_ms: now,
             finished_at_ms: None,
