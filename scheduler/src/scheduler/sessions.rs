@@ -70,7 +70,7 @@ impl Scheduler {
         let same_node = if known || !request.previous_worker_id.is_empty() {
             None
         } else {
-            self.same_node_worker(&request.hostname, &caller.token_id)
+            self.same_node_worker(&request.hostname, &request.gpus, caller)
                 .await?
         };
         let worker_id = if known {
@@ -119,29 +119,56 @@ impl Scheduler {
         })
     }
 
-    /// The worker a fresh process (no previous id) on node `hostname` with the token
-    /// `token_id` is: the most recently heard-from worker of that node registered with
-    /// the same token that holds no session (one that does is another process, running
-    /// now), so a restarted worker keeps its identity instead of leaving a lost one.
+    /// The worker a fresh process (no previous id) on node `hostname` offering `gpus` is,
+    /// among the workers that hold no session (one that does is another process, running
+    /// now), so a restarted worker keeps its identity instead of leaving a lost one:
+    /// the most recently heard-from worker of that node registered with the caller's
+    /// token; else, for a worker started again with a new token (`carve dev` makes one at
+    /// every start; operators rotate them), one of that node that offered one of the same
+    /// GPUs (a GPU is served by one worker at a time) and was registered with a token of
+    /// the caller's tenant. Another tenant's token never takes a worker over: it gets a
+    /// worker of its own and the other stays as it was.
     async fn same_node_worker(
         &self,
         hostname: &str,
-        token_id: &str,
+        gpus: &[Gpu],
+        caller: &Caller,
     ) -> Result<Option<String>, SchedulerError> {
         let mut candidates: Vec<WorkerRecord> = self
             .store
             .list_workers()
             .await?
             .into_iter()
-            .filter(|worker| worker.hostname == hostname && worker.token_id == token_id)
+            .filter(|worker| worker.hostname == hostname)
             .collect();
         candidates.sort_by_key(|worker| std::cmp::Reverse(worker.last_heartbeat_ms));
-        let live = self.live();
-        Ok(candidates.into_iter().map(|worker| worker.id).find(|id| {
-            live.workers
-                .get(id)
-                .is_none_or(|worker| worker.session.is_none())
-        }))
+        candidates.retain(|worker| {
+            self.live()
+                .workers
+                .get(&worker.id)
+                .is_none_or(|live| live.session.is_none())
+        });
+        if let Some(same_token) = candidates
+            .iter()
+            .find(|worker| worker.token_id == caller.token_id)
+        {
+            return Ok(Some(same_token.id.clone()));
+        }
+        for worker in candidates {
+            let shares_a_gpu = gpus_from_column(&worker)?
+                .iter()
+                .any(|offered| gpus.iter().any(|gpu| gpu.uuid == offered.uuid));
+            if !shares_a_gpu || worker.token_id.is_empty() {
+                continue;
+            }
+            // A token since deleted names no tenant: its worker is not taken over.
+            match self.store.get_token(&worker.token_id).await {
+                Ok(token) if token.tenant == caller.tenant => return Ok(Some(worker.id)),
+                Ok(_) | Err(SchedulerError::Api(ApiError::NotFound { .. })) => {}
+                Err(other) => return Err(other),
+            }
+        }
+        Ok(None)
     }
 
     /// Ends, as interrupted, the attempts the scheduler counts as running on `worker_id`:
