@@ -437,6 +437,18 @@ mod tests {
     }
 
     #[test]
+    fn the_slice_floor_comes_from_the_flag_then_the_file_then_256_mib() {
+        let defaults = resolve(GivenSettings::default(), GivenSettings::default(), None).unwrap();
+        assert_eq!(defaults.scheduler.min_slice_bytes, 256 << 20);
+        let file: GivenSettings = toml::from_str("min_slice_mib = 512").unwrap();
+        let from_file = resolve(GivenSettings::default(), file.clone(), None).unwrap();
+        assert_eq!(from_file.scheduler.min_slice_bytes, 512 << 20);
+        let flags = parse(&["--min-slice-mib", "0"]).unwrap();
+        let from_flag = resolve(flags.given, file, None).unwrap();
+        assert_eq!(from_flag.scheduler.min_slice_bytes, 0);
+    }
+
+    #[test]
     fn preemption_settings_come_from_flags_then_the_file_then_the_defaults() {
         let defaults = resolve(GivenSettings::default(), GivenSettings::default(), None).unwrap();
         assert_eq!(
