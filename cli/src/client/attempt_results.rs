@@ -48,6 +48,27 @@ pub fn metrics_text(metrics: &[v1::Metric]) -> String {
         .join(", ")
 }
 
+/// The results of a job's last attempt that reported any, for `carve jobs -o wide`:
+/// `accuracy 93.10%, val_loss 0.4100`; `-` when none did.
+pub fn last_results_text(job: &v1::Job) -> String {
+    let Some(attempt) = job
+        .attempts
+        .iter()
+        .rev()
+        .find(|attempt| attempt.test_accuracy.is_some() || !attempt.metrics.is_empty())
+    else {
+        return "-".into();
+    };
+    let mut parts = Vec::new();
+    if let Some(accuracy) = attempt.test_accuracy {
+        parts.push(format!("accuracy {:.2}%", accuracy * 100.0));
+    }
+    if !attempt.metrics.is_empty() {
+        parts.push(metrics_text(&attempt.metrics));
+    }
+    parts.join(", ")
+}
+
 /// One row of the results table.
 fn results_row(attempt: &v1::Attempt, now: &prost_types::Timestamp) -> [String; 8] {
     let progress = attempt.progress.as_ref().filter(|_| is_running(attempt));
@@ -252,6 +273,11 @@ mod tests {
         );
         assert_eq!(last_loss_text(&job), "0.2500");
         assert_eq!(metrics_text(&[]), "-");
+        assert_eq!(
+            last_results_text(&job),
+            "accuracy 93.10%, val_loss 0.4100, top5 0.9900"
+        );
+        assert_eq!(last_results_text(&v1::Job::default()), "-");
     }
 
     #[test]

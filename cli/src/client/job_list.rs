@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use carve_proto::v1;
 
-use super::attempt_results::last_loss_text;
+use super::attempt_results::{last_loss_text, last_results_text};
 use super::connection::{Connection, ConnectionOptions};
 use super::output::{
     ListFormat, age_text, bytes_text, config_text, job_state_name, now_seconds, print_message,
@@ -124,7 +124,7 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
     }
     let now = now_seconds();
     let short_ids = short_ids(&jobs);
-    let rows: Vec<[String; 12]> = jobs
+    let rows: Vec<[String; 13]> = jobs
         .iter()
         .zip(short_ids)
         .map(|(job, short_id)| job_row_wide(job, short_id))
@@ -136,6 +136,7 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
         "TENANT",
         "STATE",
         "LOSS",
+        "RESULTS",
         "PRIORITY",
         "CONFIG",
         "ESTIMATE / PEAK",
@@ -153,7 +154,7 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
         .iter()
         .zip(rows)
         .map(
-            |(job, [id, short_id, name, _, state, loss, _, _, memory, _, _, _])| {
+            |(job, [id, short_id, name, _, state, loss, _, _, _, memory, _, _, _])| {
                 [
                     id,
                     short_id,
@@ -184,7 +185,7 @@ pub async fn list(arguments: JobsArguments) -> Result<ExitCode> {
 }
 
 /// A job's row of `carve jobs -o wide`; the default table takes some of its cells.
-fn job_row_wide(job: &v1::Job, short_id: String) -> [String; 12] {
+fn job_row_wide(job: &v1::Job, short_id: String) -> [String; 13] {
     let peak = job
         .attempts
         .iter()
@@ -201,6 +202,7 @@ fn job_row_wide(job: &v1::Job, short_id: String) -> [String; 12] {
         job.tenant.clone(),
         job_state_name(job.state),
         last_loss_text(job),
+        last_results_text(job),
         job.priority.to_string(),
         config_text(job.current_config.as_ref()),
         format!(
