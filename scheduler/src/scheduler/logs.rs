@@ -286,8 +286,8 @@ impl Scheduler {
 /// The job log line an event makes, if any: a worker's line under its attempt number, or
 /// one of the scheduler's notes (attempt 0) telling the job's story — state changes with
 /// their reasons, out-of-memory reports, shrink decisions and where attempts run. A
-/// progress report is a line of its attempt: attempts report every few seconds, and the
-/// newest lines a job keeps are bounded.
+/// progress report is a line of its attempt: [`Scheduler::emit`] lets at most one a
+/// second per job through, and the newest lines a job keeps are bounded.
 fn log_line_for_event(
     job_id: &str,
     time_ms: i64,
