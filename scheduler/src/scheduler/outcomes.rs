@@ -268,10 +268,15 @@ impl Scheduler {
             }
         };
         let now = now_ms();
+        // Read, not taken: the book (and the store) forget the eviction only once the
+        // end is stored, so a report that fails here and comes again is still read as
+        // preempted.
         let eviction = self
             .live()
             .preemption
-            .take_eviction(&attempt.job_id, attempt.attempt_number);
+            .eviction(&attempt.job_id)
+            .filter(|eviction| eviction.attempt_number == attempt.attempt_number)
+            .cloned();
         // A victim that stopped when told (or was killed after the grace) was preempted;
         // one that ended on its own first ends as it says.
         let (outcome, message) = match (&eviction, outcome) {
@@ -345,12 +350,10 @@ impl Scheduler {
             }
         };
         let change = self.end_attempt_with_job(&end, &mut job, event).await?;
-        if eviction.is_some() {
-            // After the end is stored: a scheduler that stops in between still reads
-            // this victim's report as preempted, and drops the stale row at recovery.
-            self.forget_stored_eviction(&attempt.job_id, attempt.attempt_number)
-                .await;
-        }
+        // After the end is stored: a scheduler that stops in between still reads this
+        // victim's report as preempted, and drops the stale row at recovery.
+        self.end_eviction(&attempt.job_id, attempt.attempt_number)
+            .await;
         self.log_results(&attempt.job_id, attempt.attempt_number, &results);
         self.live().running.remove(&attempt.job_id);
         if let Some(change) = change {

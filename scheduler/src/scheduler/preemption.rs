@@ -352,10 +352,21 @@ impl Scheduler {
         Ok(evicted)
     }
 
-    /// Removes the stored eviction of a victim whose end was stored. A failure is only
-    /// logged: the row is stale (its attempt ended), and the next recovery drops it.
-    pub(super) async fn forget_stored_eviction(&self, job_id: &str, attempt_number: u32) {
-        self.live().preemption.unsent_cancels.remove(job_id);
+    /// The end of attempt `attempt_number` of `job_id` was stored: the book forgets the
+    /// job's eviction (a stale one of another attempt too; see `take_eviction`) and,
+    /// when it was this attempt's, so does the store. A failure to remove the row is only
+    /// logged: the row is stale (its attempt ended), and the first pass after the next
+    /// recovery drops it.
+    pub(super) async fn end_eviction(&self, job_id: &str, attempt_number: u32) {
+        let eviction = {
+            let mut live = self.live();
+            live.preemption.unsent_cancels.remove(job_id);
+            live.preemption
+                .take_eviction(&job_id.to_string(), attempt_number)
+        };
+        if eviction.is_none() {
+            return;
+        }
         let eviction = [(job_id.to_string(), i64::from(attempt_number))];
         if let Err(error) = self.store.forget_preemptions(&[], &eviction).await {
             tracing::warn!(job = %job_id, %error, "could not remove a preemption's stored eviction");
