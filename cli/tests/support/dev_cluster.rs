@@ -38,9 +38,20 @@ pub struct DevCluster {
 impl DevCluster {
     pub fn start() -> DevCluster {
         let data = tempfile::tempdir().unwrap();
+        let data_dir = data.path().to_path_buf();
+        Self::start_at(&data_dir, data)
+    }
+
+    /// A `carve dev` on `data_dir`, which the caller keeps (to start another on it).
+    pub fn start_on(data_dir: &Path) -> DevCluster {
+        Self::start_at(data_dir, tempfile::tempdir().unwrap())
+    }
+
+    /// A `carve dev` on `data_dir`; `data` is removed when the cluster drops.
+    fn start_at(data_dir: &Path, data: tempfile::TempDir) -> DevCluster {
         let mut child = Command::new(carve_binary())
             .args(["dev", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(data.path())
+            .arg(data_dir)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
