@@ -302,6 +302,11 @@ async fn a_profile_that_measured_nothing_is_unmeasured_never_a_zero_byte_slice()
         logs.lines
     );
 
+    // A job of the same command that declares its size is sized as declared, not by
+    // the fallback (which could not shrink into 3 GiB and would refuse it).
+    let declared = submitted(&channel, &user, &command_job("declared", "3GiB")).await;
+    assert_eq!(declared.estimate.unwrap().required_bytes, 3 * GIB);
+
     // The first real measurement replaces the fallback; the next job of the command is
     // sized by it, not profiled again.
     worker.started(&training).await;
@@ -315,6 +320,12 @@ async fn a_profile_that_measured_nothing_is_unmeasured_never_a_zero_byte_slice()
     assert!(model.measured);
     assert_eq!(model.fixed_bytes, 900 * MIB);
     assert!(model.basis.contains("measured by"), "{}", model.basis);
+    let declared_placed = worker.next_assignment().await;
+    assert_eq!(
+        declared_placed.attempt.as_ref().unwrap().job_id,
+        declared.id
+    );
+    assert_eq!(declared_placed.slice_bytes, 3 * GIB);
     let again = submitted(&channel, &user, &command_job("again", "auto")).await;
     let placed = worker.next_assignment().await;
     assert_eq!(placed.attempt.as_ref().unwrap().job_id, again.id);

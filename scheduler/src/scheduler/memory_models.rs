@@ -11,6 +11,7 @@ use carve_core::command::memory_model::learning::{LearnedModel, Refinement, refi
 use carve_core::command::spec::CommandSpec;
 use carve_core::command::validate::ValidatedCommandJob;
 use carve_core::plan::RunConfig;
+use carve_core::spec::VramRequest;
 use carve_core::workload::{JobKind, Workload};
 use sha2::{Digest, Sha256};
 
@@ -130,19 +131,23 @@ impl Scheduler {
     /// What has been measured of a workload's memory: for a command job of `tenant`, the
     /// memory model `tenant`'s runs of its command left (`None` before one); `None` for
     /// a model job, which the estimator sizes. What `Workload`'s methods take as
-    /// `measured`.
+    /// `measured`. An unmeasured fallback (a profile that measured nothing) sizes only
+    /// `vram = "auto"` jobs, which it spares a profile that would measure nothing again:
+    /// a job that declares its size is sized as declared, not by a guess.
     pub(super) async fn measured_memory_model(
         &self,
         tenant: &str,
         workload: &Workload,
     ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
-        match workload.as_command() {
-            Some(command) => Ok(self
-                .command_memory_model(tenant, &command_shape_key(command))
-                .await?
-                .map(|known| known.model())),
-            None => Ok(None),
-        }
+        let Some(command) = workload.as_command() else {
+            return Ok(None);
+        };
+        let declared = command.spec.resources.vram != VramRequest::Auto;
+        Ok(self
+            .command_memory_model(tenant, &command_shape_key(command))
+            .await?
+            .filter(|known| known.learned.measured || !declared)
+            .map(|known| known.model()))
     }
 
     /// `tenant`'s memory model of a command shape, if one was learned.
