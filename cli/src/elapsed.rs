@@ -43,31 +43,24 @@ pub fn timing_text(first_step: u64, step: u64, total_steps: u64, elapsed: Durati
     text
 }
 
-/// The timing of a progress report: its worker's own time left when it sent one (the
-/// pace since the first reported step, start-up not counted: `carve_core::step_rate`).
-/// A command job's worker sends none before it knows a pace, and then no ETA is shown;
-/// for a model job's trainer, which sends none, [`timing_text`]'s estimate from the
-/// attempt's start.
+/// The timing of a progress report: the elapsed time, and the time left its worker sent
+/// (the pace of the steps since the first one reported, start-up not counted:
+/// `carve_core::step_rate`). A worker sends none before it knows a pace, and then no ETA
+/// is shown (an estimate from the attempt's start would count the start-up: "ETA 57s"
+/// at step 1 of a 12 s run).
 pub fn progress_timing_text(
-    first_step: u64,
     progress: &carve_proto::v1::TrainingProgress,
     elapsed: Duration,
-    command_job: bool,
 ) -> String {
-    match progress
-        .seconds_left
-        .and_then(|seconds| Duration::try_from_secs_f64(seconds).ok())
+    let mut text = format!("elapsed {}", duration_text(elapsed));
+    if progress.step < progress.total_steps
+        && let Some(left) = progress
+            .seconds_left
+            .and_then(|seconds| Duration::try_from_secs_f64(seconds).ok())
     {
-        Some(left) if progress.step < progress.total_steps => format!(
-            "elapsed {}, ETA {}",
-            duration_text(elapsed),
-            duration_text(left)
-        ),
-        // The worker measures the pace: no time left from it means no pace yet.
-        Some(_) => format!("elapsed {}", duration_text(elapsed)),
-        None if command_job => format!("elapsed {}", duration_text(elapsed)),
-        None => timing_text(first_step, progress.step, progress.total_steps, elapsed),
+        text.push_str(&format!(", ETA {}", duration_text(left)));
     }
+    text
 }
 
 /// The time from `start` to `end` (seconds and nanoseconds since the Unix epoch), never
@@ -125,25 +118,22 @@ mod tests {
             seconds_left: Some(5.5),
             ..Default::default()
         };
-        // 6 s of start-up before step 1: the estimate from the start says 1m06s.
+        // 6 s of start-up before step 1: an estimate from the start would say 1m06s.
         let elapsed = Duration::from_secs(6);
         assert_eq!(
-            progress_timing_text(0, &progress, elapsed, true),
+            progress_timing_text(&progress, elapsed),
             "elapsed 6s, ETA 5s"
         );
         let no_pace_yet = carve_proto::v1::TrainingProgress {
             seconds_left: None,
             ..progress
         };
-        assert_eq!(
-            progress_timing_text(0, &no_pace_yet, elapsed, true),
-            "elapsed 6s"
-        );
-        // A model job's trainer sends no time left: the estimate from the start.
-        assert_eq!(
-            progress_timing_text(0, &no_pace_yet, elapsed, false),
-            "elapsed 6s, ETA 1m06s"
-        );
+        assert_eq!(progress_timing_text(&no_pace_yet, elapsed), "elapsed 6s");
+        let done = carve_proto::v1::TrainingProgress {
+            step: 12,
+            ..progress
+        };
+        assert_eq!(progress_timing_text(&done, elapsed), "elapsed 6s");
     }
 
     #[test]

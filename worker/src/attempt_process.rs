@@ -315,6 +315,9 @@ pub async fn watch_attempt_process(
     let mut final_line: Option<ChildLine> = None;
     let mut measured_peak_bytes = 0u64;
     let mut steps_reported: Option<u64> = None;
+    // The time left from the pace of the steps after the first one reported.
+    let mut step_rate = carve_core::step_rate::StepRate::default();
+    let started = Instant::now();
     let mut stopper = ProcessStopper::new(process_id, container.clone());
     let uncontained = container.is_none();
     let send = |body: Body| {
@@ -337,6 +340,7 @@ pub async fn watch_attempt_process(
                                     ChildLine::Progress { memory_peak_bytes, step, .. } => {
                                         measured_peak_bytes = measured_peak_bytes.max(*memory_peak_bytes);
                                         steps_reported = steps_reported.max(Some(*step));
+                                        step_rate.observe(*step, started.elapsed());
                                     }
                                     // Written after its step: as far as the attempt got.
                                     ChildLine::Checkpoint { step, .. } => {
@@ -344,7 +348,16 @@ pub async fn watch_attempt_process(
                                     }
                                     _ => {}
                                 }
-                                if let Some(body) = report_for_line(&attempt, &line, uncontained) {
+                                if let Some(mut body) = report_for_line(&attempt, &line, uncontained) {
+                                    if let Body::Progress(v1::worker_message::Progress {
+                                        progress: Some(progress),
+                                        ..
+                                    }) = &mut body
+                                    {
+                                        progress.seconds_left = step_rate
+                                            .time_left(progress.total_steps)
+                                            .map(|left| left.as_secs_f64());
+                                    }
                                     send(body);
                                     if uncontained && matches!(line, ChildLine::Started { .. }) {
                                         send(uncontained_log_line(&attempt));

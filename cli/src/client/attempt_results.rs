@@ -26,14 +26,6 @@ fn elapsed_text(attempt: &v1::Attempt, now: &prost_types::Timestamp) -> String {
     duration_text(between(started, end))
 }
 
-/// The step an attempt started from: its resume checkpoint's, or 0.
-fn first_step(attempt: &v1::Attempt) -> u64 {
-    attempt
-        .resumed_from
-        .as_ref()
-        .map_or(0, |checkpoint| checkpoint.step)
-}
-
 /// The metrics a command job's program reported, `val_loss 0.4100, top5 0.9700`; `-`
 /// for none. Names and count are bounded where they are kept, and names hold no
 /// characters that could move a terminal's cursor.
@@ -153,12 +145,7 @@ pub fn progress_text(job: &v1::Job) -> Option<String> {
         progress.step,
         progress.total_steps,
         progress.loss,
-        progress_timing_text(
-            first_step(attempt),
-            progress,
-            elapsed,
-            !attempt.command_argv.is_empty()
-        )
+        progress_timing_text(progress, elapsed)
     ))
 }
 
@@ -229,6 +216,7 @@ mod tests {
                 total_steps: 500,
                 loss: 0.5,
                 samples_per_second: 64.0,
+                seconds_left: Some(195.0),
                 ..v1::TrainingProgress::default()
             }),
             ..started(1, v1::AttemptOutcome::Running)
@@ -241,7 +229,7 @@ mod tests {
             text.starts_with("attempt 1: step 120/500 (24%), loss 0.5000, elapsed "),
             "{text}"
         );
-        assert!(text.contains(", ETA "), "{text}");
+        assert!(text.ends_with(", ETA 3m15s"), "{text}");
     }
 
     #[test]

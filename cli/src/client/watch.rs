@@ -207,12 +207,9 @@ impl Display {
         let timing = running
             .and_then(|running| {
                 let started = running.started_at.as_ref()?;
-                let first_step = running.resumed_from.as_ref().map_or(0, |from| from.step);
                 Some(progress_timing_text(
-                    first_step,
                     progress,
                     between(started, &now_timestamp()),
-                    !running.command_argv.is_empty(),
                 ))
             })
             .map(|timing| format!("  {timing}"))
