@@ -14,13 +14,19 @@
 //! CANCELLED), the urgent job is placed in the freed bytes, the victim resumes from its
 //! checkpoint, and the second life evicts nobody (no second eviction for the same claim).
 //! A user's real cancel of the victim during the preemption, after a restart, still
-//! cancels it.
+//! cancels it. On PostgreSQL, a standby that takes over from the leader finishes the
+//! preemption the leader began, in the same way.
+
+#[macro_use]
+mod support;
 
 use std::time::Duration;
 
 use carve_proto::v1;
+use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_scheduler::error::SchedulerError;
 use carve_scheduler::server::run;
+use carve_scheduler::store::Store;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
@@ -62,6 +68,8 @@ impl Life {
         let mut config = test_config(database_url.to_string(), LEASE, Some(metrics_address));
         config.settings.preemption.min_run_time = Duration::ZERO;
         config.settings.preemption.grace_period = GRACE;
+        // Replicas on PostgreSQL: a standby polls for the lease every quarter of it.
+        config.settings.leader_lease = Duration::from_secs(2);
         let (shutdown, shutdown_signal) = oneshot::channel::<()>();
         let server = tokio::spawn(run(config, listener, async {
             let _ = shutdown_signal.await;
@@ -133,6 +141,11 @@ struct Evicting {
 async fn evicting() -> (FirstLife, Evicting) {
     let directory = tempfile::tempdir().unwrap();
     let database = sqlite_url(directory.path());
+    evicting_on(directory, database).await
+}
+
+/// [`evicting`] on `database` (`directory`: what to keep while the test runs).
+async fn evicting_on(directory: tempfile::TempDir, database: String) -> (FirstLife, Evicting) {
     let life = Life::start(&database).await;
     let channel = life.channel().await;
     let (user, worker_token) =
@@ -436,4 +449,61 @@ async fn a_users_cancel_of_the_victim_during_its_preemption_across_a_restart_can
         evicting.high.id
     );
     life.end_with(channel, worker).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_finishes_the_preemption_the_old_leader_began() {
+    let database = support::shared_postgres()
+        .create_database("preemption")
+        .await
+        .unwrap_or_else(|error| panic!("{error}"));
+    // The first replica leads (it found the lease free); the worker never acts on its
+    // cancel before it goes.
+    let (first, evicting) = evicting_on(tempfile::tempdir().unwrap(), database.clone()).await;
+    let standby = Life::start(&database).await;
+    let store = Store::open(&database).await.unwrap();
+    let epoch_before = store.leadership().await.unwrap().epoch;
+    first.life.end_with(first.channel, first.worker).await;
+
+    // The standby takes over (the stopping leader released its lease): it leads once it
+    // has recovered and serves what needs live state (a standby refuses slice views).
+    let channel = standby.channel().await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let slices = ClusterServiceClient::new(channel.clone())
+            .list_slices(test_worker::authorized(
+                v1::ListSlicesRequest::default(),
+                cluster::ADMIN,
+            ))
+            .await;
+        let leadership = store.leadership().await.unwrap();
+        if slices.is_ok() && leadership.epoch > epoch_before {
+            assert_eq!(leadership.endpoint, standby.address);
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the standby never took over: {leadership:?}, {slices:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let mut worker = TestWorker::reconnect(
+        &channel,
+        &evicting.worker_token,
+        "gpu-a",
+        evicting.gpu_bytes,
+        &evicting.worker_id,
+        vec![evicting.low_attempt.clone()],
+    )
+    .await;
+    expect_cancel(&mut worker, &evicting.low_attempt).await;
+    let report = worker
+        .finish(
+            &evicting.low_attempt,
+            v1::AttemptOutcome::Cancelled,
+            1 << 20,
+        )
+        .await;
+    preemption_completes(&standby, &channel, &mut worker, &evicting, report).await;
+    standby.end_with(channel, worker).await;
 }
