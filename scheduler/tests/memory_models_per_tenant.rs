@@ -334,6 +334,53 @@ async fn a_profile_that_measured_nothing_is_unmeasured_never_a_zero_byte_slice()
 }
 
 #[tokio::test]
+async fn an_out_of_memory_after_an_unmeasured_profile_is_read_per_sample_and_retried_smaller() {
+    let (_cluster, channel, user, _, mut worker) =
+        cluster::start_with_worker(Duration::from_secs(30), "alice").await;
+    let job = submitted(&channel, &user, &command_job("simulated", "auto")).await;
+    let profile = worker.next_assignment().await;
+    worker.started(&profile).await;
+    worker.finish_profile(&profile, 0, 0, [32, 64]).await;
+    let training = worker.next_assignment().await;
+    worker.started(&training).await;
+    // The program ran out (its framework said so): 10 GiB in use, 4 GiB more asked.
+    worker
+        .send(v1::worker_message::Body::Oom(
+            v1::worker_message::OomReport {
+                attempt: training.attempt.clone(),
+                report: Some(v1::OutOfMemoryReport {
+                    requested_bytes: 4 * GIB,
+                    in_use_bytes: 10 * GIB,
+                    limit_bytes: training.slice_bytes,
+                    largest_free_bytes: 0,
+                    peak_bytes: 10 * GIB,
+                }),
+                checkpoint: None,
+                detected_by: "pytorch".into(),
+                evidence: "torch.OutOfMemoryError: CUDA out of memory.".into(),
+            },
+        ))
+        .await;
+    // The fallback gives way to the out-of-memory, read all per sample: the retry keeps
+    // the global batch at a smaller micro-batch instead of failing as "nothing fits".
+    let retry = worker.next_assignment().await;
+    assert_eq!(retry.attempt.as_ref().unwrap().job_id, job.id);
+    let config = retry.config.unwrap();
+    assert_eq!(config.batch_size, 64);
+    assert!(config.micro_batch_size < 64, "{config:?}");
+    let model = get(&channel, &user, &job.id)
+        .await
+        .unwrap()
+        .memory_model
+        .unwrap();
+    assert!(model.measured, "{model:?}");
+    assert!(model.basis.contains("out-of-memory"), "{}", model.basis);
+    // All per sample, as an out-of-memory alone is read: 14 GiB at micro-batch 64.
+    assert_eq!(model.fixed_bytes, 0, "{model:?}");
+    assert_eq!(model.per_sample_bytes, 14 * GIB / 64, "{model:?}");
+}
+
+#[tokio::test]
 async fn no_slice_is_sized_below_the_floor_and_an_absurd_measurement_moves_nothing() {
     let (_cluster, channel, user, _, mut worker) =
         cluster::start_with_worker(Duration::from_secs(30), "alice").await;

@@ -7,7 +7,9 @@
 
 use carve_core::bytes::HumanBytes;
 use carve_core::command::memory_model::CommandMemoryModel;
-use carve_core::command::memory_model::learning::{LearnedModel, Refinement, refine_learned};
+use carve_core::command::memory_model::learning::{
+    LearnedModel, Measurement, Refinement, refine_learned,
+};
 use carve_core::command::spec::CommandSpec;
 use carve_core::command::validate::ValidatedCommandJob;
 use carve_core::plan::RunConfig;
@@ -180,13 +182,11 @@ impl Scheduler {
             .await
     }
 
-    /// Teaches `tenant`'s model of `job`'s command that a run with `config` needed
-    /// `needed_bytes` (a measured peak, or what an out-of-memory showed was needed;
-    /// `what` says which, for the model's basis), and returns the model as it now stands.
-    /// A shape with no model yet gets none: only a profile fits one. An outlier (0 B,
-    /// more than the largest GPU) changes nothing and is said in the job's log
-    /// (`job_id`, `attempt_number`).
-    #[allow(clippy::too_many_arguments)]
+    /// Teaches `tenant`'s model of `job`'s command what a run with `config` showed
+    /// (`measurement`: a measured peak, or what an out-of-memory showed was needed), and
+    /// returns the model as it now stands. A shape with no model yet gets none: only a
+    /// profile fits one. An outlier (0 B, more than the largest GPU) changes nothing and
+    /// is said in the job's log (`job_id`, `attempt_number`).
     pub(super) async fn refine_command_memory_model(
         &self,
         tenant: &str,
@@ -194,15 +194,15 @@ impl Scheduler {
         attempt_number: u32,
         job: &ValidatedCommandJob,
         config: &RunConfig,
-        needed_bytes: u64,
-        what: &str,
+        measurement: Measurement,
     ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
         let shape_key = command_shape_key(job);
         let Some(known) = self.command_memory_model(tenant, &shape_key).await? else {
             return Ok(None);
         };
         let largest = largest_usable_gpu(&self.gpu_states());
-        match refine_learned(&known.learned, config, needed_bytes, largest) {
+        let what = measurement.describe();
+        match refine_learned(&known.learned, config, measurement, largest) {
             Refinement::Unchanged => Ok(Some(known.model())),
             Refinement::Changed(learned) => {
                 let change = format!(
@@ -212,7 +212,7 @@ impl Scheduler {
                     } else {
                         "measured"
                     },
-                    HumanBytes(needed_bytes),
+                    HumanBytes(measurement.bytes()),
                     config.micro_batch_size
                 );
                 let basis = basis_after(&known.basis, &change);

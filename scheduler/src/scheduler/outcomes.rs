@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use carve_core::allocator::OutOfMemory;
+use carve_core::command::memory_model::learning::Measurement;
 use carve_core::job_state::{AttemptOutcome, JobEvent, JobState};
 use carve_core::shrink::OomObservation;
 use carve_proto::ApiError;
@@ -159,8 +160,7 @@ impl Scheduler {
                     attempt.attempt_number,
                     command,
                     &old_config,
-                    needed,
-                    "out-of-memory (in use + requested)",
+                    Measurement::OutOfMemory(needed),
                 )
                 .await?
             }
@@ -371,8 +371,7 @@ impl Scheduler {
                     attempt.attempt_number,
                     command,
                     &config,
-                    measured as u64,
-                    "measured peak",
+                    Measurement::Peak(measured as u64),
                 )
                 .await?;
             }

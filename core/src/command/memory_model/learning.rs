@@ -186,25 +186,58 @@ pub enum Refinement {
     Rejected(String),
 }
 
-/// `learned` after a run with `config` measured `measured_bytes`
-/// ([`judge_measurement`] first). A measured model is only ever raised
-/// ([`CommandMemoryModel::refined`]); an unmeasured fallback is replaced by the
-/// measurement, all of it fixed: the run fitted in its slice at `config`, and Carve only
-/// ever shrinks a configuration from there, so a fixed need never under-predicts.
+/// What a run showed of its memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Measurement {
+    /// The peak of a run that succeeded.
+    Peak(u64),
+    /// What a run that ran out of memory needed: `in_use + requested`, a lower bound.
+    OutOfMemory(u64),
+}
+
+impl Measurement {
+    pub fn bytes(self) -> u64 {
+        match self {
+            Measurement::Peak(bytes) | Measurement::OutOfMemory(bytes) => bytes,
+        }
+    }
+
+    /// For people and a model's basis: "measured peak", "out-of-memory (in use +
+    /// requested)".
+    pub fn describe(self) -> &'static str {
+        match self {
+            Measurement::Peak(_) => "measured peak",
+            Measurement::OutOfMemory(_) => "out-of-memory (in use + requested)",
+        }
+    }
+}
+
+/// `learned` after a run with `config` showed `measurement` ([`judge_measurement`]
+/// first). A measured model is only ever raised ([`CommandMemoryModel::refined`]). An
+/// unmeasured fallback is replaced by the first real measurement: a successful run's
+/// peak all fixed (the run fitted in its slice at `config`, and Carve only ever shrinks
+/// a configuration from there, so a fixed need never under-predicts); an out-of-memory
+/// all per sample, as [`CommandMemoryModel::from_out_of_memory`] reads one, so the retry
+/// can plan a smaller micro-batch.
 pub fn refine_learned(
     learned: &LearnedModel,
     config: &RunConfig,
-    measured_bytes: u64,
+    measurement: Measurement,
     largest_gpu_bytes: Option<u64>,
 ) -> Refinement {
+    let measured_bytes = measurement.bytes();
     if let Err(why) = judge_measurement(measured_bytes, largest_gpu_bytes) {
         return Refinement::Rejected(why);
     }
     if !learned.measured {
+        let (fixed_bytes, per_sample_bytes) = match measurement {
+            Measurement::Peak(bytes) => (bytes, 0),
+            Measurement::OutOfMemory(bytes) => (0, bytes.div_ceil(config.micro_batch_size.max(1))),
+        };
         return Refinement::Changed(LearnedModel {
             model: CommandMemoryModel {
-                fixed_bytes: measured_bytes,
-                per_sample_bytes: 0,
+                fixed_bytes,
+                per_sample_bytes,
                 precision: config.precision,
                 recompute: config.recompute_segment_layers.is_some(),
             },

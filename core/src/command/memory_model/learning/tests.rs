@@ -135,7 +135,8 @@ fn a_measured_profile_fits_the_line_through_its_points() {
 fn a_single_absurd_measurement_does_not_move_a_model() {
     let learned = measured(GIB, 10 * MIB);
     for absurd in [0, GPU + 1, u64::MAX] {
-        let refinement = refine_learned(&learned, &config(64), absurd, Some(GPU));
+        let refinement =
+            refine_learned(&learned, &config(64), Measurement::Peak(absurd), Some(GPU));
         assert!(
             matches!(refinement, Refinement::Rejected(_)),
             "{absurd} B moved the model: {refinement:?}"
@@ -147,14 +148,15 @@ fn a_single_absurd_measurement_does_not_move_a_model() {
 fn a_real_measurement_raises_a_measured_model_and_never_lowers_it() {
     let learned = measured(GIB, 10 * MIB);
     let higher = GIB + 64 * 20 * MIB;
-    let Refinement::Changed(raised) = refine_learned(&learned, &config(64), higher, Some(GPU))
+    let Refinement::Changed(raised) =
+        refine_learned(&learned, &config(64), Measurement::Peak(higher), Some(GPU))
     else {
         panic!("a higher measurement did not raise the model");
     };
     assert!(raised.measured);
     assert!(raised.model.need_bytes(&config(64)) >= higher);
     assert_eq!(
-        refine_learned(&learned, &config(64), GIB, Some(GPU)),
+        refine_learned(&learned, &config(64), Measurement::Peak(GIB), Some(GPU)),
         Refinement::Unchanged
     );
 }
@@ -170,18 +172,34 @@ fn the_first_real_measurement_replaces_an_unmeasured_fallback() {
         },
         measured: false,
     };
-    let Refinement::Changed(replaced) =
-        refine_learned(&fallback, &config(64), 900 * MIB, Some(GPU))
-    else {
+    let Refinement::Changed(replaced) = refine_learned(
+        &fallback,
+        &config(64),
+        Measurement::Peak(900 * MIB),
+        Some(GPU),
+    ) else {
         panic!("an unmeasured fallback was kept over a measurement");
     };
     assert!(replaced.measured);
     assert_eq!(replaced.model.need_bytes(&config(64)), 900 * MIB);
     // Shrinking from there never predicts less than was measured.
     assert_eq!(replaced.model.need_bytes(&config(16)), 900 * MIB);
+    // An out-of-memory replaces it all per sample, so a smaller micro-batch can be
+    // planned for the retry.
+    let Refinement::Changed(from_oom) = refine_learned(
+        &fallback,
+        &config(64),
+        Measurement::OutOfMemory(2 * GIB),
+        Some(GPU),
+    ) else {
+        panic!("an unmeasured fallback was kept over an out-of-memory");
+    };
+    assert_eq!(from_oom.model.fixed_bytes, 0);
+    assert_eq!(from_oom.model.need_bytes(&config(64)), 2 * GIB);
+    assert_eq!(from_oom.model.need_bytes(&config(32)), GIB);
     // An outlier replaces nothing either.
     assert!(matches!(
-        refine_learned(&fallback, &config(64), 0, Some(GPU)),
+        refine_learned(&fallback, &config(64), Measurement::Peak(0), Some(GPU)),
         Refinement::Rejected(_)
     ));
 }
