@@ -494,6 +494,7 @@ async fn background_loop(scheduler: Arc<Scheduler>) {
         if let Err(error) = scheduler.recheck_session_tokens().await {
             tracing::warn!(%error, "session token check failed");
         }
+        scheduler.release_held_progress();
         if leading && let Err(error) = scheduler.schedule_once().await {
             tracing::warn!(%error, "scheduling pass failed");
         }

@@ -30,6 +30,7 @@ on_both_databases!(
     metrics_are_kept_within_the_bounds_whatever_a_worker_sends,
     program_lines_are_stored_with_their_stream,
     a_flood_of_progress_is_stored_at_most_once_a_second_with_the_last_kept,
+    a_held_progress_is_told_when_the_job_goes_quiet,
 );
 
 /// The scheduler on `database_url`, with the tenant `alice`'s user token and her worker
@@ -255,4 +256,37 @@ async fn a_flood_of_progress_is_stored_at_most_once_a_second_with_the_last_kept(
         .position(|line| line.message.starts_with("ended: "))
         .unwrap();
     assert!(last_progress < ended, "{lines:#?}");
+}
+
+/// A report held back because it came within a second of the last one is stored once
+/// its second has passed, even when the attempt then goes quiet (a long evaluation).
+async fn a_held_progress_is_told_when_the_job_goes_quiet(db: &TestDb) {
+    let (_shutdown, channel, user, mut worker) = start_on(db.url()).await;
+    let job = submit(&channel, &user, JOB, "").await.unwrap().job.unwrap();
+    let assignment = worker.next_assignment().await;
+    let attempt = assignment.attempt.clone().unwrap();
+    worker.report_started(&assignment).await;
+    for step in [1, 2] {
+        worker
+            .report_progress(
+                &attempt,
+                v1::TrainingProgress {
+                    step,
+                    ..test_worker::halfway_progress()
+                },
+            )
+            .await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let lines = attempt_lines(&channel, &user, &job.id).await;
+        if lines.iter().any(|line| line.message.starts_with("step 2/")) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the held step 2 was never stored: {lines:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -5,7 +5,8 @@
 //!
 //! Progress is paced: at most one progress event a second per job is sent and stored
 //! ([`ProgressPacing`]); one that comes sooner is held, replaced by any later one, and
-//! sent before the job's next other event, so the last progress is always told. A worker
+//! sent before the job's next other event or once its second has passed (the background
+//! loop's next turn), so the last progress is always told. A worker
 //! reporting every step of a fast run makes a line a second, not one per step.
 
 use std::collections::HashMap;
@@ -106,6 +107,26 @@ impl ProgressPacing {
         Some(kind)
     }
 
+    /// Every held progress whose second has passed at `now_ms`, taken (a job that goes
+    /// quiet after a held report still tells it, on the background loop's next turn).
+    fn take_due(&self, now_ms: i64) -> Vec<(String, JobUpdateKind)> {
+        let mut jobs = self
+            .jobs
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let mut due = Vec::new();
+        for (job_id, paced) in jobs.iter_mut() {
+            let ready = paced
+                .last_sent_ms
+                .is_none_or(|last| now_ms.saturating_sub(last) >= PROGRESS_EVENT_SPACING_MS);
+            if ready && let Some(held) = paced.held.take() {
+                paced.last_sent_ms = Some(now_ms);
+                due.push((job_id.clone(), held));
+            }
+        }
+        due
+    }
+
     /// The progress held back for `job_id`, to send before its next other event; a job
     /// that ended is forgotten.
     fn take_held(&self, job_id: &str, now_ms: i64, forget: bool) -> Option<JobUpdateKind> {
@@ -165,6 +186,14 @@ impl Scheduler {
             kind
         };
         self.emit_now(job_id, kind);
+    }
+
+    /// Sends the progress held back for jobs whose second has passed (the background
+    /// loop calls it on every turn).
+    pub fn release_held_progress(&self) {
+        for (job_id, held) in self.progress_pacing.take_due(now_ms()) {
+            self.emit_now(&job_id, held);
+        }
     }
 
     /// [`Scheduler::emit`] without the pacing.
