@@ -55,11 +55,11 @@ pub use admin::CreatedToken;
 use admission::Lookups;
 pub use admission::{AdmittedConfig, SPEC_MAX_BYTES, SubmittedJob, check_spec_size};
 pub use leadership::{Candidate, LeaderRole};
+pub use memory_models::KnownMemoryModel;
 use placement::PassInputs;
 pub use preemption::PreemptionSettings;
 use session_handles::LiveSession;
 pub use session_handles::{SessionHandle, SessionSender};
-pub use memory_models::KnownMemoryModel;
 pub use views::{GpuView, JobPage, JobView, SliceOwner, SliceView, WorkerView};
 
 /// Timing of leases and passes.

@@ -114,13 +114,13 @@ pub use logs::{
     LogQuery, MAX_LOG_LINES_PER_JOB, MAX_LOG_MESSAGE_BYTES, MAX_LOG_PAGE_SIZE, NewLogLine,
     StoredJobEvent,
 };
+pub use memory_models::{MemoryModelRow, StoredMemoryModel};
+pub use preemptions::{StoredClaim, StoredEviction, StoredPreemptions};
 pub use records::{
     AttemptDetails, AttemptOutcome, AttemptRecord, AttemptResults, DEFAULT_PAGE_SIZE, JobFilter,
     JobRecord, JobState, MAX_PAGE_SIZE, OomSource, ProfilePoint, QueueFingerprint, QueuedJob, Role,
     SubmitOutcome, TenantRecord, TokenRecord, WorkerRecord, WorkerState,
 };
-pub use memory_models::{MemoryModelRow, StoredMemoryModel};
-pub use preemptions::{StoredClaim, StoredEviction, StoredPreemptions};
 pub use tenants::{MAX_TENANT_NAME_LENGTH, TenantDeletion, check_tenant_name};
 
 static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
