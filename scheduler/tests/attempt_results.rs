@@ -13,15 +13,10 @@ mod test_worker;
 #[path = "support/cluster.rs"]
 mod cluster;
 
-use std::time::Duration;
-
 use carve_proto::v1;
-use carve_scheduler::server::run;
 use tokio::sync::oneshot;
 
-use cluster::{
-    JOB, connect, get, job_logs, submit, tenant_with_tokens, test_config, wait_for_state,
-};
+use cluster::{JOB, get, job_logs, start_on_database, submit, tenant_with_tokens, wait_for_state};
 use support::TestDb;
 use test_worker::TestWorker;
 
@@ -40,14 +35,7 @@ async fn start_on(
     String,
     TestWorker,
 ) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = format!("http://{}", listener.local_addr().unwrap());
-    let (shutdown, shutdown_signal) = oneshot::channel::<()>();
-    let config = test_config(database_url.to_string(), Duration::from_secs(30), None);
-    tokio::spawn(run(config, listener, async {
-        let _ = shutdown_signal.await;
-    }));
-    let channel = connect(&address).await;
+    let (shutdown, channel) = start_on_database(database_url).await;
     let (user, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
     let worker = TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
     (shutdown, channel, user, worker)

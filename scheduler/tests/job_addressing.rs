@@ -18,7 +18,7 @@ mod test_worker;
 
 #[path = "support/cluster.rs"]
 mod cluster;
-use cluster::{ADMIN, JOB, cancel, get, job_logs, submit, tenant_with_tokens, watch};
+use cluster::{ADMIN, cancel, get, job_logs, submit, submit_named, tenant_with_tokens, watch};
 use support::TestDb;
 
 on_both_databases!(
@@ -31,16 +31,6 @@ on_both_databases!(
 /// A scheduler on `db`, and a channel to it; it stops when the sender drops.
 async fn start_on(db: &TestDb) -> (tokio::sync::oneshot::Sender<()>, Channel) {
     cluster::start_on_database(db.url()).await
-}
-
-/// Submits [`JOB`] under `name` as `token`; answers the new job.
-async fn submit_named(channel: &Channel, token: &str, name: &str) -> v1::Job {
-    let spec = JOB.replace("\"small\"", &format!("\"{name}\""));
-    submit(channel, token, &spec, "")
-        .await
-        .unwrap()
-        .job
-        .unwrap()
 }
 
 /// The whole id of the job `reference` names, as `token` gets it.

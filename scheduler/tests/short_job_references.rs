@@ -17,7 +17,7 @@ mod test_worker;
 
 #[path = "support/cluster.rs"]
 mod cluster;
-use cluster::{JOB, cancel, get, submit, tenant_with_tokens};
+use cluster::{cancel, get, submit_named, tenant_with_tokens};
 use support::TestDb;
 
 on_both_databases!(
@@ -25,16 +25,6 @@ on_both_databases!(
     a_name_means_the_one_job_of_that_name_still_going,
     another_tenants_job_cannot_be_reached_or_counted_by_a_short_reference,
 );
-
-/// Submits [`JOB`] under `name` as `token`; answers the new job.
-async fn submit_named(channel: &Channel, token: &str, name: &str) -> v1::Job {
-    let spec = JOB.replace("\"small\"", &format!("\"{name}\""));
-    submit(channel, token, &spec, "")
-        .await
-        .unwrap()
-        .job
-        .unwrap()
-}
 
 /// The whole id of the job `reference` names, as `token` gets it.
 async fn resolved_id(channel: &Channel, token: &str, reference: &str) -> String {

@@ -253,6 +253,16 @@ pub async fn submit(
         .map(|response| response.into_inner())
 }
 
+/// Submits [`JOB`] under `name` as `token`; answers the new job.
+pub async fn submit_named(channel: &Channel, token: &str, name: &str) -> v1::Job {
+    let spec = JOB.replace("\"small\"", &format!("\"{name}\""));
+    submit(channel, token, &spec, "")
+        .await
+        .unwrap()
+        .job
+        .unwrap()
+}
+
 /// A job of [`JOB`] that `token` submits (no idempotency key), and its first assignment,
 /// which `worker` receives.
 pub async fn submit_and_place(
