@@ -50,7 +50,7 @@ use crate::MAX_INPUT_BYTES;
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The methods, in the order the input's first byte picks them.
-pub const METHODS: [&str; 20] = [
+pub const METHODS: [&str; 21] = [
     "SubmitJob",
     "GetJob",
     "ListJobs",
@@ -71,6 +71,8 @@ pub const METHODS: [&str; 20] = [
     "ListSlices",
     "Register",
     "Session",
+    // Last, so the selector bytes of the checked-in corpus keep naming the same methods.
+    "ResetMemoryModels",
 ];
 
 /// Words of the API for the CI mutator.
@@ -348,6 +350,11 @@ async fn call(harness: &Harness, method: &str, body: &[u8]) -> Result<(), Status
             let mut request = decode!(v1::UndrainWorkerRequest, body);
             replace(&mut request.worker_id, "registered", worker);
             check(services.undrain_worker(authorized(request)).await)?;
+        }
+        "ResetMemoryModels" => {
+            let mut request = decode!(v1::ResetMemoryModelsRequest, body);
+            replace(&mut request.job_id, "submitted", job);
+            check(services.reset_memory_models(authorized(request)).await)?;
         }
         "ListSlices" => {
             let mut request = decode!(v1::ListSlicesRequest, body);
@@ -668,6 +675,26 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
             worker_id: worker_id(),
             gpu_uuid: "SIM-fuzz-0".into(),
             job_id: job_id(),
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "ResetMemoryModels",
+        "ResetMemoryModels",
+        v1::ResetMemoryModelsRequest {
+            job_id: job_id(),
+            all: false,
+            tenant: String::new(),
+        }
+        .encode_to_vec(),
+    );
+    add(
+        "ResetMemoryModels-all",
+        "ResetMemoryModels",
+        v1::ResetMemoryModelsRequest {
+            job_id: String::new(),
+            all: true,
+            tenant: "default".into(),
         }
         .encode_to_vec(),
     );
