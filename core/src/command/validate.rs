@@ -11,6 +11,7 @@ use crate::shrink::divisors_descending;
 use crate::spec::{Precision, ShrinkStrategy, VramRequest};
 use crate::validate::{MAX_BATCH_SIZE, validate_name, validate_oom_policy, validate_resources};
 
+use super::memory_model::learning::check_declared_vram_is_a_size;
 use super::render::{TemplatePiece, parse_template};
 use super::spec::{CommandJobSpec, CommandSpec};
 
@@ -122,6 +123,7 @@ pub fn validate_command_job_spec(
     }
     validate_profile(command)?;
     validate_resources(&spec.resources)?;
+    check_declared_vram_is_a_size(spec.resources.vram)?;
     if spec.oom.strategies == ShrinkStrategy::default_order() {
         spec.oom.strategies.retain(|strategy| {
             *strategy != ShrinkStrategy::Workspace

@@ -153,28 +153,8 @@ pub(crate) fn validate_resources(resources: &ResourcesSpec) -> Result<(), FieldE
             "must be \"auto\" or more than 0 bytes",
         ));
     }
-    check_declared_vram_is_a_size(resources.vram)?;
     resources.max_duration_limit()?;
     Ok(())
-}
-
-/// The smallest `resources.vram` any job may declare: 1 MiB. Nothing runs on a GPU in
-/// less, and a number that small is a size written without its unit (`vram = 2`).
-pub const MIN_DECLARED_VRAM_BYTES: u64 = 1 << 20;
-
-/// A declared `resources.vram` below [`MIN_DECLARED_VRAM_BYTES`] is refused, for every kind of job: a bare
-/// number is bytes, and `vram = 2` meant "2 GiB", not a 2-byte slice.
-pub fn check_declared_vram_is_a_size(vram: VramRequest) -> Result<(), FieldError> {
-    match vram {
-        VramRequest::Bytes(bytes) if bytes < MIN_DECLARED_VRAM_BYTES => Err(FieldError::new(
-            "resources.vram",
-            format!(
-                "{bytes} bytes is too small to run anything: a number without a unit is \
-                 bytes; write the unit, for example vram = \"{bytes} GiB\" (or \"auto\")"
-            ),
-        )),
-        _ => Ok(()),
-    }
 }
 
 /// The `[oom]` checks, the same for every kind of job; `batch_size` is the effective

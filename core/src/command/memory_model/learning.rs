@@ -10,7 +10,7 @@
 //! - A declared size larger than every GPU is refused, whatever a model says
 //!   ([`check_declared_vram`]).
 //! - A bare number written as `vram` (`vram = 2`, two bytes) is refused as a missing unit
-//!   for every kind of job, by [`crate::validate::check_declared_vram_is_a_size`].
+//!   ([`check_declared_vram_is_a_size`]).
 //!
 //! Which tenant a model belongs to is the store's key (the scheduler's); nothing here
 //! mixes two commands' numbers.
@@ -29,6 +29,10 @@ use super::{CommandMemoryModel, ProfilePoint};
 /// (PyTorch's context alone is 300-500 MiB on current GPUs), so a smaller slice can
 /// only fail.
 pub const DEFAULT_SLICE_FLOOR_BYTES: u64 = 256 << 20;
+
+/// The smallest `resources.vram` a command job may declare: 1 MiB. Nothing runs on a GPU
+/// in less, and a number that small is a size written without its unit (`vram = 2`).
+pub const MIN_DECLARED_VRAM_BYTES: u64 = 1 << 20;
 
 /// A command's stored memory model with what it rests on: `measured` is false for the
 /// fallback an unmeasured profile left (its fixed part is the slice the job ran in, not
@@ -284,6 +288,21 @@ pub fn check_declared_vram(
         ));
     }
     Ok(())
+}
+
+/// A declared `resources.vram` below [`MIN_DECLARED_VRAM_BYTES`] is refused: a bare
+/// number is bytes, and `vram = 2` meant "2 GiB", not a 2-byte slice.
+pub fn check_declared_vram_is_a_size(vram: VramRequest) -> Result<(), FieldError> {
+    match vram {
+        VramRequest::Bytes(bytes) if bytes < MIN_DECLARED_VRAM_BYTES => Err(FieldError::new(
+            "resources.vram",
+            format!(
+                "{bytes} bytes is too small to run anything: a number without a unit is \
+                 bytes; write the unit, for example vram = \"{bytes} GiB\" (or \"auto\")"
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,6 @@
 //! learn and what a slice may be sized at.
 
 use super::*;
-use crate::validate::check_declared_vram_is_a_size;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
