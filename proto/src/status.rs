@@ -15,6 +15,11 @@ use tonic::metadata::MetadataValue;
 /// message.
 pub const FIELD_METADATA_KEY: &str = "carve-field";
 
+/// The response metadata (trailer) key under which a replica that does not lead names
+/// the leader's endpoint on its `UNAVAILABLE` ([`ApiError::NotLeader`]), so the worker
+/// and `carve` go there at once instead of trying every replica in turn.
+pub const LEADER_METADATA_KEY: &str = "carve-leader";
+
 /// Everything an API call can fail with, by the gRPC code it maps to.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ApiError {
@@ -45,6 +50,14 @@ pub enum ApiError {
     /// A dependency (the store, a worker) is down for now; retrying may help.
     #[error("{0}")]
     Unavailable(String),
+    /// This scheduler replica does not lead (a standby, or a leader that stepped down),
+    /// and the call needs the leader: the leader's endpoint when this replica knows it.
+    /// `UNAVAILABLE`, with the endpoint in the [`LEADER_METADATA_KEY`] trailer.
+    #[error("{reason}")]
+    NotLeader {
+        leader_endpoint: Option<String>,
+        reason: String,
+    },
     /// The call was cut short by a newer one that took its place (a worker's session
     /// replaced by a newer session of the same worker); the newer one carries on.
     #[error("{0}")]
@@ -106,7 +119,7 @@ impl ApiError {
             ApiError::AlreadyExists { .. } => tonic::Code::AlreadyExists,
             ApiError::ResourceExhausted(_) => tonic::Code::ResourceExhausted,
             ApiError::FailedPrecondition(_) => tonic::Code::FailedPrecondition,
-            ApiError::Unavailable(_) => tonic::Code::Unavailable,
+            ApiError::Unavailable(_) | ApiError::NotLeader { .. } => tonic::Code::Unavailable,
             ApiError::Aborted(_) => tonic::Code::Aborted,
             ApiError::DataLoss(_) => tonic::Code::DataLoss,
             ApiError::Internal(_) => tonic::Code::Internal,
@@ -144,6 +157,14 @@ impl From<ApiError> for tonic::Status {
                 status.metadata_mut().insert(FIELD_METADATA_KEY, value);
             }
         }
+        if let ApiError::NotLeader {
+            leader_endpoint: Some(endpoint),
+            ..
+        } = &error
+            && let Ok(value) = MetadataValue::try_from(endpoint.as_str())
+        {
+            status.metadata_mut().insert(LEADER_METADATA_KEY, value);
+        }
         status
     }
 }
@@ -151,6 +172,19 @@ impl From<ApiError> for tonic::Status {
 /// The field an `INVALID_ARGUMENT` status is about, when the server attached it.
 pub fn status_field(status: &tonic::Status) -> Option<&str> {
     status.metadata().get(FIELD_METADATA_KEY)?.to_str().ok()
+}
+
+/// The leader a replica that does not lead named in its refusal ([`ApiError::NotLeader`]).
+pub fn leader_named_by(status: &tonic::Status) -> Option<&str> {
+    if status.code() != tonic::Code::Unavailable {
+        return None;
+    }
+    status
+        .metadata()
+        .get(LEADER_METADATA_KEY)?
+        .to_str()
+        .ok()
+        .filter(|endpoint| !endpoint.is_empty())
 }
 
 impl From<FieldError> for ApiError {
@@ -195,7 +229,7 @@ mod tests {
     use carve_core::{CoreError, FieldError};
     use tonic::Code;
 
-    use super::{ApiError, status_field};
+    use super::{ApiError, leader_named_by, status_field};
 
     #[test]
     fn every_variant_maps_to_its_code() {
@@ -230,6 +264,13 @@ mod tests {
                 Code::Unavailable,
             ),
             (
+                ApiError::NotLeader {
+                    leader_endpoint: None,
+                    reason: "a standby; no leader is known yet".into(),
+                },
+                Code::Unavailable,
+            ),
+            (
                 ApiError::Aborted("a newer session replaced this one".into()),
                 Code::Aborted,
             ),
@@ -245,6 +286,29 @@ mod tests {
             assert_eq!(status.code(), code, "{message}");
             assert_eq!(status.message(), message);
         }
+    }
+
+    #[test]
+    fn a_replica_that_does_not_lead_names_the_leader_in_the_trailer() {
+        let status = tonic::Status::from(ApiError::NotLeader {
+            leader_endpoint: Some("http://10.0.0.7:7470".into()),
+            reason: "this scheduler replica is a standby; the leader is at http://10.0.0.7:7470"
+                .into(),
+        });
+        assert_eq!(status.code(), Code::Unavailable);
+        assert_eq!(leader_named_by(&status), Some("http://10.0.0.7:7470"));
+
+        let unknown = tonic::Status::from(ApiError::NotLeader {
+            leader_endpoint: None,
+            reason: "no leader is known yet".into(),
+        });
+        assert_eq!(leader_named_by(&unknown), None);
+        // Only an UNAVAILABLE names a leader, whatever metadata another answer carries.
+        let mut other = tonic::Status::not_found("job j-1 not found");
+        other
+            .metadata_mut()
+            .insert(super::LEADER_METADATA_KEY, "http://x:1".parse().unwrap());
+        assert_eq!(leader_named_by(&other), None);
     }
 
     #[test]

@@ -12,6 +12,11 @@ use crate::error::SchedulerError;
 
 use super::{Live, Scheduler};
 
+/// How long after a leader's lease ends (by the database's clock) a standby that saw it
+/// stop renewing tries to take over: enough for the lease to have ended when the
+/// statement runs, short beside the lease.
+const LEASE_END_MARGIN: Duration = Duration::from_millis(5);
+
 /// What this replica is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaderRole {
@@ -59,16 +64,19 @@ impl Scheduler {
     /// sessions and the calls that act on live state (cancels, drains, watches).
     pub fn require_leader(&self) -> Result<(), SchedulerError> {
         match self.leader_role() {
-            LeaderRole::Standby { leader_endpoint } => Err(SchedulerError::Api(
-                ApiError::Unavailable(match leader_endpoint {
-                    Some(endpoint) => {
-                        format!("this scheduler replica is a standby; the leader is at {endpoint}")
-                    }
-                    None => "this scheduler replica is a standby and no leader is known yet; \
-                             try again in a moment"
-                        .to_string(),
-                }),
-            )),
+            LeaderRole::Standby { leader_endpoint } => {
+                Err(SchedulerError::Api(ApiError::NotLeader {
+                    reason: match &leader_endpoint {
+                        Some(endpoint) => format!(
+                            "this scheduler replica is a standby; the leader is at {endpoint}"
+                        ),
+                        None => "this scheduler replica is a standby and no leader is known \
+                                 yet; try again in a moment"
+                            .to_string(),
+                    },
+                    leader_endpoint,
+                }))
+            }
             _ => Ok(()),
         }
     }
@@ -148,11 +156,42 @@ impl Scheduler {
                         self.set_role(LeaderRole::Standby {
                             leader_endpoint: Some(leader.endpoint).filter(|_| leader.current),
                         });
+                        if leader.lease_left < candidate.lease / 4 {
+                            self.take_over_when_lease_ends(
+                                candidate,
+                                leader.lease_left,
+                                renewed_at,
+                            )
+                            .await?;
+                        }
                         Ok(())
                     }
                 }
             }
         }
+    }
+
+    /// A standby whose leader stopped renewing (a live one renews every quarter lease)
+    /// tries again just after that lease ends, `lease_left` from now by the database's
+    /// clock, not up to a quarter lease later: a failover takes the lease and no more.
+    async fn take_over_when_lease_ends(
+        &self,
+        candidate: &Candidate,
+        lease_left: Duration,
+        renewed_at: &mut Option<Instant>,
+    ) -> Result<(), SchedulerError> {
+        tokio::time::sleep(lease_left + LEASE_END_MARGIN).await;
+        // Counted from before the takeover's statement, like a renewal.
+        let started = Instant::now();
+        if let Some(epoch) = self
+            .store
+            .try_take_leadership(&candidate.holder, &candidate.endpoint, candidate.lease)
+            .await?
+        {
+            *renewed_at = Some(started);
+            return self.become_leader(epoch).await;
+        }
+        Ok(())
     }
 
     /// Leads under `epoch`: the live state is rebuilt from the store (attempts still
@@ -194,15 +233,16 @@ impl Scheduler {
         let mut live = self.live();
         for worker in live.workers.values_mut() {
             if let Some(session) = worker.session.take() {
-                session.end(SchedulerError::Api(ApiError::Unavailable(
-                    match &leader_endpoint {
+                session.end(SchedulerError::Api(ApiError::NotLeader {
+                    reason: match &leader_endpoint {
                         Some(endpoint) => format!(
                             "this scheduler replica no longer leads; the leader is at {endpoint}"
                         ),
                         None => "this scheduler replica no longer leads; reconnect to another"
                             .to_string(),
                     },
-                )));
+                    leader_endpoint: leader_endpoint.clone(),
+                }));
             }
         }
         *live = Live::default();

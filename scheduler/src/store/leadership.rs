@@ -34,6 +34,9 @@ pub struct LeadershipRecord {
     pub endpoint: String,
     /// Whether its lease still runs, by the database's clock.
     pub current: bool,
+    /// How long its lease still runs, by the database's clock (zero once it ran out):
+    /// when a standby tries to take over next.
+    pub lease_left: Duration,
 }
 
 /// The error of a fenced write refused because `fence` is no longer the leader's epoch.
@@ -144,9 +147,9 @@ impl Store {
     /// The leadership row as it is now.
     pub async fn leadership(&self) -> Result<LeadershipRecord, SchedulerError> {
         let pool = self.postgres_pool()?;
-        let (epoch, holder, endpoint, current): (i64, String, String, bool) =
+        let (epoch, holder, endpoint, left_ms): (i64, String, String, i64) =
             sqlx::query_as(&format!(
-                "SELECT epoch, holder, endpoint, expires_at_ms >= {DATABASE_NOW_MS} \
+                "SELECT epoch, holder, endpoint, expires_at_ms - {DATABASE_NOW_MS} \
                  FROM leadership WHERE id = 1"
             ))
             .fetch_one(pool)
@@ -155,7 +158,8 @@ impl Store {
             epoch,
             holder,
             endpoint,
-            current,
+            current: left_ms >= 0,
+            lease_left: Duration::from_millis(u64::try_from(left_ms).unwrap_or(0)),
         })
     }
 
