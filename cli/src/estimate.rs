@@ -178,8 +178,8 @@ pub fn config_json(config: &RunConfig) -> Value {
         "accumulation_steps": config.accumulation_steps(),
         "precision": config.precision.name(),
         "recompute_segment_layers": config.recompute_segment_layers,
-        "workspace_limit_bytes": config.workspace_limit_bytes,
-        "prefetch_batches": config.prefetch_batches,
+        "workspace_limit_bytes": config.engine.map(|engine| engine.workspace_limit_bytes),
+        "prefetch_batches": config.engine.map(|engine| engine.prefetch_batches),
     })
 }
 

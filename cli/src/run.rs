@@ -115,7 +115,7 @@ pub fn run(arguments: RunArguments) -> Result<ExitCode> {
         config.recompute_segment_layers = Some(segment);
     }
     if let Some(limit) = arguments.workspace_limit {
-        config.workspace_limit_bytes = limit;
+        config = config.with_workspace_limit(limit);
     }
     config.check(&job.graph).map_err(in_file)?;
     if arguments.backend == BackendChoice::Cuda

@@ -68,7 +68,7 @@ pub fn size_slice_at_admission<E>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::RunConfig;
+    use crate::plan::{EngineSettings, RunConfig};
     use crate::spec::Precision;
 
     fn config() -> RunConfig {
@@ -77,8 +77,10 @@ mod tests {
             micro_batch_size: 64,
             precision: Precision::Fp32,
             recompute_segment_layers: None,
-            workspace_limit_bytes: 1 << 20,
-            prefetch_batches: 1,
+            engine: Some(EngineSettings {
+                workspace_limit_bytes: 1 << 20,
+                prefetch_batches: 1,
+            }),
         }
     }
 

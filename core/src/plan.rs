@@ -50,6 +50,10 @@ pub use operands::{
 };
 
 /// How one attempt runs a job: the knobs the shrink planner turns.
+///
+/// The batch, micro-batch, precision and recomputation are knobs of every kind of job;
+/// the rest are Carve's own engine's ([`EngineSettings`]), which only a model job has: a
+/// command job's config has `engine: None`, not zeros standing for "no such knob".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RunConfig {
     /// The effective batch the optimizer sees.
@@ -60,9 +64,17 @@ pub struct RunConfig {
     /// With `Some(k)`, only every k-th layer's input is kept in forward and the layers in
     /// between are recomputed in backward.
     pub recompute_segment_layers: Option<u64>,
+    /// The engine's knobs: `Some` for a model job, `None` for a command job (a program
+    /// Carve does not run has neither a convolution workspace nor prefetch slots).
+    pub engine: Option<EngineSettings>,
+}
+
+/// The knobs only Carve's own engine has, so only a model job's [`RunConfig`] carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct EngineSettings {
     /// The most one convolution may take as workspace (cuDNN workspace or im2col buffer).
     pub workspace_limit_bytes: u64,
-    /// Micro-batches of input kept on the device ahead of use.
+    /// Micro-batches of input kept on the device ahead of use (1 to 16).
     pub prefetch_batches: u64,
 }
 
@@ -75,9 +87,55 @@ impl RunConfig {
             micro_batch_size: spec.training.batch_size / accumulation_steps,
             precision: spec.training.precision,
             recompute_segment_layers: spec.training.recompute_segment_layers,
-            workspace_limit_bytes: spec.training.workspace_limit.0,
-            prefetch_batches: spec.data.prefetch_batches,
+            engine: Some(EngineSettings {
+                workspace_limit_bytes: spec.training.workspace_limit.0,
+                prefetch_batches: spec.data.prefetch_batches,
+            }),
         }
+    }
+
+    /// The engine's knobs, which a model job's config must have: an error naming
+    /// `prefetch_batches` (the knob every model job sets to at least 1) for a config
+    /// without them (a command job's).
+    pub fn engine_settings(&self) -> Result<EngineSettings, FieldError> {
+        self.engine.ok_or_else(|| {
+            FieldError::new(
+                "prefetch_batches",
+                "is missing: a model job's run config needs the engine's prefetch_batches \
+                 (1 to 16) and workspace_limit_bytes",
+            )
+        })
+    }
+
+    /// The same config with the engine's workspace cap at `bytes`; a config without the
+    /// engine's knobs (a command job's) stays without them.
+    pub fn with_workspace_limit(self, bytes: u64) -> RunConfig {
+        RunConfig {
+            engine: self.engine.map(|engine| EngineSettings {
+                workspace_limit_bytes: bytes,
+                ..engine
+            }),
+            ..self
+        }
+    }
+
+    /// The same config with `batches` prefetched; a config without the engine's knobs
+    /// stays without them.
+    pub fn with_prefetch_batches(self, batches: u64) -> RunConfig {
+        RunConfig {
+            engine: self.engine.map(|engine| EngineSettings {
+                prefetch_batches: batches,
+                ..engine
+            }),
+            ..self
+        }
+    }
+
+    /// The convolution workspace cap: the engine's, and 0 (no workspace) for a config
+    /// without the engine's knobs, which never reaches a plan ([`RunConfig::check`]
+    /// refuses it); for the pure helpers that size a layer's workspace.
+    pub fn workspace_limit_bytes(&self) -> u64 {
+        self.engine.map_or(0, |engine| engine.workspace_limit_bytes)
     }
 
     pub fn accumulation_steps(&self) -> u64 {
@@ -119,11 +177,13 @@ impl RunConfig {
             }
             _ => {}
         }
-        if self.workspace_limit_bytes != before.workspace_limit_bytes {
+        if let (Some(before), Some(after)) = (before.engine, self.engine)
+            && after.workspace_limit_bytes != before.workspace_limit_bytes
+        {
             changes.push(format!(
                 "workspace {} -> {}",
                 crate::bytes::HumanBytes(before.workspace_limit_bytes),
-                crate::bytes::HumanBytes(self.workspace_limit_bytes)
+                crate::bytes::HumanBytes(after.workspace_limit_bytes)
             ));
         }
         changes.join(", ")
@@ -131,13 +191,15 @@ impl RunConfig {
 
     /// Checks the settings that need no model: what a worker or a store reading a config
     /// back can check on its own. A model job's: its batch settings
-    /// ([`RunConfig::check_batch_settings`]) and 1 to 16 prefetched batches.
+    /// ([`RunConfig::check_batch_settings`]), the engine's knobs present and 1 to 16
+    /// prefetched batches.
     pub fn check_settings(&self) -> Result<(), FieldError> {
         self.check_batch_settings()?;
-        if self.prefetch_batches == 0 || self.prefetch_batches > 16 {
+        let engine = self.engine_settings()?;
+        if engine.prefetch_batches == 0 || engine.prefetch_batches > 16 {
             return Err(FieldError::new(
                 "prefetch_batches",
-                format!("{} must be between 1 and 16", self.prefetch_batches),
+                format!("{} must be between 1 and 16", engine.prefetch_batches),
             ));
         }
         Ok(())
@@ -205,11 +267,14 @@ impl fmt::Display for RunConfig {
         if let Some(segment) = self.recompute_segment_layers {
             write!(formatter, ", recompute in segments of {segment} layers")?;
         }
-        write!(
-            formatter,
-            ", workspace {}",
-            HumanBytes(self.workspace_limit_bytes)
-        )
+        match self.engine {
+            Some(engine) => write!(
+                formatter,
+                ", workspace {}",
+                HumanBytes(engine.workspace_limit_bytes)
+            ),
+            None => Ok(()),
+        }
     }
 }
 

@@ -24,7 +24,7 @@ use crate::bytes::HumanBytes;
 use crate::error::CoreError;
 use crate::estimator::{MemoryEstimate, estimate_plan, try_plan_in_slice};
 use crate::model::LayerOp;
-use crate::plan::{RunConfig, StepPlan, compile_step_plan, workspace_elements};
+use crate::plan::{EngineSettings, RunConfig, StepPlan, compile_step_plan, workspace_elements};
 use crate::spec::{Precision, ShrinkStrategy};
 use crate::validate::ValidatedJob;
 
@@ -320,12 +320,12 @@ fn candidate_configs(
         }
         ShrinkStrategy::Workspace => {
             let mut caps = Vec::new();
-            let mut cap = config.workspace_limit_bytes / 2;
+            let mut cap = config.workspace_limit_bytes() / 2;
             while cap >= 1 << 20 {
                 caps.push(cap);
                 cap /= 2;
             }
-            if config.workspace_limit_bytes > 0 {
+            if config.workspace_limit_bytes() > 0 {
                 caps.push(0);
             }
             // A cap that leaves every layer's workspace as it is compiles to the current
@@ -339,9 +339,17 @@ fn candidate_configs(
                     .collect()
             };
             let current_workspaces = workspaces_by_layer(config);
+            // A model job's config has the engine's knobs (checked before any plan); one
+            // without them has no workspace to cap.
+            let Some(engine) = config.engine else {
+                return Ok(Vec::new());
+            };
             caps.into_iter()
                 .map(|workspace_limit_bytes| RunConfig {
-                    workspace_limit_bytes,
+                    engine: Some(EngineSettings {
+                        workspace_limit_bytes,
+                        ..engine
+                    }),
                     ..*config
                 })
                 .filter(|candidate| workspaces_by_layer(candidate) != current_workspaces)
@@ -445,8 +453,8 @@ fn describe_step(
         ),
         ShrinkStrategy::Workspace => format!(
             "convolution workspace {} -> {} (slower algorithms may be chosen)",
-            HumanBytes(from.workspace_limit_bytes),
-            HumanBytes(to.workspace_limit_bytes)
+            HumanBytes(from.workspace_limit_bytes()),
+            HumanBytes(to.workspace_limit_bytes())
         ),
         ShrinkStrategy::ShrinkBatch => describe_batch_change(from, to),
     };

@@ -111,7 +111,7 @@ fn wide_dense_layer_by_hand() {
         "",
     );
     let mut config = RunConfig::from_spec(&job.spec);
-    config.prefetch_batches = 2;
+    config = config.with_prefetch_batches(2);
     let estimate = estimate_job(&job, &config).unwrap();
     let kernel = 1024 * 256 * 4;
     let bias = 256 * 4;
@@ -150,37 +150,16 @@ fn one_conv_layer_by_hand_with_its_workspace() {
 
     // Under a 20000-byte cap the 4 samples' im2col still fits, its headroom only up to
     // the cap: 20000 -> 20224.
-    let capped = estimate_job(
-        &job,
-        &RunConfig {
-            workspace_limit_bytes: 20000,
-            ..config
-        },
-    )
-    .unwrap();
+    let capped = estimate_job(&job, &config.with_workspace_limit(20000)).unwrap();
     assert_eq!(capped.peak_bytes, persistent + output + 20224);
 
     // A 4000-byte cap leaves room for one sample's im2col at a time, with 112 bytes of
     // headroom: 4000 -> 4096.
-    let capped = estimate_job(
-        &job,
-        &RunConfig {
-            workspace_limit_bytes: 4000,
-            ..config
-        },
-    )
-    .unwrap();
+    let capped = estimate_job(&job, &config.with_workspace_limit(4000)).unwrap();
     assert_eq!(capped.peak_bytes, persistent + output + 4096);
 
     // No workspace at all: the peak moves to the loss backward (output and its gradient).
-    let none = estimate_job(
-        &job,
-        &RunConfig {
-            workspace_limit_bytes: 0,
-            ..config
-        },
-    )
-    .unwrap();
+    let none = estimate_job(&job, &config.with_workspace_limit(0)).unwrap();
     assert_eq!(none.peak_bytes, persistent + 2 * output);
     assert_eq!(none.peak_during, "loss backward");
 }
@@ -285,10 +264,7 @@ fn executing_many_steps_peaks_exactly_at_the_estimate() {
 fn recomputation_keeps_fewer_activations() {
     let job = resnet_style();
     // Without workspace, so that activations dominate as they do in deep models.
-    let base = RunConfig {
-        workspace_limit_bytes: 0,
-        ..RunConfig::from_spec(&job.spec)
-    };
+    let base = RunConfig::from_spec(&job.spec).with_workspace_limit(0);
     let full = estimate_job(&job, &base).unwrap();
     let recomputed = estimate_job(
         &job,

@@ -126,7 +126,7 @@ fn a_cnn_with_every_layer_kind_trains_the_same_on_both_backends() {
 fn without_a_workspace_asymmetric_convolutions_run_the_direct_kernels_and_still_match() {
     let text = CNN.replace("seed = 5", "seed = 5\nworkspace_limit = \"0\"");
     let job = job(&text);
-    assert_eq!(RunConfig::from_spec(&job.spec).workspace_limit_bytes, 0);
+    assert_eq!(RunConfig::from_spec(&job.spec).workspace_limit_bytes(), 0);
     for precision in [Precision::Fp32, Precision::Bf16] {
         compare_backends(
             &format!("cnn without workspace {}", precision.name()),

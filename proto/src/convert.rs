@@ -13,7 +13,7 @@ use carve_core::FieldError;
 use carve_core::allocator::OutOfMemory;
 use carve_core::command::memory_model::{CommandMemoryModel, ProfilePoint};
 use carve_core::estimator::MemoryEstimate;
-use carve_core::plan::RunConfig;
+use carve_core::plan::{EngineSettings, RunConfig};
 use carve_core::shrink::{ShrinkDecision, ShrinkStep};
 use carve_core::spec::{JobSpec, Precision};
 use carve_core::validate::{ValidatedJob, parse_job_spec_json, validate_job_spec};
@@ -192,8 +192,10 @@ impl From<RunConfig> for v1::RunConfig {
             micro_batch_size: config.micro_batch_size,
             precision: v1::Precision::from(config.precision).into(),
             recompute_segment_layers: config.recompute_segment_layers,
-            workspace_limit_bytes: config.workspace_limit_bytes,
-            prefetch_batches: config.prefetch_batches,
+            // A config without the engine's knobs (a command job's) sends neither: proto3
+            // leaves a 0 off the wire, and the reader takes two 0s as "none".
+            workspace_limit_bytes: config.workspace_limit_bytes(),
+            prefetch_batches: config.engine.map_or(0, |engine| engine.prefetch_batches),
         }
     }
 }
@@ -242,11 +244,23 @@ fn checked_run_config(
         micro_batch_size: config.micro_batch_size,
         precision: precision_from_proto(config.precision, &join_field(field, "precision"))?,
         recompute_segment_layers: config.recompute_segment_layers,
-        workspace_limit_bytes: config.workspace_limit_bytes,
-        prefetch_batches: config.prefetch_batches,
+        engine: engine_settings_from_proto(config),
     };
     check(&run_config).map_err(|error| ApiError::from(error).prefix_field(field))?;
     Ok(run_config)
+}
+
+/// The engine's knobs a wire config carries: none when both are 0, which is how a
+/// config without them (a command job's) travels (proto3 sends no 0). A model job's
+/// prefetches at least one batch, so two 0s never stand for a model job's knobs.
+fn engine_settings_from_proto(config: &v1::RunConfig) -> Option<EngineSettings> {
+    if config.workspace_limit_bytes == 0 && config.prefetch_batches == 0 {
+        return None;
+    }
+    Some(EngineSettings {
+        workspace_limit_bytes: config.workspace_limit_bytes,
+        prefetch_batches: config.prefetch_batches,
+    })
 }
 
 /// Reads a run config from the wire and checks it against `job`'s model with core's own
@@ -363,8 +377,10 @@ mod tests {
             micro_batch_size: 8,
             precision: Precision::Bf16,
             recompute_segment_layers: Some(2),
-            workspace_limit_bytes: 64 << 20,
-            prefetch_batches: 2,
+            engine: Some(EngineSettings {
+                workspace_limit_bytes: 64 << 20,
+                prefetch_batches: 2,
+            }),
         }
     }
 
@@ -588,6 +604,41 @@ mod tests {
             invalid_field(run_config_for_job(&too_long, &job, "config").unwrap_err());
         assert_eq!(field, "config.recompute_segment_layers");
         assert!(reason.contains("99"), "{reason}");
+    }
+
+    #[test]
+    fn a_command_jobs_config_travels_without_the_engines_knobs() {
+        let command = Workload::from_toml(
+            "name = \"c\"\n[command]\nargv = [\"python3\", \"train.py\"]\n\
+             steps = 10\nglobal_batch = 8\n[resources]\nvram = \"1GiB\"\n",
+        )
+        .unwrap();
+        let config = command.initial_config();
+        assert_eq!(config.engine, None);
+        let wire = v1::RunConfig::from(config);
+        assert_eq!((wire.workspace_limit_bytes, wire.prefetch_batches), (0, 0));
+        assert_eq!(
+            run_config_for_workload(&wire, &command, "config"),
+            Ok(config)
+        );
+        // A command job has no engine knobs to set.
+        let (field, _) = invalid_field(
+            run_config_for_workload(
+                &v1::RunConfig {
+                    prefetch_batches: 2,
+                    ..wire
+                },
+                &command,
+                "config",
+            )
+            .unwrap_err(),
+        );
+        assert_eq!(field, "config.prefetch_batches");
+        // The same wire config is refused for a model job, which needs them.
+        let model = Workload::from_json(SPEC_JSON).unwrap();
+        let (field, _) =
+            invalid_field(run_config_for_workload(&wire, &model, "config").unwrap_err());
+        assert_eq!(field, "config.prefetch_batches");
     }
 
     #[test]

@@ -25,7 +25,7 @@ impl ValidatedCommandJob {
     /// The configuration of the first attempt: `batch_size` is `global_batch`,
     /// `micro_batch_size` the spec's micro-batch, `precision` the starting precision,
     /// `recompute_segment_layers` unset (any value means "recompute on" for a command
-    /// job), `workspace_limit_bytes` and `prefetch_batches` 0 (they mean nothing to a
+    /// job), and no engine settings (a workspace and prefetch slots mean nothing to a
     /// program Carve does not run itself).
     pub fn initial_config(&self) -> RunConfig {
         let command = &self.spec.command;
@@ -37,8 +37,7 @@ impl ValidatedCommandJob {
                 .or_else(|| command.precisions.first().copied())
                 .unwrap_or_default(),
             recompute_segment_layers: None,
-            workspace_limit_bytes: 0,
-            prefetch_batches: 0,
+            engine: None,
         }
     }
 

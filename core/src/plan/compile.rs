@@ -152,9 +152,9 @@ pub fn workspace_elements(layer: &LayerNode, config: &RunConfig) -> Option<u64> 
         layer,
         element_type,
         config.micro_batch_size,
-        config.workspace_limit_bytes,
+        config.workspace_limit_bytes(),
     )?;
-    let limit_elements = config.workspace_limit_bytes / element_type.bytes();
+    let limit_elements = config.workspace_limit_bytes() / element_type.bytes();
     Some(
         im2col_elements
             .checked_mul(CONVOLUTION_WORKSPACE_HEADROOM)?
@@ -384,7 +384,7 @@ fn add_persistent_buffers(
     };
     let mut input_slots = Vec::new();
     let mut target_slots = Vec::new();
-    for slot in 0..config.prefetch_batches as usize {
+    for slot in 0..config.engine_settings()?.prefetch_batches as usize {
         input_slots.push(builder.add_buffer(
             BufferRole::InputSlot { slot },
             BufferOwner::Data,

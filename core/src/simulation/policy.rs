@@ -84,8 +84,8 @@ pub fn slowdown_factor(own: &RunConfig, shrunk: &RunConfig) -> f64 {
         let segment = segment as f64;
         factor *= 1.0 + (segment - 1.0) / (3.0 * segment);
     }
-    if shrunk.workspace_limit_bytes < own.workspace_limit_bytes {
-        factor *= if shrunk.workspace_limit_bytes == 0 {
+    if shrunk.workspace_limit_bytes() < own.workspace_limit_bytes() {
+        factor *= if shrunk.workspace_limit_bytes() == 0 {
             1.15
         } else {
             1.05
@@ -119,6 +119,7 @@ pub fn oom_observation(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::EngineSettings;
     use crate::spec::Precision;
 
     fn config(micro: u64, recompute: Option<u64>, workspace: u64) -> RunConfig {
@@ -127,8 +128,10 @@ mod tests {
             micro_batch_size: micro,
             precision: Precision::Fp32,
             recompute_segment_layers: recompute,
-            workspace_limit_bytes: workspace,
-            prefetch_batches: 2,
+            engine: Some(EngineSettings {
+                workspace_limit_bytes: workspace,
+                prefetch_batches: 2,
+            }),
         }
     }
 

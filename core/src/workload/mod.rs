@@ -317,25 +317,25 @@ impl Workload {
     }
 
     /// Checks a configuration that came from outside (the wire, an override) as this
-    /// job's kind reads it: a model job's against its model ([`RunConfig::check`]); a
-    /// command job's by the knobs a command has ([`RunConfig::check_batch_settings`]),
-    /// its engine-only knobs (workspace, prefetch) unused and so 0, as
-    /// [`Workload::initial_config`] makes them.
+    /// job's kind reads it: a model job's against its model ([`RunConfig::check`], which
+    /// needs the engine's knobs); a command job's by the knobs a command has
+    /// ([`RunConfig::check_batch_settings`]) and without the engine's, as
+    /// [`Workload::initial_config`] makes it.
     pub fn check_config(&self, config: &RunConfig) -> Result<(), FieldError> {
         match self {
             Workload::Model(job) => config.check(&job.graph),
             Workload::Command(_) => {
                 config.check_batch_settings()?;
-                for (field, value) in [
-                    ("workspace_limit_bytes", config.workspace_limit_bytes),
-                    ("prefetch_batches", config.prefetch_batches),
-                ] {
-                    if value != 0 {
-                        return Err(FieldError::new(
-                            field,
-                            format!("is {value}, but a command job has no such knob: must be 0"),
-                        ));
-                    }
+                if let Some(engine) = config.engine {
+                    let (field, value) = if engine.workspace_limit_bytes != 0 {
+                        ("workspace_limit_bytes", engine.workspace_limit_bytes)
+                    } else {
+                        ("prefetch_batches", engine.prefetch_batches)
+                    };
+                    return Err(FieldError::new(
+                        field,
+                        format!("is {value}, but a command job has no such knob: leave it out"),
+                    ));
                 }
                 Ok(())
             }

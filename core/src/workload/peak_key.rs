@@ -37,7 +37,7 @@ use sha2::{Digest, Sha256};
 
 use crate::command::validate::ValidatedCommandJob;
 use crate::model::{ActivationKind, FeatureShape, LayerOp, TensorSource, WindowGeometry};
-use crate::plan::RunConfig;
+use crate::plan::{EngineSettings, RunConfig};
 use crate::spec::LossKind;
 use crate::validate::ValidatedJob;
 
@@ -117,9 +117,17 @@ fn run_config(key: &mut KeyText, config: &RunConfig) {
         micro_batch_size,
         precision,
         recompute_segment_layers,
+        engine,
+    } = *config;
+    // A config without the engine's knobs (a command job's) is keyed as 0s, as it was
+    // when it carried them as 0s, so no stored key moves.
+    let EngineSettings {
         workspace_limit_bytes,
         prefetch_batches,
-    } = *config;
+    } = engine.unwrap_or(EngineSettings {
+        workspace_limit_bytes: 0,
+        prefetch_batches: 0,
+    });
     key.field("batch_size");
     key.number(batch_size);
     key.field("micro_batch_size");

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::allocator::OutOfMemory;
+use crate::plan::EngineSettings;
 use crate::spec::Precision;
 
 const COMMAND_JOB: &str = r#"
@@ -413,14 +414,8 @@ fn a_model_peak_key_changes_with_what_decides_memory() {
             recompute_segment_layers: Some(1),
             ..config
         },
-        RunConfig {
-            workspace_limit_bytes: config.workspace_limit_bytes + 1,
-            ..config
-        },
-        RunConfig {
-            prefetch_batches: config.prefetch_batches + 1,
-            ..config
-        },
+        config.with_workspace_limit(config.workspace_limit_bytes() + 1),
+        config.with_prefetch_batches(config.engine.unwrap().prefetch_batches + 1),
     ];
     for other in changed {
         assert_ne!(base.peak_key(&other), key, "{other:?}");
@@ -485,19 +480,26 @@ fn peak_keys_do_not_change_between_builds() {
 
 #[test]
 fn a_config_from_outside_is_checked_as_its_jobs_kind_reads_one() {
-    // A command job has no engine knobs: 0 there is its own config, anything else is
-    // refused naming the knob.
+    // A command job has no engine knobs: its own config lacks them, and one that has
+    // them is refused naming the knob.
     let command = command();
     let own = command.initial_config();
+    assert_eq!(own.engine, None);
     assert_eq!(command.check_config(&own), Ok(()));
     let prefetching = RunConfig {
-        prefetch_batches: 2,
+        engine: Some(EngineSettings {
+            workspace_limit_bytes: 0,
+            prefetch_batches: 2,
+        }),
         ..own
     };
     let refused = command.check_config(&prefetching).unwrap_err();
     assert_eq!(refused.field, "prefetch_batches");
     let with_workspace = RunConfig {
-        workspace_limit_bytes: 1 << 20,
+        engine: Some(EngineSettings {
+            workspace_limit_bytes: 1 << 20,
+            prefetch_batches: 0,
+        }),
         ..own
     };
     let refused = command.check_config(&with_workspace).unwrap_err();
@@ -511,17 +513,24 @@ fn a_config_from_outside_is_checked_as_its_jobs_kind_reads_one() {
         "micro_batch_size"
     );
 
-    // A model job's config is checked against its model: prefetching is the engine's,
-    // and a command job's 0 there is refused.
+    // A model job's config is checked against its model: it needs the engine's knobs,
+    // and prefetches at least one batch.
     let model = model();
     let own = model.initial_config();
     assert_eq!(model.check_config(&own), Ok(()));
-    let without_prefetch = RunConfig {
-        prefetch_batches: 0,
+    assert_eq!(
+        model
+            .check_config(&own.with_prefetch_batches(0))
+            .unwrap_err()
+            .field,
+        "prefetch_batches"
+    );
+    let without_engine = RunConfig {
+        engine: None,
         ..own
     };
     assert_eq!(
-        model.check_config(&without_prefetch).unwrap_err().field,
+        model.check_config(&without_engine).unwrap_err().field,
         "prefetch_batches"
     );
 }

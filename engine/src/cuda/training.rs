@@ -47,7 +47,7 @@ impl CudaTraining {
             CudaOptions {
                 device_ordinal,
                 slice_bytes: options.slice_bytes,
-                workspace_limit_bytes: options.config.workspace_limit_bytes,
+                workspace_limit_bytes: options.config.workspace_limit_bytes(),
                 tuning,
             },
             &job.graph,

@@ -13,7 +13,7 @@
 use std::fmt;
 
 use carve_core::estimator::MemoryEstimate;
-use carve_core::plan::RunConfig;
+use carve_core::plan::{EngineSettings, RunConfig};
 use carve_core::spec::Precision;
 use carve_proto::ApiError;
 use serde::{Deserialize, Serialize};
@@ -88,14 +88,22 @@ impl From<CorruptColumn> for SchedulerError {
 
 /// A run config as job and attempt rows store it. The keys are in alphabetical order,
 /// as the text has always been written (the admission cache keys hash it).
+///
+/// The engine's knobs (`prefetch_batches`, `workspace_limit_bytes`) are written only for
+/// a config that has them (a model job's); a command job's config lacks both. Rows
+/// written before the engine's knobs were optional hold both as 0 for a command job,
+/// which reads as "none" (a model job prefetches at least one batch, so two 0s were
+/// never a model job's); one knob without the other is a corrupt row.
 #[derive(Debug, Serialize, Deserialize)]
 struct StoredRunConfig {
     batch_size: u64,
     micro_batch_size: u64,
     precision: String,
-    prefetch_batches: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    prefetch_batches: Option<u64>,
     recompute_segment_layers: Option<u64>,
-    workspace_limit_bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    workspace_limit_bytes: Option<u64>,
 }
 
 /// A run config as its column ([`CONFIG_COLUMN`]) stores it.
@@ -104,9 +112,9 @@ pub fn config_to_json(config: &RunConfig) -> String {
         batch_size: config.batch_size,
         micro_batch_size: config.micro_batch_size,
         precision: config.precision.name().to_string(),
-        prefetch_batches: config.prefetch_batches,
+        prefetch_batches: config.engine.map(|engine| engine.prefetch_batches),
         recompute_segment_layers: config.recompute_segment_layers,
-        workspace_limit_bytes: config.workspace_limit_bytes,
+        workspace_limit_bytes: config.engine.map(|engine| engine.workspace_limit_bytes),
     };
     // Numbers and a string: serializing them cannot fail.
     serde_json::to_string(&stored).unwrap_or_default()
@@ -130,8 +138,22 @@ pub fn config_from_json(text: &str) -> Result<RunConfig, CorruptColumn> {
             )
         })?,
         recompute_segment_layers: stored.recompute_segment_layers,
-        workspace_limit_bytes: stored.workspace_limit_bytes,
-        prefetch_batches: stored.prefetch_batches,
+        engine: match (stored.workspace_limit_bytes, stored.prefetch_batches) {
+            (None, None) | (Some(0), Some(0)) => None,
+            (Some(workspace_limit_bytes), Some(prefetch_batches)) => Some(EngineSettings {
+                workspace_limit_bytes,
+                prefetch_batches,
+            }),
+            _ => {
+                return Err(CorruptColumn::new(
+                    CONFIG_COLUMN,
+                    format!(
+                        "{text:?} has one of the engine's knobs (workspace_limit_bytes, \
+                         prefetch_batches) without the other"
+                    ),
+                ));
+            }
+        },
     })
 }
 
@@ -241,8 +263,10 @@ mod tests {
             micro_batch_size: 8,
             precision: Precision::from_name("fp16").unwrap(),
             recompute_segment_layers: Some(2),
-            workspace_limit_bytes: 1 << 20,
-            prefetch_batches: 2,
+            engine: Some(EngineSettings {
+                workspace_limit_bytes: 1 << 20,
+                prefetch_batches: 2,
+            }),
         };
         let text = config_to_json(&config);
         assert_eq!(
@@ -250,6 +274,36 @@ mod tests {
             r#"{"batch_size":32,"micro_batch_size":8,"precision":"fp16","prefetch_batches":2,"recompute_segment_layers":2,"workspace_limit_bytes":1048576}"#
         );
         assert_eq!(config_from_json(&text), Ok(config));
+
+        // A command job's config has no engine knobs, and its text none either.
+        let command = RunConfig {
+            engine: None,
+            ..config
+        };
+        let text = config_to_json(&command);
+        assert_eq!(
+            text,
+            r#"{"batch_size":32,"micro_batch_size":8,"precision":"fp16","recompute_segment_layers":2}"#
+        );
+        assert_eq!(config_from_json(&text), Ok(command));
+    }
+
+    #[test]
+    fn a_command_jobs_config_written_before_the_split_reads_without_engine_knobs() {
+        // How rows of command jobs were written while the engine's knobs were plain
+        // fields, 0 by convention.
+        let old = r#"{"batch_size":256,"micro_batch_size":64,"precision":"bf16","prefetch_batches":0,"recompute_segment_layers":null,"workspace_limit_bytes":0}"#;
+        let config = config_from_json(old).unwrap();
+        assert_eq!(config.engine, None);
+        assert_eq!((config.batch_size, config.micro_batch_size), (256, 64));
+        // One knob without the other was never written.
+        for text in [
+            r#"{"batch_size":8,"micro_batch_size":8,"precision":"fp32","prefetch_batches":2,"recompute_segment_layers":null}"#,
+            r#"{"batch_size":8,"micro_batch_size":8,"precision":"fp32","recompute_segment_layers":null,"workspace_limit_bytes":0}"#,
+        ] {
+            let error = config_from_json(text).unwrap_err();
+            assert_eq!(error.column, CONFIG_COLUMN, "{text}");
+        }
     }
 
     #[test]

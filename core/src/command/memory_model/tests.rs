@@ -29,8 +29,7 @@ fn config(micro_batch_size: u64) -> RunConfig {
         micro_batch_size,
         precision: Precision::Fp32,
         recompute_segment_layers: None,
-        workspace_limit_bytes: 0,
-        prefetch_batches: 0,
+        engine: None,
     }
 }
 

@@ -142,8 +142,7 @@ fn initial_config_follows_the_spec() {
             micro_batch_size: 256,
             precision: Precision::Fp32,
             recompute_segment_layers: None,
-            workspace_limit_bytes: 0,
-            prefetch_batches: 0,
+            engine: None,
         }
     );
     let job = command_job(&edited(
