@@ -1,7 +1,9 @@
 //! The cuda backend's convolutions: cuDNN forward, backward data and backward filter with
 //! workspace-aware algorithms chosen once per shape (`algorithms.rs`), asymmetric padding
 //! on padded copies inside the conv's workspace, and direct NVRTC kernels when not one
-//! padded image fits there.
+//! padded image fits there. Where `graph_engines::resolve_convolution_api` says so (strict
+//! fp32 by default), each cuDNN call goes through the graph API instead (`conv_graph.rs`),
+//! within the same workspace, on the same routes.
 
 use carve_core::model::LayerNode;
 use carve_core::plan::{ElementType, im2col_workspace_elements};
@@ -14,6 +16,7 @@ use super::cudnn_ops::{
     ConvolutionAlgorithm, ConvolutionBuffers, ConvolutionDirection, ConvolutionShape,
 };
 use super::device::{KernelArgument, KernelGeometry, LaunchShape};
+use super::graph_engines::{ConvolutionApi, usable_workspace_bytes};
 use super::{
     CudaBackend, CudaBackward, CudaForward, DeviceBuffer, GradientTarget, geometry_dimensions,
     has_symmetric_padding, kernel_geometry, pointer, type_code,
@@ -221,6 +224,18 @@ impl CudaBackend {
         beta: f32,
         label: &str,
     ) -> Result<(), EngineError> {
+        if self.convolution_api(shape.element_type) == ConvolutionApi::Graph
+            && self.run_graph_convolution(
+                shape,
+                direction,
+                buffers,
+                may_overwrite_output,
+                beta,
+                label,
+            )?
+        {
+            return Ok(());
+        }
         let algorithm =
             self.convolution_algorithm(shape, direction, buffers, may_overwrite_output, label)?;
         self.cudnn
@@ -336,17 +351,19 @@ impl CudaBackend {
             Some(id) => {
                 let buffer = self.buffer(id)?;
                 let bytes = self.live.get(id).map_or(0, |(_, bytes)| bytes);
-                let mut usable = bytes.min(self.workspace_limit_bytes);
-                if !self.tuning.workspace_headroom {
-                    let im2col_bytes = im2col_workspace_elements(
-                        call.layer,
-                        buffer.element_type,
-                        call.batch as u64,
-                        self.workspace_limit_bytes,
-                    )
-                    .map_or(0, |elements| elements * buffer.element_type.bytes());
-                    usable = usable.min(im2col_bytes);
-                }
+                let im2col_bytes = im2col_workspace_elements(
+                    call.layer,
+                    buffer.element_type,
+                    call.batch as u64,
+                    self.workspace_limit_bytes,
+                )
+                .map_or(0, |elements| elements * buffer.element_type.bytes());
+                let usable = usable_workspace_bytes(
+                    bytes,
+                    self.workspace_limit_bytes,
+                    self.tuning.workspace_headroom,
+                    im2col_bytes,
+                );
                 Ok((buffer.address, usable))
             }
             None => Ok((0, 0)),

@@ -20,7 +20,7 @@ pub(super) use crate::cuda::cudnn_shapes::{
 };
 use crate::cuda::error::{CudaFailure, CudaLibrary};
 
-fn check(status: sys::cudnnStatus_t, during: &str) -> Result<(), CudaFailure> {
+pub(super) fn check(status: sys::cudnnStatus_t, during: &str) -> Result<(), CudaFailure> {
     if status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
         Ok(())
     } else {
@@ -31,7 +31,7 @@ fn check(status: sys::cudnnStatus_t, during: &str) -> Result<(), CudaFailure> {
     }
 }
 
-fn data_type(element_type: ElementType) -> Result<sys::cudnnDataType_t, CudaFailure> {
+pub(super) fn data_type(element_type: ElementType) -> Result<sys::cudnnDataType_t, CudaFailure> {
     match element_type {
         ElementType::F32 => Ok(sys::cudnnDataType_t::CUDNN_DATA_FLOAT),
         ElementType::F16 => Ok(sys::cudnnDataType_t::CUDNN_DATA_HALF),
@@ -396,6 +396,17 @@ impl Cudnn {
             "binding cudnn to the stream",
         )?;
         Ok(cudnn)
+    }
+
+    /// The handle, for the graph API's descriptors and executions (`cudnn_graph.rs`),
+    /// which live no longer than this `Cudnn` (the backend drops them first).
+    pub(super) fn raw_handle(&self) -> sys::cudnnHandle_t {
+        self.handle
+    }
+
+    /// Whether fp32 convolutions may use TF32.
+    pub(super) fn allow_tf32(&self) -> bool {
+        self.allow_tf32
     }
 
     /// Asks cuDNN for the algorithms of one direction with their workspace sizes. With

@@ -48,6 +48,8 @@ mod algorithms;
 mod batch_norm;
 mod batch_norm_kernels;
 mod conv;
+mod conv_graph;
+mod cudnn_graph;
 mod cudnn_ops;
 mod cudnn_shapes;
 mod dense;
@@ -55,6 +57,7 @@ mod depthwise;
 mod device;
 mod dropout;
 mod error;
+mod graph_engines;
 mod graphs;
 mod kernels;
 mod loss;
@@ -80,11 +83,14 @@ pub use algorithms::{
     plan_padded_convolution, workspace_budget,
 };
 pub use error::{CudaFailure, CudaLibrary, SliceNumbers, classify_failure, is_allocation_failure};
+pub use graph_engines::{
+    ConvolutionApi, EngineNotes, GraphEngineCandidate, choose_graph_engine, resolve_convolution_api,
+};
 pub use slice::{
     KernelDimensions, LiveBuffers, SliceReservation, hwio_to_krsc, krsc_to_hwio, verify_reservation,
 };
 pub use training::{CudaTraining, train_on_cuda, train_on_cuda_with};
-pub use tuning::{CudaTuning, TUNING_VARIABLE};
+pub use tuning::{ConvolutionApiChoice, CudaTuning, TUNING_VARIABLE};
 
 use crate::backend::{
     Backend, OperationContext, OperationResult, PhaseEnd, PhaseKind, padded_write,
@@ -135,6 +141,9 @@ type AlgorithmKey = (ConvolutionShape, ConvolutionDirection, u64);
 pub struct CudaBackend {
     // Declared first so they are dropped before the device (and its stream and context).
     graphs: PhaseGraphs,
+    /// Graph API plans by what they were built for (`None`: the legacy API runs it);
+    /// dropped before the cuDNN handle they were built with.
+    graph_plans: HashMap<cudnn_graph::GraphKey, Option<cudnn_graph::GraphPlan>>,
     cudnn: Cudnn,
     device: Device,
     reservation: SliceReservation,
@@ -145,6 +154,8 @@ pub struct CudaBackend {
     algorithms: HashMap<AlgorithmKey, (ConvolutionAlgorithm, u64)>,
     workspace_limit_bytes: u64,
     tuning: CudaTuning,
+    /// `cudnnGetVersion`, which says whether the graph API can run.
+    cudnn_version: usize,
     /// Set with the `profile` tuning.
     profile: Option<OperationProfile>,
 }
@@ -186,6 +197,14 @@ impl CudaBackend {
             .map_err(|failure| classify_failure(&failure, empty))?;
         let cudnn = Cudnn::new(device.cu_stream(), options.tuning.allow_tf32)
             .map_err(|failure| classify_failure(&failure, empty))?;
+        let cudnn_version = cudnn_graph::cudnn_version();
+        resolve_convolution_api(
+            options.tuning.convolution_api,
+            ElementType::F32,
+            options.tuning.allow_tf32,
+            cudnn_version,
+        )
+        .map_err(|reason| EngineError::Backend(format!("cuda: {reason}")))?;
         let reservation = device
             .reserve_slice(options.slice_bytes)
             .map_err(|failure| classify_failure(&failure, empty))?;
@@ -215,6 +234,7 @@ impl CudaBackend {
             .collect();
         Ok(CudaBackend {
             graphs: PhaseGraphs::default(),
+            graph_plans: HashMap::new(),
             cudnn,
             device,
             reservation,
@@ -224,6 +244,7 @@ impl CudaBackend {
             algorithms: HashMap::new(),
             workspace_limit_bytes: options.workspace_limit_bytes,
             tuning: options.tuning,
+            cudnn_version,
             profile: options.tuning.profile.then(OperationProfile::default),
         })
     }

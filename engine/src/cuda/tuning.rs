@@ -22,6 +22,24 @@
 //! - `profile`: time every plan operation with CUDA events and print the table when the
 //!   backend is dropped (a profile on a GPU machine without nsys); phases are then always
 //!   walked, so each operation is seen.
+//! - `graph-api` / `legacy-api`: run every convolution through cuDNN's graph (backend)
+//!   API (an error where cuDNN 9 is missing), or none. By default the legacy API runs
+//!   them, except in strict fp32, where the graph API does wherever cuDNN 9 is loaded
+//!   (`graph_engines::resolve_convolution_api`): the legacy API's FMA-only fp32
+//!   algorithms are the slow ones. The default changes only once the graph API measures
+//!   faster on a GPU (`engine/benches/gpu_check.sh` runs both).
+
+/// Which cuDNN API convolutions run through (`graph_engines::resolve_convolution_api`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ConvolutionApiChoice {
+    /// The legacy API, except the graph API for strict fp32 where cuDNN 9 is loaded.
+    #[default]
+    Automatic,
+    /// Always the legacy API.
+    Legacy,
+    /// Always the graph API.
+    Graph,
+}
 
 /// Which of the backend's speed changes are on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,6 +58,8 @@ pub struct CudaTuning {
     pub workspace_headroom: bool,
     /// Every operation is timed with CUDA events.
     pub profile: bool,
+    /// Which cuDNN API runs convolutions.
+    pub convolution_api: ConvolutionApiChoice,
 }
 
 impl Default for CudaTuning {
@@ -52,6 +72,7 @@ impl Default for CudaTuning {
             cuda_graphs: true,
             workspace_headroom: true,
             profile: false,
+            convolution_api: ConvolutionApiChoice::Automatic,
         }
     }
 }
@@ -85,11 +106,13 @@ impl CudaTuning {
                 "no-graphs" => tuning.cuda_graphs = false,
                 "no-workspace-headroom" => tuning.workspace_headroom = false,
                 "profile" => tuning.profile = true,
+                "graph-api" => tuning.convolution_api = ConvolutionApiChoice::Graph,
+                "legacy-api" => tuning.convolution_api = ConvolutionApiChoice::Legacy,
                 other => {
                     return Err(format!(
                         "{TUNING_VARIABLE}: unknown word {other:?} (known: strict, zero-fill, \
                          heuristic-filter, legacy-batch-norm, no-graphs, \
-                         no-workspace-headroom, profile)"
+                         no-workspace-headroom, profile, graph-api, legacy-api)"
                     ));
                 }
             }
@@ -124,5 +147,17 @@ mod tests {
         let error = CudaTuning::parse("strict,tf33").unwrap_err();
         assert!(error.contains("\"tf33\""), "{error}");
         assert!(!CudaTuning::default().strict().allow_tf32);
+        assert_eq!(
+            CudaTuning::default().convolution_api,
+            ConvolutionApiChoice::Automatic
+        );
+        assert_eq!(
+            CudaTuning::parse("graph-api").unwrap().convolution_api,
+            ConvolutionApiChoice::Graph
+        );
+        assert_eq!(
+            CudaTuning::parse("legacy-api").unwrap().convolution_api,
+            ConvolutionApiChoice::Legacy
+        );
     }
 }
