@@ -30,8 +30,12 @@ use crate::watchdog::{SystemWatchSource, run_watchdog};
 
 mod command_launch;
 mod model_launch;
+mod scheduler_choice;
 mod startup;
 mod watched;
+
+pub use scheduler_choice::{ANSWERED_BACKOFF_MAX, EndpointReason, SessionAttempt};
+use scheduler_choice::{AttemptEnd, SchedulerChoice};
 
 use startup::{find_real_gpus, kill_leftovers_of_a_previous_life};
 use watched::{WorkerAttempts, WorkerLimitedAttempts};
@@ -40,8 +44,9 @@ use watched::{WorkerAttempts, WorkerLimitedAttempts};
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
     /// `http://host:port` of the scheduler, or several, comma-separated (replicas on
-    /// PostgreSQL): the worker holds its session with one and moves to the next when
-    /// that one fails or is a standby (see `carve_proto::client::failover_endpoints`).
+    /// PostgreSQL): the worker holds its session with the leader, going to the one a
+    /// standby names, and to the next listed when one fails or names none (see
+    /// `carve_proto::client::failover_endpoints` and `worker/scheduler_choice.rs`).
     pub scheduler_url: String,
     /// A WORKER bearer token.
     pub token: String,
@@ -61,9 +66,13 @@ pub struct WorkerConfig {
     /// The program to run for an attempt (`PROGRAM attempt ...`): this binary, normally
     /// `std::env::current_exe()`.
     pub attempt_program: PathBuf,
-    /// The first wait before reconnecting; it doubles up to `reconnect_backoff_max`.
+    /// The first wait before reconnecting; it doubles up to `reconnect_backoff_max` while
+    /// no replica answers, and only up to [`ANSWERED_BACKOFF_MAX`] while one does.
     pub reconnect_backoff_initial: Duration,
     pub reconnect_backoff_max: Duration,
+    /// Told about every attempt at a session before it is made: where it goes, why, and
+    /// how long the worker waited first (tests read which endpoints were tried).
+    pub session_observer: Option<mpsc::UnboundedSender<SessionAttempt>>,
     /// Told about every attempt process the worker starts (tests use it to find pids).
     pub process_observer: Option<mpsc::UnboundedSender<StartedAttemptProcess>>,
     /// The certificate (PEM) to trust for an `https://` scheduler, for private CAs and
@@ -115,6 +124,7 @@ impl WorkerConfig {
             attempt_program,
             reconnect_backoff_initial: Duration::from_millis(100),
             reconnect_backoff_max: Duration::from_secs(5),
+            session_observer: None,
             process_observer: None,
             scheduler_ca_certificate_pem: None,
             client_identity: None,
@@ -241,9 +251,11 @@ struct Worker {
     /// they are sent again (renumbered) ahead of anything new.
     unacknowledged: VecDeque<PendingReport>,
     worker_id: String,
-    /// Which of the scheduler endpoints the next session tries (counts up at each
-    /// failed or ended session, taken modulo their number).
-    endpoint_turn: usize,
+    /// Which scheduler replica the next session tries, and after what wait.
+    scheduler_choice: SchedulerChoice,
+    /// How the current attempt at a session ended, when it got as far as an answer or
+    /// an open session (`None`: nothing answered).
+    attempt_end: Option<AttemptEnd>,
     /// Where this worker records the attempt processes it runs.
     process_records: PathBuf,
     /// Set by a drain: the scheduler places nothing new here.
@@ -332,6 +344,10 @@ pub async fn run_worker(
         ))),
         _ => None,
     };
+    let scheduler_choice = SchedulerChoice::new(
+        config.reconnect_backoff_initial,
+        config.reconnect_backoff_max,
+    );
     let mut worker = Worker {
         process_records,
         config,
@@ -340,19 +356,19 @@ pub async fn run_worker(
         reports,
         unacknowledged: VecDeque::new(),
         worker_id: String::new(),
-        endpoint_turn: 0,
+        scheduler_choice,
+        attempt_end: None,
         draining: false,
         guard_library,
         simulated_guard_library,
         sandbox,
     };
     tokio::pin!(shutdown);
-    let mut backoff = worker.config.reconnect_backoff_initial;
     let mut stopped_by: Option<WorkerError> = None;
     loop {
         let ended = tokio::select! {
             _ = &mut shutdown => break,
-            ended = worker.run_session(&mut incoming_reports, &mut backoff) => ended,
+            ended = worker.run_session(&mut incoming_reports) => ended,
         };
         let reason = match ended {
             Ok(()) => "the scheduler ended the session".to_string(),
@@ -362,15 +378,12 @@ pub async fn run_worker(
             }
             Err(error) => error.to_string(),
         };
-        // The next session tries the next scheduler: this one died, stopped leading or
-        // is a standby.
-        worker.endpoint_turn = worker.endpoint_turn.wrapping_add(1);
-        tracing::warn!(%reason, retry_in = ?backoff, "no session with the scheduler");
+        let wait = worker.next_session_wait();
+        tracing::warn!(%reason, retry_in = ?wait, "no session with the scheduler");
         tokio::select! {
             _ = &mut shutdown => break,
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(wait) => {}
         }
-        backoff = (backoff * 2).min(worker.config.reconnect_backoff_max);
     }
     if let Some(watchdog) = watchdog {
         watchdog.abort();
@@ -395,7 +408,37 @@ fn proto_duration(duration: Option<prost_types::Duration>) -> Option<Duration> {
     Some(Duration::new(seconds, nanos))
 }
 
+/// How long registering may take: a replica that accepted the connection but does not
+/// answer (frozen) is left for the next one after this.
+const REGISTER_DEADLINE: Duration = Duration::from_secs(5);
+
 impl Worker {
+    /// The endpoint choice's side of the session loop: where the next attempt goes.
+    async fn choose_session_endpoint(&mut self) -> String {
+        let listed = failover_endpoints(&self.config.scheduler_url).await;
+        self.attempt_end = None;
+        let attempt = self.scheduler_choice.next_attempt(&listed);
+        tracing::debug!(endpoint = %attempt.endpoint, reason = ?attempt.reason, waited = ?attempt.waited, "session attempt");
+        if let Some(observer) = &self.config.session_observer {
+            let _ = observer.send(attempt.clone());
+        }
+        attempt.endpoint
+    }
+
+    /// Records that the replica answered `status` (a refusal, or the end of an open
+    /// session), with the leader it named.
+    fn scheduler_answered(&mut self, status: &tonic::Status, session_was_open: bool) {
+        self.attempt_end = Some(AttemptEnd::of_status(status, session_was_open));
+    }
+
+    /// After an attempt at a session ended: reads how, and returns how long to wait
+    /// before the next.
+    fn next_session_wait(&mut self) -> Duration {
+        let end = self.attempt_end.take().unwrap_or(AttemptEnd::NoAnswer);
+        self.scheduler_choice.attempt_ended(end);
+        self.scheduler_choice.wait()
+    }
+
     fn gpus_proto(&self) -> Vec<v1::Gpu> {
         let shared = lock(&self.shared);
         self.gpus
@@ -409,15 +452,10 @@ impl Worker {
     async fn run_session(
         &mut self,
         incoming_reports: &mut mpsc::UnboundedReceiver<Body>,
-        backoff: &mut Duration,
     ) -> Result<(), WorkerError> {
         let token = BearerToken::new(&self.config.token)
             .map_err(|_| WorkerError::invalid_setting("--token", "is not a valid header value"))?;
-        let endpoints = failover_endpoints(&self.config.scheduler_url).await;
-        let endpoint = endpoints
-            .get(self.endpoint_turn % endpoints.len().max(1))
-            .cloned()
-            .unwrap_or_default();
+        let endpoint = self.choose_session_endpoint().await;
         let channel = connect(
             &endpoint,
             self.config.scheduler_ca_certificate_pem.as_deref(),
@@ -438,14 +476,18 @@ impl Worker {
             other => WorkerError::Scheduler(format!("cannot connect to {endpoint}: {other}")),
         })?;
         let mut client = WorkerServiceClient::new(channel);
-        let registered = client
-            .register(v1::RegisterWorkerRequest {
-                hostname: self.config.hostname.clone(),
-                gpus: self.gpus_proto(),
-                version: env!("CARGO_PKG_VERSION").to_string(),
-                previous_worker_id: self.worker_id.clone(),
-            })
-            .await
+        let mut registration = tonic::Request::new(v1::RegisterWorkerRequest {
+            hostname: self.config.hostname.clone(),
+            gpus: self.gpus_proto(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            previous_worker_id: self.worker_id.clone(),
+        });
+        registration.set_timeout(REGISTER_DEADLINE);
+        let registered = client.register(registration).await;
+        if let Err(status) = &registered {
+            self.scheduler_answered(status, false);
+        }
+        let registered = registered
             .map_err(|status| match status.code() {
                 tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
                     WorkerError::TokenRefused(status.message().to_string())
@@ -518,13 +560,16 @@ impl Worker {
                 .await
                 .map_err(|_| closed())?;
         }
-        let mut incoming = client
-            .session(ReceiverStream::new(outgoing_stream))
-            .await
+        let incoming = client.session(ReceiverStream::new(outgoing_stream)).await;
+        if let Err(status) = &incoming {
+            self.scheduler_answered(status, false);
+        }
+        let mut incoming = incoming
             .map_err(|status| WorkerError::Scheduler(format!("session: {}", status.message())))?
             .into_inner();
         tracing::info!(worker = %self.worker_id, ?heartbeat_interval, "session open");
-        *backoff = self.config.reconnect_backoff_initial;
+        self.scheduler_choice.session_opened();
+        self.attempt_end = Some(AttemptEnd::SessionEnded { leader_named: None });
         let mut heartbeat = tokio::time::interval(heartbeat_interval);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -561,6 +606,7 @@ impl Worker {
                         Ok(Some(message)) => self.handle_scheduler_message(message).await,
                         Ok(None) => return Ok(()),
                         Err(status) => {
+                            self.scheduler_answered(&status, true);
                             return Err(WorkerError::Scheduler(format!(
                                 "session ended: {}",
                                 status.message()
