@@ -14,9 +14,11 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use crate::error::FieldError;
 
 mod duration;
+mod host_limits;
 mod sizes;
 
 pub use duration::{format_duration, parse_duration};
+pub use host_limits::{HostLimitsRequest, MIN_HOST_MEMORY_BYTES, lower_limit};
 pub use sizes::{ByteSize, VramRequest};
 
 /// A whole job: the model, how to train it, on what data, with what resources, and what to
@@ -601,6 +603,16 @@ pub struct ResourcesSpec {
     /// (a retry, a profile) has the whole of it. `None`: the worker's limit alone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_duration: Option<String>,
+    /// Host memory for the attempt's container (`"8GiB"`): less than its worker allows,
+    /// never more (see [`HostLimitsRequest`]). `None`: the worker's limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_memory: Option<String>,
+    /// CPUs' worth of time for the container (`2`, `0.5`); only lowers the worker's cap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<f64>,
+    /// Processes and threads for the container; only lowers the worker's limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u64>,
 }
 
 impl Default for ResourcesSpec {
@@ -609,6 +621,9 @@ impl Default for ResourcesSpec {
             vram: VramRequest::Auto,
             gpus: 1,
             max_duration: None,
+            host_memory: None,
+            cpus: None,
+            pids: None,
         }
     }
 }
@@ -628,6 +643,12 @@ impl ResourcesSpec {
             return Err(refused("must be longer than 0s".into()));
         }
         Ok(Some(duration))
+    }
+
+    /// `host_memory`, `cpus` and `pids` read, or why one cannot be (naming its field); a
+    /// validated spec always reads.
+    pub fn host_limits(&self) -> Result<HostLimitsRequest, FieldError> {
+        HostLimitsRequest::read(self.host_memory.as_deref(), self.cpus, self.pids)
     }
 }
 

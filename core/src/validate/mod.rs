@@ -154,6 +154,7 @@ pub(crate) fn validate_resources(resources: &ResourcesSpec) -> Result<(), FieldE
         ));
     }
     resources.max_duration_limit()?;
+    resources.host_limits()?;
     Ok(())
 }
 
