@@ -11,6 +11,7 @@
 //! - `spec`: the `[command]` job file format;
 //! - `validate`: its checks, with field paths; [`validate::ValidatedSpec`], either kind
 //!   of job, is `crate::workload::Workload` under its older name;
+//! - `image`: the image a program runs in and the secret that pulls it;
 //! - `render`: placeholders to the argv and environment of one attempt;
 //! - `memory_model`: the fitted model, its predictions and refinement;
 //! - `metrics`: the results a program reports (`accuracy`, `val_loss`, `metric_*`) and
@@ -19,6 +20,7 @@
 //! - `oom`: telling an OOM from other failures by the guard's record and the frameworks'
 //!   messages.
 
+pub mod image;
 pub mod memory_model;
 pub mod metrics;
 pub mod oom;

@@ -61,6 +61,15 @@ pub struct CommandSpec {
     /// only paths under the directories its operator lets jobs name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub read_only_paths: Vec<String>,
+    /// The OCI image the program runs in (`registry/repository:tag` or `@sha256:...`;
+    /// `image.rs`): its files are the container's root filesystem instead of the host's.
+    /// Unset: the host's system directories, read-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// The name of the tenant's stored secret holding the registry credential for a
+    /// private `image` (never the credential itself).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_secret: Option<String>,
     /// The effective batch the optimizer sees per step, which Carve keeps.
     pub global_batch: u64,
     /// Samples per forward/backward pass of the first attempt; must divide

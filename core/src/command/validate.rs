@@ -11,6 +11,7 @@ use crate::shrink::divisors_descending;
 use crate::spec::{Precision, ShrinkStrategy, VramRequest};
 use crate::validate::{MAX_BATCH_SIZE, validate_name, validate_oom_policy, validate_resources};
 
+use super::image::{check_secret_name, parse_image_reference};
 use super::memory_model::learning::check_declared_vram_is_a_size;
 use super::render::{TemplatePiece, parse_template};
 use super::spec::{CommandJobSpec, CommandSpec};
@@ -65,7 +66,8 @@ pub use crate::workload::Workload as ValidatedSpec;
 /// program), environment variable names valid and not Carve's own (`CARVE_*`,
 /// `LD_PRELOAD`, `CUDA_VISIBLE_DEVICES`), an absolute working directory, `global_batch`
 /// at least 1 with a micro-batch that divides it, `precisions` not empty and without
-/// duplicates, `precision` one of them, profile steps >= 1 and its micro-batches
+/// duplicates, `precision` one of them, an image reference the worker can pull and a
+/// pull secret that names a tenant secret (`image.rs`), profile steps >= 1 and its micro-batches
 /// divisors, the resources and OOM policy as for model jobs, a declared vram of at least
 /// 1 MiB (`vram = 2` is a size written without its unit, refused; strategies a command job
 /// cannot use, `workspace`, are refused; `mixed_precision` needs a half precision in
@@ -100,6 +102,7 @@ pub fn validate_command_job_spec(
             ));
         }
     }
+    validate_image(command)?;
     validate_batches(command)?;
     validate_precisions(command)?;
     match (command.steps, &uses_max_steps) {
@@ -133,6 +136,24 @@ pub fn validate_command_job_spec(
     validate_oom_policy(&spec.oom, command.global_batch, "command.global_batch")?;
     validate_command_strategies(&spec)?;
     Ok(ValidatedCommandJob { spec })
+}
+
+/// `command.image` parses as a reference the worker can pull; `command.image_pull_secret`
+/// names a tenant secret and goes with an image.
+fn validate_image(command: &CommandSpec) -> Result<(), FieldError> {
+    if let Some(image) = &command.image {
+        parse_image_reference("command.image", image)?;
+    }
+    if let Some(secret) = &command.image_pull_secret {
+        check_secret_name("command.image_pull_secret", secret)?;
+        if command.image.is_none() {
+            return Err(FieldError::new(
+                "command.image_pull_secret",
+                "pulls command.image, which is not set",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Every templated string parses; returns the first field that uses `{max_steps}` in

@@ -296,6 +296,40 @@ fn read_only_paths_must_be_absolute_and_are_named_by_their_index() {
 }
 
 #[test]
+fn image_and_its_pull_secret_are_checked_naming_the_field() {
+    let job = command_job(&edited(
+        "steps = 1000\n",
+        "steps = 1000\nimage = \"127.0.0.1:5000/team/train:2.5\"\nimage_pull_secret = \"team-registry\"\n",
+    ));
+    assert_eq!(
+        job.spec.command.image.as_deref(),
+        Some("127.0.0.1:5000/team/train:2.5")
+    );
+    assert_eq!(
+        job.spec.command.image_pull_secret.as_deref(),
+        Some("team-registry")
+    );
+    let error = refused(&edited(
+        "steps = 1000\n",
+        "steps = 1000\nimage = \"Team/Train:latest\"\n",
+    ));
+    assert_eq!(error.field, "command.image");
+    assert!(error.reason.contains("lowercase"), "{}", error.reason);
+    let error = refused(&edited(
+        "steps = 1000\n",
+        "steps = 1000\nimage = \"team/train\"\nimage_pull_secret = \"alice:hunter2\"\n",
+    ));
+    assert_eq!(error.field, "command.image_pull_secret");
+    assert!(!error.reason.contains("hunter2"), "{}", error.reason);
+    let error = refused(&edited(
+        "steps = 1000\n",
+        "steps = 1000\nimage_pull_secret = \"team-registry\"\n",
+    ));
+    assert_eq!(error.field, "command.image_pull_secret");
+    assert!(error.reason.contains("command.image"), "{}", error.reason);
+}
+
+#[test]
 fn working_directory_must_be_absolute() {
     let error = refused(&edited(
         "steps = 1000\n",
