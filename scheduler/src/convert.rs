@@ -527,6 +527,19 @@ pub fn worker_command_to_proto(command: WorkerCommand) -> v1::SchedulerMessage {
         }),
         WorkerCommand::Drain => Body::Drain(v1::scheduler_message::Drain {}),
         WorkerCommand::Ack { sequence } => Body::Ack(v1::scheduler_message::Ack { sequence }),
+        WorkerCommand::HeartbeatAck { sequence } => {
+            Body::HeartbeatAck(v1::scheduler_message::HeartbeatAck { sequence })
+        }
+        WorkerCommand::CheckpointRecorded {
+            attempt,
+            checkpoint,
+        } => Body::CheckpointRecorded(v1::scheduler_message::CheckpointRecorded {
+            attempt: Some(attempt_ref_to_proto(&attempt)),
+            checkpoint: Some(v1::Checkpoint {
+                step: checkpoint.step,
+                location: checkpoint.location,
+            }),
+        }),
     };
     v1::SchedulerMessage { body: Some(body) }
 }

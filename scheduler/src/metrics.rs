@@ -45,6 +45,9 @@ pub struct Metrics {
     pub attempts_lost: Counter,
     /// Jobs found placed or running with every attempt ended, moved on at recovery.
     pub stranded_jobs_recovered: Counter,
+    /// Times this replica stopped leading at its self-fence, its lease not renewed in
+    /// time (the database unreachable, the process frozen).
+    pub leader_self_fences: Counter,
     /// Stored specs read (parsed and checked) again after admission: a job first seen
     /// after a restart, or one past the cache of read specs.
     pub stored_spec_reads: Counter,
@@ -77,6 +80,7 @@ impl Default for Metrics {
             oom_retries_exhausted: Counter::default(),
             attempts_lost: Counter::default(),
             stranded_jobs_recovered: Counter::default(),
+            leader_self_fences: Counter::default(),
             stored_spec_reads: Counter::default(),
             preemptions: Counter::default(),
             jobs_succeeded: Counter::default(),
@@ -305,6 +309,12 @@ impl Metrics {
                 "carve_stranded_jobs_recovered",
                 "jobs found placed or running with every attempt ended, moved on at recovery",
                 &self.stranded_jobs_recovered,
+            ),
+            (
+                "carve_leader_self_fences",
+                "times this replica stopped leading at its self-fence, its lease not renewed \
+                 in time",
+                &self.leader_self_fences,
             ),
             (
                 "carve_stored_spec_reads",

@@ -313,7 +313,10 @@ pub async fn run(
         .map_err(reflection_failed)?;
     let address = listener.local_addr().ok();
     tracing::info!(?address, "scheduler listening");
-    let mut builder = tonic::transport::Server::builder();
+    let keepalive = http2_keepalive(&config.settings);
+    let mut builder = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(keepalive))
+        .http2_keepalive_timeout(Some(keepalive));
     if let Some(tls) = &config.tls {
         let mut tls_config = tonic::transport::ServerTlsConfig::new().identity(
             tonic::transport::Identity::from_pem(&tls.certificate_chain_pem, &tls.private_key_pem),
@@ -462,6 +465,18 @@ fn invalid_argument_for_decode_errors(method: &str, headers: &mut http::HeaderMa
         headers.remove(name);
     }
     headers.extend(replacement);
+}
+
+/// How often the server pings each connection over HTTP/2, and how long it waits for the
+/// answer before it closes the connection: a worker frozen (SIGSTOP) or cut off without
+/// a FIN holds its session open otherwise, and its stream's tasks with it, until its
+/// lease runs out and long after. A heartbeat interval, never under a second: a frozen
+/// peer's connection is closed within two of them, and a worker that heartbeats keeps
+/// its connection busy anyway (pings then cost nothing).
+pub fn http2_keepalive(settings: &SchedulerSettings) -> std::time::Duration {
+    settings
+        .heartbeat_interval
+        .max(std::time::Duration::from_secs(1))
 }
 
 /// A pass never starts sooner than this after the previous one started.

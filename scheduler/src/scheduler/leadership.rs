@@ -9,8 +9,25 @@ use carve_proto::ApiError;
 use tokio::time::Instant;
 
 use crate::error::SchedulerError;
+use crate::metrics::Metrics;
 
 use super::{Live, Scheduler};
+
+/// How long after a renewal began a leader that has not renewed since stops acting: a
+/// quarter of the lease before the lease itself runs out, so the fence comes first
+/// even when the renewal's statement reached the database late, and a leader renewing
+/// every quarter lease is fenced only after two renewals in a row failed or hung.
+pub fn self_fence_after(lease: Duration) -> Duration {
+    lease - lease / 4
+}
+
+/// Sleeps until `deadline`; without one, never wakes (a `select!` branch that is off).
+async fn sleep_until_or_never(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
 
 /// How long after a leader's lease ends (by the database's clock) a standby that saw it
 /// stop renewing tries to take over: enough for the lease to have ended when the
@@ -40,12 +57,60 @@ pub struct Candidate {
 }
 
 impl Scheduler {
-    /// What this replica is now.
+    /// What this replica is now. A leader whose lease it could not renew in time is a
+    /// standby from the moment its self-fence passed (see [`self_fence_after`]), before
+    /// its lease could have passed to another replica and whether or not its renewal
+    /// task has run since (a process frozen by SIGSTOP wakes with every timer due, and
+    /// whichever task runs first must already see it fenced).
     pub fn leader_role(&self) -> LeaderRole {
-        self.role
+        let role = self
+            .role
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clone()
+            .clone();
+        match role {
+            LeaderRole::Leading { .. } if self.lease_fence_passed() => {
+                // Fenced writes are refused from now on, before the renewal task steps
+                // down.
+                self.store.set_leader_epoch(None);
+                LeaderRole::Standby {
+                    leader_endpoint: None,
+                }
+            }
+            role => role,
+        }
+    }
+
+    /// Whether this leader's self-fence has passed (always false when not leading on
+    /// PostgreSQL).
+    fn lease_fence_passed(&self) -> bool {
+        self.lease_fenced_at()
+            .is_some_and(|fenced_at| Instant::now() >= fenced_at)
+    }
+
+    fn lease_fenced_at(&self) -> Option<Instant> {
+        *self
+            .lease_fenced_at
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Moves the self-fence to `lease` (less the margin) after `renewal_started`, the
+    /// moment before the statement that renewed (or took) the lease was sent: the
+    /// database counts the lease from a later moment, so the fence always comes first.
+    fn extend_lease_fence(&self, renewal_started: Instant, lease: Duration) {
+        *self
+            .lease_fenced_at
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) =
+            Some(renewal_started + self_fence_after(lease));
+    }
+
+    fn clear_lease_fence(&self) {
+        *self
+            .lease_fenced_at
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
     }
 
     fn set_role(&self, role: LeaderRole) {
@@ -88,29 +153,68 @@ impl Scheduler {
         self.set_role(LeaderRole::Standby {
             leader_endpoint: None,
         });
-        self.leadership_round(candidate, &mut None).await
+        self.leadership_round(candidate).await
     }
 
     /// Keeps leading (renewing the lease) or standing by (taking over when the leader's
     /// lease runs out) for as long as the scheduler runs.
+    ///
+    /// A leader that cannot renew stops acting at its self-fence ([`self_fence_after`]
+    /// of the lease after its last renewal began), which comes before any standby can
+    /// take the lease over: however long a renewal hangs (a partitioned database, a
+    /// process frozen mid-call), the wait for it ends at the fence, fenced writes are
+    /// refused from then on and its worker sessions end, so the workers go to the
+    /// replica that takes over instead of holding sessions with one that cannot act.
     pub async fn keep_leadership(self: Arc<Self>, candidate: Candidate) {
-        let mut renewed_at = None;
         loop {
-            tokio::time::sleep(candidate.lease / 4).await;
-            if let Err(error) = self.leadership_round(&candidate, &mut renewed_at).await {
+            let fence = self.lease_fenced_at();
+            tokio::select! {
+                _ = tokio::time::sleep(candidate.lease / 4) => {}
+                _ = sleep_until_or_never(fence) => {}
+            }
+            if self.fence_if_due().await {
+                continue;
+            }
+            let fence = self.lease_fenced_at();
+            let round = tokio::select! {
+                round = self.leadership_round(&candidate) => round,
+                () = sleep_until_or_never(fence) => {
+                    self.fence_if_due().await;
+                    continue;
+                }
+            };
+            if let Err(error) = round {
                 tracing::warn!(%error, "leadership check failed");
             }
         }
     }
 
-    /// One renewal (leading) or takeover attempt (standing by). `renewed_at` is when the
-    /// last successful renewal started: a leader that cannot renew steps down when its
-    /// lease would have run out, before any standby can take over.
-    async fn leadership_round(
-        &self,
-        candidate: &Candidate,
-        renewed_at: &mut Option<Instant>,
-    ) -> Result<(), SchedulerError> {
+    /// Steps down when this leader's self-fence has passed; whether it did.
+    async fn fence_if_due(&self) -> bool {
+        let leading = matches!(
+            *self
+                .role
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+            LeaderRole::Leading { .. }
+        );
+        if !leading || !self.lease_fence_passed() {
+            return false;
+        }
+        tracing::warn!(
+            "could not renew the leadership before its self-fence: stepping down before \
+             another replica can take the lease over"
+        );
+        Metrics::count(&self.metrics.leader_self_fences);
+        self.clear_lease_fence();
+        self.step_down(None).await;
+        true
+    }
+
+    /// One renewal (leading) or takeover attempt (standing by). Each successful one
+    /// moves the self-fence to [`self_fence_after`] the lease from the moment before its
+    /// statement; a leader whose renewal fails keeps leading until that fence.
+    async fn leadership_round(&self, candidate: &Candidate) -> Result<(), SchedulerError> {
         match self.leader_role() {
             LeaderRole::Alone => Ok(()),
             LeaderRole::Leading { epoch } => {
@@ -121,34 +225,29 @@ impl Scheduler {
                     .await
                 {
                     Ok(true) => {
-                        *renewed_at = Some(started);
+                        self.extend_lease_fence(started, candidate.lease);
                         Ok(())
                     }
                     Ok(false) => {
                         tracing::warn!(epoch, "another replica took the leadership over");
                         let leader = self.store.leadership().await.ok();
+                        self.clear_lease_fence();
                         self.step_down(leader.map(|row| row.endpoint)).await;
                         Ok(())
                     }
-                    Err(error) => {
-                        if renewed_at.is_none_or(|at| at.elapsed() >= candidate.lease) {
-                            tracing::warn!(epoch, "cannot renew the leadership: stepping down");
-                            self.step_down(None).await;
-                        }
-                        Err(error)
-                    }
+                    Err(error) => Err(error),
                 }
             }
             LeaderRole::Standby { .. } => {
+                // Counted from before the takeover's statement, like a renewal.
+                let started = Instant::now();
                 let taken = self
                     .store
                     .try_take_leadership(&candidate.holder, &candidate.endpoint, candidate.lease)
                     .await;
-                // Counted from before the takeover's statement, like a renewal.
-                let started = Instant::now();
                 match taken? {
                     Some(epoch) => {
-                        *renewed_at = Some(started);
+                        self.extend_lease_fence(started, candidate.lease);
                         self.become_leader(epoch).await
                     }
                     None => {
@@ -157,12 +256,8 @@ impl Scheduler {
                             leader_endpoint: Some(leader.endpoint).filter(|_| leader.current),
                         });
                         if leader.lease_left < candidate.lease / 4 {
-                            self.take_over_when_lease_ends(
-                                candidate,
-                                leader.lease_left,
-                                renewed_at,
-                            )
-                            .await?;
+                            self.take_over_when_lease_ends(candidate, leader.lease_left)
+                                .await?;
                         }
                         Ok(())
                     }
@@ -178,7 +273,6 @@ impl Scheduler {
         &self,
         candidate: &Candidate,
         lease_left: Duration,
-        renewed_at: &mut Option<Instant>,
     ) -> Result<(), SchedulerError> {
         tokio::time::sleep(lease_left + LEASE_END_MARGIN).await;
         // Counted from before the takeover's statement, like a renewal.
@@ -188,7 +282,7 @@ impl Scheduler {
             .try_take_leadership(&candidate.holder, &candidate.endpoint, candidate.lease)
             .await?
         {
-            *renewed_at = Some(started);
+            self.extend_lease_fence(started, candidate.lease);
             return self.become_leader(epoch).await;
         }
         Ok(())

@@ -247,6 +247,10 @@ pub struct Scheduler {
     last_session_token_check: Mutex<Option<Instant>>,
     /// Whether this replica leads (see `leadership`).
     role: Mutex<LeaderRole>,
+    /// While it leads on PostgreSQL: the moment its own lease could first pass to another
+    /// replica, less a margin; past it this replica acts as a standby though nobody told
+    /// it so (see `leadership::Scheduler::leader_role`).
+    lease_fenced_at: Mutex<Option<Instant>>,
 }
 
 pub fn now_ms() -> i64 {
@@ -317,6 +321,7 @@ impl Scheduler {
             last_lease_check: Mutex::new(None),
             last_session_token_check: Mutex::new(None),
             role: Mutex::new(LeaderRole::Alone),
+            lease_fenced_at: Mutex::new(None),
         }
     }
 

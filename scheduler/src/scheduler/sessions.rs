@@ -383,8 +383,11 @@ impl Scheduler {
     }
 
     /// A heartbeat on the worker's current session; one on a session that was replaced
-    /// or ended says nothing about the worker.
-    pub fn heartbeat(&self, worker_id: &str, session_id: u64, gpus: &[GpuFreeBytes]) {
+    /// or ended says nothing about the worker. Whether the worker may count it as heard
+    /// by a leader: on its current session of a replica that leads (a leader past its
+    /// self-fence does not), so the worker's own lease never outlasts the scheduler's.
+    pub fn heartbeat(&self, worker_id: &str, session_id: u64, gpus: &[GpuFreeBytes]) -> bool {
+        let leading = self.is_leading();
         let mut live = self.live();
         if let Some(worker) = live.workers.get_mut(worker_id)
             && worker
@@ -403,7 +406,9 @@ impl Scheduler {
                     gpu.free_bytes = reported.free_bytes;
                 }
             }
+            return leading;
         }
+        false
     }
 
     /// Whether a report about `attempt` comes from the worker that holds it now.
@@ -512,9 +517,17 @@ impl Scheduler {
                         ),
                     );
                     let mut job = self.store.get_job(&attempt.job_id).await?;
-                    job.checkpoint_location = Some(checkpoint.location);
+                    job.checkpoint_location = Some(checkpoint.location.clone());
                     job.checkpoint_step = checkpoint.step as i64;
                     self.update_job(&job).await?;
+                    // Stored: the worker may now delete what this one supersedes.
+                    self.send_to_worker(
+                        worker_id,
+                        WorkerCommand::CheckpointRecorded {
+                            attempt,
+                            checkpoint,
+                        },
+                    );
                 }
                 Ok(())
             }

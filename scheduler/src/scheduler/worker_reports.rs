@@ -154,6 +154,15 @@ pub enum WorkerCommand {
     Drain,
     /// Every report up to `sequence` was handled.
     Ack { sequence: u64 },
+    /// The heartbeat `sequence` reached this scheduler while it led (the worker's own
+    /// lease counts from it).
+    HeartbeatAck { sequence: u64 },
+    /// `checkpoint` of `attempt` is stored as its job's checkpoint to resume from: every
+    /// other checkpoint file of the job is superseded.
+    CheckpointRecorded {
+        attempt: AttemptRef,
+        checkpoint: Checkpoint,
+    },
 }
 
 /// An attempt a worker is to run.

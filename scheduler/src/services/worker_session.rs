@@ -100,9 +100,14 @@ pub fn serve_session(
             let sequence = message.sequence;
             let report = worker_report_from_proto(message);
             if let Ok(WorkerReport::Heartbeat { gpus }) = &report {
-                // Not acknowledged: the worker reads an ack as "every report up to this
-                // sequence", and reports before this heartbeat may still be in the queue.
-                scheduler.heartbeat(&worker_id, session_id, gpus);
+                // Not acknowledged with an Ack: the worker reads one as "every report up
+                // to this sequence", and reports before this heartbeat may still be in
+                // the queue. Its own answer tells the worker a leader heard it.
+                if scheduler.heartbeat(&worker_id, session_id, gpus) {
+                    // Never waits: a worker that does not read its stream misses answers,
+                    // which only shortens its own lease.
+                    let _ = sender.try_send(Ok(WorkerCommand::HeartbeatAck { sequence }));
+                }
                 continue;
             }
             if reports.send((sequence, report)).await.is_err() {
