@@ -82,6 +82,12 @@ impl std::fmt::Debug for ClientIdentity {
     }
 }
 
+/// How often a client's channel pings the scheduler over HTTP/2 ([`connect`]).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+
+/// How long a ping may go unanswered before the channel's connection is closed.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Opens a channel to the scheduler at `endpoint` whose calls carry `token`. An https://
 /// endpoint is reached over TLS, trusting `ca_certificate_pem` (a private authority or a
 /// self-signed certificate) when given and the system's roots otherwise, and showing
@@ -106,7 +112,14 @@ pub async fn connect(
                 format!("{endpoint:?} is not an address: {error}"),
             )
         })?
-        .connect_timeout(connect_timeout);
+        .connect_timeout(connect_timeout)
+        // A peer that froze (SIGSTOP) or vanished without a FIN leaves the connection
+        // standing: a worker would keep its session with a leader that cannot act, and
+        // a call would wait on it for as long as the freeze. HTTP/2 pings find it out
+        // within the interval and the timeout, idle or not.
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true);
     if endpoint.starts_with("https://") {
         let mut tls = match ca_certificate_pem {
             Some(pem) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)),
