@@ -23,6 +23,8 @@ use carve_engine::data::open_data_sets;
 use carve_engine::trainer::{Progress, TrainingOptions, train};
 use carve_proto::v1;
 
+use crate::attempt_lease::hold_the_lease;
+use crate::checkpoint_files::promote;
 use crate::child_protocol::{
     CheckpointLine, ChildLine, ConfigArgument, OUT_OF_MEMORY_EXIT_CODE,
     STOPPED_ON_SIGTERM_EXIT_CODE, WORKER_GONE_EXIT_CODE,
@@ -48,6 +50,14 @@ pub struct AttemptArguments {
     /// The checkpoint to resume from, if any.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Milliseconds left of the attempt's lease, renewed by `lease-ms N` lines on stdin
+    /// (see `attempt_lease`); without it the process holds no lease.
+    #[arg(long)]
+    pub worker_lease_ms: Option<u64>,
+    /// Milliseconds after the lease's end at which the process exits without finishing
+    /// its step.
+    #[arg(long, default_value_t = 0)]
+    pub worker_lease_grace_ms: u64,
 }
 
 /// The `attempt` subcommand of `program`: runs the attempt and turns its outcome into
@@ -169,13 +179,22 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
         Some(path) => Some(read_checkpoint(path).map_err(engine_error)?.step),
         None => None,
     };
+    let stop_requested = stop_on_sigterm()?;
+    if let Some(left) = arguments.worker_lease_ms {
+        // The same stop as SIGTERM's, raised by the lease's end.
+        hold_the_lease(
+            Duration::from_millis(left),
+            Duration::from_millis(arguments.worker_lease_grace_ms),
+            stop_requested.clone(),
+        );
+    }
     let options = TrainingOptions {
         config,
         slice_bytes: arguments.slice_bytes,
         checkpoint_path: Some(arguments.checkpoint.clone()),
         resume_from: resume.clone(),
         stop_after_steps: None,
-        stop_requested: Some(stop_on_sigterm()?),
+        stop_requested: Some(stop_requested),
     };
     // On a GPU the slice is reserved (and verified) before training starts; on the cpu
     // backend the executor's arena is the slice itself.
@@ -201,7 +220,7 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
             }),
     });
     let checkpoint_every = job.spec.training.checkpoint_every_steps;
-    let checkpoint_location = arguments.checkpoint.display().to_string();
+    let working_checkpoint = arguments.checkpoint.clone();
     // The trainer writes a checkpoint right after the progress callback of every
     // `checkpoint_every`-th step (except the last); it is on disk once the next step
     // reports, or once training returns.
@@ -213,17 +232,18 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
         _ => None,
     };
     let mut checkpoint_pending: Option<u64> = None;
+    // Runs on the training thread, between steps: the working file holds `step` (the
+    // next checkpoint is written after the next step's callback).
     let pending_checkpoint_becomes_written =
         |pending: &mut Option<u64>, last: &mut Option<CheckpointLine>| {
-            if let Some(step) = pending.take() {
+            if let Some(step) = pending.take()
+                && let Some(location) = promoted_location(&working_checkpoint, step)
+            {
                 emit(&ChildLine::Checkpoint {
                     step,
-                    location: checkpoint_location.clone(),
+                    location: location.clone(),
                 });
-                *last = Some(CheckpointLine {
-                    step,
-                    location: checkpoint_location.clone(),
-                });
+                *last = Some(CheckpointLine { step, location });
             }
         };
     let mut progress_reports = ProgressCadence::new(options.config.batch_size);
@@ -262,20 +282,24 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
         Ok(report) if stopped && report.steps < report.total_steps => {
             // Told to stop (preempted, cancelled): the checkpoint of the step reached is
             // on disk; the worker reports the stop it asked for, with no Finished line.
-            if let Some(path) = &report.checkpoint_path {
+            if let Some(path) = &report.checkpoint_path
+                && let Some(location) = promoted_location(path, report.steps)
+            {
                 emit(&ChildLine::Checkpoint {
                     step: report.steps,
-                    location: path.display().to_string(),
+                    location,
                 });
             }
             Ok(STOPPED_ON_SIGTERM_EXIT_CODE)
         }
         Ok(report) => {
             // The final checkpoint replaces any pending one.
-            if let Some(path) = &report.checkpoint_path {
+            if let Some(path) = &report.checkpoint_path
+                && let Some(location) = promoted_location(path, report.steps)
+            {
                 emit(&ChildLine::Checkpoint {
                     step: report.steps,
-                    location: path.display().to_string(),
+                    location,
                 });
             }
             emit(&ChildLine::Finished {
@@ -300,6 +324,24 @@ pub fn run_attempt(arguments: &AttemptArguments) -> Result<i32, WorkerError> {
             Ok(OUT_OF_MEMORY_EXIT_CODE)
         }
         Err(error) => Err(engine_error(error)),
+    }
+}
+
+/// The location to report for the checkpoint of `step` in the working file `working`:
+/// its promoted name, which nothing writes again ([`crate::checkpoint_files`]). A
+/// checkpoint that cannot be promoted is not reported (said on stderr): the job then
+/// resumes from the last one that was, rather than from a file this attempt may change.
+fn promoted_location(working: &Path, step: u64) -> Option<String> {
+    match promote(working, step) {
+        Ok(promoted) => Some(promoted.display().to_string()),
+        Err(error) => {
+            eprintln!(
+                "the checkpoint of step {step} in {} could not be given its own name ({error}): \
+                 not reported",
+                working.display()
+            );
+            None
+        }
     }
 }
 

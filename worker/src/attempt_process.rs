@@ -44,6 +44,9 @@ pub struct AttemptLaunch {
     pub resume: Option<PathBuf>,
     /// The NVML uuid of the real GPU the slice is on; `None` on a simulated GPU.
     pub cuda_gpu_uuid: Option<String>,
+    /// The attempt's own lease (`crate::attempt_lease`): the time left until its
+    /// worker's stop deadline, and the grace after it; `None`: it holds none.
+    pub worker_lease: Option<(Duration, Duration)>,
 }
 
 /// What the worker can tell a running attempt.
@@ -62,6 +65,13 @@ pub enum AttemptControl {
         grace_period: Duration,
         reason: String,
     },
+    /// Stop because no scheduler leader heard the worker for half its lease
+    /// ([`crate::leader_lease`]): stopped as a preemption is (SIGTERM, a checkpoint), and
+    /// the attempt ends INTERRUPTED, which the scheduler retries from its checkpoint.
+    StopWithoutLeader {
+        grace_period: Duration,
+        reason: String,
+    },
 }
 
 /// Why the worker stopped an attempt, which decides how it ends.
@@ -71,6 +81,8 @@ pub enum WorkerStop {
     Cancelled(String),
     /// Stopped by the watchdog: FAILED, with the watchdog's message.
     Failed(String),
+    /// Stopped for want of a leader: INTERRUPTED, retried from its checkpoint.
+    Interrupted(String),
 }
 
 impl WorkerStop {
@@ -79,6 +91,7 @@ impl WorkerStop {
         match self {
             WorkerStop::Cancelled(reason) => (v1::AttemptOutcome::Cancelled, reason),
             WorkerStop::Failed(reason) => (v1::AttemptOutcome::Failed, reason),
+            WorkerStop::Interrupted(reason) => (v1::AttemptOutcome::Interrupted, reason),
         }
     }
 }
@@ -113,6 +126,14 @@ impl AttemptLaunch {
         ];
         if let Some(resume) = &self.resume {
             argv.extend(["--resume".into(), path(resume)]);
+        }
+        if let Some((left, grace)) = self.worker_lease {
+            argv.extend([
+                "--worker-lease-ms".into(),
+                left.as_millis().to_string(),
+                "--worker-lease-grace-ms".into(),
+                grace.as_millis().to_string(),
+            ]);
         }
         argv
     }
@@ -165,7 +186,13 @@ pub async fn spawn_attempt_process(
             (command, None)
         }
     };
-    match spawn_supervised(command).await {
+    // Its stdin carries the renewals of its lease, when it holds one.
+    let stdin = if launch.worker_lease.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    };
+    match spawn_supervised_with_stdin(command, stdin).await {
         Ok(child) => Ok((child, container)),
         Err(error) => {
             if let Some(container) = &container {
@@ -183,9 +210,14 @@ pub async fn spawn_attempt_process(
 /// stdout and stderr piped, killed with the worker's handle if the worker drops it
 /// (`kill_on_drop`) and with the worker process itself (the parent-death signal), and
 /// leading its own process group, so a stop reaches whatever it starts too.
-pub async fn spawn_supervised(mut command: Command) -> std::io::Result<Child> {
+pub async fn spawn_supervised(command: Command) -> std::io::Result<Child> {
+    spawn_supervised_with_stdin(command, Stdio::null()).await
+}
+
+/// [`spawn_supervised`] with `stdin` as the process's stdin.
+async fn spawn_supervised_with_stdin(mut command: Command, stdin: Stdio) -> std::io::Result<Child> {
     command
-        .stdin(Stdio::null())
+        .stdin(stdin)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
@@ -511,6 +543,10 @@ impl ProcessStopper {
                 grace_period,
                 reason,
             }) => (grace_period, WorkerStop::Failed(reason)),
+            Some(AttemptControl::StopWithoutLeader {
+                grace_period,
+                reason,
+            }) => (grace_period, WorkerStop::Interrupted(reason)),
             None => (
                 Duration::ZERO,
                 WorkerStop::Cancelled("the worker is shutting down".to_string()),

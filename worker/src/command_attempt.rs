@@ -598,6 +598,7 @@ fn stop_of(control: AttemptControl) -> WorkerStop {
     match control {
         AttemptControl::Cancel { reason, .. } => WorkerStop::Cancelled(reason),
         AttemptControl::StopAsFailed { reason, .. } => WorkerStop::Failed(reason),
+        AttemptControl::StopWithoutLeader { reason, .. } => WorkerStop::Interrupted(reason),
     }
 }
 

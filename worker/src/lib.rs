@@ -8,6 +8,11 @@
 //!   program under the guard, its output, its profile runs, its end classified);
 //! - `command_output`: a command's output: bounded lines, `CARVE_PROGRESS` lines;
 //! - `attempt_child`: the attempt process itself (`carve-worker attempt ...`);
+//! - `leader_lease`: the worker's own count of its lease, and stopping its attempts when
+//!   no leader heard it for half of it; `attempt_lease`: an engine attempt process's
+//!   lease, renewed by its worker, so it stops even when its worker is frozen;
+//! - `checkpoint_files`: engine checkpoints promoted to names nothing rewrites, and the
+//!   superseded ones deleted once the scheduler recorded a newer one;
 //! - `child_protocol`: the JSON lines between the two;
 //! - `leftover_processes`: records of running attempt processes, and killing those a
 //!   crashed worker left behind when it starts again;
@@ -26,14 +31,17 @@
 //! attempt, never an OOM; and no attempt process outlives its worker.
 
 pub mod attempt_child;
+pub mod attempt_lease;
 pub mod attempt_limits;
 pub mod attempt_process;
+pub mod checkpoint_files;
 pub mod child_protocol;
 pub mod command_attempt;
 pub mod command_output;
 pub mod error;
 pub mod gpus;
 pub mod guard_environment;
+pub mod leader_lease;
 pub mod leftover_processes;
 pub mod nvml;
 pub mod program_output;

@@ -24,6 +24,7 @@ use crate::attempt_process::AttemptControl;
 use crate::error::WorkerError;
 use crate::gpus::{SimulatedGpu, SliceBook, WorkerGpu, discover_gpus};
 use crate::guard_environment::{find_guard_library, find_simulated_guard_library};
+use crate::leader_lease::{LeaderLease, stop_attempts_without_a_leader};
 use crate::leftover_processes::record_directory;
 use crate::sandbox::{Sandbox, SandboxSettings};
 use crate::watchdog::{SystemWatchSource, run_watchdog};
@@ -166,6 +167,15 @@ struct RunningAttempt {
     directories: Vec<PathBuf>,
 }
 
+/// The attempts the leaderless stopper may stop ([`crate::leader_lease`]).
+fn stoppable_attempts(shared: &Shared) -> Vec<crate::leader_lease::StoppableAttempt> {
+    lock(shared)
+        .running
+        .values()
+        .map(|running| (running.attempt.clone(), running.control.clone()))
+        .collect()
+}
+
 /// What the session loop and the attempt watchers share.
 #[derive(Debug, Default)]
 struct SharedState {
@@ -247,6 +257,8 @@ struct Worker {
     gpus: Vec<WorkerGpu>,
     shared: Shared,
     reports: mpsc::UnboundedSender<Body>,
+    /// How long since a leader last heard this worker ([`crate::leader_lease`]).
+    leader_lease: Arc<LeaderLease>,
     /// Reports sent in the current session and not yet acknowledged; after a reconnect
     /// they are sent again (renumbered) ahead of anything new.
     unacknowledged: VecDeque<PendingReport>,
@@ -320,6 +332,13 @@ pub async fn run_worker(
     }
     let (reports, mut incoming_reports) = mpsc::unbounded_channel();
     let shared = Shared::default();
+    // A worker no leader hears stops its attempts before the scheduler could give them
+    // to another worker.
+    let leader_lease = LeaderLease::new();
+    let leaderless_stops = tokio::spawn(stop_attempts_without_a_leader(leader_lease.clone(), {
+        let shared = shared.clone();
+        move || stoppable_attempts(&shared)
+    }));
     // The watchdog watches real GPUs only: a simulated GPU has no device memory to take.
     let context_bytes: HashMap<String, u64> = gpus
         .iter()
@@ -354,6 +373,7 @@ pub async fn run_worker(
         gpus,
         shared,
         reports,
+        leader_lease,
         unacknowledged: VecDeque::new(),
         worker_id: String::new(),
         scheduler_choice,
@@ -389,6 +409,7 @@ pub async fn run_worker(
         watchdog.abort();
     }
     limits.abort();
+    leaderless_stops.abort();
     // Shutting down: the attempts die with the worker (their processes would outlive it
     // otherwise); the scheduler requeues them when the lease runs out.
     for running in lock(&worker.shared).running.values() {
@@ -530,6 +551,11 @@ impl Worker {
             },
         ));
         let closed = || WorkerError::Scheduler("the session stream closed".into());
+        // The worker's own lease counts from this hello once the leader answers it.
+        let session_began = Instant::now();
+        if let Some(lease) = proto_duration(registered.lease_duration) {
+            self.leader_lease.session_began(lease, session_began);
+        }
         outgoing
             .send(v1::WorkerMessage {
                 sequence,
@@ -576,6 +602,7 @@ impl Worker {
             tokio::select! {
                 _ = heartbeat.tick() => {
                     sequence += 1;
+                    self.leader_lease.heartbeat_sent(sequence, Instant::now());
                     let gpus = self
                         .gpus_proto()
                         .into_iter()
@@ -601,6 +628,21 @@ impl Worker {
                         .await
                         .map_err(|_| closed())?;
                 }
+                // The acknowledgement deadline: a session whose scheduler answers nothing
+                // (a frozen leader whose connection still stands) is given up.
+                () = crate::attempt_process::sleep_until_or_never(
+                    self.leader_lease
+                        .answer_overdue_at(session_began, heartbeat_interval)
+                        .map(Into::into),
+                ) => {
+                    return Err(WorkerError::Scheduler(format!(
+                        "the scheduler answered no heartbeat for {:?}: giving up the session",
+                        crate::leader_lease::answer_deadline(
+                            heartbeat_interval,
+                            self.leader_lease.lease().unwrap_or_default(),
+                        )
+                    )));
+                }
                 message = incoming.message() => {
                     match message {
                         Ok(Some(message)) => self.handle_scheduler_message(message).await,
@@ -620,7 +662,15 @@ impl Worker {
 
     async fn handle_scheduler_message(&mut self, message: v1::SchedulerMessage) {
         use v1::scheduler_message::Body as SchedulerBody;
+        // Any answer on the session: its leader heard the hello.
+        self.leader_lease.session_answered();
         match message.body {
+            Some(SchedulerBody::HeartbeatAck(answer)) => {
+                self.leader_lease.heartbeat_answered(answer.sequence);
+            }
+            Some(SchedulerBody::CheckpointRecorded(recorded)) => {
+                self.delete_superseded_checkpoints(recorded);
+            }
             Some(SchedulerBody::Ack(ack)) => {
                 while self
                     .unacknowledged
@@ -661,6 +711,23 @@ impl Worker {
             }
             None => {}
         }
+    }
+
+    /// The scheduler stored a checkpoint as its job's: what it supersedes in the job's
+    /// directory goes ([`crate::checkpoint_files`]), off the async runtime.
+    fn delete_superseded_checkpoints(&self, recorded: v1::scheduler_message::CheckpointRecorded) {
+        let (Some(attempt), Some(checkpoint)) = (recorded.attempt, recorded.checkpoint) else {
+            return;
+        };
+        let directory = job_directory(&self.config.checkpoint_directory, &attempt);
+        tokio::task::spawn_blocking(move || {
+            let location = PathBuf::from(&checkpoint.location);
+            for deleted in
+                crate::checkpoint_files::delete_superseded(&directory, &attempt.job_id, &location)
+            {
+                tracing::debug!(job = %attempt.job_id, file = %deleted.display(), "deleted a superseded checkpoint");
+            }
+        });
     }
 
     /// Refuses an assignment: the attempt ends at once as failed, with the reason.

@@ -14,6 +14,7 @@ use super::{
     RunningAttempt, StartedAttemptProcess, Worker, attempt_directory, attempt_key,
     checkpoint_file_name, container_name, job_directory, lock,
 };
+use crate::attempt_lease::renew_attempt_lease;
 use crate::attempt_limits::MaxDuration;
 use crate::attempt_process::{AttemptLaunch, spawn_attempt_process, watch_attempt_process};
 use crate::child_protocol::ConfigArgument;
@@ -69,6 +70,9 @@ impl Worker {
                 .map(|checkpoint| PathBuf::from(&checkpoint.location)),
             // A simulated GPU's attempt trains on the cpu backend.
             cuda_gpu_uuid: (!gpu.simulated).then(|| gpu.uuid.clone()),
+            // It stops on its own at its worker's stop deadline unless the worker renews
+            // it (a frozen worker cannot stop it).
+            worker_lease: self.attempt_lease(),
         };
         let container = match &self.sandbox {
             Some(sandbox) => {
@@ -109,7 +113,13 @@ impl Worker {
             }
             None => None,
         };
-        let (child, container) = spawn_attempt_process(&launch, container).await?;
+        let (mut child, container) = spawn_attempt_process(&launch, container).await?;
+        if let Some(stdin) = child.stdin.take() {
+            tokio::spawn(renew_attempt_lease(
+                stdin,
+                self.leader_lease.watch_stop_deadline(),
+            ));
+        }
         let container_processes = container
             .as_ref()
             .map(|container| container.processes_file().to_path_buf());
@@ -183,6 +193,19 @@ impl Worker {
             },
         ));
         Ok(())
+    }
+}
+
+impl Worker {
+    /// The lease an engine attempt starts with: the time left until the worker's stop
+    /// deadline and the grace after it; `None` before the worker knows its lease.
+    fn attempt_lease(&self) -> Option<(std::time::Duration, std::time::Duration)> {
+        let deadline = self.leader_lease.stop_deadline()?;
+        let lease = self.leader_lease.lease()?;
+        Some((
+            deadline.saturating_duration_since(Instant::now()),
+            crate::leader_lease::stop_grace(lease),
+        ))
     }
 }
 
