@@ -1,16 +1,22 @@
 //! The model graph: a job's layer list with every shape worked out and every setting
 //! resolved (padding in pixels, default strides filled in), ready for the step plan.
 //!
+//! The graph is also what the store keeps of a model job after admission (the serde
+//! derives here are that stored form's, `workload/stored.rs`, never the wire's), so a
+//! stored job is never inferred again.
+//!
 //! Shapes are per sample. Images are `height x width x channels` (channels last, as the job
 //! file writes them); how a backend lays them out in memory is its own business, since the
 //! byte counts are the same.
 
 use std::fmt;
 
-use crate::spec::LossKind;
+use serde::{Deserialize, Serialize};
+
+use crate::spec::{LayerSpec, LossKind};
 
 /// The shape of one sample's features between two layers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum FeatureShape {
     Image {
         height: u64,
@@ -51,7 +57,7 @@ impl fmt::Display for FeatureShape {
 }
 
 /// A convolution or pooling window with its padding resolved to pixels per side.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct WindowGeometry {
     pub kernel_height: u64,
     pub kernel_width: u64,
@@ -75,7 +81,7 @@ impl WindowGeometry {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum ActivationKind {
     Relu,
     /// `min(max(x, 0), 6)`, MobileNet's activation (Keras' ReLU(max_value=6)).
@@ -89,7 +95,7 @@ pub enum ActivationKind {
 }
 
 /// What a layer computes, with everything resolved.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum LayerOp {
     Conv2d {
         filters: u64,
@@ -137,18 +143,80 @@ pub enum LayerOp {
 }
 
 /// Where a layer's input comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum TensorSource {
     ModelInput,
     /// The output of the layer at this index, always an earlier one.
     Layer(usize),
 }
 
+/// A name from a fixed list (a layer's kind, a parameter's name). The alias keeps serde
+/// from borrowing it from the text it reads: it is read back as the listed name.
+pub type KnownName = &'static str;
+
+/// Every name a layer's parameter tensor has.
+pub const PARAMETER_NAMES: &[&str] = &[
+    "kernel",
+    "bias",
+    "gamma",
+    "beta",
+    "running_mean",
+    "running_variance",
+];
+
+/// The one name of `known` equal to `text`, for the `&'static str` names a graph holds
+/// (read back from its stored form); an error lists the known names.
+fn known_name<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+    known: &'static [&'static str],
+) -> Result<&'static str, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    known
+        .iter()
+        .copied()
+        .find(|name| *name == text)
+        .ok_or_else(|| serde::de::Error::unknown_variant(&text, known))
+}
+
+/// A parameter's name in the stored form: one of [`PARAMETER_NAMES`].
+mod parameter_name {
+    pub fn serialize<S: serde::Serializer>(
+        name: &&'static str,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(name)
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<&'static str, D::Error> {
+        super::known_name(deserializer, super::PARAMETER_NAMES)
+    }
+}
+
+/// A layer's kind in the stored form: one of [`LayerSpec::KIND_NAMES`].
+mod layer_kind_name {
+    pub fn serialize<S: serde::Serializer>(
+        name: &&'static str,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(name)
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<&'static str, D::Error> {
+        super::known_name(deserializer, super::LayerSpec::KIND_NAMES)
+    }
+}
+
 /// One weight tensor of a layer.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ParameterTensor {
-    /// `kernel`, `bias`, `gamma`, `beta`, `running_mean`, `running_variance`.
-    pub name: &'static str,
+    /// `kernel`, `bias`, `gamma`, `beta`, `running_mean`, `running_variance`
+    /// ([`PARAMETER_NAMES`]).
+    #[serde(with = "parameter_name")]
+    pub name: KnownName,
     pub shape: Vec<u64>,
     pub elements: u64,
     /// Running statistics of batch norm are state, not trained: no gradient, no optimizer state.
@@ -156,11 +224,12 @@ pub struct ParameterTensor {
 }
 
 /// One layer of the model with its shapes.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LayerNode {
     pub index: usize,
     /// The key it was written under (`conv2d`, `relu`, ...).
-    pub kind_name: &'static str,
+    #[serde(with = "layer_kind_name")]
+    pub kind_name: KnownName,
     pub op: LayerOp,
     /// The name the spec gave it, if any.
     pub name: Option<String>,
@@ -269,7 +338,7 @@ impl LayerNode {
 }
 
 /// The whole model, shapes inferred.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelGraph {
     pub input_shape: FeatureShape,
     pub layers: Vec<LayerNode>,

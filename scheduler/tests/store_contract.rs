@@ -8,6 +8,7 @@ mod support;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use carve_core::allocator::OutOfMemory;
+use carve_core::workload::{JobKind, Workload};
 use carve_proto::ApiError;
 use carve_scheduler::convert::{attempt_to_proto, job_to_proto};
 use carve_scheduler::error::SchedulerError;
@@ -15,7 +16,8 @@ use carve_scheduler::store::{
     AttemptDetails, AttemptEnd, AttemptOutcome, AttemptRecord, AttemptResults, Backend, JobFilter,
     JobRecord, JobState, LogBatcher, LogBatcherSettings, LogLineRecord, LogPage, LogQuery,
     MAX_LOG_LINES_PER_JOB, MAX_LOG_MESSAGE_BYTES, NewLogLine, Role, Store, SubmitBatcher,
-    TenantRecord, TokenRecord, WorkerRecord, WorkerState,
+    TenantRecord, TokenRecord, WORKLOAD_COLUMN, WorkerRecord, WorkerState, workload_from_json,
+    workload_to_json,
 };
 use support::{T0, TestDb, attempt, finish_plainly, job, open_with_acme, tenant};
 
@@ -37,6 +39,7 @@ on_both_databases!(
     finishing_an_attempt_is_fenced_by_its_lease_epoch,
     record_job_and_attempt_is_atomic,
     job_reads_show_the_stored_estimate_without_validating_the_spec,
+    a_jobs_validated_workload_is_stored_with_it_and_read_back_as_validated,
     checkpoint_steps_are_stored_with_jobs_and_attempts,
     workers_upsert_and_state,
     peak_correction_is_the_largest_ratio,
@@ -491,8 +494,12 @@ async fn concurrent_submits_through_the_batcher_share_commits(db: &TestDb) {
         } else if i % 3 == 0 {
             submitted.idempotency_key = Some(format!("own-{i}"));
         }
+        let workload_json = Some(format!("workload of {}", submitted.id));
         tasks.push(tokio::spawn(async move {
-            (submitted.clone(), batcher.submit(submitted).await)
+            (
+                submitted.clone(),
+                batcher.submit(submitted, workload_json).await,
+            )
         }));
     }
     let mut answers = Vec::new();
@@ -508,6 +515,13 @@ async fn concurrent_submits_through_the_batcher_share_commits(db: &TestDb) {
     for (submitted, outcome) in &answers {
         let stored = reader.get_job(&outcome.job.id).await.unwrap();
         assert_eq!(stored, outcome.job);
+        // Each created job is stored with the workload its own submit carried.
+        if outcome.created {
+            assert_eq!(
+                reader.job_workload_json(&outcome.job.id).await.unwrap(),
+                Some(format!("workload of {}", outcome.job.id)),
+            );
+        }
         match submitted.idempotency_key.as_deref() {
             Some(key) if key.starts_with("shared-") => {
                 by_shared_key
@@ -564,7 +578,9 @@ async fn batcher_answers_each_job_of_a_failing_group_on_its_own(db: &TestDb) {
         let batcher = batcher.clone();
         let tenant = if i == 7 { "ghost" } else { "acme" };
         let submitted = job(&format!("b-{i:02}"), tenant, "x");
-        tasks.push(tokio::spawn(async move { batcher.submit(submitted).await }));
+        tasks.push(tokio::spawn(async move {
+            batcher.submit(submitted, None).await
+        }));
     }
     for (i, task) in tasks.into_iter().enumerate() {
         let answer = task.await.unwrap();
@@ -1134,6 +1150,134 @@ async fn job_reads_show_the_stored_estimate_without_validating_the_spec(db: &Tes
     }
 }
 
+/// What admission validated is stored with the job in the submit's transaction, in both
+/// submit paths (the group's multi-row insert and, after a group fails, row by row), and
+/// reads back as the workload it was, without its spec being read; a job stored without
+/// one (a row from before the column) has none until the scheduler backfills it, which
+/// never replaces one that is there; an unreadable form is an error naming the column and
+/// the job. Job reads never carry the column.
+async fn a_jobs_validated_workload_is_stored_with_it_and_read_back_as_validated(db: &TestDb) {
+    let store = open_with_acme(db).await;
+    let model = Workload::from_json(
+        r#"{"name":"m","model":{"input_shape":[8],"loss":"mse","layers":[{"dense":{"units":2}}]},"training":{"batch_size":4,"steps":2,"optimizer":{"sgd":{"learning_rate":0.1}}},"data":{"format":"synthetic","samples":16}}"#,
+    )
+    .unwrap();
+    let command = Workload::from_json(
+        r#"{"name":"c","command":{"argv":["python3","/opt/train.py"],"global_batch":32,"steps":10},"resources":{"vram":"1GiB"}}"#,
+    )
+    .unwrap();
+    let command_job = JobRecord {
+        kind: JobKind::Command,
+        ..job("w-command", "acme", "c")
+    };
+    store
+        .submit_jobs_with_workloads(vec![
+            (job("w-model", "acme", "m"), Some(workload_to_json(&model))),
+            (command_job, Some(workload_to_json(&command))),
+            (job("w-none", "acme", "n"), None),
+        ])
+        .await
+        .unwrap();
+    let read = |id: &'static str, kind: JobKind| {
+        let store = store.clone();
+        async move {
+            let text = store.job_workload_json(id).await.unwrap()?;
+            Some(workload_from_json(kind, &text).map_err(|error| error.of_job(id)))
+        }
+    };
+    assert_eq!(
+        read("w-model", JobKind::Model).await,
+        Some(Ok(Some(model.clone())))
+    );
+    assert_eq!(
+        read("w-command", JobKind::Command).await,
+        Some(Ok(Some(command.clone())))
+    );
+    assert_eq!(read("w-none", JobKind::Model).await, None);
+    assert_not_found(
+        store.job_workload_json("w-missing").await,
+        "job",
+        "w-missing",
+    );
+
+    // The row-by-row path (a group whose job id is taken) stores it too.
+    let taken = store
+        .submit_jobs_with_workloads(vec![
+            (job("w-second", "acme", "m"), Some(workload_to_json(&model))),
+            (job("w-model", "acme", "m"), Some("never stored".into())),
+        ])
+        .await;
+    assert!(taken.is_err(), "{taken:?}");
+    store
+        .submit_jobs_with_workloads(vec![(
+            job("w-second", "acme", "m"),
+            Some(workload_to_json(&model)),
+        )])
+        .await
+        .unwrap();
+    assert_eq!(
+        read("w-second", JobKind::Model).await,
+        Some(Ok(Some(model.clone())))
+    );
+    assert_eq!(
+        read("w-model", JobKind::Model).await,
+        Some(Ok(Some(model.clone())))
+    );
+
+    // A backfill fills a missing form and never replaces one.
+    store
+        .backfill_job_workload("w-none", &workload_to_json(&model))
+        .await
+        .unwrap();
+    assert_eq!(
+        read("w-none", JobKind::Model).await,
+        Some(Ok(Some(model.clone())))
+    );
+    store
+        .backfill_job_workload("w-command", &workload_to_json(&model))
+        .await
+        .unwrap();
+    assert_eq!(
+        read("w-command", JobKind::Command).await,
+        Some(Ok(Some(command)))
+    );
+    assert_not_found(
+        store.backfill_job_workload("w-missing", "{}").await,
+        "job",
+        "w-missing",
+    );
+
+    // Read as another kind than the job's, or unreadable: an error naming the column and
+    // the job, never a workload.
+    let error = read("w-model", JobKind::Command)
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(error.column, WORKLOAD_COLUMN);
+    assert!(
+        error
+            .to_string()
+            .starts_with(r#"corrupt row: column "workload_json" of job "w-model": "#),
+        "{error}"
+    );
+    store
+        .submit_jobs_with_workloads(vec![(
+            job("w-corrupt", "acme", "x"),
+            Some("{\"version\":1".into()),
+        )])
+        .await
+        .unwrap();
+    assert!(read("w-corrupt", JobKind::Model).await.unwrap().is_err());
+
+    // Job reads and listings leave the column out: a job reads as it did without one.
+    let (listed, _) = store.list_jobs(&JobFilter::default()).await.unwrap();
+    assert!(listed.iter().any(|listed| listed.id == "w-model"));
+    assert_eq!(
+        store.get_job("w-model").await.unwrap().spec_json,
+        r#"{"name":"m"}"#
+    );
+}
+
 /// The step of a job's checkpoint is stored next to its location, and an attempt keeps
 /// the step it resumed from; the API shows it.
 async fn checkpoint_steps_are_stored_with_jobs_and_attempts(db: &TestDb) {
@@ -1503,7 +1647,9 @@ async fn sqlite_urls_and_in_memory_stores_open() {
     for i in 0..20 {
         let batcher = batcher.clone();
         tasks.push(tokio::spawn(async move {
-            batcher.submit(job(&format!("m-{i}"), "acme", "x")).await
+            batcher
+                .submit(job(&format!("m-{i}"), "acme", "x"), None)
+                .await
         }));
     }
     for task in tasks {

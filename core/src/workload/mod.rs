@@ -16,7 +16,9 @@
 //! ([`Workload::plan_shrink`]), the retry limit ([`Workload::max_oom_retries`]) and the
 //! key measured peaks are kept under ([`Workload::peak_key`], see [`peak_key`]). The
 //! scheduler and the worker call these and never branch on a spec's text; the one place
-//! a spec's text says its kind is [`JobKind::of_spec_text`].
+//! a spec's text says its kind is [`JobKind::of_spec_text`]. What admission validated is
+//! stored as it is ([`stored`]: [`Workload::to_stored_form`]), so a stored job is never
+//! parsed or checked again.
 //!
 //! Room for multi-GPU jobs (not built): a third kind would be a third [`JobKind`] (a new
 //! stored name, so older schedulers refuse its rows rather than misread them) and a
@@ -47,6 +49,9 @@ use crate::validate::{
 };
 
 pub mod peak_key;
+pub mod stored;
+
+pub use stored::STORED_FORM_VERSION;
 
 /// What kind of job a spec describes. Stored with the job by [`JobKind::name`]; read back
 /// with [`JobKind::from_name`], which refuses a name it does not know rather than

@@ -23,6 +23,7 @@ use crate::error::SchedulerError;
 use crate::metrics::SubmitRejection;
 use crate::store::{
     AttemptRecord, JobRecord, TenantRecord, TokenRecord, config_to_json, estimate_to_json,
+    workload_to_json,
 };
 
 use super::{LeaderRole, Scheduler, StateChange, now_ms, spec_error};
@@ -31,9 +32,9 @@ use super::{LeaderRole, Scheduler, StateChange, now_ms, spec_error};
 /// (sweeps, retries, scripts), and a miss only costs one validation and estimate.
 const ANALYSED_SPECS_CAPACITY: usize = 256;
 
-/// How many stored jobs' read specs the scheduler keeps (`Lookups::workloads`): about the
-/// jobs queued and running on a large cluster; past it a job's spec is read again when
-/// needed, which costs time, never correctness.
+/// How many stored jobs' workloads the scheduler keeps (`Lookups::workloads`): about the
+/// jobs queued and running on a large cluster; past it a job's stored workload is read
+/// from the store again (`workload_json`; its spec is never parsed again).
 const STORED_WORKLOADS_CAPACITY: usize = 4096;
 
 /// Specs longer than this are analysed every time rather than held as cache keys, so
@@ -61,6 +62,9 @@ struct AnalysedSpec {
     /// keeps the spec's own configuration.
     config_json: String,
     estimate_json: String,
+    /// `job` as its row stores it (`workload_json`), so what acts on the job later reads
+    /// the validated form instead of the spec.
+    workload_json: String,
 }
 
 #[derive(Debug)]
@@ -77,9 +81,9 @@ pub(super) struct Lookups {
     pub(super) peak_corrections: ShortLivedCache<String, Option<f64>>,
     /// By the spec's exact text.
     specs: BoundedCache<String, Arc<AnalysedSpec>>,
-    /// Stored jobs' specs as read, by job id: put there by admission and by the first
-    /// read of a job's stored spec (`Scheduler::stored_workload`), so a job's spec is
-    /// parsed and checked once in a scheduler's life, not at each placement or report.
+    /// Stored jobs' workloads, by job id: put there by admission and by the first read of
+    /// a job's stored validated form (`Scheduler::stored_workload`), so the form is
+    /// decoded once in a scheduler's life, not at each placement or report.
     pub(super) workloads: BoundedCache<String, Arc<Workload>>,
 }
 
@@ -141,6 +145,7 @@ fn analyse_spec_text(spec_json: &str) -> Result<AnalysedSpec, SchedulerError> {
         peak_key: job.peak_key(&config),
         config_json: config_to_json(&config),
         estimate_json: estimate.as_ref().map(estimate_to_json).unwrap_or_default(),
+        workload_json: workload_to_json(&job),
         estimate: estimate.map(Arc::new),
         job: Arc::new(job),
         config,
@@ -452,7 +457,10 @@ impl Scheduler {
             attempts_count: 0,
         };
         let warnings = job.warnings().iter().map(ToString::to_string).collect();
-        let outcome = self.batcher.submit(record).await?;
+        let outcome = self
+            .batcher
+            .submit(record, Some(analysed.workload_json.clone()))
+            .await?;
         if !outcome.created {
             // The idempotency key matched an earlier job. A retry of that submit sends
             // the same spec; another spec under the same key is a different job, and

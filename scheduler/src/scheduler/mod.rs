@@ -47,7 +47,10 @@ use crate::compute_pool::{ComputeLimits, ComputePool};
 use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use crate::queue::QueueMirror;
-use crate::store::{AttemptEnd, JobRecord, Store, SubmitBatcher, WorkerRecord, WorkerState};
+use crate::store::{
+    AttemptEnd, JobRecord, Store, SubmitBatcher, WorkerRecord, WorkerState, workload_from_json,
+    workload_to_json,
+};
 pub use logs::{EncodeJobEvent, JobUpdate, JobUpdateKind};
 use worker_reports::{Gpu, WorkerCommand};
 
@@ -349,15 +352,33 @@ impl Scheduler {
         result
     }
 
-    /// A stored job's workload, read as the kind stored with it: from memory when
-    /// admission or an earlier read left it there (`Lookups::workloads`), else parsed and
-    /// checked once and kept. It was valid at submit, so an error here means the store
-    /// holds something this build cannot read. Reading a model job infers its graph,
-    /// which grows with the model: the compute pool runs it (the scheduler's own work,
-    /// charged to no tenant's budget).
+    /// A stored job's workload: from memory when admission or an earlier read left it
+    /// there (`Lookups::workloads`), else the validated form admission stored with the
+    /// job (`workload_json`), decoded as it was validated, nothing parsed or checked
+    /// again; restarts included. Only a job stored without one (before the column, or in
+    /// an older form) has its spec read, once, as the kind stored with it: the form is
+    /// then stored for every later read (`carve_stored_spec_reads` counts these). An
+    /// error here means the store holds something this build cannot read. Decoding a
+    /// model job's graph, or inferring it, grows with the model: the compute pool runs
+    /// it (the scheduler's own work, charged to no tenant's budget).
     async fn stored_workload(&self, job: &JobRecord) -> Result<Arc<Workload>, SchedulerError> {
         if let Some(workload) = self.lookups.workloads.get(&job.id) {
             return Ok(workload);
+        }
+        if let Some(text) = self.store.job_workload_json(&job.id).await? {
+            let (kind, job_id) = (job.kind, job.id.clone());
+            let decoded = self
+                .compute
+                .run_for_scheduler(move || workload_from_json(kind, &text))
+                .await?
+                .map_err(|error| error.of_job(&job_id))?;
+            if let Some(workload) = decoded {
+                let workload = Arc::new(workload);
+                self.lookups
+                    .workloads
+                    .insert(job.id.clone(), Arc::clone(&workload));
+                return Ok(workload);
+            }
         }
         Metrics::count(&self.metrics.stored_spec_reads);
         let (kind, spec_json) = (job.kind, job.spec_json.clone());
@@ -372,6 +393,15 @@ impl Scheduler {
                     error.field, error.reason
                 )))
             })?;
+        // Stored so that no later read, in this life or the next, reads the spec again.
+        // A failed write costs only that: the next read parses the spec once more.
+        if let Err(error) = self
+            .store
+            .backfill_job_workload(&job.id, &workload_to_json(&workload))
+            .await
+        {
+            tracing::warn!(job = %job.id, %error, "could not store the job's validated workload");
+        }
         let workload = Arc::new(workload);
         self.lookups
             .workloads

@@ -12,7 +12,11 @@ use crate::error::SchedulerError;
 
 type Reply = oneshot::Sender<Result<SubmitOutcome, SchedulerError>>;
 
-/// Gathers submits into groups and commits each group with one [`Store::submit_jobs`].
+/// A job to create and its validated workload as its column stores it.
+type NewJob = (JobRecord, Option<String>);
+
+/// Gathers submits into groups and commits each group with one
+/// [`Store::submit_jobs_with_workloads`].
 ///
 /// A tokio task owns the receiving end of a channel. It waits for one submit, takes every
 /// other submit already waiting (up to `max_group`), commits them together and answers
@@ -25,7 +29,7 @@ type Reply = oneshot::Sender<Result<SubmitOutcome, SchedulerError>>;
 /// Clones share the task, which ends when the last clone is dropped.
 #[derive(Debug, Clone)]
 pub struct SubmitBatcher {
-    sender: mpsc::Sender<(JobRecord, Reply)>,
+    sender: mpsc::Sender<(NewJob, Reply)>,
     counters: Arc<Counters>,
 }
 
@@ -54,12 +58,18 @@ impl SubmitBatcher {
         SubmitBatcher { sender, counters }
     }
 
-    /// Submits one job and returns once the group it joined is committed (durable), with
-    /// what happened to it: created, or the existing job its idempotency key matched.
-    pub async fn submit(&self, job: JobRecord) -> Result<SubmitOutcome, SchedulerError> {
+    /// Submits one job, with its validated workload as `json_columns::workload_to_json`
+    /// writes it (admission always has one), and returns once the group it joined is
+    /// committed (durable), with what happened to it: created, or the existing job its
+    /// idempotency key matched.
+    pub async fn submit(
+        &self,
+        job: JobRecord,
+        workload_json: Option<String>,
+    ) -> Result<SubmitOutcome, SchedulerError> {
         let (reply, answer) = oneshot::channel();
         self.sender
-            .send((job, reply))
+            .send(((job, workload_json), reply))
             .await
             .map_err(|_| ApiError::Unavailable("the submit batcher has stopped".into()))?;
         answer.await.map_err(|_| {
@@ -80,14 +90,14 @@ impl SubmitBatcher {
 
 async fn run(
     store: Store,
-    mut receiver: mpsc::Receiver<(JobRecord, Reply)>,
+    mut receiver: mpsc::Receiver<(NewJob, Reply)>,
     max_group: usize,
     counters: Arc<Counters>,
 ) {
     let mut group = Vec::with_capacity(max_group);
     while receiver.recv_many(&mut group, max_group).await > 0 {
-        let (jobs, replies): (Vec<JobRecord>, Vec<Reply>) = group.drain(..).unzip();
-        match store.submit_jobs(jobs.clone()).await {
+        let (jobs, replies): (Vec<NewJob>, Vec<Reply>) = group.drain(..).unzip();
+        match store.submit_jobs_with_workloads(jobs.clone()).await {
             Ok(outcomes) => {
                 counters.groups_committed.fetch_add(1, Ordering::Relaxed);
                 counters
@@ -106,13 +116,17 @@ async fn run(
             }
             Err(_) => {
                 for (job, reply) in jobs.into_iter().zip(replies) {
-                    let answer = store.submit_jobs(vec![job]).await.and_then(|outcomes| {
-                        outcomes.into_iter().next().ok_or_else(|| {
-                            SchedulerError::Api(ApiError::Internal(
-                                "a submit of one job answered nothing".into(),
-                            ))
-                        })
-                    });
+                    let answer =
+                        store
+                            .submit_jobs_with_workloads(vec![job])
+                            .await
+                            .and_then(|outcomes| {
+                                outcomes.into_iter().next().ok_or_else(|| {
+                                    SchedulerError::Api(ApiError::Internal(
+                                        "a submit of one job answered nothing".into(),
+                                    ))
+                                })
+                            });
                     if answer.is_ok() {
                         counters.groups_committed.fetch_add(1, Ordering::Relaxed);
                         counters.jobs_committed.fetch_add(1, Ordering::Relaxed);

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use super::json_columns::WORKLOAD_COLUMN;
 use super::leadership::check_fence;
 use super::{
     DEFAULT_PAGE_SIZE, JobFilter, JobRecord, JobState, MAX_PAGE_SIZE, QueueFingerprint, QueuedJob,
@@ -145,6 +146,18 @@ impl Store {
         &self,
         jobs: Vec<JobRecord>,
     ) -> Result<Vec<SubmitOutcome>, SchedulerError> {
+        self.submit_jobs_with_workloads(jobs.into_iter().map(|job| (job, None)).collect())
+            .await
+    }
+
+    /// [`Store::submit_jobs`], each created job stored with its validated workload
+    /// (`workload_json`, `json_columns::workload_to_json`) in the same transaction, so a
+    /// job is never stored without the form admission validated (`None`: without one, as
+    /// rows from before the column; readers then read the spec once).
+    pub async fn submit_jobs_with_workloads(
+        &self,
+        jobs: Vec<(JobRecord, Option<String>)>,
+    ) -> Result<Vec<SubmitOutcome>, SchedulerError> {
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
@@ -167,7 +180,7 @@ impl Store {
     /// tenant did not exist: a multi-row statement does not say which.
     async fn submit_jobs_together(
         &self,
-        jobs: Vec<JobRecord>,
+        jobs: Vec<(JobRecord, Option<String>)>,
     ) -> Result<Option<Vec<SubmitOutcome>>, SchedulerError> {
         /// Keys per lookup statement (one parameter each, plus the tenant).
         const KEYS_PER_LOOKUP: usize = 200;
@@ -176,14 +189,14 @@ impl Store {
         let reserved = i64::try_from(jobs.len())
             .map_err(|_| SchedulerError::invalid_argument("jobs", "too many jobs in one group"))?;
         let mut jobs = jobs;
-        for job in &mut jobs {
+        for (job, _) in &mut jobs {
             if job.idempotency_key.as_deref() == Some("") {
                 job.idempotency_key = None;
             }
         }
         let mut keys: Vec<(String, String)> = jobs
             .iter()
-            .filter_map(|job| Some((job.tenant.clone(), job.idempotency_key.clone()?)))
+            .filter_map(|(job, _)| Some((job.tenant.clone(), job.idempotency_key.clone()?)))
             .collect();
         keys.sort();
         keys.dedup();
@@ -226,9 +239,10 @@ impl Store {
                 }
                 let mut last_sequence = reserved_end - reserved;
                 let mut outcomes: Vec<SubmitOutcome> = Vec::with_capacity(jobs.len());
-                let mut to_insert: Vec<JobRecord> = Vec::with_capacity(jobs.len());
+                let mut to_insert: Vec<(JobRecord, Option<String>)> =
+                    Vec::with_capacity(jobs.len());
                 let mut first_with_key: HashMap<(String, String), usize> = HashMap::new();
-                for mut job in jobs {
+                for (mut job, workload_json) in jobs {
                     if let Some(key) = &job.idempotency_key {
                         let tenant_and_key = (job.tenant.clone(), key.clone());
                         if let Some(found) = existing.get(&tenant_and_key) {
@@ -244,13 +258,14 @@ impl Store {
                     }
                     last_sequence += 1;
                     job.submit_sequence = last_sequence;
-                    to_insert.push(job.clone());
+                    to_insert.push((job.clone(), workload_json));
                     outcomes.push(SubmitOutcome { job, created: true });
                 }
                 for chunk in to_insert.chunks(ROWS_PER_INSERT) {
-                    let mut insert =
-                        sqlx::QueryBuilder::new(format!("INSERT INTO jobs ({JOB_COLUMNS}) "));
-                    insert.push_values(chunk, |mut row, job| {
+                    let mut insert = sqlx::QueryBuilder::new(format!(
+                        "INSERT INTO jobs ({JOB_COLUMNS}, {WORKLOAD_COLUMN}) "
+                    ));
+                    insert.push_values(chunk, |mut row, (job, workload_json)| {
                         row.push_bind(job.id.clone())
                             .push_bind(job.tenant.clone())
                             .push_bind(job.name.clone())
@@ -269,7 +284,8 @@ impl Store {
                             .push_bind(job.checkpoint_location.clone())
                             .push_bind(job.attempts_count)
                             .push_bind(job.checkpoint_step)
-                            .push_bind(job.kind.name());
+                            .push_bind(job.kind.name())
+                            .push_bind(workload_json.clone());
                     });
                     insert.build().execute(&mut *tx).await?;
                 }
@@ -297,15 +313,16 @@ impl Store {
     /// taken or whose tenant does not exist.
     async fn submit_jobs_row_by_row(
         &self,
-        jobs: Vec<JobRecord>,
+        jobs: Vec<(JobRecord, Option<String>)>,
     ) -> Result<Vec<SubmitOutcome>, SchedulerError> {
         let reserved = i64::try_from(jobs.len())
             .map_err(|_| SchedulerError::invalid_argument("jobs", "too many jobs in one group"))?;
         let select_by_key =
             format!("SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = $1 AND idempotency_key = $2");
         let insert = format!(
-            "INSERT INTO jobs ({JOB_COLUMNS}) VALUES \
-             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)"
+            "INSERT INTO jobs ({JOB_COLUMNS}, {WORKLOAD_COLUMN}) VALUES \
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
+             $20)"
         );
         let outcomes = with_write_tx!(self, tx => {
             // Bumping the counter first takes the write lock (SQLite) or the counter's row
@@ -321,7 +338,7 @@ impl Store {
             let mut last_sequence = reserved_end - reserved;
             let mut outcomes: Vec<SubmitOutcome> = Vec::with_capacity(jobs.len());
             let mut first_with_key: HashMap<(String, String), usize> = HashMap::new();
-            for mut job in jobs {
+            for (mut job, workload_json) in jobs {
                 if job.idempotency_key.as_deref() == Some("") {
                     job.idempotency_key = None;
                 }
@@ -346,6 +363,7 @@ impl Store {
                 last_sequence += 1;
                 job.submit_sequence = last_sequence;
                 bind_job_columns!(sqlx::query(&insert), job)
+                    .bind(&workload_json)
                     .execute(&mut *tx)
                     .await
                     .map_err(|error| {
@@ -363,6 +381,39 @@ impl Store {
             outcomes
         });
         Ok(outcomes)
+    }
+
+    /// The validated workload stored with the job at admission (`workload_json`, read
+    /// with `json_columns::workload_from_json`): `None` for a job stored without one
+    /// (before the column existed); `NotFound` when there is no such job. Job reads never
+    /// carry it ([`JOB_COLUMNS`] leaves it out): only what acts on a job reads it.
+    pub async fn job_workload_json(&self, id: &str) -> Result<Option<String>, SchedulerError> {
+        let sql = format!("SELECT {WORKLOAD_COLUMN} FROM jobs WHERE id = $1");
+        let row: Option<(Option<String>,)> = with_pool!(self, pool => {
+            sqlx::query_as(&sql).bind(id).fetch_optional(pool).await?
+        });
+        row.map(|(text,)| text)
+            .ok_or_else(|| SchedulerError::not_found("job", id))
+    }
+
+    /// Stores a job's validated workload where it has none (a job stored before the
+    /// column, read from its spec once): a later read takes it from here. A job that has
+    /// one keeps it; `NotFound` when there is no such job.
+    pub async fn backfill_job_workload(
+        &self,
+        id: &str,
+        workload_json: &str,
+    ) -> Result<(), SchedulerError> {
+        let sql = format!(
+            "UPDATE jobs SET {WORKLOAD_COLUMN} = coalesce({WORKLOAD_COLUMN}, $2) WHERE id = $1"
+        );
+        let updated = with_pool!(self, pool => {
+            sqlx::query(&sql).bind(id).bind(workload_json).execute(pool).await?.rows_affected()
+        });
+        if updated == 0 {
+            return Err(SchedulerError::not_found("job", id));
+        }
+        Ok(())
     }
 
     /// The job with this id; `NotFound` when there is none.

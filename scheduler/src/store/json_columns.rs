@@ -1,6 +1,7 @@
 //! The JSON columns of a job's run, one encoder and one decoder each: `config_json` (a
-//! job's run config, and the one each attempt ran with) and `estimate_json` (a job's
-//! estimate of that config). Like `columns.rs`, this is the row boundary: the scheduler
+//! job's run config, and the one each attempt ran with), `estimate_json` (a job's
+//! estimate of that config) and `workload_json` (the validated job admission stored, in
+//! core's stored form, so nothing reads its spec again). Like `columns.rs`, this is the row boundary: the scheduler
 //! writes and reads these columns only through here, and the wire conversions
 //! (`convert.rs`) read them through here for the API.
 //!
@@ -15,6 +16,7 @@ use std::fmt;
 use carve_core::estimator::MemoryEstimate;
 use carve_core::plan::{EngineSettings, RunConfig};
 use carve_core::spec::Precision;
+use carve_core::workload::{JobKind, Workload};
 use carve_proto::ApiError;
 use serde::{Deserialize, Serialize};
 
@@ -25,6 +27,8 @@ use crate::error::SchedulerError;
 pub const CONFIG_COLUMN: &str = "config_json";
 /// The column of a job's estimate.
 pub const ESTIMATE_COLUMN: &str = "estimate_json";
+/// The column of a job's validated workload (migration 20261220000000_job_workloads).
+pub const WORKLOAD_COLUMN: &str = "workload_json";
 
 /// A JSON column whose text this build cannot read.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -154,6 +158,25 @@ pub fn config_from_json(text: &str) -> Result<RunConfig, CorruptColumn> {
                 ));
             }
         },
+    })
+}
+
+/// A validated workload as its column ([`WORKLOAD_COLUMN`]) stores it: core's stored
+/// form ([`Workload::to_stored_form`]).
+pub fn workload_to_json(workload: &Workload) -> String {
+    workload.to_stored_form()
+}
+
+/// The workload its column ([`WORKLOAD_COLUMN`]) stores for a job of `kind`, as
+/// admission validated it (nothing is parsed or checked again): `None` for a form of an
+/// older version, which the caller reads from the spec instead. A text this build cannot
+/// read, or of another kind than the job's, is a [`CorruptColumn`].
+pub fn workload_from_json(kind: JobKind, text: &str) -> Result<Option<Workload>, CorruptColumn> {
+    Workload::from_stored_form(kind, text).map_err(|error| {
+        CorruptColumn::new(
+            WORKLOAD_COLUMN,
+            format!("not a stored {kind} job: {}: {}", error.field, error.reason),
+        )
     })
 }
 

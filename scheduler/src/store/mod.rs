@@ -107,7 +107,8 @@ pub use jobs::{
 };
 pub use json_columns::{
     CONFIG_COLUMN, CorruptColumn, ESTIMATE_COLUMN, StoredCategoryBytes, StoredEstimate,
-    StoredLayerBytes, config_from_json, config_to_json, estimate_from_json, estimate_to_json,
+    StoredLayerBytes, WORKLOAD_COLUMN, config_from_json, config_to_json, estimate_from_json,
+    estimate_to_json, workload_from_json, workload_to_json,
 };
 pub use logs::{
     DEFAULT_LOG_PAGE_SIZE, LOG_LEVELS, LogBatcher, LogBatcherSettings, LogLineRecord, LogPage,

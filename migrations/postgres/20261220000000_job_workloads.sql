@@ -1,0 +1,11 @@
+-- The validated job admission stored: carve_core's stored form of a Workload
+-- (core/src/workload/stored.rs: {"version", "kind", "spec", and a model job's inferred
+-- "graph"}), written with the job in the submit's transaction and read by what acts on
+-- a job (placement, OOM retries, reports), so no spec is parsed, checked or inferred
+-- again after admission, restarts included. Job reads and listings never select it.
+--
+-- Jobs written before this migration keep NULL: SQL cannot validate a spec or infer a
+-- graph. The scheduler reads such a job's spec once, the first time it acts on it, and
+-- stores the form then (Store::backfill_job_workload); carve_stored_spec_reads counts
+-- those reads. Keep in step with ../sqlite.
+ALTER TABLE jobs ADD COLUMN workload_json TEXT;
