@@ -13,7 +13,10 @@
 //! PyTorch script compares at. `cargo bench -p carve-engine -- cuda` (or `-- cpu`)
 //! runs one backend's rows only; `CARVE_CUDA_TUNING` (see `carve_engine::cuda::CudaTuning`)
 //! turns the cuda backend's speed changes off one by one, and a word after the backend
-//! (`-- cuda resnet-cifar`) keeps the rows whose example starts with it.
+//! (`-- cuda resnet-cifar`) keeps the rows whose example starts with it; a precision's
+//! name (`fp32`, `fp16`, `bf16`) keeps that precision's rows and `b128` the batch-128
+//! ones (`engine/benches/gpu_check.sh` times its table with them). The last column is the
+//! slice each row ran in, which NVML's per-process reading is compared with.
 
 use std::path::Path;
 use std::time::Instant;
@@ -64,10 +67,25 @@ fn main() {
         .iter()
         .filter(|choice| *choice == "cpu" || *choice == "cuda")
         .collect();
+    let is_precision = |word: &str| ["fp32", "fp16", "bf16"].contains(&word);
+    let precisions_chosen: Vec<&String> = chosen
+        .iter()
+        .filter(|choice| is_precision(choice))
+        .collect();
+    let batch_128_only = chosen.iter().any(|choice| choice == "b128");
     let examples_chosen: Vec<&String> = chosen
         .iter()
-        .filter(|choice| *choice != "cpu" && *choice != "cuda")
+        .filter(|choice| {
+            *choice != "cpu" && *choice != "cuda" && *choice != "b128" && !is_precision(choice)
+        })
         .collect();
+    let row_wanted = |batch_size: u64, precision: Precision| {
+        (!batch_128_only || batch_size == 128)
+            && (precisions_chosen.is_empty()
+                || precisions_chosen
+                    .iter()
+                    .any(|choice| choice.as_str() == precision.name()))
+    };
     let wanted = |name: &str| backends.is_empty() || backends.iter().any(|choice| *choice == name);
     let example_wanted = |file: &str| {
         examples_chosen.is_empty()
@@ -101,9 +119,10 @@ fn main() {
         "peak",
         "peak == estimate"
     );
+    // Each row ends with its final loss and `slice=<bytes>`, without a header.
     if wanted("cpu") {
         for &(file, batch_size, precision, steps) in cpu_cases {
-            if !example_wanted(file) {
+            if !example_wanted(file) || !row_wanted(batch_size, precision) {
                 continue;
             }
             bench_case(
@@ -118,7 +137,7 @@ fn main() {
     }
     if cuda {
         for &(file, batch_size, precision, steps) in cuda_cases {
-            if !example_wanted(file) {
+            if !example_wanted(file) || !row_wanted(batch_size, precision) {
                 continue;
             }
             bench_case(
@@ -199,7 +218,7 @@ fn bench_case(
     // A failing row is reported and the table goes on: the other rows still measure.
     match result {
         Ok(report) => println!(
-            "{label} {:>12.1} {:>12} {:>16} {:>10.4}",
+            "{label} {:>12.1} {:>12} {:>16} {:>10.4} slice={}",
             (steps * batch_size) as f64 / seconds,
             HumanBytes(report.peak_bytes).to_string(),
             if report.peak_bytes == report.estimate.peak_bytes {
@@ -207,7 +226,8 @@ fn bench_case(
             } else {
                 format!("NO: {}", HumanBytes(report.estimate.peak_bytes))
             },
-            report.final_loss
+            report.final_loss,
+            options.slice_bytes
         ),
         Err(error) => println!("{label} failed: {error}"),
     }
