@@ -13,8 +13,8 @@
 # 33's run, is "suite guard jobs table nvml" and takes about 8 minutes on an H100:
 # 1. `suite`: the cuda_backend suite (debug build: buffers that need not start at zero
 #    are NaN-filled) in strict fp32, which on cuDNN 9 runs every convolution through the
-#    graph API (`CARVE_CUDA_TUNING` words: engine/src/cuda/tuning.rs), and the kernel unit
-#    tests. `guard` (.ci/guard-gpu-check: the guard's frameworks, fail-closed, the
+#    graph API (`CARVE_CUDA_TUNING` words: engine/src/cuda/tuning.rs), again with
+#    `graph-api` (fp16 and bf16 on the graph API too), and the kernel unit tests. `guard` (.ci/guard-gpu-check: the guard's frameworks, fail-closed, the
 #    neighbour) and, when `table` is asked for, the torch.compile warm-up (its inductor
 #    cache then serves the timed rows) run beside it: none of the three is timed.
 # 2. `jobs`: one `carve dev --real-gpus` running two command jobs side by side:
@@ -288,6 +288,11 @@ fi
 if wants guard; then
   export GUARD_CHECK_RESULTS="$out/guard" GUARD_CHECK_TIMEOUT=45
   beside run guard 200 .ci/guard-gpu-check "$binaries"
+fi
+if wants suite; then
+  # Half precisions through the graph API too, for the day it becomes their default.
+  beside run suite-graph-api 200 env CARVE_CUDA_TUNING=graph-api "$binaries/cuda_backend" \
+    --test-threads=1
 fi
 side_by_side=0
 if wants jobs; then
