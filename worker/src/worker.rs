@@ -35,8 +35,8 @@ mod scheduler_choice;
 mod startup;
 mod watched;
 
-pub use scheduler_choice::{ANSWERED_BACKOFF_MAX, EndpointReason, SessionAttempt};
-use scheduler_choice::{AttemptEnd, SchedulerChoice};
+use scheduler_choice::SchedulerChoice;
+pub use scheduler_choice::{ANSWERED_BACKOFF_MAX, AttemptEnd, EndpointReason, SessionAttempt};
 
 use startup::{find_real_gpus, kill_leftovers_of_a_previous_life};
 use watched::{WorkerAttempts, WorkerLimitedAttempts};

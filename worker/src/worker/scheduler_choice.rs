@@ -63,6 +63,8 @@ pub struct SessionAttempt {
     pub reason: EndpointReason,
     /// How long the worker waited before it.
     pub waited: Duration,
+    /// How the attempt before it ended (`None` for the first).
+    pub after: Option<AttemptEnd>,
 }
 
 /// The worker's choice of replica and wait, across its attempts.
@@ -84,8 +86,9 @@ pub struct SchedulerChoice {
     /// Endpoints that did not answer since the last open session: a leader named by a
     /// replica that has not seen it die is not followed back there.
     unanswered: HashSet<String>,
-    next_reason: EndpointReason,
     next_wait: Duration,
+    /// How the last attempt ended, told with the next.
+    last_end: Option<AttemptEnd>,
 }
 
 impl SchedulerChoice {
@@ -100,8 +103,8 @@ impl SchedulerChoice {
             named_leader: None,
             answered_since_session: false,
             unanswered: HashSet::new(),
-            next_reason: EndpointReason::First,
             next_wait: Duration::ZERO,
+            last_end: None,
         }
     }
 
@@ -114,6 +117,7 @@ impl SchedulerChoice {
     /// now), and why.
     pub fn next_attempt(&mut self, listed: &[String]) -> SessionAttempt {
         let waited = self.next_wait;
+        let after = self.last_end.take();
         if let Some(leader) = self.named_leader.take() {
             let place = listed.iter().position(|endpoint| *endpoint == leader);
             self.last = Some((leader.clone(), place));
@@ -121,6 +125,7 @@ impl SchedulerChoice {
                 endpoint: leader,
                 reason: EndpointReason::NamedLeader,
                 waited,
+                after,
             };
         }
         let place = match (&self.last, listed.len()) {
@@ -145,6 +150,7 @@ impl SchedulerChoice {
             endpoint,
             reason,
             waited,
+            after,
         }
     }
 
@@ -159,6 +165,7 @@ impl SchedulerChoice {
     /// Reads how the last attempt ended and sets where and when the next one goes.
     pub fn attempt_ended(&mut self, end: AttemptEnd) {
         let tried = self.last.as_ref().map(|(endpoint, _)| endpoint.clone());
+        self.last_end = Some(end.clone());
         match end {
             AttemptEnd::SessionEnded { leader_named } => {
                 // The scheduler was there a moment ago: back to short waits.
@@ -172,7 +179,6 @@ impl SchedulerChoice {
                     // must not be called in a tight loop.
                     None => self.next_wait = self.initial,
                 }
-                self.next_reason = EndpointReason::NextListed;
             }
             AttemptEnd::Refused { leader_named } => {
                 self.answered_since_session = true;
