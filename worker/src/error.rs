@@ -39,6 +39,13 @@ pub enum WorkerError {
     /// The attempt process (child side) got an unusable assignment.
     #[error("attempt: {0}")]
     Attempt(String),
+    /// A command job's image could not be had (`crate::image`); the failure says whether
+    /// another try may pass.
+    #[error("image {reference}: {failure}")]
+    Image {
+        reference: String,
+        failure: crate::image::ImageFailure,
+    },
     /// A file or process operation failed.
     #[error("{context}: {source}")]
     Io {

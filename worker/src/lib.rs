@@ -19,6 +19,7 @@
 //! - `gpus`: the GPUs offered (real and simulated), `--sim-gpus` parsing, the slice book;
 //! - `guard_environment`: the guard for one attempt: its account, its environment, reading
 //!   the account and the OOM record;
+//! - `image`: job images: pulled, verified, unpacked into a cache attempts share;
 //! - `nvml`: real GPUs through NVML: discovery and each GPU's compute processes;
 //! - `sandbox`: every attempt in its own OCI container (bundle, runtime, tenants' ids);
 //! - `watchdog`: stops an attempt whose process tree holds more than its slice and
@@ -41,6 +42,7 @@ pub mod command_output;
 pub mod error;
 pub mod gpus;
 pub mod guard_environment;
+pub mod image;
 pub mod leader_lease;
 pub mod leftover_processes;
 pub mod nvml;

@@ -26,6 +26,14 @@ impl<P: CommandProcesses> Runner<'_, P> {
     /// container when the worker contains its attempts.
     pub(super) fn prepare(&self, plan: &RunPlan) -> Result<PreparedRun, String> {
         let launch = self.launch;
+        // The image cache and the run in an image are built (`crate::image`,
+        // `Sandbox::prepare_in_image`) but not yet wired to an assignment: running the
+        // program on the host instead of the image it names would be a surprise.
+        if let Some(image) = &launch.job.spec.command.image {
+            return Err(format!(
+                "command.image {image:?}: this worker does not run job images yet (issue 30)"
+            ));
+        }
         let directories = [
             &plan.checkpoint_dir,
             &launch.checkpoint_dir,

@@ -22,7 +22,7 @@ use crate::error::WorkerError;
 
 /// The host's system directories every container sees read-only: the programs and
 /// libraries a job runs with until it brings its own image.
-const SYSTEM_DIRECTORIES: [&str; 8] = [
+pub(super) const SYSTEM_DIRECTORIES: [&str; 8] = [
     "/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin", "/etc",
 ];
 
@@ -31,7 +31,8 @@ const SYSTEM_DIRECTORIES: [&str; 8] = [
 const HIDDEN_HOST_PATHS: [&str; 1] = ["/etc/carve"];
 
 /// `PATH` inside the container when the job sets none.
-const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+pub(super) const DEFAULT_PATH: &str =
+    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// System calls a training program never needs and a hostile one would use to reach
 /// past its container: debugging other processes and reading their memory, mounting,

@@ -28,6 +28,7 @@
 mod bundle;
 mod cgroups;
 mod identities;
+mod image_bundle;
 mod runtime;
 
 use std::os::unix::process::ExitStatusExt;

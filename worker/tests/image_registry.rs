@@ -1,0 +1,498 @@
+//! Job images against a real registry on loopback: the Debian `docker-registry` package's
+//! binary (distribution 2.8), started by the test, one open and one behind htpasswd. An
+//! image the test builds (the static busybox and a shell training stand-in) is pushed
+//! with `oci-client`, then the worker's image cache pulls it: once for several attempts,
+//! by tag, through a multi-platform index; a wrong digest, a missing tag and a private
+//! image without a credential each fail with a reason that says so.
+//!
+//! Needs `docker-registry` (CI installs it); elsewhere the test says why it cannot run,
+//! and in CI (`CI` set) it fails instead.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use carve_worker::image::layout::{LayerToWrite, WrittenImage, tar_of_files, write_image};
+use carve_worker::image::{
+    Compression, ImageCache, ImageFailure, ImageRequest, ImageSettings, RegistryCredential,
+};
+use oci_client::Reference;
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::manifest::{OCI_IMAGE_INDEX_MEDIA_TYPE, OCI_IMAGE_MEDIA_TYPE};
+use oci_client::secrets::RegistryAuth;
+
+const REGISTRY_BINARY: &str = "docker-registry";
+const USER: &str = "carve";
+const PASSWORD: &str = "carve-test-password";
+/// bcrypt of PASSWORD (distribution's htpasswd takes bcrypt only).
+const PASSWORD_BCRYPT: &str = "$2b$12$g4f1iZnow/LhgRpUyGQKcOOz.Z2yOSguKE9e5xMdTsCK0XmkpjTKi";
+
+/// A registry process on 127.0.0.1, killed when dropped.
+struct Registry {
+    child: Child,
+    address: String,
+    _directory: tempfile::TempDir,
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn registry_binary() -> Option<PathBuf> {
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|directory| directory.join(REGISTRY_BINARY))
+            .find(|path| path.is_file())
+    });
+    match found {
+        Some(path) => Some(path),
+        None if std::env::var_os("CI").is_none() => {
+            eprintln!(
+                "skipped: no {REGISTRY_BINARY} on PATH (apt-get install docker-registry); CI fails here"
+            );
+            None
+        }
+        None => panic!("CI must have {REGISTRY_BINARY} (.ci/run installs it)"),
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts a registry, private (htpasswd) or open, and waits until it answers.
+fn start_registry(binary: &Path, private: bool) -> Registry {
+    let directory = tempfile::tempdir().unwrap();
+    // The port is chosen free and then handed to the registry; a second try covers the
+    // rare case of another process taking it meanwhile.
+    for _ in 0..5 {
+        let address = format!("127.0.0.1:{}", free_port());
+        let mut config = format!(
+            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\n\
+             http:\n  addr: {address}\n  secret: carve-test\n",
+            directory.path().join("data").display()
+        );
+        if private {
+            let htpasswd = directory.path().join("htpasswd");
+            std::fs::write(&htpasswd, format!("{USER}:{PASSWORD_BCRYPT}\n")).unwrap();
+            config.push_str(&format!(
+                "auth:\n  htpasswd:\n    realm: carve\n    path: {}\n",
+                htpasswd.display()
+            ));
+        }
+        let config_path = directory.path().join("config.yml");
+        std::fs::write(&config_path, config).unwrap();
+        let mut child = Command::new(binary)
+            .arg("serve")
+            .arg(&config_path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        for _ in 0..200 {
+            if std::net::TcpStream::connect(&address).is_ok() {
+                return Registry {
+                    child,
+                    address,
+                    _directory: directory,
+                };
+            }
+            if child.try_wait().unwrap().is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    panic!("{REGISTRY_BINARY} did not start");
+}
+
+/// The test image: the static busybox as /bin/busybox with /bin/sh linked to it, and a
+/// shell stand-in for a training program that prints what it sees.
+fn test_image_layers() -> Vec<LayerToWrite> {
+    let busybox = std::fs::read("/bin/busybox").ok();
+    let busybox = busybox.as_deref().unwrap_or(b"#!not-busybox\n");
+    let train = b"#!/bin/sh\necho \"training in $(cat /etc/carve-image)\"\n";
+    vec![
+        LayerToWrite {
+            tar: tar_of_files(
+                &[("bin/busybox", busybox, 0o755)],
+                &[("bin/sh", "busybox"), ("bin/cat", "busybox")],
+            ),
+            compression: Compression::Gzip,
+        },
+        LayerToWrite {
+            tar: tar_of_files(
+                &[
+                    ("etc/carve-image", b"carve test image\n", 0o644),
+                    ("opt/train.sh", train, 0o755),
+                ],
+                &[],
+            ),
+            compression: Compression::Zstd,
+        },
+    ]
+}
+
+fn client() -> oci_client::Client {
+    carve_worker::image::install_crypto_provider();
+    oci_client::Client::new(ClientConfig {
+        protocol: ClientProtocol::Http,
+        ..ClientConfig::default()
+    })
+}
+
+/// Pushes `image` (its blobs, then its manifest's exact bytes) as `reference`.
+async fn push(
+    client: &oci_client::Client,
+    reference: &str,
+    image: &WrittenImage,
+    auth: &RegistryAuth,
+) {
+    let reference: Reference = reference.parse().unwrap();
+    client
+        .store_auth_if_needed(reference.resolve_registry(), auth)
+        .await;
+    client
+        .auth(&reference, auth, oci_client::RegistryOperation::Push)
+        .await
+        .unwrap();
+    let blobs = std::iter::once((&image.manifest.config, &image.config_bytes))
+        .chain(image.manifest.layers.iter().zip(&image.layer_blobs));
+    for (descriptor, bytes) in blobs {
+        client
+            .push_blob(&reference, bytes.clone(), &descriptor.digest)
+            .await
+            .unwrap();
+    }
+    push_manifest(
+        client,
+        &reference,
+        image.manifest_bytes.clone(),
+        OCI_IMAGE_MEDIA_TYPE,
+    )
+    .await;
+}
+
+async fn push_manifest(
+    client: &oci_client::Client,
+    reference: &Reference,
+    bytes: Vec<u8>,
+    media_type: &str,
+) {
+    client
+        .push_manifest_raw(
+            reference,
+            bytes,
+            http::HeaderValue::from_str(media_type).unwrap(),
+        )
+        .await
+        .unwrap();
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    format!("sha256:{:x}", sha2::Sha256::digest(bytes))
+}
+
+fn cache(directory: &Path, registries: &[&Registry]) -> ImageCache {
+    ImageCache::open(&ImageSettings {
+        cache_directory: directory.join("cache"),
+        cache_limit_bytes: 1 << 30,
+        insecure_registries: registries
+            .iter()
+            .map(|registry| registry.address.clone())
+            .collect(),
+        layout_directories: Vec::new(),
+    })
+    .unwrap()
+}
+
+fn request(reference: &str) -> ImageRequest {
+    ImageRequest {
+        reference: reference.to_string(),
+        pinned_digest: None,
+        credential: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_image_pushed_to_a_registry_is_pulled_once_for_every_attempt() {
+    let Some(binary) = registry_binary() else {
+        return;
+    };
+    let registry = start_registry(&binary, false);
+    let directory = tempfile::tempdir().unwrap();
+    let layout = directory.path().join("layout");
+    let image = write_image(
+        &layout,
+        "train:1",
+        &test_image_layers(),
+        &["PATH=/bin:/opt".to_string()],
+        Some("/opt"),
+    )
+    .unwrap();
+    let client = client();
+    let tagged = format!("{}/team/train:1", registry.address);
+    push(&client, &tagged, &image, &RegistryAuth::Anonymous).await;
+
+    // A multi-platform index under another tag: this node's manifest and another
+    // platform's (which the worker must not choose: its files say so).
+    let other_image = write_image(
+        &layout,
+        "train:other-platform",
+        &[LayerToWrite {
+            tar: tar_of_files(&[("etc/carve-image", b"wrong platform\n", 0o644)], &[]),
+            compression: Compression::Gzip,
+        }],
+        &[],
+        None,
+    )
+    .unwrap();
+    push(
+        &client,
+        &format!("{}/team/train:other-platform", registry.address),
+        &other_image,
+        &RegistryAuth::Anonymous,
+    )
+    .await;
+    let other = other_image.manifest_digest.clone();
+    let index = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_IMAGE_INDEX_MEDIA_TYPE,
+        "manifests": [
+            {"mediaType": OCI_IMAGE_MEDIA_TYPE, "digest": other,
+             "size": other_image.manifest_bytes.len(),
+             "platform": {"architecture": "s390x", "os": "linux"}},
+            {"mediaType": OCI_IMAGE_MEDIA_TYPE, "digest": image.manifest_digest,
+             "size": image.manifest_bytes.len(),
+             "platform": {"architecture": carve_worker::image::layout::oci_architecture(), "os": "linux"}},
+        ],
+    });
+    let index_bytes = serde_json::to_vec(&index).unwrap();
+    let multi: Reference = format!("{}/team/train:multi", registry.address)
+        .parse()
+        .unwrap();
+    push_manifest(
+        &client,
+        &multi,
+        index_bytes.clone(),
+        OCI_IMAGE_INDEX_MEDIA_TYPE,
+    )
+    .await;
+
+    let cache = cache(directory.path(), &[&registry]);
+    // Three attempts at once, as three slices of one node start together.
+    let mut attempts = Vec::new();
+    for _ in 0..3 {
+        let cache = cache.clone();
+        let tagged = tagged.clone();
+        attempts.push(tokio::spawn(async move {
+            cache.acquire(&request(&tagged), None).await
+        }));
+    }
+    let mut held = Vec::new();
+    for attempt in attempts {
+        held.push(attempt.await.unwrap().unwrap());
+    }
+    assert_eq!(cache.pulls_done(), 1, "one pull for three attempts");
+    assert_eq!(held.iter().filter(|image| image.pulled_now).count(), 1);
+    let rootfs = &held[0].rootfs;
+    assert_eq!(
+        std::fs::read_to_string(rootfs.join("etc/carve-image")).unwrap(),
+        "carve test image\n"
+    );
+    assert_eq!(held[0].record.digest, image.manifest_digest);
+    assert_eq!(held[0].record.env, ["PATH=/bin:/opt"]);
+    // The image's own files, not the host's: no /etc/passwd, /usr, ... in it.
+    assert!(!rootfs.join("etc/passwd").exists());
+    assert!(!rootfs.join("usr").exists());
+
+    // Pinned to its digest (as the scheduler records it), a later attempt asks no
+    // registry at all: the registry is gone and it still starts.
+    let pinned = ImageRequest {
+        pinned_digest: Some(image.manifest_digest.clone()),
+        ..request(&tagged)
+    };
+    // The index resolves to its own digest and unpacks this platform's manifest.
+    let through_index = cache
+        .acquire(&request(&multi.to_string()), None)
+        .await
+        .unwrap();
+    assert_eq!(through_index.record.digest, sha256(&index_bytes));
+    assert_eq!(
+        std::fs::read_to_string(through_index.rootfs.join("etc/carve-image")).unwrap(),
+        "carve test image\n"
+    );
+    drop(registry);
+    let again = cache.acquire(&pinned, None).await.unwrap();
+    assert!(!again.pulled_now);
+    assert_eq!(cache.pulls_done(), 2);
+
+    // A second worker (its own cache) pulls it too, by digest.
+    let registry = start_registry(&binary, false);
+    let tagged = format!("{}/team/train:1", registry.address);
+    push(&client, &tagged, &image, &RegistryAuth::Anonymous).await;
+    let second_directory = tempfile::tempdir().unwrap();
+    let second = cache_at(second_directory.path(), &registry);
+    let by_digest = format!("{}/team/train@{}", registry.address, image.manifest_digest);
+    let pulled = second.acquire(&request(&by_digest), None).await.unwrap();
+    assert!(pulled.pulled_now);
+    assert!(pulled.rootfs.join("opt/train.sh").exists());
+}
+
+fn cache_at(directory: &Path, registry: &Registry) -> ImageCache {
+    cache(directory, &[registry])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_digest_a_missing_tag_and_a_private_image_without_a_secret_fail_clearly() {
+    let Some(binary) = registry_binary() else {
+        return;
+    };
+    let open = start_registry(&binary, false);
+    let private = start_registry(&binary, true);
+    let directory = tempfile::tempdir().unwrap();
+    let image = write_image(
+        &directory.path().join("layout"),
+        "train:1",
+        &test_image_layers(),
+        &[],
+        None,
+    )
+    .unwrap();
+    let client = client();
+    push(
+        &client,
+        &format!("{}/team/train:1", open.address),
+        &image,
+        &RegistryAuth::Anonymous,
+    )
+    .await;
+    let credential = RegistryAuth::Basic(USER.to_string(), PASSWORD.to_string());
+    push(
+        &client,
+        &format!("{}/team/secret:1", private.address),
+        &image,
+        &credential,
+    )
+    .await;
+    let cache = cache(directory.path(), &[&open, &private]);
+
+    // The job was pinned to other bytes than the tag now names (a retag).
+    let wrong = format!("sha256:{}", "0".repeat(64));
+    let retagged = ImageRequest {
+        pinned_digest: Some(wrong.clone()),
+        ..request(&format!("{}/team/train:1", open.address))
+    };
+    let failure = cache.acquire(&retagged, None).await.unwrap_err();
+    assert!(
+        matches!(
+            &failure,
+            ImageFailure::NotFound(_) | ImageFailure::DigestMismatch(_)
+        ),
+        "{failure}"
+    );
+    assert!(!failure.is_transient());
+    // A reference that names a digest the tag does not resolve to.
+    let failure = cache
+        .acquire(
+            &ImageRequest {
+                pinned_digest: Some(wrong),
+                ..request(&format!(
+                    "{}/team/train@{}",
+                    open.address, image.manifest_digest
+                ))
+            },
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&failure, ImageFailure::DigestMismatch(reason) if reason.contains("pinned")),
+        "{failure}"
+    );
+
+    let failure = cache
+        .acquire(&request(&format!("{}/team/train:2", open.address)), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&failure, ImageFailure::NotFound(reason) if reason.contains("team/train:2")),
+        "{failure}"
+    );
+    assert_eq!(
+        failure.to_string().split(':').next(),
+        Some("image not found")
+    );
+
+    let private_reference = format!("{}/team/secret:1", private.address);
+    let failure = cache
+        .acquire(&request(&private_reference), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&failure, ImageFailure::Unauthorized(reason) if reason.contains("image_pull_secret")),
+        "{failure}"
+    );
+    let wrong_password = ImageRequest {
+        credential: Some(RegistryCredential {
+            username: USER.to_string(),
+            password: "not-the-password".to_string(),
+        }),
+        ..request(&private_reference)
+    };
+    let failure = cache.acquire(&wrong_password, None).await.unwrap_err();
+    assert!(
+        matches!(failure, ImageFailure::Unauthorized(_)),
+        "{failure}"
+    );
+    assert!(!failure.to_string().contains("not-the-password"));
+
+    let with_secret = ImageRequest {
+        credential: Some(RegistryCredential {
+            username: USER.to_string(),
+            password: PASSWORD.to_string(),
+        }),
+        ..request(&private_reference)
+    };
+    let pulled = cache.acquire(&with_secret, None).await.unwrap();
+    assert!(pulled.rootfs.join("etc/carve-image").exists());
+    assert!(cache.cached_digests().contains(&image.manifest_digest));
+    // Another job (another tenant) naming the same private image without the secret is
+    // refused, although the node has it cached and has used a credential for that
+    // registry: the registry is asked for every unpinned reference, with the job's own
+    // credential only.
+    let failure = cache
+        .acquire(&request(&private_reference), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(failure, ImageFailure::Unauthorized(_)),
+        "{failure}"
+    );
+    let failure = cache
+        .acquire(
+            &request(&format!(
+                "{}/team/secret@{}",
+                private.address, image.manifest_digest
+            )),
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(failure, ImageFailure::Unauthorized(_)),
+        "{failure}"
+    );
+}
