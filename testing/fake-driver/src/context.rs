@@ -14,9 +14,9 @@ use std::ffi::{c_char, c_int, c_uint, c_void};
 
 use crate::{
     CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_HANDLE,
-    CUDA_ERROR_INVALID_VALUE, CUDA_SUCCESS, CUdevice, CUresult, DEVICE_NAME, DEVICE_UUID,
-    DRIVER_VERSION, DriverState, Handle, answer_call, cuda_call, handle_pointer, handle_value,
-    initialized_call, lock_state,
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NO_DEVICE, CUDA_SUCCESS, CUdevice, CUresult, DEVICE_NAME,
+    DEVICE_UUID, DRIVER_VERSION, DriverState, Handle, answer_call, cuda_call, handle_pointer,
+    handle_value, initialized_call, lock_state,
 };
 
 thread_local! {
@@ -44,6 +44,10 @@ fn initialize(state: &mut DriverState, flags: c_uint) -> CUresult {
         return CUDA_ERROR_INVALID_VALUE;
     }
     if !state.initialized {
+        if let Err(problem) = state.connect_ledger() {
+            eprintln!("carve-fake-driver: {problem}");
+            return CUDA_ERROR_NO_DEVICE;
+        }
         let default_pool = state.new_handle();
         state.pools.create_default(default_pool);
         state.primary_context = state.new_handle();

@@ -22,6 +22,9 @@
 //!   pointers (a free, a copy) and unknown pool, array or physical handles are
 //!   `CUDA_ERROR_INVALID_VALUE`, as the real driver answers; an unknown stream is
 //!   `CUDA_ERROR_INVALID_HANDLE`, an unknown context `CUDA_ERROR_INVALID_CONTEXT`.
+//! - On a worker's simulated GPU the device's memory is the worker's ledger, outside the
+//!   program (`device_ledger.rs`): every grant is asked of it, and `cuInit` fails with
+//!   `CUDA_ERROR_NO_DEVICE` when it cannot be reached.
 //! - Lenient where the guard does not care: allocations need no current context and
 //!   `CUDA_VISIBLE_DEVICES` is ignored.
 //!
@@ -47,6 +50,7 @@ macro_rules! exports_alike {
 
 mod arrays;
 mod context;
+mod device_ledger;
 mod errors;
 mod host_memory;
 mod memory;
@@ -54,6 +58,8 @@ mod nvml;
 mod pools;
 mod proc_address;
 mod virtual_memory;
+
+pub use device_ledger::{CONTAINER_DEVICE_PATH, ENV_DEVICE_SOCKET};
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::c_void;
@@ -73,6 +79,7 @@ pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
 pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
 pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
+pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
 pub const CUDA_ERROR_INVALID_DEVICE: CUresult = 101;
 pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
 pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
@@ -140,6 +147,9 @@ pub(crate) struct DriverState {
     pub primary_context_retains: u64,
     pub streams: HashSet<u64>,
     pub nvml_init_count: u64,
+    /// The simulated device's memory outside the program, when the worker runs one
+    /// (`device_ledger.rs`); `None`: this library's own count is the device.
+    pub ledger: Option<device_ledger::DeviceLedger>,
     next_handle: u64,
 }
 
@@ -158,6 +168,7 @@ impl DriverState {
             primary_context_retains: 0,
             streams: HashSet::new(),
             nvml_init_count: 0,
+            ledger: device_ledger::configured_socket().map(device_ledger::DeviceLedger::new),
             // Handles are small non-null integers no one dereferences; starting high keeps
             // them apart from the special stream values 0, 1 and 2.
             next_handle: 0x1000,
@@ -182,15 +193,52 @@ impl DriverState {
             + self.arrays.bytes()
     }
 
-    /// Whether `more` bytes still fit in the capacity.
-    pub fn fits(&self, more: u64) -> bool {
-        self.bytes_in_use()
+    /// Whether `more` bytes still fit in the capacity. With a ledger, the device grants
+    /// them to this process (beside what every other process holds) before they are
+    /// taken; [`DriverState::settle_ledger`] corrects the grant after the call.
+    pub fn fits(&mut self, more: u64) -> bool {
+        let Some(total) = self
+            .bytes_in_use()
             .checked_add(more)
-            .is_some_and(|total| total <= self.capacity_bytes())
+            .filter(|&total| total <= self.capacity_bytes())
+        else {
+            return false;
+        };
+        match &mut self.ledger {
+            Some(ledger) => ledger.hold(total),
+            None => true,
+        }
     }
 
-    pub fn free_bytes(&self) -> u64 {
-        self.capacity_bytes().saturating_sub(self.bytes_in_use())
+    /// The device's free memory: with a ledger, what no process of the device holds.
+    pub fn free_bytes(&mut self) -> u64 {
+        let capacity = self.capacity_bytes();
+        match self.ledger.as_mut().map(|ledger| ledger.info()) {
+            Some(Ok((_, used))) => capacity.saturating_sub(used),
+            Some(Err(problem)) => {
+                eprintln!("carve-fake-driver: {problem}");
+                0
+            }
+            None => capacity.saturating_sub(self.bytes_in_use()),
+        }
+    }
+
+    /// Tells the ledger, if any, what this process holds after a call.
+    pub fn settle_ledger(&mut self) {
+        let held = self.bytes_in_use();
+        if let Some(ledger) = &mut self.ledger {
+            ledger.settle(held);
+        }
+    }
+
+    /// At `cuInit` or `nvmlInit` with a ledger: the device's capacity is the ledger's.
+    pub fn connect_ledger(&mut self) -> Result<(), String> {
+        let Some(ledger) = &mut self.ledger else {
+            return Ok(());
+        };
+        let (capacity, _) = ledger.info()?;
+        self.capacity = Ok(capacity);
+        Ok(())
     }
 
     pub fn stats(&self) -> CarveFakeDriverStats {
@@ -251,7 +299,9 @@ pub(crate) fn initialized_call(body: impl FnOnce(&mut DriverState) -> CUresult) 
         if !state.initialized {
             return CUDA_ERROR_NOT_INITIALIZED;
         }
-        body(&mut state)
+        let result = body(&mut state);
+        state.settle_ledger();
+        result
     })
 }
 

@@ -2,6 +2,9 @@
 //! one device, and its memory info from the driver's state (used = everything the driver
 //! holds), which is what the guard rewrites into the slice.
 //!
+//! With the worker's ledger (`device_ledger.rs`) the memory info is the device's as the
+//! ledger keeps it: what every process holds, not only this one.
+//!
 //! NVML keeps its own init count, apart from `cuInit`: calls before `nvmlInit` are
 //! `NVML_ERROR_UNINITIALIZED`.
 
@@ -74,6 +77,10 @@ fn initialize() -> NvmlReturn {
     nvml_call(|| {
         let mut state = lock_state();
         if let Err(problem) = &state.capacity {
+            eprintln!("carve-fake-driver: {problem}");
+            return NVML_ERROR_UNKNOWN;
+        }
+        if let Err(problem) = state.connect_ledger() {
             eprintln!("carve-fake-driver: {problem}");
             return NVML_ERROR_UNKNOWN;
         }
@@ -150,10 +157,12 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
         let Some(memory_out) = (unsafe { memory_out.as_mut() }) else {
             return NVML_ERROR_INVALID_ARGUMENT;
         };
+        let total = state.capacity_bytes();
+        let free = state.free_bytes().min(total);
         *memory_out = NvmlMemory {
-            total: state.capacity_bytes(),
-            free: state.free_bytes(),
-            used: state.bytes_in_use(),
+            total,
+            free,
+            used: total - free,
         };
         NVML_SUCCESS
     })
@@ -174,12 +183,14 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
         if memory_out.version != NVML_MEMORY_V2_VERSION {
             return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
         }
+        let total = state.capacity_bytes();
+        let free = state.free_bytes().min(total);
         *memory_out = NvmlMemoryV2 {
             version: NVML_MEMORY_V2_VERSION,
-            total: state.capacity_bytes(),
+            total,
             reserved: 0,
-            free: state.free_bytes(),
-            used: state.bytes_in_use(),
+            free,
+            used: total - free,
         };
         NVML_SUCCESS
     })
