@@ -129,6 +129,26 @@ pub fn effective_max_duration(
     }
 }
 
+/// What the job is told when it asked for longer than this worker allows
+/// (`resources.max_duration` past `--attempt-max-duration`): the worker's limit holds, and
+/// the job learns it as its attempt starts instead of when it is stopped. `None` when the
+/// job gets what it asked for.
+pub fn shortened_max_duration_warning(
+    job: Option<Duration>,
+    worker: Option<Duration>,
+) -> Option<String> {
+    match (job, worker) {
+        (Some(job), Some(worker)) if worker < job => Some(format!(
+            "this worker stops an attempt after {} (its --attempt-max-duration), shorter than \
+             the job's resources.max_duration of {}: this attempt has {} at most",
+            format_duration(worker),
+            format_duration(job),
+            format_duration(worker),
+        )),
+        _ => None,
+    }
+}
+
 /// What one measurement found in an attempt's directories.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DirectoryUsage {

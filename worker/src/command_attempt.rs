@@ -40,7 +40,7 @@ use crate::command_output::{
 };
 use crate::guard_environment::AttemptGuard;
 use crate::program_output::{MOST_LINE_BYTES, OutputLine, OutputStream, ProgramOutput};
-use crate::sandbox::{Container, Sandbox, container_exit_status};
+use crate::sandbox::{Container, GpuDevices, Sandbox, container_exit_status};
 use carve_core::step_rate::StepRate;
 
 mod setup;
@@ -83,8 +83,12 @@ pub struct CommandAttemptLaunch {
     pub sandbox: Option<Arc<Sandbox>>,
     /// The job's tenant: whose host ids its container runs under.
     pub tenant: String,
-    /// The slice's GPU's device nodes, the only ones its container sees.
-    pub devices: Vec<PathBuf>,
+    /// The slice's GPU's device nodes, the only ones its container sees, and the host
+    /// paths its driver needs (a CDI spec's mounts).
+    pub devices: GpuDevices,
+    /// A simulated GPU's ledger socket (`simulated_gpu_ledger.rs`): the fake driver's
+    /// device, bound into the container at its device path.
+    pub simulated_gpu_socket: Option<PathBuf>,
     /// The first part of its containers' names (a run number follows).
     pub container_name: String,
 }

@@ -22,6 +22,8 @@
 //! - `image`: job images: pulled, verified, unpacked into a cache attempts share;
 //! - `nvml`: real GPUs through NVML: discovery and each GPU's compute processes;
 //! - `sandbox`: every attempt in its own OCI container (bundle, runtime, tenants' ids);
+//! - `simulated_gpu_ledger`: a simulated GPU's memory outside its programs (the kernel
+//!   driver's part, for the fake driver), which the watchdog reads as it reads NVML;
 //! - `watchdog`: stops an attempt whose process tree holds more than its slice and
 //!   context, or (under the guard) uses the GPU without the guard;
 //! - `attempt_limits`: stops an attempt that runs past its max_duration or whose
@@ -48,6 +50,7 @@ pub mod leftover_processes;
 pub mod nvml;
 pub mod program_output;
 pub mod sandbox;
+pub mod simulated_gpu_ledger;
 pub mod token_file;
 pub mod watchdog;
 pub mod worker;

@@ -14,8 +14,10 @@ use carve_proto::logging::{LogFormat, init_logging};
 use carve_worker::attempt_child::{AttemptArguments, attempt_command};
 use carve_worker::attempt_limits::{DEFAULT_MEASURE_INTERVAL, RunLimits};
 use carve_worker::gpus::parse_simulated_gpus;
+use carve_worker::sandbox::cdi::DEFAULT_CDI_DIRECTORIES;
 use carve_worker::sandbox::{
-    AttemptLimits, DEFAULT_FIRST_HOST_UID, SandboxPolicy, SandboxSettings,
+    AttemptLimits, DEFAULT_FIRST_HOST_UID, SandboxPolicy, SandboxSettings, TenantLimits,
+    parse_tenant_limits,
 };
 use carve_worker::token_file::worker_token;
 use carve_worker::worker::DEFAULT_CONTEXT_BYTES;
@@ -130,6 +132,20 @@ struct Arguments {
     /// stores); others have only loopback. Repeat for more.
     #[arg(long = "sandbox-host-network", value_name = "TENANT")]
     sandbox_host_network: Vec<String>,
+    /// One tenant's limits instead of the --attempt-* defaults:
+    /// TENANT:memory=32GiB,pids=8192,cpus=8,scratch=4GiB (any of them). Repeat for more
+    /// tenants. A job may ask for less in [resources], never more.
+    #[arg(long = "tenant-limits", value_name = "TENANT:LIMITS", value_parser = parse_tenant_limits_argument)]
+    tenant_limits: Vec<(String, TenantLimits)>,
+    /// A directory of CDI specs (nvidia-ctk cdi generate), in increasing priority;
+    /// repeat for more. A GPU's containers get the device nodes of the spec that names
+    /// it, else the built-in list. Default: /etc/cdi and /var/run/cdi.
+    #[arg(long = "cdi-dir", value_name = "DIR")]
+    cdi_dir: Vec<PathBuf>,
+}
+
+fn parse_tenant_limits_argument(text: &str) -> Result<(String, TenantLimits), String> {
+    parse_tenant_limits(text).map_err(|error| error.to_string())
 }
 
 #[derive(Debug, Subcommand)]
@@ -262,6 +278,12 @@ fn run(arguments: Arguments) -> Result<()> {
         read_only_host_paths: arguments.sandbox_read_only,
         host_network_tenants: arguments.sandbox_host_network,
         job_paths: arguments.sandbox_job_path,
+        cdi_directories: if arguments.cdi_dir.is_empty() {
+            DEFAULT_CDI_DIRECTORIES.iter().map(PathBuf::from).collect()
+        } else {
+            arguments.cdi_dir
+        },
+        tenant_limits: arguments.tenant_limits.into_iter().collect(),
     };
     config.run_limits = RunLimits {
         max_duration: arguments.attempt_max_duration.0,

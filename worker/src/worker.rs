@@ -19,7 +19,10 @@ use carve_proto::v1::worker_service_client::WorkerServiceClient;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::attempt_limits::{MaxDuration, RunLimits, effective_max_duration, run_attempt_limits};
+use crate::attempt_limits::{
+    MaxDuration, RunLimits, effective_max_duration, run_attempt_limits,
+    shortened_max_duration_warning,
+};
 use crate::attempt_process::AttemptControl;
 use crate::error::WorkerError;
 use crate::gpus::{SimulatedGpu, SliceBook, WorkerGpu, discover_gpus};
@@ -27,6 +30,7 @@ use crate::guard_environment::{find_guard_library, find_simulated_guard_library}
 use crate::leader_lease::{LeaderLease, stop_attempts_without_a_leader};
 use crate::leftover_processes::record_directory;
 use crate::sandbox::{Sandbox, SandboxSettings};
+use crate::simulated_gpu_ledger::SimulatedGpuLedger;
 use crate::watchdog::{SystemWatchSource, run_watchdog};
 
 mod command_launch;
@@ -38,7 +42,7 @@ mod watched;
 use scheduler_choice::SchedulerChoice;
 pub use scheduler_choice::{ANSWERED_BACKOFF_MAX, AttemptEnd, EndpointReason, SessionAttempt};
 
-use startup::{find_real_gpus, kill_leftovers_of_a_previous_life};
+use startup::{find_real_gpus, kill_leftovers_of_a_previous_life, serve_simulated_gpus};
 use watched::{WorkerAttempts, WorkerLimitedAttempts};
 
 /// Everything the worker needs to start.
@@ -95,6 +99,11 @@ pub struct WorkerConfig {
     /// limit and the size of its directories (`--attempt-max-duration`,
     /// `--attempt-checkpoint-limit`; see [`crate::attempt_limits`]).
     pub run_limits: RunLimits,
+    /// Whether simulated GPUs keep their memory in a ledger outside the programs
+    /// (`simulated_gpu_ledger.rs`, reached by the fake driver) and get the watchdog over
+    /// it, as real GPUs get it over NVML. On by default; a test turns it off to show what
+    /// the watchdog stops.
+    pub watch_simulated_gpus: bool,
 }
 
 /// The default context reservation, on real and simulated GPUs alike: what an attempt
@@ -132,6 +141,7 @@ impl WorkerConfig {
             guard_library: None,
             sandbox: SandboxSettings::default(),
             run_limits: RunLimits::default(),
+            watch_simulated_gpus: true,
         }
     }
 }
@@ -279,6 +289,8 @@ struct Worker {
     simulated_guard_library: Option<PathBuf>,
     /// Where attempts are contained; `None`: they run with the worker's rights.
     sandbox: Option<Arc<Sandbox>>,
+    /// The simulated GPUs' ledgers by uuid (none with `watch_simulated_gpus` off).
+    simulated_gpu_ledgers: HashMap<String, Arc<SimulatedGpuLedger>>,
 }
 
 /// Runs the worker until `shutdown` completes; then stops its attempts.
@@ -330,6 +342,11 @@ pub async fn run_worker(
             tracing::warn!(container = %name, "removed a container left over from this worker's previous run");
         }
     }
+    let simulated_gpu_ledgers = if config.watch_simulated_gpus {
+        serve_simulated_gpus(&gpus, &config.checkpoint_directory)
+    } else {
+        HashMap::new()
+    };
     let (reports, mut incoming_reports) = mpsc::unbounded_channel();
     let shared = Shared::default();
     // A worker no leader hears stops its attempts before the scheduler could give them
@@ -339,10 +356,11 @@ pub async fn run_worker(
         let shared = shared.clone();
         move || stoppable_attempts(&shared)
     }));
-    // The watchdog watches real GPUs only: a simulated GPU has no device memory to take.
+    // The watchdog watches real GPUs, and simulated ones whose memory is in a ledger: a
+    // simulated GPU without one has no device memory to take.
     let context_bytes: HashMap<String, u64> = gpus
         .iter()
-        .filter(|gpu| !gpu.simulated)
+        .filter(|gpu| !gpu.simulated || simulated_gpu_ledgers.contains_key(&gpu.uuid))
         .map(|gpu| (gpu.uuid.clone(), gpu.context_bytes))
         .collect();
     // The worker's own limits hold on every attempt, real GPU or simulated.
@@ -352,17 +370,16 @@ pub async fn run_worker(
             shared: shared.clone(),
         },
     ));
-    let watchdog = match nvml {
-        Some(nvml) if !context_bytes.is_empty() => Some(tokio::spawn(run_watchdog(
-            SystemWatchSource::new(nvml),
+    let watchdog = (!context_bytes.is_empty()).then(|| {
+        tokio::spawn(run_watchdog(
+            SystemWatchSource::new(nvml, simulated_gpu_ledgers.clone()),
             WorkerAttempts {
                 shared: shared.clone(),
                 context_bytes,
             },
             reports.clone(),
-        ))),
-        _ => None,
-    };
+        ))
+    });
     let scheduler_choice = SchedulerChoice::new(
         config.reconnect_backoff_initial,
         config.reconnect_backoff_max,
@@ -382,6 +399,7 @@ pub async fn run_worker(
         guard_library,
         simulated_guard_library,
         sandbox,
+        simulated_gpu_ledgers,
     };
     tokio::pin!(shutdown);
     let mut stopped_by: Option<WorkerError> = None;
@@ -815,6 +833,17 @@ impl Worker {
             .map_err(|error| WorkerError::Attempt(format!("the job spec: {error}")))?;
         let max_duration =
             effective_max_duration(job_max_duration, self.config.run_limits.max_duration);
+        // Told as the attempt starts (its log, `carve logs`), not first when it is stopped.
+        if let Some(warning) =
+            shortened_max_duration_warning(job_max_duration, self.config.run_limits.max_duration)
+        {
+            let _ = self.reports.send(Body::Log(v1::worker_message::LogLine {
+                attempt: Some(attempt.clone()),
+                level: "warn".into(),
+                message: warning,
+                stream: String::new(),
+            }));
+        }
         // One conversion for both kinds, checked as the job's kind reads a config (the
         // model job's attempt process checks it again against its model, in its own
         // process, before training).

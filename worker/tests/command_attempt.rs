@@ -79,7 +79,8 @@ fn launch(
         profile,
         sandbox: None,
         tenant: "tenant-a".into(),
-        devices: Vec::new(),
+        devices: Default::default(),
+        simulated_gpu_socket: None,
         container_name: "carve-job-1-1".into(),
     }
 }

@@ -47,7 +47,8 @@ fn launch(directory: &Path, job: ValidatedCommandJob) -> CommandAttemptLaunch {
         profile: false,
         sandbox: None,
         tenant: "tenant-a".into(),
-        devices: Vec::new(),
+        devices: Default::default(),
+        simulated_gpu_socket: None,
         container_name: "carve-job-1-1".into(),
     }
 }

@@ -47,6 +47,8 @@ async fn run_in_container(
             working_directory: "/tmp".into(),
             host_paths,
             devices: Vec::new(),
+            simulated_gpu_socket: None,
+            asked_limits: Default::default(),
         })
         .unwrap();
     let output = tokio::time::timeout(Duration::from_secs(60), command.output())
@@ -180,6 +182,8 @@ async fn a_program_killed_at_its_memory_limit_is_told_apart_from_one_killed_from
                 working_directory: "/tmp".into(),
                 host_paths: Vec::new(),
                 devices: Vec::new(),
+                simulated_gpu_socket: None,
+                asked_limits: Default::default(),
             })
             .unwrap();
         (command, container)

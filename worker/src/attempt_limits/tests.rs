@@ -317,3 +317,24 @@ async fn a_round_stops_each_attempt_once_for_its_time_or_its_directory() {
     assert!(watch.round(&scripted, start + seconds(9)).await.is_empty());
     assert_eq!(scripted.stops.lock().unwrap().len(), 2);
 }
+
+#[test]
+fn a_job_asking_for_longer_than_its_worker_allows_is_told_so() {
+    let hours = |count: u64| Duration::from_secs(count * 3600);
+    let warning = shortened_max_duration_warning(Some(hours(240)), Some(hours(168)))
+        .expect("10d asked of a 7d worker");
+    assert_eq!(
+        warning,
+        "this worker stops an attempt after 7d (its --attempt-max-duration), shorter than \
+         the job's resources.max_duration of 10d: this attempt has 7d at most"
+    );
+    // Asked for less, the same, nothing, or of a worker without a limit: nothing to tell.
+    for (job, worker) in [
+        (Some(hours(2)), Some(hours(168))),
+        (Some(hours(168)), Some(hours(168))),
+        (None, Some(hours(168))),
+        (Some(hours(240)), None),
+    ] {
+        assert_eq!(shortened_max_duration_warning(job, worker), None);
+    }
+}

@@ -11,6 +11,7 @@ use super::{CommandProcesses, ENVIRONMENT_SLICE_BYTES, RunPlan, Runner};
 use crate::error::WorkerError;
 use crate::guard_environment::AttemptGuard;
 use crate::sandbox::{Container, ContainerRequest, HostPath, Sandbox, give_directory_to};
+use crate::simulated_gpu_ledger::{ENV_SIMULATED_GPU_SOCKET, SIMULATED_GPU_DEVICE_PATH};
 
 /// One run, ready to start.
 pub(super) struct PreparedRun {
@@ -93,6 +94,18 @@ impl<P: CommandProcesses> Runner<'_, P> {
         environment
             .entry("PYTHONUNBUFFERED".to_string())
             .or_insert_with(|| "1".to_string());
+        // A simulated GPU's memory is its ledger: the fake driver finds it here outside a
+        // container, at its device path inside one (where the job cannot move it).
+        if let Some(socket) = &launch.simulated_gpu_socket {
+            let seen_at = match launch.sandbox {
+                Some(_) => PathBuf::from(SIMULATED_GPU_DEVICE_PATH),
+                None => socket.clone(),
+            };
+            environment.insert(
+                ENV_SIMULATED_GPU_SOCKET.to_string(),
+                seen_at.to_string_lossy().into_owned(),
+            );
+        }
         let environment: Vec<(String, String)> = environment.into_iter().collect();
         let (command, container) = match &launch.sandbox {
             Some(sandbox) => {
@@ -173,6 +186,13 @@ impl<P: CommandProcesses> Runner<'_, P> {
         if let Some(guard) = guard {
             host_paths.push(HostPath::read_only(guard.library()));
         }
+        host_paths.extend(
+            launch
+                .devices
+                .read_only_paths
+                .iter()
+                .map(HostPath::read_only),
+        );
         sandbox.prepare(&ContainerRequest {
             name: format!("{}-{}", launch.container_name, self.runs),
             tenant: launch.tenant.clone(),
@@ -180,7 +200,10 @@ impl<P: CommandProcesses> Runner<'_, P> {
             environment,
             working_directory,
             host_paths,
-            devices: launch.devices.clone(),
+            devices: launch.devices.nodes.clone(),
+            simulated_gpu_socket: launch.simulated_gpu_socket.clone(),
+            // Validated at submit: a spec that does not read asks for nothing here.
+            asked_limits: launch.job.spec.resources.host_limits().unwrap_or_default(),
         })
     }
 }

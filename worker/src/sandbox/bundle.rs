@@ -7,6 +7,7 @@ use std::collections::HashSet;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use carve_core::spec::HostLimitsRequest;
 use oci_spec::runtime::{
     Arch, LinuxBuilder, LinuxCapabilities, LinuxCpuBuilder, LinuxDeviceBuilder,
     LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxIdMappingBuilder, LinuxMemoryBuilder,
@@ -19,6 +20,7 @@ use oci_spec::runtime::{
 use super::identities::TenantIdentity;
 use super::{CONTAINER_UID, SandboxSettings};
 use crate::error::WorkerError;
+use crate::simulated_gpu_ledger::SIMULATED_GPU_DEVICE_PATH;
 
 /// The host's system directories every container sees read-only: the programs and
 /// libraries a job runs with until it brings its own image.
@@ -143,6 +145,13 @@ pub struct ContainerRequest {
     pub host_paths: Vec<HostPath>,
     /// Device nodes it may use (its GPU's: [`gpu_device_nodes`]).
     pub devices: Vec<PathBuf>,
+    /// Its simulated GPU's ledger socket (`simulated_gpu_ledger.rs`), bound at
+    /// [`SIMULATED_GPU_DEVICE_PATH`]: the fake driver's device, as `/dev/nvidiaN` is the
+    /// real driver's.
+    pub simulated_gpu_socket: Option<PathBuf>,
+    /// What the job asks of its host limits (`[resources]`): it may only lower the
+    /// worker's (`limits.rs`).
+    pub asked_limits: HostLimitsRequest,
 }
 
 /// The device nodes of the GPU with NVML index `index`: its own node and the driver's
@@ -449,6 +458,22 @@ fn mounts(
         }
         mounts.push(bind(&host_path.path.to_string_lossy(), host_path.writable)?);
     }
+    if let Some(socket) = &request.simulated_gpu_socket {
+        mounts.push(
+            MountBuilder::default()
+                .destination(SIMULATED_GPU_DEVICE_PATH)
+                .typ("bind")
+                .source(socket)
+                .options(
+                    ["bind", "rw", "nosuid", "nodev"]
+                        .iter()
+                        .map(|option| option.to_string())
+                        .collect::<Vec<_>>(),
+                )
+                .build()
+                .map_err(spec_error)?,
+        );
+    }
     Ok(mounts)
 }
 
@@ -571,6 +596,8 @@ mod tests {
                 HostPath::read_only("/data"),
             ],
             devices: Vec::new(),
+            simulated_gpu_socket: None,
+            asked_limits: HostLimitsRequest::default(),
         }
     }
 

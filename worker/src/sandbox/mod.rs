@@ -26,11 +26,14 @@
 //! ([`Sandbox::remove_leftover_containers`]).
 
 mod bundle;
+pub mod cdi;
 mod cgroups;
 mod identities;
 mod image_bundle;
+mod limits;
 mod runtime;
 
+use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -39,6 +42,7 @@ use std::sync::Mutex;
 pub use bundle::{AttemptLimits, ContainerRequest, HostPath, gpu_device_nodes};
 pub use cgroups::AttemptCgroup;
 pub use identities::{TenantIdentities, TenantIdentity};
+pub use limits::{TenantLimits, effective_limits, parse_tenant_limits};
 pub use runtime::{Container, find_runtime};
 
 use crate::error::WorkerError;
@@ -87,6 +91,13 @@ pub struct SandboxSettings {
     /// that names a directory elsewhere is refused, whatever the file permissions say:
     /// otherwise a tenant could name another's checkpoints, or the worker's files.
     pub job_paths: Vec<PathBuf>,
+    /// Where CDI specs are read (`--cdi-dir`; [`cdi::DEFAULT_CDI_DIRECTORIES`]), in
+    /// increasing priority: a real GPU's container gets the device nodes of the spec
+    /// that names it, else the built-in list ([`gpu_devices`]).
+    pub cdi_directories: Vec<PathBuf>,
+    /// Tenants' overrides of `limits` (`--tenant-limits`); a job may lower its own
+    /// further ([`effective_limits`]).
+    pub tenant_limits: BTreeMap<String, TenantLimits>,
 }
 
 impl Default for SandboxSettings {
@@ -99,6 +110,11 @@ impl Default for SandboxSettings {
             read_only_host_paths: Vec::new(),
             host_network_tenants: Vec::new(),
             job_paths: Vec::new(),
+            cdi_directories: cdi::DEFAULT_CDI_DIRECTORIES
+                .iter()
+                .map(PathBuf::from)
+                .collect(),
+            tenant_limits: BTreeMap::new(),
         }
     }
 }
@@ -265,7 +281,8 @@ impl Sandbox {
         Ok(resolved)
     }
 
-    /// The operator's limits for each attempt.
+    /// The operator's default limits for each attempt (a tenant's override and the
+    /// job's own ask may change them: [`effective_limits`]).
     pub fn limits(&self) -> &AttemptLimits {
         &self.settings.limits
     }
@@ -283,30 +300,40 @@ impl Sandbox {
             .host_network_tenants
             .iter()
             .any(|tenant| tenant == &request.tenant);
+        let settings = SandboxSettings {
+            limits: effective_limits(
+                &self.settings.limits,
+                &self.settings.tenant_limits,
+                &request.tenant,
+                &request.asked_limits,
+            ),
+            ..self.settings.clone()
+        };
         let spec = bundle::container_spec(
             request,
             &identity,
-            &self.settings,
+            &settings,
             host_network,
             &AttemptCgroup::new(&request.name).runtime_path(),
         )?;
         let bundle = self.bundle_directory.join(&request.name);
-        let container = self.container(&request.name);
+        let container = self.container(&request.name, settings.limits.memory_bytes);
         // A bundle of the same name is a run that a worker killed mid-way left behind.
         container.remove();
         bundle::write_bundle(&bundle, &spec, &identity)?;
         Ok((container.run_command(), container))
     }
 
-    /// The handle of the container `name`, whether or not it exists.
-    fn container(&self, name: &str) -> Container {
+    /// The handle of the container `name`, whether or not it exists, whose memory limit
+    /// is `memory_bytes`.
+    fn container(&self, name: &str, memory_bytes: u64) -> Container {
         Container::new(
             self.runtime.clone(),
             self.state_directory.clone(),
             name.to_string(),
             self.bundle_directory.join(name),
             AttemptCgroup::new(name),
-            self.settings.limits.memory_bytes,
+            memory_bytes,
         )
     }
 
@@ -316,7 +343,8 @@ impl Sandbox {
     pub fn remove_leftover_containers(&self) -> Vec<String> {
         let names = runtime::list_containers(&self.runtime, &self.state_directory);
         for name in &names {
-            self.container(name).remove();
+            self.container(name, self.settings.limits.memory_bytes)
+                .remove();
         }
         // Bundles whose containers never started (or were removed above).
         if let Ok(entries) = std::fs::read_dir(&self.bundle_directory) {
@@ -387,5 +415,42 @@ mod tests {
         assert_eq!(failed.code(), Some(2));
         let out_of_memory = container_exit_status(ExitStatus::from_raw(3 << 8), &[]);
         assert_eq!(out_of_memory.code(), Some(3));
+    }
+}
+
+/// What a real GPU's container is given: its device nodes and the host paths its driver
+/// needs bound.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GpuDevices {
+    pub nodes: Vec<PathBuf>,
+    pub read_only_paths: Vec<PathBuf>,
+}
+
+/// The devices of the GPU of NVML index `index` and uuid `uuid`: from the CDI spec that
+/// names it under `cdi_directories`, else (no spec names it, or the one that does is
+/// refused, which is logged with why) the built-in list ([`gpu_device_nodes`]).
+pub fn gpu_devices(cdi_directories: &[PathBuf], index: u32, uuid: &str) -> GpuDevices {
+    match cdi::find_gpu(cdi_directories, index, uuid) {
+        Ok(lookup) => {
+            for skipped in &lookup.skipped_files {
+                tracing::warn!(file = %skipped, "an unreadable CDI spec was skipped");
+            }
+            if let Some(gpu) = lookup.gpu {
+                for left_out in &gpu.left_out {
+                    tracing::debug!(spec = %gpu.spec_file.display(), %left_out, "left out of a CDI spec");
+                }
+                return GpuDevices {
+                    nodes: gpu.device_nodes,
+                    read_only_paths: gpu.read_only_paths,
+                };
+            }
+        }
+        Err(error) => {
+            tracing::warn!(%error, "the gpu's devices come from the built-in list instead");
+        }
+    }
+    GpuDevices {
+        nodes: gpu_device_nodes(index),
+        read_only_paths: Vec::new(),
     }
 }

@@ -1,13 +1,16 @@
-//! The watchdog's readings on a node: NVML for the GPUs, `/proc` for process trees and
+//! The watchdog's readings on a node: NVML for the real GPUs, the worker's ledgers for
+//! the simulated ones (`simulated_gpu_ledger.rs`, which play the kernel driver's part), `/proc` for process trees and
 //! each GPU process's pid inside its container, the containers' `cgroup.procs` files for
 //! their members, and the guard accounts. Each is read through a small pure parser so
 //! the text formats are tested without a node.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::guard_environment::account_process_ids;
 use crate::nvml::NvmlHandle;
+use crate::simulated_gpu_ledger::SimulatedGpuLedger;
 
 use super::{WatchReading, WatchSource, WatchTargets};
 
@@ -108,18 +111,25 @@ pub fn read_cgroup_members(procs_file: &Path) -> std::io::Result<HashSet<u32>> {
     Ok(members)
 }
 
-/// Readings on a node: NVML for the GPUs, `/proc` for the trees and the innermost pids,
-/// the containers' `cgroup.procs`, the guard accounts.
+/// Readings on a node: NVML for the real GPUs, the ledgers of the simulated ones, `/proc`
+/// for the trees and the innermost pids, the containers' `cgroup.procs`, the guard
+/// accounts.
 #[derive(Debug, Clone)]
 pub struct SystemWatchSource {
-    nvml: NvmlHandle,
+    nvml: Option<NvmlHandle>,
+    /// By simulated GPU uuid.
+    simulated_gpus: HashMap<String, Arc<SimulatedGpuLedger>>,
     proc_root: PathBuf,
 }
 
 impl SystemWatchSource {
-    pub fn new(nvml: NvmlHandle) -> SystemWatchSource {
+    pub fn new(
+        nvml: Option<NvmlHandle>,
+        simulated_gpus: HashMap<String, Arc<SimulatedGpuLedger>>,
+    ) -> SystemWatchSource {
         SystemWatchSource {
             nvml,
+            simulated_gpus,
             proc_root: PathBuf::from("/proc"),
         }
     }
@@ -129,7 +139,14 @@ impl WatchSource for SystemWatchSource {
     fn read(&self, targets: &WatchTargets) -> WatchReading {
         let mut gpu_processes = HashMap::new();
         for uuid in &targets.gpu_uuids {
-            match self.nvml.compute_processes(uuid) {
+            if let Some(ledger) = self.simulated_gpus.get(uuid) {
+                gpu_processes.insert(uuid.clone(), ledger.usage());
+                continue;
+            }
+            let Some(nvml) = &self.nvml else {
+                continue;
+            };
+            match nvml.compute_processes(uuid) {
                 Ok(processes) => {
                     gpu_processes.insert(uuid.clone(), processes);
                 }

@@ -19,7 +19,7 @@ use crate::command_attempt::{CommandAttemptLaunch, CommandProcesses, run_command
 use crate::error::WorkerError;
 use crate::gpus::WorkerGpu;
 use crate::leftover_processes::{record_for, write_record};
-use crate::sandbox::gpu_device_nodes;
+use crate::sandbox::{GpuDevices, gpu_devices};
 
 impl Worker {
     /// Starts a command job's attempt: a task runs its program (or its profile runs)
@@ -59,11 +59,15 @@ impl Worker {
             sandbox: self.sandbox.clone(),
             tenant: assignment.tenant.clone(),
             devices: if gpu.simulated {
-                Vec::new()
+                GpuDevices::default()
             } else {
-                gpu_device_nodes(gpu.index)
+                gpu_devices(&self.config.sandbox.cdi_directories, gpu.index, &gpu.uuid)
             },
             container_name: container_name(attempt),
+            simulated_gpu_socket: self
+                .simulated_gpu_ledgers
+                .get(&gpu.uuid)
+                .map(|ledger| ledger.socket().to_path_buf()),
         };
         tracing::info!(
             job = %attempt.job_id,

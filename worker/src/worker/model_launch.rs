@@ -21,7 +21,7 @@ use crate::child_protocol::ConfigArgument;
 use crate::error::WorkerError;
 use crate::gpus::WorkerGpu;
 use crate::leftover_processes::{record_for, write_record};
-use crate::sandbox::{ContainerRequest, HostPath, give_directory_to, gpu_device_nodes};
+use crate::sandbox::{ContainerRequest, GpuDevices, HostPath, give_directory_to, gpu_devices};
 
 impl Worker {
     /// Writes the spec file, starts the process and a task that watches it.
@@ -94,6 +94,12 @@ impl Worker {
                 for (field, path) in data_files(job) {
                     host_paths.push(HostPath::read_only(sandbox.job_path(field, path)?));
                 }
+                let devices = if gpu.simulated {
+                    GpuDevices::default()
+                } else {
+                    gpu_devices(&self.config.sandbox.cdi_directories, gpu.index, &gpu.uuid)
+                };
+                host_paths.extend(devices.read_only_paths.iter().map(HostPath::read_only));
                 Some((
                     sandbox.as_ref(),
                     ContainerRequest {
@@ -103,11 +109,11 @@ impl Worker {
                         environment: Vec::new(),
                         working_directory: run_directory.clone(),
                         host_paths,
-                        devices: if gpu.simulated {
-                            Vec::new()
-                        } else {
-                            gpu_device_nodes(gpu.index)
-                        },
+                        devices: devices.nodes,
+                        // A simulated GPU's engine attempt trains on the cpu backend.
+                        simulated_gpu_socket: None,
+                        // Validated at submit: a spec that does not read asks for nothing.
+                        asked_limits: job.spec.resources.host_limits().unwrap_or_default(),
                     },
                 ))
             }

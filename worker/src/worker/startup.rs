@@ -1,13 +1,18 @@
 //! What the worker does once when it starts, before its first session: finds the real
 //! GPUs through NVML (or goes on with simulated ones alone), and kills the attempt
-//! processes a previous run of this worker left behind.
+//! processes a previous run of this worker left behind, and serves each simulated GPU's
+//! memory ledger.
 
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use super::WorkerConfig;
 use crate::error::WorkerError;
+use crate::gpus::WorkerGpu;
 use crate::leftover_processes::{LeftoverOutcome, kill_leftover_processes};
 use crate::nvml::{DiscoveredGpu, NvmlHandle, open_nvml};
+use crate::simulated_gpu_ledger::SimulatedGpuLedger;
 
 /// SIGKILLs the attempt processes a previous run of this worker left running (see
 /// [`crate::leftover_processes`]) before anything new starts: each holds its slice's
@@ -81,4 +86,32 @@ pub(super) async fn find_real_gpus(
             Ok((None, Vec::new()))
         }
     }
+}
+
+/// A ledger for each simulated GPU, at `{checkpoint_directory}/simulated-gpus/{uuid}.sock`
+/// (the uuid names the node, so workers sharing a directory do not meet). A GPU whose
+/// socket cannot be served (a path past the 107 bytes a unix socket allows) runs as
+/// before, its memory the fake driver's own count and unwatched; the log says so.
+pub(super) fn serve_simulated_gpus(
+    gpus: &[WorkerGpu],
+    checkpoint_directory: &Path,
+) -> HashMap<String, Arc<SimulatedGpuLedger>> {
+    let directory = checkpoint_directory.join("simulated-gpus");
+    gpus.iter()
+        .filter(|gpu| gpu.simulated)
+        .filter_map(|gpu| {
+            let socket = directory.join(format!("{}.sock", gpu.uuid));
+            match SimulatedGpuLedger::bind(&socket, gpu.total_bytes) {
+                Ok(ledger) => Some((gpu.uuid.clone(), Arc::new(ledger))),
+                Err(error) => {
+                    tracing::warn!(
+                        gpu = %gpu.uuid,
+                        %error,
+                        "a simulated gpu without its ledger: the watchdog does not watch it"
+                    );
+                    None
+                }
+            }
+        })
+        .collect()
 }

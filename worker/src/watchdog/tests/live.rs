@@ -170,7 +170,7 @@ async fn on_a_real_gpu_a_child_over_the_slice_is_seen_in_the_tree_and_stopped() 
         }
     });
     ready.await.expect("the holder took its memory");
-    let source = SystemWatchSource::new(nvml);
+    let source = SystemWatchSource::new(Some(nvml), Default::default());
     let reading = source.read(&WatchTargets {
         gpu_uuids: vec![gpu.uuid.clone()],
         ..Default::default()
