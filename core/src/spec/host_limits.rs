@@ -47,7 +47,7 @@ impl HostLimitsRequest {
             })
             .transpose()?;
         if let Some(cpus) = cpus
-            && !(cpus.is_finite() && cpus >= 0.01 && cpus <= MAX_CPUS)
+            && !(cpus.is_finite() && (0.01..=MAX_CPUS).contains(&cpus))
         {
             return Err(FieldError::new(
                 "resources.cpus",
