@@ -213,15 +213,22 @@ beside() {
 # `auto` profile) and the Keras seed case as Keras 3 on JAX, side by side.
 command_jobs() {
   local keras_site="$out/keras-site"
+  # Where runc is installed the jobs run contained, seeing the host's /usr and /etc but
+  # not a Python (or its wheels) installed elsewhere: those are bound read-only.
+  local visible
+  visible="$(for candidate in "$python" "$jax_python"; do
+    "$candidate" -c 'import os, sys; print(os.path.realpath(sys.prefix))' 2>/dev/null
+  done | grep -v '^/usr' | sort -u | sed 's/.*/"&"/' | paste -sd, -)"
   local auto_arguments=(examples/command/pytorch-resnet.toml -q
     --set "command.argv[0]=$python"
     --set "command.argv[1]=$repository/examples/command/pytorch/train.py"
-    --set command.steps=20)
+    --set command.steps=20 --set "command.read_only_paths=[${visible}]")
   local keras_arguments=(examples/command/keras-conv2d-1024px.toml -q
     --set "command.argv[0]=$jax_python"
     --set "command.argv[1]=$repository/examples/command/keras/train_keras3.py"
-    --set command.env.KERAS_BACKEND=jax --set command.env.XLA_PYTHON_CLIENT_PREALLOCATE=false
-    --set "command.env.PYTHONPATH=$keras_site" --set command.steps=6)
+    --set command.env.KERAS_BACKEND=jax --set 'command.env.XLA_PYTHON_CLIENT_PREALLOCATE="false"'
+    --set "command.env.PYTHONPATH=$keras_site" --set command.steps=6
+    --set "command.read_only_paths=[${visible:+$visible,}\"$keras_site\"]")
   if [ "$dry" = 1 ]; then
     echo "would install into $keras_site what $jax_python lacks of" \
       "$binaries/wheels/{keras,optree,namex,absl_py,rich,markdown_it_py,mdurl,pygments}*.whl"

@@ -51,6 +51,10 @@ def pytorch_rows(out):
     """{(example, precision, fp32 math, 'eager'|'compile'): samples/s}."""
     rows = {}
     for path in sorted(out.glob("pytorch-*.log")):
+        # The warm-up runs (one step, to fill the inductor cache) print rows too; they
+        # are not timings.
+        if path.name.startswith("pytorch-warmup-"):
+            continue
         for line in path.read_text(errors="replace").splitlines():
             if not line.startswith("RESULT "):
                 continue
