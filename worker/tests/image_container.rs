@@ -184,8 +184,7 @@ async fn a_program_runs_in_its_image_and_sees_the_image_not_the_host() {
         working_directory: job_directory.clone(),
         host_paths: vec![HostPath::writable(&job_directory)],
         devices: Vec::new(),
-        simulated_gpu_socket: None,
-        asked_limits: Default::default(),
+        ..ContainerRequest::default()
     };
     let (mut command, container, run_root) = sandbox
         .prepare_in_image(&request, &pulled, &cache.runs_directory(), &[])
@@ -250,8 +249,7 @@ async fn an_image_whose_links_point_at_host_paths_gets_its_mount_points_inside()
         working_directory: "/".into(),
         host_paths: Vec::new(),
         devices: Vec::new(),
-        simulated_gpu_socket: None,
-        asked_limits: Default::default(),
+        ..ContainerRequest::default()
     };
     let (mut command, container, run_root) = sandbox
         .prepare_in_image(&request, &pulled, &cache.runs_directory(), &[])

@@ -130,8 +130,8 @@ impl HostPath {
     }
 }
 
-/// One run to contain.
-#[derive(Debug, Clone)]
+/// One run to contain (`Default`: tests name only what they set).
+#[derive(Debug, Clone, Default)]
 pub struct ContainerRequest {
     /// The container's name: unique among this worker's running containers.
     pub name: String,
