@@ -52,6 +52,9 @@ directory="$(cd "${1:-target/release}" 2>/dev/null && pwd)" || directory="${1:-t
 carve="$directory/carve"
 results="${SANDBOX_CHECK_RESULTS:-$(mktemp -d)}"
 mkdir -p "$results/jobs"
+# carve dev's data directory (bundles, job directories) lies under it: each container's
+# root user (its tenant's host uid) must pass through it, which mktemp's 0700 refuses.
+chmod 755 "$results"
 
 # job_file NAME PROGRAM VRAM: a command job running one of the programs, with the Python
 # that has PyTorch, in the programs' folder; its Python's prefix is bound read-only
