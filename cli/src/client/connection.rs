@@ -5,7 +5,13 @@
 //! file (`--config`, `CARVE_CLI_CONFIG`, or `$XDG_CONFIG_HOME/carve/config.toml`, or
 //! `~/.config/carve/config.toml`), and the default (`http://127.0.0.1:7470`, where
 //! `carve-scheduler` listens unless told otherwise).
+//!
+//! With several replicas the connection goes to the leader: a standby's refusal names it
+//! (the `carve-leader` trailer) and it is tried next. Every call has a deadline
+//! (`--timeout`, for connecting and for each call), so a replica that accepts the
+//! connection but does not answer (a frozen leader) is left for another within it.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -14,11 +20,13 @@ use carve_proto::ApiError;
 use carve_proto::client::{
     AuthenticatedChannel, BearerToken, ClientIdentity, connect, failover_endpoints,
 };
+use carve_proto::status::leader_named_by;
 use carve_proto::v1;
 use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use serde::Deserialize;
+use tonic::service::interceptor::InterceptedService;
 
 use super::failure::{
     ClientFailure, FailureKind, IS_IT_RUNNING, cannot_reach, connection_lost, lower_os_error,
@@ -32,8 +40,10 @@ pub const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:7470";
 /// settling for any that answers: a failover takes about the leader's lease.
 const LEADER_SEARCH_ROUNDS: u32 = 3;
 
-/// How long connecting may take before the scheduler counts as unreachable.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long connecting, and each call, may take before the scheduler counts as not
+/// answering (`--timeout`): long enough for a page of `carve jobs` from a busy
+/// scheduler, short beside a freeze.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long [`Connection::reopen_within`] keeps trying: a failover takes about the
 /// leader's lease, a restart a few seconds.
@@ -52,6 +62,10 @@ pub struct ConnectionOptions {
     /// [default: http://127.0.0.1:7470]
     #[arg(long, env = "CARVE_ENDPOINT", global = true)]
     pub endpoint: Option<String>,
+    /// How long to wait for a scheduler to connect, and to answer each call, before
+    /// trying another replica (or failing): 10s, 2m ... [default: 10s]
+    #[arg(long, env = "CARVE_TIMEOUT", global = true)]
+    pub timeout: Option<String>,
     /// The bearer token to authenticate with (see `carve admin tokens create`).
     #[arg(long, env = "CARVE_TOKEN", hide_env_values = true, global = true)]
     pub token: Option<String>,
@@ -66,8 +80,8 @@ pub struct ConnectionOptions {
     /// The private key (PEM) of --tls-cert.
     #[arg(long, env = "CARVE_TLS_KEY", global = true)]
     pub tls_key: Option<PathBuf>,
-    /// The config file with `endpoint`, `token` (or `token_file`), `ca_cert`, `tls_cert`
-    /// and `tls_key`
+    /// The config file with `endpoint`, `token` (or `token_file`), `ca_cert`, `tls_cert`,
+    /// `tls_key` and `timeout`
     /// [default: $XDG_CONFIG_HOME/carve/config.toml or ~/.config/carve/config.toml]
     #[arg(long, env = "CARVE_CLI_CONFIG", global = true)]
     pub config: Option<PathBuf>,
@@ -83,6 +97,7 @@ struct ConfigFile {
     ca_cert: Option<PathBuf>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
+    timeout: Option<String>,
 }
 
 /// The settings after every source was consulted.
@@ -93,6 +108,8 @@ pub struct ResolvedConnection {
     pub ca_cert: Option<PathBuf>,
     /// The client certificate chain and key files, for mutual TLS.
     pub client_certificate: Option<ClientCertificateFiles>,
+    /// The deadline of connecting and of each call.
+    pub call_timeout: Duration,
 }
 
 /// A client certificate chain and its key, as files.
@@ -204,11 +221,27 @@ impl ConnectionOptions {
                 .into());
             }
         };
+        let call_timeout = match self.timeout.clone().or(file.timeout) {
+            None => DEFAULT_CALL_TIMEOUT,
+            Some(text) => carve_core::spec::parse_duration(&text)
+                .ok()
+                .filter(|timeout| !timeout.is_zero())
+                .ok_or_else(|| {
+                    ClientFailure::new(
+                        FailureKind::InvalidArgument,
+                        format!(
+                            "timeout: {text:?} is not a duration above zero; write one such \
+                             as 10s or 2m"
+                        ),
+                    )
+                })?,
+        };
         Ok(ResolvedConnection {
             endpoint,
             token: token.filter(|token| !token.is_empty()),
             ca_cert,
             client_certificate,
+            call_timeout,
         })
     }
 }
@@ -241,13 +274,32 @@ pub fn normalize_endpoint(text: &str) -> Result<String, ClientFailure> {
 
 /// Opens a channel to `endpoint` whose calls carry `token`, with TLS for https://
 /// (trusting `ca_cert`, or the system's roots without it, and showing
-/// `client_certificate` when given). A token that cannot be a header is an
-/// authentication failure; failing to connect is a [`FailureKind::CannotConnect`].
+/// `client_certificate` when given), connecting within [`DEFAULT_CALL_TIMEOUT`]. A token
+/// that cannot be a header is an authentication failure; failing to connect is a
+/// [`FailureKind::CannotConnect`].
 pub async fn connect_channel(
     endpoint: &str,
     ca_cert: Option<&Path>,
     client_certificate: Option<&ClientCertificateFiles>,
     token: &str,
+) -> Result<AuthenticatedChannel> {
+    connect_channel_within(
+        endpoint,
+        ca_cert,
+        client_certificate,
+        token,
+        DEFAULT_CALL_TIMEOUT,
+    )
+    .await
+}
+
+/// [`connect_channel`], connecting within `connect_timeout`.
+async fn connect_channel_within(
+    endpoint: &str,
+    ca_cert: Option<&Path>,
+    client_certificate: Option<&ClientCertificateFiles>,
+    token: &str,
+    connect_timeout: Duration,
 ) -> Result<AuthenticatedChannel> {
     let token = BearerToken::new(token)
         .map_err(|error| ClientFailure::new(FailureKind::Authentication, error.to_string()))?;
@@ -283,7 +335,7 @@ pub async fn connect_channel(
         ca_certificate_pem.as_deref(),
         client_identity.as_ref(),
         token,
-        CONNECT_TIMEOUT,
+        connect_timeout,
     )
     .await
     .map_err(|error| match error {
@@ -302,21 +354,60 @@ pub async fn connect_channel(
     })
 }
 
+/// Gives each call the connection's deadline (`grpc-timeout`): the client stops waiting
+/// for the answer's start when it passes (tonic's channel enforces it, whatever the
+/// server does) and the server knows it too. For a watch it bounds the wait for the
+/// stream to start, not the stream.
+#[derive(Debug, Clone, Copy)]
+pub struct CallDeadline(pub Duration);
+
+impl tonic::service::Interceptor for CallDeadline {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if !request.metadata().contains_key("grpc-timeout") {
+            request.set_timeout(self.0);
+        }
+        Ok(request)
+    }
+}
+
+/// The CLI's channel: authenticated, each call under the deadline.
+pub type CallChannel = InterceptedService<AuthenticatedChannel, CallDeadline>;
+
 /// An open, authenticated connection to a scheduler.
 #[derive(Debug, Clone)]
 pub struct Connection {
     pub endpoint: String,
-    channel: AuthenticatedChannel,
+    channel: CallChannel,
     /// What it was opened with, to open it again after a failover.
     options: ConnectionOptions,
+}
+
+/// What a replica answered to the leader probe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ProbeAnswer {
+    /// It leads, or is the only scheduler.
+    Leads,
+    /// A standby, naming the leader when it knows it.
+    Standby { leader: Option<String> },
+    /// No answer within the deadline, or the connection broke.
+    NoAnswer { cause: String },
 }
 
 impl Connection {
     /// Resolves the options and connects. A missing token is an authentication failure
     /// before anything is sent.
     pub async fn open(options: &ConnectionOptions) -> Result<Connection> {
+        Connection::open_avoiding(options, None).await
+    }
+
+    /// [`Connection::open`]; with several replicas, `avoid` (one that just did not
+    /// answer) is tried only when no other answers.
+    async fn open_avoiding(options: &ConnectionOptions, avoid: Option<&str>) -> Result<Connection> {
         let resolved = options.resolve()?;
-        let token = resolved.token.ok_or_else(|| {
+        let token = resolved.token.clone().ok_or_else(|| {
             ClientFailure::new(
                 FailureKind::Authentication,
                 "no token: set --token, CARVE_TOKEN, or token in the config file \
@@ -324,53 +415,87 @@ impl Connection {
             )
         })?;
         let endpoints = failover_endpoints(&resolved.endpoint).await;
-        if let [endpoint] = endpoints.as_slice() {
-            let channel = connect_channel(
-                endpoint,
-                resolved.ca_cert.as_deref(),
-                resolved.client_certificate.as_ref(),
-                &token,
-            )
-            .await?;
-            return Ok(Connection {
-                endpoint: endpoint.clone(),
-                channel,
-                options: options.clone(),
-            });
-        }
-        // Several replicas: the leader, which answers every call (a standby answers
-        // worker, cancel, drain and watch calls UNAVAILABLE); else, while replicas are
-        // between leaders, the first that answers at all (it takes submits and reads).
-        let mut reachable = None;
-        let mut last_error = None;
-        for round in 0..LEADER_SEARCH_ROUNDS {
-            if round > 0 {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            for endpoint in &endpoints {
-                let channel = match connect_channel(
-                    endpoint,
+        let connect = |endpoint: String| {
+            let resolved = resolved.clone();
+            let token = token.clone();
+            async move {
+                let channel = connect_channel_within(
+                    &endpoint,
                     resolved.ca_cert.as_deref(),
                     resolved.client_certificate.as_ref(),
                     &token,
+                    resolved.call_timeout,
                 )
-                .await
-                {
-                    Ok(channel) => channel,
+                .await?;
+                Ok::<_, anyhow::Error>(Connection {
+                    endpoint,
+                    channel: InterceptedService::new(channel, CallDeadline(resolved.call_timeout)),
+                    options: options.clone(),
+                })
+            }
+        };
+        if let [endpoint] = endpoints.as_slice() {
+            return connect(endpoint.clone()).await;
+        }
+        // Several replicas: the leader, which answers every call (a standby answers
+        // worker, cancel, drain and watch calls UNAVAILABLE, naming the leader, which is
+        // tried next); else, while replicas are between leaders, the first that answers
+        // at all (it takes submits and reads). A replica that does not answer within the
+        // deadline (frozen) is not asked again.
+        let mut reachable = None;
+        let mut last_error = None;
+        // The replica to avoid counts as not answering until the others were tried.
+        let avoided = avoid.filter(|avoid| endpoints.iter().any(|endpoint| endpoint != avoid));
+        let mut unanswered: HashSet<String> = avoided.iter().map(|one| one.to_string()).collect();
+        for round in 0..LEADER_SEARCH_ROUNDS {
+            if endpoints
+                .iter()
+                .all(|endpoint| unanswered.contains(endpoint))
+            {
+                break;
+            }
+            if round > 0 {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            let mut to_try: std::collections::VecDeque<String> =
+                endpoints.iter().cloned().collect();
+            let mut tried: HashSet<String> = HashSet::new();
+            while let Some(endpoint) = to_try.pop_front() {
+                if unanswered.contains(&endpoint) || !tried.insert(endpoint.clone()) {
+                    continue;
+                }
+                let connection = match connect(endpoint.clone()).await {
+                    Ok(connection) => connection,
                     Err(error) => {
                         last_error = Some(error);
+                        unanswered.insert(endpoint);
                         continue;
                     }
                 };
-                let connection = Connection {
-                    endpoint: endpoint.clone(),
-                    channel,
-                    options: options.clone(),
-                };
-                if connection.is_leader_or_alone().await {
-                    return Ok(connection);
+                match connection.probe_leadership().await {
+                    ProbeAnswer::Leads => return Ok(connection),
+                    ProbeAnswer::Standby { leader } => {
+                        // The named leader goes next, listed or not.
+                        if let Some(leader) = leader {
+                            to_try.push_front(leader);
+                        }
+                        reachable.get_or_insert(connection);
+                    }
+                    ProbeAnswer::NoAnswer { cause } => {
+                        last_error = Some(
+                            cannot_reach(&endpoint, &cause, "no other replica answered").into(),
+                        );
+                        unanswered.insert(endpoint);
+                    }
                 }
-                reachable.get_or_insert(connection);
+            }
+        }
+        if reachable.is_none()
+            && let Some(avoided) = avoided
+        {
+            match connect(avoided.to_string()).await {
+                Ok(connection) => return Ok(connection),
+                Err(error) => last_error = Some(error),
             }
         }
         match (reachable, last_error) {
@@ -389,8 +514,10 @@ impl Connection {
     /// leader to another replica and a restarted scheduler takes a moment to listen.
     pub async fn reopen_within(&self, patience: Duration) -> Result<Connection> {
         let deadline = tokio::time::Instant::now() + patience;
+        // The first time, this replica (which just failed) only when no other answers.
+        let mut avoid = Some(self.endpoint.as_str());
         loop {
-            match Connection::open(&self.options).await {
+            match Connection::open_avoiding(&self.options, avoid.take()).await {
                 Ok(connection) => return Ok(connection),
                 Err(error) if tokio::time::Instant::now() >= deadline => return Err(error),
                 Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
@@ -398,11 +525,12 @@ impl Connection {
         }
     }
 
-    /// Runs `call` on this connection; when the connection breaks under it (UNAVAILABLE or
-    /// a transport error, not an answer from the scheduler) runs it once more on the
-    /// connection opened again over every endpoint, so a read survives a failover.
-    /// Only for calls that may safely run twice: reads, and a submit with an
-    /// idempotency key (the scheduler answers a repeated key with the job it made).
+    /// Runs `call` on this connection; when the connection breaks under it (UNAVAILABLE,
+    /// a transport error or the call's deadline, not an answer from the scheduler) runs
+    /// it once more on the connection opened again over every endpoint, so a read
+    /// survives a failover and a frozen replica. Only for calls that may safely run
+    /// twice: reads, and a submit with an idempotency key (the scheduler answers a
+    /// repeated key with the job it made).
     pub async fn retrying<T, Call, Answer>(&self, call: Call) -> Result<T, tonic::Status>
     where
         Call: Fn(Connection) -> Answer,
@@ -420,8 +548,9 @@ impl Connection {
     }
 
     /// Whether this scheduler answers calls only a leader answers (a standby says
-    /// UNAVAILABLE): a slice listing filtered to nothing, which any token may make.
-    async fn is_leader_or_alone(&self) -> bool {
+    /// UNAVAILABLE, naming the leader): a slice listing filtered to nothing, which any
+    /// token may make.
+    async fn probe_leadership(&self) -> ProbeAnswer {
         let answer = self
             .cluster()
             .list_slices(v1::ListSlicesRequest {
@@ -429,18 +558,26 @@ impl Connection {
                 ..Default::default()
             })
             .await;
-        !matches!(answer, Err(status) if status.code() == tonic::Code::Unavailable)
+        match answer {
+            Err(status) if std::error::Error::source(&status).is_some() => ProbeAnswer::NoAnswer {
+                cause: lower_os_error(status.message()),
+            },
+            Err(status) if status.code() == tonic::Code::Unavailable => ProbeAnswer::Standby {
+                leader: leader_named_by(&status).map(str::to_string),
+            },
+            _ => ProbeAnswer::Leads,
+        }
     }
 
-    pub fn jobs(&self) -> JobServiceClient<AuthenticatedChannel> {
+    pub fn jobs(&self) -> JobServiceClient<CallChannel> {
         JobServiceClient::new(self.channel.clone())
     }
 
-    pub fn cluster(&self) -> ClusterServiceClient<AuthenticatedChannel> {
+    pub fn cluster(&self) -> ClusterServiceClient<CallChannel> {
         ClusterServiceClient::new(self.channel.clone())
     }
 
-    pub fn admin(&self) -> AdminServiceClient<AuthenticatedChannel> {
+    pub fn admin(&self) -> AdminServiceClient<CallChannel> {
         AdminServiceClient::new(self.channel.clone())
     }
 

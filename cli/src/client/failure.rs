@@ -178,6 +178,14 @@ pub fn status_failure(status: &tonic::Status, endpoint: &str, action: &str) -> C
             format!("{action}: {message}"),
         ),
         Code::Unavailable => cannot_reach(endpoint, &unavailable_reason(status), IS_IT_RUNNING),
+        // The call's own deadline (`--timeout`) passed: tonic gave up waiting, the
+        // scheduler never answered.
+        Code::Cancelled if deadline_passed(status) => cannot_reach(
+            endpoint,
+            "it did not answer within the call's deadline",
+            "is it frozen or overloaded? --timeout sets the deadline; list every replica \
+             in --endpoint so another can answer",
+        ),
         // A status tonic made from a broken connection, not one the scheduler sent: the
         // scheduler was not reached. Plain http to a TLS port ends this way, the server
         // hanging up on a client that does not speak TLS; so does (CANCELLED) a TLS
@@ -205,6 +213,19 @@ pub fn status_failure(status: &tonic::Status, endpoint: &str, action: &str) -> C
         ),
         _ => ClientFailure::new(FailureKind::Other, format!("{action}: {message}")),
     }
+}
+
+/// Whether `status` is tonic's own for a call whose deadline passed before the
+/// scheduler answered (a client-side `grpc-timeout`).
+pub fn deadline_passed(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(error) = source {
+        if error.is::<tonic::TimeoutExpired>() {
+            return true;
+        }
+        source = error.source();
+    }
+    false
 }
 
 /// Whether `status` says the connection to the scheduler broke, or that it is a standby,
