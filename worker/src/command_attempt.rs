@@ -39,8 +39,10 @@ use crate::command_output::{
     start_error_text,
 };
 use crate::guard_environment::AttemptGuard;
+use crate::image::{ImageRequest, PulledImage};
 use crate::program_output::{MOST_LINE_BYTES, OutputLine, OutputStream, ProgramOutput};
 use crate::sandbox::{Container, GpuDevices, Sandbox, container_exit_status};
+use carve_core::command::image::parse_image_reference;
 use carve_core::step_rate::StepRate;
 
 mod setup;
@@ -123,6 +125,17 @@ pub async fn run_command_attempt(
     mut processes: impl CommandProcesses,
     before_final_report: impl FnOnce(),
 ) {
+    // The job's image first: an attempt that cannot have it ends before any run.
+    let image = match job_image(&launch).await {
+        Ok(image) => image,
+        Err(finals) => {
+            before_final_report();
+            for body in finals {
+                let _ = reports.send(body);
+            }
+            return;
+        }
+    };
     let mut runner = Runner {
         launch: &launch,
         reports: &reports,
@@ -130,6 +143,7 @@ pub async fn run_command_attempt(
         processes: &mut processes,
         announced: false,
         runs: 0,
+        image: image.as_ref(),
     };
     let finals = if launch.profile {
         runner.profile().await
@@ -185,6 +199,8 @@ struct Runner<'a, P: CommandProcesses> {
     announced: bool,
     /// Runs started so far (each run's container has its own name).
     runs: u32,
+    /// The job's image (`command.image`), held in the cache while the attempt runs.
+    image: Option<&'a PulledImage>,
 }
 
 impl<P: CommandProcesses> Runner<'_, P> {
@@ -288,11 +304,14 @@ impl<P: CommandProcesses> Runner<'_, P> {
             progress: ProgressLine::default(),
         };
         self.runs += 1;
+        // `_image_root` is dropped at the end, after the container is removed: the run's
+        // root is unmounted only once nothing runs in it.
         let PreparedRun {
             command,
             argv,
             guard,
             container,
+            image_root: _image_root,
         } = match self.prepare(plan) {
             Ok(prepared) => prepared,
             Err(message) => return not_started(message),
@@ -603,6 +622,65 @@ fn stop_of(control: AttemptControl) -> WorkerStop {
         AttemptControl::Cancel { reason, .. } => WorkerStop::Cancelled(reason),
         AttemptControl::StopAsFailed { reason, .. } => WorkerStop::Failed(reason),
         AttemptControl::StopWithoutLeader { reason, .. } => WorkerStop::Interrupted(reason),
+    }
+}
+
+/// The image a job names (`command.image`), from the node's cache or pulled into it;
+/// `Err` is the attempt's final report: a job's image runs only in a container, its pull
+/// secret needs the scheduler's secrets (not built yet), and a pull that fails ends the
+/// attempt `failed` (missing image, refused credential, digest mismatch, hostile
+/// image: a retry would meet it again) or `interrupted` (an unreachable registry, the
+/// worker's disk), never as an out-of-memory.
+async fn job_image(launch: &CommandAttemptLaunch) -> Result<Option<PulledImage>, Vec<Body>> {
+    let Some(reference) = &launch.job.spec.command.image else {
+        return Ok(None);
+    };
+    let fail = |outcome, message: String| ended(&launch.attempt, outcome, message);
+    let Some(sandbox) = &launch.sandbox else {
+        return Err(fail(
+            v1::AttemptOutcome::Failed,
+            format!(
+                "command.image {reference:?}: an image runs only in a container, and this \
+                 worker runs attempts uncontained (--insecure-no-sandbox, or no runtime)"
+            ),
+        ));
+    };
+    if launch.job.spec.command.image_pull_secret.is_some() {
+        return Err(fail(
+            v1::AttemptOutcome::Failed,
+            "command.image_pull_secret: the scheduler does not keep tenant secrets yet, so \
+             no worker can pull a private image (issue 30)"
+                .to_string(),
+        ));
+    }
+    let canonical = match parse_image_reference("command.image", reference) {
+        Ok(image) => image.canonical(),
+        Err(error) => return Err(fail(v1::AttemptOutcome::Failed, error.to_string())),
+    };
+    let request = ImageRequest {
+        reference: canonical.clone(),
+        pinned_digest: None,
+        credential: None,
+    };
+    match sandbox.images().acquire(&request, None).await {
+        Ok(image) => {
+            tracing::info!(
+                job = %launch.attempt.job_id,
+                image = %canonical,
+                digest = %image.record.digest,
+                pulled_now = image.pulled_now,
+                "the attempt's image is ready"
+            );
+            Ok(Some(image))
+        }
+        Err(failure) => {
+            let outcome = if failure.is_transient() {
+                v1::AttemptOutcome::Interrupted
+            } else {
+                v1::AttemptOutcome::Failed
+            };
+            Err(fail(outcome, format!("image {canonical}: {failure}")))
+        }
     }
 }
 

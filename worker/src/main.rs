@@ -284,6 +284,7 @@ fn run(arguments: Arguments) -> Result<()> {
             arguments.cdi_dir
         },
         tenant_limits: arguments.tenant_limits.into_iter().collect(),
+        images: None,
     };
     config.run_limits = RunLimits {
         max_duration: arguments.attempt_max_duration.0,

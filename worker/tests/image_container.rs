@@ -270,3 +270,143 @@ async fn an_image_whose_links_point_at_host_paths_gets_its_mount_points_inside()
         "a mount point or a file landed in the host directory the image's link names"
     );
 }
+
+/// A command job naming the test image, run through the worker's attempt module in a
+/// sandbox whose image cache reads `layout`.
+mod command_attempts {
+    use std::sync::Arc;
+
+    use carve_core::command::validate::{ValidatedSpec, parse_spec_json};
+    use carve_proto::v1;
+    use carve_proto::v1::worker_message::Body;
+    use carve_worker::command_attempt::{CommandAttemptLaunch, run_command_attempt};
+    use serde_json::json;
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    fn launch(
+        directory: &Path,
+        sandbox: &Arc<Sandbox>,
+        number: u32,
+        command: serde_json::Value,
+    ) -> CommandAttemptLaunch {
+        let spec = json!({"name": "image-test", "command": command,
+                          "resources": {"vram": "1GiB"}});
+        let ValidatedSpec::Command(job) = parse_spec_json(&spec.to_string()).unwrap() else {
+            panic!("not a command job");
+        };
+        CommandAttemptLaunch {
+            attempt: v1::AttemptRef {
+                job_id: "job-1".into(),
+                attempt_number: number,
+                ..Default::default()
+            },
+            config: job.initial_config(),
+            job,
+            slice_bytes: 64 << 20,
+            gpu_uuid: "GPU-sim-test".into(),
+            guard_library: None,
+            checkpoint_dir: directory.join("worker/job-1"),
+            attempt_directory: directory.join(format!("worker/job-1.attempt-{number}.run")),
+            profile: false,
+            sandbox: Some(sandbox.clone()),
+            tenant: "alice".into(),
+            devices: Default::default(),
+            simulated_gpu_socket: None,
+            container_name: format!("carve-image-job-1-{number}"),
+        }
+    }
+
+    async fn run(launch: CommandAttemptLaunch) -> Vec<Body> {
+        let (reports, mut incoming) = mpsc::unbounded_channel();
+        let (_control, control_receiver) = mpsc::unbounded_channel();
+        tokio::time::timeout(
+            Duration::from_secs(120),
+            run_command_attempt(launch, reports, control_receiver, (), || {}),
+        )
+        .await
+        .expect("the attempt ended in time");
+        let mut all = Vec::new();
+        while let Ok(body) = incoming.try_recv() {
+            all.push(body);
+        }
+        all
+    }
+
+    fn finish(reports: &[Body]) -> (v1::AttemptOutcome, String) {
+        match reports.last() {
+            Some(Body::AttemptFinished(finished)) => (
+                v1::AttemptOutcome::try_from(finished.outcome).unwrap(),
+                finished.message.clone(),
+            ),
+            other => panic!("no final report: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_command_job_runs_in_its_image_pulled_once_for_three_attempts() {
+        let directory = tempfile::tempdir().unwrap();
+        let worker = directory.path().join("worker");
+        std::fs::create_dir_all(&worker).unwrap();
+        // The image, written as a layout the sandbox's cache reads.
+        let (_, held, _) = image(directory.path(), &[]).await;
+        drop(held);
+        let settings = SandboxSettings {
+            policy: SandboxPolicy::Required,
+            images: Some(ImageSettings {
+                cache_directory: worker.join("image-cache"),
+                cache_limit_bytes: 1 << 30,
+                insecure_registries: Vec::new(),
+                layout_directories: vec![directory.path().join("layout")],
+            }),
+            ..SandboxSettings::default()
+        };
+        // Whether this machine can contain anything (and, in CI, must).
+        if super::sandbox(&directory.path().join("probe")).is_none() {
+            return;
+        }
+        let sandbox = Arc::new(
+            Sandbox::open(&settings, &worker, "test-node")
+                .unwrap()
+                .expect("a sandbox"),
+        );
+        let command = json!({"argv": ["/opt/train.sh"], "global_batch": 8, "steps": 4,
+                             "image": "carve.test/team/busybox:1"});
+        for number in 1..=3 {
+            let reports = run(launch(directory.path(), &sandbox, number, command.clone())).await;
+            let (outcome, message) = finish(&reports);
+            assert_eq!(
+                outcome,
+                v1::AttemptOutcome::Succeeded,
+                "{message}: {reports:#?}"
+            );
+            let said = reports.iter().any(|body| {
+                matches!(body, Body::Log(line) if line.message.contains("training in carve test image"))
+            });
+            assert!(said, "the program did not run in its image: {reports:#?}");
+        }
+        assert_eq!(
+            sandbox.images().pulls_done(),
+            1,
+            "one pull for three attempts"
+        );
+
+        // A registry that is not there: interrupted (a retry may find it), not an OOM.
+        let unreachable = json!({"argv": ["/opt/train.sh"], "global_batch": 8, "steps": 4,
+                                 "image": "127.0.0.1:1/team/train:1"});
+        let reports = run(launch(directory.path(), &sandbox, 4, unreachable)).await;
+        let (outcome, message) = finish(&reports);
+        assert_eq!(outcome, v1::AttemptOutcome::Interrupted, "{message}");
+        assert!(message.contains("registry unavailable"), "{message}");
+        assert!(!reports.iter().any(|body| matches!(body, Body::Oom(_))));
+        // A private image's secret: the scheduler keeps no secrets yet, so it fails.
+        let private = json!({"argv": ["/opt/train.sh"], "global_batch": 8, "steps": 4,
+                             "image": "carve.test/team/busybox:1",
+                             "image_pull_secret": "team-registry"});
+        let reports = run(launch(directory.path(), &sandbox, 5, private)).await;
+        let (outcome, message) = finish(&reports);
+        assert_eq!(outcome, v1::AttemptOutcome::Failed, "{message}");
+        assert!(message.contains("command.image_pull_secret"), "{message}");
+    }
+}

@@ -10,6 +10,7 @@ use tokio::process::Command;
 use super::{CommandProcesses, ENVIRONMENT_SLICE_BYTES, RunPlan, Runner};
 use crate::error::WorkerError;
 use crate::guard_environment::AttemptGuard;
+use crate::image::container_root::ImageRunRoot;
 use crate::sandbox::{Container, ContainerRequest, HostPath, Sandbox, give_directory_to};
 use crate::simulated_gpu_ledger::{ENV_SIMULATED_GPU_SOCKET, SIMULATED_GPU_DEVICE_PATH};
 
@@ -20,6 +21,9 @@ pub(super) struct PreparedRun {
     pub(super) argv: Vec<String>,
     pub(super) guard: Option<AttemptGuard>,
     pub(super) container: Option<Container>,
+    /// The run's root in the job's image, mounted until this is dropped (after the
+    /// container is removed).
+    pub(super) image_root: Option<ImageRunRoot>,
 }
 
 impl<P: CommandProcesses> Runner<'_, P> {
@@ -27,14 +31,6 @@ impl<P: CommandProcesses> Runner<'_, P> {
     /// container when the worker contains its attempts.
     pub(super) fn prepare(&self, plan: &RunPlan) -> Result<PreparedRun, String> {
         let launch = self.launch;
-        // The image cache and the run in an image are built (`crate::image`,
-        // `Sandbox::prepare_in_image`) but not yet wired to an assignment: running the
-        // program on the host instead of the image it names would be a surprise.
-        if let Some(image) = &launch.job.spec.command.image {
-            return Err(format!(
-                "command.image {image:?}: this worker does not run job images yet (issue 30)"
-            ));
-        }
         let directories = [
             &plan.checkpoint_dir,
             &launch.checkpoint_dir,
@@ -107,9 +103,9 @@ impl<P: CommandProcesses> Runner<'_, P> {
             );
         }
         let environment: Vec<(String, String)> = environment.into_iter().collect();
-        let (command, container) = match &launch.sandbox {
+        let (command, container, image_root) = match &launch.sandbox {
             Some(sandbox) => {
-                let (command, container) = self
+                let (command, container, image_root) = self
                     .contain(
                         sandbox,
                         plan,
@@ -119,7 +115,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
                         guard.as_ref(),
                     )
                     .map_err(|error| error.to_string())?;
-                (command, Some(container))
+                (command, Some(container), image_root)
             }
             None => {
                 // Where the job sets no PATH, the worker's, so that `python3` means here
@@ -133,7 +129,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
                     command.env("PATH", path);
                 }
                 command.envs(environment);
-                (command, None)
+                (command, None, None)
             }
         };
         Ok(PreparedRun {
@@ -141,6 +137,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
             argv: rendered.argv,
             guard,
             container,
+            image_root,
         })
     }
 
@@ -156,7 +153,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
         environment: Vec<(String, String)>,
         working_directory: &Path,
         guard: Option<&AttemptGuard>,
-    ) -> Result<(Command, Container), WorkerError> {
+    ) -> Result<(Command, Container, Option<ImageRunRoot>), WorkerError> {
         let launch = self.launch;
         let owner = sandbox.program_owner(&launch.tenant)?;
         give_directory_to(&launch.checkpoint_dir, owner)?;
@@ -193,7 +190,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
                 .iter()
                 .map(HostPath::read_only),
         );
-        sandbox.prepare(&ContainerRequest {
+        let request = ContainerRequest {
             name: format!("{}-{}", launch.container_name, self.runs),
             tenant: launch.tenant.clone(),
             argv: argv.to_vec(),
@@ -204,6 +201,28 @@ impl<P: CommandProcesses> Runner<'_, P> {
             simulated_gpu_socket: launch.simulated_gpu_socket.clone(),
             // Validated at submit: a spec that does not read asks for nothing here.
             asked_limits: launch.job.spec.resources.host_limits().unwrap_or_default(),
-        })
+        };
+        let Some(image) = self.image else {
+            let (command, container) = sandbox.prepare(&request)?;
+            return Ok((command, container, None));
+        };
+        // The host driver's libraries (a CDI spec's mounts) are bound at their host
+        // paths; their directories go first on LD_LIBRARY_PATH, as the image's own
+        // library directories may not include them.
+        let mut library_directories: Vec<PathBuf> = launch
+            .devices
+            .read_only_paths
+            .iter()
+            .filter(|path| path.to_string_lossy().contains(".so"))
+            .filter_map(|path| path.parent().map(Path::to_path_buf))
+            .collect();
+        library_directories.dedup();
+        let (command, container, root) = sandbox.prepare_in_image(
+            &request,
+            image,
+            &sandbox.images().runs_directory(),
+            &library_directories,
+        )?;
+        Ok((command, container, Some(root)))
     }
 }

@@ -314,12 +314,28 @@ impl ImageCache {
         })
     }
 
-    /// A registry client for one request.
-    fn client(&self) -> oci_client::Client {
-        let protocol = if self.inner.insecure_registries.is_empty() {
+    /// A registry client for one request. A registry on loopback (`localhost`,
+    /// `127.0.0.0/8`, `[::1]`) is reached over plain HTTP, as Docker does: nothing
+    /// between the worker and it can read or change the traffic.
+    fn client(&self, reference: &Reference) -> oci_client::Client {
+        let mut insecure = self.inner.insecure_registries.clone();
+        let registry = reference.registry();
+        let host = registry
+            .rsplit_once(':')
+            .filter(|(_, port)| port.bytes().all(|byte| byte.is_ascii_digit()))
+            .map_or(registry, |(host, _)| host);
+        let loopback = host == "localhost"
+            || host == "[::1]"
+            || host
+                .parse::<std::net::Ipv4Addr>()
+                .is_ok_and(|address| address.is_loopback());
+        if loopback {
+            insecure.push(registry.to_string());
+        }
+        let protocol = if insecure.is_empty() {
             ClientProtocol::Https
         } else {
-            ClientProtocol::HttpsExcept(self.inner.insecure_registries.clone())
+            ClientProtocol::HttpsExcept(insecure)
         };
         let mut config = ClientConfig {
             protocol,
@@ -397,7 +413,7 @@ impl ImageCache {
         // A client of this request's own: oci-client keeps the first credential it is
         // given for a registry, so a shared one would pull for one tenant with
         // another's.
-        let client = self.client();
+        let client = self.client(&reference);
         let (source, layout_digest) = match layout {
             Some((directory, digest)) => (Source::Layout { directory }, Some(digest)),
             None => (

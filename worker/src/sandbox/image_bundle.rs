@@ -18,6 +18,11 @@ use crate::image::container_root::ImageRunRoot;
 use crate::sandbox::Container;
 
 impl Sandbox {
+    /// The node's image cache.
+    pub fn images(&self) -> &crate::image::ImageCache {
+        &self.images
+    }
+
     /// As [`Sandbox::prepare`], with `image` as the container's read-only root, mounted
     /// under `runs_directory` (the image cache's). `library_directories`: where the host
     /// driver's libraries are bound (first on `LD_LIBRARY_PATH`). The returned root must

@@ -98,6 +98,9 @@ pub struct SandboxSettings {
     /// Tenants' overrides of `limits` (`--tenant-limits`); a job may lower its own
     /// further ([`effective_limits`]).
     pub tenant_limits: BTreeMap<String, TenantLimits>,
+    /// Job images (`crate::image`): the cache's place, limit and sources; `None`: the
+    /// defaults under the worker's directory (`images/`).
+    pub images: Option<crate::image::ImageSettings>,
 }
 
 impl Default for SandboxSettings {
@@ -115,6 +118,7 @@ impl Default for SandboxSettings {
                 .map(PathBuf::from)
                 .collect(),
             tenant_limits: BTreeMap::new(),
+            images: None,
         }
     }
 }
@@ -131,6 +135,8 @@ pub struct Sandbox {
     bundle_directory: PathBuf,
     identities: Mutex<TenantIdentities>,
     settings: SandboxSettings,
+    /// The node's job images, which only contained attempts run in.
+    images: crate::image::ImageCache,
 }
 
 /// Why a worker runs its attempts uncontained, for its log and each attempt's log.
@@ -219,6 +225,13 @@ impl Sandbox {
                 error,
             )
         })?;
+        let image_settings = settings
+            .images
+            .clone()
+            .unwrap_or_else(|| crate::image::ImageSettings::under(&worker_directory));
+        let images = crate::image::ImageCache::open(&image_settings).map_err(|failure| {
+            WorkerError::invalid_setting("--image-cache", failure.to_string())
+        })?;
         Ok(Some(Sandbox {
             runtime,
             worker_directory,
@@ -226,6 +239,7 @@ impl Sandbox {
             bundle_directory,
             identities: Mutex::new(identities),
             settings: settings.clone(),
+            images,
         }))
     }
 
