@@ -73,6 +73,11 @@ pub struct SimArguments {
     /// trace's `priority` column, else its spec's).
     #[arg(long, default_value_t = SimulationOptions::default().urgent_priority, allow_negative_numbers = true)]
     urgent_priority: i32,
+    /// Fair share over time: order tenants by their usage decayed with this half-life in
+    /// hours (as the scheduler's --fair-share-half-life-hours) instead of by what they
+    /// hold now only.
+    #[arg(long)]
+    fair_share_half_life_hours: Option<f64>,
     /// With --preemption: an attempt younger than this is never evicted (the scheduler's
     /// default).
     #[arg(long, default_value_t = preemption::DEFAULT_MIN_RUN_TIME_SECONDS)]
@@ -174,6 +179,9 @@ pub fn run(arguments: SimArguments) -> Result<ExitCode> {
         resubmit_delay_s: arguments.resubmit_delay_s,
         checkpoint_interval_s: arguments.checkpoint_interval_s,
         urgent_priority: arguments.urgent_priority,
+        fair_share_half_life_s: arguments
+            .fair_share_half_life_hours
+            .map(|hours| hours * 3600.0),
         ..SimulationOptions::default()
     };
     options.check(&cluster).map_err(as_flag_error)?;

@@ -79,6 +79,7 @@ fn tenants() -> Vec<TenantState> {
             running_jobs_quota: (index % 5 == 0).then_some(1_000),
             vram_in_use_bytes: 0,
             running_jobs: 0,
+            decayed_usage_byte_seconds: 0,
         })
         .collect()
 }

@@ -18,6 +18,7 @@ pub mod shrink;
 pub mod simulation;
 pub mod spec;
 pub mod step_rate;
+pub mod usage;
 pub mod validate;
 pub mod workload;
 

@@ -32,6 +32,7 @@ fn tenant(name: &str, weight: u32) -> TenantState {
         running_jobs_quota: None,
         vram_in_use_bytes: 0,
         running_jobs: 0,
+        decayed_usage_byte_seconds: 0,
     }
 }
 
@@ -363,6 +364,7 @@ fn a_reservation_keeps_a_stream_of_small_jobs_from_starving_a_large_one() {
 
     let without_reservations = SchedulingOptions {
         reserve_for_blocked_jobs: false,
+        ..SchedulingOptions::default()
     };
     let (placed_in_pass, small_jobs_placed) = run_small_job_stream(&without_reservations, 20);
     assert_eq!(placed_in_pass, None, "small jobs take every hole first");
@@ -660,15 +662,17 @@ fn tenant_strategy(name: &'static str) -> impl Strategy<Value = TenantState> {
         prop::option::weighted(0.4, 0u32..=5),
         0u64..=8,
         0u32..=3,
+        prop::option::weighted(0.3, 0u128..=(1u128 << 60)),
     )
         .prop_map(
-            move |(weight, vram_quota, running_quota, in_use, running)| TenantState {
+            move |(weight, vram_quota, running_quota, in_use, running, history)| TenantState {
                 tenant: name.to_string(),
                 weight,
                 vram_quota_bytes: vram_quota.map(|units| units * UNIT),
                 running_jobs_quota: running_quota,
                 vram_in_use_bytes: in_use * UNIT,
                 running_jobs: running,
+                decayed_usage_byte_seconds: history.unwrap_or(0),
             },
         )
 }
@@ -718,6 +722,7 @@ fn problem_strategy() -> impl Strategy<Value = SchedulingProblem> {
 fn options_strategy() -> impl Strategy<Value = SchedulingOptions> {
     prop::bool::weighted(0.7).prop_map(|reserve_for_blocked_jobs| SchedulingOptions {
         reserve_for_blocked_jobs,
+        ..SchedulingOptions::default()
     })
 }
 

@@ -17,10 +17,17 @@
 //! (worker ready, not draining) are considered.
 //!
 //! 1. **Order.** Within a tenant, jobs go by priority (higher first), then age (lower
-//!    `submit_sequence` first), then job id. Between tenants, weighted fair share: the next
-//!    job considered is always the next job of the tenant with the lowest
-//!    `(vram_in_use_bytes + bytes placed in this pass) / weight` (weight 0 counts as 1;
-//!    ties go to the tenant name that sorts first). This interleaving is the *global order*.
+//!    `submit_sequence` first), then job id. Between tenants, weighted fair share over
+//!    time: the next job considered is always the next job of the tenant with the lowest
+//!    *effective usage* per weight,
+//!    `(decayed_usage_byte_seconds + (vram_in_use_bytes + bytes placed in this pass) * H)
+//!    / weight`, where `H` is the usage decay's steady-state seconds (half-life / ln 2,
+//!    [`SchedulingOptions::usage_decay`]): what holding those bytes from now on comes to
+//!    in decayed usage, so history and holdings are one unit and a tenant that held `b`
+//!    bytes steadily weighs like one that holds `b` now. Ties go to the lower
+//!    `(vram_in_use_bytes + placed) / weight` (instantaneous fair share), then the tenant
+//!    name that sorts first (weight 0 counts as 1). With no history (every decayed usage
+//!    0) this is instantaneous fair share exactly. This interleaving is the *global order*.
 //! 2. **Filters**, in this order, each giving the reason a job waits:
 //!    unknown tenant ([`WaitReason::UnknownTenant`]); no schedulable GPU at all
 //!    ([`WaitReason::NoSchedulableGpu`]); larger than the usable bytes of every schedulable
@@ -83,6 +90,7 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::fmt;
 
 use crate::bytes::HumanBytes;
+use crate::usage::UsageDecay;
 
 mod gpu_pool;
 pub mod preemption;
@@ -133,6 +141,9 @@ pub struct TenantState {
     pub vram_in_use_bytes: u64,
     /// The tenant's placed and running jobs.
     pub running_jobs: u32,
+    /// The tenant's decayed usage in VRAM-byte-seconds (`crate::usage`): its ended
+    /// attempts and its running ones up to now. 0 for none (or a policy without history).
+    pub decayed_usage_byte_seconds: u128,
 }
 
 /// A queued job waiting for a slice.
@@ -334,12 +345,16 @@ pub struct SchedulingOptions {
     /// Reserve GPUs for blocked head jobs (rule 4 of the module docs). On by default;
     /// off, a large job can be starved by a stream of small ones.
     pub reserve_for_blocked_jobs: bool,
+    /// The decay whose steady-state seconds weigh what a tenant holds now against its
+    /// decayed usage (rule 1). Slurm's 7-day half-life by default.
+    pub usage_decay: UsageDecay,
 }
 
 impl Default for SchedulingOptions {
     fn default() -> Self {
         SchedulingOptions {
             reserve_for_blocked_jobs: true,
+            usage_decay: UsageDecay::default(),
         }
     }
 }
@@ -407,11 +422,12 @@ pub fn solve_with_options(
         }
     }
 
+    let holding_seconds = options.usage_decay.steady_state_byte_seconds(1).max(1);
     let mut turns: BinaryHeap<Reverse<FairShareTurn>> = ledgers
         .iter()
         .enumerate()
         .filter(|(_, ledger)| !ledger.jobs.is_empty())
-        .map(|(ledger_index, ledger)| Reverse(ledger.turn(ledger_index)))
+        .map(|(ledger_index, ledger)| Reverse(ledger.turn(ledger_index, holding_seconds)))
         .collect();
     while let Some(Reverse(turn)) = turns.pop() {
         let ledger = &mut ledgers[turn.ledger_index];
@@ -475,7 +491,7 @@ pub fn solve_with_options(
             Err(reason) => decision.waiting.push((job.job_id.clone(), reason)),
         }
         if ledger.next_job < ledger.jobs.end {
-            turns.push(Reverse(ledger.turn(turn.ledger_index)));
+            turns.push(Reverse(ledger.turn(turn.ledger_index, holding_seconds)));
         }
     }
     decision

@@ -41,6 +41,7 @@ pub(super) fn tenants_by_name(tenants: &[TenantState]) -> Vec<&TenantState> {
             left.running_jobs_quota,
             left.vram_in_use_bytes,
             left.running_jobs,
+            left.decayed_usage_byte_seconds,
         )
             .cmp(&(
                 &right.tenant,
@@ -49,6 +50,7 @@ pub(super) fn tenants_by_name(tenants: &[TenantState]) -> Vec<&TenantState> {
                 right.running_jobs_quota,
                 right.vram_in_use_bytes,
                 right.running_jobs,
+                right.decayed_usage_byte_seconds,
             ))
     });
     sorted.dedup_by(|later, earlier| later.tenant == earlier.tenant);
@@ -109,8 +111,14 @@ impl<'a> TenantLedger<'a> {
         None
     }
 
-    pub(super) fn turn(&self, ledger_index: usize) -> FairShareTurn {
+    /// The tenant's turn; `holding_seconds` weighs a byte held now against a decayed
+    /// byte-second (rule 1).
+    pub(super) fn turn(&self, ledger_index: usize, holding_seconds: u128) -> FairShareTurn {
         FairShareTurn {
+            effective_usage: self
+                .state
+                .decayed_usage_byte_seconds
+                .saturating_add(self.vram_in_use_bytes.saturating_mul(holding_seconds)),
             vram_in_use_bytes: self.vram_in_use_bytes,
             weight: u128::from(self.state.weight.max(1)),
             ledger_index,
@@ -118,10 +126,12 @@ impl<'a> TenantLedger<'a> {
     }
 }
 
-/// A tenant's place in the fair-share order: lower `vram_in_use_bytes / weight` first,
-/// ties by tenant name (ledgers are in name order).
+/// A tenant's place in the fair-share order: lower `effective_usage / weight` first (decayed
+/// usage plus holdings at their steady-state weight), then lower `vram_in_use_bytes /
+/// weight`, then tenant name (ledgers are in name order).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct FairShareTurn {
+    pub(super) effective_usage: u128,
     pub(super) vram_in_use_bytes: u128,
     pub(super) weight: u128,
     pub(super) ledger_index: usize,
@@ -131,8 +141,15 @@ impl Ord for FairShareTurn {
     fn cmp(&self, other: &Self) -> Ordering {
         // a/wa < b/wb  <=>  a*wb < b*wa: exact, no floats. Usage stays below 2^96 (sums
         // of u64 over far fewer than 2^32 jobs) and weights below 2^32, so no overflow.
-        (self.vram_in_use_bytes * other.weight)
-            .cmp(&(other.vram_in_use_bytes * self.weight))
+        // Effective usage is byte-seconds: a cluster's bytes (under 2^50) times a
+        // half-life's seconds (under 2^30 for decades) stay far below 2^96 too; the
+        // products saturate rather than wrap beyond that.
+        (self.effective_usage.saturating_mul(other.weight))
+            .cmp(&other.effective_usage.saturating_mul(self.weight))
+            .then_with(|| {
+                (self.vram_in_use_bytes * other.weight)
+                    .cmp(&(other.vram_in_use_bytes * self.weight))
+            })
             .then_with(|| self.ledger_index.cmp(&other.ledger_index))
     }
 }

@@ -23,6 +23,7 @@ use crate::simulation::policy::{Policy, oom_observation, slowdown_factor};
 use crate::simulation::report::{PolicyReport, TimeIntegrals};
 use crate::simulation::workload::{MemoryOracle, SimulatedJob, Workload};
 use crate::simulation::{Cluster, SimulationOptions};
+use crate::usage::{AttemptUsage, DecayedUsageLedger, UsageDecay};
 
 /// A queued job's place within its tenant: priority (higher first), submit sequence, index.
 type QueueKey = (Reverse<i32>, u64, usize);
@@ -177,6 +178,11 @@ struct Simulation<'a> {
     integrals: TimeIntegrals,
     out_of_memory_attempts: u64,
     most_allocated_on_one_gpu_bytes: u64,
+    /// Fair share over time: every ended attempt's usage, decayed (the scheduler's
+    /// ledger); `None` for instantaneous fair share.
+    usage: Option<DecayedUsageLedger>,
+    /// The time of the events being applied, for the usage of attempts that end.
+    clock_s: f64,
 }
 
 impl<'a> Simulation<'a> {
@@ -215,6 +221,7 @@ impl<'a> Simulation<'a> {
                 running_jobs_quota: None,
                 vram_in_use_bytes: 0,
                 running_jobs: 0,
+                decayed_usage_byte_seconds: 0,
             })
             .collect();
         let tenant_of_job = workload
@@ -233,14 +240,24 @@ impl<'a> Simulation<'a> {
             });
         }
         let start_s = workload.jobs.first().map_or(0.0, |job| job.submit_time_s);
+        let usage = options
+            .fair_share_half_life_s
+            .and_then(|half_life_s| UsageDecay::with_half_life_ms(seconds_to_ms(half_life_s)));
+        let mut scheduling_options = SchedulingOptions {
+            reserve_for_blocked_jobs: options.reserve_for_blocked_jobs,
+            ..SchedulingOptions::default()
+        };
+        if let Some(decay) = usage {
+            scheduling_options.usage_decay = decay;
+        }
         Simulation {
             workload,
             policy,
             options,
             oracle,
-            scheduling_options: SchedulingOptions {
-                reserve_for_blocked_jobs: options.reserve_for_blocked_jobs,
-            },
+            scheduling_options,
+            usage: usage.map(|decay| DecayedUsageLedger::new(decay, seconds_to_ms(start_s))),
+            clock_s: start_s,
             usable_bytes: cluster.gpu_bytes - options.gpu_context_bytes,
             total_bytes: cluster.gpu_bytes as f64 * cluster.gpu_count() as f64,
             jobs_on_gpu: vec![0; gpus.len()],
@@ -302,6 +319,7 @@ impl<'a> Simulation<'a> {
     fn run(&mut self) {
         while let Some(first) = self.events.pop() {
             let now = first.time_s;
+            self.clock_s = now;
             self.integrals.advance_to(now);
             self.apply(first);
             while self.events.peek().is_some_and(|event| event.time_s == now) {
@@ -402,6 +420,7 @@ impl<'a> Simulation<'a> {
             running_jobs_quota: None,
             vram_in_use_bytes: 0,
             running_jobs: 0,
+            decayed_usage_byte_seconds: 0,
         };
         can_ever_fit(slice_bytes, &self.problem.gpus, &tenant).ok()?;
         Some((slice_bytes, Some(config)))
@@ -512,6 +531,7 @@ impl<'a> Simulation<'a> {
             }
         }
         self.problem.pending = pending;
+        self.set_decayed_usage(now);
         let held = self.hold_claimed_bytes();
         let decision = solve_with_options(&self.problem, &self.scheduling_options);
         self.release_claimed_bytes(&held);
@@ -579,10 +599,46 @@ impl<'a> Simulation<'a> {
         self.push_event(ends_at, EventKind::AttemptEnd, job);
     }
 
+    /// Each tenant's decayed usage at `now` (ended attempts and running ones so far),
+    /// for fair share over time.
+    fn set_decayed_usage(&mut self, now: f64) {
+        let Some(ledger) = self.usage.as_mut() else {
+            return;
+        };
+        let now_ms = seconds_to_ms(now);
+        let mut running = Vec::with_capacity(self.running_jobs);
+        for jobs in &self.running_on_gpu {
+            for &job in jobs {
+                if let Some(attempt) = &self.runs[job].attempt {
+                    running.push(simulated_usage(
+                        &self.workload.jobs[job].tenant,
+                        self.runs[job].slice_bytes,
+                        attempt.started_s,
+                        now,
+                    ));
+                }
+            }
+        }
+        let totals = ledger.totals_at(now_ms, &running);
+        for tenant in &mut self.problem.tenants {
+            tenant.decayed_usage_byte_seconds = totals
+                .get(&tenant.tenant)
+                .map_or(0, |usage| usage.vram_byte_seconds);
+        }
+    }
+
     /// Takes the job's attempt off its GPU and its tenant.
     fn release_attempt(&mut self, job: usize) -> Option<Attempt> {
         let attempt = self.runs[job].attempt.take()?;
         let slice = self.runs[job].slice_bytes;
+        if let Some(ledger) = self.usage.as_mut() {
+            ledger.add(&simulated_usage(
+                &self.workload.jobs[job].tenant,
+                slice,
+                attempt.started_s,
+                self.clock_s,
+            ));
+        }
         self.problem.gpus[attempt.gpu].allocated_bytes -= slice;
         let tenant = &mut self.problem.tenants[self.tenant_of_job[job]];
         tenant.vram_in_use_bytes -= slice;
@@ -699,5 +755,21 @@ impl<'a> Simulation<'a> {
         let run = &mut self.runs[job];
         run.phase = Phase::Failed;
         run.end_s = Some(now);
+    }
+}
+
+/// Simulated seconds as the usage ledger's milliseconds.
+fn seconds_to_ms(seconds: f64) -> i64 {
+    (seconds * 1000.0).round() as i64
+}
+
+/// A simulated attempt's usage: the simulator's GPUs are of one type.
+fn simulated_usage(tenant: &str, slice_bytes: u64, started_s: f64, ended_s: f64) -> AttemptUsage {
+    AttemptUsage {
+        tenant: tenant.to_string(),
+        gpu_type: "simulated".to_string(),
+        slice_bytes,
+        started_at_ms: seconds_to_ms(started_s),
+        ended_at_ms: seconds_to_ms(ended_s),
     }
 }

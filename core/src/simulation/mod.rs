@@ -157,6 +157,10 @@ pub struct SimulationOptions {
     /// Jobs of at least this priority are the *urgent* ones whose queueing the report
     /// gives apart ([`PolicyReport::urgent_queueing`]).
     pub urgent_priority: i32,
+    /// Fair share over time: tenants ordered by their decayed usage with this half-life
+    /// (`crate::usage`, as the scheduler does); `None` for instantaneous fair share (what
+    /// each tenant holds now only).
+    pub fair_share_half_life_s: Option<f64>,
 }
 
 /// Preemption in the simulator: core's [`choose_victims`] with the scheduler's limits.
@@ -197,6 +201,7 @@ impl Default for SimulationOptions {
             utilisation_samples: 200,
             preemption: None,
             urgent_priority: 1,
+            fair_share_half_life_s: None,
         }
     }
 }
@@ -235,6 +240,14 @@ impl SimulationOptions {
             return Err(error(
                 "checkpoint_interval_s",
                 format!("{} must be more than 0 seconds", self.checkpoint_interval_s),
+            ));
+        }
+        if let Some(half_life_s) = self.fair_share_half_life_s
+            && !(half_life_s.is_finite() && half_life_s >= 0.001)
+        {
+            return Err(error(
+                "fair_share_half_life_s",
+                format!("{half_life_s} must be a number of seconds, at least 0.001"),
             ));
         }
         if let Some(preemption) = &self.preemption

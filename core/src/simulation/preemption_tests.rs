@@ -1,5 +1,6 @@
 //! Tests of preemption in the simulator: a trace built so an urgent job waits behind a
-//! long low-priority one, and the invariants of generated traces with mixed priorities.
+//! long low-priority one, and the invariants of generated traces with mixed priorities;
+//! and of fair share over time in it (a tenant with history yields).
 
 use std::collections::BTreeMap;
 
@@ -145,4 +146,37 @@ fn a_rows_priority_overrides_the_specs_and_must_be_a_whole_number() {
         error.starts_with("row 2 column priority: `high` is not a whole number"),
         "{error}"
     );
+}
+
+#[test]
+fn fair_share_over_time_places_the_tenant_without_history_first() {
+    // "aa" ran a 60 GiB job for 1000 s; at 2000 s "aa" and "zz" each submit one job into
+    // the one 80 GiB GPU, which holds one of them. Instantaneous fair share sees two idle
+    // tenants and takes "aa" by name; with decayed usage "zz" goes first. The queueing
+    // delays tell which: "aa"'s job lasts 100 s, "zz"'s 500 s.
+    let workload = workload(&format!(
+        "{HEADER}\n0,1000,aa,1,60GiB,60GiB,0\n2000,100,aa,1,60GiB,60GiB,0\n\
+         2000,500,zz,1,60GiB,60GiB,0\n"
+    ));
+    let cluster = Cluster::parse("1x80GiB").unwrap();
+    let report = |fair_share_half_life_s| {
+        let options = SimulationOptions {
+            fair_share_half_life_s,
+            ..SimulationOptions::default()
+        };
+        simulate(
+            &workload,
+            &cluster,
+            Policy::Declared,
+            &options,
+            &mut MemoryOracle::default(),
+        )
+        .unwrap()
+    };
+    let instantaneous = report(None);
+    assert_eq!(instantaneous.succeeded_jobs, 3);
+    assert_eq!(instantaneous.queueing_delay_s.p99, 100.0);
+    let decayed = report(Some(7.0 * 24.0 * 3600.0));
+    assert_eq!(decayed.succeeded_jobs, 3);
+    assert_eq!(decayed.queueing_delay_s.p99, 500.0);
 }

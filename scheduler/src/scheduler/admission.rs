@@ -412,6 +412,7 @@ impl Scheduler {
             running_jobs_quota: tenant.max_running_jobs.map(|count| count as u32),
             vram_in_use_bytes: 0,
             running_jobs: 0,
+            decayed_usage_byte_seconds: 0,
         };
         if let Err(reason) = can_ever_fit(slice_bytes, &gpus, &tenant_state) {
             let rejection = match reason {

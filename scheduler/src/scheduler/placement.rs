@@ -181,6 +181,7 @@ impl Scheduler {
                 running_jobs_quota: tenant.max_running_jobs.map(|count| count as u32),
                 vram_in_use_bytes: usage.get(&tenant.name).copied().unwrap_or(0),
                 running_jobs: running_counts.get(&tenant.name).copied().unwrap_or(0),
+                decayed_usage_byte_seconds: 0,
             })
             .collect();
         tenant_states.sort_by(|left, right| left.tenant.cmp(&right.tenant));

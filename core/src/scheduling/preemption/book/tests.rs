@@ -305,6 +305,7 @@ fn fair_share_counts_schedulable_gpus_and_tenants_with_work() {
         running_jobs_quota: None,
         vram_in_use_bytes: in_use,
         running_jobs: 0,
+        decayed_usage_byte_seconds: 0,
     };
     let mut draining = gpu("g1", 40, 0);
     draining.schedulable = false;
