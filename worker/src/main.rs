@@ -14,6 +14,7 @@ use carve_proto::logging::{LogFormat, init_logging};
 use carve_worker::attempt_child::{AttemptArguments, attempt_command};
 use carve_worker::attempt_limits::{DEFAULT_MEASURE_INTERVAL, RunLimits};
 use carve_worker::gpus::parse_simulated_gpus;
+use carve_worker::image::ImageSettings;
 use carve_worker::sandbox::cdi::DEFAULT_CDI_DIRECTORIES;
 use carve_worker::sandbox::{
     AttemptLimits, DEFAULT_FIRST_HOST_UID, SandboxPolicy, SandboxSettings, TenantLimits,
@@ -142,6 +143,18 @@ struct Arguments {
     /// it, else the built-in list. Default: /etc/cdi and /var/run/cdi.
     #[arg(long = "cdi-dir", value_name = "DIR")]
     cdi_dir: Vec<PathBuf>,
+    /// The most bytes of unpacked job images the node keeps when no attempt holds them
+    /// (least recently used go first); an image larger than this is refused.
+    #[arg(long, env = "CARVE_IMAGE_CACHE_LIMIT", default_value = "100GiB", value_parser = parse_byte_size_argument)]
+    image_cache_limit: u64,
+    /// A registry (HOST:PORT) reached over plain HTTP; loopback ones always are. Repeat
+    /// for more.
+    #[arg(long = "insecure-registry", value_name = "HOST:PORT")]
+    insecure_registry: Vec<String>,
+    /// An OCI image layout directory looked in before any registry, by each image's
+    /// org.opencontainers.image.ref.name (an air-gapped node's images). Repeat for more.
+    #[arg(long = "image-layout", value_name = "DIR")]
+    image_layout: Vec<PathBuf>,
 }
 
 fn parse_tenant_limits_argument(text: &str) -> Result<(String, TenantLimits), String> {
@@ -284,7 +297,12 @@ fn run(arguments: Arguments) -> Result<()> {
             arguments.cdi_dir
         },
         tenant_limits: arguments.tenant_limits.into_iter().collect(),
-        images: None,
+        images: Some(ImageSettings {
+            cache_limit_bytes: arguments.image_cache_limit,
+            insecure_registries: arguments.insecure_registry,
+            layout_directories: arguments.image_layout,
+            ..ImageSettings::under(&config.checkpoint_directory)
+        }),
     };
     config.run_limits = RunLimits {
         max_duration: arguments.attempt_max_duration.0,

@@ -261,6 +261,12 @@ impl ImageCache {
                 .map_err(io_failure(format!("cannot set up {}", path.display())))?;
         }
         install_crypto_provider();
+        // Absolute: an image root is an overlay's lower directory and a runtime's root
+        // path, which a relative path would make relative to something else.
+        let directory = directory.canonicalize().map_err(io_failure(format!(
+            "cannot resolve {}",
+            directory.display()
+        )))?;
         let mut state = CacheState::default();
         let mut found: Vec<(std::time::SystemTime, String, u64)> = Vec::new();
         let images = directory.join("images");
