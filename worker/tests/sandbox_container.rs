@@ -215,3 +215,82 @@ async fn a_program_killed_at_its_memory_limit_is_told_apart_from_one_killed_from
     assert_eq!(status.signal(), Some(9), "{status}");
     assert_eq!(reached, None);
 }
+
+/// The limits a container is built with: the operator's defaults, a tenant's override,
+/// and the job's `[resources]` asks, of which only the lower ones count. A job asking
+/// for more than its worker allows gets the worker's limit in its config.json.
+#[tokio::test]
+async fn a_jobs_ask_lowers_its_containers_limits_and_never_raises_them() {
+    use carve_core::spec::HostLimitsRequest;
+    use carve_worker::sandbox::{AttemptLimits, TenantLimits};
+    let directory = tempfile::tempdir().unwrap();
+    let worker = directory.path().join("worker");
+    let settings = SandboxSettings {
+        limits: AttemptLimits {
+            memory_bytes: 256 << 20,
+            pids: 64,
+            cpus: Some(2.0),
+            ..Default::default()
+        },
+        tenant_limits: [(
+            "bob".to_string(),
+            TenantLimits {
+                pids: Some(32),
+                ..Default::default()
+            },
+        )]
+        .into(),
+        ..SandboxSettings::default()
+    };
+    let Some(sandbox) = sandbox(&worker, settings) else {
+        return;
+    };
+    let asks_less = HostLimitsRequest {
+        memory_bytes: Some(64 << 20),
+        cpus: Some(0.5),
+        pids: Some(16),
+    };
+    let asks_more = HostLimitsRequest {
+        memory_bytes: Some(1 << 40),
+        cpus: Some(64.0),
+        pids: Some(1 << 30),
+    };
+    // (tenant, ask, memory, pids, cpu quota per 100 ms period)
+    let cases = [
+        (
+            "alice",
+            HostLimitsRequest::default(),
+            256 << 20,
+            64,
+            200_000,
+        ),
+        ("alice", asks_less, 64 << 20, 16, 50_000),
+        ("alice", asks_more, 256 << 20, 64, 200_000),
+        ("bob", HostLimitsRequest::default(), 256 << 20, 32, 200_000),
+        ("bob", asks_more, 256 << 20, 32, 200_000),
+    ];
+    for (index, (tenant, asked, memory, pids, quota)) in cases.into_iter().enumerate() {
+        let name = format!("limits-{index}");
+        let (_command, container) = sandbox
+            .prepare(&ContainerRequest {
+                name: name.clone(),
+                tenant: tenant.to_string(),
+                argv: vec!["/bin/true".into()],
+                working_directory: "/tmp".into(),
+                asked_limits: asked,
+                ..Default::default()
+            })
+            .unwrap();
+        let config = worker
+            .join("sandbox/bundles/test-node")
+            .join(&name)
+            .join("config.json");
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+        container.remove();
+        let resources = &config["linux"]["resources"];
+        assert_eq!(resources["memory"]["limit"], memory, "{tenant} {asked:?}");
+        assert_eq!(resources["pids"]["limit"], pids, "{tenant} {asked:?}");
+        assert_eq!(resources["cpu"]["quota"], quota, "{tenant} {asked:?}");
+    }
+}
