@@ -12,7 +12,9 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use carve_proto::v1;
-use carve_scheduler::store::{AttemptOutcome, AttemptRecord};
+use carve_scheduler::store::{
+    AttemptOutcome, AttemptRecord, JobFilter, JobRecord, JobState, shown_text_bytes,
+};
 use tonic::transport::Channel;
 
 #[path = "support/worker.rs"]
@@ -26,6 +28,7 @@ use support::{TestDb, attempt, finish_plainly, job, open_with_acme};
 on_both_databases!(
     pages_of_large_jobs_fit_the_default_decode_limit_and_hold_every_job_once,
     the_store_reads_a_pages_attempts_and_models_at_once,
+    the_store_cuts_a_page_by_the_bytes_it_shows_before_reading_its_rows,
 );
 
 /// What a gRPC client decodes by default (tonic's `max_decoding_message_size`).
@@ -286,5 +289,99 @@ async fn the_store_reads_a_pages_attempts_and_models_at_once(db: &TestDb) {
     assert_eq!(
         Some(models[&key("shape-b")].clone()),
         store.command_memory_model("acme", "shape-b").await.unwrap()
+    );
+}
+
+/// `Store::list_jobs_within` sizes a page in the database (`octet_length`, bytes, as
+/// `shown_text_bytes` counts a read row: a multi-byte name and spec count by their bytes,
+/// not their characters) and reads only the jobs it shows: the first always, then as many
+/// as fit the budget; its token continues right after them, so the pages hold every job
+/// once, in the order `list_jobs` gives, with the filter and its own token applied.
+async fn the_store_cuts_a_page_by_the_bytes_it_shows_before_reading_its_rows(db: &TestDb) {
+    let store = open_with_acme(db).await;
+    // Sizes that vary, with multi-byte text ("é" is 2 bytes, "喵" 3), one job large
+    // enough to pass the budget alone, and one in another state the filter leaves out.
+    let mut jobs = Vec::new();
+    for index in 0..23_usize {
+        let filler = ["é", "喵", "a"][index % 3].repeat(40 + 150 * (index % 5));
+        jobs.push(JobRecord {
+            spec_json: format!(r#"{{"name":"{filler}"}}"#),
+            message: if index % 4 == 0 {
+                "ö".repeat(30)
+            } else {
+                String::new()
+            },
+            ..job(&format!("j-{index:02}"), "acme", &format!("名前-{index}"))
+        });
+    }
+    jobs[7].spec_json = "x".repeat(5_000);
+    jobs[11].state = JobState::Succeeded;
+    store.submit_jobs(jobs).await.unwrap();
+    let filter = JobFilter {
+        states: vec![JobState::Queued],
+        page_size: 8,
+        ..JobFilter::default()
+    };
+    let (expected, _) = store
+        .list_jobs(&JobFilter {
+            page_size: 1000,
+            ..filter.clone()
+        })
+        .await
+        .unwrap();
+    assert_eq!(expected.len(), 22);
+
+    const BUDGET: u64 = 1_500;
+    let mut seen: Vec<JobRecord> = Vec::new();
+    let mut token = None;
+    loop {
+        let (page, next) = store
+            .list_jobs_within(
+                &JobFilter {
+                    page_token: token.clone(),
+                    ..filter.clone()
+                },
+                BUDGET,
+            )
+            .await
+            .unwrap();
+        assert!(!page.is_empty() && page.len() <= 8, "{} jobs", page.len());
+        let bytes: Vec<u64> = page
+            .iter()
+            .map(|job| shown_text_bytes(job) as u64)
+            .collect();
+        let total: u64 = bytes.iter().sum();
+        // Within the budget, or one job that passes it alone.
+        assert!(total <= BUDGET || page.len() == 1, "{bytes:?}");
+        // Nothing was left out that would have fit: the next job passes the budget.
+        let after = expected.get(seen.len() + page.len());
+        if page.len() < 8
+            && let Some(after) = after
+        {
+            assert!(
+                total + shown_text_bytes(after) as u64 > BUDGET,
+                "{} would have fit after {bytes:?}",
+                after.id
+            );
+        }
+        seen.extend(page);
+        match next {
+            Some(next) => token = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(seen, expected, "every job once, in list_jobs' order");
+    // The large job had a page of its own; a budget of 0 still shows one job a page.
+    let (one, next) = store.list_jobs_within(&filter, 0).await.unwrap();
+    assert_eq!((one.len(), next.is_some()), (1, true));
+    assert_eq!(one[0], expected[0]);
+    // No match: an empty page without a token.
+    let none = JobFilter {
+        name_prefix: Some("nobody".into()),
+        ..filter
+    };
+    assert_eq!(
+        store.list_jobs_within(&none, BUDGET).await.unwrap(),
+        (Vec::new(), None)
     );
 }

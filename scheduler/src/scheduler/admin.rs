@@ -179,20 +179,22 @@ impl Scheduler {
     pub async fn list_jobs(
         &self,
         caller: &Caller,
-        mut filter: JobFilter,
+        filter: JobFilter,
     ) -> Result<(Vec<JobRecord>, Option<String>), SchedulerError> {
-        caller.require(&[Role::User, Role::Admin])?;
-        filter.tenant = match filter.tenant {
-            None => (caller.role != Role::Admin).then(|| caller.tenant.clone()),
-            Some(tenant) if caller.may_access_tenant(&tenant) => Some(tenant),
-            Some(_) => {
-                return Err(ApiError::PermissionDenied(
-                    "only admins list other tenants' jobs".into(),
-                )
-                .into());
-            }
-        };
+        let filter = scoped_to_caller(caller, filter)?;
         self.store.list_jobs(&filter).await
+    }
+
+    /// [`Scheduler::list_jobs`], the page also cut where the jobs' shown text passes
+    /// `budget_bytes` (`Store::list_jobs_within`: rows past it are never read).
+    pub async fn list_jobs_within(
+        &self,
+        caller: &Caller,
+        filter: JobFilter,
+        budget_bytes: u64,
+    ) -> Result<(Vec<JobRecord>, Option<String>), SchedulerError> {
+        let filter = scoped_to_caller(caller, filter)?;
+        self.store.list_jobs_within(&filter, budget_bytes).await
     }
 
     /// Forgets the worker `reference` names: its id, or the name of a node with one
@@ -310,4 +312,20 @@ fn stored_worker_view(record: &WorkerRecord) -> WorkerView {
         version: record.version.clone(),
         drain_reason: record.drain_reason.clone(),
     }
+}
+
+/// `filter` as `caller` may list: `filter.tenant` is the tenant asked for (`None`: the
+/// caller's own, or every tenant's for an admin); only admins list other tenants' jobs.
+fn scoped_to_caller(caller: &Caller, mut filter: JobFilter) -> Result<JobFilter, SchedulerError> {
+    caller.require(&[Role::User, Role::Admin])?;
+    filter.tenant = match filter.tenant {
+        None => (caller.role != Role::Admin).then(|| caller.tenant.clone()),
+        Some(tenant) if caller.may_access_tenant(&tenant) => Some(tenant),
+        Some(_) => {
+            return Err(
+                ApiError::PermissionDenied("only admins list other tenants' jobs".into()).into(),
+            );
+        }
+    };
+    Ok(filter)
 }

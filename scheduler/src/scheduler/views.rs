@@ -128,25 +128,18 @@ impl Scheduler {
 
     /// One page of the jobs the caller may see (see `list_jobs`), each as reads show it,
     /// for a response of at most `budget_bytes` of jobs: jobs whose stored text alone
-    /// would pass it are left to the next page before their attempts and models are
-    /// read (the caller cuts the page exactly, by the encoded size; see
-    /// [`JobPage::keep_first`]).
+    /// (`store::shown_text_bytes`, less than its encoded size) would pass it are left to
+    /// the next page, unread, before their attempts and models are read (the caller cuts
+    /// the page exactly, by the encoded size; see [`JobPage::keep_first`]).
     pub async fn job_page(
         &self,
         caller: &Caller,
         filter: JobFilter,
         budget_bytes: usize,
     ) -> Result<JobPage, SchedulerError> {
-        let (mut jobs, mut next_page_token) = self.list_jobs(caller, filter).await?;
-        let mut bytes = 0;
-        let fitting = jobs
-            .iter()
-            .take_while(|job| {
-                bytes += shown_text_bytes(job);
-                bytes <= budget_bytes
-            })
-            .count();
-        cut_page(&mut jobs, &mut next_page_token, fitting, |job| job);
+        let (jobs, next_page_token) = self
+            .list_jobs_within(caller, filter, budget_bytes as u64)
+            .await?;
         Ok(JobPage {
             jobs: self.job_views(jobs).await?,
             next_page_token,
@@ -376,18 +369,6 @@ fn cut_page<T>(
             .last()
             .map(|last| crate::store::page_token_after(record(last)));
     }
-}
-
-/// The bytes of a job's stored text that its message carries as they are (id, tenant,
-/// name, spec, message, waiting reason): less than its encoded size, whatever else it
-/// shows.
-fn shown_text_bytes(job: &JobRecord) -> usize {
-    job.id.len()
-        + job.tenant.len()
-        + job.name.len()
-        + job.spec_json.len()
-        + job.message.len()
-        + job.waiting_reason.len()
 }
 
 /// A worker as reads show it.

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use super::json_columns::WORKLOAD_COLUMN;
 use super::leadership::check_fence;
 use super::{
-    DEFAULT_PAGE_SIZE, JobFilter, JobRecord, JobState, MAX_PAGE_SIZE, QueueFingerprint, QueuedJob,
-    Store, SubmitOutcome, insert_error, is_foreign_key_violation, is_unique_violation,
+    JobRecord, JobState, QueueFingerprint, QueuedJob, Store, SubmitOutcome, insert_error,
+    is_foreign_key_violation, is_unique_violation,
 };
 use crate::error::SchedulerError;
 
@@ -111,7 +111,7 @@ pub(super) use update_job_row;
 pub const WAITING_REASONS_PER_TRANSACTION: usize = 4096;
 
 /// A value bound to a query built at run time.
-enum Arg {
+pub(super) enum Arg {
     Text(String),
     Int(i64),
 }
@@ -129,6 +129,7 @@ macro_rules! bind_args {
         query
     }};
 }
+pub(super) use bind_args;
 
 impl Store {
     /// Submits a group of jobs in ONE transaction (one flush to disk for all of them) and
@@ -540,73 +541,6 @@ impl Store {
         }))
     }
 
-    /// One page of the jobs that match `filter`, newest (highest `submit_sequence`)
-    /// first, and the token of the next page (`None` on the last page). Paging is by
-    /// key, so jobs submitted while a client pages do not shift or repeat its pages.
-    pub async fn list_jobs(
-        &self,
-        filter: &JobFilter,
-    ) -> Result<(Vec<JobRecord>, Option<String>), SchedulerError> {
-        let page_size = match filter.page_size {
-            0 => DEFAULT_PAGE_SIZE,
-            size => size.min(MAX_PAGE_SIZE),
-        } as usize;
-        let mut conditions: Vec<String> = Vec::new();
-        let mut args: Vec<Arg> = Vec::new();
-        if let Some(tenant) = &filter.tenant {
-            args.push(Arg::Text(tenant.clone()));
-            conditions.push(format!("tenant = ${}", args.len()));
-        }
-        if !filter.states.is_empty() {
-            let mut placeholders = Vec::with_capacity(filter.states.len());
-            for state in &filter.states {
-                args.push(Arg::Text(state.name().to_string()));
-                placeholders.push(format!("${}", args.len()));
-            }
-            conditions.push(format!("state IN ({})", placeholders.join(", ")));
-        }
-        if let Some(prefix) = filter
-            .name_prefix
-            .as_deref()
-            .filter(|prefix| !prefix.is_empty())
-        {
-            // substr rather than LIKE: no wildcards to escape, and case-sensitive in both
-            // databases.
-            args.push(Arg::Text(prefix.to_string()));
-            let n = args.len();
-            conditions.push(format!("substr(name, 1, length(${n})) = ${n}"));
-        }
-        if let Some(token) = filter
-            .page_token
-            .as_deref()
-            .filter(|token| !token.is_empty())
-        {
-            let before = parse_page_token(token)?;
-            args.push(Arg::Int(before));
-            conditions.push(format!("submit_sequence < ${}", args.len()));
-        }
-        let where_clause = if conditions.is_empty() {
-            String::new()
-        } else {
-            format!("WHERE {}", conditions.join(" AND "))
-        };
-        let sql = format!(
-            "SELECT {JOB_COLUMNS} FROM jobs {where_clause} \
-             ORDER BY submit_sequence DESC LIMIT {}",
-            page_size + 1
-        );
-        let mut jobs: Vec<JobRecord> = with_pool!(self, pool => {
-            bind_args!(sqlx::query_as(&sql), &args).fetch_all(pool).await?
-        });
-        let next_page_token = if jobs.len() > page_size {
-            jobs.truncate(page_size);
-            jobs.last().map(page_token_after)
-        } else {
-            None
-        };
-        Ok((jobs, next_page_token))
-    }
-
     /// Rewrites a job by id: every column but its identity (`id`, `tenant`,
     /// `submit_sequence`, `idempotency_key`, `created_at_ms`), which never change.
     /// `NotFound` when there is no such job.
@@ -767,24 +701,3 @@ impl Store {
 
 /// The most job ids one waiting-reason `UPDATE` names (one parameter each).
 pub const WAITING_REASON_IDS_PER_STATEMENT: usize = 500;
-
-/// The `next_page_token` of a page of [`Store::list_jobs`] whose last job is `last`: the
-/// next page starts right after it (tokens are keys, newest first: the jobs submitted
-/// before it). A caller that shows fewer jobs than the store listed (ListJobs cuts a page
-/// that would not fit its byte budget) gives the token after the last job it shows.
-pub fn page_token_after(last: &JobRecord) -> String {
-    last.submit_sequence.to_string()
-}
-
-fn parse_page_token(token: &str) -> Result<i64, SchedulerError> {
-    token
-        .parse::<i64>()
-        .ok()
-        .filter(|sequence| *sequence > 0)
-        .ok_or_else(|| {
-            SchedulerError::invalid_argument(
-                "page_token",
-                format!("{token:?} is not a page token this server issued"),
-            )
-        })
-}

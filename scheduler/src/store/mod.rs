@@ -102,9 +102,8 @@ mod workers;
 
 pub use attempts::{AttemptEnd, AttemptEndDetails, AttemptStartDetails};
 pub use batcher::SubmitBatcher;
-pub use jobs::{
-    WAITING_REASON_IDS_PER_STATEMENT, WAITING_REASONS_PER_TRANSACTION, page_token_after,
-};
+pub use job_pages::{page_token_after, shown_text_bytes};
+pub use jobs::{WAITING_REASON_IDS_PER_STATEMENT, WAITING_REASONS_PER_TRANSACTION};
 pub use json_columns::{
     CONFIG_COLUMN, CorruptColumn, ESTIMATE_COLUMN, StoredCategoryBytes, StoredEstimate,
     StoredLayerBytes, WORKLOAD_COLUMN, config_from_json, config_to_json, estimate_from_json,
