@@ -39,7 +39,7 @@ use crate::command_output::{
     start_error_text,
 };
 use crate::guard_environment::AttemptGuard;
-use crate::image::{ImageRequest, PulledImage};
+use crate::image::{ImageRequest, PullProgress, PulledImage};
 use crate::program_output::{MOST_LINE_BYTES, OutputLine, OutputStream, ProgramOutput};
 use crate::sandbox::{Container, GpuDevices, Sandbox, container_exit_status};
 use carve_core::command::image::parse_image_reference;
@@ -126,7 +126,7 @@ pub async fn run_command_attempt(
     before_final_report: impl FnOnce(),
 ) {
     // The job's image first: an attempt that cannot have it ends before any run.
-    let image = match job_image(&launch).await {
+    let image = match job_image(&launch, &reports).await {
         Ok(image) => image,
         Err(finals) => {
             before_final_report();
@@ -625,13 +625,19 @@ fn stop_of(control: AttemptControl) -> WorkerStop {
     }
 }
 
+/// How often a pull's progress goes to the job's log.
+const IMAGE_PULL_PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+
 /// The image a job names (`command.image`), from the node's cache or pulled into it;
 /// `Err` is the attempt's final report: a job's image runs only in a container, its pull
 /// secret needs the scheduler's secrets (not built yet), and a pull that fails ends the
 /// attempt `failed` (missing image, refused credential, digest mismatch, hostile
 /// image: a retry would meet it again) or `interrupted` (an unreachable registry, the
 /// worker's disk), never as an out-of-memory.
-async fn job_image(launch: &CommandAttemptLaunch) -> Result<Option<PulledImage>, Vec<Body>> {
+async fn job_image(
+    launch: &CommandAttemptLaunch,
+    reports: &mpsc::UnboundedSender<Body>,
+) -> Result<Option<PulledImage>, Vec<Body>> {
     let Some(reference) = &launch.job.spec.command.image else {
         return Ok(None);
     };
@@ -662,8 +668,53 @@ async fn job_image(launch: &CommandAttemptLaunch) -> Result<Option<PulledImage>,
         pinned_digest: None,
         credential: None,
     };
-    match sandbox.images().acquire(&request, None).await {
+    let log = |message: String| {
+        let _ = reports.send(Body::Log(v1::worker_message::LogLine {
+            attempt: Some(launch.attempt.clone()),
+            level: "info".into(),
+            message,
+            stream: String::new(),
+        }));
+    };
+    // The pull's progress goes to the job's log every few seconds while it lasts.
+    let (progress, seen) = tokio::sync::watch::channel(PullProgress::default());
+    let started = Instant::now();
+    let acquired = {
+        let pull = sandbox.images().acquire(&request, Some(&progress));
+        tokio::pin!(pull);
+        let mut ticker = tokio::time::interval(IMAGE_PULL_PROGRESS_INTERVAL);
+        ticker.tick().await;
+        loop {
+            tokio::select! {
+                result = &mut pull => break result,
+                _ = ticker.tick() => {
+                    let now = *seen.borrow();
+                    if now.total_bytes > 0 {
+                        log(format!(
+                            "pulling image {canonical} ({} of {} MiB)",
+                            now.done_bytes >> 20,
+                            now.total_bytes.div_ceil(1 << 20)
+                        ));
+                    }
+                }
+            }
+        }
+    };
+    match acquired {
         Ok(image) => {
+            log(if image.pulled_now {
+                format!(
+                    "image {canonical}: {} pulled into this node's cache ({} MiB unpacked, {:.1}s)",
+                    image.record.digest,
+                    image.record.size_bytes.div_ceil(1 << 20),
+                    started.elapsed().as_secs_f64()
+                )
+            } else {
+                format!(
+                    "image {canonical}: {} from this node's cache",
+                    image.record.digest
+                )
+            });
             tracing::info!(
                 job = %launch.attempt.job_id,
                 image = %canonical,

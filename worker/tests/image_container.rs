@@ -385,6 +385,15 @@ mod command_attempts {
                 matches!(body, Body::Log(line) if line.message.contains("training in carve test image"))
             });
             assert!(said, "the program did not run in its image: {reports:#?}");
+            let whence = if number == 1 {
+                "pulled into this node's cache"
+            } else {
+                "from this node's cache"
+            };
+            let told = reports
+                .iter()
+                .any(|body| matches!(body, Body::Log(line) if line.message.contains(whence)));
+            assert!(told, "attempt {number} did not say its image was {whence}");
         }
         assert_eq!(
             sandbox.images().pulls_done(),
