@@ -1,0 +1,385 @@
+//! A worker frozen (SIGSTOP) for longer than its lease, with real `carve-worker`
+//! processes and their engine attempt processes beside a real scheduler (SQLite): the
+//! scheduler declares the frozen worker lost and gives its job to the other worker, and
+//! the frozen worker's attempt must have stopped before that, though its worker could not
+//! stop it (issue 29, point 4). Checked by process (never two attempt processes of the
+//! job alive at once, sampled every 20 ms) and by the store (never two running attempts
+//! of the job in the scheduler's answers, the old attempt ended before the new one
+//! started), and the new attempt resumes from exactly the step the scheduler recorded,
+//! though the stale attempt wrote a later checkpoint when it stopped.
+//!
+//! The deadlines below are hang guards, not timings.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use carve_proto::v1;
+use carve_proto::v1::cluster_service_client::ClusterServiceClient;
+use carve_proto::v1::job_service_client::JobServiceClient;
+use carve_scheduler::scheduler::SchedulerSettings;
+use carve_scheduler::server::SchedulerConfig;
+use carve_worker::leftover_processes::process_start_time;
+use tonic::transport::{Channel, Endpoint};
+
+mod support;
+use support::{
+    authorized, poll_until, process_command_lines, tiny_job_spec, worker_process_command,
+};
+
+const ADMIN: &str = "carve_frozen_worker_test_admin_secret";
+/// The scheduler's worker lease: the frozen worker is declared lost this long after its
+/// last heartbeat arrived.
+const LEASE: Duration = Duration::from_secs(4);
+/// How long any one wait may take before the test fails (a hang guard).
+const HANG_GUARD: Duration = Duration::from_secs(120);
+
+/// The worker processes; each is woken (SIGCONT) and killed when the test ends.
+#[derive(Default)]
+struct Workers(BTreeMap<&'static str, Child>);
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for child in self.0.values_mut() {
+            signal(child.id(), "CONT");
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn signal(process_id: u32, name: &str) {
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(process_id.to_string())
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{name} {process_id}");
+}
+
+/// The engine attempt processes of `job_id` alive now: (pid, attempt number), read
+/// from their `--checkpoint` argument (`{job}.attempt-{N}.ckpt`).
+fn live_attempts(job_id: &str) -> Vec<(u32, u32)> {
+    process_command_lines()
+        .into_iter()
+        .filter_map(|(process_id, arguments)| {
+            if arguments.get(1).map(String::as_str) != Some("attempt") {
+                return None;
+            }
+            let position = arguments
+                .iter()
+                .position(|argument| argument == "--checkpoint")?;
+            let checkpoint = PathBuf::from(arguments.get(position + 1)?);
+            let name = checkpoint.file_name()?.to_str()?.strip_suffix(".ckpt")?;
+            let (job, attempt_number) = name.rsplit_once(".attempt-")?;
+            // A zombie has ended; only its status is left to collect.
+            process_start_time(process_id)?;
+            (job == job_id).then_some((process_id, attempt_number.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Each sample of the job's attempt processes, (pid, attempt), in which two were alive.
+type Overlaps = Arc<Mutex<Vec<Vec<(u32, u32)>>>>;
+
+/// Samples `job_id`'s attempt processes until `stop`; keeps each sample with two of them.
+fn watch_processes(
+    job_id: String,
+    stop: Arc<AtomicBool>,
+    overlaps: Overlaps,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::Acquire) {
+            let live = live_attempts(&job_id);
+            if live.len() > 1 {
+                overlaps.lock().unwrap().push(live);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    })
+}
+
+async fn connect(address: &str) -> Channel {
+    for _ in 0..500 {
+        if let Ok(channel) = Endpoint::from_shared(address.to_string())
+            .unwrap()
+            .connect()
+            .await
+        {
+            return channel;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the scheduler at {address} never answered");
+}
+
+async fn get_job(channel: &Channel, user: &str, job_id: &str) -> v1::Job {
+    JobServiceClient::new(channel.clone())
+        .get_job(authorized(
+            v1::GetJobRequest {
+                job_id: job_id.into(),
+            },
+            user,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap()
+}
+
+/// Polls `job_id` until `done` says so (and every answer has at most one running
+/// attempt: the store's side of "never two at once"); returns the last answer.
+async fn poll_job(
+    channel: &Channel,
+    user: &str,
+    job_id: &str,
+    what: &str,
+    mut done: impl FnMut(&v1::Job) -> bool,
+) -> v1::Job {
+    let deadline = tokio::time::Instant::now() + HANG_GUARD;
+    loop {
+        let job = get_job(channel, user, job_id).await;
+        let running = job
+            .attempts
+            .iter()
+            .filter(|attempt| attempt.outcome == v1::AttemptOutcome::Running as i32)
+            .count();
+        assert!(running <= 1, "two running attempts in the store: {job:#?}");
+        if done(&job) {
+            return job;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what} (hang guard)"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn ready_workers(channel: &Channel) -> usize {
+    ClusterServiceClient::new(channel.clone())
+        .list_workers(authorized(
+            v1::ListWorkersRequest {
+                states: vec![v1::WorkerState::Ready as i32],
+            },
+            ADMIN,
+        ))
+        .await
+        .map(|response| response.into_inner().workers.len())
+        .unwrap_or(0)
+}
+
+/// The last checkpoint the scheduler recorded for `attempt_number`, from the job's log
+/// ("checkpoint of step S written to L", written when it stored one).
+async fn last_recorded_checkpoint(
+    channel: &Channel,
+    user: &str,
+    job_id: &str,
+    attempt_number: u32,
+) -> Option<(u64, String)> {
+    let lines = JobServiceClient::new(channel.clone())
+        .get_job_logs(authorized(
+            v1::GetJobLogsRequest {
+                job_id: job_id.into(),
+                attempt_number,
+                // The newest lines: the job writes thousands.
+                tail: 200,
+                ..Default::default()
+            },
+            user,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .lines;
+    lines.iter().rev().find_map(|line| {
+        let rest = line.message.strip_prefix("checkpoint of step ")?;
+        let (step, location) = rest.split_once(" written to ")?;
+        Some((step.parse().ok()?, location.to_string()))
+    })
+}
+
+fn start_worker(address: &str, token: &str, checkpoints: &Path, hostname: &str) -> Child {
+    worker_process_command(address, token, checkpoints, hostname)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_workers_attempt_stops_before_its_job_runs_elsewhere_which_resumes_from_the_recorded_step()
+ {
+    let directory = tempfile::tempdir().unwrap();
+    let checkpoints = directory.path().join("checkpoints");
+    std::fs::create_dir_all(&checkpoints).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    let config = SchedulerConfig {
+        database_url: format!("sqlite://{}", directory.path().join("carve.db").display()),
+        settings: SchedulerSettings {
+            lease_duration: LEASE,
+            heartbeat_interval: Duration::from_millis(200),
+            scheduling_interval: Duration::from_millis(50),
+            infrastructure_retry_backoff: Duration::from_millis(100),
+            ..SchedulerSettings::default()
+        },
+        admin_token: Some(ADMIN.into()),
+        metrics_address: None,
+        tls: None,
+    };
+    let (_stop_scheduler, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(carve_scheduler::server::run(config, listener, async {
+        let _ = stopped.await;
+    }));
+    let channel = connect(&address).await;
+    let secrets = carve_testing::cluster::tenant_with_tokens(
+        &channel,
+        ADMIN,
+        "frozen",
+        v1::Quota::default(),
+        &[v1::Role::User, v1::Role::Worker, v1::Role::Worker],
+    )
+    .await;
+    let (user, token_a, token_b) = (&secrets[0], &secrets[1], &secrets[2]);
+    let mut workers = Workers::default();
+    workers.0.insert(
+        "a",
+        start_worker(&address, token_a, &checkpoints, "frozen-node-a"),
+    );
+
+    // A long job with frequent checkpoints, on worker a (the only one yet).
+    let job_id = JobServiceClient::new(channel.clone())
+        .submit_job(authorized(
+            v1::SubmitJobRequest {
+                spec_json: tiny_job_spec("long", 50_000_000, 50, ""),
+                idempotency_key: String::new(),
+            },
+            user,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap()
+        .id;
+    let stop_watching = Arc::new(AtomicBool::new(false));
+    let overlaps: Overlaps = Arc::default();
+    let watcher = watch_processes(job_id.clone(), stop_watching.clone(), overlaps.clone());
+    let deadline = tokio::time::Instant::now() + HANG_GUARD;
+    while last_recorded_checkpoint(&channel, user, &job_id, 1)
+        .await
+        .is_none()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a checkpoint recorded (hang guard)"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    workers.0.insert(
+        "b",
+        start_worker(&address, token_b, &checkpoints, "frozen-node-b"),
+    );
+    let deadline = tokio::time::Instant::now() + HANG_GUARD;
+    while ready_workers(&channel).await < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "worker b registers (hang guard)"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Freeze worker a past its lease. Its attempt process runs on beside it.
+    signal(workers.0["a"].id(), "STOP");
+    poll_job(
+        &channel,
+        user,
+        &job_id,
+        "attempt 2 runs on worker b",
+        |job| {
+            job.attempts.len() >= 2
+                && job.attempts[1].outcome == v1::AttemptOutcome::Running as i32
+                && job.attempts[1].started_at.is_some()
+        },
+    )
+    .await;
+    // Attempt 2 trains: a checkpoint of its own is recorded.
+    let deadline = tokio::time::Instant::now() + HANG_GUARD;
+    while last_recorded_checkpoint(&channel, user, &job_id, 2)
+        .await
+        .is_none()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "attempt 2 checkpoints (hang guard)"
+        );
+        poll_job(&channel, user, &job_id, "", |_| true).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let job = poll_job(&channel, user, &job_id, "", |_| true).await;
+    // Worker a wakes: whatever it still held stops now, and attempt 2 trains on.
+    signal(workers.0["a"].id(), "CONT");
+    poll_until(
+        HANG_GUARD,
+        Duration::from_millis(20),
+        "attempt 1 ends (hang guard)",
+        || {
+            let live = live_attempts(&job_id);
+            (!live.iter().any(|(_, attempt)| *attempt == 1)).then_some(())
+        },
+    )
+    .await;
+    let recorded = last_recorded_checkpoint(&channel, user, &job_id, 1)
+        .await
+        .expect("the scheduler recorded a checkpoint of attempt 1");
+    JobServiceClient::new(channel.clone())
+        .cancel_job(authorized(
+            v1::CancelJobRequest {
+                job_id: job_id.clone(),
+                reason: "the test is over".into(),
+            },
+            user,
+        ))
+        .await
+        .unwrap();
+    stop_watching.store(true, Ordering::Release);
+    watcher.join().unwrap();
+
+    let overlaps = overlaps.lock().unwrap();
+    assert!(
+        overlaps.is_empty(),
+        "two attempt processes of the job ran at once (pid, attempt): {:?}",
+        &overlaps[..overlaps.len().min(5)]
+    );
+    let first = &job.attempts[0];
+    let second = &job.attempts[1];
+    assert_ne!(first.worker_id, second.worker_id, "{job:#?}");
+    assert!(
+        [
+            v1::AttemptOutcome::Lost as i32,
+            v1::AttemptOutcome::Interrupted as i32
+        ]
+        .contains(&first.outcome),
+        "attempt 1 ended lost or interrupted: {first:#?}"
+    );
+    let millis = |timestamp: &Option<prost_types::Timestamp>| {
+        let timestamp = timestamp.as_ref().expect("a timestamp");
+        timestamp.seconds * 1000 + i64::from(timestamp.nanos / 1_000_000)
+    };
+    assert!(
+        millis(&first.finished_at) <= millis(&second.started_at),
+        "attempt 2 started before attempt 1 ended in the store: {job:#?}"
+    );
+    let resumed = second.resumed_from.as_ref().expect("attempt 2 resumed");
+    assert_eq!(
+        (resumed.step, resumed.location.clone()),
+        recorded,
+        "attempt 2 resumed from what the scheduler recorded for attempt 1"
+    );
+}
