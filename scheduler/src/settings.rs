@@ -102,6 +102,10 @@ pub struct GivenSettings {
     /// measured (0: no floor) [default: 256].
     #[arg(long, env = "CARVE_MIN_SLICE_MIB")]
     pub min_slice_mib: Option<u64>,
+    /// Hours after which a tenant's past usage counts half as much in fair share
+    /// (Slurm's PriorityDecayHalfLife) [default: 168, 7 days].
+    #[arg(long, env = "CARVE_FAIR_SHARE_HALF_LIFE_HOURS")]
+    pub fair_share_half_life_hours: Option<u64>,
     /// Serve Prometheus metrics at http://ADDRESS/metrics.
     #[arg(long, env = "CARVE_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
@@ -198,6 +202,17 @@ pub fn resolve(
         "millisecond",
     )?
     .map_or(defaults.scheduling_interval, Duration::from_millis);
+    let fair_share_half_life = not_zero(
+        given
+            .fair_share_half_life_hours
+            .or(file.fair_share_half_life_hours),
+        "the fair-share half-life (--fair-share-half-life-hours, \
+         CARVE_FAIR_SHARE_HALF_LIFE_HOURS, fair_share_half_life_hours)",
+        "hour",
+    )?
+    .map_or(defaults.fair_share_half_life, |hours| {
+        Duration::from_secs(hours.saturating_mul(3600))
+    });
     let heartbeat_interval = not_zero(
         given.heartbeat_seconds.or(file.heartbeat_seconds),
         "the heartbeat interval (--heartbeat-seconds, CARVE_HEARTBEAT_SECONDS, \
@@ -269,6 +284,7 @@ pub fn resolve(
                 .min_slice_mib
                 .or(file.min_slice_mib)
                 .map_or(defaults.min_slice_bytes, |mib| mib.saturating_mul(1 << 20)),
+            fair_share_half_life,
         },
         ignored: given
             .checkpoint_dir

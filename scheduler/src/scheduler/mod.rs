@@ -28,6 +28,7 @@ mod preemption;
 mod recovery;
 mod session_handles;
 mod sessions;
+mod usage;
 mod views;
 pub mod worker_reports;
 
@@ -88,6 +89,8 @@ pub struct SchedulerSettings {
     /// No command job's slice is sized below this many bytes, whatever its memory model
     /// measured (`carve_core::command::memory_model::learning::floored_slice_bytes`).
     pub min_slice_bytes: u64,
+    /// Past usage counts half as much in fair share after this long (issue 32).
+    pub fair_share_half_life: Duration,
 }
 
 impl Default for SchedulerSettings {
@@ -101,6 +104,9 @@ impl Default for SchedulerSettings {
             leader_lease: Duration::from_secs(10),
             advertise_endpoint: None,
             min_slice_bytes: carve_core::command::memory_model::learning::DEFAULT_SLICE_FLOOR_BYTES,
+            fair_share_half_life: Duration::from_millis(
+                carve_core::usage::DEFAULT_HALF_LIFE_MS as u64,
+            ),
         }
     }
 }
@@ -230,6 +236,8 @@ pub struct Scheduler {
     /// Counts wake-ups, so a pass knows whether anything asked for one since the last.
     wake_generation: AtomicU64,
     last_pass_inputs: Mutex<Option<PassInputs>>,
+    /// Ended attempts' decayed usage for fair share over time (see `usage`).
+    usage_history: Mutex<Option<usage::UsageHistory>>,
     /// The pass's copy of the queue (see `queue`): touched only under `job_changes`.
     queue: Mutex<QueueMirror>,
     /// Whole reads of the queue by passes (the first, and each time the copy disagreed
@@ -315,6 +323,7 @@ impl Scheduler {
             stopping: tokio::sync::watch::Sender::new(false),
             wake_generation: AtomicU64::new(0),
             last_pass_inputs: Mutex::new(None),
+            usage_history: Mutex::new(None),
             queue: Mutex::new(QueueMirror::default()),
             queue_reloads: AtomicU64::new(0),
             lookups: Lookups::new(),

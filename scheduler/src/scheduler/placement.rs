@@ -7,7 +7,8 @@ use std::sync::atomic::Ordering;
 
 use carve_core::job_state::{AttemptOutcome, JobEvent, JobState};
 use carve_core::scheduling::{
-    GpuState, Placement, SchedulingProblem, TenantState, WaitReason, solve,
+    GpuState, Placement, SchedulingOptions, SchedulingProblem, TenantState, WaitReason,
+    solve_with_options,
 };
 use tokio::time::Instant;
 
@@ -15,7 +16,9 @@ use crate::error::SchedulerError;
 use crate::metrics::Metrics;
 use carve_core::plan::RunConfig;
 
-use crate::store::{AttemptDetails, AttemptRecord, JobRecord, QueueFingerprint, TenantRecord};
+use crate::store::{
+    AttemptDetails, AttemptRecord, JobRecord, QueueFingerprint, TenantRecord, UsageRecord,
+};
 
 use super::logs::JobUpdateKind;
 use super::worker_reports::{Assignment, AttemptRef, Checkpoint, WorkerCommand};
@@ -78,9 +81,14 @@ impl Scheduler {
             self.wake();
             return Ok(claimed);
         }
-        let problem = self.scheduling_problem(&inputs);
-        let decision = solve(&problem);
         let now = now_ms();
+        let mut problem = self.scheduling_problem(&inputs);
+        self.set_decayed_usage(&mut problem.tenants, now).await?;
+        let options = SchedulingOptions {
+            usage_decay: self.usage_decay(),
+            ..SchedulingOptions::default()
+        };
+        let decision = solve_with_options(&problem, &options);
         let mut placed = 0;
         for placement in &decision.placements {
             if self.place(placement, now).await? {
@@ -275,7 +283,20 @@ impl Scheduler {
                 ..Default::default()
             },
         };
-        self.store.record_job_and_attempt(&job, &attempt).await?;
+        // The attempt's use of its slice is recorded from its placement, with it.
+        let usage = UsageRecord {
+            job_id: job.id.clone(),
+            attempt_number,
+            tenant: job.tenant.clone(),
+            gpu_type: self.gpu_type(&placement.worker_id, &placement.gpu_id),
+            slice_bytes: placement.slice_bytes as i64,
+            placed_at_ms: now,
+            ended_at_ms: None,
+            measured_peak_bytes: None,
+        };
+        self.store
+            .record_placement(&job, &attempt, Some(&usage))
+            .await?;
         self.queue().remove(&job.id);
         self.live().running.insert(
             job.id.clone(),
@@ -323,6 +344,16 @@ impl Scheduler {
         );
         self.emit(&job.id, JobUpdateKind::AttemptStarted(attempt));
         Ok(true)
+    }
+
+    /// The model name of a worker's GPU (its GPU type for usage), "unknown" for a GPU the
+    /// live state does not know.
+    fn gpu_type(&self, worker_id: &str, gpu_id: &str) -> String {
+        self.live()
+            .workers
+            .get(worker_id)
+            .and_then(|worker| worker.gpus.iter().find(|gpu| gpu.uuid == gpu_id))
+            .map_or_else(|| "unknown".to_string(), |gpu| gpu.model_name.clone())
     }
 
     /// Whether the next attempt of `job` (number `attempt_number`, to run `config`) is a

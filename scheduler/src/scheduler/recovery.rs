@@ -90,6 +90,8 @@ impl Scheduler {
             live.running = running;
             live.preemption = PreemptionLedger::restore(preemptions);
         }
+        // Fair share over time reads the ended attempts' usage again at the next pass.
+        self.forget_usage_history();
         for (job, last_attempt) in stranded {
             self.move_stranded_job(job, last_attempt.as_ref()).await?;
         }

@@ -5,6 +5,7 @@ use carve_core::allocator::OutOfMemory;
 
 use super::columns::{json_list_column, oom_detector_column, oom_to_json};
 use super::records::attempt_display_id;
+use super::usage::{END_USAGE_SQL, INSERT_USAGE_SQL, UsageRecord, bind_usage, check_usage_record};
 use super::{
     AttemptOutcome, AttemptRecord, AttemptResults, JobRecord, OomSource, ProfilePoint, Store,
     insert_error,
@@ -212,6 +213,14 @@ impl Store {
                     )),
                 });
             }
+            // The attempt's use of its slice ends with it, in the same write.
+            sqlx::query(END_USAGE_SQL)
+                .bind(job_id)
+                .bind(attempt_number)
+                .bind(finished_at_ms)
+                .bind(measured_peak_bytes)
+                .execute(&mut *tx)
+                .await?;
             if let Some(job) = job {
                 update_job_row!(tx, job);
             }
@@ -273,6 +282,34 @@ impl Store {
         job: &JobRecord,
         attempt: &AttemptRecord,
     ) -> Result<(), SchedulerError> {
+        self.record_placement(job, attempt, None).await
+    }
+
+    /// [`Store::record_job_and_attempt`] with the attempt's usage row (issue 32) in the
+    /// same transaction, so every placed attempt's use of its slice is recorded from its
+    /// placement: both are stored or neither is. A usage row already stored for the
+    /// attempt is kept.
+    pub async fn record_placement(
+        &self,
+        job: &JobRecord,
+        attempt: &AttemptRecord,
+        usage: Option<&UsageRecord>,
+    ) -> Result<(), SchedulerError> {
+        if let Some(usage) = usage {
+            check_usage_record(usage)?;
+            if (usage.job_id.as_str(), usage.attempt_number)
+                != (attempt.job_id.as_str(), attempt.attempt_number)
+            {
+                return Err(SchedulerError::invalid_argument(
+                    "usage.job_id",
+                    format!(
+                        "is attempt {} but the attempt is {}",
+                        attempt_display_id(&usage.job_id, usage.attempt_number),
+                        attempt.display_id()
+                    ),
+                ));
+            }
+        }
         if attempt.job_id != job.id {
             return Err(SchedulerError::invalid_argument(
                 "attempt.job_id",
@@ -332,6 +369,11 @@ impl Store {
                 .bind(fence)
                 .execute(&mut *tx)
                 .await?;
+            }
+            if let Some(usage) = usage {
+                bind_usage!(sqlx::query(INSERT_USAGE_SQL), usage)
+                    .execute(&mut *tx)
+                    .await?;
             }
         });
         Ok(())

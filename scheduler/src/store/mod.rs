@@ -98,6 +98,7 @@ mod preemptions;
 mod records;
 mod tenants;
 mod tokens;
+mod usage;
 mod workers;
 
 pub use attempts::{AttemptEnd, AttemptEndDetails, AttemptStartDetails};
@@ -122,6 +123,7 @@ pub use records::{
     SubmitOutcome, TenantRecord, TokenRecord, WorkerRecord, WorkerState,
 };
 pub use tenants::{MAX_TENANT_NAME_LENGTH, TenantDeletion, check_tenant_name};
+pub use usage::UsageRecord;
 
 static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
