@@ -59,8 +59,7 @@ async fn main() -> Result<()> {
             argv: arguments.program.clone(),
             environment: Vec::new(),
             working_directory: PathBuf::from("/tmp"),
-            host_paths: Vec::new(),
-            devices: Vec::new(),
+            ..ContainerRequest::default()
         })?;
         let status = container_exit_status(command.status().await?, &[]);
         container.remove();
