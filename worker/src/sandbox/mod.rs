@@ -211,6 +211,16 @@ impl Sandbox {
         ] {
             traversable_only(path)?;
         }
+        if let Some(closed) = closed_ancestor(&directory) {
+            // Seen on an H100 machine (cgroup v2): runc's bind of every container's root
+            // was refused with "permission denied" under mktemp's 0700 directory. Other
+            // kernels let it pass, so this is said, not refused; the worker does not
+            // change directories it does not own.
+            tracing::error!(
+                directory = %closed.display(),
+                "others may not pass through this directory above the worker's (no o+x):                  on some kernels the runtime cannot reach a container's root through it,                  and every attempt fails to start; run `chmod o+x` on it or use a worker                  directory elsewhere"
+            );
+        }
         // One table per node: nodes sharing a checkpoint directory (NFS) must not
         // rewrite one file together.
         let identities = TenantIdentities::open(
@@ -383,6 +393,16 @@ pub fn container_exit_status(status: ExitStatus, own_codes: &[i32]) -> ExitStatu
     }
 }
 
+/// The first directory above `path` that others may not pass through, if any: a
+/// container's root user is "others" to the host's directories.
+fn closed_ancestor(path: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    path.ancestors().skip(1).find_map(|ancestor| {
+        let mode = std::fs::metadata(ancestor).ok()?.permissions().mode();
+        (mode & 0o001 == 0).then(|| ancestor.to_path_buf())
+    })
+}
+
 /// A directory others may pass through but not list (mode 0711).
 fn traversable_only(path: &Path) -> Result<(), WorkerError> {
     use std::os::unix::fs::PermissionsExt;
@@ -429,6 +449,29 @@ mod tests {
         assert_eq!(failed.code(), Some(2));
         let out_of_memory = container_exit_status(ExitStatus::from_raw(3 << 8), &[]);
         assert_eq!(out_of_memory.code(), Some(3));
+    }
+
+    #[test]
+    fn a_directory_others_cannot_pass_above_the_worker_is_found() {
+        use std::os::unix::fs::PermissionsExt;
+        let directory = tempfile::tempdir().unwrap();
+        let worker = directory.path().join("open").join("worker");
+        std::fs::create_dir_all(&worker).unwrap();
+        let set = |path: &Path, mode| {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap()
+        };
+        set(directory.path(), 0o755);
+        set(&directory.path().join("open"), 0o700);
+        assert_eq!(
+            closed_ancestor(&worker),
+            Some(directory.path().join("open"))
+        );
+        set(&directory.path().join("open"), 0o711);
+        let closed_above = closed_ancestor(&worker);
+        assert!(
+            closed_above.is_none() || !closed_above.unwrap().starts_with(directory.path()),
+            "a passable path is not reported"
+        );
     }
 }
 
