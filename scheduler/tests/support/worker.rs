@@ -225,8 +225,11 @@ impl TestWorker {
     /// The next message from the session within `wait`, acks included; None when none
     /// came.
     async fn receive_from_stream(&mut self, wait: Duration) -> Option<v1::scheduler_message::Body> {
+        // One deadline for the whole wait: the leader's answers to heartbeats, skipped
+        // below, come several times a second and must not restart it.
+        let until = tokio::time::Instant::now() + wait;
         loop {
-            let message = tokio::time::timeout(wait, self.incoming.next())
+            let message = tokio::time::timeout_at(until, self.incoming.next())
                 .await
                 .ok()?
                 .expect("the session is open")
