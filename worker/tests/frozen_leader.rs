@@ -22,7 +22,7 @@ use tonic::transport::{Channel, Endpoint};
 
 mod support;
 use support::{
-    authorized, poll_until, process_command_lines, tiny_job_spec, worker_process_command,
+    authorized, poll_until, process_command_lines, signal, tiny_job_spec, worker_process_command,
 };
 
 const ADMIN: &str = "carve_frozen_leader_test_admin_secret";
@@ -83,15 +83,6 @@ impl Drop for Processes {
             let _ = child.wait();
         }
     }
-}
-
-fn signal(process_id: u32, name: &str) {
-    let status = Command::new("kill")
-        .arg(format!("-{name}"))
-        .arg(process_id.to_string())
-        .status()
-        .unwrap();
-    assert!(status.success(), "kill -{name} {process_id}");
 }
 
 /// Starts a replica in `directory` on `database_url`; returns it with its endpoint.

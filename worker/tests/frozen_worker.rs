@@ -27,7 +27,7 @@ use tonic::transport::{Channel, Endpoint};
 
 mod support;
 use support::{
-    authorized, poll_until, process_command_lines, tiny_job_spec, worker_process_command,
+    authorized, poll_until, process_command_lines, signal, tiny_job_spec, worker_process_command,
 };
 
 const ADMIN: &str = "carve_frozen_worker_test_admin_secret";
@@ -49,15 +49,6 @@ impl Drop for Workers {
             let _ = child.wait();
         }
     }
-}
-
-fn signal(process_id: u32, name: &str) {
-    let status = std::process::Command::new("kill")
-        .arg(format!("-{name}"))
-        .arg(process_id.to_string())
-        .status()
-        .unwrap();
-    assert!(status.success(), "kill -{name} {process_id}");
 }
 
 /// The engine attempt processes of `job_id` alive now: (pid, attempt number), read

@@ -158,3 +158,15 @@ pub async fn poll_until<T>(
         tokio::time::sleep(interval).await;
     }
 }
+
+/// Sends signal `name` (`STOP`, `CONT`, `KILL`) to a process, through kill(1): a test's
+/// stand-in for a frozen or killed scheduler or worker.
+#[allow(dead_code, reason = "only the freeze tests signal processes")]
+pub fn signal(process_id: u32, name: &str) {
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(process_id.to_string())
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{name} {process_id}");
+}
