@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use carve_proto::v1;
 use carve_testing::PgServer;
+use carve_worker::checkpoint_files::promoted_path;
 
 #[path = "support/cluster.rs"]
 #[allow(dead_code, reason = "not every helper is used here")]
@@ -172,7 +173,11 @@ async fn a_resumed_attempt_shows_the_step_it_loaded(directory: &Path, database_u
         "resumed from step {}: {finished:#?}",
         from.step
     );
-    assert_eq!(from.location, checkpoint.display().to_string());
+    // The recorded file is the checkpoint promoted under its step's name.
+    assert_eq!(
+        from.location,
+        promoted_path(&checkpoint, from.step).display().to_string()
+    );
     assert_eq!(resumed.steps_done, Some(400));
     // The interrupted attempt is kept with how far its reports got (its last checkpoint
     // on disk may be newer than its last report).

@@ -15,6 +15,7 @@ use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::{SchedulerConfig, TlsIdentity};
+use carve_worker::checkpoint_files::promoted_path;
 use carve_worker::child_protocol::WORKER_GONE_EXIT_CODE;
 use carve_worker::gpus::SimulatedGpu;
 use carve_worker::leftover_processes::{
@@ -567,7 +568,14 @@ async fn an_attempt_process_killed_from_outside_is_interrupted_and_resumes_from_
         .resumed_from
         .as_ref()
         .expect("resumed from a checkpoint");
-    assert_eq!(resumed_from.location, checkpoint.display().to_string());
+    // The recorded file is the checkpoint promoted under its step's name, which no
+    // stale attempt rewrites.
+    assert_eq!(
+        resumed_from.location,
+        promoted_path(&checkpoint, resumed_from.step)
+            .display()
+            .to_string()
+    );
     // The second attempt wrote its own file; the first one's is as it left it.
     assert!(attempt_checkpoint(&cluster, &job, 2).is_file());
 }
@@ -893,7 +901,14 @@ async fn a_lost_worker_s_attempt_resumes_from_its_checkpoint_on_another_worker()
         .resumed_from
         .as_ref()
         .expect("resumed from a checkpoint");
-    assert_eq!(resumed_from.location, checkpoint.display().to_string());
+    // The recorded file is the checkpoint promoted under its step's name, which no
+    // stale attempt rewrites.
+    assert_eq!(
+        resumed_from.location,
+        promoted_path(&checkpoint, resumed_from.step)
+            .display()
+            .to_string()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
