@@ -183,20 +183,9 @@ async fn a_program_runs_in_its_image_and_sees_the_image_not_the_host() {
         environment: vec![("GREETING".into(), "hello".into())],
         working_directory: job_directory.clone(),
         host_paths: vec![HostPath::writable(&job_directory)],
-        devices: Vec::new(),
         ..ContainerRequest::default()
     };
-    let (mut command, container, run_root) = sandbox
-        .prepare_in_image(&request, &pulled, &cache.runs_directory(), &[])
-        .unwrap();
-    let output = tokio::time::timeout(Duration::from_secs(60), command.output())
-        .await
-        .expect("the container ended in time")
-        .unwrap();
-    container.remove();
-    drop(run_root);
-    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
-    let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+    let (output, stdout, stderr) = run_in_image(&sandbox, &request, &pulled, &cache).await;
     let status = container_exit_status(output.status, &[]);
     assert!(status.success(), "{status}: {stdout}\n{stderr}");
     let lines: Vec<&str> = stdout.lines().collect();
@@ -247,21 +236,9 @@ async fn an_image_whose_links_point_at_host_paths_gets_its_mount_points_inside()
         ],
         environment: Vec::new(),
         working_directory: "/".into(),
-        host_paths: Vec::new(),
-        devices: Vec::new(),
         ..ContainerRequest::default()
     };
-    let (mut command, container, run_root) = sandbox
-        .prepare_in_image(&request, &pulled, &cache.runs_directory(), &[])
-        .unwrap();
-    let output = tokio::time::timeout(Duration::from_secs(60), command.output())
-        .await
-        .expect("the container ended in time")
-        .unwrap();
-    container.remove();
-    drop(run_root);
-    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
-    let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+    let (output, stdout, stderr) = run_in_image(&sandbox, &request, &pulled, &cache).await;
     assert!(output.status.success(), "{stdout}\n{stderr}");
     assert_eq!(stdout.trim(), "ran");
     assert_eq!(
@@ -418,4 +395,26 @@ mod command_attempts {
         assert_eq!(outcome, v1::AttemptOutcome::Failed, "{message}");
         assert!(message.contains("command.image_pull_secret"), "{message}");
     }
+}
+
+/// Runs `request` in `pulled` as its root, removes the container and its run's overlay,
+/// and returns the output with its stdout and stderr as text.
+async fn run_in_image(
+    sandbox: &Sandbox,
+    request: &ContainerRequest,
+    pulled: &PulledImage,
+    cache: &ImageCache,
+) -> (std::process::Output, String, String) {
+    let (mut command, container, run_root) = sandbox
+        .prepare_in_image(request, pulled, &cache.runs_directory(), &[])
+        .unwrap();
+    let output = tokio::time::timeout(Duration::from_secs(60), command.output())
+        .await
+        .expect("the container ended in time")
+        .unwrap();
+    container.remove();
+    drop(run_root);
+    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+    (output, stdout, stderr)
 }
