@@ -22,7 +22,8 @@ use tonic::transport::{Channel, Endpoint};
 
 mod support;
 use support::{
-    authorized, poll_until, process_command_lines, signal, tiny_job_spec, worker_process_command,
+    authorized, poll_until, process_command_lines, signal, submit_job_id, tiny_job_spec,
+    worker_process_command,
 };
 
 const ADMIN: &str = "carve_frozen_leader_test_admin_secret";
@@ -245,20 +246,12 @@ async fn a_frozen_leader_loses_no_attempt_its_worker_moves_to_the_new_leader() {
         .spawn()
         .unwrap(),
     );
-    let job_id = JobServiceClient::new(first_channel.clone())
-        .submit_job(authorized(
-            v1::SubmitJobRequest {
-                spec_json: tiny_job_spec("long", 50_000_000, 50, ""),
-                idempotency_key: String::new(),
-            },
-            user,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .job
-        .unwrap()
-        .id;
+    let job_id = submit_job_id(
+        &first_channel,
+        user,
+        tiny_job_spec("long", 50_000_000, 50, ""),
+    )
+    .await;
     let (first, second, job) = (&first_channel, &second_channel, job_id.as_str());
     let before_step = wait_until("the job runs and checkpoints", || async move {
         last_recorded_step(first, user, job).await

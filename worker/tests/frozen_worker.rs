@@ -27,7 +27,8 @@ use tonic::transport::{Channel, Endpoint};
 
 mod support;
 use support::{
-    authorized, poll_until, process_command_lines, signal, tiny_job_spec, worker_process_command,
+    authorized, poll_until, process_command_lines, signal, submit_job_id, tiny_job_spec,
+    worker_process_command,
 };
 
 const ADMIN: &str = "carve_frozen_worker_test_admin_secret";
@@ -245,20 +246,7 @@ async fn a_frozen_workers_attempt_stops_before_its_job_runs_elsewhere_which_resu
     );
 
     // A long job with frequent checkpoints, on worker a (the only one yet).
-    let job_id = JobServiceClient::new(channel.clone())
-        .submit_job(authorized(
-            v1::SubmitJobRequest {
-                spec_json: tiny_job_spec("long", 50_000_000, 50, ""),
-                idempotency_key: String::new(),
-            },
-            user,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .job
-        .unwrap()
-        .id;
+    let job_id = submit_job_id(&channel, user, tiny_job_spec("long", 50_000_000, 50, "")).await;
     let stop_watching = Arc::new(AtomicBool::new(false));
     let overlaps: Overlaps = Arc::default();
     let watcher = watch_processes(job_id.clone(), stop_watching.clone(), overlaps.clone());

@@ -170,3 +170,26 @@ pub fn signal(process_id: u32, name: &str) {
         .unwrap();
     assert!(status.success(), "kill -{name} {process_id}");
 }
+
+/// Submits `spec_json` as `user` and returns the new job's id.
+#[allow(dead_code, reason = "only the freeze tests submit this way")]
+pub async fn submit_job_id(
+    channel: &tonic::transport::Channel,
+    user: &str,
+    spec_json: String,
+) -> String {
+    carve_proto::v1::job_service_client::JobServiceClient::new(channel.clone())
+        .submit_job(authorized(
+            carve_proto::v1::SubmitJobRequest {
+                spec_json,
+                idempotency_key: String::new(),
+            },
+            user,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap()
+        .id
+}
