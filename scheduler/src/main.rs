@@ -4,7 +4,7 @@
 mod settings;
 
 use anyhow::{Context, Result};
-use carve_scheduler::server::run;
+use carve_scheduler::server::run_announcing_readiness;
 use carve_scheduler::store::{DATABASE_CHECK_TIMEOUT, check_database};
 use clap::Parser;
 
@@ -21,10 +21,15 @@ async fn main() -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
-    // The address line is for people and for scripts that started it on port 0.
-    eprintln!("carve-scheduler listening on {}", listener.local_addr()?);
     // SIGINT and SIGTERM (what systemd, Docker and Kubernetes send) both drain cleanly.
     let shutdown = carve_proto::client::shutdown_signal();
-    run(config, listener, shutdown).await?;
+    // The address line is for people and for scripts that started it on port 0; it is
+    // printed once the scheduler is ready (its lock held, its store open), not at bind.
+    run_announcing_readiness(config, listener, shutdown, |address| {
+        if let Some(address) = address {
+            eprintln!("carve-scheduler listening on {address}");
+        }
+    })
+    .await?;
     Ok(())
 }

@@ -222,6 +222,20 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), SchedulerError> {
+    run_announcing_readiness(config, listener, shutdown, |_| {}).await
+}
+
+/// Runs the scheduler until `shutdown` completes, calling `ready` with the listening
+/// address once it holds its SQLite lock, has opened and migrated the store and is about
+/// to serve. The binary prints its "listening" line there, not at bind time: scripts and
+/// tests that wait for that line must find the single-node lock already taken, or a
+/// second scheduler started right after it could take the lock first.
+pub async fn run_announcing_readiness(
+    config: SchedulerConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    ready: impl FnOnce(Option<std::net::SocketAddr>) + Send,
+) -> Result<(), SchedulerError> {
     // SQLite is single-node: a second scheduler on the same file is refused before it
     // touches the database. Held until `run` returns.
     let single_node_lock = match sqlite_database_file(&config.database_url) {
@@ -313,6 +327,7 @@ pub async fn run(
         .map_err(reflection_failed)?;
     let address = listener.local_addr().ok();
     tracing::info!(?address, "scheduler listening");
+    ready(address);
     let keepalive = http2_keepalive(&config.settings);
     let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(keepalive))

@@ -475,15 +475,32 @@ fn a_second_scheduler_on_one_sqlite_file_is_refused() {
     let directory = tempfile::tempdir().unwrap();
     let database_url = format!("sqlite://{}", directory.path().join("carve.db").display());
     let (mut first, _) = start_replica(directory.path(), &database_url);
-    let second = Command::new(env!("CARGO_BIN_EXE_carve-scheduler"))
+    // Its stderr goes to a file, not a pipe, so waiting with a deadline needs no reader.
+    let stderr_path = directory.path().join("second.stderr");
+    let mut second = Command::new(env!("CARGO_BIN_EXE_carve-scheduler"))
         .args(["--listen", "127.0.0.1:0", "--database", &database_url])
         .arg("--admin-token-file")
         .arg(directory.path().join("admin.token"))
         .env("RUST_LOG", "warn")
-        .output()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&stderr_path).unwrap())
+        .spawn()
         .expect("the scheduler binary starts");
-    let stderr = String::from_utf8_lossy(&second.stderr);
-    assert!(!second.status.success(), "the second one ran: {stderr}");
+    // A second scheduler that took the lock runs until killed: a deadline turns that
+    // into this test's failure rather than a CI run that never ends.
+    let status = wait_timeout::ChildExt::wait_timeout(&mut second, Duration::from_secs(60))
+        .unwrap()
+        .unwrap_or_else(|| {
+            let _ = second.kill();
+            let _ = second.wait();
+            let _ = first.kill();
+            panic!(
+                "the second scheduler still ran after 60 s: {}",
+                std::fs::read_to_string(&stderr_path).unwrap_or_default()
+            )
+        });
+    let stderr = std::fs::read_to_string(&stderr_path).unwrap();
+    assert!(!status.success(), "the second one ran: {stderr}");
     assert!(
         stderr.contains("another carve-scheduler already runs on the SQLite database")
             && stderr.contains("PostgreSQL"),
