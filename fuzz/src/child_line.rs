@@ -91,6 +91,7 @@ fn read_lines(text: &str) {
         job_id: "job-fuzz".into(),
         attempt_number: 1,
         lease_epoch: 1,
+        gang_rank: None,
     };
     for exit_code in [0, 3, 1] {
         // A wait status holds the exit code in its second byte.

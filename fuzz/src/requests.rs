@@ -474,6 +474,7 @@ fn seed_register() -> v1::RegisterWorkerRequest {
         }],
         version: "fuzz".into(),
         previous_worker_id: String::new(),
+        ..Default::default()
     }
 }
 
@@ -482,6 +483,7 @@ fn attempt() -> Option<v1::AttemptRef> {
         job_id: "submitted".into(),
         attempt_number: 1,
         lease_epoch: 1,
+        gang_rank: None,
     })
 }
 

@@ -212,6 +212,7 @@ mod tests {
                     job_id: "j-1".into(),
                     attempt_number: 2,
                     lease_epoch: 9,
+                    gang_rank: None,
                 }],
             })),
         };

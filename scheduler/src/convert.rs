@@ -301,6 +301,8 @@ pub fn attempt_ref_to_proto(attempt: &AttemptRef) -> v1::AttemptRef {
         job_id: attempt.job_id.clone(),
         attempt_number: attempt.attempt_number,
         lease_epoch: attempt.lease_epoch,
+        // Gang members (issue 31) are named by the scheduler's gang wiring, not yet here.
+        gang_rank: None,
     }
 }
 
@@ -514,6 +516,8 @@ pub fn worker_command_to_proto(command: WorkerCommand) -> v1::SchedulerMessage {
                 profile: assignment.profile,
                 tenant: assignment.tenant,
                 kind: assignment.kind.name().to_string(),
+                // Every assignment is one process until the gang wiring (issue 31).
+                gang: None,
             })
         }
         WorkerCommand::Cancel {

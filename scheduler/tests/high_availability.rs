@@ -178,6 +178,7 @@ async fn failover_worker(endpoints: Vec<String>, token: String, log: Arc<Mutex<W
                     }],
                     version: "test".into(),
                     previous_worker_id: worker_id.clone(),
+                    ..Default::default()
                 },
                 &token,
             ))

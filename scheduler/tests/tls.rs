@@ -140,6 +140,7 @@ async fn register(channel: AuthenticatedChannel) -> Result<String, tonic::Status
             gpus: vec![gpu],
             version: "test".into(),
             previous_worker_id: String::new(),
+            ..Default::default()
         })
         .await?;
     Ok(registered.into_inner().worker_id)

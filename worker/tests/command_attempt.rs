@@ -58,6 +58,7 @@ fn attempt() -> v1::AttemptRef {
         job_id: "job-1".into(),
         attempt_number: 1,
         lease_epoch: 1,
+        gang_rank: None,
     }
 }
 

@@ -36,6 +36,7 @@ fn launch(directory: &Path, job: ValidatedCommandJob) -> CommandAttemptLaunch {
             job_id: "job-1".into(),
             attempt_number: 1,
             lease_epoch: 1,
+            gang_rank: None,
         },
         config: job.initial_config(),
         job,

@@ -90,6 +90,7 @@ impl TestWorker {
                     }],
                     version: "test".into(),
                     previous_worker_id: previous_worker_id.into(),
+                    ..Default::default()
                 },
                 token,
             ))

@@ -97,6 +97,7 @@ async fn attempts_are_told_to_stop_once_past_the_deadline_and_once_only() {
         job_id: "job-1".into(),
         attempt_number: 1,
         lease_epoch: 1,
+        gang_rank: None,
     };
     let stopper = tokio::spawn(super::stop_attempts_without_a_leader(lease.clone(), {
         let attempt = attempt.clone();

@@ -39,6 +39,7 @@ impl Worker {
             gpus: self.gpus_proto(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             previous_worker_id: self.worker_id.clone(),
+            ..Default::default()
         });
         registration.set_timeout(REGISTER_DEADLINE);
         let registered = client.register(registration).await;
