@@ -13,8 +13,12 @@
 //! answers: the configuration of the first attempt ([`Workload::initial_config`]), the
 //! estimate ([`Workload::estimate`]), whether a profile must measure it first
 //! ([`Workload::profile_plan`]), the next configuration after an out-of-memory
-//! ([`Workload::plan_shrink`]), the retry limit ([`Workload::max_oom_retries`]) and the
-//! key measured peaks are kept under ([`Workload::peak_key`], see [`peak_key`]). The
+//! ([`Workload::plan_shrink`]), the retry limit ([`Workload::max_oom_retries`]), the
+//! key measured peaks are kept under ([`Workload::peak_key`], see [`peak_key`]), the key
+//! its memory model is kept under ([`Workload::memory_model_key`], see
+//! [`memory_model_key`]), and how admission sizes it
+//! ([`Workload::takes_peak_corrections`], [`Workload::check_fits_largest_gpu`],
+//! [`Workload::slice_with_floor`]). The
 //! scheduler and the worker call these and never branch on a spec's text; the one place
 //! a spec's text says its kind is [`JobKind::of_spec_text`]. What admission validated is
 //! stored as it is ([`stored`]: [`Workload::to_stored_form`]), so a stored job is never
@@ -35,6 +39,7 @@ use serde::Deserialize;
 use serde::de::IgnoredAny;
 
 use crate::command::memory_model::CommandMemoryModel;
+use crate::command::memory_model::learning::{check_declared_vram, floored_slice_bytes};
 use crate::command::shrink::plan_command_shrink;
 use crate::command::spec::CommandJobSpec;
 use crate::command::validate::{ValidatedCommandJob, validate_command_job_spec};
@@ -48,9 +53,11 @@ use crate::validate::{
     require_absolute_data_paths, validate_job_spec,
 };
 
+pub mod memory_model_key;
 pub mod peak_key;
 pub mod stored;
 
+pub use memory_model_key::{MemoryModelKey, stored_memory_model_key};
 pub use stored::STORED_FORM_VERSION;
 
 /// What kind of job a spec describes. Stored with the job by [`JobKind::name`]; read back
@@ -465,6 +472,54 @@ impl Workload {
             }
         };
         plan_command_shrink(command, &model, current, observation, slice_bytes)
+    }
+
+    /// Whether admission scales this job's estimate by the peak corrections (measured
+    /// peaks over estimates, kept by the job's shape for every tenant). A model job's
+    /// estimate is the estimator's, which the corrections refine. A command job's
+    /// measured peaks are already in its tenant's memory model; and since the corrections
+    /// are shared by every tenant, a program's own figures (hostile, on a simulated GPU)
+    /// must not scale another tenant's job.
+    pub fn takes_peak_corrections(&self) -> bool {
+        match self {
+            Workload::Model(_) => true,
+            Workload::Command(_) => false,
+        }
+    }
+
+    /// Refuses, at admission, a job whose own statement of its size cannot fit the
+    /// largest GPU (`largest_usable_gpu`, when any is known): a command job declaring a
+    /// `resources.vram` larger than it ([`check_declared_vram`]), refused as written
+    /// before any memory model could shrink it into one. A model job's size is the
+    /// estimator's, which admission fits (or shrinks) to the GPUs.
+    pub fn check_fits_largest_gpu(
+        &self,
+        largest_usable_gpu: Option<u64>,
+    ) -> Result<(), FieldError> {
+        match self {
+            Workload::Model(_) => Ok(()),
+            Workload::Command(job) => {
+                check_declared_vram(job.spec.resources.vram, largest_usable_gpu)
+            }
+        }
+    }
+
+    /// The slice the job gets where `slice_bytes` is what it needs: a command job's never
+    /// below the operator's floor (`floor_bytes`, itself never above the largest usable
+    /// GPU; [`floored_slice_bytes`]), whatever its memory model says, since a model can be
+    /// wrong low; a model job's as is, the estimator's exact answer for a plan Carve runs.
+    pub fn slice_with_floor(
+        &self,
+        slice_bytes: u64,
+        floor_bytes: u64,
+        largest_usable_gpu: Option<u64>,
+    ) -> u64 {
+        match self {
+            Workload::Model(_) => slice_bytes,
+            Workload::Command(_) => {
+                floored_slice_bytes(slice_bytes, floor_bytes, largest_usable_gpu)
+            }
+        }
     }
 
     /// The key measured peaks of this job run with `config` are kept under: versioned,

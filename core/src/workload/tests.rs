@@ -534,3 +534,53 @@ fn a_config_from_outside_is_checked_as_its_jobs_kind_reads_one() {
         "prefetch_batches"
     );
 }
+
+#[test]
+fn each_kind_is_sized_at_admission_as_its_memory_is_known() {
+    const GIB: u64 = 1 << 30;
+    // A model job: corrected by measured peaks, sized by the estimator exactly, with
+    // nothing declared to check.
+    let model = model();
+    assert!(model.takes_peak_corrections());
+    assert_eq!(model.memory_model_key(), None);
+    assert_eq!(model.check_fits_largest_gpu(Some(1)), Ok(()));
+    assert_eq!(model.slice_with_floor(GIB, 4 * GIB, Some(80 * GIB)), GIB);
+
+    // A command job: its tenant's memory model, never the shared corrections; no slice
+    // below the floor (itself never above the largest GPU).
+    let command = command();
+    assert!(!command.takes_peak_corrections());
+    let key = command.memory_model_key().unwrap();
+    assert_eq!(key.declared_bytes, None);
+    assert_eq!(command.check_fits_largest_gpu(Some(GIB)), Ok(()));
+    assert_eq!(
+        command.slice_with_floor(GIB, 4 * GIB, Some(80 * GIB)),
+        4 * GIB
+    );
+    assert_eq!(
+        command.slice_with_floor(GIB, 4 * GIB, Some(2 * GIB)),
+        2 * GIB
+    );
+    assert_eq!(command.slice_with_floor(8 * GIB, 4 * GIB, None), 8 * GIB);
+
+    // A declared size larger than every GPU is refused as written, naming it.
+    let declared = edited(COMMAND_JOB, r#"vram = "auto""#, r#"vram = "40GiB""#);
+    assert_eq!(
+        declared.memory_model_key().unwrap().declared_bytes,
+        Some(40 * GIB)
+    );
+    assert_eq!(
+        declared.memory_model_key().unwrap().shape_key,
+        key.shape_key,
+        "the declared size is not part of the command's shape"
+    );
+    assert_eq!(declared.check_fits_largest_gpu(Some(80 * GIB)), Ok(()));
+    assert_eq!(declared.check_fits_largest_gpu(None), Ok(()));
+    assert_eq!(
+        declared
+            .check_fits_largest_gpu(Some(24 * GIB))
+            .unwrap_err()
+            .field,
+        "resources.vram"
+    );
+}
