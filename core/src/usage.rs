@@ -19,6 +19,8 @@
 
 use std::collections::BTreeMap;
 
+pub mod report;
+
 /// Slurm's default `PriorityDecayHalfLife`: 7 days.
 pub const DEFAULT_HALF_LIFE_MS: i64 = 7 * 24 * 3600 * 1000;
 

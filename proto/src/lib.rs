@@ -112,6 +112,7 @@ mod tests {
                     "UndrainWorker",
                     "ListSlices",
                     "RemoveWorker",
+                    "GetUsage",
                 ],
             ),
             (

@@ -18,6 +18,8 @@ pub struct Caller {
     pub tenant: String,
     pub role: Role,
     pub token_id: String,
+    /// The token's description: who a job's submitter was, for accounting.
+    pub token_description: String,
 }
 
 impl Caller {
@@ -145,5 +147,6 @@ fn caller_of_token(token: TokenRecord, now_ms: i64) -> Result<Caller, SchedulerE
         tenant: token.tenant,
         role: token.role,
         token_id: token.id,
+        token_description: token.description,
     })
 }

@@ -32,6 +32,9 @@ use crate::scheduler::worker_reports::{
 use crate::scheduler::{JobUpdate, JobUpdateKind, SliceView, SubmittedJob, WorkerView};
 use crate::store::{AttemptRecord, AttemptResults, JobRecord, StoredEstimate, WorkerState};
 
+mod usage;
+pub use usage::{usage_answer_to_proto, usage_request_from_proto};
+
 pub fn timestamp(milliseconds: i64) -> prost_types::Timestamp {
     prost_types::Timestamp {
         seconds: milliseconds.div_euclid(1000),

@@ -7,14 +7,16 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use carve_core::usage::report::UsageFigures;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::prometheus_text;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -57,6 +59,8 @@ pub struct Metrics {
     pub jobs_failed: Counter,
     pub jobs_cancelled: Counter,
     submit_latency: Histogram,
+    /// Each tenant's usage over all time by GPU type, as last read from the store.
+    tenant_usage: Mutex<TenantUsageBook>,
 }
 
 impl Default for Metrics {
@@ -87,8 +91,69 @@ impl Default for Metrics {
             jobs_failed: Counter::default(),
             jobs_cancelled: Counter::default(),
             submit_latency: Histogram::new(LATENCY_BUCKETS),
+            tenant_usage: Mutex::default(),
         }
     }
+}
+
+/// How often the tenants' usage counters are read from the store: a read covers every
+/// attempt ever recorded, so scrapes in between show the last one.
+pub const TENANT_USAGE_READ_INTERVAL: Duration = Duration::from_secs(30);
+
+/// One tenant's usage on one GPU type over all time, as the usage counters show it:
+/// the figures of `carve usage` (core's `UsageFigures`) in seconds.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct TenantUsageTotals {
+    pub gpu_seconds: f64,
+    pub vram_requested_byte_seconds: f64,
+    /// Over the attempts whose peak was measured.
+    pub vram_used_byte_seconds: f64,
+    /// The VRAM requested by those same measured attempts.
+    pub vram_requested_measured_byte_seconds: f64,
+    pub oom_retries: u64,
+    pub preemptions: u64,
+}
+
+impl TenantUsageTotals {
+    pub fn of(figures: &UsageFigures) -> TenantUsageTotals {
+        TenantUsageTotals {
+            gpu_seconds: figures.gpu_milliseconds as f64 / 1000.0,
+            vram_requested_byte_seconds: figures.vram_requested_byte_milliseconds as f64 / 1000.0,
+            vram_used_byte_seconds: figures.vram_used_byte_milliseconds as f64 / 1000.0,
+            vram_requested_measured_byte_seconds: figures.vram_requested_measured_byte_milliseconds
+                as f64
+                / 1000.0,
+            oom_retries: figures.oom_retries,
+            preemptions: figures.preemptions,
+        }
+    }
+
+    /// Each number the larger of the two: a counter never goes down. A running attempt
+    /// counts to the read's moment, and its stored end may be a little earlier than a
+    /// read that already counted it running.
+    fn at_least(self, before: TenantUsageTotals) -> TenantUsageTotals {
+        TenantUsageTotals {
+            gpu_seconds: self.gpu_seconds.max(before.gpu_seconds),
+            vram_requested_byte_seconds: self
+                .vram_requested_byte_seconds
+                .max(before.vram_requested_byte_seconds),
+            vram_used_byte_seconds: self
+                .vram_used_byte_seconds
+                .max(before.vram_used_byte_seconds),
+            vram_requested_measured_byte_seconds: self
+                .vram_requested_measured_byte_seconds
+                .max(before.vram_requested_measured_byte_seconds),
+            oom_retries: self.oom_retries.max(before.oom_retries),
+            preemptions: self.preemptions.max(before.preemptions),
+        }
+    }
+}
+
+/// The usage counters' values by (tenant, GPU type), and when they were read.
+#[derive(Debug, Default)]
+struct TenantUsageBook {
+    read_at: Option<Instant>,
+    totals: BTreeMap<(String, String), TenantUsageTotals>,
 }
 
 /// Why a submit was refused: the `reason` label of `carve_submits_rejected_total`. A closed
@@ -229,6 +294,12 @@ struct GpuModelLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantGpuTypeLabel {
+    tenant: String,
+    gpu_type: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildInfoLabel {
     version: &'static str,
     git_commit: &'static str,
@@ -241,7 +312,7 @@ const GIT_COMMIT: &str = match option_env!("CARVE_GIT_COMMIT") {
     None => "unknown",
 };
 
-type U64Gauge = Gauge<u64, std::sync::atomic::AtomicU64>;
+type U64Gauge = Gauge<u64, AtomicU64>;
 
 impl Metrics {
     pub fn count(counter: &Counter) {
@@ -258,6 +329,30 @@ impl Metrics {
 
     pub fn observe_submit_latency(&self, latency: Duration) {
         self.submit_latency.observe(latency.as_secs_f64());
+    }
+
+    /// Whether the tenants' usage should be read again at `now` (never read, or read
+    /// [`TENANT_USAGE_READ_INTERVAL`] ago).
+    pub fn tenant_usage_read_due(&self, now: Instant) -> bool {
+        let book = self.tenant_usage.lock().unwrap_or_else(|p| p.into_inner());
+        book.read_at.is_none_or(|read_at| {
+            now.saturating_duration_since(read_at) >= TENANT_USAGE_READ_INTERVAL
+        })
+    }
+
+    /// Takes the tenants' usage as read at `read_at`; each series keeps the larger of
+    /// its old and new value (a counter), and a series not read keeps its old value.
+    pub fn record_tenant_usage(
+        &self,
+        totals: impl IntoIterator<Item = ((String, String), TenantUsageTotals)>,
+        read_at: Instant,
+    ) {
+        let mut book = self.tenant_usage.lock().unwrap_or_else(|p| p.into_inner());
+        for (key, read) in totals {
+            let kept = book.totals.entry(key).or_default();
+            *kept = read.at_least(*kept);
+        }
+        book.read_at = Some(read_at);
     }
 
     /// The text exposition format.
@@ -424,6 +519,7 @@ impl Metrics {
         .map(|(state, value)| (WorkerStateLabel { state }, value));
         registry.register("carve_workers", "workers by state", gauge_family(workers));
         register_gpu_capacity(&mut registry, &gauges.gpu_capacity);
+        self.register_tenant_usage(&mut registry);
         let build_info = gauge_family([(
             BuildInfoLabel {
                 version: env!("CARGO_PKG_VERSION"),
@@ -437,6 +533,60 @@ impl Metrics {
             build_info,
         );
         registry
+    }
+}
+
+/// One number of a [`TenantUsageTotals`].
+type UsageReading = fn(&TenantUsageTotals) -> f64;
+
+impl Metrics {
+    /// The tenants' usage counters, by tenant and GPU type: `carve usage`'s figures over
+    /// all time.
+    fn register_tenant_usage(&self, registry: &mut Registry) {
+        let book = self.tenant_usage.lock().unwrap_or_else(|p| p.into_inner());
+        let readings: [(&str, &str, UsageReading); 6] = [
+            (
+                "carve_tenant_gpu_seconds",
+                "seconds of GPU held by the tenant's attempts (one attempt, one GPU), running ones to now, by tenant and GPU type",
+                |totals| totals.gpu_seconds,
+            ),
+            (
+                "carve_tenant_vram_requested_byte_seconds",
+                "slice bytes times seconds held by the tenant's attempts, by tenant and GPU type",
+                |totals| totals.vram_requested_byte_seconds,
+            ),
+            (
+                "carve_tenant_vram_used_byte_seconds",
+                "measured peak bytes times seconds held, over the attempts whose peak was measured, by tenant and GPU type",
+                |totals| totals.vram_used_byte_seconds,
+            ),
+            (
+                "carve_tenant_vram_requested_measured_byte_seconds",
+                "slice bytes times seconds held, over the attempts whose peak was measured (the requested side of carve_tenant_vram_used_byte_seconds), by tenant and GPU type",
+                |totals| totals.vram_requested_measured_byte_seconds,
+            ),
+            (
+                "carve_tenant_oom_retries",
+                "attempts that retried a job after it ran out of memory, by tenant and GPU type",
+                |totals| totals.oom_retries as f64,
+            ),
+            (
+                "carve_tenant_preemptions",
+                "attempts stopped for an urgent job, by tenant and GPU type",
+                |totals| totals.preemptions as f64,
+            ),
+        ];
+        for (name, help, reading) in readings {
+            let family = Family::<TenantGpuTypeLabel, Counter<f64, AtomicU64>>::default();
+            for ((tenant, gpu_type), totals) in &book.totals {
+                let label = TenantGpuTypeLabel {
+                    tenant: tenant.clone(),
+                    gpu_type: gpu_type.clone(),
+                };
+                family.get_or_create(&label).inc_by(reading(totals));
+            }
+            registry.register(name, help, family);
+        }
     }
 }
 

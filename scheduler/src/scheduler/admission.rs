@@ -12,6 +12,7 @@ use carve_core::job_state::JobState;
 use carve_core::plan::RunConfig;
 use carve_core::scheduling::{GpuState, TenantState, WaitReason, can_ever_fit};
 use carve_core::shrink::ShrinkDecision;
+use carve_core::usage::report::Submitter;
 use carve_core::workload::Workload;
 use carve_proto::ApiError;
 
@@ -460,7 +461,14 @@ impl Scheduler {
         let warnings = job.warnings().iter().map(ToString::to_string).collect();
         let outcome = self
             .batcher
-            .submit(record, Some(analysed.workload_json.clone()))
+            .submit_by(
+                record,
+                Some(analysed.workload_json.clone()),
+                Submitter {
+                    token_id: caller.token_id.clone(),
+                    description: caller.token_description.clone(),
+                },
+            )
             .await?;
         if !outcome.created {
             // The idempotency key matched an earlier job. A retry of that submit sends

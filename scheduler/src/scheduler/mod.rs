@@ -29,6 +29,7 @@ mod recovery;
 mod session_handles;
 mod sessions;
 mod usage;
+mod usage_report;
 mod views;
 pub mod worker_reports;
 
@@ -64,6 +65,7 @@ use placement::PassInputs;
 pub use preemption::PreemptionSettings;
 use session_handles::LiveSession;
 pub use session_handles::{SessionHandle, SessionSender};
+pub use usage_report::{UsageAnswer, UsageRequest};
 pub use views::{GpuView, JobPage, JobView, SliceOwner, SliceView, WorkerView};
 
 /// Timing of leases and passes.

@@ -227,6 +227,8 @@ impl Scheduler {
 
     /// The gauges of the metrics page, read now.
     pub async fn cluster_gauges_now(&self) -> ClusterGauges {
+        // The usage counters are the metrics' own (a read of the store, not a gauge).
+        self.refresh_usage_counters().await;
         let mut gauges = ClusterGauges {
             submit_groups_committed: self.batcher.groups_committed(),
             submit_jobs_committed: self.batcher.jobs_committed(),

@@ -14,7 +14,7 @@ use super::{SchedulerMessageStream, Services, invalid};
 use crate::auth::Caller;
 use crate::convert::{
     attempt_ref_from_proto, registered_to_proto, registration_from_proto, slice_to_proto,
-    worker_command_to_proto, worker_to_proto,
+    usage_answer_to_proto, usage_request_from_proto, worker_command_to_proto, worker_to_proto,
 };
 use crate::scheduler::worker_reports::AttemptRef;
 
@@ -126,6 +126,17 @@ impl ClusterService for Services {
         Ok(Response::new(v1::RemoveWorkerResponse {
             worker: Some(worker_to_proto(&removed)),
         }))
+    }
+
+    async fn get_usage(
+        &self,
+        request: Request<v1::GetUsageRequest>,
+    ) -> Result<Response<v1::GetUsageResponse>, Status> {
+        let caller = self.caller(&request).await?;
+        // Read from the store alone: a standby answers as the leader would.
+        let usage_request = usage_request_from_proto(request.into_inner())?;
+        let answer = self.scheduler.usage(&caller, &usage_request).await?;
+        Ok(Response::new(usage_answer_to_proto(&answer)))
     }
 
     async fn list_slices(

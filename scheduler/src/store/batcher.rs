@@ -7,16 +7,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use carve_proto::ApiError;
 use tokio::sync::{mpsc, oneshot};
 
+use carve_core::usage::report::Submitter;
+
+use super::jobs::NewJob;
 use super::{JobRecord, Store, SubmitOutcome};
 use crate::error::SchedulerError;
 
 type Reply = oneshot::Sender<Result<SubmitOutcome, SchedulerError>>;
 
-/// A job to create and its validated workload as its column stores it.
-type NewJob = (JobRecord, Option<String>);
-
 /// Gathers submits into groups and commits each group with one
-/// [`Store::submit_jobs_with_workloads`].
+/// [`Store::submit_jobs_with_submitters`].
 ///
 /// A tokio task owns the receiving end of a channel. It waits for one submit, takes every
 /// other submit already waiting (up to `max_group`), commits them together and answers
@@ -67,9 +67,21 @@ impl SubmitBatcher {
         job: JobRecord,
         workload_json: Option<String>,
     ) -> Result<SubmitOutcome, SchedulerError> {
+        self.submit_by(job, workload_json, Submitter::default())
+            .await
+    }
+
+    /// [`SubmitBatcher::submit`], the job stored with who submitted it (accounting's
+    /// per-user figures).
+    pub async fn submit_by(
+        &self,
+        job: JobRecord,
+        workload_json: Option<String>,
+        submitter: Submitter,
+    ) -> Result<SubmitOutcome, SchedulerError> {
         let (reply, answer) = oneshot::channel();
         self.sender
-            .send(((job, workload_json), reply))
+            .send(((job, workload_json, submitter), reply))
             .await
             .map_err(|_| ApiError::Unavailable("the submit batcher has stopped".into()))?;
         answer.await.map_err(|_| {
@@ -97,7 +109,7 @@ async fn run(
     let mut group = Vec::with_capacity(max_group);
     while receiver.recv_many(&mut group, max_group).await > 0 {
         let (jobs, replies): (Vec<NewJob>, Vec<Reply>) = group.drain(..).unzip();
-        match store.submit_jobs_with_workloads(jobs.clone()).await {
+        match store.submit_jobs_with_submitters(jobs.clone()).await {
             Ok(outcomes) => {
                 counters.groups_committed.fetch_add(1, Ordering::Relaxed);
                 counters
@@ -118,7 +130,7 @@ async fn run(
                 for (job, reply) in jobs.into_iter().zip(replies) {
                     let answer =
                         store
-                            .submit_jobs_with_workloads(vec![job])
+                            .submit_jobs_with_submitters(vec![job])
                             .await
                             .and_then(|outcomes| {
                                 outcomes.into_iter().next().ok_or_else(|| {

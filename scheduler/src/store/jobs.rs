@@ -4,6 +4,8 @@
 
 use std::collections::HashMap;
 
+use carve_core::usage::report::Submitter;
+
 use super::json_columns::WORKLOAD_COLUMN;
 use super::leadership::check_fence;
 use super::{
@@ -16,6 +18,14 @@ pub(super) const JOB_COLUMNS: &str = "id, tenant, name, spec_json, state, priori
      submit_sequence, idempotency_key, config_json, estimate_json, required_bytes, \
      waiting_reason, message, created_at_ms, finished_at_ms, checkpoint_location, \
      attempts_count, checkpoint_step, kind";
+
+/// Who submitted a job (`usage/report.rs`'s per-user figures): written at submit, read
+/// only by accounting (`store/usage_report.rs`), so job reads leave them out.
+pub(super) const SUBMITTER_COLUMNS: &str = "submitted_by_token_id, submitted_by";
+
+/// A job to create: the row, its validated workload as its column stores it, and who
+/// submitted it.
+pub type NewJob = (JobRecord, Option<String>, Submitter);
 
 /// What every job id starts with; the rest is hex digits (see `auth::generate_id`).
 const JOB_ID_PREFIX: &str = "job-";
@@ -151,13 +161,10 @@ impl Store {
             .await
     }
 
-    /// [`Store::submit_jobs`], each created job stored with its validated workload
-    /// (`workload_json`, `json_columns::workload_to_json`) in the same transaction, so a
-    /// job is never stored without the form admission validated (`None`: without one, as
-    /// rows from before the column; readers then read the spec once).
-    pub async fn submit_jobs_with_workloads(
+    /// [`Store::submit_jobs_with_workloads`], each job stored with who submitted it.
+    pub async fn submit_jobs_with_submitters(
         &self,
-        jobs: Vec<(JobRecord, Option<String>)>,
+        jobs: Vec<NewJob>,
     ) -> Result<Vec<SubmitOutcome>, SchedulerError> {
         if jobs.is_empty() {
             return Ok(Vec::new());
@@ -173,6 +180,22 @@ impl Store {
         }
     }
 
+    /// [`Store::submit_jobs`], each created job stored with its validated workload
+    /// (`workload_json`, `json_columns::workload_to_json`) in the same transaction, so a
+    /// job is never stored without the form admission validated (`None`: without one, as
+    /// rows from before the column; readers then read the spec once).
+    pub async fn submit_jobs_with_workloads(
+        &self,
+        jobs: Vec<(JobRecord, Option<String>)>,
+    ) -> Result<Vec<SubmitOutcome>, SchedulerError> {
+        self.submit_jobs_with_submitters(
+            jobs.into_iter()
+                .map(|(job, workload_json)| (job, workload_json, Submitter::default()))
+                .collect(),
+        )
+        .await
+    }
+
     /// [`Store::submit_jobs`] with a constant number of statements per group: one
     /// idempotency lookup and one multi-row insert per chunk, instead of two statements
     /// per job. Each statement is a round trip (to sqlx-sqlite's connection thread or to
@@ -181,23 +204,23 @@ impl Store {
     /// tenant did not exist: a multi-row statement does not say which.
     async fn submit_jobs_together(
         &self,
-        jobs: Vec<(JobRecord, Option<String>)>,
+        jobs: Vec<NewJob>,
     ) -> Result<Option<Vec<SubmitOutcome>>, SchedulerError> {
         /// Keys per lookup statement (one parameter each, plus the tenant).
         const KEYS_PER_LOOKUP: usize = 200;
-        /// Rows per insert statement (18 parameters each; SQLite allows 32,766).
+        /// Rows per insert statement (22 parameters each; SQLite allows 32,766).
         const ROWS_PER_INSERT: usize = 100;
         let reserved = i64::try_from(jobs.len())
             .map_err(|_| SchedulerError::invalid_argument("jobs", "too many jobs in one group"))?;
         let mut jobs = jobs;
-        for (job, _) in &mut jobs {
+        for (job, _, _) in &mut jobs {
             if job.idempotency_key.as_deref() == Some("") {
                 job.idempotency_key = None;
             }
         }
         let mut keys: Vec<(String, String)> = jobs
             .iter()
-            .filter_map(|(job, _)| Some((job.tenant.clone(), job.idempotency_key.clone()?)))
+            .filter_map(|(job, _, _)| Some((job.tenant.clone(), job.idempotency_key.clone()?)))
             .collect();
         keys.sort();
         keys.dedup();
@@ -240,10 +263,9 @@ impl Store {
                 }
                 let mut last_sequence = reserved_end - reserved;
                 let mut outcomes: Vec<SubmitOutcome> = Vec::with_capacity(jobs.len());
-                let mut to_insert: Vec<(JobRecord, Option<String>)> =
-                    Vec::with_capacity(jobs.len());
+                let mut to_insert: Vec<NewJob> = Vec::with_capacity(jobs.len());
                 let mut first_with_key: HashMap<(String, String), usize> = HashMap::new();
-                for (mut job, workload_json) in jobs {
+                for (mut job, workload_json, submitter) in jobs {
                     if let Some(key) = &job.idempotency_key {
                         let tenant_and_key = (job.tenant.clone(), key.clone());
                         if let Some(found) = existing.get(&tenant_and_key) {
@@ -259,14 +281,14 @@ impl Store {
                     }
                     last_sequence += 1;
                     job.submit_sequence = last_sequence;
-                    to_insert.push((job.clone(), workload_json));
+                    to_insert.push((job.clone(), workload_json, submitter));
                     outcomes.push(SubmitOutcome { job, created: true });
                 }
                 for chunk in to_insert.chunks(ROWS_PER_INSERT) {
                     let mut insert = sqlx::QueryBuilder::new(format!(
-                        "INSERT INTO jobs ({JOB_COLUMNS}, {WORKLOAD_COLUMN}) "
+                        "INSERT INTO jobs ({JOB_COLUMNS}, {WORKLOAD_COLUMN}, {SUBMITTER_COLUMNS}) "
                     ));
-                    insert.push_values(chunk, |mut row, (job, workload_json)| {
+                    insert.push_values(chunk, |mut row, (job, workload_json, submitter)| {
                         row.push_bind(job.id.clone())
                             .push_bind(job.tenant.clone())
                             .push_bind(job.name.clone())
@@ -286,7 +308,9 @@ impl Store {
                             .push_bind(job.attempts_count)
                             .push_bind(job.checkpoint_step)
                             .push_bind(job.kind.name())
-                            .push_bind(workload_json.clone());
+                            .push_bind(workload_json.clone())
+                            .push_bind(submitter.token_id.clone())
+                            .push_bind(submitter.description.clone());
                     });
                     insert.build().execute(&mut *tx).await?;
                 }
@@ -314,16 +338,16 @@ impl Store {
     /// taken or whose tenant does not exist.
     async fn submit_jobs_row_by_row(
         &self,
-        jobs: Vec<(JobRecord, Option<String>)>,
+        jobs: Vec<NewJob>,
     ) -> Result<Vec<SubmitOutcome>, SchedulerError> {
         let reserved = i64::try_from(jobs.len())
             .map_err(|_| SchedulerError::invalid_argument("jobs", "too many jobs in one group"))?;
         let select_by_key =
             format!("SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = $1 AND idempotency_key = $2");
         let insert = format!(
-            "INSERT INTO jobs ({JOB_COLUMNS}, {WORKLOAD_COLUMN}) VALUES \
+            "INSERT INTO jobs ({JOB_COLUMNS}, {WORKLOAD_COLUMN}, {SUBMITTER_COLUMNS}) VALUES \
              ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
-             $20)"
+             $20, $21, $22)"
         );
         let outcomes = with_write_tx!(self, tx => {
             // Bumping the counter first takes the write lock (SQLite) or the counter's row
@@ -339,7 +363,7 @@ impl Store {
             let mut last_sequence = reserved_end - reserved;
             let mut outcomes: Vec<SubmitOutcome> = Vec::with_capacity(jobs.len());
             let mut first_with_key: HashMap<(String, String), usize> = HashMap::new();
-            for (mut job, workload_json) in jobs {
+            for (mut job, workload_json, submitter) in jobs {
                 if job.idempotency_key.as_deref() == Some("") {
                     job.idempotency_key = None;
                 }
@@ -365,6 +389,8 @@ impl Store {
                 job.submit_sequence = last_sequence;
                 bind_job_columns!(sqlx::query(&insert), job)
                     .bind(&workload_json)
+                    .bind(&submitter.token_id)
+                    .bind(&submitter.description)
                     .execute(&mut *tx)
                     .await
                     .map_err(|error| {

@@ -99,6 +99,7 @@ mod records;
 mod tenants;
 mod tokens;
 mod usage;
+mod usage_report;
 mod workers;
 
 pub use attempts::{AttemptEnd, AttemptEndDetails, AttemptStartDetails};
@@ -123,7 +124,9 @@ pub use records::{
     SubmitOutcome, TenantRecord, TokenRecord, WorkerRecord, WorkerState,
 };
 pub use tenants::{MAX_TENANT_NAME_LENGTH, TenantDeletion, check_tenant_name};
+pub use jobs::NewJob;
 pub use usage::UsageRecord;
+pub use usage_report::UsageQuery;
 
 static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
