@@ -8,15 +8,13 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::command::memory_model::CommandMemoryModel;
-use crate::command::shrink::plan_command_shrink;
-use crate::command::validate::{ValidatedCommandJob, ValidatedSpec, load_spec_toml};
+use crate::command::validate::load_spec_toml;
 use crate::error::CoreError;
-use crate::estimator::estimate_job;
 use crate::plan::RunConfig;
-use crate::shrink::{OomObservation, ShrinkDecision, plan_shrink};
+use crate::shrink::{OomObservation, ShrinkDecision};
 use crate::simulation::trace::{CommandModelParameters, ModelSource, Trace, cell_error};
 use crate::spec::VramRequest;
-use crate::validate::ValidatedJob;
+use crate::workload::Workload as JobWorkload;
 
 /// One distinct model of the trace.
 #[derive(Debug, Clone)]
@@ -31,57 +29,42 @@ pub struct SimulatedModel {
     pub own_required_bytes: u64,
 }
 
-/// A model job, judged by the estimator, or a command job, judged by the memory model
-/// its trace row gave (what Carve's profile would have measured).
-// One per distinct model of a trace (a few hundred at most), so the variants' sizes do
-// not matter.
-#[allow(clippy::large_enum_variant)]
+/// A job of either kind as the simulator judges it: the validated workload the scheduler
+/// would run (its kind, configuration, estimate and shrink planner are the workload's),
+/// and, for a kind whose memory is measured (a command job), the memory model its trace
+/// row gave: what Carve's profile would have measured.
 #[derive(Debug, Clone)]
-pub enum SimulatedSpec {
-    Model(ValidatedJob),
-    Command {
-        job: ValidatedCommandJob,
-        memory: CommandMemoryModel,
-    },
+pub struct SimulatedSpec {
+    pub workload: JobWorkload,
+    /// The row's memory model; `None` for a model job, which the estimator judges.
+    pub memory: Option<CommandMemoryModel>,
 }
 
 impl SimulatedSpec {
     pub fn priority(&self) -> i32 {
-        match self {
-            SimulatedSpec::Model(job) => job.spec.priority,
-            SimulatedSpec::Command { job, .. } => job.spec.priority,
-        }
+        self.workload.priority()
     }
 
     pub fn vram(&self) -> VramRequest {
-        match self {
-            SimulatedSpec::Model(job) => job.spec.resources.vram,
-            SimulatedSpec::Command { job, .. } => job.spec.resources.vram,
-        }
+        self.workload.resources().vram
     }
 
     pub fn max_retries(&self) -> u32 {
-        match self {
-            SimulatedSpec::Model(job) => job.spec.oom.max_retries,
-            SimulatedSpec::Command { job, .. } => job.spec.oom.max_retries,
-        }
+        self.workload.max_oom_retries()
     }
 
     /// The configuration the job asks for.
     pub fn own_config(&self) -> RunConfig {
-        match self {
-            SimulatedSpec::Model(job) => RunConfig::from_spec(&job.spec),
-            SimulatedSpec::Command { job, .. } => job.initial_config(),
-        }
+        self.workload.initial_config()
     }
 
     /// What Carve would size a slice by for `config`: the estimator's `required_bytes`,
     /// or the command job's modelled need.
     pub fn required_bytes(&self, config: &RunConfig) -> Result<u64, CoreError> {
-        match self {
-            SimulatedSpec::Model(job) => Ok(estimate_job(job, config)?.required_bytes),
-            SimulatedSpec::Command { memory, .. } => Ok(memory.need_bytes(config)),
-        }
+        Ok(self
+            .workload
+            .estimate(config, self.memory.as_ref(), None)?
+            .required_bytes)
     }
 
     /// The shrink planner of the job's kind.
@@ -91,12 +74,13 @@ impl SimulatedSpec {
         observation: Option<&OomObservation>,
         slice_bytes: u64,
     ) -> Result<ShrinkDecision, CoreError> {
-        match self {
-            SimulatedSpec::Model(job) => plan_shrink(job, config, observation, slice_bytes),
-            SimulatedSpec::Command { job, memory } => {
-                plan_command_shrink(job, memory, config, observation, slice_bytes)
-            }
-        }
+        self.workload
+            .plan_shrink(config, observation, slice_bytes, self.memory.as_ref())
+    }
+
+    /// Whether the estimator sizes the job (a model job), rather than a memory model.
+    pub fn sized_by_estimator(&self) -> bool {
+        !self.workload.kind().memory_is_measured()
     }
 }
 
@@ -200,28 +184,25 @@ fn load_model(
         }
         ModelSource::None => return Err(cell_error(row, "", "has no model to load")),
     };
-    let spec = load_spec_toml(&text)
+    let workload = load_spec_toml(&text)
         .map_err(|error| cell_error(row, column, format!("`{label}`: {error}")))?;
-    let job = match (spec, command_model) {
-        (ValidatedSpec::Model(job), None) => SimulatedSpec::Model(job),
-        (ValidatedSpec::Command(job), Some(parameters)) => {
-            let own_config = job.initial_config();
-            let memory = CommandMemoryModel {
-                fixed_bytes: parameters.fixed_bytes,
-                per_sample_bytes: parameters.per_sample_bytes,
-                precision: own_config.precision,
-                recompute: false,
-            };
-            SimulatedSpec::Command { job, memory }
-        }
-        (ValidatedSpec::Model(_), Some(_)) => {
+    // A row gives the memory of a job whose memory is measured, and only of such a job.
+    let memory = match (workload.kind().memory_is_measured(), command_model) {
+        (false, None) => None,
+        (true, Some(parameters)) => Some(CommandMemoryModel {
+            fixed_bytes: parameters.fixed_bytes,
+            per_sample_bytes: parameters.per_sample_bytes,
+            precision: workload.initial_config().precision,
+            recompute: false,
+        }),
+        (false, Some(_)) => {
             return Err(cell_error(
                 row,
                 "command_model",
                 format!("`{label}` is a model job; command_model is for command jobs"),
             ));
         }
-        (ValidatedSpec::Command(_), None) => {
+        (true, None) => {
             return Err(cell_error(
                 row,
                 "command_model",
@@ -231,6 +212,7 @@ fn load_model(
             ));
         }
     };
+    let job = SimulatedSpec { workload, memory };
     let own_config = job.own_config();
     let own_required_bytes = job
         .required_bytes(&own_config)
@@ -300,7 +282,7 @@ impl MemoryOracle {
         // keeping. A command job's comes from its memory model raised by the OOM: Carve's
         // view after the failure, not the row's model that the truth is built on.
         if let Some(shrunk) = answer
-            && matches!(workload.models[model].job, SimulatedSpec::Model(_))
+            && workload.models[model].job.sized_by_estimator()
         {
             self.required
                 .insert((model, shrunk.config), shrunk.required_bytes);
