@@ -134,6 +134,20 @@ pub fn is_command_spec_json(spec_json: &str) -> bool {
     spec_kind_from_json(spec_json) == JobKind::Command
 }
 
+/// The model job spec an estimate works on (EstimateJob), from the API's `spec_json`,
+/// parsed but not validated: a spec of a kind whose memory is measured (a command job's)
+/// has nothing to estimate and is refused naming [`SPEC_FIELD`]
+/// ([`COMMAND_JOB_HAS_NO_ESTIMATE`]); other errors name the field under it.
+pub fn estimable_job_spec_from_json(spec_json: &str) -> Result<JobSpec, ApiError> {
+    if spec_kind_from_json(spec_json).memory_is_measured() {
+        return Err(ApiError::invalid_argument(
+            SPEC_FIELD,
+            COMMAND_JOB_HAS_NO_ESTIMATE,
+        ));
+    }
+    job_spec_from_json(spec_json)
+}
+
 /// Parses and validates a spec of either kind (a model job, or a command job: one with a
 /// `command` table) from the API's `spec_json` ([`Workload::from_json`]). Errors name the
 /// field under [`SPEC_FIELD`].
@@ -485,6 +499,24 @@ mod tests {
         assert!(reason.contains("kernal"), "{reason}");
 
         let (field, _) = invalid_field(job_spec_from_json("{not json").unwrap_err());
+        assert!(field == "spec" || field.starts_with("spec."), "{field}");
+    }
+
+    #[test]
+    fn only_a_spec_whose_memory_is_estimated_reaches_the_estimate() {
+        assert_eq!(
+            estimable_job_spec_from_json(SPEC_JSON).unwrap(),
+            job_spec_from_json(SPEC_JSON).unwrap()
+        );
+        // A command job's memory is measured, so nothing estimates it: refused naming
+        // the spec and saying where its memory comes from instead.
+        let command =
+            r#"{"name": "c", "command": {"argv": ["python3", "t.py"], "global_batch": 8}}"#;
+        let (field, reason) = invalid_field(estimable_job_spec_from_json(command).unwrap_err());
+        assert_eq!(field, "spec");
+        assert_eq!(reason, COMMAND_JOB_HAS_NO_ESTIMATE);
+        // Anything else is read as a model job, whose parser says what is wrong.
+        let (field, _) = invalid_field(estimable_job_spec_from_json("{not json").unwrap_err());
         assert!(field == "spec" || field.starts_with("spec."), "{field}");
     }
 
