@@ -713,6 +713,7 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
                 gpu_uuid: "SIM-fuzz-0".into(),
                 free_bytes: 70 << 30,
             }],
+            cached_image_digests: vec![format!("sha256:{}", "ab".repeat(32))],
         }),
         Body::AttemptStarted(v1::worker_message::AttemptStarted {
             attempt: attempt(),
@@ -723,6 +724,15 @@ pub fn seed_inputs() -> Vec<(String, Vec<u8>)> {
             }),
             command_argv: Vec::new(),
             uncontained: false,
+            image_digest: String::new(),
+        }),
+        Body::ImagePull(v1::worker_message::ImagePullProgress {
+            attempt: attempt(),
+            pull: Some(v1::ImagePull {
+                image: "registry.example.org/team/train:1".into(),
+                done_bytes: 1 << 20,
+                total_bytes: 8 << 20,
+            }),
         }),
         Body::Progress(v1::worker_message::Progress {
             attempt: attempt(),

@@ -25,9 +25,10 @@ use carve_proto::ApiError;
 use carve_proto::v1;
 
 use crate::error::SchedulerError;
+use crate::scheduler::job_images::{MAX_CACHED_IMAGES_READ, is_manifest_digest};
 use crate::scheduler::worker_reports::{
-    AttemptRef, Checkpoint, Gpu, GpuFreeBytes, Registered, TrainingProgress, WorkerCommand,
-    WorkerRegistration, WorkerReport,
+    AttemptRef, Checkpoint, Gpu, GpuFreeBytes, ImagePullProgress, Registered, TrainingProgress,
+    WorkerCommand, WorkerRegistration, WorkerReport,
 };
 use crate::scheduler::{JobUpdate, JobUpdateKind, SliceView, SubmittedJob, WorkerView};
 use crate::store::{AttemptRecord, AttemptResults, JobRecord, StoredEstimate, WorkerState};
@@ -137,6 +138,7 @@ pub fn attempt_to_proto(attempt: &AttemptRecord) -> v1::Attempt {
             })
             .collect(),
         progress: None,
+        image_pull: None,
         command_argv: attempt.details.command_argv.clone(),
         chosen_because: attempt.details.chosen_because.clone(),
         profile: attempt.details.profile,
@@ -163,6 +165,35 @@ pub fn attach_progress(job: &mut v1::Job, attempt_number: u32, progress: &Traini
         attempt.number == attempt_number && attempt.outcome == v1::AttemptOutcome::Running as i32
     }) {
         attempt.progress = Some(progress_to_proto(progress));
+    }
+}
+
+/// Puts what is known of a job's image on it: the digest its first pull resolved, and
+/// the pull a placed attempt's worker reports (held in memory, like progress).
+pub fn attach_image(
+    job: &mut v1::Job,
+    digest: Option<&str>,
+    pull: Option<&(u32, ImagePullProgress)>,
+) {
+    if let Some(digest) = digest {
+        job.image_digest = digest.to_string();
+    }
+    if let Some((attempt_number, pull)) = pull
+        && let Some(attempt) = job.attempts.iter_mut().find(|attempt| {
+            attempt.number == *attempt_number
+                && attempt.outcome == v1::AttemptOutcome::Running as i32
+        })
+    {
+        attempt.image_pull = Some(image_pull_to_proto(pull));
+    }
+}
+
+/// A pull's progress as the API shows it.
+pub fn image_pull_to_proto(pull: &ImagePullProgress) -> v1::ImagePull {
+    v1::ImagePull {
+        image: pull.image.clone(),
+        done_bytes: pull.done_bytes,
+        total_bytes: pull.total_bytes,
     }
 }
 
@@ -233,6 +264,8 @@ pub fn job_proto_from_parts(
         finished_at: job.finished_at_ms.map(timestamp),
         message: job.message.clone(),
         memory_model: None,
+        // Set by reads that know it (`attach_image`).
+        image_digest: String::new(),
     }
 }
 
@@ -355,6 +388,13 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
     Ok(match body {
         Body::Hello(_) => WorkerReport::Hello,
         Body::Heartbeat(heartbeat) => WorkerReport::Heartbeat {
+            // A bounded list: more than the scheduler reads is dropped, not refused.
+            cached_image_digests: heartbeat
+                .cached_image_digests
+                .into_iter()
+                .filter(|digest| is_manifest_digest(digest))
+                .take(MAX_CACHED_IMAGES_READ)
+                .collect(),
             gpus: heartbeat
                 .gpus
                 .into_iter()
@@ -369,6 +409,27 @@ pub fn worker_report_from_proto(message: v1::WorkerMessage) -> Result<WorkerRepo
             resumed_from: started.resumed_from.map(checkpoint_from_proto),
             command_argv: started.command_argv,
             uncontained: started.uncontained,
+            image_digest: if started.image_digest.is_empty() {
+                None
+            } else if is_manifest_digest(&started.image_digest) {
+                Some(started.image_digest)
+            } else {
+                return Err(ApiError::invalid_argument(
+                    "attempt_started.image_digest",
+                    "not a manifest digest (sha256: and 64 lowercase hex digits)",
+                ));
+            },
+        },
+        Body::ImagePull(pull) => WorkerReport::ImagePull {
+            attempt: attempt_ref_from_proto(pull.attempt),
+            pull: pull
+                .pull
+                .map(|pull| ImagePullProgress {
+                    image: pull.image,
+                    done_bytes: pull.done_bytes,
+                    total_bytes: pull.total_bytes,
+                })
+                .unwrap_or_default(),
         },
         Body::Progress(progress) => WorkerReport::Progress {
             attempt: attempt_ref_from_proto(progress.attempt),
@@ -456,6 +517,13 @@ pub fn job_update_to_proto(update: &JobUpdate) -> v1::JobEvent {
             attempt_number: *attempt_number,
             progress: progress.as_ref().map(progress_to_proto),
         }),
+        JobUpdateKind::ImagePull {
+            attempt_number,
+            pull,
+        } => Event::ImagePull(v1::job_event::ImagePullProgress {
+            attempt_number: *attempt_number,
+            pull: Some(image_pull_to_proto(pull)),
+        }),
         JobUpdateKind::OutOfMemory {
             attempt_number,
             config,
@@ -519,6 +587,13 @@ pub fn worker_command_to_proto(command: WorkerCommand) -> v1::SchedulerMessage {
                 profile: assignment.profile,
                 tenant: assignment.tenant,
                 kind: assignment.kind.name().to_string(),
+                image_digest: assignment.image_digest.unwrap_or_default(),
+                image_pull_credential: assignment.image_pull_credential.map(|credential| {
+                    v1::scheduler_message::RegistryCredential {
+                        username: credential.username,
+                        password: credential.password,
+                    }
+                }),
                 // Every assignment is one process until the gang wiring (issue 31).
                 gang: None,
             })

@@ -12,6 +12,7 @@ use carve_proto::ApiError;
 use carve_proto::v1::admin_service_server::AdminServiceServer;
 use carve_proto::v1::cluster_service_server::ClusterServiceServer;
 use carve_proto::v1::job_service_server::JobServiceServer;
+use carve_proto::v1::secret_service_server::SecretServiceServer;
 use carve_proto::v1::worker_service_server::WorkerServiceServer;
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt;
@@ -372,6 +373,9 @@ pub async fn run_announcing_readiness(
             services.clone(),
         )))
         .add_service(UndecodableRequestsAreInvalid(ClusterServiceServer::new(
+            services.clone(),
+        )))
+        .add_service(UndecodableRequestsAreInvalid(SecretServiceServer::new(
             services.clone(),
         )))
         .add_service(UndecodableRequestsAreInvalid(WorkerServiceServer::new(

@@ -57,6 +57,7 @@ async fn started_with_argv(
                 resumed_from: None,
                 command_argv: argv.iter().map(|arg| arg.to_string()).collect(),
                 uncontained,
+                image_digest: String::new(),
             },
         ))
         .await;

@@ -241,7 +241,7 @@ async fn failover_worker(endpoints: Vec<String>, token: String, log: Arc<Mutex<W
             tokio::select! {
                 _ = tick.tick() => {
                     send(v1::worker_message::Body::Heartbeat(
-                        v1::worker_message::Heartbeat { gpus: vec![] },
+                        v1::worker_message::Heartbeat::default(),
                     ), &mut sequence);
                     let done: Vec<String> = running
                         .iter()
@@ -295,6 +295,7 @@ async fn failover_worker(endpoints: Vec<String>, token: String, log: Arc<Mutex<W
                                     resumed_from: None,
                                     command_argv: Vec::new(),
                                     uncontained: false,
+                                    image_digest: String::new(),
                                 },
                             );
                             sent.push((sequence, body.clone()));

@@ -640,6 +640,8 @@ fn report_for_line(attempt: &v1::AttemptRef, line: &ChildLine, uncontained: bool
         })),
         ChildLine::Progress {
             step,
+            // Engine attempts run no image.
+            image_digest: String::new(),
             total_steps,
             loss,
             samples_per_second,

@@ -414,6 +414,11 @@ impl<P: CommandProcesses> Runner<'_, P> {
                     output.pacing.reported(Instant::now());
                     self.report_progress(&output, guard);
                 }
+                // What the image resolved to: the scheduler pins later attempts to it.
+                image_digest: self
+                    .image
+                    .map(|image| image.record.digest.clone())
+                    .unwrap_or_default(),
                 exited = child.wait(), if status.is_none() => {
                     status = Some(exited.map(|status| match container {
                         Some(_) => container_exit_status(status, &[]),

@@ -130,6 +130,15 @@ pub fn print_results(job: &v1::Job) {
 /// of `job` that reported progress; `None` otherwise.
 pub fn progress_text(job: &v1::Job) -> Option<String> {
     let attempt = job.attempts.last().filter(|attempt| is_running(attempt))?;
+    if attempt.progress.is_none()
+        && let Some(pull) = &attempt.image_pull
+    {
+        return Some(format!(
+            "attempt {}: {}",
+            attempt.number,
+            image_pull_text(pull)
+        ));
+    }
     let progress = attempt.progress.as_ref()?;
     let elapsed = attempt
         .started_at
@@ -147,6 +156,17 @@ pub fn progress_text(job: &v1::Job) -> Option<String> {
         progress.loss,
         progress_timing_text(progress, elapsed)
     ))
+}
+
+/// An image pull under way as get and watch show it: "pulling image (x of y MiB)", with
+/// the image named.
+pub fn image_pull_text(pull: &v1::ImagePull) -> String {
+    format!(
+        "pulling image {} ({} of {} MiB)",
+        pull.image,
+        pull.done_bytes >> 20,
+        pull.total_bytes.div_ceil(1 << 20)
+    )
 }
 
 /// The loss `carve jobs` shows: the last attempt's final loss, or its latest progress's
@@ -206,6 +226,26 @@ mod tests {
         assert_eq!(row, ["1m02s", "500", "0.1235", "91.23%", "1234", "-"]);
         assert_eq!(last_loss_text(&job), "0.1235");
         assert_eq!(progress_text(&job), None);
+    }
+
+    #[test]
+    fn a_placed_attempt_pulling_its_image_shows_the_pull() {
+        let attempt = v1::Attempt {
+            image_pull: Some(v1::ImagePull {
+                image: "registry.example.org/team/train:2.5".into(),
+                done_bytes: 300 << 20,
+                total_bytes: (1 << 30) + 1,
+            }),
+            ..started(2, v1::AttemptOutcome::Running)
+        };
+        let job = v1::Job {
+            attempts: vec![attempt],
+            ..v1::Job::default()
+        };
+        assert_eq!(
+            progress_text(&job).unwrap(),
+            "attempt 2: pulling image registry.example.org/team/train:2.5 (300 of 1025 MiB)"
+        );
     }
 
     #[test]

@@ -493,6 +493,15 @@ fn show_event(
                 display.progress(progress.attempt_number, training, running.as_ref(), at_ms);
             }
         }
+        Event::ImagePull(pull) => {
+            if let Some(progress) = &pull.pull {
+                display.line(&format!(
+                    "attempt {}: {}",
+                    pull.attempt_number,
+                    super::attempt_results::image_pull_text(progress)
+                ));
+            }
+        }
         Event::Oom(oom) => display.line(&format!(
             "attempt {} ran out of memory with {}: {}",
             oom.attempt_number,

@@ -4,6 +4,7 @@
 use std::collections::BTreeSet;
 
 use super::GpuState;
+use super::image_affinity::{CachedImages, break_best_fit_tie};
 
 /// The schedulable GPUs and their free bytes during the pass.
 pub(super) struct GpuPool<'a> {
@@ -64,12 +65,24 @@ impl<'a> GpuPool<'a> {
         }
     }
 
-    /// The unreserved GPU with the fewest free bytes that still hold `needs`.
-    pub(super) fn best_fit_unreserved(&self, needs: u64) -> Option<usize> {
-        self.unreserved
-            .range((needs, 0)..)
-            .next()
-            .map(|&(_, index)| index)
+    /// The unreserved GPU with the fewest free bytes that still hold `needs` (the lowest
+    /// id among equal free bytes), or, where `image` is known, the first of those equal
+    /// ones whose worker holds it (`image_affinity`).
+    pub(super) fn best_fit_unreserved_for_image(
+        &self,
+        needs: u64,
+        image: Option<&str>,
+        images: &CachedImages,
+    ) -> Option<usize> {
+        let &(free, first) = self.unreserved.range((needs, 0)..).next()?;
+        if image.is_none() {
+            return Some(first);
+        }
+        let ties = self
+            .unreserved
+            .range((free, 0)..=(free, usize::MAX))
+            .map(|&(_, index)| (index, self.gpus[index].worker_id.as_str()));
+        break_best_fit_tie(ties, image, images)
     }
 
     /// The reserved GPU with the fewest free bytes that still hold `needs`, and the job

@@ -36,7 +36,8 @@
 //!    the tenant's blocked head job (rule 4) ([`WaitReason::TenantVramQuota`],
 //!    [`WaitReason::TenantRunningJobsQuota`]).
 //! 3. **Best fit.** A job that passes the filters goes to the schedulable, unreserved GPU
-//!    with the *smallest* free bytes that still hold its slice (ties: the GPU id that sorts
+//!    with the *smallest* free bytes that still hold its slice (ties: a GPU whose worker
+//!    holds the job's image, [`solve_with_cached_images`], then the GPU id that sorts
 //!    first), so large holes stay whole for large jobs. The GPU's free bytes and the
 //!    tenant's usage are updated before the next job. If no unreserved GPU holds it, the
 //!    job waits: [`WaitReason::ReservedForOlderJob`] when a reserved GPU has room for it
@@ -93,11 +94,13 @@ use crate::bytes::HumanBytes;
 use crate::usage::UsageDecay;
 
 mod gpu_pool;
+pub mod image_affinity;
 pub mod preemption;
 mod reservations;
 mod tenants;
 
 use gpu_pool::GpuPool;
+pub use image_affinity::CachedImages;
 use reservations::{HeadRole, reserve_for_blocked_heads};
 use tenants::{FairShareTurn, TenantLedger, jobs_in_tenant_order, tenants_by_name};
 
@@ -370,6 +373,16 @@ pub fn solve_with_options(
     problem: &SchedulingProblem,
     options: &SchedulingOptions,
 ) -> SchedulingDecision {
+    solve_with_cached_images(problem, options, &CachedImages::default())
+}
+
+/// [`solve_with_options`], best fit's ties broken toward the workers that hold each
+/// job's image (`image_affinity.rs`); with nothing cached it decides the same.
+pub fn solve_with_cached_images(
+    problem: &SchedulingProblem,
+    options: &SchedulingOptions,
+    images: &CachedImages,
+) -> SchedulingDecision {
     let jobs = jobs_in_tenant_order(&problem.pending);
     let tenants = tenants_by_name(&problem.tenants);
     let mut decision = SchedulingDecision::default();
@@ -461,7 +474,9 @@ pub fn solve_with_options(
                     gpu_id: pool.gpus[gpu_index].gpu_id.clone(),
                 },
             })
-        } else if let Some(gpu_index) = pool.best_fit_unreserved(needs) {
+        } else if let Some(gpu_index) =
+            pool.best_fit_unreserved_for_image(needs, images.job_image(&job.job_id), images)
+        {
             Ok(gpu_index)
         } else if let Some((gpu_index, owner_job_index)) = pool.best_fit_reserved(needs) {
             Err(WaitReason::ReservedForOlderJob {

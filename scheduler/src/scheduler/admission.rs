@@ -302,6 +302,8 @@ impl Scheduler {
             .into());
         }
         let analysed = self.analyse_spec(&caller.tenant, spec_json).await?;
+        // A pull secret must be one of the job's own tenant's.
+        self.check_image_pull_secret(&caller.tenant, job).await?;
         let job = &analysed.job;
         let tenant = self.tenant(&caller.tenant).await?;
         // A command job's measured peaks are already in its tenant's memory model; the

@@ -49,6 +49,12 @@ pub enum JobUpdateKind {
         attempt_number: u32,
         progress: Option<TrainingProgress>,
     },
+    /// The attempt's worker is pulling its image (paced like progress; no log line of
+    /// its own: the worker's lines say it).
+    ImagePull {
+        attempt_number: u32,
+        pull: super::worker_reports::ImagePullProgress,
+    },
     OutOfMemory {
         attempt_number: u32,
         /// The configuration that did not fit.
@@ -172,7 +178,10 @@ impl Scheduler {
     /// was sent.
     pub(super) fn emit(&self, job_id: &str, kind: JobUpdateKind) {
         let now = now_ms();
-        let kind = if matches!(kind, JobUpdateKind::Progress { .. }) {
+        let kind = if matches!(
+            kind,
+            JobUpdateKind::Progress { .. } | JobUpdateKind::ImagePull { .. }
+        ) {
             match self.progress_pacing.progress(job_id, now, kind) {
                 Some(kind) => kind,
                 None => return,
@@ -407,6 +416,7 @@ fn log_line_for_event(
                 ),
             )
         }
+        JobUpdateKind::ImagePull { .. } => return None,
         JobUpdateKind::Progress {
             attempt_number,
             progress,

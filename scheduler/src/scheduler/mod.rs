@@ -19,6 +19,7 @@
 mod admin;
 mod admission;
 mod command_jobs;
+pub mod job_images;
 mod leadership;
 mod logs;
 mod memory_models;
@@ -244,6 +245,8 @@ pub struct Scheduler {
     queue: Mutex<QueueMirror>,
     /// Whole reads of the queue by passes (the first, and each time the copy disagreed
     /// with the store's fingerprint).
+    /// Workers' image caches and pulls under way (see `job_images`).
+    images: Mutex<job_images::LiveImages>,
     queue_reloads: AtomicU64,
     /// What the submit path would otherwise read from the store or compute again on
     /// every call; see `cache` for how stale each may be.
@@ -318,6 +321,7 @@ impl Scheduler {
             live: Mutex::new(Live::default()),
             job_changes: tokio::sync::Mutex::new(()),
             wake: Notify::new(),
+            images: Mutex::new(job_images::LiveImages::default()),
             events,
             encode_event,
             event_sequence: AtomicU64::new(1),

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use carve_core::job_state::{AttemptOutcome, JobEvent, JobState};
 use carve_core::scheduling::{
     GpuState, Placement, SchedulingOptions, SchedulingProblem, TenantState, WaitReason,
-    solve_with_options,
+    solve_with_cached_images,
 };
 use tokio::time::Instant;
 
@@ -88,7 +88,9 @@ impl Scheduler {
             usage_decay: self.usage_decay(),
             ..SchedulingOptions::default()
         };
-        let decision = solve_with_options(&problem, &options);
+        // Best fit's ties go to workers that hold a job's image (core decides).
+        let images = self.cached_images_for_pass().await?;
+        let decision = solve_with_cached_images(&problem, &options, &images);
         let mut placed = 0;
         for placement in &decision.placements {
             if self.place(placement, now).await? {
@@ -256,6 +258,7 @@ impl Scheduler {
         let (profile, chosen_because) = self
             .why_this_configuration(&job, &config, attempt_number)
             .await?;
+        let (image_digest, image_pull_credential) = self.assignment_image(&job).await?;
         let change = transition(&mut job, JobEvent::Placed)?;
         job.attempts_count = attempt_number;
         job.waiting_reason.clear();
@@ -335,6 +338,8 @@ impl Scheduler {
                 profile,
                 tenant: job.tenant.clone(),
                 kind: job.kind,
+                image_digest,
+                image_pull_credential,
             }),
         );
         self.emit_state(

@@ -448,8 +448,12 @@ impl Scheduler {
                 field: "body.hello".into(),
                 reason: "hello is only the first message of a session".into(),
             })),
-            WorkerReport::Heartbeat { gpus } => {
+            WorkerReport::Heartbeat {
+                gpus,
+                cached_image_digests,
+            } => {
                 self.heartbeat(worker_id, session_id, &gpus);
+                self.record_cached_images(worker_id, &cached_image_digests);
                 Ok(())
             }
             WorkerReport::AttemptStarted {
@@ -457,9 +461,19 @@ impl Scheduler {
                 resumed_from,
                 command_argv,
                 uncontained,
+                image_digest,
             } => {
                 self.attempt_started(worker_id, attempt, resumed_from, &command_argv, uncontained)
-                    .await
+                    .await?;
+                // After the fenced start was stored: only the attempt that holds the job
+                // records what its image resolved to.
+                if let Some(digest) = image_digest {
+                    self.record_image_digest(&started, &digest).await?;
+                }
+                Ok(())
+            }
+            WorkerReport::ImagePull { attempt, pull } => {
+                self.image_pull_reported(worker_id, attempt, pull)
             }
             WorkerReport::Progress { attempt, progress } => {
                 if self.current_attempt(worker_id, &attempt).is_none() {

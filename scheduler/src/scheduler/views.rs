@@ -109,6 +109,7 @@ impl Scheduler {
             .collect();
         distinct.sort_unstable();
         distinct.dedup();
+        let mut image_digests = self.image_digests_of(&jobs).await?;
         let mut models: HashMap<(String, String), KnownMemoryModel> = HashMap::new();
         for ((tenant, shape_key), stored) in self.store.command_memory_models(&distinct).await? {
             let model = stored_memory_model(&tenant, &shape_key, &stored)?;
@@ -116,6 +117,8 @@ impl Scheduler {
         }
         Ok(jobs
             .into_iter()
+                image_digest: image_digests.remove(&job.id),
+                image_pull: self.image_pull(&job.id),
             .zip(model_keys)
             .map(|(job, model_key)| JobView {
                 attempts: attempts.remove(&job.id).unwrap_or_default(),
@@ -330,6 +333,10 @@ pub struct JobView {
     pub attempts: Vec<AttemptRecord>,
     /// The memory model its command is sized by (its tenant's model of the command,
     /// with what it rests on): a command job's once a profile ran for its shape, `None`
+    /// A command job's image digest, recorded at its first pull.
+    pub image_digest: Option<String>,
+    /// The number of its attempt whose worker is pulling its image, and how far.
+    pub image_pull: Option<(u32, super::worker_reports::ImagePullProgress)>,
     /// for model jobs and before the profile.
     pub memory_model: Option<KnownMemoryModel>,
     /// The number and the latest progress report of its attempt running on this

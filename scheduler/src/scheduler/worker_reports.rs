@@ -82,6 +82,29 @@ pub struct TrainingProgress {
     pub seconds_left: Option<f64>,
 }
 
+/// How far a worker is in pulling an attempt's image.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ImagePullProgress {
+    /// The image as the job names it.
+    pub image: String,
+    pub done_bytes: u64,
+    pub total_bytes: u64,
+}
+
+/// A registry credential (a tenant's pull secret) on its way to a worker: never printed,
+/// never stored but in the tenant's secrets.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RegistryCredential {
+    pub username: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for RegistryCredential {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("RegistryCredential(<redacted>)")
+    }
+}
+
 /// One message of a worker's session.
 #[derive(Debug, Clone, PartialEq)]
 pub enum WorkerReport {
@@ -89,6 +112,9 @@ pub enum WorkerReport {
     Hello,
     Heartbeat {
         gpus: Vec<GpuFreeBytes>,
+        /// Manifest digests of the images the worker's cache holds, most recently used
+        /// first, at most `job_images::MAX_CACHED_IMAGES_READ` (the rest are dropped).
+        cached_image_digests: Vec<String>,
     },
     AttemptStarted {
         attempt: AttemptRef,
@@ -99,6 +125,14 @@ pub enum WorkerReport {
         /// It runs without its container, with the worker's rights; false when contained
         /// or from a worker too old to say.
         uncontained: bool,
+        /// The manifest digest of the image the attempt runs in (`sha256:` and 64 hex
+        /// digits, checked), `None` without an image.
+        image_digest: Option<String>,
+    },
+    /// The worker is pulling the attempt's image (before its program starts).
+    ImagePull {
+        attempt: AttemptRef,
+        pull: ImagePullProgress,
     },
     Progress {
         attempt: AttemptRef,
@@ -182,4 +216,9 @@ pub struct Assignment {
     pub tenant: String,
     /// The kind stored with the job at admission: the worker reads the spec as this kind.
     pub kind: JobKind,
+    /// The digest the job's first pull resolved its image to; `None` before one.
+    pub image_digest: Option<String>,
+    /// The credential of the job's `command.image_pull_secret`, only for a job that
+    /// names one.
+    pub image_pull_credential: Option<RegistryCredential>,
 }

@@ -17,7 +17,8 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::auth::Caller;
 use crate::convert::{
-    attach_progress, job_state_from_proto, job_to_proto, submitted_job_to_proto, timestamp,
+    attach_image, attach_progress, job_state_from_proto, job_to_proto, submitted_job_to_proto,
+    timestamp,
 };
 use crate::metrics::{Metrics, SubmitRejection};
 use crate::scheduler::{JobView, Scheduler, now_ms};
@@ -35,6 +36,7 @@ fn invalid(field: &str, reason: impl Into<String>) -> Status {
 
 mod admin;
 mod cluster;
+mod secrets;
 mod watch;
 mod worker_session;
 
@@ -70,6 +72,11 @@ fn view_message(view: &JobView) -> Result<v1::Job, Status> {
     if let Some((attempt_number, progress)) = &view.progress {
         attach_progress(&mut message, *attempt_number, progress);
     }
+    attach_image(
+        &mut message,
+        view.image_digest.as_deref(),
+        view.image_pull.as_ref(),
+    );
     Ok(message)
 }
 

@@ -99,7 +99,12 @@ pub fn serve_session(
             let Some(Ok(message)) = message else { break };
             let sequence = message.sequence;
             let report = worker_report_from_proto(message);
-            if let Ok(WorkerReport::Heartbeat { gpus }) = &report {
+            if let Ok(WorkerReport::Heartbeat {
+                gpus,
+                cached_image_digests,
+            }) = &report
+            {
+                scheduler.record_cached_images(&worker_id, cached_image_digests);
                 // Not acknowledged with an Ack: the worker reads one as "every report up
                 // to this sequence", and reports before this heartbeat may still be in
                 // the queue. Its own answer tells the worker a leader heard it.

@@ -87,6 +87,7 @@ macro_rules! with_write_tx {
 mod attempts;
 mod batcher;
 mod columns;
+mod job_images;
 mod job_pages;
 mod jobs;
 mod json_columns;
@@ -104,6 +105,7 @@ mod workers;
 
 pub use attempts::{AttemptEnd, AttemptEndDetails, AttemptStartDetails};
 pub use batcher::SubmitBatcher;
+pub use job_images::SecretRecord;
 pub use job_pages::{page_token_after, shown_text_bytes};
 pub use jobs::{WAITING_REASON_IDS_PER_STATEMENT, WAITING_REASONS_PER_TRANSACTION};
 pub use json_columns::{

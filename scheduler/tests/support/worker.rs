@@ -138,7 +138,7 @@ impl TestWorker {
                 let heartbeat = v1::WorkerMessage {
                     sequence: 0,
                     body: Some(v1::worker_message::Body::Heartbeat(
-                        v1::worker_message::Heartbeat { gpus: vec![] },
+                        v1::worker_message::Heartbeat::default(),
                     )),
                 };
                 if outgoing.send(heartbeat).await.is_err() {
@@ -323,6 +323,7 @@ impl TestWorker {
                 resumed_from,
                 command_argv: Vec::new(),
                 uncontained: false,
+                image_digest: String::new(),
             },
         ))
         .await

@@ -368,6 +368,23 @@ impl ImageCache {
         digests
     }
 
+    /// The digests of at most `limit` images the cache holds now, the most recently
+    /// used first (what heartbeats tell the scheduler, for placement).
+    pub fn recently_used_digests(&self, limit: usize) -> Vec<String> {
+        let state = self.inner.lock();
+        let mut entries: Vec<(&String, u64)> = state
+            .entries
+            .iter()
+            .map(|(digest, entry)| (digest, entry.last_used))
+            .collect();
+        entries.sort_by(|left, right| right.1.cmp(&left.1).then_with(|| left.0.cmp(right.0)));
+        entries
+            .into_iter()
+            .take(limit)
+            .map(|(digest, _)| digest.clone())
+            .collect()
+    }
+
     /// The bytes of unpacked images the cache holds now.
     pub fn cached_bytes(&self) -> u64 {
         self.inner

@@ -4,7 +4,20 @@
 
 use super::*;
 
+/// The most cached image digests a heartbeat names (the scheduler reads no more).
+const CACHED_IMAGES_REPORTED: usize = 64;
+
 impl Worker {
+    /// The images this node's cache holds, for placement's preference; none without a
+    /// sandbox (no image runs uncontained).
+    fn cached_image_digests(&self) -> Vec<String> {
+        self.sandbox.as_ref().map_or_else(Vec::new, |sandbox| {
+            sandbox
+                .images()
+                .recently_used_digests(CACHED_IMAGES_REPORTED)
+        })
+    }
+
     /// One session: register, hello, then stream until the connection ends. Returns
     /// only on an error or when the scheduler closes the stream.
     pub(super) async fn run_session(
@@ -149,7 +162,10 @@ impl Worker {
                     outgoing
                         .send(v1::WorkerMessage {
                             sequence,
-                            body: Some(Body::Heartbeat(v1::worker_message::Heartbeat { gpus })),
+                            body: Some(Body::Heartbeat(v1::worker_message::Heartbeat {
+                                gpus,
+                                cached_image_digests: self.cached_image_digests(),
+                            })),
                         })
                         .await
                         .map_err(|_| closed())?;
