@@ -39,7 +39,7 @@ use crate::command_output::{
     start_error_text,
 };
 use crate::guard_environment::AttemptGuard;
-use crate::image::{ImageRequest, PullProgress, PulledImage};
+use crate::image::{ImageRequest, PullProgress, PulledImage, RegistryCredential};
 use crate::program_output::{MOST_LINE_BYTES, OutputLine, OutputStream, ProgramOutput};
 use crate::sandbox::{Container, GpuDevices, Sandbox, container_exit_status};
 use carve_core::command::image::parse_image_reference;
@@ -49,6 +49,8 @@ mod image;
 mod setup;
 use setup::PreparedRun;
 
+
+pub use image::AssignedImage;
 /// The variable that tells the program its slice's size, with or without the guard (a
 /// program on a simulated GPU without the guard can account for itself against it).
 pub const ENVIRONMENT_SLICE_BYTES: &str = "CARVE_SLICE_BYTES";
@@ -89,6 +91,9 @@ pub struct CommandAttemptLaunch {
     /// The slice's GPU's device nodes, the only ones its container sees, and the host
     /// paths its driver needs (a CDI spec's mounts).
     pub devices: GpuDevices,
+    /// What the scheduler's assignment says of the job's image: the digest its first
+    /// pull resolved and its pull secret's credential (issue 30).
+    pub image: AssignedImage,
     /// A simulated GPU's ledger socket (`simulated_gpu_ledger.rs`): the fake driver's
     /// device, bound into the container at its device path.
     pub simulated_gpu_socket: Option<PathBuf>,

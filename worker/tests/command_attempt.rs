@@ -80,6 +80,7 @@ fn launch(
         profile,
         sandbox: None,
         tenant: "tenant-a".into(),
+        image: Default::default(),
         devices: Default::default(),
         simulated_gpu_socket: None,
         container_name: "carve-job-1-1".into(),

@@ -48,6 +48,7 @@ fn launch(directory: &Path, job: ValidatedCommandJob) -> CommandAttemptLaunch {
         profile: false,
         sandbox: None,
         tenant: "tenant-a".into(),
+        image: Default::default(),
         devices: Default::default(),
         simulated_gpu_socket: None,
         container_name: "carve-job-1-1".into(),

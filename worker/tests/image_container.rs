@@ -179,6 +179,7 @@ async fn a_program_runs_in_its_image_and_sees_the_image_not_the_host() {
     let request = ContainerRequest {
         name: "carve-test-image".to_string(),
         tenant: "alice".to_string(),
+        image: Default::default(),
         argv: vec!["/bin/sh".into(), "-c".into(), script],
         environment: vec![("GREETING".into(), "hello".into())],
         working_directory: job_directory.clone(),

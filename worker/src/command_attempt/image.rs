@@ -4,12 +4,41 @@
 
 use super::*;
 
-/// How often a pull's progress goes to the job's log.
+/// How often a pull's progress goes to the job's log and the scheduler.
 const IMAGE_PULL_PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+
+/// What an assignment says of the job's image (issue 30).
+#[derive(Debug, Clone, Default)]
+pub struct AssignedImage {
+    /// The manifest digest the job's first pull resolved (`Assignment.image_digest`):
+    /// this attempt runs exactly it, whatever the tag names now. `None` before a first
+    /// pull was reported.
+    pub pinned_digest: Option<String>,
+    /// The credential of the job's `command.image_pull_secret`, from the scheduler's
+    /// tenant secrets; never logged (its `Debug` is redacted).
+    pub credential: Option<RegistryCredential>,
+}
+
+impl AssignedImage {
+    /// What an assignment's fields say: an empty digest is none.
+    pub fn of_assignment(assignment: &v1::scheduler_message::Assignment) -> AssignedImage {
+        AssignedImage {
+            pinned_digest: (!assignment.image_digest.is_empty())
+                .then(|| assignment.image_digest.clone()),
+            credential: assignment
+                .image_pull_credential
+                .as_ref()
+                .map(|credential| RegistryCredential {
+                    username: credential.username.clone(),
+                    password: credential.password.clone(),
+                }),
+        }
+    }
+}
 
 /// The image a job names (`command.image`), from the node's cache or pulled into it;
 /// `Err` is the attempt's final report: a job's image runs only in a container, its pull
-/// secret needs the scheduler's secrets (not built yet), and a pull that fails ends the
+/// secret needs the credential the scheduler sends with it, and a pull that fails ends the
 /// attempt `failed` (missing image, refused credential, digest mismatch, hostile
 /// image: a retry would meet it again) or `interrupted` (an unreachable registry, the
 /// worker's disk), never as an out-of-memory.
@@ -30,12 +59,15 @@ pub(super) async fn job_image(
             ),
         ));
     };
-    if launch.job.spec.command.image_pull_secret.is_some() {
+    if let Some(secret) = &launch.job.spec.command.image_pull_secret
+        && launch.image.credential.is_none()
+    {
         return Err(fail(
             v1::AttemptOutcome::Failed,
-            "command.image_pull_secret: the scheduler does not keep tenant secrets yet, so \
-             no worker can pull a private image (issue 30)"
-                .to_string(),
+            format!(
+                "command.image_pull_secret {secret:?}: the scheduler sent no credential for \
+                 it (was the secret deleted after the job was submitted?)"
+            ),
         ));
     }
     let canonical = match parse_image_reference("command.image", reference) {
@@ -44,8 +76,8 @@ pub(super) async fn job_image(
     };
     let request = ImageRequest {
         reference: canonical.clone(),
-        pinned_digest: None,
-        credential: None,
+        pinned_digest: launch.image.pinned_digest.clone(),
+        credential: launch.image.credential.clone(),
     };
     let log = |message: String| {
         let _ = reports.send(Body::Log(v1::worker_message::LogLine {
@@ -69,6 +101,17 @@ pub(super) async fn job_image(
                 _ = ticker.tick() => {
                     let now = *seen.borrow();
                     if now.total_bytes > 0 {
+                        // The job's state while it lasts (`carve get`, `watch`).
+                        let _ = reports.send(Body::ImagePull(
+                            v1::worker_message::ImagePullProgress {
+                                attempt: Some(launch.attempt.clone()),
+                                pull: Some(v1::ImagePull {
+                                    image: canonical.clone(),
+                                    done_bytes: now.done_bytes,
+                                    total_bytes: now.total_bytes,
+                                }),
+                            },
+                        ));
                         log(format!(
                             "pulling image {canonical} ({} of {} MiB)",
                             now.done_bytes >> 20,
