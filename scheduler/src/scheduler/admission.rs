@@ -6,7 +6,6 @@
 use std::sync::Arc;
 
 use carve_core::admission::{AdmittedSlice, size_slice_at_admission};
-use carve_core::command::memory_model::learning::{check_declared_vram, floored_slice_bytes};
 use carve_core::estimator::MemoryEstimate;
 use carve_core::job_state::JobState;
 use carve_core::plan::RunConfig;
@@ -302,27 +301,25 @@ impl Scheduler {
             .into());
         }
         let analysed = self.analyse_spec(&caller.tenant, spec_json).await?;
+        let job = &analysed.job;
         // A pull secret must be one of the job's own tenant's.
         self.check_image_pull_secret(&caller.tenant, job).await?;
-        let job = &analysed.job;
         let tenant = self.tenant(&caller.tenant).await?;
-        // A command job's measured peaks are already in its tenant's memory model; the
-        // peak corrections are kept by job shape for every tenant, so a program's own
-        // figures (hostile, on a simulated GPU) must not scale another tenant's job.
-        let correction = if job.as_command().is_some() {
-            1.0
-        } else {
+        // Corrections are kept by job shape for every tenant: only a kind whose estimate
+        // they refine takes them (not a command job, whose peaks, a program's own figures,
+        // are in its tenant's memory model).
+        let correction = if job.takes_peak_corrections() {
             self.peak_correction(&analysed.peak_key)
                 .await?
                 .unwrap_or(1.0)
+        } else {
+            1.0
         };
         let gpus = self.gpu_states();
-        // A command job declaring more than any GPU has is refused as written, before
-        // any memory model could shrink it into one.
-        if let Some(command) = job.as_command() {
-            check_declared_vram(command.spec.resources.vram, largest_usable_gpu(&gpus))
-                .map_err(spec_error_of_field)?;
-        }
+        // A job declaring more than any GPU has is refused as written, before any memory
+        // model could shrink it into one.
+        job.check_fits_largest_gpu(largest_usable_gpu(&gpus))
+            .map_err(spec_error_of_field)?;
         // What the job needs as written: the estimator's answer for a model job (from
         // the analysis); for a command job, its tenant's model of its command (a profile
         // measured it), else its declared vram, else the profile it runs first in a
@@ -399,15 +396,11 @@ impl Scheduler {
         };
         // No command job's slice below the operator's floor, whatever its model says
         // (a model job's slice is the estimator's exact answer for a plan Carve runs).
-        let slice_bytes = if job.as_command().is_some() {
-            floored_slice_bytes(
-                slice_bytes,
-                self.settings.min_slice_bytes,
-                largest_usable_gpu(&gpus),
-            )
-        } else {
-            slice_bytes
-        };
+        let slice_bytes = job.slice_with_floor(
+            slice_bytes,
+            self.settings.min_slice_bytes,
+            largest_usable_gpu(&gpus),
+        );
         let tenant_state = TenantState {
             tenant: tenant.name.clone(),
             weight: tenant.fair_share_weight.max(1) as u32,

@@ -7,11 +7,10 @@ use carve_core::admission::size_slice_at_admission;
 use carve_core::bytes::HumanBytes;
 use carve_core::command::memory_model::ProfilePoint;
 use carve_core::command::memory_model::learning::{
-    LearnedModel, ProfileAssessment, assess_profile, floored_slice_bytes,
+    LearnedModel, ProfileAssessment, assess_profile,
 };
 use carve_core::command::oom::OomSource;
 use carve_core::command::render::RenderedCommand;
-use carve_core::command::shrink::plan_command_shrink;
 use carve_core::job_state::{AttemptOutcome, JobEvent};
 use carve_core::spec::VramRequest;
 
@@ -21,7 +20,6 @@ use crate::store::{
 };
 
 use super::admission::largest_usable_gpu;
-use super::memory_models::command_shape_key;
 use super::worker_reports::AttemptRef;
 use super::{Scheduler, now_ms};
 
@@ -99,7 +97,8 @@ impl Scheduler {
         };
         let mut job = self.store.get_job(&attempt.job_id).await?;
         let workload = self.stored_workload(&job).await?;
-        let command = workload.as_command().ok_or_else(|| {
+        // Only a job whose memory is measured has a memory model for a profile to fit.
+        let key = workload.memory_model_key().ok_or_else(|| {
             SchedulerError::Api(carve_proto::ApiError::FailedPrecondition(format!(
                 "job {} is a {} job: only a command job's attempt is a profile",
                 job.id, job.kind
@@ -108,10 +107,6 @@ impl Scheduler {
         let config = job.config()?;
         let gpus = self.gpu_states();
         let largest_gpu = largest_usable_gpu(&gpus);
-        let declared_bytes = match command.spec.resources.vram {
-            VramRequest::Bytes(bytes) => Some(bytes),
-            VramRequest::Auto => None,
-        };
         // What the profile measured, judged by core: points of 0 B or past every GPU are
         // no measurement, and a profile left with none is unmeasured (a fallback, said
         // so), never a 0-byte model.
@@ -121,7 +116,7 @@ impl Scheduler {
             config.recompute_segment_layers.is_some(),
             running.slice_bytes,
             largest_gpu,
-            declared_bytes,
+            key.declared_bytes,
         );
         let points_text = points
             .iter()
@@ -193,7 +188,8 @@ impl Scheduler {
             1.0,
             largest_gpu,
             |current, limit| {
-                plan_command_shrink(command, &model, current, None, limit)
+                workload
+                    .plan_shrink(current, None, limit, Some(&model))
                     .map(|decision| (decision.config, decision.estimate.required_bytes))
             },
         )
@@ -202,15 +198,11 @@ impl Scheduler {
         // transaction.
         let (event, reason) = match sized {
             Ok(admitted) => {
-                self.put_command_memory_model(
-                    &job.tenant,
-                    &command_shape_key(command),
-                    &learned,
-                    &basis,
-                )
-                .await?;
+                self.put_command_memory_model(&job.tenant, &key.shape_key, &learned, &basis)
+                    .await?;
                 // No slice below the operator's floor, whatever was measured.
-                let slice_bytes = floored_slice_bytes(admitted.slice_bytes, floor, largest_gpu);
+                let slice_bytes =
+                    workload.slice_with_floor(admitted.slice_bytes, floor, largest_gpu);
                 let estimate = model.estimate(&admitted.config);
                 job.config_json = config_to_json(&admitted.config);
                 job.estimate_json = estimate_to_json(&estimate);

@@ -10,12 +10,8 @@ use carve_core::command::memory_model::CommandMemoryModel;
 use carve_core::command::memory_model::learning::{
     LearnedModel, Measurement, Refinement, refine_learned,
 };
-use carve_core::command::spec::CommandSpec;
-use carve_core::command::validate::ValidatedCommandJob;
 use carve_core::plan::RunConfig;
-use carve_core::spec::VramRequest;
-use carve_core::workload::{JobKind, Workload};
-use sha2::{Digest, Sha256};
+use carve_core::workload::{Workload, stored_memory_model_key};
 
 use crate::auth::{Caller, Role};
 use crate::error::SchedulerError;
@@ -57,38 +53,17 @@ fn basis_after(previous: &str, change: &str) -> String {
     basis
 }
 
-fn short_digest(text: &str) -> String {
-    Sha256::digest(text.as_bytes())
-        .iter()
-        .take(16)
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
-}
-
-/// The command of a stored job's spec (job `job_id`'s, of `kind`), read as it was
-/// admitted: only the `command` table is parsed (the rest of the spec is skipped,
-/// whatever its size) and nothing is checked again, so reads never validate. `None` for
-/// a kind without a command. A command job whose command no longer parses is a corrupt
-/// row.
-pub(super) fn stored_command(
-    job_id: &str,
-    kind: JobKind,
-    spec_json: &str,
-) -> Result<Option<CommandSpec>, SchedulerError> {
-    #[derive(serde::Deserialize)]
-    struct CommandOnly {
-        command: CommandSpec,
-    }
-    match kind {
-        JobKind::Model => Ok(None),
-        JobKind::Command => serde_json::from_str::<CommandOnly>(spec_json)
-            .map(|spec| Some(spec.command))
-            .map_err(|error| {
-                SchedulerError::Api(carve_proto::ApiError::Internal(format!(
-                    "corrupt row: jobs {job_id:?} spec_json: {error}"
-                )))
-            }),
-    }
+/// The key of the memory model of a stored job's command (core's
+/// [`stored_memory_model_key`]: only the `command` table read, nothing checked again, so
+/// reads never validate). `None` for a kind without a memory model; a command that no
+/// longer reads is a corrupt row, named.
+pub(super) fn stored_shape_key(job: &JobRecord) -> Result<Option<String>, SchedulerError> {
+    stored_memory_model_key(job.kind, &job.spec_json).map_err(|error| {
+        SchedulerError::Api(carve_proto::ApiError::Internal(format!(
+            "corrupt row: jobs {:?} spec_json: {error}",
+            job.id
+        )))
+    })
 }
 
 /// A command shape's memory model from its stored row: the one decoder, an unreadable row
@@ -109,26 +84,6 @@ pub(super) fn stored_memory_model(
     })
 }
 
-/// The key a command's memory model is stored under (with its tenant): what decides its
-/// memory apart from the knobs Carve turns (argv, environment, working directory, the
-/// precisions and the recompute arguments); not its name, priority or batch sizes.
-pub(super) fn command_shape_key(job: &ValidatedCommandJob) -> String {
-    shape_key_of_command(&job.spec.command)
-}
-
-/// [`command_shape_key`] of a command as stored, unvalidated (validation changes no field
-/// the key reads, so both give the same key).
-pub(super) fn shape_key_of_command(command: &CommandSpec) -> String {
-    let shape = serde_json::json!({
-        "argv": command.argv,
-        "env": command.env,
-        "working_directory": command.working_directory,
-        "precisions": command.precisions,
-        "recompute": command.recompute,
-    });
-    short_digest(&format!("command|{shape}"))
-}
-
 impl Scheduler {
     /// What has been measured of a workload's memory: for a command job of `tenant`, the
     /// memory model `tenant`'s runs of its command left (`None` before one); `None` for
@@ -141,12 +96,12 @@ impl Scheduler {
         tenant: &str,
         workload: &Workload,
     ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
-        let Some(command) = workload.as_command() else {
+        let Some(key) = workload.memory_model_key() else {
             return Ok(None);
         };
-        let declared = command.spec.resources.vram != VramRequest::Auto;
+        let declared = key.declared_bytes.is_some();
         Ok(self
-            .command_memory_model(tenant, &command_shape_key(command))
+            .command_memory_model(tenant, &key.shape_key)
             .await?
             .filter(|known| known.learned.measured || !declared)
             .map(|known| known.model()))
@@ -182,7 +137,8 @@ impl Scheduler {
             .await
     }
 
-    /// Teaches `tenant`'s model of `job`'s command what a run with `config` showed
+    /// Teaches `tenant`'s model of a command shape (`shape_key`, the job's
+    /// [`Workload::memory_model_key`]) what a run with `config` showed
     /// (`measurement`: a measured peak, or what an out-of-memory showed was needed), and
     /// returns the model as it now stands. A shape with no model yet gets none: only a
     /// profile fits one. An outlier (0 B, more than the largest GPU) changes nothing and
@@ -192,12 +148,11 @@ impl Scheduler {
         tenant: &str,
         job_id: &str,
         attempt_number: u32,
-        job: &ValidatedCommandJob,
+        shape_key: &str,
         config: &RunConfig,
         measurement: Measurement,
     ) -> Result<Option<CommandMemoryModel>, SchedulerError> {
-        let shape_key = command_shape_key(job);
-        let Some(known) = self.command_memory_model(tenant, &shape_key).await? else {
+        let Some(known) = self.command_memory_model(tenant, shape_key).await? else {
             return Ok(None);
         };
         let largest = largest_usable_gpu(&self.gpu_states());
@@ -216,7 +171,7 @@ impl Scheduler {
                     config.micro_batch_size
                 );
                 let basis = basis_after(&known.basis, &change);
-                self.put_command_memory_model(tenant, &shape_key, &learned, &basis)
+                self.put_command_memory_model(tenant, shape_key, &learned, &basis)
                     .await?;
                 Ok(Some(learned.model))
             }
@@ -243,11 +198,10 @@ impl Scheduler {
         &self,
         job: &JobRecord,
     ) -> Result<Option<KnownMemoryModel>, SchedulerError> {
-        let Some(command) = stored_command(&job.id, job.kind, &job.spec_json)? else {
+        let Some(shape_key) = stored_shape_key(job)? else {
             return Ok(None);
         };
-        self.command_memory_model(&job.tenant, &shape_key_of_command(&command))
-            .await
+        self.command_memory_model(&job.tenant, &shape_key).await
     }
 
     /// Forgets memory models: the model of the command of the job `job_reference` names
@@ -271,7 +225,7 @@ impl Scheduler {
                     ));
                 }
                 let job = self.visible_job(caller, job_reference).await?;
-                let Some(command) = stored_command(&job.id, job.kind, &job.spec_json)? else {
+                let Some(shape_key) = stored_shape_key(&job)? else {
                     return Err(SchedulerError::invalid_argument(
                         "job_id",
                         format!(
@@ -281,10 +235,7 @@ impl Scheduler {
                     ));
                 };
                 self.store
-                    .delete_command_memory_models(
-                        &job.tenant,
-                        Some(&shape_key_of_command(&command)),
-                    )
+                    .delete_command_memory_models(&job.tenant, Some(&shape_key))
                     .await
             }
             (true, true) => {

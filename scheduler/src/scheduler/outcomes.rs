@@ -151,14 +151,14 @@ impl Scheduler {
         let workload = self.stored_workload(&job).await?;
         // A command job's memory model (by its command's shape) is raised to what this
         // attempt showed it needed; without one, the planner works from the OOM alone.
-        let measured = match workload.as_command() {
-            Some(command) => {
+        let measured = match workload.memory_model_key() {
+            Some(key) => {
                 let needed = report.in_use.saturating_add(report.requested);
                 self.refine_command_memory_model(
                     &job.tenant,
                     &job.id,
                     attempt.attempt_number,
-                    command,
+                    &key.shape_key,
                     &old_config,
                     Measurement::OutOfMemory(needed),
                 )
@@ -364,12 +364,12 @@ impl Scheduler {
         if let (Some(measured), AttemptOutcome::Succeeded) = (measured, outcome) {
             let config = job.config()?;
             let workload = self.stored_workload(&job).await?;
-            if let Some(command) = workload.as_command() {
+            if let Some(key) = workload.memory_model_key() {
                 self.refine_command_memory_model(
                     &job.tenant,
                     &job.id,
                     attempt.attempt_number,
-                    command,
+                    &key.shape_key,
                     &config,
                     Measurement::Peak(measured as u64),
                 )

@@ -10,9 +10,7 @@ use crate::error::SchedulerError;
 use crate::metrics::{ClusterGauges, Metrics, MetricsSource};
 use crate::store::{AttemptRecord, JobFilter, JobRecord};
 
-use super::memory_models::{
-    KnownMemoryModel, shape_key_of_command, stored_command, stored_memory_model,
-};
+use super::memory_models::{KnownMemoryModel, stored_memory_model, stored_shape_key};
 use super::worker_reports::{Gpu, TrainingProgress};
 use super::{RunningAttempt, Scheduler, WorkerState};
 
@@ -96,11 +94,8 @@ impl Scheduler {
         // A command's model is its tenant's: the key is (tenant, shape).
         let mut model_keys: Vec<Option<(String, String)>> = Vec::with_capacity(jobs.len());
         for job in &jobs {
-            model_keys.push(
-                stored_command(&job.id, job.kind, &job.spec_json)?
-                    .as_ref()
-                    .map(|command| (job.tenant.clone(), shape_key_of_command(command))),
-            );
+            model_keys
+                .push(stored_shape_key(job)?.map(|shape_key| (job.tenant.clone(), shape_key)));
         }
         let mut distinct: Vec<(&str, &str)> = model_keys
             .iter()
@@ -109,21 +104,21 @@ impl Scheduler {
             .collect();
         distinct.sort_unstable();
         distinct.dedup();
-        let mut image_digests = self.image_digests_of(&jobs).await?;
         let mut models: HashMap<(String, String), KnownMemoryModel> = HashMap::new();
         for ((tenant, shape_key), stored) in self.store.command_memory_models(&distinct).await? {
             let model = stored_memory_model(&tenant, &shape_key, &stored)?;
             models.insert((tenant, shape_key), model);
         }
+        let mut image_digests = self.image_digests_of(&jobs).await?;
         Ok(jobs
             .into_iter()
-                image_digest: image_digests.remove(&job.id),
-                image_pull: self.image_pull(&job.id),
             .zip(model_keys)
             .map(|(job, model_key)| JobView {
                 attempts: attempts.remove(&job.id).unwrap_or_default(),
                 memory_model: model_key.and_then(|key| models.get(&key).cloned()),
                 progress: self.latest_progress(&job.id),
+                image_digest: image_digests.remove(&job.id),
+                image_pull: self.image_pull(&job.id),
                 job,
             })
             .collect())
@@ -333,15 +328,15 @@ pub struct JobView {
     pub attempts: Vec<AttemptRecord>,
     /// The memory model its command is sized by (its tenant's model of the command,
     /// with what it rests on): a command job's once a profile ran for its shape, `None`
-    /// A command job's image digest, recorded at its first pull.
-    pub image_digest: Option<String>,
-    /// The number of its attempt whose worker is pulling its image, and how far.
-    pub image_pull: Option<(u32, super::worker_reports::ImagePullProgress)>,
     /// for model jobs and before the profile.
     pub memory_model: Option<KnownMemoryModel>,
     /// The number and the latest progress report of its attempt running on this
     /// scheduler, if that reported any.
     pub progress: Option<(u32, TrainingProgress)>,
+    /// A command job's image digest, recorded at its first pull.
+    pub image_digest: Option<String>,
+    /// The number of its attempt whose worker is pulling its image, and how far.
+    pub image_pull: Option<(u32, super::worker_reports::ImagePullProgress)>,
 }
 
 /// One page of ListJobs: jobs newest first, and the token of the next page (`None` on
@@ -487,68 +482,58 @@ fn ambiguous_reference(
 
 #[cfg(test)]
 mod tests {
-    use carve_core::command::validate::validate_command_job_spec;
-
-    use super::super::memory_models::{command_shape_key, shape_key_of_command, stored_command};
-    use carve_core::command::spec::CommandSpec;
+    use carve_core::job_state::JobState;
     use carve_core::workload::JobKind;
 
-    use crate::error::SchedulerError;
+    use super::super::memory_models::stored_shape_key;
+    use crate::store::JobRecord;
 
-    /// A command job's spec as a user may write it, with every field the shape key reads.
-    const PINNED_SPEC: &str = r#"{
-        "name": "pinned",
-        "description": "not part of the key",
-        "command": {
-            "argv": ["python3", "train.py", "--micro-batch", "{micro_batch}",
-                     "--precision", "{precision}", "--steps", "{max_steps}"],
-            "env": { "DATA": "/data/set", "SEED": "7" },
-            "working_directory": "/work",
-            "global_batch": 64,
-            "micro_batch": 32,
-            "steps": 100,
-            "precisions": ["bf16", "fp32"],
-            "recompute": { "argv": ["--checkpointing"] }
-        },
-        "resources": { "vram": "auto" },
-        "oom": { "strategies": ["accumulate"] }
-    }"#;
-
-    /// The key of [`PINNED_SPEC`] as the scheduler computed it before reads stopped
-    /// validating (commit 48efa21): memory models stored under it must still be found.
-    const PINNED_KEY: &str = "b2ed8872a7ff3098860e1dcc4c04cf6d";
-
-    fn stored(spec_json: &str) -> Result<Option<CommandSpec>, SchedulerError> {
-        stored_command("job", JobKind::Command, spec_json)
+    fn stored(kind: JobKind, spec_json: &str) -> JobRecord {
+        JobRecord {
+            id: "job-1".into(),
+            tenant: "acme".into(),
+            name: "pinned".into(),
+            kind,
+            spec_json: spec_json.into(),
+            state: JobState::Queued,
+            priority: 0,
+            submit_sequence: 0,
+            idempotency_key: None,
+            config_json: "{}".into(),
+            estimate_json: "{}".into(),
+            required_bytes: 1,
+            waiting_reason: String::new(),
+            message: String::new(),
+            created_at_ms: 0,
+            finished_at_ms: None,
+            checkpoint_location: None,
+            checkpoint_step: 0,
+            attempts_count: 0,
+        }
     }
 
+    /// Reads find a job's memory model by its command as stored (core's key, pinned in
+    /// `carve_core::workload::memory_model_key`'s tests), without validating it; an
+    /// unreadable command is a corrupt row named by job and column.
     #[test]
-    fn a_stored_command_has_the_shape_key_it_was_admitted_with() {
-        let validated = validate_command_job_spec(serde_json::from_str(PINNED_SPEC).unwrap());
-        assert_eq!(command_shape_key(&validated.unwrap()), PINNED_KEY);
-        let command = stored(PINNED_SPEC).unwrap().unwrap();
-        assert_eq!(shape_key_of_command(&command), PINNED_KEY);
-    }
-
-    #[test]
-    fn reading_a_stored_command_does_not_validate_it() {
-        // global_batch 0 and a relative working directory fail validation; a read of a
-        // row stored by an older, laxer version still finds its shape.
-        let lax = PINNED_SPEC
-            .replace(r#""global_batch": 64"#, r#""global_batch": 0"#)
-            .replace(r#""/work""#, r#""work""#);
-        assert!(validate_command_job_spec(serde_json::from_str(&lax).unwrap()).is_err());
-        assert!(stored(&lax).unwrap().is_some());
-        // A model job has no command (its text is not read); an unreadable row is an
-        // error naming it.
+    fn a_stored_jobs_memory_model_key_is_read_from_its_command_alone() {
+        let lax = r#"{"name": "x", "command": {"argv": ["python3", "t.py"], "global_batch": 0,
+                      "working_directory": "relative"}}"#;
         assert!(
-            stored_command("job", JobKind::Model, PINNED_SPEC)
+            stored_shape_key(&stored(JobKind::Command, lax))
                 .unwrap()
-                .is_none()
+                .is_some()
         );
-        let error = stored(r#"{"command": {"argv": 3}}"#).unwrap_err();
+        assert_eq!(
+            stored_shape_key(&stored(JobKind::Model, lax)).unwrap(),
+            None
+        );
+        let error =
+            stored_shape_key(&stored(JobKind::Command, r#"{"command": {"argv": 3}}"#)).unwrap_err();
         assert!(
-            error.to_string().contains(r#"jobs "job" spec_json"#),
+            error
+                .to_string()
+                .contains(r#"jobs "job-1" spec_json: command"#),
             "{error}"
         );
     }

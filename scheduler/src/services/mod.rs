@@ -305,14 +305,8 @@ impl JobService for Services {
         if request.slice_bytes == Some(0) {
             return Err(invalid("slice_bytes", "must be larger than 0"));
         }
-        if carve_proto::convert::is_command_spec_json(&request.spec_json) {
-            return Err(invalid(
-                "spec",
-                carve_proto::convert::COMMAND_JOB_HAS_NO_ESTIMATE,
-            ));
-        }
-        let mut spec =
-            carve_proto::convert::job_spec_from_json(&request.spec_json).map_err(Status::from)?;
+        let mut spec = carve_proto::convert::estimable_job_spec_from_json(&request.spec_json)
+            .map_err(Status::from)?;
         if let Some(batch_size) = request.batch_size {
             spec.training.batch_size = batch_size;
         }
