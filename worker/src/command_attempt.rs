@@ -38,6 +38,7 @@ use crate::command_output::{
     LineTail, ProgressLine, ProgressPacing, STDERR_TAIL_LINES, parse_progress_line,
     start_error_text,
 };
+use crate::gang_member::GangMemberLaunch;
 use crate::guard_environment::AttemptGuard;
 use crate::image::{ImageRequest, PullProgress, PulledImage, RegistryCredential};
 use crate::program_output::{MOST_LINE_BYTES, OutputLine, OutputStream, ProgramOutput};
@@ -127,6 +128,40 @@ impl CommandProcesses for () {
 pub async fn run_command_attempt(
     launch: CommandAttemptLaunch,
     reports: mpsc::UnboundedSender<Body>,
+    control: mpsc::UnboundedReceiver<AttemptControl>,
+    processes: impl CommandProcesses,
+    before_final_report: impl FnOnce(),
+) {
+    run_attempt(launch, None, reports, control, processes, before_final_report).await;
+}
+
+/// As [`run_command_attempt`], for one member of a gang (issue 31,
+/// [`crate::gang_member`]): the program gets its place in the gang in its argv and
+/// environment, and its container shares the node's network so that the members meet.
+/// Its reports name the member by `launch.attempt.gang_rank`, which the caller sets.
+pub async fn run_gang_member_attempt(
+    launch: CommandAttemptLaunch,
+    gang: GangMemberLaunch,
+    reports: mpsc::UnboundedSender<Body>,
+    control: mpsc::UnboundedReceiver<AttemptControl>,
+    processes: impl CommandProcesses,
+    before_final_report: impl FnOnce(),
+) {
+    run_attempt(
+        launch,
+        Some(&gang),
+        reports,
+        control,
+        processes,
+        before_final_report,
+    )
+    .await;
+}
+
+async fn run_attempt(
+    launch: CommandAttemptLaunch,
+    gang: Option<&GangMemberLaunch>,
+    reports: mpsc::UnboundedSender<Body>,
     mut control: mpsc::UnboundedReceiver<AttemptControl>,
     mut processes: impl CommandProcesses,
     before_final_report: impl FnOnce(),
@@ -150,6 +185,7 @@ pub async fn run_command_attempt(
         announced: false,
         runs: 0,
         image: image.as_ref(),
+        gang,
     };
     let finals = if launch.profile {
         runner.profile().await
@@ -207,6 +243,8 @@ struct Runner<'a, P: CommandProcesses> {
     runs: u32,
     /// The job's image (`command.image`), held in the cache while the attempt runs.
     image: Option<&'a PulledImage>,
+    /// The attempt's place in its gang; `None` for a single process.
+    gang: Option<&'a GangMemberLaunch>,
 }
 
 impl<P: CommandProcesses> Runner<'_, P> {

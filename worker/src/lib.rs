@@ -42,6 +42,7 @@ pub mod child_protocol;
 pub mod command_attempt;
 pub mod command_output;
 pub mod error;
+pub mod gang_member;
 pub mod gpus;
 pub mod guard_environment;
 pub mod image;

@@ -13,6 +13,7 @@ use carve_proto::client::ClientIdentity;
 use carve_proto::logging::{LogFormat, init_logging};
 use carve_worker::attempt_child::{AttemptArguments, attempt_command};
 use carve_worker::attempt_limits::{DEFAULT_MEASURE_INTERVAL, RunLimits};
+use carve_worker::gang_member::{GangSettings, parse_gang_ports};
 use carve_worker::gpus::parse_simulated_gpus;
 use carve_worker::image::ImageSettings;
 use carve_worker::sandbox::cdi::DEFAULT_CDI_DIRECTORIES;
@@ -155,6 +156,16 @@ struct Arguments {
     /// org.opencontainers.image.ref.name (an air-gapped node's images). Repeat for more.
     #[arg(long = "image-layout", value_name = "DIR")]
     image_layout: Vec<PathBuf>,
+    /// The address gang members on other nodes reach this node's rank-0 members at
+    /// (reported at registration). Default: the local address of this node's route to
+    /// the scheduler, else 127.0.0.1.
+    #[arg(long, env = "CARVE_ADVERTISE_ADDRESS", value_name = "IP")]
+    advertise_address: Option<std::net::IpAddr>,
+    /// The ports the scheduler may name as the master port of a gang over several nodes
+    /// whose rank 0 runs here, FIRST-LAST. A gang on one node gets a free port the
+    /// worker picks instead.
+    #[arg(long, env = "CARVE_GANG_PORTS", default_value = "29500-29999", value_parser = parse_gang_ports)]
+    gang_ports: std::ops::RangeInclusive<u16>,
 }
 
 fn parse_tenant_limits_argument(text: &str) -> Result<(String, TenantLimits), String> {
@@ -303,6 +314,10 @@ fn run(arguments: Arguments) -> Result<()> {
             layout_directories: arguments.image_layout,
             ..ImageSettings::under(&config.checkpoint_directory)
         }),
+    };
+    config.gang = GangSettings {
+        advertise_address: arguments.advertise_address,
+        ports: arguments.gang_ports,
     };
     config.run_limits = RunLimits {
         max_duration: arguments.attempt_max_duration.0,

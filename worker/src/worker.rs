@@ -25,6 +25,7 @@ use crate::attempt_limits::{
 };
 use crate::attempt_process::AttemptControl;
 use crate::error::WorkerError;
+use crate::gang_member::{GangPorts, GangSettings, advertise_address};
 use crate::gpus::{SimulatedGpu, SliceBook, WorkerGpu, discover_gpus};
 use crate::guard_environment::{find_guard_library, find_simulated_guard_library};
 use crate::leader_lease::{LeaderLease, stop_attempts_without_a_leader};
@@ -105,6 +106,9 @@ pub struct WorkerConfig {
     /// it, as real GPUs get it over NVML. On by default; a test turns it off to show what
     /// the watchdog stops.
     pub watch_simulated_gpus: bool,
+    /// Gangs (issue 31): the address reported for rank-0 members and the master ports
+    /// offered (`--advertise-address`, `--gang-ports`; see [`crate::gang_member`]).
+    pub gang: GangSettings,
 }
 
 /// The default context reservation, on real and simulated GPUs alike: what an attempt
@@ -143,6 +147,7 @@ impl WorkerConfig {
             sandbox: SandboxSettings::default(),
             run_limits: RunLimits::default(),
             watch_simulated_gpus: true,
+            gang: GangSettings::default(),
         }
     }
 }
@@ -223,21 +228,33 @@ fn container_name(attempt: &v1::AttemptRef) -> String {
             }
         })
         .collect();
-    format!("carve-{job}-{}", attempt.attempt_number)
+    match attempt.gang_rank {
+        Some(rank) => format!("carve-{job}-{}-rank{rank}", attempt.attempt_number),
+        None => format!("carve-{job}-{}", attempt.attempt_number),
+    }
 }
 
 /// One attempt's own directory in the checkpoint directory: its spec file, or a command
 /// job's guard account and OOM record and its working directory when the spec names none.
 pub fn attempt_directory(checkpoint_directory: &Path, attempt: &v1::AttemptRef) -> PathBuf {
+    // A gang's members on one worker each have their own (issue 31).
+    let member = attempt
+        .gang_rank
+        .map(|rank| format!(".rank-{rank}"))
+        .unwrap_or_default();
     checkpoint_directory.join(format!(
-        "{}.attempt-{}.run",
+        "{}.attempt-{}{member}.run",
         attempt.job_id, attempt.attempt_number
     ))
 }
 
-/// `job/attempt`: names one attempt in the worker's tables.
+/// `job/attempt` (`job/attempt/rank-R` for a gang's member): names one attempt in the
+/// worker's tables.
 fn attempt_key(attempt: &v1::AttemptRef) -> String {
-    format!("{}/{}", attempt.job_id, attempt.attempt_number)
+    match attempt.gang_rank {
+        Some(rank) => format!("{}/{}/rank-{rank}", attempt.job_id, attempt.attempt_number),
+        None => format!("{}/{}", attempt.job_id, attempt.attempt_number),
+    }
 }
 
 fn lock(shared: &Shared) -> MutexGuard<'_, SharedState> {
@@ -292,6 +309,8 @@ struct Worker {
     sandbox: Option<Arc<Sandbox>>,
     /// The simulated GPUs' ledgers by uuid (none with `watch_simulated_gpus` off).
     simulated_gpu_ledgers: HashMap<String, Arc<SimulatedGpuLedger>>,
+    /// The master ports of the one-node gangs whose members run here.
+    gang_ports: Arc<GangPorts>,
 }
 
 /// Runs the worker until `shutdown` completes; then stops its attempts.
@@ -401,6 +420,7 @@ pub async fn run_worker(
         simulated_guard_library,
         sandbox,
         simulated_gpu_ledgers,
+        gang_ports: Arc::default(),
     };
     tokio::pin!(shutdown);
     let mut stopped_by: Option<WorkerError> = None;
@@ -488,10 +508,14 @@ impl Worker {
     }
 
     async fn start_attempt(&mut self, assignment: v1::scheduler_message::Assignment) {
-        let Some(attempt) = assignment.attempt.clone() else {
+        let Some(mut attempt) = assignment.attempt.clone() else {
             tracing::warn!("an assignment without an attempt: ignored");
             return;
         };
+        // A gang's member is named by its rank in every report and table (issue 31).
+        if let Some(gang) = &assignment.gang {
+            attempt.gang_rank = Some(gang.rank);
+        }
         if self.draining {
             // The scheduler places nothing on a draining worker, so an assignment after
             // a drain means an operator took the drain back (the protocol has no undrain
@@ -572,6 +596,12 @@ impl Worker {
         // Each kind has its own launcher: the engine's attempt process or the program
         // under the guard.
         match spec {
+            // A model job is one engine process in one slice (issue 31: only command
+            // jobs are gangs); the scheduler never sends one, and it is refused here.
+            Workload::Model(_) if assignment.gang.is_some() => Err(WorkerError::Attempt(
+                "a model job runs in one slice: the assignment's gang is for command jobs"
+                    .to_string(),
+            )),
             Workload::Model(job) => {
                 self.launch_model(assignment, attempt, config, gpu, &job, max_duration)
                     .await

@@ -20,6 +20,10 @@ pub const PLACEHOLDERS: &[&str] = &[
     "precision",
     "checkpoint_dir",
     "max_steps",
+    "rank",
+    "world_size",
+    "master_addr",
+    "master_port",
 ];
 
 /// The environment variables the worker sets for every run of a command job, whether or
@@ -33,6 +37,31 @@ pub const ENVIRONMENT_CHECKPOINT_DIR: &str = "CARVE_CHECKPOINT_DIR";
 pub const ENVIRONMENT_MAX_STEPS: &str = "CARVE_MAX_STEPS";
 /// "1" when recomputation is on, "0" otherwise.
 pub const ENVIRONMENT_RECOMPUTE: &str = "CARVE_RECOMPUTE";
+
+/// What `torch.distributed`'s env:// (and `torchrun`, JAX's multi-process start) read,
+/// set for every member of a gang (issue 31) and for no other run.
+pub const ENVIRONMENT_RANK: &str = "RANK";
+pub const ENVIRONMENT_WORLD_SIZE: &str = "WORLD_SIZE";
+pub const ENVIRONMENT_LOCAL_RANK: &str = "LOCAL_RANK";
+pub const ENVIRONMENT_LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+pub const ENVIRONMENT_NODE_RANK: &str = "NODE_RANK";
+pub const ENVIRONMENT_MASTER_ADDR: &str = "MASTER_ADDR";
+pub const ENVIRONMENT_MASTER_PORT: &str = "MASTER_PORT";
+
+/// One member's place in its gang (issue 31): the values of `{rank}`, `{world_size}`,
+/// `{master_addr}`, `{master_port}` and of the variables above. A run without one is a
+/// single process: `{rank}` is 0, `{world_size}` 1, and `{master_addr}`/`{master_port}`
+/// have no value (an error naming the field).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GangMemberPlace {
+    pub rank: u32,
+    pub world_size: u32,
+    pub local_rank: u32,
+    pub local_world_size: u32,
+    pub node_rank: u32,
+    pub master_addr: String,
+    pub master_port: u16,
+}
 
 /// One run: the program, its arguments and the environment Carve adds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -163,6 +192,30 @@ pub fn render_command(
     checkpoint_dir: &str,
     max_steps: Option<u64>,
 ) -> Result<RenderedCommand, FieldError> {
+    render(job, config, checkpoint_dir, max_steps, None)
+}
+
+/// As [`render_command`], for one member of a gang: `config.batch_size` is still the
+/// global batch, shared by all members, so each member runs `global_batch / (micro_batch
+/// x world_size)` accumulation steps (`{accumulation_steps}`), and the `torch.distributed`
+/// variables are set ([`ENVIRONMENT_RANK`] and the others, over the job's own `env`).
+pub fn render_gang_member_command(
+    job: &ValidatedCommandJob,
+    config: &RunConfig,
+    checkpoint_dir: &str,
+    max_steps: Option<u64>,
+    member: &GangMemberPlace,
+) -> Result<RenderedCommand, FieldError> {
+    render(job, config, checkpoint_dir, max_steps, Some(member))
+}
+
+fn render(
+    job: &ValidatedCommandJob,
+    config: &RunConfig,
+    checkpoint_dir: &str,
+    max_steps: Option<u64>,
+    member: Option<&GangMemberPlace>,
+) -> Result<RenderedCommand, FieldError> {
     let command = &job.spec.command;
     if !command.precisions.contains(&config.precision) {
         return Err(FieldError::new(
@@ -188,13 +241,28 @@ pub fn render_command(
             ),
         ));
     }
+    let world_size = member.map_or(1, |member| u64::from(member.world_size));
+    let per_member_samples = config.micro_batch_size.saturating_mul(world_size);
+    if world_size == 0 || !config.batch_size.is_multiple_of(per_member_samples) {
+        return Err(FieldError::new(
+            "command.global_batch",
+            format!(
+                "micro-batch {} x {world_size} gang members does not divide the global batch {}",
+                config.micro_batch_size, config.batch_size
+            ),
+        ));
+    }
     let values = PlaceholderValues {
         micro_batch: config.micro_batch_size.to_string(),
-        accumulation_steps: config.accumulation_steps().to_string(),
+        accumulation_steps: (config.batch_size / per_member_samples).to_string(),
         global_batch: config.batch_size.to_string(),
         precision: config.precision.name().to_string(),
         checkpoint_dir: checkpoint_dir.to_string(),
         max_steps: max_steps.or(command.steps).map(|steps| steps.to_string()),
+        rank: member.map_or(0, |member| member.rank).to_string(),
+        world_size: world_size.to_string(),
+        master_addr: member.map(|member| member.master_addr.clone()),
+        master_port: member.map(|member| member.master_port.to_string()),
     };
     let recompute_argv = command
         .recompute
@@ -244,6 +312,23 @@ pub fn render_command(
         "0"
     };
     env.insert(ENVIRONMENT_RECOMPUTE.to_string(), recompute.to_string());
+    if let Some(member) = member {
+        let gang_variables = [
+            (ENVIRONMENT_RANK, member.rank.to_string()),
+            (ENVIRONMENT_WORLD_SIZE, member.world_size.to_string()),
+            (ENVIRONMENT_LOCAL_RANK, member.local_rank.to_string()),
+            (
+                ENVIRONMENT_LOCAL_WORLD_SIZE,
+                member.local_world_size.to_string(),
+            ),
+            (ENVIRONMENT_NODE_RANK, member.node_rank.to_string()),
+            (ENVIRONMENT_MASTER_ADDR, member.master_addr.clone()),
+            (ENVIRONMENT_MASTER_PORT, member.master_port.to_string()),
+        ];
+        for (name, value) in gang_variables {
+            env.insert(name.to_string(), value);
+        }
+    }
     Ok(RenderedCommand {
         argv,
         env,
@@ -260,6 +345,11 @@ struct PlaceholderValues {
     checkpoint_dir: String,
     /// `None` when the run has no step limit.
     max_steps: Option<String>,
+    rank: String,
+    world_size: String,
+    /// `None` outside a gang.
+    master_addr: Option<String>,
+    master_port: Option<String>,
 }
 
 impl PlaceholderValues {
@@ -277,6 +367,24 @@ impl PlaceholderValues {
                         "global_batch" => &self.global_batch,
                         "precision" => &self.precision,
                         "checkpoint_dir" => &self.checkpoint_dir,
+                        "rank" => &self.rank,
+                        "world_size" => &self.world_size,
+                        "master_addr" | "master_port" => {
+                            let value = if name == "master_addr" {
+                                &self.master_addr
+                            } else {
+                                &self.master_port
+                            };
+                            value.as_ref().ok_or_else(|| {
+                                FieldError::new(
+                                    field,
+                                    format!(
+                                        "{{{name}}} has no value: this run is one process, \
+                                         not a member of a gang"
+                                    ),
+                                )
+                            })?
+                        }
                         _ => self.max_steps.as_ref().ok_or_else(|| {
                             FieldError::new(
                                 field,
@@ -360,6 +468,101 @@ recompute = { argv = ["--recompute", "--segments={accumulation_steps}"] }
         .map(|(name, value)| (name.to_string(), value.to_string()))
         .collect();
         assert_eq!(rendered.env, expected_env);
+    }
+
+    const GANG_JOB: &str = r#"
+name = "gang"
+[command]
+argv = ["python3", "dp.py", "--rank", "{rank}", "--world", "{world_size}",
+        "--master={master_addr}:{master_port}", "--micro", "{micro_batch}",
+        "--accumulation", "{accumulation_steps}", "--global", "{global_batch}"]
+env = { RANK = "7", KEPT = "{rank} of {world_size}" }
+global_batch = 64
+micro_batch = 8
+"#;
+
+    fn member(rank: u32) -> GangMemberPlace {
+        GangMemberPlace {
+            rank,
+            world_size: 4,
+            local_rank: rank % 2,
+            local_world_size: 2,
+            node_rank: rank / 2,
+            master_addr: "10.0.0.5".into(),
+            master_port: 29_501,
+        }
+    }
+
+    #[test]
+    fn a_gang_member_renders_its_rank_and_master_and_shares_the_global_batch() {
+        let job = job(GANG_JOB);
+        let config = job.initial_config();
+        let rendered =
+            render_gang_member_command(&job, &config, "/ckpt/job-1", None, &member(3)).unwrap();
+        assert_eq!(
+            rendered.argv[2..],
+            [
+                "--rank",
+                "3",
+                "--world",
+                "4",
+                "--master=10.0.0.5:29501",
+                "--micro",
+                "8",
+                // 64 = 8 x 4 members x 2 accumulation steps.
+                "--accumulation",
+                "2",
+                "--global",
+                "64",
+            ]
+        );
+        let expected = [
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("NODE_RANK", "1"),
+            ("MASTER_ADDR", "10.0.0.5"),
+            ("MASTER_PORT", "29501"),
+            ("KEPT", "3 of 4"),
+            ("CARVE_ACCUMULATION_STEPS", "2"),
+            ("CARVE_GLOBAL_BATCH", "64"),
+        ];
+        for (name, value) in expected {
+            assert_eq!(rendered.env[name], value, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_single_process_is_rank_0_of_1_and_has_no_master() {
+        let gang = job(GANG_JOB);
+        let error = render_command(&gang, &gang.initial_config(), "/ckpt", None).unwrap_err();
+        assert_eq!(error.field, "command.argv[6]");
+        assert!(
+            error.reason.contains("{master_addr} has no value"),
+            "{error}"
+        );
+        let without_master = GANG_JOB.replace("\"--master={master_addr}:{master_port}\", ", "");
+        let single = job(&without_master);
+        let rendered = render_command(&single, &single.initial_config(), "/ckpt", None).unwrap();
+        assert_eq!(rendered.argv[3], "0");
+        assert_eq!(rendered.argv[5], "1");
+        assert_eq!(rendered.env["RANK"], "7", "the job's own env, untouched");
+        assert!(!rendered.env.contains_key("MASTER_PORT"));
+    }
+
+    #[test]
+    fn a_gang_whose_members_cannot_split_the_global_batch_is_refused_by_field() {
+        let job = job(GANG_JOB);
+        let config = RunConfig {
+            micro_batch_size: 32,
+            ..job.initial_config()
+        };
+        // 32 x 4 members is more than the global batch of 64.
+        let error =
+            render_gang_member_command(&job, &config, "/ckpt", None, &member(0)).unwrap_err();
+        assert_eq!(error.field, "command.global_batch");
+        assert!(error.reason.contains("4 gang members"), "{error}");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use carve_core::command::render::render_command;
+use carve_core::command::render::{render_command, render_gang_member_command};
 use tokio::process::Command;
 
 use super::{CommandProcesses, ENVIRONMENT_SLICE_BYTES, RunPlan, Runner};
@@ -53,12 +53,17 @@ impl<P: CommandProcesses> Runner<'_, P> {
             })
             .transpose()
             .map_err(|error| error.to_string())?;
-        let rendered = render_command(
-            &launch.job,
-            &plan.config,
-            &plan.checkpoint_dir.to_string_lossy(),
-            plan.max_steps,
-        )
+        let checkpoint_dir = plan.checkpoint_dir.to_string_lossy();
+        let rendered = match self.gang {
+            Some(gang) => render_gang_member_command(
+                &launch.job,
+                &plan.config,
+                &checkpoint_dir,
+                plan.max_steps,
+                &gang.place,
+            ),
+            None => render_command(&launch.job, &plan.config, &checkpoint_dir, plan.max_steps),
+        }
         .map_err(|error| format!("cannot render the command: {error}"))?;
         if rendered.argv.is_empty() {
             return Err("the command is empty".to_string());
@@ -84,6 +89,8 @@ impl<P: CommandProcesses> Runner<'_, P> {
             ENVIRONMENT_SLICE_BYTES.to_string(),
             launch.slice_bytes.to_string(),
         );
+        // A gang member's rendezvous deadline and gang (RANK and the others are core's).
+        environment.extend(self.gang.into_iter().flat_map(|gang| gang.environment()));
         // Python block-buffers stdout into a pipe: what a program printed would reach
         // the log after the traceback that followed it on stderr. Unless the job says
         // otherwise, its lines go out as they are printed.
@@ -204,6 +211,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
         };
         let Some(image) = self.image else {
             let (command, container) = sandbox.prepare(&request)?;
+            self.share_network_with_gang(sandbox, &container, &request.name)?;
             return Ok((command, container, None));
         };
         // The host driver's libraries (a CDI spec's mounts) are bound at their host
@@ -223,6 +231,23 @@ impl<P: CommandProcesses> Runner<'_, P> {
             &sandbox.images().runs_directory(),
             &library_directories,
         )?;
+        self.share_network_with_gang(sandbox, &container, &request.name)?;
         Ok((command, container, Some(root)))
+    }
+
+    /// A gang member's container goes onto the node's network, where its gang meets
+    /// (the trade-off: `crate::gang_member`'s docs); a single process keeps its own.
+    fn share_network_with_gang(
+        &self,
+        sandbox: &Sandbox,
+        container: &Container,
+        name: &str,
+    ) -> Result<(), WorkerError> {
+        if self.gang.is_none() {
+            return Ok(());
+        }
+        sandbox
+            .share_host_network(name)
+            .inspect_err(|_| container.remove())
     }
 }

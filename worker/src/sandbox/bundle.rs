@@ -479,7 +479,7 @@ fn mounts(
 
 /// A bind mount of a host path at the same path, never with set-uid programs or device
 /// nodes.
-fn bind(path: &str, writable: bool) -> Result<Mount, WorkerError> {
+pub(super) fn bind(path: &str, writable: bool) -> Result<Mount, WorkerError> {
     let access = if writable { "rw" } else { "ro" };
     MountBuilder::default()
         .destination(path)

@@ -28,6 +28,7 @@
 mod bundle;
 pub mod cdi;
 mod cgroups;
+mod gang_network;
 mod identities;
 mod image_bundle;
 mod limits;

@@ -8,6 +8,7 @@ use std::time::Instant;
 use carve_core::command::validate::ValidatedCommandJob;
 use carve_core::plan::RunConfig;
 use carve_proto::v1;
+use carve_proto::v1::worker_message::Body;
 use tokio::sync::mpsc;
 
 use super::{
@@ -15,8 +16,11 @@ use super::{
     container_name, job_directory, lock,
 };
 use crate::attempt_limits::MaxDuration;
-use crate::command_attempt::{CommandAttemptLaunch, CommandProcesses, run_command_attempt};
+use crate::command_attempt::{
+    CommandAttemptLaunch, CommandProcesses, run_command_attempt, run_gang_member_attempt,
+};
 use crate::error::WorkerError;
+use crate::gang_member::{GangRefusal, member_checkpoint_directory, member_launch};
 use crate::gpus::WorkerGpu;
 use crate::leftover_processes::{record_for, write_record};
 use crate::sandbox::{GpuDevices, gpu_devices};
@@ -45,7 +49,31 @@ impl Worker {
                 )
             })?)
         };
+        // A gang's member (issue 31): its place in the gang, or the reason it cannot run
+        // here (the master port taken on rank 0's node: interrupted, so the gang is
+        // retried), reported as the attempt's end.
+        let gang = match &assignment.gang {
+            None => None,
+            Some(gang) => match member_launch(gang, &self.gang_ports) {
+                Ok(member) => Some(member),
+                Err(refusal) => {
+                    tracing::warn!(job = %attempt.job_id, rank = gang.rank, reason = %refusal.reason, "gang member refused");
+                    lock(&self.shared)
+                        .slices
+                        .release(&gpu.uuid, &attempt_key(attempt));
+                    let _ = self.reports.send(refused_member(attempt, refusal));
+                    return Ok(());
+                }
+            },
+        };
         let directory = &self.config.checkpoint_directory;
+        // Rank 0 keeps the job's directory; the others have their own beside it.
+        let checkpoint_dir = match &gang {
+            Some(gang) => {
+                member_checkpoint_directory(&job_directory(directory, attempt), gang.place.rank)
+            }
+            None => job_directory(directory, attempt),
+        };
         let launch = CommandAttemptLaunch {
             attempt: attempt.clone(),
             job,
@@ -53,7 +81,7 @@ impl Worker {
             slice_bytes: assignment.slice_bytes,
             gpu_uuid: gpu.uuid.clone(),
             guard_library,
-            checkpoint_dir: job_directory(directory, attempt),
+            checkpoint_dir,
             attempt_directory: attempt_directory(directory, attempt),
             profile: assignment.profile,
             sandbox: self.sandbox.clone(),
@@ -111,19 +139,46 @@ impl Worker {
         };
         let shared = self.shared.clone();
         let gpu_uuid = gpu.uuid.clone();
-        tokio::spawn(run_command_attempt(
-            launch,
-            self.reports.clone(),
-            control_receiver,
-            processes,
-            move || {
-                let mut shared = lock(&shared);
-                shared.running.remove(&key);
-                shared.slices.release(&gpu_uuid, &key);
-            },
-        ));
+        let gang_ports = self.gang_ports.clone();
+        let gang_id = gang.as_ref().map(|gang| gang.gang_id.clone());
+        let ended = move || {
+            let mut shared = lock(&shared);
+            shared.running.remove(&key);
+            shared.slices.release(&gpu_uuid, &key);
+            if let Some(gang_id) = gang_id {
+                gang_ports.member_ended(&gang_id);
+            }
+        };
+        let reports = self.reports.clone();
+        match gang {
+            Some(gang) => tokio::spawn(run_gang_member_attempt(
+                launch,
+                gang,
+                reports,
+                control_receiver,
+                processes,
+                ended,
+            )),
+            None => tokio::spawn(run_command_attempt(
+                launch,
+                reports,
+                control_receiver,
+                processes,
+                ended,
+            )),
+        };
         Ok(())
     }
+}
+
+/// The end of a gang member that could not be launched.
+fn refused_member(attempt: &v1::AttemptRef, refusal: GangRefusal) -> Body {
+    Body::AttemptFinished(v1::worker_message::AttemptFinished {
+        attempt: Some(attempt.clone()),
+        outcome: refusal.outcome as i32,
+        message: refusal.reason,
+        ..Default::default()
+    })
 }
 
 /// The worker's tables kept up to date with a command attempt's processes.

@@ -52,7 +52,15 @@ impl Worker {
             gpus: self.gpus_proto(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             previous_worker_id: self.worker_id.clone(),
-            ..Default::default()
+            // Gangs (issue 31): where other nodes' members reach rank 0 here, and the
+            // ports the scheduler may name for its master.
+            advertise_address: advertise_address(
+                self.config.gang.advertise_address,
+                &self.config.scheduler_url,
+            )
+            .to_string(),
+            gang_port_first: u32::from(*self.config.gang.ports.start()),
+            gang_port_last: u32::from(*self.config.gang.ports.end()),
         });
         registration.set_timeout(REGISTER_DEADLINE);
         let registered = client.register(registration).await;
@@ -240,19 +248,38 @@ impl Worker {
                     return;
                 };
                 let shared = lock(&self.shared);
-                match shared.running.get(&attempt_key(&attempt)) {
-                    Some(running) => {
-                        let _ = running.control.send(AttemptControl::Cancel {
-                            grace_period: proto_duration(cancel.grace_period)
-                                .unwrap_or(Duration::ZERO),
-                            reason: if cancel.reason.is_empty() {
-                                "cancelled by the scheduler".into()
-                            } else {
-                                cancel.reason
-                            },
-                        });
-                    }
-                    _ => tracing::info!(
+                // A cancel that names no member of a gang stops every member of the
+                // attempt here (issue 31: a gang ends whole); one that names a member,
+                // that member; any other, its one attempt.
+                let cancelled: Vec<&RunningAttempt> = match attempt.gang_rank {
+                    Some(_) => shared
+                        .running
+                        .get(&attempt_key(&attempt))
+                        .into_iter()
+                        .collect(),
+                    None => shared
+                        .running
+                        .values()
+                        .filter(|running| {
+                            running.attempt.job_id == attempt.job_id
+                                && running.attempt.attempt_number == attempt.attempt_number
+                        })
+                        .collect(),
+                };
+                let reason = if cancel.reason.is_empty() {
+                    "cancelled by the scheduler".to_string()
+                } else {
+                    cancel.reason
+                };
+                for running in &cancelled {
+                    let _ = running.control.send(AttemptControl::Cancel {
+                        grace_period: proto_duration(cancel.grace_period).unwrap_or(Duration::ZERO),
+                        reason: reason.clone(),
+                    });
+                }
+                match cancelled.first() {
+                    Some(_) => {}
+                    None => tracing::info!(
                         job = %attempt.job_id,
                         attempt = attempt.attempt_number,
                         "cancel for an attempt that does not run here"
