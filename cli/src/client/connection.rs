@@ -25,6 +25,7 @@ use carve_proto::v1;
 use carve_proto::v1::admin_service_client::AdminServiceClient;
 use carve_proto::v1::cluster_service_client::ClusterServiceClient;
 use carve_proto::v1::job_service_client::JobServiceClient;
+use carve_proto::v1::secret_service_client::SecretServiceClient;
 use serde::Deserialize;
 use tonic::service::interceptor::InterceptedService;
 
@@ -579,6 +580,10 @@ impl Connection {
 
     pub fn admin(&self) -> AdminServiceClient<CallChannel> {
         AdminServiceClient::new(self.channel.clone())
+    }
+
+    pub fn secrets(&self) -> SecretServiceClient<CallChannel> {
+        SecretServiceClient::new(self.channel.clone())
     }
 
     /// A status from this scheduler as a failure with its exit code; `action` says

@@ -309,6 +309,10 @@ fn print_job_details(job: &v1::Job) {
     if job.finished_at.is_some() {
         println!("  finished:   {}", timestamp_text(job.finished_at.as_ref()));
     }
+    if !job.image_digest.is_empty() {
+        // The bytes every attempt of the job runs, whatever its tag names now.
+        println!("  image:      {}", job.image_digest);
+    }
     if let Some(progress) = progress_text(job) {
         println!("  progress:   {progress}");
     }

@@ -19,6 +19,7 @@ pub mod logs;
 pub mod memory_models;
 pub mod output;
 pub mod overrides;
+pub mod secrets;
 pub mod spec_errors;
 pub mod watch;
 
@@ -50,6 +51,9 @@ pub enum ClientCommand {
     /// profiles again.
     ResetModel(memory_models::ResetModelArguments),
     /// Shows the workers and every GPU as a bar of its memory carved into slices;
+    /// Manages your tenant's secrets (registry credentials a job's
+    /// command.image_pull_secret names): create from a file or stdin, list, delete.
+    Secret(secrets::SecretArguments),
     /// `drain` and `undrain` a worker (admins).
     Cluster(cluster::ClusterArguments),
     /// Manages tenants, quotas and tokens (admin token required).
@@ -91,4 +95,5 @@ pub fn run(command: ClientCommand, cli: impl FnOnce() -> clap::Command) -> Resul
             ClientCommand::Completions(_) => Ok(ExitCode::SUCCESS),
         }
     })
+            ClientCommand::Secret(arguments) => secrets::secret(arguments).await,
 }
