@@ -1,5 +1,5 @@
 //! The `carve` commands that talk to a scheduler over gRPC (submit, jobs, get, watch,
-//! logs, cancel, cluster, admin), and `carve completions`.
+//! logs, cancel, cluster, admin, usage), and `carve completions`.
 //!
 //! One file per command group; the pieces they share are [`connection`] (the options,
 //! the config file and the authenticated channel), [`output`] (tables, JSON and YAML,
@@ -21,6 +21,7 @@ pub mod output;
 pub mod overrides;
 pub mod secrets;
 pub mod spec_errors;
+pub mod usage;
 pub mod watch;
 
 use std::process::ExitCode;
@@ -50,14 +51,18 @@ pub enum ClientCommand {
     /// are per tenant), or with --all every model of a tenant: the next vram = "auto" job
     /// profiles again.
     ResetModel(memory_models::ResetModelArguments),
-    /// Shows the workers and every GPU as a bar of its memory carved into slices;
     /// Manages your tenant's secrets (registry credentials a job's
     /// command.image_pull_secret names): create from a file or stdin, list, delete.
     Secret(secrets::SecretArguments),
+    /// Shows the workers and every GPU as a bar of its memory carved into slices;
     /// `drain` and `undrain` a worker (admins).
     Cluster(cluster::ClusterArguments),
     /// Manages tenants, quotas and tokens (admin token required).
     Admin(admin::AdminArguments),
+    /// Who used what over a period: per tenant and per user (the submitting token), per
+    /// GPU type: jobs, attempts, GPU-hours, VRAM requested vs used, OOM retries,
+    /// preemptions, queue times (your tenant; every tenant for admins).
+    Usage(usage::UsageArguments),
     /// Prints a shell completion script: `carve completions bash > /etc/bash_completion.d/carve`.
     Completions(CompletionsArguments),
 }
@@ -90,10 +95,11 @@ pub fn run(command: ClientCommand, cli: impl FnOnce() -> clap::Command) -> Resul
             ClientCommand::Logs(arguments) => logs::logs(arguments).await,
             ClientCommand::Cancel(arguments) => jobs::cancel(arguments).await,
             ClientCommand::ResetModel(arguments) => memory_models::reset_model(arguments).await,
+            ClientCommand::Secret(arguments) => secrets::secret(arguments).await,
             ClientCommand::Cluster(arguments) => cluster::cluster(arguments).await,
             ClientCommand::Admin(arguments) => admin::admin(arguments).await,
+            ClientCommand::Usage(arguments) => usage::usage(arguments).await,
             ClientCommand::Completions(_) => Ok(ExitCode::SUCCESS),
         }
     })
-            ClientCommand::Secret(arguments) => secrets::secret(arguments).await,
 }
