@@ -10,6 +10,7 @@ pub mod bytes;
 pub mod command;
 pub mod error;
 pub mod estimator;
+pub mod gang;
 pub mod job_state;
 pub mod model;
 pub mod plan;

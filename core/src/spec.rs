@@ -14,10 +14,13 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use crate::error::FieldError;
 
 mod duration;
+mod gang;
 mod host_limits;
 mod sizes;
 
 pub use duration::{format_duration, parse_duration};
+pub use gang::{GangPlacementPolicy, MAX_GANG_MEMBERS};
+pub(crate) use gang::{check_command_gpus, check_model_gpus};
 pub use host_limits::{HostLimitsRequest, MIN_HOST_MEMORY_BYTES, lower_limit};
 pub use sizes::{ByteSize, VramRequest};
 
@@ -595,8 +598,13 @@ pub struct ResourcesSpec {
     /// `"auto"` (the estimator decides) or a slice size such as `"6GiB"`.
     #[serde(default)]
     pub vram: VramRequest,
+    /// Slices, each on a distinct GPU, each of `vram` (a *gang* when more than 1; only
+    /// command jobs, up to [`MAX_GANG_MEMBERS`]; model jobs keep one slice).
     #[serde(default = "default_one")]
     pub gpus: u64,
+    /// Where a gang's members may go (`pack`, `spread`, `one_node`; `pack` by default).
+    #[serde(default, skip_serializing_if = "GangPlacementPolicy::is_default")]
+    pub placement: GangPlacementPolicy,
     /// The longest one attempt may run, wall clock (`"2h"`, `"90m"`, `"1h30m"`, `"7d"`;
     /// see [`parse_duration`]): the worker stops an attempt that runs past it, or past
     /// its own limit when that is shorter, and the attempt ends FAILED. Each attempt
@@ -620,6 +628,7 @@ impl Default for ResourcesSpec {
         ResourcesSpec {
             vram: VramRequest::Auto,
             gpus: 1,
+            placement: GangPlacementPolicy::Pack,
             max_duration: None,
             host_memory: None,
             cpus: None,

@@ -1821,12 +1821,12 @@ fn vram_must_be_a_size_and_not_zero() {
 }
 
 #[test]
-fn gpus_must_be_one() {
+fn a_model_job_keeps_one_slice() {
     assert_edit_rejected(
         "vram = \"auto\"",
         "vram = \"auto\"\ngpus = 2",
         "resources.gpus",
-        &["2 GPUs"],
+        &["2 GPUs", "model jobs keep one slice"],
     );
     assert_edit_rejected(
         "vram = \"auto\"",

@@ -5,7 +5,10 @@
 
 use std::path::Path;
 
-use carve_core::workload::{JobKind, STORED_FORM_VERSION, Workload};
+use carve_core::spec::GangPlacementPolicy;
+use carve_core::workload::{
+    JobKind, OLDEST_READ_STORED_FORM_VERSION, STORED_FORM_VERSION, Workload,
+};
 
 /// Every example job file (`examples/*.toml`, `examples/command/*.toml`) as its workload.
 fn example_workloads() -> Vec<(String, Workload)> {
@@ -55,7 +58,9 @@ fn a_stored_form_of_another_kind_or_version_is_not_read_as_this_job() {
     let error = Workload::from_stored_form(JobKind::Command, &text).unwrap_err();
     assert_eq!(error.field, "kind");
     // An older version is for the caller to read from the spec; a newer one is refused.
-    let version = format!("\"version\":{STORED_FORM_VERSION}");
+    // A job of one slice is written with the oldest version that holds it.
+    let version = format!("\"version\":{OLDEST_READ_STORED_FORM_VERSION}");
+    assert!(text.contains(&version), "{text}");
     let older = text.replace(&version, "\"version\":0");
     assert_eq!(Workload::from_stored_form(JobKind::Model, &older), Ok(None));
     let newer = text.replace(
@@ -84,4 +89,57 @@ fn a_stored_form_of_another_kind_or_version_is_not_read_as_this_job() {
             "{broken:?}"
         );
     }
+}
+
+/// A gang's members and placement survive the stored form, which is then version 2: a
+/// build from before gangs (which reads only version 1) refuses it as newer instead of
+/// running the gang as one slice. A one-slice command job's form stays version 1.
+#[test]
+fn a_gang_is_stored_as_version_2_and_reads_back_with_its_members_and_placement() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/command");
+    let (path, text) = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|extension| extension == "toml"))
+        .map(|path| {
+            let text = std::fs::read_to_string(&path).unwrap();
+            (path, text)
+        })
+        .find(|(_, text)| text.contains("[resources]") && !text.contains("gpus"))
+        .expect("a command example with [resources]");
+    let single = Workload::from_toml(&text).unwrap();
+    assert!(
+        single
+            .to_stored_form()
+            .contains(&format!("\"version\":{OLDEST_READ_STORED_FORM_VERSION}")),
+        "{}",
+        path.display()
+    );
+    let gang_text = text.replacen(
+        "[resources]",
+        "[resources]\ngpus = 4\nplacement = \"spread\"",
+        1,
+    );
+    let gang = Workload::from_toml(&gang_text).unwrap();
+    assert_eq!(gang.resources().gpus, 4);
+    assert_eq!(gang.resources().placement, GangPlacementPolicy::Spread);
+    let stored = gang.to_stored_form();
+    assert!(
+        stored.contains(&format!("\"version\":{STORED_FORM_VERSION}")),
+        "{stored}"
+    );
+    assert_eq!(STORED_FORM_VERSION, 2);
+    let read = Workload::from_stored_form(JobKind::Command, &stored)
+        .unwrap()
+        .expect("this build reads version 2");
+    assert_eq!(read, gang);
+    // A form of version 1 holding a gang (what no build writes) would be read as one by
+    // this build too; the version is what keeps an older build from misreading it.
+    let as_version_1 = stored.replace("\"version\":2", "\"version\":1");
+    assert_eq!(
+        Workload::from_stored_form(JobKind::Command, &as_version_1)
+            .unwrap()
+            .map(|workload| workload.resources().gpus),
+        Some(4)
+    );
 }

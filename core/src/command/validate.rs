@@ -8,7 +8,7 @@
 use crate::error::FieldError;
 use crate::plan::RunConfig;
 use crate::shrink::divisors_descending;
-use crate::spec::{Precision, ShrinkStrategy, VramRequest};
+use crate::spec::{Precision, ShrinkStrategy, VramRequest, check_command_gpus};
 use crate::validate::{MAX_BATCH_SIZE, validate_name, validate_oom_policy, validate_resources};
 
 use super::image::{check_secret_name, parse_image_reference};
@@ -124,6 +124,7 @@ pub fn validate_command_job_spec(
         ));
     }
     validate_profile(command)?;
+    check_command_gpus(spec.resources.gpus)?;
     validate_resources(&spec.resources)?;
     check_declared_vram_is_a_size(spec.resources.vram)?;
     if spec.oom.strategies == ShrinkStrategy::default_order() {

@@ -97,7 +97,7 @@ mod gpu_pool;
 pub mod image_affinity;
 pub mod preemption;
 mod reservations;
-mod tenants;
+pub(crate) mod tenants;
 
 use gpu_pool::GpuPool;
 pub use image_affinity::CachedImages;

@@ -278,14 +278,15 @@ fn compare_plans(left: &PreemptionPlan, right: &PreemptionPlan) -> Ordering {
         })
 }
 
-/// The fair-share arithmetic, in u128 so sums and products of u64 cannot overflow.
-struct ShareBook<'a> {
+/// The fair-share arithmetic, in u128 so sums and products of u64 cannot overflow (the
+/// gang form of preemption, `crate::gang::choose_gang_victims`, shares it).
+pub(crate) struct ShareBook<'a> {
     state: &'a FairShareState,
     total_weight: u128,
 }
 
 impl<'a> ShareBook<'a> {
-    fn new(state: &'a FairShareState) -> Self {
+    pub(crate) fn new(state: &'a FairShareState) -> Self {
         let mut names: Vec<&TenantShare> = state.tenants.iter().collect();
         names.sort_unstable_by(|left, right| left.tenant.cmp(&right.tenant));
         names.dedup_by(|later, earlier| later.tenant == earlier.tenant);
@@ -315,14 +316,14 @@ impl<'a> ShareBook<'a> {
             .max()
     }
 
-    fn over_share(&self, tenant: &str) -> bool {
+    pub(crate) fn over_share(&self, tenant: &str) -> bool {
         let Some((weight, in_use)) = self.lookup(tenant) else {
             return false;
         };
         in_use * self.total_weight > u128::from(self.state.usable_bytes) * weight
     }
 
-    fn within_share_with(&self, tenant: &str, extra_bytes: u64) -> bool {
+    pub(crate) fn within_share_with(&self, tenant: &str, extra_bytes: u64) -> bool {
         let Some((weight, in_use)) = self.lookup(tenant) else {
             return false;
         };

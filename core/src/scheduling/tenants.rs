@@ -31,7 +31,7 @@ pub(super) fn compare_job_rank(left: &PendingJob, right: &PendingJob) -> Orderin
 }
 
 /// Tenants sorted by name, one per name (the entry that sorts first on every field).
-pub(super) fn tenants_by_name(tenants: &[TenantState]) -> Vec<&TenantState> {
+pub(crate) fn tenants_by_name(tenants: &[TenantState]) -> Vec<&TenantState> {
     let mut sorted: Vec<&TenantState> = tenants.iter().collect();
     sorted.sort_unstable_by(|left, right| {
         (
@@ -130,11 +130,11 @@ impl<'a> TenantLedger<'a> {
 /// usage plus holdings at their steady-state weight), then lower `vram_in_use_bytes /
 /// weight`, then tenant name (ledgers are in name order).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct FairShareTurn {
-    pub(super) effective_usage: u128,
-    pub(super) vram_in_use_bytes: u128,
-    pub(super) weight: u128,
-    pub(super) ledger_index: usize,
+pub(crate) struct FairShareTurn {
+    pub(crate) effective_usage: u128,
+    pub(crate) vram_in_use_bytes: u128,
+    pub(crate) weight: u128,
+    pub(crate) ledger_index: usize,
 }
 
 impl Ord for FairShareTurn {

@@ -12,7 +12,9 @@ use std::collections::HashSet;
 
 use crate::error::FieldError;
 use crate::model::ModelGraph;
-use crate::spec::{JobSpec, OomPolicySpec, Precision, ResourcesSpec, VramRequest};
+use crate::spec::{
+    JobSpec, OomPolicySpec, Precision, ResourcesSpec, VramRequest, check_model_gpus,
+};
 
 mod data;
 mod model;
@@ -76,6 +78,7 @@ pub fn validate_job_spec(spec: JobSpec) -> Result<ValidatedJob, FieldError> {
     let graph = model::infer_model_graph(&spec)?;
     training::validate_training(&spec)?;
     data::validate_data(&spec, &graph)?;
+    check_model_gpus(spec.resources.gpus)?;
     validate_resources(&spec.resources)?;
     validate_oom_policy(&spec.oom, spec.training.batch_size, "training.batch_size")?;
     Ok(ValidatedJob { spec, graph })
@@ -136,17 +139,9 @@ fn non_negative_finite(value: f64, field: &str) -> Result<(), FieldError> {
     }
 }
 
-/// The `[resources]` checks, the same for every kind of job.
+/// The `[resources]` checks, the same for every kind of job but `gpus`, which each kind
+/// checks itself (`check_model_gpus`, `check_command_gpus`).
 pub(crate) fn validate_resources(resources: &ResourcesSpec) -> Result<(), FieldError> {
-    if resources.gpus != 1 {
-        return Err(FieldError::new(
-            "resources.gpus",
-            format!(
-                "{} GPUs asked; a job runs on exactly 1 GPU slice for now",
-                resources.gpus
-            ),
-        ));
-    }
     if resources.vram == VramRequest::Bytes(0) {
         return Err(FieldError::new(
             "resources.vram",

@@ -24,13 +24,13 @@
 //! stored as it is ([`stored`]: [`Workload::to_stored_form`]), so a stored job is never
 //! parsed or checked again.
 //!
-//! Room for multi-GPU jobs (not built): a third kind would be a third [`JobKind`] (a new
-//! stored name, so older schedulers refuse its rows rather than misread them) and a
-//! third [`Workload`] variant answering the same questions per GPU: its initial
-//! configuration (the global batch split across its GPUs), an estimate per GPU (the
-//! largest shard's, with the collective's buffers), retry planning that may also change
-//! the number of GPUs, and a peak key that includes that number. Placement would ask the
-//! workload how many slices it needs; every other caller keeps calling the same methods.
+//! Multi-GPU jobs (issue 31) are command jobs with `resources.gpus` above 1: a gang of
+//! that many slices of one member's size, each on a distinct GPU
+//! ([`Workload::gang_shape`], placed by `crate::gang`). Every question above is answered
+//! per member (the estimate, the profile and the shrink plan are one member's; the
+//! global batch is kept by the worker's launch, which renders the world size), and the
+//! stored form carries the members and placement (version 2, `stored.rs`). Model jobs
+//! keep one slice.
 
 use std::fmt;
 use std::str::FromStr;
@@ -45,6 +45,7 @@ use crate::command::spec::CommandJobSpec;
 use crate::command::validate::{ValidatedCommandJob, validate_command_job_spec};
 use crate::error::{CoreError, FieldError};
 use crate::estimator::{MemoryEstimate, estimate_job};
+use crate::gang::GangShape;
 use crate::plan::{MemoryCategory, RunConfig};
 use crate::shrink::{OomObservation, ShrinkDecision, strategy_names};
 use crate::spec::{OomPolicySpec, ResourcesSpec, VramRequest};
@@ -58,7 +59,7 @@ pub mod peak_key;
 pub mod stored;
 
 pub use memory_model_key::{MemoryModelKey, stored_memory_model_key};
-pub use stored::STORED_FORM_VERSION;
+pub use stored::{OLDEST_READ_STORED_FORM_VERSION, STORED_FORM_VERSION};
 
 /// What kind of job a spec describes. Stored with the job by [`JobKind::name`]; read back
 /// with [`JobKind::from_name`], which refuses a name it does not know rather than
@@ -300,6 +301,19 @@ impl Workload {
         match self {
             Workload::Model(job) => &job.spec.resources,
             Workload::Command(job) => &job.spec.resources,
+        }
+    }
+
+    /// The slices each attempt takes, every member sized `member_slice_bytes` (what
+    /// admission sized for one member): `resources.gpus` members (1 for a model job,
+    /// which validation keeps at one slice) placed by `resources.placement`. What the
+    /// gang pass ([`crate::gang::solve_gangs`]) and [`crate::gang::place_gang`] take.
+    pub fn gang_shape(&self, member_slice_bytes: u64) -> GangShape {
+        let resources = self.resources();
+        GangShape {
+            members: u32::try_from(resources.gpus).unwrap_or(u32::MAX).max(1),
+            member_slice_bytes,
+            policy: resources.placement,
         }
     }
 

@@ -6,8 +6,14 @@
 //! job has no `graph`), written by [`Workload::to_stored_form`] and read by
 //! [`Workload::from_stored_form`], which trusts it as validated: the store is the
 //! scheduler's own, and admission wrote it after every check. What the reader cannot
-//! take is an error, never a guess; a form of an older [`STORED_FORM_VERSION`] is
-//! `None`, for the caller to read the job's spec once and store the form again.
+//! take is an error, never a guess; a form older than [`OLDEST_READ_STORED_FORM_VERSION`]
+//! is `None`, for the caller to read the job's spec once and store the form again.
+//!
+//! Version 2 added a gang's `resources.gpus` above 1 and `resources.placement` (issue 31).
+//! A form is written with the lowest version that holds it: a job of one slice is still
+//! a version-1 form, byte for byte, which every build reads; a gang is version 2, which a
+//! build from before gangs refuses as newer rather than running it as one slice. Both
+//! versions read here (a version-1 form is a one-slice job with the default placement).
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -23,7 +29,21 @@ use crate::validate::ValidatedJob;
 /// The stored form's version. Raise it when the graph's or a spec's serde form changes
 /// in a way an older form does not read as: rows of an older version are then read from
 /// their spec once (and stored again), instead of being misread.
-pub const STORED_FORM_VERSION: u64 = 1;
+pub const STORED_FORM_VERSION: u64 = 2;
+
+/// The oldest version read as it is: every form from it to [`STORED_FORM_VERSION`] reads
+/// (version 1 is version 2 without gangs).
+pub const OLDEST_READ_STORED_FORM_VERSION: u64 = 1;
+
+/// The version a workload's form is written with: 2 only for what version 1 cannot say.
+fn version_for(workload: &Workload) -> u64 {
+    let resources = workload.resources();
+    if resources.gpus > 1 || !resources.placement.is_default() {
+        STORED_FORM_VERSION
+    } else {
+        OLDEST_READ_STORED_FORM_VERSION
+    }
+}
 
 /// The parts of a stored form every version has.
 #[derive(Deserialize)]
@@ -36,7 +56,7 @@ impl Workload {
     /// The validated job as the store keeps it (see the module's documentation).
     pub fn to_stored_form(&self) -> String {
         let mut form = serde_json::Map::new();
-        form.insert("version".into(), Value::from(STORED_FORM_VERSION));
+        form.insert("version".into(), Value::from(version_for(self)));
         form.insert("kind".into(), Value::from(self.kind().name()));
         let (spec, graph) = match self {
             Workload::Model(job) => (serde_json::to_value(&job.spec), Some(&job.graph)),
@@ -55,7 +75,8 @@ impl Workload {
     }
 
     /// The workload a stored form holds, for a job stored as `kind`: `Ok(None)` when the
-    /// form is of an older [`STORED_FORM_VERSION`] (the caller reads the spec instead);
+    /// form is older than [`OLDEST_READ_STORED_FORM_VERSION`] (the caller reads the spec
+    /// instead);
     /// an error, naming the part, when the text is not a form of this version, holds
     /// another kind, or a part does not read.
     pub fn from_stored_form(kind: JobKind, text: &str) -> Result<Option<Workload>, FieldError> {
@@ -63,7 +84,7 @@ impl Workload {
             .map_err(|error| FieldError::new("workload", format!("is not JSON: {error}")))?;
         let header = Header::deserialize(&form)
             .map_err(|error| FieldError::new("workload", error.to_string()))?;
-        if header.version < STORED_FORM_VERSION {
+        if header.version < OLDEST_READ_STORED_FORM_VERSION {
             return Ok(None);
         }
         if header.version > STORED_FORM_VERSION {

@@ -423,9 +423,21 @@ fn resources_and_oom_policy_are_checked_as_for_model_jobs() {
         refused(&edited("vram = \"auto\"", "vram = 0")).field,
         "resources.vram"
     );
+    for gpus in [0, 65] {
+        let error = refused(&edited(
+            "vram = \"auto\"",
+            &format!("vram = \"auto\"\ngpus = {gpus}"),
+        ));
+        assert_eq!(error.field, "resources.gpus", "{gpus}");
+        assert!(error.reason.contains("between 1 and 64"), "{error}");
+    }
     assert_eq!(
-        refused(&edited("vram = \"auto\"", "vram = \"auto\"\ngpus = 2")).field,
-        "resources.gpus"
+        refused(&edited(
+            "vram = \"auto\"",
+            "vram = \"auto\"\nplacement = \"everywhere\""
+        ))
+        .field,
+        "resources.placement"
     );
     let error = refused(&edited("[oom]", "[oom]\nmin_micro_batch = 512"));
     assert_eq!(error.field, "oom.min_micro_batch");
@@ -544,4 +556,21 @@ fn validated_spec_reads_either_kind() {
     assert_eq!(spec.resources().vram, VramRequest::Auto);
     assert_eq!(spec.oom().strategies.len(), 3);
     assert!(spec.warnings().is_empty());
+}
+
+/// A gang: `gpus` slices of the same declared or profiled `vram`, placed by `placement`.
+#[test]
+fn a_command_job_may_ask_for_a_gang_with_a_placement_policy() {
+    use crate::spec::GangPlacementPolicy;
+    let job = command_job(&edited("vram = \"auto\"", "vram = \"auto\"\ngpus = 4"));
+    assert_eq!(job.spec.resources.gpus, 4);
+    assert_eq!(job.spec.resources.placement, GangPlacementPolicy::Pack);
+    for policy in GangPlacementPolicy::ALL {
+        let job = command_job(&edited(
+            "vram = \"auto\"",
+            &format!("vram = \"auto\"\ngpus = 64\nplacement = \"{}\"", policy.name()),
+        ));
+        assert_eq!(job.spec.resources.placement, policy);
+        assert_eq!(job.spec.resources.gpus, 64);
+    }
 }
