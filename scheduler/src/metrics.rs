@@ -728,6 +728,51 @@ mod tests {
         assert!(missing.is_empty(), "{missing:?} missing from:\n{text}");
     }
 
+    #[test]
+    fn tenant_usage_counters_show_the_figures_and_never_go_down() {
+        let metrics = Metrics::default();
+        let figures = UsageFigures {
+            tenant: "alpha".to_string(),
+            gpu_type: "H100".to_string(),
+            gpu_milliseconds: 7_200_500,
+            vram_requested_byte_milliseconds: 3 << 40,
+            vram_used_byte_milliseconds: 1 << 40,
+            vram_requested_measured_byte_milliseconds: 2 << 40,
+            oom_retries: 2,
+            preemptions: 1,
+            ..UsageFigures::default()
+        };
+        let key = ("alpha".to_string(), "H100".to_string());
+        let first = Instant::now();
+        assert!(metrics.tenant_usage_read_due(first));
+        metrics.record_tenant_usage([(key.clone(), TenantUsageTotals::of(&figures))], first);
+        assert!(!metrics.tenant_usage_read_due(first));
+        assert!(metrics.tenant_usage_read_due(first + TENANT_USAGE_READ_INTERVAL));
+        // A later read a little lower (a running attempt's stored end before the last
+        // read's now) keeps the counter where it was; the rest moves on.
+        let lower = UsageFigures {
+            gpu_milliseconds: 7_200_000,
+            preemptions: 3,
+            ..figures
+        };
+        metrics.record_tenant_usage([(key, TenantUsageTotals::of(&lower))], first);
+        let text = metrics.render(&ClusterGauges::default());
+        for expected in [
+            "# TYPE carve_tenant_gpu_seconds_total counter",
+            "carve_tenant_gpu_seconds_total{tenant=\"alpha\",gpu_type=\"H100\"} 7200.5",
+            "carve_tenant_vram_requested_byte_seconds_total{tenant=\"alpha\",gpu_type=\"H100\"} 3298534883.328",
+            "carve_tenant_vram_used_byte_seconds_total{tenant=\"alpha\",gpu_type=\"H100\"} 1099511627.776",
+            "carve_tenant_vram_requested_measured_byte_seconds_total{tenant=\"alpha\",gpu_type=\"H100\"} 2199023255.552",
+            "carve_tenant_oom_retries_total{tenant=\"alpha\",gpu_type=\"H100\"} 2.0",
+            "carve_tenant_preemptions_total{tenant=\"alpha\",gpu_type=\"H100\"} 3.0",
+        ] {
+            assert!(
+                text.lines().any(|line| line == expected),
+                "{expected} missing from:\n{text}"
+            );
+        }
+    }
+
     /// The dashboard and the alert rules query series by the names the encoder writes (a
     /// counter with its `_total`, a histogram's `_bucket`, `_sum` and `_count`): every
     /// name they query is on the page, as rendered with one tenant and one GPU model
@@ -740,7 +785,15 @@ mod tests {
         gauges
             .gpu_capacity
             .insert("model".to_string(), GpuCapacity::default());
-        let text = Metrics::default().render(&gauges);
+        let metrics = Metrics::default();
+        metrics.record_tenant_usage(
+            [(
+                ("alpha".to_string(), "model".to_string()),
+                TenantUsageTotals::default(),
+            )],
+            Instant::now(),
+        );
+        let text = metrics.render(&gauges);
         let on_the_page: std::collections::HashSet<&str> = text
             .lines()
             .filter(|line| !line.starts_with('#'))
