@@ -179,7 +179,6 @@ async fn a_program_runs_in_its_image_and_sees_the_image_not_the_host() {
     let request = ContainerRequest {
         name: "carve-test-image".to_string(),
         tenant: "alice".to_string(),
-        image: Default::default(),
         argv: vec!["/bin/sh".into(), "-c".into(), script],
         environment: vec![("GREETING".into(), "hello".into())],
         working_directory: job_directory.clone(),
@@ -290,6 +289,7 @@ mod command_attempts {
             profile: false,
             sandbox: Some(sandbox.clone()),
             tenant: "alice".into(),
+            image: Default::default(),
             devices: Default::default(),
             simulated_gpu_socket: None,
             container_name: format!("carve-image-job-1-{number}"),
@@ -387,7 +387,7 @@ mod command_attempts {
         assert_eq!(outcome, v1::AttemptOutcome::Interrupted, "{message}");
         assert!(message.contains("registry unavailable"), "{message}");
         assert!(!reports.iter().any(|body| matches!(body, Body::Oom(_))));
-        // A private image's secret: the scheduler keeps no secrets yet, so it fails.
+        // A pull secret whose credential the assignment did not carry: it fails saying so.
         let private = json!({"argv": ["/opt/train.sh"], "global_batch": 8, "steps": 4,
                              "image": "carve.test/team/busybox:1",
                              "image_pull_secret": "team-registry"});

@@ -3,7 +3,10 @@
 //! image the test builds (the static busybox and a shell training stand-in) is pushed
 //! with `oci-client`, then the worker's image cache pulls it: once for several attempts,
 //! by tag, through a multi-platform index; a wrong digest, a missing tag and a private
-//! image without a credential each fail with a reason that says so.
+//! image without a credential each fail with a reason that says so. Command attempts
+//! under runc (`pinned_attempts`): a retry pinned to the digest its first attempt
+//! pulled runs those bytes though the tag was pushed again, with the tenant's credential
+//! as the scheduler's assignment carries it.
 //!
 //! Needs `docker-registry` (CI installs it); elsewhere the test says why it cannot run,
 //! and in CI (`CI` set) it fails instead.
@@ -495,4 +498,224 @@ async fn a_wrong_digest_a_missing_tag_and_a_private_image_without_a_secret_fail_
         matches!(failure, ImageFailure::Unauthorized(_)),
         "{failure}"
     );
+}
+
+/// The test image saying `marker` in /etc/carve-image (what its stand-in prints).
+fn image_saying(layout: &Path, marker: &str) -> WrittenImage {
+    let mut layers = test_image_layers();
+    let train = b"#!/bin/sh\necho \"training in $(cat /etc/carve-image)\"\n";
+    layers[1] = LayerToWrite {
+        tar: tar_of_files(
+            &[
+                ("etc/carve-image", marker.as_bytes(), 0o644),
+                ("opt/train.sh", train, 0o755),
+            ],
+            &[],
+        ),
+        compression: Compression::Zstd,
+    };
+    write_image(
+        layout,
+        "train:v1",
+        &layers,
+        &["PATH=/bin:/opt".to_string()],
+        None,
+    )
+    .unwrap()
+}
+
+/// Command attempts in a job's image from the private registry, under runc, as the
+/// worker runs them with what the scheduler's assignment says of the image.
+mod pinned_attempts {
+    use std::sync::Arc;
+
+    use carve_core::command::validate::{ValidatedSpec, parse_spec_json};
+    use carve_proto::v1;
+    use carve_proto::v1::worker_message::Body;
+    use carve_worker::command_attempt::{AssignedImage, CommandAttemptLaunch, run_command_attempt};
+    use carve_worker::sandbox::{Sandbox, SandboxPolicy, SandboxSettings};
+    use serde_json::json;
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    /// A sandbox whose image cache reaches `registry` over plain HTTP; `None` (the test
+    /// says why) where this machine cannot contain a program, which CI must.
+    fn sandbox(worker: &Path, registry: &Registry) -> Option<Arc<Sandbox>> {
+        let settings = SandboxSettings {
+            policy: SandboxPolicy::Required,
+            images: Some(ImageSettings {
+                cache_directory: worker.join("image-cache"),
+                cache_limit_bytes: 1 << 30,
+                insecure_registries: vec![registry.address.clone()],
+                layout_directories: Vec::new(),
+            }),
+            ..SandboxSettings::default()
+        };
+        match Sandbox::open(&settings, worker, "test-node") {
+            Ok(Some(sandbox)) => Some(Arc::new(sandbox)),
+            other if std::env::var_os("CI").is_none() => {
+                eprintln!("skipped: no sandbox on this machine ({other:?})");
+                None
+            }
+            other => panic!("CI must be able to run image containers: {other:?}"),
+        }
+    }
+
+    fn launch(
+        worker: &Path,
+        sandbox: &Arc<Sandbox>,
+        number: u32,
+        image: &str,
+        assigned: AssignedImage,
+    ) -> CommandAttemptLaunch {
+        let spec = json!({"name": "pinned", "resources": {"vram": "1GiB"},
+                          "command": {"argv": ["/opt/train.sh"], "global_batch": 8,
+                                      "steps": 4, "image": image,
+                                      "image_pull_secret": "registry"}});
+        let ValidatedSpec::Command(job) = parse_spec_json(&spec.to_string()).unwrap() else {
+            panic!("not a command job");
+        };
+        CommandAttemptLaunch {
+            attempt: v1::AttemptRef {
+                job_id: "job-pinned".into(),
+                attempt_number: number,
+                ..Default::default()
+            },
+            config: job.initial_config(),
+            job,
+            slice_bytes: 64 << 20,
+            gpu_uuid: "GPU-sim-test".into(),
+            guard_library: None,
+            checkpoint_dir: worker.join("job-pinned"),
+            attempt_directory: worker.join(format!("job-pinned.attempt-{number}.run")),
+            profile: false,
+            sandbox: Some(sandbox.clone()),
+            tenant: "alice".into(),
+            image: assigned,
+            devices: Default::default(),
+            simulated_gpu_socket: None,
+            container_name: format!("carve-pinned-{number}"),
+        }
+    }
+
+    /// Runs one attempt to its end (within a deadline): its outcome and message, the
+    /// digest its start reported, and what its program printed.
+    async fn run(launch: CommandAttemptLaunch) -> (v1::AttemptOutcome, String, String, String) {
+        let (reports, mut incoming) = mpsc::unbounded_channel();
+        let (_control, control_receiver) = mpsc::unbounded_channel();
+        tokio::time::timeout(
+            Duration::from_secs(120),
+            run_command_attempt(launch, reports, control_receiver, (), || {}),
+        )
+        .await
+        .expect("the attempt ended in time");
+        let (mut digest, mut printed) = (String::new(), String::new());
+        let mut end = None;
+        while let Ok(body) = incoming.try_recv() {
+            match body {
+                Body::AttemptStarted(started) => digest = started.image_digest,
+                Body::Log(line) if line.message.starts_with("training in ") => {
+                    printed = line.message
+                }
+                Body::AttemptFinished(finished) => {
+                    end = Some((
+                        v1::AttemptOutcome::try_from(finished.outcome).unwrap(),
+                        finished.message,
+                    ))
+                }
+                _ => {}
+            }
+        }
+        let (outcome, message) = end.expect("a final report");
+        (outcome, message, digest, printed)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_retry_runs_the_digest_its_first_attempt_pulled_though_the_tag_moved() {
+        let Some(binary) = registry_binary() else {
+            return;
+        };
+        let private = start_registry(&binary, true);
+        let directory = tempfile::tempdir().unwrap();
+        let worker = directory.path().join("worker");
+        std::fs::create_dir_all(&worker).unwrap();
+        let Some(sandbox) = sandbox(&worker, &private) else {
+            return;
+        };
+        let client = client();
+        let auth = RegistryAuth::Basic(USER.to_string(), PASSWORD.to_string());
+        let tag = format!("{}/team/train:v1", private.address);
+        let first = image_saying(&directory.path().join("layout"), "first push");
+        push(&client, &tag, &first, &auth).await;
+        // The tenant's secret, as the scheduler sends it with the assignment.
+        let credential = Some(RegistryCredential {
+            username: USER.into(),
+            password: PASSWORD.into(),
+        });
+
+        // Attempt 1 resolves the tag and says which digest it ran.
+        let (outcome, message, digest, printed) = run(launch(
+            &worker,
+            &sandbox,
+            1,
+            &tag,
+            AssignedImage {
+                pinned_digest: None,
+                credential: credential.clone(),
+            },
+        ))
+        .await;
+        assert_eq!(outcome, v1::AttemptOutcome::Succeeded, "{message}");
+        assert_eq!(digest, first.manifest_digest);
+        assert_eq!(printed, "training in first push");
+
+        // The tag is pushed again with other bytes; the retry is pinned to the first
+        // digest (Assignment.image_digest) and runs exactly those.
+        let second = image_saying(&directory.path().join("layout-2"), "second push");
+        push(&client, &tag, &second, &auth).await;
+        let (outcome, message, digest, printed) = run(launch(
+            &worker,
+            &sandbox,
+            2,
+            &tag,
+            AssignedImage {
+                pinned_digest: Some(first.manifest_digest.clone()),
+                credential: credential.clone(),
+            },
+        ))
+        .await;
+        assert_eq!(outcome, v1::AttemptOutcome::Succeeded, "{message}");
+        assert_eq!(digest, first.manifest_digest);
+        assert_eq!(printed, "training in first push");
+
+        // Without the pin the same tag now runs the second push: the pin is what keeps
+        // the job on its bytes.
+        let (outcome, message, digest, printed) = run(launch(
+            &worker,
+            &sandbox,
+            3,
+            &tag,
+            AssignedImage {
+                pinned_digest: None,
+                credential: credential.clone(),
+            },
+        ))
+        .await;
+        assert_eq!(outcome, v1::AttemptOutcome::Succeeded, "{message}");
+        assert_eq!(digest, second.manifest_digest);
+        assert_eq!(printed, "training in second push");
+
+        // A job naming a secret whose credential did not come fails saying so.
+        let (outcome, message, _, _) = run(launch(
+            &worker,
+            &sandbox,
+            4,
+            &format!("{}/team/train:other", private.address),
+            AssignedImage::default(),
+        ))
+        .await;
+        assert_eq!(outcome, v1::AttemptOutcome::Failed, "{message}");
+        assert!(message.contains("command.image_pull_secret"), "{message}");
+    }
 }

@@ -25,13 +25,12 @@ impl AssignedImage {
         AssignedImage {
             pinned_digest: (!assignment.image_digest.is_empty())
                 .then(|| assignment.image_digest.clone()),
-            credential: assignment
-                .image_pull_credential
-                .as_ref()
-                .map(|credential| RegistryCredential {
+            credential: assignment.image_pull_credential.as_ref().map(|credential| {
+                RegistryCredential {
                     username: credential.username.clone(),
                     password: credential.password.clone(),
-                }),
+                }
+            }),
         }
     }
 }
