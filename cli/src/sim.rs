@@ -89,6 +89,23 @@ pub struct SimArguments {
     /// With --preemption: seconds a victim takes to stop (the scheduler's grace period).
     #[arg(long, default_value_t = preemption::DEFAULT_GRACE_PERIOD_SECONDS as f64)]
     preemption_grace_period_s: f64,
+    /// Place with the gang pass (core's solve_gangs: jobs of several GPUs all at once)
+    /// with reservations on, off, or each policy once with each; a trace with gangs
+    /// (gpus above 1) gets `on` without the flag. The table then gives gangs' and
+    /// single-GPU jobs' queueing apart.
+    #[arg(long, value_enum)]
+    gang_reservations: Option<GangReservationsChoice>,
+    /// With the gang pass: seconds after a job joined the queue from which nothing new is
+    /// placed on the GPUs reserved for it (its reservation's bound).
+    #[arg(long, default_value_t = SimulationOptions::default().gang_max_wait_s)]
+    gang_max_wait_s: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum GangReservationsChoice {
+    On,
+    Off,
+    Both,
 }
 
 /// What the table and `-o json` say a preemption run assumed.
@@ -120,6 +137,10 @@ struct GenerateArguments {
     /// Share of jobs that need more memory than the estimator sees.
     #[arg(long, default_value_t = GeneratorOptions::default().unseen_memory_fraction)]
     unseen_memory_fraction: f64,
+    /// Share of jobs that are gangs of 2, 4 or 8 GPUs (rows without a model, the need
+    /// per GPU given), as the Alibaba GPU traces' multi-GPU pods.
+    #[arg(long, default_value_t = GeneratorOptions::default().gang_fraction)]
+    gang_fraction: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -164,6 +185,7 @@ pub fn run(arguments: SimArguments) -> Result<ExitCode> {
             mean_interarrival_s: generate.mean_interarrival_s,
             under_declaring_fraction: generate.under_declaring_fraction,
             unseen_memory_fraction: generate.unseen_memory_fraction,
+            gang_fraction: generate.gang_fraction,
         })
         .map_err(as_flag_error)?;
         print!("{text}");
@@ -182,6 +204,12 @@ pub fn run(arguments: SimArguments) -> Result<ExitCode> {
         fair_share_half_life_s: arguments
             .fair_share_half_life_hours
             .map(|hours| hours * 3600.0),
+        gang_reservations: match arguments.gang_reservations {
+            None => None,
+            Some(GangReservationsChoice::Off) => Some(false),
+            Some(GangReservationsChoice::On | GangReservationsChoice::Both) => Some(true),
+        },
+        gang_max_wait_s: arguments.gang_max_wait_s,
         ..SimulationOptions::default()
     };
     options.check(&cluster).map_err(as_flag_error)?;
@@ -199,6 +227,12 @@ pub fn run(arguments: SimArguments) -> Result<ExitCode> {
         };
         with_preemption.check(&cluster).map_err(as_flag_error)?;
         vec![options, with_preemption]
+    } else if arguments.gang_reservations == Some(GangReservationsChoice::Both) {
+        let without = SimulationOptions {
+            gang_reservations: Some(false),
+            ..options
+        };
+        vec![without, options]
     } else {
         vec![options]
     };
@@ -321,10 +355,12 @@ fn wait_summary_json(summary: &WaitSummary) -> Value {
 
 /// The policy's name, marked when urgent jobs could preempt.
 fn run_label(report: &PolicyReport) -> String {
-    if report.preemption {
-        format!("{}+preempt", report.policy.name())
-    } else {
-        report.policy.name().to_string()
+    let name = report.policy.name();
+    match (report.preemption, report.gang_reservations) {
+        (true, _) => format!("{name}+preempt"),
+        (false, Some(true)) => format!("{name}+resv"),
+        (false, Some(false)) => format!("{name}-resv"),
+        (false, None) => name.to_string(),
     }
 }
 
@@ -346,6 +382,9 @@ fn report_json(report: &PolicyReport) -> Value {
         "queueing_delay_s": percentiles_json(&report.queueing_delay_s),
         "completion_time_s": percentiles_json(&report.completion_time_s),
         "urgent_queueing_s": wait_summary_json(&report.urgent_queueing),
+        "gang_reservations": report.gang_reservations,
+        "gang_queueing_s": wait_summary_json(&report.gang_queueing),
+        "single_gpu_queueing_s": wait_summary_json(&report.single_queueing),
         "preemptions": report.preemptions,
         "preempted_run_time_lost_s": report.preempted_run_time_lost_s,
         "makespan_s": report.makespan_s,
@@ -378,6 +417,16 @@ fn percentiles_text(percentiles: &Percentiles) -> String {
         duration_text(percentiles.p50),
         duration_text(percentiles.p95),
         duration_text(percentiles.p99)
+    )
+}
+
+/// A group's waits: p50 / p95 / max.
+fn wait_text(summary: &WaitSummary) -> String {
+    format!(
+        "{} / {} / {}",
+        duration_text(summary.percentiles.p50),
+        duration_text(summary.percentiles.p95),
+        duration_text(summary.max_s)
     )
 }
 
@@ -457,6 +506,34 @@ fn report_table(
             ("run time lost to preemption", |r| {
                 duration_text(r.preempted_run_time_lost_s)
             }),
+        ]);
+    }
+    if reports
+        .iter()
+        .any(|report| report.gang_reservations.is_some())
+    {
+        rows.extend([
+            (
+                "gangs (started)",
+                (|r| {
+                    format!(
+                        "{} ({})",
+                        r.gang_queueing.jobs, r.gang_queueing.started_jobs
+                    )
+                }) as fn(&PolicyReport) -> String,
+            ),
+            ("gang wait mean", |r| duration_text(r.gang_queueing.mean_s)),
+            ("gang wait p50/p95/max", |r| wait_text(&r.gang_queueing)),
+            ("1-GPU jobs (started)", |r| {
+                format!(
+                    "{} ({})",
+                    r.single_queueing.jobs, r.single_queueing.started_jobs
+                )
+            }),
+            ("1-GPU wait mean", |r| {
+                duration_text(r.single_queueing.mean_s)
+            }),
+            ("1-GPU wait p50/p95/max", |r| wait_text(&r.single_queueing)),
         ]);
     }
     let label_width = rows.iter().map(|(label, _)| label.len()).max().unwrap_or(0);

@@ -98,19 +98,20 @@ fn a_generated_trace_simulates_to_json_and_an_svg_chart() {
     assert!(!table.contains("whole-gpu"), "{table}");
 }
 
-/// A trace whose one job asks for 4 GPUs, which `carve sim` refuses.
-const TRACE_WITH_A_FOUR_GPU_JOB: &str =
-    "submit_time_s,duration_s,tenant,gpus,requested_bytes,spec\n0,60,alice,4,8GiB,job.toml\n";
+/// A trace whose one job asks for 65 GPUs, more than a gang may have, which `carve sim`
+/// refuses.
+const TRACE_WITH_A_SIXTY_FIVE_GPU_JOB: &str =
+    "submit_time_s,duration_s,tenant,gpus,requested_bytes,spec\n0,60,alice,65,8GiB,job.toml\n";
 
 #[test]
 fn bad_rows_and_flags_are_refused_with_what_to_fix() {
     let directory = tempfile::tempdir().unwrap();
-    let trace = write_file(directory.path(), "bad.csv", TRACE_WITH_A_FOUR_GPU_JOB);
+    let trace = write_file(directory.path(), "bad.csv", TRACE_WITH_A_SIXTY_FIVE_GPU_JOB);
     let output = carve(&["sim", "--trace", &trace]);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        stderr.contains("bad.csv: row 2 column gpus: 4 GPUs"),
+        stderr.contains("bad.csv: row 2 column gpus: 65 GPUs: must be between 1 and 64"),
         "{stderr}"
     );
 

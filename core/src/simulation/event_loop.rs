@@ -6,6 +6,7 @@
 //! With preemption on, each pass is followed by the scheduler's preemption step
 //! ([`preemption`]).
 
+mod gang_pass;
 mod preemption;
 mod summary;
 
@@ -40,9 +41,10 @@ enum Phase {
     Rejected,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Attempt {
-    gpu: usize,
+    /// One GPU per slice: a gang's members, rank order.
+    gpus: Vec<usize>,
     started_s: f64,
     slowdown: f64,
     used_bytes: u64,
@@ -64,6 +66,11 @@ struct JobRun {
     attempt: Option<Attempt>,
     /// Attempts started so far: an event made for an earlier attempt is stale.
     attempts_started: u32,
+    /// When the job last joined the queue (the gang pass's `queued_at`).
+    queued_s: f64,
+    /// When the running attempt ends (its `AttemptEnd` event): the gang pass's expected
+    /// end of its slices.
+    attempt_ends_s: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,6 +143,13 @@ pub(crate) fn simulate_with_pruning(
     prune_pending: bool,
 ) -> Result<PolicyReport, CoreError> {
     options.check(cluster)?;
+    if options.preemption.is_some() && workload.jobs.iter().any(|job| job.gpus > 1) {
+        return Err(CoreError::InvalidSpec(crate::error::FieldError::new(
+            "preemption",
+            "the trace has gangs (gpus above 1); the simulator's preemption step evicts \
+             for single-slice jobs only",
+        )));
+    }
     let mut simulation = Simulation::new(workload, cluster, policy, options, oracle);
     simulation.prune_pending = prune_pending;
     simulation.run();
@@ -183,6 +197,8 @@ struct Simulation<'a> {
     usage: Option<DecayedUsageLedger>,
     /// The time of the events being applied, for the usage of attempts that end.
     clock_s: f64,
+    /// Passes go through the gang pass (`gang_pass.rs`) instead of the single-job solver.
+    use_gang_pass: bool,
 }
 
 impl<'a> Simulation<'a> {
@@ -258,6 +274,8 @@ impl<'a> Simulation<'a> {
             scheduling_options,
             usage: usage.map(|decay| DecayedUsageLedger::new(decay, seconds_to_ms(start_s))),
             clock_s: start_s,
+            use_gang_pass: options.gang_reservations.is_some()
+                || workload.jobs.iter().any(|job| job.gpus > 1),
             usable_bytes: cluster.gpu_bytes - options.gpu_context_bytes,
             total_bytes: cluster.gpu_bytes as f64 * cluster.gpu_count() as f64,
             jobs_on_gpu: vec![0; gpus.len()],
@@ -287,6 +305,8 @@ impl<'a> Simulation<'a> {
                     out_of_memory_attempts: 0,
                     attempt: None,
                     attempts_started: 0,
+                    queued_s: job.submit_time_s,
+                    attempt_ends_s: 0.0,
                 })
                 .collect(),
             queue: vec![BTreeSet::new(); workload.tenants.len()],
@@ -358,6 +378,13 @@ impl<'a> Simulation<'a> {
     fn arrive(&mut self, job_index: usize, now: f64) {
         let job = &self.workload.jobs[job_index];
         let usable = self.usable_bytes;
+        if job.gpus as usize > self.problem.gpus.len() {
+            // A gang larger than the cluster: refused at submit, as can_gang_ever_fit does.
+            let run = &mut self.runs[job_index];
+            run.phase = Phase::Rejected;
+            run.end_s = Some(now);
+            return;
+        }
         let admitted = match (self.policy, job.model) {
             (Policy::WholeGpu, _) => Some((usable, None)),
             // Users cannot ask for more than a GPU: such a declaration means "all of it".
@@ -457,6 +484,7 @@ impl<'a> Simulation<'a> {
         let key = self.queue_key(job);
         if self.queue[self.tenant_of_job[job]].insert(key) {
             self.queued_jobs += 1;
+            self.runs[job].queued_s = self.clock_s;
         }
     }
 
@@ -492,6 +520,10 @@ impl<'a> Simulation<'a> {
     ///
     /// An overloaded cluster queues thousands of jobs; this keeps each pass small.
     fn scheduling_pass(&mut self, now: f64) {
+        if self.use_gang_pass {
+            self.gang_scheduling_pass(now);
+            return;
+        }
         let Some(smallest_slice) = self.smallest_queued_slice() else {
             return;
         };
@@ -552,6 +584,11 @@ impl<'a> Simulation<'a> {
     }
 
     fn start_attempt(&mut self, job: usize, gpu: usize, now: f64) {
+        self.start_attempt_on(job, vec![gpu], now);
+    }
+
+    /// Starts the job's attempt with one slice on each of `gpus` (a gang's members).
+    fn start_attempt_on(&mut self, job: usize, gpus: Vec<usize>, now: f64) {
         let config = self.runs[job].config;
         let need = self.need_bytes(job, config);
         let slowdown = match (config, self.workload.jobs[job].model) {
@@ -571,30 +608,34 @@ impl<'a> Simulation<'a> {
                 run_time_left
             };
         let used_bytes = need.min(slice);
+        let members = gpus.len() as u64;
         run.phase = Phase::Running;
         run.attempts_started += 1;
         run.first_start_s.get_or_insert(now);
-        run.attempt = Some(Attempt {
-            gpu,
+        run.attempt_ends_s = ends_at;
+        for &gpu in &gpus {
+            let gpu_state = &mut self.problem.gpus[gpu];
+            gpu_state.allocated_bytes += slice;
+            self.most_allocated_on_one_gpu_bytes = self
+                .most_allocated_on_one_gpu_bytes
+                .max(gpu_state.allocated_bytes);
+            self.jobs_on_gpu[gpu] += 1;
+            self.running_on_gpu[gpu].insert(job);
+        }
+        self.runs[job].attempt = Some(Attempt {
+            gpus,
             started_s: now,
             slowdown,
             used_bytes,
             runs_out_of_memory,
         });
-        let gpu_state = &mut self.problem.gpus[gpu];
-        gpu_state.allocated_bytes += slice;
-        self.most_allocated_on_one_gpu_bytes = self
-            .most_allocated_on_one_gpu_bytes
-            .max(gpu_state.allocated_bytes);
         let tenant = &mut self.problem.tenants[self.tenant_of_job[job]];
-        tenant.vram_in_use_bytes += slice;
+        tenant.vram_in_use_bytes += slice * members;
         tenant.running_jobs += 1;
-        self.jobs_on_gpu[gpu] += 1;
-        self.running_on_gpu[gpu].insert(job);
         // Placed, here or elsewhere: the bytes held for it are free again.
         self.preemption.placed(job);
-        self.allocated_bytes += u128::from(slice);
-        self.used_bytes += u128::from(used_bytes);
+        self.allocated_bytes += u128::from(slice) * u128::from(members);
+        self.used_bytes += u128::from(used_bytes) * u128::from(members);
         self.running_jobs += 1;
         self.push_event(ends_at, EventKind::AttemptEnd, job);
     }
@@ -631,22 +672,25 @@ impl<'a> Simulation<'a> {
     fn release_attempt(&mut self, job: usize) -> Option<Attempt> {
         let attempt = self.runs[job].attempt.take()?;
         let slice = self.runs[job].slice_bytes;
+        let members = attempt.gpus.len() as u64;
         if let Some(ledger) = self.usage.as_mut() {
             ledger.add(&simulated_usage(
                 &self.workload.jobs[job].tenant,
-                slice,
+                slice * members,
                 attempt.started_s,
                 self.clock_s,
             ));
         }
-        self.problem.gpus[attempt.gpu].allocated_bytes -= slice;
+        for &gpu in &attempt.gpus {
+            self.problem.gpus[gpu].allocated_bytes -= slice;
+            self.jobs_on_gpu[gpu] -= 1;
+            self.running_on_gpu[gpu].remove(&job);
+        }
         let tenant = &mut self.problem.tenants[self.tenant_of_job[job]];
-        tenant.vram_in_use_bytes -= slice;
+        tenant.vram_in_use_bytes -= slice * members;
         tenant.running_jobs -= 1;
-        self.jobs_on_gpu[attempt.gpu] -= 1;
-        self.running_on_gpu[attempt.gpu].remove(&job);
-        self.allocated_bytes -= u128::from(slice);
-        self.used_bytes -= u128::from(attempt.used_bytes);
+        self.allocated_bytes -= u128::from(slice) * u128::from(members);
+        self.used_bytes -= u128::from(attempt.used_bytes) * u128::from(members);
         self.running_jobs -= 1;
         Some(attempt)
     }

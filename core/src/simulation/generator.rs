@@ -38,6 +38,11 @@ pub struct GeneratorOptions {
     pub under_declaring_fraction: f64,
     /// Share of jobs that need more than the estimator sees.
     pub unseen_memory_fraction: f64,
+    /// Share of jobs that are gangs of 2, 4 or 8 slices (half, 30 % and 20 % of them),
+    /// as the multi-GPU pods of the Alibaba GPU traces; their rows give the need per slice
+    /// (no model: model jobs keep one slice). 0 draws nothing, so the trace of a seed is
+    /// the same as before gangs.
+    pub gang_fraction: f64,
 }
 
 impl Default for GeneratorOptions {
@@ -49,6 +54,7 @@ impl Default for GeneratorOptions {
             mean_interarrival_s: 90.0,
             under_declaring_fraction: 0.10,
             unseen_memory_fraction: 0.05,
+            gang_fraction: 0.0,
         }
     }
 }
@@ -78,6 +84,7 @@ impl GeneratorOptions {
         for (field, value) in [
             ("under_declaring_fraction", self.under_declaring_fraction),
             ("unseen_memory_fraction", self.unseen_memory_fraction),
+            ("gang_fraction", self.gang_fraction),
         ] {
             if !(0.0..=1.0).contains(&value) {
                 return Err(error(field, format!("{value} must be between 0 and 1")));
@@ -245,6 +252,22 @@ pub fn generate_trace(options: &GeneratorOptions) -> Result<String, CoreError> {
             random.uniform(1.5, 4.0)
         };
         let declared_gib = round_up((need as f64 * factor) as u64, 1 << 30) >> 30;
+        if options.gang_fraction > 0.0 && random.next_f64() < options.gang_fraction {
+            let draw = random.next_f64();
+            let gpus = if draw < 0.5 {
+                2
+            } else if draw < 0.8 {
+                4
+            } else {
+                8
+            };
+            let _ = writeln!(
+                text,
+                "{time_s:.1},{duration_s:.1},tenant-{tenant:02},{gpus},{}GiB,,{need}",
+                declared_gib.max(1)
+            );
+            continue;
+        }
         let _ = writeln!(
             text,
             "{time_s:.1},{duration_s:.1},tenant-{tenant:02},1,{}GiB,{parameters},{}",

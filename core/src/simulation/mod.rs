@@ -42,6 +42,16 @@
 //! and shrink plans are memoized per distinct model and configuration
 //! ([`workload::MemoryOracle`]).
 //!
+//! # Gangs
+//!
+//! A row with `gpus` above 1 is a gang: that many slices of the row's size on distinct
+//! GPUs, started and ended together. With gangs (or [`SimulationOptions::gang_reservations`])
+//! each pass is [`crate::gang::solve_gangs`], every job a gang (one slice or more), given
+//! each queued job's true run time as its expected duration and each running attempt's
+//! true end as its expected end (the best case for backfill: the scheduler would pass a
+//! bound such as `max_duration`). A gang's attempt ends (succeeds, runs out of memory)
+//! as one. The report gives gangs' and single-slice jobs' queueing apart.
+//!
 //! With [`SimulationOptions::preemption`], each pass is followed by the scheduler's
 //! preemption step (core's `choose_victims`, the same limits); see
 //! [`SimulatedPreemption`] for what a preempted attempt is assumed to lose.
@@ -161,6 +171,13 @@ pub struct SimulationOptions {
     /// (`crate::usage`, as the scheduler does); `None` for instantaneous fair share (what
     /// each tenant holds now only).
     pub fair_share_half_life_s: Option<f64>,
+    /// Place with the gang pass ([`crate::gang::solve_gangs`]), with its reservations
+    /// on (`Some(true)`) or off; `None`: the single-job solver, unless the trace has
+    /// gangs (rows with `gpus` above 1), which then get the gang pass with reservations.
+    pub gang_reservations: Option<bool>,
+    /// The gang pass's `max_reservation_wait`, in seconds: after a job has been queued
+    /// this long, nothing new is placed on the GPUs reserved for it.
+    pub gang_max_wait_s: f64,
 }
 
 /// Preemption in the simulator: core's [`choose_victims`] with the scheduler's limits.
@@ -202,6 +219,8 @@ impl Default for SimulationOptions {
             preemption: None,
             urgent_priority: 1,
             fair_share_half_life_s: None,
+            gang_reservations: None,
+            gang_max_wait_s: 3600.0,
         }
     }
 }
@@ -248,6 +267,23 @@ impl SimulationOptions {
             return Err(error(
                 "fair_share_half_life_s",
                 format!("{half_life_s} must be a number of seconds, at least 0.001"),
+            ));
+        }
+        if !(self.gang_max_wait_s.is_finite() && self.gang_max_wait_s >= 0.0) {
+            return Err(error(
+                "gang_max_wait_s",
+                format!(
+                    "{} must be a number of seconds, at least 0",
+                    self.gang_max_wait_s
+                ),
+            ));
+        }
+        if self.preemption.is_some() && self.gang_reservations.is_some() {
+            return Err(error(
+                "gang_reservations",
+                "the simulator's preemption step evicts for single-slice jobs only; run \
+                 gangs without --preemption"
+                    .to_string(),
             ));
         }
         if let Some(preemption) = &self.preemption

@@ -109,6 +109,13 @@ pub struct PolicyReport {
     /// The jobs of at least `urgent_priority`, from submit to the first start.
     pub urgent_priority: i32,
     pub urgent_queueing: WaitSummary,
+    /// The gang pass's reservations in this run: `Some(on)` when passes went through
+    /// `crate::gang::solve_gangs`, `None` for the single-job solver.
+    pub gang_reservations: Option<bool>,
+    /// Jobs of more than one slice (gangs), from submit to the first start.
+    pub gang_queueing: WaitSummary,
+    /// Jobs of one slice, from submit to the first start.
+    pub single_queueing: WaitSummary,
     /// Attempts evicted for an urgent job.
     pub preemptions: u64,
     /// Run time the evicted attempts had done since their last checkpoint, summed: work

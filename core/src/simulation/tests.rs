@@ -381,3 +381,61 @@ fn command_models_are_checked_with_their_row_and_column() {
     .to_string();
     assert!(error.starts_with("row 2 column command_model"), "{error}");
 }
+
+/// A gang of four in a stream of single-slice jobs that keeps every GPU busy: without
+/// reservations the stream starves it until the stream is over; with them it starts
+/// once the jobs queued before it have, and its four members start and end together.
+#[test]
+fn a_gang_in_a_stream_of_small_jobs_waits_far_less_with_reservations() {
+    let mut trace = format!("{HEADER}\n");
+    for index in 0..200 {
+        let time = index * 100;
+        trace.push_str(&format!("{time},600,small-{},1,50GiB,,50GiB\n", index % 3));
+    }
+    trace.push_str("1000,600,big,4,40GiB,,40GiB\n");
+    let workload = workload(&trace);
+    let cluster = Cluster::parse("1x4x80GiB").unwrap();
+    let report = |reservations: bool| {
+        simulate(
+            &workload,
+            &cluster,
+            Policy::Declared,
+            &SimulationOptions {
+                gang_reservations: Some(reservations),
+                ..SimulationOptions::default()
+            },
+            &mut MemoryOracle::default(),
+        )
+        .unwrap()
+    };
+    let (on, off) = (report(true), report(false));
+    for run in [&on, &off] {
+        assert_eq!(run.succeeded_jobs, 201);
+        assert_eq!(run.gang_queueing.jobs, 1);
+        assert_eq!(run.single_queueing.jobs, 200);
+        assert!(run.most_allocated_on_one_gpu_bytes <= run.usable_bytes_per_gpu);
+    }
+    assert_eq!(on.gang_reservations, Some(true));
+    assert_eq!(off.gang_reservations, Some(false));
+    // Off: the gang waits for the stream (20,000 s of arrivals) to end.
+    assert!(off.gang_queueing.max_s > 20_000.0, "{:?}", off.gang_queueing);
+    // On: the ten jobs queued before it and one round of 600 s jobs, roughly.
+    assert!(on.gang_queueing.max_s < 3_000.0, "{:?}", on.gang_queueing);
+    // A trace with a gang uses the gang pass even without the option; preemption with
+    // gangs is refused rather than half simulated.
+    let default = run(&workload, "1x4x80GiB", Policy::Declared);
+    assert_eq!(default.gang_reservations, Some(true));
+    assert_eq!(default.gang_queueing, on.gang_queueing);
+    let error = simulate(
+        &workload,
+        &cluster,
+        Policy::Declared,
+        &SimulationOptions {
+            preemption: Some(SimulatedPreemption::default()),
+            ..SimulationOptions::default()
+        },
+        &mut MemoryOracle::default(),
+    )
+    .unwrap_err();
+    assert!(error.to_string().contains("gangs"), "{error}");
+}

@@ -9,7 +9,7 @@
 //! | `submit_time_s`     | yes      | seconds since the start of the trace (>= 0)                   |
 //! | `duration_s`        | yes      | run time at the job's own configuration on a whole GPU (> 0)  |
 //! | `tenant`            | yes      | who submits it (fair share is between tenants)                |
-//! | `gpus`              | yes      | GPUs per job; only 1 is supported (core's solver places single-GPU slices) |
+//! | `gpus`              | yes      | slices per job, each on a distinct GPU (1 to 64; above 1 a gang, placed by `crate::gang`; only for rows without a model job) |
 //! | `requested_bytes`   | yes      | what the user declares to a memory-sharing scheduler, `16GiB` or bytes |
 //! | `spec`              | no       | a job TOML file, relative to the trace file                   |
 //! | `model`             | no       | the built-in CNN family: `cnn:width=64:depth=8:batch=128:image=64` |
@@ -33,6 +33,7 @@ use csv::StringRecord;
 
 use crate::bytes::parse_byte_size;
 use crate::error::{CoreError, FieldError};
+use crate::spec::MAX_GANG_MEMBERS;
 
 /// The columns a trace may have, in the order the generator writes them.
 pub const TRACE_COLUMNS: [&str; 10] = [
@@ -76,6 +77,8 @@ pub struct TraceRow {
     pub submit_time_s: f64,
     pub duration_s: f64,
     pub tenant: String,
+    /// Slices, each on a distinct GPU; `requested_bytes` and the need are per slice.
+    pub gpus: u32,
     pub requested_bytes: u64,
     pub model: ModelSource,
     pub actual_peak_bytes: Option<u64>,
@@ -255,13 +258,11 @@ pub fn parse_trace(text: &str) -> Result<Trace, CoreError> {
         let gpus: u64 = gpus_text
             .parse()
             .map_err(|_| cell_error(row, "gpus", format!("`{gpus_text}` is not a whole number")))?;
-        if gpus != 1 {
+        if !(1..=MAX_GANG_MEMBERS).contains(&gpus) {
             return Err(cell_error(
                 row,
                 "gpus",
-                format!(
-                    "{gpus} GPUs: the simulator, like Carve's solver, places single-GPU jobs only (use 1)"
-                ),
+                format!("{gpus} GPUs: must be between 1 and {MAX_GANG_MEMBERS}"),
             ));
         }
         let requested_bytes = parse_bytes(row, "requested_bytes", required("requested_bytes")?)?;
@@ -297,6 +298,16 @@ pub fn parse_trace(text: &str) -> Result<Trace, CoreError> {
                     "is for a command job's spec, not a model family",
                 ));
             }
+            (None, Some(_)) if gpus > 1 => {
+                return Err(cell_error(
+                    row,
+                    "gpus",
+                    format!(
+                        "{gpus} GPUs: a model family is a model job, and model jobs keep one \
+                         slice; give a gang actual_peak_bytes (per slice) instead"
+                    ),
+                ));
+            }
             (None, Some(text)) => ModelSource::Family(
                 ModelFamilyParameters::parse(text)
                     .map_err(|reason| cell_error(row, "model", reason))?,
@@ -324,6 +335,7 @@ pub fn parse_trace(text: &str) -> Result<Trace, CoreError> {
             submit_time_s,
             duration_s,
             tenant,
+            gpus: gpus as u32,
             requested_bytes,
             model,
             actual_peak_bytes,
@@ -568,8 +580,8 @@ mod tests {
     fn errors_name_the_row_and_the_column() {
         let cases = [
             (
-                format!("{HEADER}\n0,60,a,2,1GiB,,1GiB"),
-                "row 2 column gpus: 2 GPUs",
+                format!("{HEADER}\n0,60,a,65,1GiB,,1GiB"),
+                "row 2 column gpus: 65 GPUs: must be between 1 and 64",
             ),
             (
                 format!("{HEADER}\n0,60,a,1,1GiB,,1GiB\n0,x,a,1,1GiB,,1GiB"),
@@ -675,12 +687,33 @@ mod tests {
             .collect();
         assert_eq!(rows, vec![(7, "a"), (10, "b")]);
         let error = error_text(&format!(
-            "\n\n# c\n{HEADER}\n\n0,60,a,1,1GiB,,1GiB\n\n0,60,a,3,1GiB,,1GiB\n"
+            "\n\n# c\n{HEADER}\n\n0,60,a,1,1GiB,,1GiB\n\n0,60,a,0,1GiB,,1GiB\n"
         ));
-        assert!(error.starts_with("row 8 column gpus: 3 GPUs"), "{error}");
+        assert!(error.starts_with("row 8 column gpus: 0 GPUs"), "{error}");
         let error = error_text("\n# only comments\n  \n\"submit_time_s\",colour\n");
         assert!(
             error.starts_with("row 4 column colour: unknown column"),
+            "{error}"
+        );
+    }
+
+    /// Rows with more than one GPU are gangs (the Alibaba trace's multi-GPU pods), read,
+    /// not dropped; a model family, a model job, keeps one slice.
+    #[test]
+    fn rows_with_several_gpus_are_gangs() {
+        let parsed = parse_trace(&format!(
+            "{HEADER}\n0,60,a,8,20GiB,,18GiB\n1,60,b,1,2GiB,,1GiB\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            parsed.rows.iter().map(|row| row.gpus).collect::<Vec<_>>(),
+            vec![8, 1]
+        );
+        let error = error_text(&format!(
+            "{HEADER}\n0,60,a,2,1GiB,cnn:width=8:depth=2:batch=4:image=8,\n"
+        ));
+        assert!(
+            error.starts_with("row 2 column gpus: 2 GPUs: a model family"),
             "{error}"
         );
     }

@@ -91,6 +91,8 @@ pub struct SimulatedJob {
     pub submit_time_s: f64,
     pub duration_s: f64,
     pub tenant: String,
+    /// Slices, each on a distinct GPU (a gang above 1); bytes and needs are per slice.
+    pub gpus: u32,
     pub requested_bytes: u64,
     /// Index into [`Workload::models`]; `None` for rows with only `actual_peak_bytes`.
     pub model: Option<usize>,
@@ -138,6 +140,7 @@ impl Workload {
                 submit_time_s: row.submit_time_s,
                 duration_s: row.duration_s,
                 tenant: row.tenant.clone(),
+                gpus: row.gpus,
                 requested_bytes: row.requested_bytes,
                 priority: row
                     .priority

@@ -71,8 +71,29 @@ impl Simulation<'_> {
             .iter()
             .filter(|job| job.priority >= self.options.urgent_priority)
             .count();
+        let waits_where = |gang: bool| {
+            let mut waits: Vec<f64> = self
+                .runs
+                .iter()
+                .zip(&self.workload.jobs)
+                .filter(|(_, job)| (job.gpus > 1) == gang)
+                .filter_map(|(run, job)| run.first_start_s.map(|start| start - job.submit_time_s))
+                .collect();
+            let jobs = self
+                .workload
+                .jobs
+                .iter()
+                .filter(|job| (job.gpus > 1) == gang)
+                .count();
+            WaitSummary::of(jobs, &mut waits)
+        };
         PolicyReport {
             policy: self.policy,
+            gang_reservations: self
+                .use_gang_pass
+                .then(|| self.options.gang_reservations.unwrap_or(true)),
+            gang_queueing: waits_where(true),
+            single_queueing: waits_where(false),
             preemption: self.options.preemption.is_some(),
             jobs: self.runs.len(),
             succeeded_jobs: count(Phase::Succeeded),
