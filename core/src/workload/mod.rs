@@ -117,6 +117,16 @@ impl JobKind {
             JobKind::Command => true,
         }
     }
+
+    /// Whether a job of this kind may name an image of its own to run in
+    /// (`command.image`): a command job's program may; a model job runs in Carve's
+    /// engine, in no image. Lets a reader skip jobs without decoding their workload.
+    pub fn may_name_image(self) -> bool {
+        match self {
+            JobKind::Model => false,
+            JobKind::Command => true,
+        }
+    }
 }
 
 impl fmt::Display for JobKind {
@@ -321,6 +331,25 @@ impl Workload {
         match self {
             Workload::Model(job) => &job.spec.oom,
             Workload::Command(job) => &job.spec.oom,
+        }
+    }
+
+    /// The image the job's program runs in (`command.image`, a tag or digest as
+    /// written); `None` for a job without one and for every model job
+    /// ([`JobKind::may_name_image`]).
+    pub fn image(&self) -> Option<&str> {
+        match self {
+            Workload::Model(_) => None,
+            Workload::Command(job) => job.spec.command.image.as_deref(),
+        }
+    }
+
+    /// The name of the tenant's secret the job's image pull needs
+    /// (`command.image_pull_secret`); `None` when it names none, and for every model job.
+    pub fn image_pull_secret(&self) -> Option<&str> {
+        match self {
+            Workload::Model(_) => None,
+            Workload::Command(job) => job.spec.command.image_pull_secret.as_deref(),
         }
     }
 

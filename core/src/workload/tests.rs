@@ -584,3 +584,20 @@ fn each_kind_is_sized_at_admission_as_its_memory_is_known() {
         "resources.vram"
     );
 }
+
+#[test]
+fn only_a_kind_that_may_name_an_image_has_one() {
+    assert!(JobKind::Command.may_name_image());
+    assert!(!JobKind::Model.may_name_image());
+    assert_eq!(model().image(), None);
+    assert_eq!(model().image_pull_secret(), None);
+    assert_eq!(command().image(), None);
+    let imaged = edited(
+        COMMAND_JOB,
+        "steps = 1000\n",
+        "steps = 1000\nimage = \"127.0.0.1:5000/team/train:2.5\"\nimage_pull_secret = \"team-registry\"\n",
+    );
+    assert_eq!(imaged.image(), Some("127.0.0.1:5000/team/train:2.5"));
+    assert_eq!(imaged.image_pull_secret(), Some("team-registry"));
+    assert!(imaged.kind().may_name_image());
+}

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use carve_core::scheduling::CachedImages;
-use carve_core::workload::{JobKind, Workload};
+use carve_core::workload::Workload;
 use carve_proto::ApiError;
 
 use crate::auth::{Caller, Role};
@@ -179,10 +179,7 @@ impl Scheduler {
         tenant: &str,
         workload: &Workload,
     ) -> Result<(), SchedulerError> {
-        let Some(secret) = workload
-            .as_command()
-            .and_then(|command| command.spec.command.image_pull_secret.as_deref())
-        else {
+        let Some(secret) = workload.image_pull_secret() else {
             return Ok(());
         };
         if self.store.secret_exists(tenant, secret).await? {
@@ -206,18 +203,15 @@ impl Scheduler {
         &self,
         job: &JobRecord,
     ) -> Result<(Option<String>, Option<RegistryCredential>), SchedulerError> {
-        if job.kind != JobKind::Command {
+        if !job.kind.may_name_image() {
             return Ok((None, None));
         }
         let workload = self.stored_workload(job).await?;
-        let Some(command) = workload.as_command() else {
-            return Ok((None, None));
-        };
-        if command.spec.command.image.is_none() {
+        if workload.image().is_none() {
             return Ok((None, None));
         }
         let digest = self.store.job_image_digest(&job.id).await?;
-        let credential = match command.spec.command.image_pull_secret.as_deref() {
+        let credential = match workload.image_pull_secret() {
             Some(secret) => match self.store.secret_value(&job.tenant, secret).await? {
                 Some(value) => match registry_credential(&value) {
                     Ok(credential) => Some(credential),
@@ -356,14 +350,15 @@ impl Scheduler {
         Ok(images)
     }
 
-    /// The recorded image digests of a page of jobs (its command jobs only).
+    /// The recorded image digests of a page of jobs (those of a kind that may name an
+    /// image only).
     pub(super) async fn image_digests_of(
         &self,
         jobs: &[JobRecord],
     ) -> Result<HashMap<String, String>, SchedulerError> {
         let ids: Vec<&str> = jobs
             .iter()
-            .filter(|job| job.kind == JobKind::Command)
+            .filter(|job| job.kind.may_name_image())
             .map(|job| job.id.as_str())
             .collect();
         if ids.is_empty() {
