@@ -36,7 +36,7 @@ fn time_is_clipped_to_the_period_and_running_attempts_count_to_now() {
         // Across the start: 2 of its 4 hours count.
         attempt("a", 1, 8 * HOUR, Some(12 * HOUR)),
         // Before the period: nothing.
-        attempt("b", 1, 1 * HOUR, Some(10 * HOUR)),
+        attempt("b", 1, HOUR, Some(10 * HOUR)),
         // Running since 18 h, now is 19 h: one hour.
         attempt("c", 1, 18 * HOUR, None),
         // After the period: nothing.
