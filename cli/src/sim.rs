@@ -243,13 +243,12 @@ pub fn run(arguments: SimArguments) -> Result<ExitCode> {
     let mut reports = Vec::new();
     for policy in arguments.policy.policies() {
         for run_options in &runs {
-            reports.push(simulate(
-                &workload,
-                &cluster,
-                policy,
-                run_options,
-                &mut oracle,
-            )?);
+            // Its refusals name an option's field (`preemption`), which people typed as a
+            // flag.
+            reports.push(
+                simulate(&workload, &cluster, policy, run_options, &mut oracle)
+                    .map_err(as_flag_error)?,
+            );
         }
     }
     eprintln!(
