@@ -574,6 +574,7 @@ pub fn worker_command_to_proto(command: WorkerCommand) -> v1::SchedulerMessage {
     use v1::scheduler_message::Body;
     let body = match command {
         WorkerCommand::Assignment(assignment) => {
+            let assignment = *assignment;
             Body::Assignment(v1::scheduler_message::Assignment {
                 attempt: Some(attempt_ref_to_proto(&assignment.attempt)),
                 spec_json: assignment.spec_json,

@@ -319,7 +319,7 @@ impl Scheduler {
         );
         self.send_to_worker(
             &placement.worker_id,
-            WorkerCommand::Assignment(Assignment {
+            WorkerCommand::Assignment(Box::new(Assignment {
                 attempt: AttemptRef {
                     job_id: job.id.clone(),
                     attempt_number: attempt_number as u32,
@@ -340,7 +340,7 @@ impl Scheduler {
                 kind: job.kind,
                 image_digest,
                 image_pull_credential,
-            }),
+            })),
         );
         self.emit_state(
             &job.id,

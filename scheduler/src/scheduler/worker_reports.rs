@@ -176,8 +176,8 @@ pub enum WorkerReport {
 /// What the scheduler sends down a worker's session.
 #[derive(Debug, Clone, PartialEq)]
 pub enum WorkerCommand {
-    /// Run an attempt in a slice.
-    Assignment(Assignment),
+    /// Run an attempt in a slice (boxed: it is much the largest command).
+    Assignment(Box<Assignment>),
     /// Stop an attempt, giving it `grace_period` before it is killed.
     Cancel {
         attempt: AttemptRef,
