@@ -53,6 +53,9 @@ enum Command {
     /// Runs one attempt (started by the worker of `carve dev`, not by people).
     #[command(hide = true)]
     Attempt(carve_worker::attempt_child::AttemptArguments),
+    /// Supervises a command job's program (started by the worker of `carve dev`).
+    #[command(hide = true)]
+    Supervise(carve_worker::command_supervisor::SuperviseArguments),
     #[command(flatten)]
     Client(client::ClientCommand),
 }
@@ -62,7 +65,10 @@ fn main() -> ExitCode {
     // `carve dev` hosts a scheduler and a worker: a write to a closed pipe there is an
     // error to handle, not a reason to end the cluster. The attempt process keeps what
     // its worker expects.
-    if !matches!(cli.command, Command::Dev(_) | Command::Attempt(_)) {
+    if !matches!(
+        cli.command,
+        Command::Dev(_) | Command::Attempt(_) | Command::Supervise(_)
+    ) {
         end_quietly_on_closed_stdout();
     }
     let result = match cli.command {
@@ -73,6 +79,10 @@ fn main() -> ExitCode {
         Command::Sim(arguments) => sim::run(arguments),
         // The attempt process: stdout is its report channel, errors are handled inside.
         Command::Attempt(arguments) => return attempt::run(&arguments),
+        // The supervisor exits as `carve-worker supervise` does: with its program's end.
+        Command::Supervise(arguments) => {
+            return carve_worker::command_supervisor::supervise_command(&arguments, "carve");
+        }
         Command::Client(command) => client::run(command, Cli::command),
     };
     match result {

@@ -215,7 +215,10 @@ pub async fn spawn_supervised(command: Command) -> std::io::Result<Child> {
 }
 
 /// [`spawn_supervised`] with `stdin` as the process's stdin.
-async fn spawn_supervised_with_stdin(mut command: Command, stdin: Stdio) -> std::io::Result<Child> {
+pub(crate) async fn spawn_supervised_with_stdin(
+    mut command: Command,
+    stdin: Stdio,
+) -> std::io::Result<Child> {
     command
         .stdin(stdin)
         .stdout(Stdio::piped())
@@ -230,7 +233,7 @@ async fn spawn_supervised_with_stdin(mut command: Command, stdin: Stdio) -> std:
 /// (kill -9 included): an attempt that outlives its worker trains on unsupervised, keeps
 /// its slice's memory and writes checkpoints next to its replacement.
 #[allow(unsafe_code)]
-fn die_with_this_process(command: &mut Command) {
+pub(crate) fn die_with_this_process(command: &mut Command) {
     let worker = rustix::process::getpid();
     // SAFETY: the hook runs in the forked child before exec, where only
     // async-signal-safe calls are allowed: it makes two raw system calls (prctl,

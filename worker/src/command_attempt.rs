@@ -15,7 +15,7 @@
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::ExitStatus;
+use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,14 +30,16 @@ use tokio::process::Child;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use crate::attempt_lease::renew_attempt_lease;
 use crate::attempt_process::{
     AttemptControl, ProcessStopper, WorkerStop, signal_process_group, sleep_until_or_never,
-    spawn_supervised, uncontained_log_line,
+    spawn_supervised_with_stdin, uncontained_log_line,
 };
 use crate::command_output::{
     LineTail, ProgressLine, ProgressPacing, STDERR_TAIL_LINES, parse_progress_line,
     start_error_text,
 };
+use crate::command_supervisor::Supervision;
 use crate::gang_member::GangMemberLaunch;
 use crate::guard_environment::AttemptGuard;
 use crate::image::{ImageRequest, PullProgress, PulledImage, RegistryCredential};
@@ -47,11 +49,11 @@ use carve_core::command::image::parse_image_reference;
 use carve_core::step_rate::StepRate;
 
 mod image;
+
+pub use image::AssignedImage;
 mod setup;
 use setup::PreparedRun;
 
-
-pub use image::AssignedImage;
 /// The variable that tells the program its slice's size, with or without the guard (a
 /// program on a simulated GPU without the guard can account for itself against it).
 pub const ENVIRONMENT_SLICE_BYTES: &str = "CARVE_SLICE_BYTES";
@@ -89,17 +91,20 @@ pub struct CommandAttemptLaunch {
     pub sandbox: Option<Arc<Sandbox>>,
     /// The job's tenant: whose host ids its container runs under.
     pub tenant: String,
-    /// The slice's GPU's device nodes, the only ones its container sees, and the host
-    /// paths its driver needs (a CDI spec's mounts).
-    pub devices: GpuDevices,
     /// What the scheduler's assignment says of the job's image: the digest its first
     /// pull resolved and its pull secret's credential (issue 30).
     pub image: AssignedImage,
+    /// The slice's GPU's device nodes, the only ones its container sees, and the host
+    /// paths its driver needs (a CDI spec's mounts).
+    pub devices: GpuDevices,
     /// A simulated GPU's ledger socket (`simulated_gpu_ledger.rs`): the fake driver's
     /// device, bound into the container at its device path.
     pub simulated_gpu_socket: Option<PathBuf>,
     /// The first part of its containers' names (a run number follows).
     pub container_name: String,
+    /// The lease each run of the program holds through its supervisor; `None` runs the
+    /// program as the worker's direct child, with no lease (tests of this module).
+    pub supervision: Option<Supervision>,
 }
 
 /// What the worker learns of the processes an attempt starts (a profile starts one per
@@ -132,7 +137,15 @@ pub async fn run_command_attempt(
     processes: impl CommandProcesses,
     before_final_report: impl FnOnce(),
 ) {
-    run_attempt(launch, None, reports, control, processes, before_final_report).await;
+    run_attempt(
+        launch,
+        None,
+        reports,
+        control,
+        processes,
+        before_final_report,
+    )
+    .await;
 }
 
 /// As [`run_command_attempt`], for one member of a gang (issue 31,
@@ -356,11 +369,18 @@ impl<P: CommandProcesses> Runner<'_, P> {
             guard,
             container,
             image_root: _image_root,
+            supervised,
         } = match self.prepare(plan) {
             Ok(prepared) => prepared,
             Err(message) => return not_started(message),
         };
-        let child = match spawn_supervised(command).await {
+        // A supervised run's stdin carries its lease's renewals.
+        let stdin = if supervised {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        };
+        let mut child = match spawn_supervised_with_stdin(command, stdin).await {
             Ok(child) => child,
             Err(error) => {
                 if let Some(container) = &container {
@@ -373,6 +393,9 @@ impl<P: CommandProcesses> Runner<'_, P> {
                 ));
             }
         };
+        if let (Some(stdin), Some(supervision)) = (child.stdin.take(), &self.launch.supervision) {
+            tokio::spawn(renew_attempt_lease(stdin, supervision.deadlines.clone()));
+        }
         let process_id = child.id().unwrap_or(0);
         // In a container the program is the runtime's child, not the worker's: its own
         // pid is what the worker records and the watchdog starts from.
@@ -404,6 +427,11 @@ impl<P: CommandProcesses> Runner<'_, P> {
                 resumed_from: None,
                 command_argv: argv,
                 uncontained: container.is_none(),
+                // What the image resolved to: the scheduler pins later attempts to it.
+                image_digest: self
+                    .image
+                    .map(|image| image.record.digest.clone())
+                    .unwrap_or_default(),
             }));
             if container.is_none() {
                 self.send(uncontained_log_line(attempt));
@@ -457,15 +485,14 @@ impl<P: CommandProcesses> Runner<'_, P> {
                     output.pacing.reported(Instant::now());
                     self.report_progress(&output, guard);
                 }
-                // What the image resolved to: the scheduler pins later attempts to it.
-                image_digest: self
-                    .image
-                    .map(|image| image.record.digest.clone())
-                    .unwrap_or_default(),
                 exited = child.wait(), if status.is_none() => {
-                    status = Some(exited.map(|status| match container {
-                        Some(_) => container_exit_status(status, &[]),
-                        None => status,
+                    // `runc run` and the supervisor both exit 128 + the program's signal.
+                    status = Some(exited.map(|status| {
+                        if container.is_some() || self.launch.supervision.is_some() {
+                            container_exit_status(status, &[])
+                        } else {
+                            status
+                        }
                     }));
                     drain_until = Some(Instant::now() + OUTPUT_DRAIN);
                 }
@@ -515,9 +542,23 @@ impl<P: CommandProcesses> Runner<'_, P> {
             usage.map(|usage| usage.peak_bytes),
             output.progress.memory_peak_bytes,
         );
-        let end = match stopper.into_stop() {
-            Some(stop) => RunEnd::Stopped(stop),
-            None => RunEnd::Exited(self.classify(
+        // A run that ended once the worker's lease had lapsed was stopped by its
+        // supervisor (or is as good as stopped: the scheduler gives the job away), never
+        // a success or a failure of the program's own, whatever it exited with.
+        let lapsed = self
+            .launch
+            .supervision
+            .as_ref()
+            .filter(|supervision| supervision.lapsed());
+        let end = match (stopper.into_stop(), lapsed) {
+            (Some(stop), _) => RunEnd::Stopped(stop),
+            (None, Some(_)) => RunEnd::Stopped(WorkerStop::Interrupted(
+                "stopped by its supervisor: no scheduler leader heard its worker for half \
+                 the worker's lease (the scheduler would give the attempt to another worker \
+                 at the lease's end)"
+                    .to_string(),
+            )),
+            (None, None) => RunEnd::Exited(self.classify(
                 &status,
                 guard,
                 &output.stderr_tail.to_vec(),

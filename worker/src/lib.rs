@@ -41,6 +41,7 @@ pub mod checkpoint_files;
 pub mod child_protocol;
 pub mod command_attempt;
 pub mod command_output;
+pub mod command_supervisor;
 pub mod error;
 pub mod gang_member;
 pub mod gpus;

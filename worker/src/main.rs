@@ -1,6 +1,7 @@
 //! `carve-worker`: the GPU node agent. Parses and checks its flags, then runs
 //! `carve_worker::run_worker` until SIGINT/SIGTERM. The hidden `attempt` subcommand is
-//! the attempt process the worker starts for every attempt.
+//! the attempt process the worker starts for every attempt; the hidden `supervise`, the
+//! supervisor of every run of a command job's program (`command_supervisor.rs`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -12,6 +13,7 @@ use carve_core::spec::parse_duration;
 use carve_proto::client::ClientIdentity;
 use carve_proto::logging::{LogFormat, init_logging};
 use carve_worker::attempt_child::{AttemptArguments, attempt_command};
+use carve_worker::command_supervisor::{SuperviseArguments, supervise_command};
 use carve_worker::attempt_limits::{DEFAULT_MEASURE_INTERVAL, RunLimits};
 use carve_worker::gang_member::{GangSettings, parse_gang_ports};
 use carve_worker::gpus::parse_simulated_gpus;
@@ -177,6 +179,9 @@ enum Command {
     /// Runs one attempt (started by the worker, not by people).
     #[command(hide = true)]
     Attempt(AttemptArguments),
+    /// Runs a command job's program under its lease (started by the worker, not by people).
+    #[command(hide = true)]
+    Supervise(SuperviseArguments),
 }
 
 fn parse_byte_size_argument(text: &str) -> Result<u64, String> {
@@ -225,6 +230,10 @@ fn main() -> ExitCode {
     if let Some(Command::Attempt(attempt)) = &arguments.command {
         // The attempt process: no logging setup, stdout is the report channel.
         return attempt_command(attempt, "carve-worker");
+    }
+    if let Some(Command::Supervise(supervise)) = &arguments.command {
+        // The program's stdout and stderr are the supervisor's: no logging setup.
+        return supervise_command(supervise, "carve-worker");
     }
     match run(arguments) {
         Ok(()) => ExitCode::SUCCESS,

@@ -84,6 +84,7 @@ fn launch(
         devices: Default::default(),
         simulated_gpu_socket: None,
         container_name: "carve-job-1-1".into(),
+        supervision: None,
     }
 }
 

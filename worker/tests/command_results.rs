@@ -52,6 +52,7 @@ fn launch(directory: &Path, job: ValidatedCommandJob) -> CommandAttemptLaunch {
         devices: Default::default(),
         simulated_gpu_socket: None,
         container_name: "carve-job-1-1".into(),
+        supervision: None,
     }
 }
 

@@ -204,16 +204,21 @@ fn start_worker(address: &str, token: &str, checkpoints: &Path, hostname: &str) 
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frozen_workers_attempt_stops_before_its_job_runs_elsewhere_which_resumes_from_the_recorded_step()
- {
-    let directory = tempfile::tempdir().unwrap();
-    let checkpoints = directory.path().join("checkpoints");
-    std::fs::create_dir_all(&checkpoints).unwrap();
+/// A scheduler on SQLite in `directory` with the test's short lease, and a tenant with
+/// a user token and two worker tokens: its address, a channel to it, the three secrets,
+/// and the sender that stops it when dropped.
+async fn scheduler_with_two_worker_tokens(
+    directory: &Path,
+) -> (
+    String,
+    Channel,
+    Vec<String>,
+    tokio::sync::oneshot::Sender<()>,
+) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = format!("http://{}", listener.local_addr().unwrap());
     let config = SchedulerConfig {
-        database_url: format!("sqlite://{}", directory.path().join("carve.db").display()),
+        database_url: format!("sqlite://{}", directory.join("carve.db").display()),
         settings: SchedulerSettings {
             lease_duration: LEASE,
             heartbeat_interval: Duration::from_millis(200),
@@ -225,7 +230,7 @@ async fn a_frozen_workers_attempt_stops_before_its_job_runs_elsewhere_which_resu
         metrics_address: None,
         tls: None,
     };
-    let (_stop_scheduler, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (stop_scheduler, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(carve_scheduler::server::run(config, listener, async {
         let _ = stopped.await;
     }));
@@ -238,6 +243,17 @@ async fn a_frozen_workers_attempt_stops_before_its_job_runs_elsewhere_which_resu
         &[v1::Role::User, v1::Role::Worker, v1::Role::Worker],
     )
     .await;
+    (address, channel, secrets, stop_scheduler)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_workers_attempt_stops_before_its_job_runs_elsewhere_which_resumes_from_the_recorded_step()
+ {
+    let directory = tempfile::tempdir().unwrap();
+    let checkpoints = directory.path().join("checkpoints");
+    std::fs::create_dir_all(&checkpoints).unwrap();
+    let (address, channel, secrets, _stop_scheduler) =
+        scheduler_with_two_worker_tokens(directory.path()).await;
     let (user, token_a, token_b) = (&secrets[0], &secrets[1], &secrets[2]);
     let mut workers = Workers::default();
     workers.0.insert(
@@ -360,5 +376,170 @@ async fn a_frozen_workers_attempt_stops_before_its_job_runs_elsewhere_which_resu
         (resumed.step, resumed.location.clone()),
         recorded,
         "attempt 2 resumed from what the scheduler recorded for attempt 1"
+    );
+}
+
+/// What a frozen-worker command job's program is called on its command line
+/// (`sh -c SCRIPT NAME {checkpoint_dir}`): how the samples find it.
+const COMMAND_PROGRAM_NAME: &str = "frozen-command-program";
+
+/// The command job programs of `job_id` alive now (pids): `/bin/sh` processes named
+/// [`COMMAND_PROGRAM_NAME`] whose checkpoint directory is the job's. Their supervisors
+/// (`carve-worker supervise ... -- /bin/sh ...`) are not the program and are left out,
+/// and so is a program's own child between its fork and its exec (of `sleep`), which
+/// still shows the program's command line.
+fn live_command_programs(job_id: &str) -> Vec<u32> {
+    let matching: Vec<(u32, Option<u32>)> = process_command_lines()
+        .into_iter()
+        .filter_map(|(process_id, arguments)| {
+            let is_program = arguments.first().map(String::as_str) == Some("/bin/sh")
+                && arguments.get(3).map(String::as_str) == Some(COMMAND_PROGRAM_NAME)
+                && arguments
+                    .get(4)
+                    .is_some_and(|directory| directory.ends_with(job_id));
+            // A zombie has ended; only its status is left to collect.
+            (is_program && process_start_time(process_id).is_some())
+                .then(|| (process_id, parent_of(process_id)))
+        })
+        .collect();
+    matching
+        .iter()
+        .filter(|(_, parent)| !matching.iter().any(|(other, _)| Some(*other) == *parent))
+        .map(|(process_id, _)| *process_id)
+        .collect()
+}
+
+/// A process's parent, from `/proc/<pid>/stat` (the field after the state, past the
+/// command name in parentheses).
+fn parent_of(process_id: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{process_id}/stat")).ok()?;
+    let (_, after_name) = stat.rsplit_once(')')?;
+    after_name.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// A command job's program (the user's own, which holds no lease of its own and ignores
+/// SIGTERM) on a worker frozen past its lease: its supervisor stops it before the job
+/// runs elsewhere, so never two programs of the job at once (sampled every 20 ms) nor
+/// two running attempts in the store. Fails with the supervisor off (`supervision:
+/// None` in `worker/command_launch.rs`): both programs ran at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_workers_command_program_is_stopped_by_its_supervisor_before_its_job_runs_elsewhere()
+ {
+    let directory = tempfile::tempdir().unwrap();
+    let checkpoints = directory.path().join("checkpoints");
+    std::fs::create_dir_all(&checkpoints).unwrap();
+    let (address, channel, secrets, _stop_scheduler) =
+        scheduler_with_two_worker_tokens(directory.path()).await;
+    let (user, token_a, token_b) = (&secrets[0], &secrets[1], &secrets[2]);
+    let mut workers = Workers::default();
+    workers.0.insert(
+        "a",
+        start_worker(&address, token_a, &checkpoints, "frozen-command-node-a"),
+    );
+    let spec = serde_json::json!({
+        "name": "long-command",
+        "command": {
+            "argv": [
+                "/bin/sh", "-c",
+                "trap '' TERM; i=0; while true; do i=$((i+1)); echo CARVE_PROGRESS step=$i; sleep 0.05; done",
+                COMMAND_PROGRAM_NAME, "{checkpoint_dir}",
+            ],
+            "global_batch": 8, "micro_batch": 8, "steps": 1_000_000_000u64,
+        },
+        "resources": { "vram": "256MiB" },
+    });
+    let job_id = submit_job_id(&channel, user, spec.to_string()).await;
+    let stop_watching = Arc::new(AtomicBool::new(false));
+    let overlaps: Arc<Mutex<Vec<Vec<u32>>>> = Arc::default();
+    let watcher = std::thread::spawn({
+        let (job_id, stop, overlaps) = (job_id.clone(), stop_watching.clone(), overlaps.clone());
+        move || {
+            while !stop.load(Ordering::Acquire) {
+                let live = live_command_programs(&job_id);
+                if live.len() > 1 {
+                    overlaps.lock().unwrap().push(live);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    });
+    poll_job(&channel, user, &job_id, "attempt 1 starts", |job| {
+        job.attempts
+            .first()
+            .is_some_and(|attempt| attempt.started_at.is_some())
+    })
+    .await;
+    poll_until(
+        HANG_GUARD,
+        Duration::from_millis(20),
+        "the program runs",
+        || (!live_command_programs(&job_id).is_empty()).then_some(()),
+    )
+    .await;
+    workers.0.insert(
+        "b",
+        start_worker(&address, token_b, &checkpoints, "frozen-command-node-b"),
+    );
+    let deadline = tokio::time::Instant::now() + HANG_GUARD;
+    while ready_workers(&channel).await < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "worker b registers (hang guard)"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Freeze worker a past its lease: only its program's supervisor can stop it now.
+    signal(workers.0["a"].id(), "STOP");
+    poll_job(
+        &channel,
+        user,
+        &job_id,
+        "attempt 2 runs on worker b",
+        |job| {
+            job.attempts.len() >= 2
+                && job.attempts[1].outcome == v1::AttemptOutcome::Running as i32
+                && job.attempts[1].started_at.is_some()
+        },
+    )
+    .await;
+    // Attempt 2's program runs while worker a is still frozen.
+    poll_until(
+        HANG_GUARD,
+        Duration::from_millis(20),
+        "attempt 2's program runs",
+        || (!live_command_programs(&job_id).is_empty()).then_some(()),
+    )
+    .await;
+    let job = poll_job(&channel, user, &job_id, "", |_| true).await;
+    signal(workers.0["a"].id(), "CONT");
+    JobServiceClient::new(channel.clone())
+        .cancel_job(authorized(
+            v1::CancelJobRequest {
+                job_id: job_id.clone(),
+                reason: "the test is over".into(),
+            },
+            user,
+        ))
+        .await
+        .unwrap();
+    stop_watching.store(true, Ordering::Release);
+    watcher.join().unwrap();
+
+    let overlaps = overlaps.lock().unwrap();
+    assert!(
+        overlaps.is_empty(),
+        "two programs of the job ran at once (pids): {:?}",
+        &overlaps[..overlaps.len().min(5)]
+    );
+    let (first, second) = (&job.attempts[0], &job.attempts[1]);
+    assert_ne!(first.worker_id, second.worker_id, "{job:#?}");
+    assert!(
+        [
+            v1::AttemptOutcome::Lost as i32,
+            v1::AttemptOutcome::Interrupted as i32
+        ]
+        .contains(&first.outcome),
+        "attempt 1 ended lost or interrupted: {first:#?}"
     );
 }

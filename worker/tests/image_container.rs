@@ -293,6 +293,7 @@ mod command_attempts {
             devices: Default::default(),
             simulated_gpu_socket: None,
             container_name: format!("carve-image-job-1-{number}"),
+            supervision: None,
         }
     }
 

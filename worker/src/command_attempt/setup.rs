@@ -24,6 +24,8 @@ pub(super) struct PreparedRun {
     /// The run's root in the job's image, mounted until this is dropped (after the
     /// container is removed).
     pub(super) image_root: Option<ImageRunRoot>,
+    /// Whether `command` runs the program under its supervisor (which holds the lease).
+    pub(super) supervised: bool,
 }
 
 impl<P: CommandProcesses> Runner<'_, P> {
@@ -139,12 +141,19 @@ impl<P: CommandProcesses> Runner<'_, P> {
                 (command, None, None)
             }
         };
+        // The lease is held outside the program and outside the worker: by a supervisor
+        // between them (`command_supervisor.rs`).
+        let supervised_command = launch.supervision.as_ref().and_then(|supervision| {
+            supervision.wrap(command.as_std(), container.is_none(), container.as_ref())
+        });
+        let supervised = supervised_command.is_some();
         Ok(PreparedRun {
-            command,
+            command: supervised_command.unwrap_or(command),
             argv: rendered.argv,
             guard,
             container,
             image_root,
+            supervised,
         })
     }
 

@@ -134,6 +134,16 @@ impl Container {
         &self.name
     }
 
+    /// The runtime and its state directory, which a command run's supervisor
+    /// (`command_supervisor.rs`) signals the container through.
+    pub fn runtime(&self) -> &Path {
+        &self.runtime
+    }
+
+    pub fn state_directory(&self) -> &Path {
+        &self.state_directory
+    }
+
     /// The `cgroup.procs` file listing every process of the container (host pids): what
     /// the watchdog counts, since a process cannot leave its cgroup.
     pub fn processes_file(&self) -> &Path {

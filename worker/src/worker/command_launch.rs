@@ -19,6 +19,7 @@ use crate::attempt_limits::MaxDuration;
 use crate::command_attempt::{
     CommandAttemptLaunch, CommandProcesses, run_command_attempt, run_gang_member_attempt,
 };
+use crate::command_supervisor::Supervision;
 use crate::error::WorkerError;
 use crate::gang_member::{GangRefusal, member_checkpoint_directory, member_launch};
 use crate::gpus::WorkerGpu;
@@ -92,10 +93,18 @@ impl Worker {
                 gpu_devices(&self.config.sandbox.cdi_directories, gpu.index, &gpu.uuid)
             },
             container_name: container_name(attempt),
+            image: crate::command_attempt::AssignedImage::of_assignment(assignment),
             simulated_gpu_socket: self
                 .simulated_gpu_ledgers
                 .get(&gpu.uuid)
                 .map(|ledger| ledger.socket().to_path_buf()),
+            // Every run holds the worker's lease through a supervisor, so it stops at
+            // the worker's deadline even while the worker is frozen.
+            supervision: self.leader_lease.lease().map(|lease| Supervision {
+                program: self.config.attempt_program.clone(),
+                deadlines: self.leader_lease.watch_stop_deadline(),
+                grace: crate::leader_lease::stop_grace(lease),
+            }),
         };
         tracing::info!(
             job = %attempt.job_id,
