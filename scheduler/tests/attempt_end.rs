@@ -30,12 +30,11 @@ use test_worker::TestWorker;
 
 on_both_databases!(ending_an_attempt_writes_its_job_in_the_same_transaction);
 
-/// The end of attempt `number` of `job_id` under `lease_epoch`, with `outcome`.
-fn end(job_id: &str, number: i64, lease_epoch: i64, outcome: AttemptOutcome) -> AttemptEnd {
+/// The end of attempt `number` of `job_id`, with `outcome`.
+fn end(job_id: &str, number: i64, outcome: AttemptOutcome) -> AttemptEnd {
     AttemptEnd {
         job_id: job_id.into(),
         attempt_number: number,
-        lease_epoch,
         outcome,
         measured_peak_bytes: Some(3 << 20),
         oom: None,
@@ -60,17 +59,14 @@ async fn ending_an_attempt_writes_its_job_in_the_same_transaction(db: &TestDb) {
         .await
         .unwrap();
 
-    // A stale report (another lease epoch) is refused, and the job's move with it.
+    // A report of an attempt the job never had is refused, and the job's move with it.
     let mut succeeded = placed.clone();
     succeeded.state = JobState::Succeeded;
     succeeded.finished_at_ms = Some(T0 + 100);
     let stale = store
-        .end_attempt(&end("j", 1, 1, AttemptOutcome::Succeeded), Some(&succeeded))
+        .end_attempt(&end("j", 2, AttemptOutcome::Succeeded), Some(&succeeded))
         .await;
-    assert!(
-        matches!(stale, Err(SchedulerError::Conflict(_))),
-        "{stale:?}"
-    );
+    assert_eq!(stale, Err(SchedulerError::not_found("attempt", "j/2")));
     assert_eq!(store.get_job("j").await.unwrap(), placed);
     assert_eq!(
         store.list_attempts("j").await.unwrap()[0].outcome,
@@ -81,7 +77,7 @@ async fn ending_an_attempt_writes_its_job_in_the_same_transaction(db: &TestDb) {
     let mut other = succeeded.clone();
     other.id = "k".into();
     let refused = store
-        .end_attempt(&end("j", 1, 2, AttemptOutcome::Succeeded), Some(&other))
+        .end_attempt(&end("j", 1, AttemptOutcome::Succeeded), Some(&other))
         .await;
     assert!(refused.is_err());
     assert_eq!(
@@ -90,7 +86,7 @@ async fn ending_an_attempt_writes_its_job_in_the_same_transaction(db: &TestDb) {
     );
 
     store
-        .end_attempt(&end("j", 1, 2, AttemptOutcome::Succeeded), Some(&succeeded))
+        .end_attempt(&end("j", 1, AttemptOutcome::Succeeded), Some(&succeeded))
         .await
         .unwrap();
     assert_eq!(store.get_job("j").await.unwrap(), succeeded);
@@ -207,7 +203,6 @@ async fn jobs_left_running_with_their_attempts_ended_are_moved_on_at_recovery() 
                 &end(
                     &attempt.job_id,
                     i64::from(attempt.attempt_number),
-                    attempt.lease_epoch as i64,
                     outcome,
                 ),
                 None,

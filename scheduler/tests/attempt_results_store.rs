@@ -68,7 +68,6 @@ async fn results_are_stored_with_the_outcome_and_shown(db: &TestDb) {
             &AttemptEnd {
                 job_id: "j".into(),
                 attempt_number: 1,
-                lease_epoch: 1,
                 outcome: AttemptOutcome::Succeeded,
                 measured_peak_bytes: Some(3 << 20),
                 oom: None,
@@ -110,11 +109,10 @@ async fn results_are_stored_with_the_outcome_and_shown(db: &TestDb) {
 
 async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
     let (store, running) = store_with_a_running_attempt(db).await;
-    // A report quoting another lease epoch changes nothing.
+    // A report of an attempt the job does not have changes nothing.
     let stale = store
         .record_attempt_started(
             "j",
-            1,
             7,
             T0 + 5,
             Some(("/elsewhere.ckpt", 1)),
@@ -130,7 +128,7 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
     // A worker that does not say where it resumed leaves the expected checkpoint.
     assert!(
         store
-            .record_attempt_started("j", 1, 1, T0 + 10, None, &AttemptStartDetails::default())
+            .record_attempt_started("j", 1, T0 + 10, None, &AttemptStartDetails::default())
             .await
             .unwrap()
     );
@@ -148,7 +146,6 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
         store
             .record_attempt_started(
                 "j",
-                1,
                 1,
                 T0 + 20,
                 Some(("/ckpt/j.attempt-1.ckpt", 300)),
@@ -183,7 +180,6 @@ async fn an_attempt_s_start_and_resume_step_are_its_own_word(db: &TestDb) {
         !store
             .record_attempt_started(
                 "j",
-                1,
                 1,
                 T0 + 40,
                 None,
@@ -285,7 +281,6 @@ async fn a_tenants_argv_is_stored_and_shown_exactly_whatever_it_holds(db: &TestD
         store
             .record_attempt_started(
                 "j",
-                1,
                 1,
                 T0 + 10,
                 None,

@@ -36,7 +36,7 @@ on_both_databases!(
     jobs_in_states_are_oldest_first,
     count_jobs_counts_one_tenants_jobs_in_one_state,
     attempts_are_listed_by_number,
-    finishing_an_attempt_is_fenced_by_its_lease_epoch,
+    an_attempt_ends_once_while_it_runs,
     record_job_and_attempt_is_atomic,
     job_reads_show_the_stored_estimate_without_validating_the_spec,
     a_jobs_validated_workload_is_stored_with_it_and_read_back_as_validated,
@@ -950,45 +950,17 @@ async fn attempts_are_listed_by_number(db: &TestDb) {
     assert_eq!(store.list_attempts("j").await.unwrap().len(), 3);
 }
 
-async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
+/// An attempt is ended by its number, once, while it runs: no attempt is reassigned
+/// under another lease epoch (a job's next try is a new attempt), so nothing but its
+/// outcome fences the end.
+async fn an_attempt_ends_once_while_it_runs(db: &TestDb) {
     let store = open_with_acme(db).await;
     store
         .submit_jobs(vec![job("j", "acme", "x")])
         .await
         .unwrap();
     store.create_attempt(&attempt("j", 1, 1)).await.unwrap();
-    store.create_attempt(&attempt("j", 2, 3)).await.unwrap();
-
-    // A report from the worker that held attempt 2 under epoch 2, before it was
-    // reassigned under epoch 3.
-    let stale = store
-        .end_attempt(
-            &AttemptEnd {
-                job_id: "j".into(),
-                attempt_number: 2,
-                lease_epoch: 2,
-                outcome: AttemptOutcome::Succeeded,
-                measured_peak_bytes: Some(10),
-                oom: None,
-                message: "done".into(),
-                finished_at_ms: T0 + 50,
-                results: AttemptResults::default(),
-                details: Default::default(),
-            },
-            None,
-        )
-        .await;
-    assert_eq!(
-        stale,
-        Err(SchedulerError::Conflict(
-            "attempt j/2 was reassigned (lease epoch 3, reported 2)".into()
-        ))
-    );
-    assert_eq!(
-        store.list_attempts("j").await.unwrap()[1],
-        attempt("j", 2, 3),
-        "a stale report changes nothing"
-    );
+    store.create_attempt(&attempt("j", 2, 2)).await.unwrap();
 
     let oom = OutOfMemory {
         requested: 4096,
@@ -1002,7 +974,6 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
             &AttemptEnd {
                 job_id: "j".into(),
                 attempt_number: 2,
-                lease_epoch: 3,
                 outcome: AttemptOutcome::OutOfMemory,
                 measured_peak_bytes: Some(2 << 20),
                 oom: Some(oom),
@@ -1021,13 +992,13 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
         oom: Some(oom),
         message: "oom in conv".into(),
         finished_at_ms: Some(T0 + 60),
-        ..attempt("j", 2, 3)
+        ..attempt("j", 2, 2)
     };
     assert_eq!(store.list_attempts("j").await.unwrap()[1], finished);
 
-    // Finished attempts stay finished, whatever the epoch.
+    // Finished attempts stay finished: a second report of the end changes nothing.
     assert_eq!(
-        finish_plainly(&store, "j", 2, 3, AttemptOutcome::Succeeded, T0 + 70).await,
+        finish_plainly(&store, "j", 2, 2, AttemptOutcome::Succeeded, T0 + 70).await,
         Err(SchedulerError::Conflict(
             "attempt j/2 already ended (out_of_memory)".into()
         ))
@@ -1047,7 +1018,6 @@ async fn finishing_an_attempt_is_fenced_by_its_lease_epoch(db: &TestDb) {
             &AttemptEnd {
                 job_id: "j".into(),
                 attempt_number: 1,
-                lease_epoch: 1,
                 outcome: AttemptOutcome::Lost,
                 measured_peak_bytes: None,
                 oom: None,
@@ -1358,42 +1328,19 @@ async fn record_job_and_attempt_is_atomic(db: &TestDb) {
     );
     assert_eq!(store.get_job("j").await.unwrap(), placed);
 
-    // Reassigning attempt 1 under a newer epoch replaces it; the old holder is fenced off.
-    let reassigned = AttemptRecord {
-        worker_id: "w-2".into(),
-        gpu_id: "GPU-7".into(),
-        ..attempt("j", 1, 4)
-    };
-    let replaced = JobRecord {
-        waiting_reason: String::new(),
-        message: "reassigned to w-2".into(),
-        ..placed.clone()
-    };
-    store
-        .record_job_and_attempt(&replaced, &reassigned)
-        .await
-        .unwrap();
-    assert_eq!(
-        store.list_attempts("j").await.unwrap(),
-        vec![reassigned.clone()]
-    );
-    assert_eq!(
-        finish_plainly(&store, "j", 1, 1, AttemptOutcome::Succeeded, T0).await,
-        Err(SchedulerError::Conflict(
-            "attempt j/1 was reassigned (lease epoch 4, reported 1)".into()
-        ))
-    );
-    // An older epoch cannot overwrite a newer one, and nothing of the call sticks.
+    // Nor under another epoch: an attempt is never placed twice (the store's
+    // reassignment path is gone), and nothing of the call sticks.
     assert_eq!(
         store
-            .record_job_and_attempt(&running, &attempt("j", 1, 2))
+            .record_job_and_attempt(&running, &attempt("j", 1, 4))
             .await,
-        Err(SchedulerError::Conflict(
-            "attempt j/1 was reassigned (lease epoch 4, reported 2)".into()
-        ))
+        Err(SchedulerError::already_exists("attempt", "j/1"))
     );
-    assert_eq!(store.get_job("j").await.unwrap(), replaced);
-    assert_eq!(store.list_attempts("j").await.unwrap(), vec![reassigned]);
+    assert_eq!(store.get_job("j").await.unwrap(), placed);
+    assert_eq!(
+        store.list_attempts("j").await.unwrap(),
+        vec![attempt("j", 1, 1)]
+    );
 
     // A missing job: no attempt is written either.
     let ghost = job("ghost", "acme", "x");
@@ -1411,7 +1358,7 @@ async fn record_job_and_attempt_is_atomic(db: &TestDb) {
             .await,
         Err(SchedulerError::Api(ApiError::InvalidArgument { .. }))
     ));
-    assert_eq!(store.get_job("j").await.unwrap(), replaced);
+    assert_eq!(store.get_job("j").await.unwrap(), placed);
 }
 
 async fn workers_upsert_and_state(db: &TestDb) {

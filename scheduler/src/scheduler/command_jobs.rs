@@ -139,7 +139,6 @@ impl Scheduler {
         let end = AttemptEnd {
             job_id: attempt.job_id.clone(),
             attempt_number: i64::from(attempt.attempt_number),
-            lease_epoch: attempt.lease_epoch as i64,
             outcome: AttemptOutcome::Succeeded,
             measured_peak_bytes: Some(peak as i64),
             oom: None,

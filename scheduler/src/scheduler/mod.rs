@@ -127,6 +127,8 @@ struct LiveWorker {
 #[derive(Debug, Clone)]
 struct RunningAttempt {
     attempt_number: u32,
+    /// Always the attempt's number (an attempt is never reassigned): sent as the wire's
+    /// deprecated `AttemptRef.lease_epoch`, which older workers echo; never compared.
     lease_epoch: u64,
     worker_id: String,
     gpu_id: String,

@@ -90,7 +90,6 @@ impl Scheduler {
         let end = AttemptEnd {
             job_id: attempt.job_id.clone(),
             attempt_number: i64::from(attempt.attempt_number),
-            lease_epoch: attempt.lease_epoch as i64,
             outcome: AttemptOutcome::OutOfMemory,
             measured_peak_bytes: Some(report.peak as i64),
             oom: Some(report),
@@ -290,7 +289,6 @@ impl Scheduler {
         let end = AttemptEnd {
             job_id: attempt.job_id.clone(),
             attempt_number: i64::from(attempt.attempt_number),
-            lease_epoch: attempt.lease_epoch as i64,
             outcome,
             measured_peak_bytes: measured,
             oom: None,
@@ -498,7 +496,6 @@ impl Scheduler {
         let end = AttemptEnd {
             job_id: job_id.to_string(),
             attempt_number: i64::from(running.attempt_number),
-            lease_epoch: running.lease_epoch as i64,
             outcome: AttemptOutcome::Lost,
             measured_peak_bytes: None,
             oom: None,

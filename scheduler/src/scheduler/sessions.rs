@@ -246,7 +246,8 @@ impl Scheduler {
                 .filter(|(job_id, running)| {
                     running.worker_id == worker_id
                         && !running_attempts.iter().any(|attempt| {
-                            attempt.job_id == **job_id && attempt.lease_epoch == running.lease_epoch
+                            attempt.job_id == **job_id
+                                && attempt.attempt_number == running.attempt_number
                         })
                 })
                 .map(|(job_id, running)| (job_id.clone(), running.clone()))
@@ -261,7 +262,7 @@ impl Scheduler {
                     let mut live = self.live();
                     let same = live.running.get(&job_id).is_some_and(|current| {
                         current.worker_id == running.worker_id
-                            && current.lease_epoch == running.lease_epoch
+                            && current.attempt_number == running.attempt_number
                     });
                     if same {
                         live.running.remove(&job_id);
@@ -287,7 +288,7 @@ impl Scheduler {
         for attempt in running_attempts {
             let current = self.live().running.get(&attempt.job_id).cloned();
             let still_ours = current.is_some_and(|current| {
-                current.worker_id == worker_id && current.lease_epoch == attempt.lease_epoch
+                current.worker_id == worker_id && current.attempt_number == attempt.attempt_number
             });
             if !still_ours {
                 self.send_to_worker(
@@ -423,7 +424,6 @@ impl Scheduler {
             .filter(|running| {
                 running.worker_id == worker_id
                     && running.attempt_number == attempt.attempt_number
-                    && running.lease_epoch == attempt.lease_epoch
             })
             .cloned()
     }
@@ -609,7 +609,6 @@ impl Scheduler {
             .record_attempt_started(
                 &attempt.job_id,
                 i64::from(attempt.attempt_number),
-                attempt.lease_epoch as i64,
                 now_ms(),
                 resumed,
                 &AttemptStartDetails {
@@ -640,8 +639,8 @@ impl Scheduler {
 
     pub(super) fn fenced(&self, attempt: &AttemptRef) -> SchedulerError {
         SchedulerError::Conflict(format!(
-            "attempt {}/{} (lease epoch {}) is not this worker's any more",
-            attempt.job_id, attempt.attempt_number, attempt.lease_epoch
+            "attempt {}/{} is not this worker's any more",
+            attempt.job_id, attempt.attempt_number
         ))
     }
 

@@ -1,4 +1,6 @@
-//! Attempts of jobs, with updates fenced by the lease epoch of their assignment.
+//! Attempts of jobs: an attempt is written once, at its placement, and ended once, while
+//! it runs. (Its `lease_epoch` column is its number, written for older readers: no
+//! attempt is ever reassigned under a newer epoch; a job's next try is a new attempt.)
 
 use super::jobs::{UPDATE_JOB_SQL, bind_job_update, update_job_row};
 use carve_core::allocator::OutOfMemory;
@@ -32,8 +34,6 @@ pub struct AttemptEndDetails {
 pub struct AttemptEnd {
     pub job_id: String,
     pub attempt_number: i64,
-    /// The epoch of the assignment that reports the end: the write is fenced by it.
-    pub lease_epoch: i64,
     /// Anything but running.
     pub outcome: AttemptOutcome,
     pub measured_peak_bytes: Option<i64>,
@@ -125,13 +125,11 @@ impl Store {
     /// Ends a running attempt as `end` says and, in the same transaction, rewrites its
     /// job as [`Store::update_job`] does when `job` is given (the job's move that the
     /// end decides): both are stored or neither is, so no job is left placed or running
-    /// with its attempt ended. FENCED by the attempt's lease epoch: the attempt is
-    /// updated only while its stored `lease_epoch` equals `end.lease_epoch` and it is
-    /// still running. A report quoting another epoch is `Conflict("attempt j/2 was
-    /// reassigned (lease epoch 3, reported 2)")`, one about an attempt that already ended
-    /// is `Conflict("attempt j/2 already ended (succeeded)")`, and one about an attempt
-    /// that does not exist is `NotFound`; a job that does not exist is `NotFound`.
-    /// `end.outcome` must not be running.
+    /// with its attempt ended. The attempt is updated only while it is still running
+    /// (the scheduler checks beforehand that the report came from the attempt's worker
+    /// on its current session): one that already ended is `Conflict("attempt j/2
+    /// already ended (succeeded)")`, and one that does not exist is `NotFound`; a job
+    /// that does not exist is `NotFound`. `end.outcome` must not be running.
     pub async fn end_attempt(
         &self,
         end: &AttemptEnd,
@@ -140,7 +138,6 @@ impl Store {
         let AttemptEnd {
             job_id,
             attempt_number,
-            lease_epoch,
             outcome,
             measured_peak_bytes,
             oom,
@@ -149,7 +146,7 @@ impl Store {
             results,
             details: ended,
         } = end;
-        let (attempt_number, lease_epoch, outcome) = (*attempt_number, *lease_epoch, *outcome);
+        let (attempt_number, outcome) = (*attempt_number, *outcome);
         if let Some(job) = job
             && job.id != *job_id
         {
@@ -167,16 +164,14 @@ impl Store {
         with_write_tx!(self, tx => {
             check_fence!(self, tx);
             let updated = sqlx::query(
-                "UPDATE attempts SET outcome = $4, measured_peak_bytes = $5, oom_json = $6, \
-                 message = $7, finished_at_ms = $8, final_loss = $10, test_accuracy = $11, \
-                 steps_done = $12, samples_per_second = $13, profile_points_json = $14, \
-                 oom_detected_by = $15, metrics_json = $16 \
-                 WHERE job_id = $1 AND attempt_number = $2 AND lease_epoch = $3 \
-                 AND outcome = $9",
+                "UPDATE attempts SET outcome = $3, measured_peak_bytes = $4, oom_json = $5, \
+                 message = $6, finished_at_ms = $7, final_loss = $9, test_accuracy = $10, \
+                 steps_done = $11, samples_per_second = $12, profile_points_json = $13, \
+                 oom_detected_by = $14, metrics_json = $15 \
+                 WHERE job_id = $1 AND attempt_number = $2 AND outcome = $8",
             )
             .bind(job_id)
             .bind(attempt_number)
-            .bind(lease_epoch)
             .bind(outcome.name())
             .bind(measured_peak_bytes)
             .bind(oom.as_ref().map(oom_to_json))
@@ -194,9 +189,8 @@ impl Store {
             .await?
             .rows_affected();
             if updated == 0 {
-                let stored: Option<(i64, String)> = sqlx::query_as(
-                    "SELECT lease_epoch, outcome FROM attempts \
-                     WHERE job_id = $1 AND attempt_number = $2",
+                let stored: Option<String> = sqlx::query_scalar(
+                    "SELECT outcome FROM attempts WHERE job_id = $1 AND attempt_number = $2",
                 )
                 .bind(job_id)
                 .bind(attempt_number)
@@ -205,10 +199,7 @@ impl Store {
                 let id = attempt_display_id(job_id, attempt_number);
                 return Err(match stored {
                     None => SchedulerError::not_found("attempt", id),
-                    Some((stored_epoch, _)) if stored_epoch != lease_epoch => {
-                        epoch_conflict(&id, stored_epoch, lease_epoch)
-                    }
-                    Some((_, stored_outcome)) => SchedulerError::Conflict(format!(
+                    Some(stored_outcome) => SchedulerError::Conflict(format!(
                         "attempt {id} already ended ({stored_outcome})"
                     )),
                 });
@@ -228,8 +219,8 @@ impl Store {
         Ok(())
     }
 
-    /// Records that a running attempt started training at `started_at_ms`, FENCED like
-    /// [`Store::end_attempt`] (an attempt reassigned or ended meanwhile is left as it
+    /// Records that a running attempt started training at `started_at_ms`, only while
+    /// it runs, like [`Store::end_attempt`] (an attempt ended meanwhile is left as it
     /// is, and so is an attempt that does not exist: `Ok(false)`). `resumed_from` is the
     /// checkpoint the attempt itself loaded, with its step: it replaces the one the
     /// scheduler expected when set, and leaves it when `None` (a worker that does not
@@ -239,7 +230,6 @@ impl Store {
         &self,
         job_id: &str,
         attempt_number: i64,
-        lease_epoch: i64,
         started_at_ms: i64,
         resumed_from: Option<(&str, i64)>,
         start: &AttemptStartDetails,
@@ -247,16 +237,14 @@ impl Store {
         let (location, step) = resumed_from.unzip();
         let updated = with_pool!(self, pool => {
             sqlx::query(
-                "UPDATE attempts SET started_at_ms = $4, \
-                 resumed_from = COALESCE($5, resumed_from), \
-                 resumed_from_step = COALESCE($6, resumed_from_step), \
-                 command_argv_json = $8, uncontained = $9 \
-                 WHERE job_id = $1 AND attempt_number = $2 AND lease_epoch = $3 \
-                 AND outcome = $7",
+                "UPDATE attempts SET started_at_ms = $3, \
+                 resumed_from = COALESCE($4, resumed_from), \
+                 resumed_from_step = COALESCE($5, resumed_from_step), \
+                 command_argv_json = $7, uncontained = $8 \
+                 WHERE job_id = $1 AND attempt_number = $2 AND outcome = $6",
             )
             .bind(job_id)
             .bind(attempt_number)
-            .bind(lease_epoch)
             .bind(started_at_ms)
             .bind(location)
             .bind(step)
@@ -275,8 +263,8 @@ impl Store {
     ///
     /// The job is rewritten as [`Store::update_job`] does (`NotFound` when it does not
     /// exist). The attempt is inserted; when the job already has an attempt with that
-    /// number, it is replaced only if the new `lease_epoch` is higher (the attempt was
-    /// reassigned): the same epoch is `AlreadyExists`, a lower one `Conflict`.
+    /// number it is `AlreadyExists` and nothing of the call is stored (an attempt is
+    /// never placed twice: a job's next try is a new attempt).
     pub async fn record_job_and_attempt(
         &self,
         job: &JobRecord,
@@ -316,47 +304,16 @@ impl Store {
                 format!("is {:?} but the job is {:?}", attempt.job_id, job.id),
             ));
         }
-        let upsert = format!(
-            "{INSERT_ATTEMPT_SQL} ON CONFLICT (job_id, attempt_number) DO UPDATE SET \
-             config_json = excluded.config_json, estimate_bytes = excluded.estimate_bytes, \
-             slice_bytes = excluded.slice_bytes, worker_id = excluded.worker_id, \
-             gpu_id = excluded.gpu_id, lease_epoch = excluded.lease_epoch, \
-             outcome = excluded.outcome, measured_peak_bytes = excluded.measured_peak_bytes, \
-             oom_json = excluded.oom_json, message = excluded.message, \
-             resumed_from = excluded.resumed_from, started_at_ms = excluded.started_at_ms, \
-             finished_at_ms = excluded.finished_at_ms, \
-             resumed_from_step = excluded.resumed_from_step, \
-             final_loss = excluded.final_loss, test_accuracy = excluded.test_accuracy, \
-             steps_done = excluded.steps_done, \
-             samples_per_second = excluded.samples_per_second, \
-             profile = excluded.profile, chosen_because = excluded.chosen_because, \
-             command_argv_json = excluded.command_argv_json, \
-             profile_points_json = excluded.profile_points_json, \
-             oom_detected_by = excluded.oom_detected_by, \
-             uncontained = excluded.uncontained, metrics_json = excluded.metrics_json \
-             WHERE attempts.lease_epoch < excluded.lease_epoch"
-        );
+        let insert = format!("{INSERT_ATTEMPT_SQL} ON CONFLICT (job_id, attempt_number) DO NOTHING");
         with_write_tx!(self, tx => {
             check_fence!(self, tx);
             update_job_row!(tx, job);
-            let written = bind_attempt_columns!(sqlx::query(&upsert), attempt)
+            let written = bind_attempt_columns!(sqlx::query(&insert), attempt)
                 .execute(&mut *tx)
                 .await?
                 .rows_affected();
             if written == 0 {
-                let stored_epoch: i64 = sqlx::query_scalar(
-                    "SELECT lease_epoch FROM attempts WHERE job_id = $1 AND attempt_number = $2",
-                )
-                .bind(&attempt.job_id)
-                .bind(attempt.attempt_number)
-                .fetch_one(&mut *tx)
-                .await?;
-                let id = attempt.display_id();
-                return Err(if stored_epoch == attempt.lease_epoch {
-                    SchedulerError::already_exists("attempt", id)
-                } else {
-                    epoch_conflict(&id, stored_epoch, attempt.lease_epoch)
-                });
+                return Err(SchedulerError::already_exists("attempt", attempt.display_id()));
             }
             let fence = self.fence_epoch();
             if fence != UNFENCED {
@@ -377,17 +334,5 @@ impl Store {
             }
         });
         Ok(())
-    }
-}
-
-fn epoch_conflict(id: &str, stored_epoch: i64, reported_epoch: i64) -> SchedulerError {
-    if stored_epoch > reported_epoch {
-        SchedulerError::Conflict(format!(
-            "attempt {id} was reassigned (lease epoch {stored_epoch}, reported {reported_epoch})"
-        ))
-    } else {
-        SchedulerError::Conflict(format!(
-            "attempt {id} is held under lease epoch {stored_epoch}, not {reported_epoch}"
-        ))
     }
 }
