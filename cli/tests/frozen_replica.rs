@@ -4,8 +4,12 @@
 //! deadline (`--timeout`) and answers; listing only the frozen one it fails, saying the
 //! scheduler did not answer, instead of blocking for the whole freeze. The leader's lease
 //! is long, so the standby does not take over during the test: what is shown is the
-//! deadline, not a failover. The test waits at most a minute for each run of carve (a
-//! guard against hanging, not a bound on how fast).
+//! deadline, not a failover. Then `carve watch` of a job, its leader frozen mid-watch
+//! (a short lease this time, so the standby takes over): the watch hears nothing, asks
+//! the frozen leader within its deadline, moves to the new leader and sees the job's
+//! cancel there, instead of waiting silently for the whole freeze. The test waits at
+//! most a minute for each run of carve (a guard against hanging, not a bound on how
+//! fast).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -25,8 +29,12 @@ const ADMIN: &str = "carve_frozen_replica_admin_secret";
 const REPLICA_DATABASE: &str = "CARVE_FROZEN_REPLICA_DATABASE";
 /// Set in a replica process's environment: the file it writes its port to.
 const REPLICA_PORT_FILE: &str = "CARVE_FROZEN_REPLICA_PORT_FILE";
+/// Set in a replica process's environment: its leader lease in milliseconds.
+const REPLICA_LEASE_MS: &str = "CARVE_FROZEN_REPLICA_LEASE_MS";
 /// Longer than the test: nobody takes the frozen leader's place meanwhile.
 const LEADER_LEASE: Duration = Duration::from_secs(600);
+/// The watch's replicas: the standby takes the frozen leader's place soon.
+const SHORT_LEADER_LEASE: Duration = Duration::from_secs(2);
 const PATIENCE: Duration = Duration::from_secs(60);
 
 const JOB: &str = r#"{
@@ -39,7 +47,9 @@ const JOB: &str = r#"{
 fn main() {
     if let Ok(database_url) = std::env::var(REPLICA_DATABASE) {
         let port_file = PathBuf::from(std::env::var(REPLICA_PORT_FILE).unwrap());
-        run_replica(&database_url, &port_file);
+        let lease =
+            Duration::from_millis(std::env::var(REPLICA_LEASE_MS).unwrap().parse().unwrap());
+        run_replica(&database_url, &port_file, lease);
         return;
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -48,10 +58,12 @@ fn main() {
         .unwrap();
     runtime.block_on(carve_moves_past_a_frozen_replica_within_its_deadline());
     println!("test carve_moves_past_a_frozen_replica_within_its_deadline ... ok");
+    runtime.block_on(carve_watch_moves_past_a_leader_frozen_mid_watch());
+    println!("test carve_watch_moves_past_a_leader_frozen_mid_watch ... ok");
 }
 
 /// A replica process: serves until it is killed.
-fn run_replica(database_url: &str, port_file: &Path) {
+fn run_replica(database_url: &str, port_file: &Path, lease: Duration) {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -61,7 +73,7 @@ fn run_replica(database_url: &str, port_file: &Path) {
         let config = SchedulerConfig {
             database_url: database_url.into(),
             settings: SchedulerSettings {
-                leader_lease: LEADER_LEASE,
+                leader_lease: lease,
                 ..SchedulerSettings::default()
             },
             admin_token: Some(ADMIN.into()),
@@ -94,11 +106,17 @@ fn signal(child: &Child, name: &str) {
         .status();
 }
 
-fn start_replica(directory: &Path, name: &str, database_url: &str) -> (Child, String) {
+fn start_replica(
+    directory: &Path,
+    name: &str,
+    database_url: &str,
+    lease: Duration,
+) -> (Child, String) {
     let port_file = directory.join(format!("{name}.port"));
     let child = Command::new(std::env::current_exe().unwrap())
         .env(REPLICA_DATABASE, database_url)
         .env(REPLICA_PORT_FILE, &port_file)
+        .env(REPLICA_LEASE_MS, lease.as_millis().to_string())
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -135,7 +153,12 @@ async fn wait_for_leader(database: &Store, endpoint: &str) {
 /// Runs `carve` with `arguments`; fails the test if it has not ended within
 /// [`PATIENCE`] (it would have blocked on the frozen replica).
 fn carve(arguments: &[&str], token: &str) -> Output {
-    let child = Command::new(env!("CARGO_BIN_EXE_carve"))
+    wait_for_carve(start_carve(arguments, token), arguments)
+}
+
+/// `carve` with `arguments`, started, its output piped.
+fn start_carve(arguments: &[&str], token: &str) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_carve"))
         .args(arguments)
         .env("CARVE_TOKEN", token)
         .env_remove("CARVE_ENDPOINT")
@@ -149,7 +172,12 @@ fn carve(arguments: &[&str], token: &str) -> Output {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+/// The output of `child` (`carve arguments`) once it ended; fails the test (killing it)
+/// if it has not within [`PATIENCE`].
+fn wait_for_carve(child: Child, arguments: &[&str]) -> Output {
     let pid = child.id();
     let (done, finished) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -173,12 +201,12 @@ async fn carve_moves_past_a_frozen_replica_within_its_deadline() {
     let postgres = PgServer::start().unwrap();
     let database_url = postgres.create_database("frozen_replica").await.unwrap();
     let directory = tempfile::tempdir().unwrap();
-    let (first, leader) = start_replica(directory.path(), "leader", &database_url);
+    let (first, leader) = start_replica(directory.path(), "leader", &database_url, LEADER_LEASE);
     let mut replicas = Replicas(vec![first]);
     // Read only: it never leads, so it never writes what the replicas fence.
     let database = Store::open(&database_url).await.unwrap();
     wait_for_leader(&database, &leader).await;
-    let (second, standby) = start_replica(directory.path(), "standby", &database_url);
+    let (second, standby) = start_replica(directory.path(), "standby", &database_url, LEADER_LEASE);
     replicas.0.push(second);
 
     let channel = Endpoint::from_shared(leader.clone())
@@ -226,4 +254,112 @@ async fn carve_moves_past_a_frozen_replica_within_its_deadline() {
     assert!(!alone.status.success(), "{stderr}");
     assert!(stderr.contains(&leader), "{stderr}");
     assert!(stderr.contains("did not answer"), "{stderr}");
+}
+
+/// A submitted job's id, through `endpoint` as `user`.
+async fn submit(endpoint: &str, user: &str) -> String {
+    let channel = Endpoint::from_shared(endpoint.to_string())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    JobServiceClient::with_interceptor(channel, BearerToken::new(user).unwrap())
+        .submit_job(v1::SubmitJobRequest {
+            spec_json: JOB.into(),
+            idempotency_key: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap()
+        .id
+}
+
+async fn carve_watch_moves_past_a_leader_frozen_mid_watch() {
+    let postgres = PgServer::start().unwrap();
+    let database_url = postgres.create_database("frozen_watch").await.unwrap();
+    let directory = tempfile::tempdir().unwrap();
+    let (first, leader) = start_replica(
+        directory.path(),
+        "leader",
+        &database_url,
+        SHORT_LEADER_LEASE,
+    );
+    let mut replicas = Replicas(vec![first]);
+    let database = Store::open(&database_url).await.unwrap();
+    wait_for_leader(&database, &leader).await;
+    let (second, standby) = start_replica(
+        directory.path(),
+        "standby",
+        &database_url,
+        SHORT_LEADER_LEASE,
+    );
+    replicas.0.push(second);
+    let channel = Endpoint::from_shared(leader.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let [user]: [String; 1] = carve_testing::cluster::tenant_with_tokens(
+        &channel,
+        ADMIN,
+        "acme",
+        v1::Quota::default(),
+        &[v1::Role::User],
+    )
+    .await
+    .try_into()
+    .unwrap();
+    // No worker: the job stays queued, and its stream is quiet.
+    let job_id = submit(&leader, &user).await;
+    let both = format!("{leader},{standby}");
+    let arguments = ["watch", &job_id, "--endpoint", &both, "--timeout", "2s"];
+    let mut watch = start_carve(&arguments, &user);
+    // Its lines, as they come (read on a thread: the test never waits without a
+    // deadline). The first says the job is queued: the stream is open, on the leader.
+    let (lines, incoming) = std::sync::mpsc::channel::<String>();
+    let stdout = watch.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+            let Ok(line) = line else { return };
+            if lines.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let first_line = incoming
+        .recv_timeout(PATIENCE)
+        .expect("carve watch printed its first line");
+    assert!(first_line.contains("queued"), "{first_line}");
+
+    signal(&replicas.0[0], "STOP");
+    wait_for_leader(&database, &standby).await;
+    // Cancelled through the new leader: the watch sees it only if it moved there.
+    let new_leader = Endpoint::from_shared(standby.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    JobServiceClient::with_interceptor(new_leader, BearerToken::new(&user).unwrap())
+        .cancel_job(v1::CancelJobRequest {
+            job_id: job_id.clone(),
+            reason: "cancelled while the leader was frozen".into(),
+        })
+        .await
+        .unwrap();
+    let ended = wait_for_carve(watch, &arguments);
+    // The process ended: its stdout is closed and every line is in.
+    let rest: Vec<String> = incoming.try_iter().collect();
+    let rest = rest.join("\n");
+    let stderr = String::from_utf8_lossy(&ended.stderr);
+    assert!(
+        rest.contains("lost the scheduler at") && rest.contains("reconnecting"),
+        "{rest}\n{stderr}"
+    );
+    assert!(
+        rest.contains("cancelled while the leader was frozen"),
+        "{rest}\n{stderr}"
+    );
+    assert!(!ended.status.success(), "a cancelled job: {rest}\n{stderr}");
 }

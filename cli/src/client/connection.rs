@@ -382,6 +382,8 @@ pub type CallChannel = InterceptedService<AuthenticatedChannel, CallDeadline>;
 pub struct Connection {
     pub endpoint: String,
     channel: CallChannel,
+    /// Each call's deadline (`--timeout`); a watch also hears from its scheduler within it.
+    pub call_timeout: Duration,
     /// What it was opened with, to open it again after a failover.
     options: ConnectionOptions,
 }
@@ -431,6 +433,7 @@ impl Connection {
                 Ok::<_, anyhow::Error>(Connection {
                     endpoint,
                     channel: InterceptedService::new(channel, CallDeadline(resolved.call_timeout)),
+                    call_timeout: resolved.call_timeout,
                     options: options.clone(),
                 })
             }

@@ -309,6 +309,11 @@ pub async fn follow_job(
             };
             let mut reread = tokio::time::interval(WAITING_REASON_INTERVAL);
             reread.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // The stream's own deadline: a scheduler silent for a call's deadline is
+            // asked whether it is still there (see `still_there`).
+            let silence = connection.call_timeout;
+            let idle = tokio::time::sleep(silence);
+            tokio::pin!(idle);
             let broken = loop {
                 let message = tokio::select! {
                     message = stream.message() => message,
@@ -318,7 +323,15 @@ pub async fn follow_job(
                         }
                         continue;
                     }
+                    () = &mut idle => {
+                        if let Err(status) = still_there(&connection, job_id).await {
+                            break Some(status);
+                        }
+                        idle.as_mut().reset(tokio::time::Instant::now() + silence);
+                        continue;
+                    }
                 };
+                idle.as_mut().reset(tokio::time::Instant::now() + silence);
                 match message {
                     Ok(Some(event)) => {
                         if event.log_sequence > 0 {
@@ -377,6 +390,37 @@ pub async fn follow_job(
     .await;
     display.finish();
     result
+}
+
+/// Whether the scheduler a watch's stream comes from still answers: one read of the job
+/// on that connection alone (no other replica), within the call's deadline. A leader
+/// frozen mid-watch (SIGSTOP) keeps the stream open and sends nothing, and a quiet job
+/// sends nothing either; only an answer tells them apart. `Err` (the status to report)
+/// when it did not answer: the watch then moves on to a leader, from its last event.
+async fn still_there(connection: &Connection, job_id: &str) -> Result<(), tonic::Status> {
+    let request = v1::GetJobRequest {
+        job_id: job_id.to_string(),
+    };
+    // The channel gives the call the deadline too; this one holds whatever the server
+    // does with it.
+    match tokio::time::timeout(connection.call_timeout, connection.jobs().get_job(request)).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(status))
+            if connection_lost(&status) || status.code() == tonic::Code::DeadlineExceeded =>
+        {
+            Err(tonic::Status::unavailable(format!(
+                "the watch heard nothing for {:?} and the scheduler did not answer ({})",
+                connection.call_timeout,
+                status.message()
+            )))
+        }
+        // It answered (a refusal is an answer): the stream is only quiet.
+        Ok(Err(_)) => Ok(()),
+        Err(_) => Err(tonic::Status::unavailable(format!(
+            "the watch heard nothing for {:?} and the scheduler did not answer within it",
+            connection.call_timeout
+        ))),
+    }
 }
 
 /// The job's attempt that is running, if any.
