@@ -100,7 +100,10 @@ fn a_gang_is_stored_as_version_2_and_reads_back_with_its_members_and_placement()
     let (path, text) = std::fs::read_dir(&root)
         .unwrap()
         .map(|entry| entry.unwrap().path())
-        .filter(|path| path.extension().is_some_and(|extension| extension == "toml"))
+        .filter(|path| {
+            path.extension()
+                .is_some_and(|extension| extension == "toml")
+        })
         .map(|path| {
             let text = std::fs::read_to_string(&path).unwrap();
             (path, text)

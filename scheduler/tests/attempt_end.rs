@@ -200,11 +200,7 @@ async fn jobs_left_running_with_their_attempts_ended_are_moved_on_at_recovery() 
         let attempt = attempt_of(assignment);
         store
             .end_attempt(
-                &end(
-                    &attempt.job_id,
-                    i64::from(attempt.attempt_number),
-                    outcome,
-                ),
+                &end(&attempt.job_id, i64::from(attempt.attempt_number), outcome),
                 None,
             )
             .await

@@ -216,6 +216,19 @@ async fn a_declared_vram_skips_the_profile_and_bad_commands_name_their_field() {
         "{}",
         refused.message()
     );
+    // A gang is refused until the scheduler places one whole, never run as one slice.
+    let gang = command_job("1GiB").replace(
+        r#""resources":{"vram":"1GiB"}"#,
+        r#""resources":{"vram":"1GiB","gpus":2}"#,
+    );
+    assert!(gang.contains(r#""gpus":2"#), "{gang}");
+    let refused = submit(&channel, &user, &gang, "").await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(
+        refused.message().contains("spec.resources.gpus"),
+        "{}",
+        refused.message()
+    );
 }
 
 #[tokio::test]

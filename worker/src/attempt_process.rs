@@ -640,11 +640,11 @@ fn report_for_line(attempt: &v1::AttemptRef, line: &ChildLine, uncontained: bool
             }),
             command_argv: Vec::new(),
             uncontained,
+            // Engine attempts run no image.
+            image_digest: String::new(),
         })),
         ChildLine::Progress {
             step,
-            // Engine attempts run no image.
-            image_digest: String::new(),
             total_steps,
             loss,
             samples_per_second,

@@ -596,6 +596,7 @@ mod pinned_attempts {
             devices: Default::default(),
             simulated_gpu_socket: None,
             container_name: format!("carve-pinned-{number}"),
+            supervision: None,
         }
     }
 

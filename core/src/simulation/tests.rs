@@ -418,7 +418,11 @@ fn a_gang_in_a_stream_of_small_jobs_waits_far_less_with_reservations() {
     assert_eq!(on.gang_reservations, Some(true));
     assert_eq!(off.gang_reservations, Some(false));
     // Off: the gang waits for the stream (20,000 s of arrivals) to end.
-    assert!(off.gang_queueing.max_s > 20_000.0, "{:?}", off.gang_queueing);
+    assert!(
+        off.gang_queueing.max_s > 20_000.0,
+        "{:?}",
+        off.gang_queueing
+    );
     // On: the ten jobs queued before it and one round of 600 s jobs, roughly.
     assert!(on.gang_queueing.max_s < 3_000.0, "{:?}", on.gang_queueing);
     // A trace with a gang uses the gang pass even without the option; preemption with

@@ -304,6 +304,18 @@ impl Scheduler {
         let job = &analysed.job;
         // A pull secret must be one of the job's own tenant's.
         self.check_image_pull_secret(&caller.tenant, job).await?;
+        // Core places gangs (`gang::solve_gangs`) and workers launch their members, but
+        // this scheduler's passes do not yet place a gang as a whole: refused here, a
+        // `gpus = 4` job would otherwise run as one slice of one member's size.
+        if job.gang_shape(0).members > 1 {
+            return Err(ApiError::InvalidArgument {
+                field: "spec.resources.gpus".into(),
+                reason: "multi-GPU gangs are not scheduled by this release yet; \
+                         ask for one GPU (gpus = 1)"
+                    .into(),
+            }
+            .into());
+        }
         let tenant = self.tenant(&caller.tenant).await?;
         // Corrections are kept by job shape for every tenant: only a kind whose estimate
         // they refine takes them (not a command job, whose peaks, a program's own figures,

@@ -245,10 +245,10 @@ pub struct Scheduler {
     usage_history: Mutex<Option<usage::UsageHistory>>,
     /// The pass's copy of the queue (see `queue`): touched only under `job_changes`.
     queue: Mutex<QueueMirror>,
-    /// Whole reads of the queue by passes (the first, and each time the copy disagreed
-    /// with the store's fingerprint).
     /// Workers' image caches and pulls under way (see `job_images`).
     images: Mutex<job_images::LiveImages>,
+    /// Whole reads of the queue by passes (the first, and each time the copy disagreed
+    /// with the store's fingerprint).
     queue_reloads: AtomicU64,
     /// What the submit path would otherwise read from the store or compute again on
     /// every call; see `cache` for how stale each may be.
@@ -321,9 +321,9 @@ impl Scheduler {
             progress_pacing: logs::ProgressPacing::default(),
             settings,
             live: Mutex::new(Live::default()),
+            images: Mutex::new(job_images::LiveImages::default()),
             job_changes: tokio::sync::Mutex::new(()),
             wake: Notify::new(),
-            images: Mutex::new(job_images::LiveImages::default()),
             events,
             encode_event,
             event_sequence: AtomicU64::new(1),

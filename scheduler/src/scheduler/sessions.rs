@@ -422,8 +422,7 @@ impl Scheduler {
             .running
             .get(&attempt.job_id)
             .filter(|running| {
-                running.worker_id == worker_id
-                    && running.attempt_number == attempt.attempt_number
+                running.worker_id == worker_id && running.attempt_number == attempt.attempt_number
             })
             .cloned()
     }
@@ -463,6 +462,7 @@ impl Scheduler {
                 uncontained,
                 image_digest,
             } => {
+                let started = attempt.clone();
                 self.attempt_started(worker_id, attempt, resumed_from, &command_argv, uncontained)
                     .await?;
                 // After the fenced start was stored: only the attempt that holds the job

@@ -304,7 +304,8 @@ impl Store {
                 format!("is {:?} but the job is {:?}", attempt.job_id, job.id),
             ));
         }
-        let insert = format!("{INSERT_ATTEMPT_SQL} ON CONFLICT (job_id, attempt_number) DO NOTHING");
+        let insert =
+            format!("{INSERT_ATTEMPT_SQL} ON CONFLICT (job_id, attempt_number) DO NOTHING");
         with_write_tx!(self, tx => {
             check_fence!(self, tx);
             update_job_row!(tx, job);

@@ -107,6 +107,7 @@ pub use attempts::{AttemptEnd, AttemptEndDetails, AttemptStartDetails};
 pub use batcher::SubmitBatcher;
 pub use job_images::SecretRecord;
 pub use job_pages::{page_token_after, shown_text_bytes};
+pub use jobs::NewJob;
 pub use jobs::{WAITING_REASON_IDS_PER_STATEMENT, WAITING_REASONS_PER_TRANSACTION};
 pub use json_columns::{
     CONFIG_COLUMN, CorruptColumn, ESTIMATE_COLUMN, StoredCategoryBytes, StoredEstimate,
@@ -126,7 +127,6 @@ pub use records::{
     SubmitOutcome, TenantRecord, TokenRecord, WorkerRecord, WorkerState,
 };
 pub use tenants::{MAX_TENANT_NAME_LENGTH, TenantDeletion, check_tenant_name};
-pub use jobs::NewJob;
 pub use usage::UsageRecord;
 pub use usage_report::UsageQuery;
 

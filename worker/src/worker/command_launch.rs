@@ -130,7 +130,6 @@ impl Worker {
                 container_processes: None,
                 // A profile's runs count together, from here.
                 started: Instant::now(),
-            image: crate::command_attempt::AssignedImage::of_assignment(assignment),
                 max_duration,
                 directories: vec![
                     launch.checkpoint_dir.clone(),

@@ -568,7 +568,10 @@ fn a_command_job_may_ask_for_a_gang_with_a_placement_policy() {
     for policy in GangPlacementPolicy::ALL {
         let job = command_job(&edited(
             "vram = \"auto\"",
-            &format!("vram = \"auto\"\ngpus = 64\nplacement = \"{}\"", policy.name()),
+            &format!(
+                "vram = \"auto\"\ngpus = 64\nplacement = \"{}\"",
+                policy.name()
+            ),
         ));
         assert_eq!(job.spec.resources.placement, policy);
         assert_eq!(job.spec.resources.gpus, 64);
