@@ -353,13 +353,15 @@ async fn carve_watch_moves_past_a_leader_frozen_mid_watch() {
     let rest: Vec<String> = incoming.try_iter().collect();
     let rest = rest.join("\n");
     let stderr = String::from_utf8_lossy(&ended.stderr);
+    // carve watch says it reconnects, and why the job ended, on stderr.
+    let said = format!("{rest}\n{stderr}");
     assert!(
-        rest.contains("lost the scheduler at") && rest.contains("reconnecting"),
-        "{rest}\n{stderr}"
+        said.contains("lost the scheduler at") && said.contains("reconnecting"),
+        "{said}"
     );
     assert!(
-        rest.contains("cancelled while the leader was frozen"),
-        "{rest}\n{stderr}"
+        said.contains("cancelled while the leader was frozen"),
+        "{said}"
     );
     assert!(!ended.status.success(), "a cancelled job: {rest}\n{stderr}");
 }

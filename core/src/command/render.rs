@@ -479,6 +479,8 @@ argv = ["python3", "dp.py", "--rank", "{rank}", "--world", "{world_size}",
 env = { RANK = "7", KEPT = "{rank} of {world_size}" }
 global_batch = 64
 micro_batch = 8
+[resources]
+vram = "1GiB"
 "#;
 
     fn member(rank: u32) -> GangMemberPlace {
