@@ -147,6 +147,15 @@ pub struct StoreOptions {
     pub max_connections: Option<u32>,
     /// How long a SQLite connection waits for another's write lock before failing.
     pub sqlite_busy_timeout: Duration,
+    /// How long PostgreSQL lets one of the pool's sessions sit inside a transaction
+    /// without sending anything before it ends the session (PostgreSQL's
+    /// `idle_in_transaction_session_timeout`). A replica frozen mid-transaction
+    /// (SIGSTOP, a paused VM) otherwise holds its row locks for as long as its socket
+    /// stays open, and the replica that leads after it waits on them forever: the new
+    /// leader's log writes, and every read that flushes them first, such as a watch.
+    /// The scheduler's transactions send their statements back to back, so a healthy
+    /// one never comes near it.
+    pub postgres_idle_in_transaction_timeout: Duration,
 }
 
 impl Default for StoreOptions {
@@ -154,6 +163,7 @@ impl Default for StoreOptions {
         StoreOptions {
             max_connections: None,
             sqlite_busy_timeout: Duration::from_secs(10),
+            postgres_idle_in_transaction_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -191,7 +201,7 @@ impl Store {
             let pool = PgPoolOptions::new()
                 .max_connections(options.max_connections.unwrap_or(10))
                 .acquire_timeout(Duration::from_secs(30))
-                .connect(url)
+                .connect_with(postgres_connect_options(url, options)?)
                 .await?;
             POSTGRES_MIGRATOR.run(&pool).await?;
             Store {
@@ -317,6 +327,20 @@ pub const DATABASE_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 /// Whether `url` names a PostgreSQL database rather than a SQLite one.
 pub fn is_postgres_url(url: &str) -> bool {
     url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+/// How the store connects to the PostgreSQL database at `url`: the URL's options, and
+/// the session settings of [`StoreOptions`].
+pub fn postgres_connect_options(
+    url: &str,
+    options: &StoreOptions,
+) -> Result<PgConnectOptions, SchedulerError> {
+    let idle_ms = options
+        .postgres_idle_in_transaction_timeout
+        .as_millis()
+        .max(1);
+    Ok(PgConnectOptions::from_str(url)?
+        .options([("idle_in_transaction_session_timeout", idle_ms.to_string())]))
 }
 
 /// Checks that the PostgreSQL database at `url` answers a trivial query within
