@@ -190,8 +190,22 @@ fn wait_for_carve(child: Child, arguments: &[&str]) -> Output {
                 .arg("-KILL")
                 .arg(pid.to_string())
                 .status();
+            // What it had said by then: where it was waiting.
+            let said = finished
+                .recv_timeout(Duration::from_secs(10))
+                .ok()
+                .and_then(Result::ok)
+                .map(|output| {
+                    format!(
+                        "{}\n{}",
+                        String::from_utf8_lossy(&output.stdout),
+                        String::from_utf8_lossy(&output.stderr)
+                    )
+                })
+                .unwrap_or_default();
             panic!(
-                "carve {arguments:?} was still waiting on the frozen replica after {PATIENCE:?}"
+                "carve {arguments:?} was still waiting on the frozen replica after \
+                 {PATIENCE:?}; it had said:\n{said}"
             );
         }
     }
@@ -323,6 +337,8 @@ async fn carve_watch_moves_past_a_leader_frozen_mid_watch() {
     std::thread::spawn(move || {
         for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
             let Ok(line) = line else { return };
+            // Shown as it comes: what a failed run had said.
+            eprintln!("carve watch: {line}");
             if lines.send(line).is_err() {
                 return;
             }
@@ -341,13 +357,30 @@ async fn carve_watch_moves_past_a_leader_frozen_mid_watch() {
         .connect()
         .await
         .unwrap();
-    JobServiceClient::with_interceptor(new_leader, BearerToken::new(&user).unwrap())
-        .cancel_job(v1::CancelJobRequest {
-            job_id: job_id.clone(),
-            reason: "cancelled while the leader was frozen".into(),
-        })
-        .await
-        .unwrap();
+    let mut new_leader =
+        JobServiceClient::with_interceptor(new_leader, BearerToken::new(&user).unwrap());
+    // The store names the new leader before the replica serves as one (it first takes
+    // over the cluster's state); until then it answers UNAVAILABLE.
+    let started = Instant::now();
+    loop {
+        let cancelled = new_leader
+            .cancel_job(v1::CancelJobRequest {
+                job_id: job_id.clone(),
+                reason: "cancelled while the leader was frozen".into(),
+            })
+            .await;
+        match cancelled {
+            Ok(_) => break,
+            Err(status) if status.code() == tonic::Code::Unavailable => {
+                assert!(
+                    started.elapsed() < PATIENCE,
+                    "{standby} never took the cancel: {status}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(status) => panic!("the cancel was refused: {status}"),
+        }
+    }
     let ended = wait_for_carve(watch, &arguments);
     // The process ended: its stdout is closed and every line is in.
     let rest: Vec<String> = incoming.try_iter().collect();
