@@ -525,6 +525,16 @@ async fn a_frozen_workers_command_program_is_stopped_by_its_supervisor_before_it
         .unwrap();
     stop_watching.store(true, Ordering::Release);
     watcher.join().unwrap();
+    // The cancel stops attempt 2's program. Waited for: killing the workers at the end
+    // would leave their containers running, their runtime state removed with the
+    // test's directory, out of anyone's reach.
+    poll_until(
+        HANG_GUARD,
+        Duration::from_millis(20),
+        "the cancelled job's program ends",
+        || live_command_programs(&job_id).is_empty().then_some(()),
+    )
+    .await;
 
     let overlaps = overlaps.lock().unwrap();
     assert!(
