@@ -2,7 +2,7 @@
 //! end (tenant, GPU type, slice bytes, placement and end times, the measured peak where
 //! known), the record fair share's decayed usage is rebuilt from on start or on taking
 //! the lead, and the record accounting reads. [`UsageRecord`] is the row; this file is
-//! its one encoder (`bind_usage`) and one decoder (`usage_from_row`).
+//! its one encoder (`bind_usage`); it is read back by its column names (`FromRow`).
 //!
 //! Writes are FENCED by the leader's epoch, like attempt writes. A row's start is
 //! written once (a second write for the same attempt is ignored) and its end once (the
@@ -14,8 +14,8 @@ use super::Store;
 use super::leadership::check_fence;
 use crate::error::SchedulerError;
 
-/// One attempt's use of its slice, as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One attempt's use of its slice, as stored (read by its column names).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct UsageRecord {
     pub job_id: String,
     pub attempt_number: i64,
@@ -43,17 +43,6 @@ impl UsageRecord {
     }
 }
 
-type UsageRow = (
-    String,
-    i64,
-    String,
-    String,
-    i64,
-    i64,
-    Option<i64>,
-    Option<i64>,
-);
-
 const USAGE_COLUMNS: &str = "job_id, attempt_number, tenant, gpu_type, slice_bytes, \
                              placed_at_ms, ended_at_ms, measured_peak_bytes";
 
@@ -69,29 +58,6 @@ pub(super) const END_USAGE_SQL: &str = "UPDATE attempt_usage SET \
      ended_at_ms = CASE WHEN $3 < placed_at_ms THEN placed_at_ms ELSE $3 END, \
      measured_peak_bytes = $4 \
      WHERE job_id = $1 AND attempt_number = $2 AND ended_at_ms IS NULL";
-
-fn usage_from_row(row: UsageRow) -> UsageRecord {
-    let (
-        job_id,
-        attempt_number,
-        tenant,
-        gpu_type,
-        slice_bytes,
-        placed_at_ms,
-        ended_at_ms,
-        measured_peak_bytes,
-    ) = row;
-    UsageRecord {
-        job_id,
-        attempt_number,
-        tenant,
-        gpu_type,
-        slice_bytes,
-        placed_at_ms,
-        ended_at_ms,
-        measured_peak_bytes,
-    }
-}
 
 /// Binds a [`UsageRecord`] to [`INSERT_USAGE_SQL`]'s parameters: the one encoder.
 macro_rules! bind_usage {
@@ -170,7 +136,7 @@ impl Store {
              AND ($3 IS NULL OR tenant = $3) \
              ORDER BY placed_at_ms, job_id, attempt_number"
         );
-        let rows: Vec<UsageRow> = with_pool!(self, pool => {
+        let rows: Vec<UsageRecord> = with_pool!(self, pool => {
             sqlx::query_as(&query)
                 .bind(since_ms)
                 .bind(until_ms)
@@ -178,7 +144,7 @@ impl Store {
                 .fetch_all(pool)
                 .await?
         });
-        Ok(rows.into_iter().map(usage_from_row).collect())
+        Ok(rows)
     }
 }
 
