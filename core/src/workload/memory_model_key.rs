@@ -2,9 +2,10 @@
 //! `command_memory_models.shape_key`. Only a kind whose memory is measured has one: a
 //! command job's key is a digest of its command's shape, what decides its program's
 //! memory apart from the knobs Carve turns (argv, environment, working directory, the
-//! precisions and the recompute arguments). Not its name, priority, batch sizes or run
-//! config: one model covers every configuration of a command, and the model itself
-//! scales with the batch. A model job has none; the estimator sizes it.
+//! precisions, the recompute arguments, and the image when one is named). Not its name,
+//! priority, batch sizes or run config: one model covers every configuration of a
+//! command, and the model itself scales with the batch. A model job has none; the
+//! estimator sizes it.
 //!
 //! Unlike the peak keys ([`super::peak_key`]), this key is the digest of serde output of
 //! those fields, as the scheduler has written it since command jobs began. Stored models
@@ -72,14 +73,26 @@ pub fn stored_memory_model_key(
 /// The digest of the command's shape: 32 hex digits of the SHA-256 of `command|` and the
 /// shape as compact JSON. Never change what it writes (see the module's documentation).
 fn command_shape_key(command: &CommandSpec) -> String {
-    // In sorted order, as serde_json's map writes them without `preserve_order`.
-    let shape = serde_json::json!({
-        "argv": command.argv,
-        "env": command.env,
-        "precisions": command.precisions,
-        "recompute": command.recompute,
-        "working_directory": command.working_directory,
-    });
+    // In sorted order, as serde_json's map writes them without `preserve_order`. The
+    // image, which holds the program and its framework, is part of the shape only when
+    // one is named: the keys of jobs without one stay the keys they were stored under.
+    let shape = match &command.image {
+        None => serde_json::json!({
+            "argv": command.argv,
+            "env": command.env,
+            "precisions": command.precisions,
+            "recompute": command.recompute,
+            "working_directory": command.working_directory,
+        }),
+        Some(image) => serde_json::json!({
+            "argv": command.argv,
+            "env": command.env,
+            "image": image,
+            "precisions": command.precisions,
+            "recompute": command.recompute,
+            "working_directory": command.working_directory,
+        }),
+    };
     Sha256::digest(format!("command|{shape}").as_bytes())
         .iter()
         .take(16)
@@ -159,6 +172,22 @@ mod tests {
             let changed = PINNED_SPEC.replace(from, to);
             assert_ne!(key(&changed).shape_key, PINNED_KEY, "{from} -> {to}");
         }
+        // The image holds the program and its framework: each image its own model, the
+        // same in a read of the stored spec.
+        let in_image = |image: &str| {
+            PINNED_SPEC.replace(
+                r#""working_directory": "/work","#,
+                &format!(r#""working_directory": "/work", "image": "{image}","#),
+            )
+        };
+        let (first, second) = (in_image("team/train:v1"), in_image("team/train:v2"));
+        let first_key = key(&first).shape_key;
+        assert_ne!(first_key, PINNED_KEY);
+        assert_ne!(first_key, key(&second).shape_key);
+        assert_eq!(
+            stored_memory_model_key(JobKind::Command, &first).unwrap(),
+            Some(first_key)
+        );
     }
 
     #[test]
