@@ -258,6 +258,12 @@ pub async fn run_announcing_readiness(
             path.display()
         );
     }
+    if config.settings.secrets_key.is_none() {
+        tracing::warn!(
+            "tenants' secrets (registry credentials) are stored unsealed in the database: \
+             give the scheduler --secrets-key-file to seal them"
+        );
+    }
     let postgres = store.backend() == Backend::Postgres;
     let scheduler = Arc::new(Scheduler::new(
         store,

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use carve_proto::logging::LogFormat;
+use carve_scheduler::scheduler::sealed_secrets::SecretsKey;
 use carve_scheduler::scheduler::{PreemptionSettings, SchedulerSettings};
 use carve_scheduler::server::{SchedulerConfig, TlsIdentity};
 use clap::Parser;
@@ -119,6 +120,11 @@ pub struct GivenSettings {
     /// (PEM): mutual TLS. Needs --tls-cert.
     #[arg(long, env = "CARVE_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
+    /// A file holding the key tenants' secrets (registry credentials) are sealed with in
+    /// the database: 64 hexadecimal digits (`openssl rand -hex 32`), readable by the
+    /// scheduler's user alone. Without one they are stored as they are.
+    #[arg(long, env = "CARVE_SECRETS_KEY_FILE")]
+    pub secrets_key_file: Option<PathBuf>,
 }
 
 impl GivenSettings {
@@ -165,6 +171,8 @@ pub struct Settings {
     pub tls_client_ca: Option<PathBuf>,
     /// Settings given that no longer do anything, each with why: said at start.
     pub ignored: Vec<String>,
+    /// The file of the key secrets are sealed with.
+    pub secrets_key_file: Option<PathBuf>,
 }
 
 /// `on`/`off` (or `true`/`false`), for a switch given as a flag or variable.
@@ -285,6 +293,8 @@ pub fn resolve(
                 .or(file.min_slice_mib)
                 .map_or(defaults.min_slice_bytes, |mib| mib.saturating_mul(1 << 20)),
             fair_share_half_life,
+            // Read by `Settings::load`, with the other files.
+            secrets_key: None,
         },
         ignored: given
             .checkpoint_dir
@@ -301,6 +311,7 @@ pub fn resolve(
         metrics_listen: given.metrics_listen.or(file.metrics_listen),
         tls,
         tls_client_ca,
+        secrets_key_file: given.secrets_key_file.or(file.secrets_key_file),
     })
 }
 
@@ -355,15 +366,39 @@ impl Settings {
             }),
             None => None,
         };
+        let mut scheduler = self.scheduler;
+        if let Some(path) = &self.secrets_key_file {
+            scheduler.secrets_key = Some(read_secrets_key(path)?);
+        }
         let config = SchedulerConfig {
             database_url,
-            settings: self.scheduler,
+            settings: scheduler,
             admin_token,
             metrics_address: self.metrics_listen,
             tls,
         };
         Ok((self.listen, config))
     }
+}
+
+/// The secrets key in `path`, refused when other users may read the file (the key
+/// opens every tenant's credentials) or when it is not a key.
+fn read_secrets_key(path: &Path) -> Result<SecretsKey> {
+    let metadata = std::fs::metadata(path)
+        .with_context(|| format!("cannot read the secrets key file {}", path.display()))?;
+    let mode = metadata.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        bail!(
+            "the secrets key file {} may be read by other users (mode {mode:04o}); make it \
+             the scheduler's user's alone: chmod 600 {}",
+            path.display(),
+            path.display()
+        );
+    }
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the secrets key file {}", path.display()))?;
+    SecretsKey::from_hex(&text)
+        .map_err(|reason| anyhow::anyhow!("the secrets key file {}: {reason}", path.display()))
 }
 
 fn default_database() -> Result<String> {
@@ -700,6 +735,25 @@ mod tests {
         assert!(error.contains("tls_client_ca"), "{error}");
     }
 
+    /// The secrets key opens every tenant's credentials: a file other users may read is
+    /// refused, as is one that holds no key; the error never quotes the file.
+    #[test]
+    fn a_secrets_key_file_is_the_schedulers_alone_and_holds_a_key() {
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("secrets-key");
+        let key = "ab".repeat(32);
+        std::fs::write(&path, format!("{key}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let refused = read_secrets_key(&path).unwrap_err().to_string();
+        assert!(refused.contains("chmod 600"), "{refused}");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(read_secrets_key(&path).is_ok());
+        std::fs::write(&path, "not-a-key-at-all").unwrap();
+        let refused = read_secrets_key(&path).unwrap_err().to_string();
+        assert!(refused.contains("64 hexadecimal digits"), "{refused}");
+        assert!(!refused.contains("not-a-key-at-all"), "{refused}");
+    }
+
     /// As before this type existed: a token file, from any source, wins over the secret.
     #[test]
     fn an_admin_token_file_wins_over_the_secret() {
@@ -707,19 +761,27 @@ mod tests {
             admin_token_file: Some("/etc/carve/admin-token".into()),
             ..GivenSettings::default()
         };
-        let settings = resolve(GivenSettings::default(), file, Some("secret".to_string())).unwrap();
+        let settings = resolve(
+            GivenSettings::default(),
+            file,
+            Some("the-admin-secret-itself".to_string()),
+        )
+        .unwrap();
         assert_eq!(
             settings.admin_token,
             Some(AdminTokenSource::File("/etc/carve/admin-token".into()))
         );
-        assert!(!format!("{settings:?}").contains("secret\""));
+        assert!(!format!("{settings:?}").contains("the-admin-secret-itself"));
         let settings = resolve(
             GivenSettings::default(),
             GivenSettings::default(),
-            Some("secret".to_string()),
+            Some("the-admin-secret-itself".to_string()),
         )
         .unwrap();
-        assert!(!format!("{settings:?}").contains("secret"), "{settings:?}");
+        assert!(
+            !format!("{settings:?}").contains("the-admin-secret-itself"),
+            "{settings:?}"
+        );
     }
 
     #[test]

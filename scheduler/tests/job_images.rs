@@ -262,3 +262,90 @@ async fn a_pull_secret_is_its_tenants_and_travels_only_in_its_jobs_assignments()
     assert!(logged.contains("secret stored"), "the log is captured");
     assert!(!logged.contains(PASSWORD), "{logged}");
 }
+
+/// The key the sealing test's scheduler keeps secrets with.
+const SECRETS_KEY: &str = "5b1f0e9c2d7a4e3b8c6f1a0d9e2b7c4a3f8e1d6c0b9a2e7f4d3c8b1a6e0f9d2c";
+
+/// With a secrets key, the database holds no credential: whoever reads its file (a
+/// backup, a database administrator) finds neither the password nor the user name, and
+/// the assignment still carries the credential. Someone who can write the database moves
+/// Alice's sealed value into Bob's secret of the same name: Bob's job gets no credential
+/// (the value opens only in its own row). Fails with sealing off (values stored as they
+/// are): the file holds the password and Bob's job pulls with Alice's credential.
+#[tokio::test]
+async fn with_a_secrets_key_the_database_holds_no_credential_and_a_moved_value_opens_nowhere() {
+    let key =
+        carve_scheduler::scheduler::sealed_secrets::SecretsKey::from_hex(SECRETS_KEY).unwrap();
+    let cluster = cluster::start_adjusted(Duration::from_secs(30), |settings| {
+        settings.secrets_key = Some(key);
+    })
+    .await;
+    let channel = cluster::channel(&cluster).await;
+    let (alice, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    let (bob, _) = tenant_with_tokens(&channel, "bob", v1::Quota::default()).await;
+    let mut worker =
+        test_worker::TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    create_secret(
+        &channel,
+        &alice,
+        "",
+        "registry",
+        &format!("robot:{PASSWORD}"),
+    )
+    .await
+    .unwrap();
+    create_secret(&channel, &bob, "", "registry", "bob:bobs-own-password")
+        .await
+        .unwrap();
+
+    // The database's files, as a reader of them sees them.
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(cluster._directory.path()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            files.extend(std::fs::read(&path).unwrap());
+        }
+    }
+    let contains = |needle: &[u8]| files.windows(needle.len()).any(|window| window == needle);
+    assert!(
+        !contains(PASSWORD.as_bytes()),
+        "the password is in the database"
+    );
+    assert!(!contains(b"robot:"), "the user name is in the database");
+
+    // Alice's job pulls with her credential.
+    submit(&channel, &alice, &image_job("alices", Some("registry")), "")
+        .await
+        .unwrap();
+    let assignment = worker.next_assignment().await;
+    let credential = assignment.image_pull_credential.expect("a credential");
+    assert_eq!(
+        (credential.username.as_str(), credential.password.as_str()),
+        ("robot", PASSWORD)
+    );
+
+    // Alice's sealed value, moved into Bob's row, opens there as nothing.
+    let store = cluster.other_replica().await;
+    let sealed = store
+        .secret_value("alice", "registry")
+        .await
+        .unwrap()
+        .unwrap();
+    let database = sqlx::SqlitePool::connect(&cluster::sqlite_url(cluster._directory.path()))
+        .await
+        .unwrap();
+    sqlx::query("UPDATE tenant_secrets SET value = $1 WHERE tenant = 'bob' AND name = 'registry'")
+        .bind(&sealed)
+        .execute(&database)
+        .await
+        .unwrap();
+    submit(&channel, &bob, &image_job("bobs", Some("registry")), "")
+        .await
+        .unwrap();
+    let bobs = worker.next_assignment().await;
+    assert!(
+        bobs.image_pull_credential.is_none(),
+        "Bob's job pulls with {:?}",
+        bobs.image_pull_credential
+    );
+}

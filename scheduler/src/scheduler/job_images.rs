@@ -140,10 +140,16 @@ impl Scheduler {
         // The value without its trailing newline: what `registry_credential` reads.
         let credential = registry_credential(value)
             .map_err(|reason| SchedulerError::invalid_argument("value", reason))?;
-        let stored = format!("{}:{}", credential.username, credential.password);
+        let value = format!("{}:{}", credential.username, credential.password);
+        let stored = super::sealed_secrets::seal(
+            self.settings.secrets_key.as_ref(),
+            &tenant,
+            name,
+            value.as_bytes(),
+        )?;
         let record = self
             .store
-            .create_secret(&tenant, name, stored.as_bytes(), replace, now_ms())
+            .create_secret(&tenant, name, &stored, replace, now_ms())
             .await?;
         tracing::info!(tenant = %tenant, secret = %name, replace, "secret stored");
         Ok(record)
@@ -213,13 +219,23 @@ impl Scheduler {
         let digest = self.store.job_image_digest(&job.id).await?;
         let credential = match workload.image_pull_secret() {
             Some(secret) => match self.store.secret_value(&job.tenant, secret).await? {
-                Some(value) => match registry_credential(&value) {
-                    Ok(credential) => Some(credential),
-                    Err(reason) => {
-                        tracing::warn!(job = %job.id, secret, reason, "unreadable pull secret");
-                        None
+                Some(stored) => {
+                    let opened = super::sealed_secrets::open(
+                        self.settings.secrets_key.as_ref(),
+                        &job.tenant,
+                        secret,
+                        &stored,
+                    );
+                    let credential = opened
+                        .and_then(|value| registry_credential(&value).map_err(str::to_string));
+                    match credential {
+                        Ok(credential) => Some(credential),
+                        Err(reason) => {
+                            tracing::warn!(job = %job.id, secret, reason, "unreadable pull secret");
+                            None
+                        }
                     }
-                },
+                }
                 None => {
                     tracing::warn!(
                         job = %job.id,

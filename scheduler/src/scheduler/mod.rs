@@ -27,6 +27,7 @@ mod outcomes;
 mod placement;
 mod preemption;
 mod recovery;
+pub mod sealed_secrets;
 mod session_handles;
 mod sessions;
 mod usage;
@@ -94,6 +95,9 @@ pub struct SchedulerSettings {
     pub min_slice_bytes: u64,
     /// Past usage counts half as much in fair share after this long (issue 32).
     pub fair_share_half_life: Duration,
+    /// The key tenants' secrets are sealed with in the store (`--secrets-key-file`);
+    /// `None` stores them as they are ([`sealed_secrets`]).
+    pub secrets_key: Option<sealed_secrets::SecretsKey>,
 }
 
 impl Default for SchedulerSettings {
@@ -110,6 +114,7 @@ impl Default for SchedulerSettings {
             fair_share_half_life: Duration::from_millis(
                 carve_core::usage::DEFAULT_HALF_LIFE_MS as u64,
             ),
+            secrets_key: None,
         }
     }
 }
