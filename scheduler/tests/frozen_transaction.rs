@@ -4,9 +4,7 @@
 //! `idle_in_transaction_session_timeout` (`StoreOptions`), so PostgreSQL ends the frozen
 //! one and the next writer goes on. Here the frozen replica is a session opened the way
 //! the store opens its own, holding the lock a log write takes; without the setting the
-//! second store's write never finishes and the test fails at its deadline. Woken, the
-//! frozen replica no longer leads: the attempt lines it held are refused, not appended
-//! after the new leader's.
+//! second store's write never finishes and the test fails at its deadline.
 
 mod support;
 
@@ -21,15 +19,10 @@ use support::{T0, TestDb, job, tenant};
 const PATIENCE: Duration = Duration::from_secs(60);
 
 fn line(message: &str) -> NewLogLine {
-    attempt_line(0, message)
-}
-
-/// A line of attempt `attempt_number` (0: the scheduler's own note).
-fn attempt_line(attempt_number: i64, message: &str) -> NewLogLine {
     NewLogLine {
         job_id: "j-1".into(),
         time_ms: T0,
-        attempt_number,
+        attempt_number: 0,
         level: "info".into(),
         message: message.into(),
         event: None,
@@ -98,50 +91,4 @@ async fn a_replica_frozen_mid_transaction_does_not_block_the_next_leader_for_eve
         .map(|line| line.message.as_str())
         .collect();
     assert_eq!(messages, ["before the freeze", "after the freeze"]);
-}
-
-/// A replica that no longer leads (woken after a freeze, a standby) holds attempt lines
-/// it did not write in time: appended now they would come after the new leader's, an
-/// old "checkpoint of step 100" read as the newest. They are refused; its own notes
-/// (attempt 0, such as a standby's submit) are still written. Fails without the fence
-/// on attempt lines (`Store::append_log_lines_keeping`).
-#[tokio::test]
-async fn a_replica_that_no_longer_leads_appends_no_attempt_lines() {
-    let database = TestDb::postgres().await;
-    let leader = Store::open(database.url()).await.unwrap();
-    leader.create_tenant(&tenant("acme")).await.unwrap();
-    leader
-        .submit_jobs(vec![job("j-1", "acme", "x")])
-        .await
-        .unwrap();
-    let deposed = Store::open(database.url()).await.unwrap();
-    deposed.set_leader_epoch(None);
-
-    let refused = deposed
-        .append_log_lines(&[attempt_line(1, "checkpoint of step 100 written")])
-        .await;
-    assert!(
-        matches!(&refused, Err(error) if error.to_string().contains("standby")),
-        "{refused:?}"
-    );
-    deposed
-        .append_log_lines(&[line("submitted through a standby")])
-        .await
-        .unwrap();
-    let page = leader
-        .read_log_lines(&carve_scheduler::store::LogQuery {
-            job_id: "j-1".into(),
-            attempt_number: None,
-            after_sequence: 0,
-            page_size: 0,
-            tail: None,
-        })
-        .await
-        .unwrap();
-    let messages: Vec<&str> = page
-        .lines
-        .iter()
-        .map(|line| line.message.as_str())
-        .collect();
-    assert_eq!(messages, ["submitted through a standby"]);
 }

@@ -53,31 +53,19 @@ pub(crate) fn deposed(fence: i64, stored: Option<i64>) -> SchedulerError {
     }))
 }
 
-/// `Some((fence, stored epoch))` when the store's fence is not the current leader's
-/// epoch, read in transaction `$tx` (`FOR SHARE`, so a takeover waits for the write);
-/// `None` when it is, or on an unfenced store. A database error returns from the caller.
-macro_rules! fence_refused {
-    ($store:expr, $tx:ident) => {{
-        let fence = $store.fence_epoch();
-        if fence == $crate::store::leadership::UNFENCED {
-            None
-        } else {
-            let stored: Option<i64> =
-                sqlx::query_scalar("SELECT epoch FROM leadership WHERE id = 1 FOR SHARE")
-                    .fetch_optional(&mut *$tx)
-                    .await?;
-            (stored != Some(fence)).then_some((fence, stored))
-        }
-    }};
-}
-pub(crate) use fence_refused;
-
 /// Refuses (returns the error of) a write in transaction `$tx` when the store's fence is
 /// not the current leader's epoch; nothing is checked on an unfenced store.
 macro_rules! check_fence {
     ($store:expr, $tx:ident) => {
-        if let Some((fence, stored)) = $crate::store::leadership::fence_refused!($store, $tx) {
-            return Err($crate::store::leadership::deposed(fence, stored));
+        let fence = $store.fence_epoch();
+        if fence != $crate::store::leadership::UNFENCED {
+            let stored: Option<i64> =
+                sqlx::query_scalar("SELECT epoch FROM leadership WHERE id = 1 FOR SHARE")
+                    .fetch_optional(&mut *$tx)
+                    .await?;
+            if stored != Some(fence) {
+                return Err($crate::store::leadership::deposed(fence, stored));
+            }
         }
     };
 }

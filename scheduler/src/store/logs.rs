@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::leadership::fence_refused;
 use super::{Store, is_foreign_key_violation};
 use crate::error::SchedulerError;
 
@@ -208,18 +207,8 @@ impl Store {
         if by_job.is_empty() {
             return Ok(());
         }
-        // Lines of attempts come from worker sessions, which only the leader holds: a
-        // replica that no longer leads (frozen, then woken) must not append the lines it
-        // held, after the new leader's. Its own notes (attempt 0, such as a standby's
-        // submit) are written either way.
-        let of_attempts = lines.iter().any(|line| line.attempt_number > 0);
-        let mut deposed = None;
         let result: Result<(), sqlx::Error> = async {
-            with_write_tx!(self, tx => 'writes: {
-                if of_attempts && let Some(refusal) = fence_refused!(self, tx) {
-                    deposed = Some(refusal);
-                    break 'writes;
-                }
+            with_write_tx!(self, tx => {
                 // A constant number of statements per group, not two per job: each is a
                 // round trip (to sqlx-sqlite's connection thread, or to PostgreSQL) made
                 // while holding the write lock that submits need.
@@ -291,9 +280,6 @@ impl Store {
             Ok(())
         }
         .await;
-        if let Some((fence, stored)) = deposed {
-            return Err(super::leadership::deposed(fence, stored));
-        }
         match result {
             Ok(()) => Ok(()),
             Err(error) if is_foreign_key_violation(&error) => {
