@@ -171,10 +171,15 @@ async fn last_recorded_step(channel: &Channel, user: &str, job_id: &str) -> Opti
         .ok()?
         .into_inner()
         .lines;
-    lines.iter().rev().find_map(|line| {
-        let rest = line.message.strip_prefix("checkpoint of step ")?;
-        rest.split_once(" written to ")?.0.parse().ok()
-    })
+    // The largest, not the newest: a leader woken after a freeze may still append the
+    // lines it held (older steps) after the new leader's.
+    lines
+        .iter()
+        .filter_map(|line| {
+            let rest = line.message.strip_prefix("checkpoint of step ")?;
+            rest.split_once(" written to ")?.0.parse().ok()
+        })
+        .max()
 }
 
 /// The pids of the attempt processes of `job_id` alive now.
