@@ -384,9 +384,16 @@ impl Settings {
 /// The secrets key in `path`, refused when other users may read the file (the key
 /// opens every tenant's credentials) or when it is not a key.
 fn read_secrets_key(path: &Path) -> Result<SecretsKey> {
-    let metadata = std::fs::metadata(path)
-        .with_context(|| format!("cannot read the secrets key file {}", path.display()))?;
-    let mode = metadata.permissions().mode() & 0o777;
+    use std::io::Read;
+    let cannot_read = || format!("cannot read the secrets key file {}", path.display());
+    // One open for the mode and the text: the file checked is the file read.
+    let mut file = std::fs::File::open(path).with_context(cannot_read)?;
+    let mode = file
+        .metadata()
+        .with_context(cannot_read)?
+        .permissions()
+        .mode()
+        & 0o777;
     if mode & 0o077 != 0 {
         bail!(
             "the secrets key file {} may be read by other users (mode {mode:04o}); make it \
@@ -395,8 +402,8 @@ fn read_secrets_key(path: &Path) -> Result<SecretsKey> {
             path.display()
         );
     }
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read the secrets key file {}", path.display()))?;
+    let mut text = String::new();
+    file.read_to_string(&mut text).with_context(cannot_read)?;
     SecretsKey::from_hex(&text)
         .map_err(|reason| anyhow::anyhow!("the secrets key file {}: {reason}", path.display()))
 }
