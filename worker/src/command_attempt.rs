@@ -45,12 +45,18 @@ use crate::guard_environment::AttemptGuard;
 use crate::image::{ImageRequest, PullProgress, PulledImage, RegistryCredential};
 use crate::program_output::{MOST_LINE_BYTES, OutputLine, OutputStream, ProgramOutput};
 use crate::sandbox::{Container, GpuDevices, Sandbox, container_exit_status};
+use carve_core::command::checkpoint::parse_checkpoint_line;
 use carve_core::command::image::parse_image_reference;
 use carve_core::step_rate::StepRate;
 
+mod checkpoints;
 mod image;
+mod reports;
+use checkpoints::{CheckpointRecorder, ResumePoint};
 
 pub use image::AssignedImage;
+pub use reports::training_final_reports;
+use reports::{ended, finished, stop_of};
 mod setup;
 use setup::PreparedRun;
 
@@ -87,6 +93,10 @@ pub struct CommandAttemptLaunch {
     pub attempt_directory: PathBuf,
     /// Run the profile instead of training.
     pub profile: bool,
+    /// The checkpoint the scheduler recorded for the job (the assignment's
+    /// `resume_from`): a training run resumes from it when it is a recorded copy on this
+    /// node (`CARVE_RESUME_FROM`, [`crate::command_checkpoint`]).
+    pub resume_from: Option<v1::Checkpoint>,
     /// Where each run is contained; `None`: the program runs with the worker's rights.
     pub sandbox: Option<Arc<Sandbox>>,
     /// The job's tenant: whose host ids its container runs under.
@@ -241,8 +251,11 @@ struct RunPlan {
     checkpoint_dir: PathBuf,
     /// Before every log line ("profile micro-batch 8: "), empty for training.
     log_prefix: String,
-    /// Whether progress lines become progress reports (training) or only count (profile).
-    report_progress: bool,
+    /// A training run: progress lines become progress reports and checkpoint lines are
+    /// recorded; a profile run's only count.
+    training: bool,
+    /// The recorded checkpoint the run resumes from (training only).
+    resume: Option<ResumePoint>,
 }
 
 struct Runner<'a, P: CommandProcesses> {
@@ -271,7 +284,11 @@ impl<P: CommandProcesses> Runner<'_, P> {
             max_steps: None,
             checkpoint_dir: self.launch.checkpoint_dir.clone(),
             log_prefix: String::new(),
-            report_progress: true,
+            training: true,
+            resume: ResumePoint::of_assignment(
+                &self.launch.checkpoint_dir,
+                self.launch.resume_from.as_ref(),
+            ),
         };
         let record = self.run(&plan).await;
         training_final_reports(&self.launch.attempt, record)
@@ -303,7 +320,8 @@ impl<P: CommandProcesses> Runner<'_, P> {
                 max_steps: Some(self.launch.job.spec.command.profile.steps),
                 checkpoint_dir: scratch.clone(),
                 log_prefix: format!("profile micro-batch {micro_batch}: "),
-                report_progress: false,
+                training: false,
+                resume: None,
             };
             let record = self.run(&plan).await;
             let _ = std::fs::remove_dir_all(&scratch);
@@ -424,7 +442,11 @@ impl<P: CommandProcesses> Runner<'_, P> {
             self.send(Body::AttemptStarted(v1::worker_message::AttemptStarted {
                 attempt: Some(attempt.clone()),
                 reserved_bytes: self.launch.slice_bytes,
-                resumed_from: None,
+                // The recorded checkpoint it was given; whether it loads it is its own.
+                resumed_from: plan.resume.as_ref().map(|resume| v1::Checkpoint {
+                    step: resume.step,
+                    location: resume.path.to_string_lossy().into_owned(),
+                }),
                 command_argv: argv,
                 uncontained: container.is_none(),
                 // What the image resolved to: the scheduler pins later attempts to it.
@@ -466,6 +488,13 @@ impl<P: CommandProcesses> Runner<'_, P> {
             pacing: ProgressPacing::default(),
             step_rate: StepRate::default(),
             started: Instant::now(),
+            checkpoints: plan.training.then(|| {
+                CheckpointRecorder::start(
+                    self.launch.attempt.clone(),
+                    plan.checkpoint_dir.clone(),
+                    self.reports.clone(),
+                )
+            }),
         };
         let mut stopper = ProcessStopper::new(process_id, container.cloned());
         let mut status: Option<std::io::Result<ExitStatus>> = None;
@@ -504,13 +533,17 @@ impl<P: CommandProcesses> Runner<'_, P> {
                 _ = sleep_until_or_never(stopper.kill_deadline()), if status.is_none() => {
                     stopper.kill(&mut child, &job_id);
                 }
-                _ = ticks.tick(), if plan.report_progress && guard.is_some() => {
+                _ = ticks.tick(), if plan.training && guard.is_some() => {
                     if !std::mem::take(&mut output.progress_since_tick) {
                         output.pacing.reported(Instant::now());
                         self.report_progress(&output, guard);
                     }
                 }
             }
+        }
+        // Every checkpoint it reported is recorded (or refused) before the run's end is.
+        if let Some(checkpoints) = output.checkpoints.take() {
+            checkpoints.finish().await;
         }
         // The last progress is always reported, before the attempt's end.
         if output.pacing.is_pending() {
@@ -574,8 +607,9 @@ impl<P: CommandProcesses> Runner<'_, P> {
     }
 
     /// One line of the program's output: a progress line counts (and is reported, at
-    /// most one a second: [`ProgressPacing`]), any other is a log line marked with its
-    /// stream, info from stdout and warn from stderr.
+    /// most one a second: [`ProgressPacing`]), a checkpoint line is recorded (training
+    /// only), any other is a log line marked with its stream, info from stdout and warn
+    /// from stderr.
     fn on_line(
         &self,
         line: OutputLine,
@@ -584,6 +618,22 @@ impl<P: CommandProcesses> Runner<'_, P> {
         output: &mut RunOutput,
     ) {
         let OutputLine { stream, text } = line;
+        if let Some(checkpoint) = parse_checkpoint_line(&text) {
+            match (checkpoint, &output.checkpoints) {
+                (Ok(checkpoint), Some(checkpoints)) => checkpoints.reported(checkpoint),
+                (Ok(_), None) => {}
+                (Err(reason), _) => self.send(Body::Log(v1::worker_message::LogLine {
+                    attempt: Some(self.launch.attempt.clone()),
+                    level: "warn".to_string(),
+                    message: format!(
+                        "{}a checkpoint line is not taken: {reason}",
+                        plan.log_prefix
+                    ),
+                    stream: String::new(),
+                })),
+            }
+            return;
+        }
         if let Some(progress) = parse_progress_line(&text) {
             let now = Instant::now();
             if let Some(step) = progress.step {
@@ -592,7 +642,7 @@ impl<P: CommandProcesses> Runner<'_, P> {
                     .observe(step, now.duration_since(output.started));
             }
             output.progress.merge(&progress);
-            if plan.report_progress && progress.has_step_figures() {
+            if plan.training && progress.has_step_figures() {
                 output.progress_since_tick = true;
                 if output.pacing.line_came(now) {
                     self.report_progress(output, guard);
@@ -704,90 +754,6 @@ struct RunOutput {
     step_rate: StepRate,
     /// When the run started, the origin of `step_rate`'s moments.
     started: Instant,
-}
-
-/// The stop a control message asks for (a profile stopped between two runs).
-fn stop_of(control: AttemptControl) -> WorkerStop {
-    match control {
-        AttemptControl::Cancel { reason, .. } => WorkerStop::Cancelled(reason),
-        AttemptControl::StopAsFailed { reason, .. } => WorkerStop::Failed(reason),
-        AttemptControl::StopWithoutLeader { reason, .. } => WorkerStop::Interrupted(reason),
-    }
-}
-
-/// The one final report of an attempt that ends without results.
-fn ended(attempt: &v1::AttemptRef, outcome: v1::AttemptOutcome, message: String) -> Vec<Body> {
-    vec![Body::AttemptFinished(finished(
-        attempt, outcome, message, None,
-    ))]
-}
-
-fn finished(
-    attempt: &v1::AttemptRef,
-    outcome: v1::AttemptOutcome,
-    message: String,
-    record: Option<&RunRecord>,
-) -> v1::worker_message::AttemptFinished {
-    v1::worker_message::AttemptFinished {
-        attempt: Some(attempt.clone()),
-        outcome: outcome as i32,
-        final_loss: record.and_then(|record| record.progress.loss),
-        test_accuracy: record.and_then(|record| record.progress.accuracy),
-        measured_peak_bytes: record.map_or(0, |record| record.peak_bytes),
-        message,
-        steps_done: record.and_then(|record| record.progress.step),
-        samples_per_second: record.and_then(|record| record.progress.samples_per_second),
-        profile_points: Vec::new(),
-        metrics: record.map_or_else(Vec::new, |record| {
-            record
-                .progress
-                .metrics
-                .metrics()
-                .iter()
-                .map(|metric| v1::Metric {
-                    name: metric.name.clone(),
-                    value: metric.value,
-                })
-                .collect()
-        }),
-    }
-}
-
-/// The final reports of a training attempt's run.
-pub fn training_final_reports(attempt: &v1::AttemptRef, record: RunRecord) -> Vec<Body> {
-    let end = |outcome, message| {
-        Body::AttemptFinished(finished(attempt, outcome, message, Some(&record)))
-    };
-    match &record.end {
-        RunEnd::NotStarted(message) => vec![end(v1::AttemptOutcome::Failed, message.clone())],
-        RunEnd::Stopped(stop) => {
-            let (outcome, reason) = stop.clone().outcome_and_reason();
-            vec![end(outcome, reason)]
-        }
-        RunEnd::Exited(CommandRunEnd::Succeeded) => {
-            vec![end(v1::AttemptOutcome::Succeeded, String::new())]
-        }
-        RunEnd::Exited(CommandRunEnd::Failed { message }) => {
-            vec![end(v1::AttemptOutcome::Failed, message.clone())]
-        }
-        RunEnd::Exited(CommandRunEnd::Interrupted { message }) => {
-            vec![end(v1::AttemptOutcome::Interrupted, message.clone())]
-        }
-        RunEnd::Exited(CommandRunEnd::OutOfMemory {
-            source,
-            report,
-            evidence,
-        }) => vec![
-            Body::Oom(v1::worker_message::OomReport {
-                attempt: Some(attempt.clone()),
-                report: Some(v1::OutOfMemoryReport::from(*report)),
-                // The program resumes from its own checkpoint directory, which the
-                // scheduler does not track.
-                checkpoint: None,
-                detected_by: source.name().to_string(),
-                evidence: evidence.clone(),
-            }),
-            end(v1::AttemptOutcome::OutOfMemory, String::new()),
-        ],
-    }
+    /// The run's reported checkpoints, recorded (training only).
+    checkpoints: Option<CheckpointRecorder>,
 }

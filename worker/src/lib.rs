@@ -40,6 +40,7 @@ pub mod attempt_process;
 pub mod checkpoint_files;
 pub mod child_protocol;
 pub mod command_attempt;
+pub mod command_checkpoint;
 pub mod command_output;
 pub mod command_supervisor;
 pub mod error;

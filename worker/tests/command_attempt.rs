@@ -78,6 +78,7 @@ fn launch(
         checkpoint_dir: directory.join("job-1"),
         attempt_directory: directory.join("job-1.attempt-1.run"),
         profile,
+        resume_from: None,
         sandbox: None,
         tenant: "tenant-a".into(),
         image: Default::default(),
@@ -602,4 +603,106 @@ async fn each_profile_run_is_measured_by_the_guard_in_a_fresh_account() {
     // A fresh account per run: the second run's peak is its own, not 40 MiB more.
     assert_eq!(points, vec![(8, 80 * MIB, true), (4, 40 * MIB, false)]);
     assert!(oom_reports(&reports).is_empty());
+}
+
+fn checkpoints_written(reports: &[Body]) -> Vec<v1::Checkpoint> {
+    reports
+        .iter()
+        .filter_map(|body| match body {
+            Body::CheckpointWritten(written) => written.checkpoint.clone(),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A program reports its checkpoint and then rewrites it in place (as `torch.save`
+/// does): the worker reported a copy that still holds the reported step, before the
+/// attempt's end; a line naming a path outside the job's directory is refused in the
+/// log. The job's next attempt gets that copy as `CARVE_RESUME_FROM`.
+#[tokio::test]
+async fn a_reported_checkpoint_is_recorded_as_a_copy_that_the_next_attempt_resumes_from() {
+    let directory = tempfile::tempdir().unwrap();
+    let script = r#"
+        mkdir -p "$CARVE_CHECKPOINT_DIR/weights"
+        echo "step 5" > "$CARVE_CHECKPOINT_DIR/weights/model.pt"
+        echo "CARVE_CHECKPOINT step=5 path=weights/model.pt"
+        # Once the copy is in place, the next checkpoint goes over the same file.
+        while [ ! -d "$CARVE_CHECKPOINT_DIR.recorded/attempt-1.step-5" ]; do sleep 0.02; done
+        echo "step 9" > "$CARVE_CHECKPOINT_DIR/weights/model.pt"
+        echo "CARVE_CHECKPOINT step=9 path=../job-2/model.pt"
+    "#;
+    let reports = run(launch(directory.path(), sh(script), false, None)).await;
+    assert_eq!(
+        outcome(&reports),
+        v1::AttemptOutcome::Succeeded,
+        "{reports:#?}"
+    );
+    let written = checkpoints_written(&reports);
+    let copy = directory
+        .path()
+        .join("job-1.recorded/attempt-1.step-5/weights/model.pt");
+    assert_eq!(
+        written,
+        [v1::Checkpoint {
+            step: 5,
+            location: copy.to_string_lossy().into_owned(),
+        }]
+    );
+    assert_eq!(std::fs::read_to_string(&copy).unwrap(), "step 5\n");
+    assert_eq!(
+        std::fs::read_to_string(directory.path().join("job-1/weights/model.pt")).unwrap(),
+        "step 9\n"
+    );
+    let first_logs = logs(&reports);
+    assert!(
+        first_logs.iter().any(|(level, line)| level == "warn"
+            && line.contains("a checkpoint line is not taken")
+            && line.contains("\"..\"")),
+        "{first_logs:#?}"
+    );
+    assert!(
+        !first_logs
+            .iter()
+            .any(|(_, line)| line.contains("CARVE_CHECKPOINT"))
+    );
+
+    // The next attempt, given what the scheduler recorded.
+    let resume = r#"echo "resuming from step $CARVE_RESUME_STEP: $(cat "$CARVE_RESUME_FROM")""#;
+    let mut next = launch(directory.path(), sh(resume), false, None);
+    next.attempt.attempt_number = 2;
+    next.resume_from = Some(written[0].clone());
+    let reports = run(next).await;
+    assert_eq!(
+        outcome(&reports),
+        v1::AttemptOutcome::Succeeded,
+        "{reports:#?}"
+    );
+    assert_eq!(started(&reports)[0].resumed_from, Some(written[0].clone()));
+    assert!(
+        logs(&reports).contains(&(
+            "info".to_string(),
+            "resuming from step 5: step 5".to_string()
+        )),
+        "{:#?}",
+        logs(&reports)
+    );
+
+    // A location that is not a recorded copy on this node is not offered.
+    let unset = r#"echo "resume from [${{CARVE_RESUME_FROM-unset}}]""#;
+    let mut elsewhere = launch(directory.path(), sh(unset), false, None);
+    elsewhere.resume_from = Some(v1::Checkpoint {
+        step: 5,
+        location: directory
+            .path()
+            .join("job-1/weights/model.pt")
+            .to_string_lossy()
+            .into_owned(),
+    });
+    let reports = run(elsewhere).await;
+    assert!(started(&reports)[0].resumed_from.is_none());
+    assert!(
+        logs(&reports).contains(&("info".to_string(), "resume from [unset]".to_string())),
+        "{:#?}",
+        logs(&reports)
+    );
 }

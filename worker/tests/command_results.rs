@@ -46,6 +46,7 @@ fn launch(directory: &Path, job: ValidatedCommandJob) -> CommandAttemptLaunch {
         checkpoint_dir: directory.join("job-1"),
         attempt_directory: directory.join("job-1.attempt-1.run"),
         profile: false,
+        resume_from: None,
         sandbox: None,
         tenant: "tenant-a".into(),
         image: Default::default(),

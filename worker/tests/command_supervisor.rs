@@ -56,6 +56,7 @@ fn launch(
         checkpoint_dir: directory.join("job-1"),
         attempt_directory: directory.join("job-1.attempt-1.run"),
         profile: false,
+        resume_from: None,
         sandbox,
         tenant: "alice".into(),
         image: Default::default(),

@@ -179,6 +179,7 @@ impl Node {
                 .checkpoints()
                 .join(format!("{JOB_ID}.attempt-1.rank-{rank}.run")),
             profile: false,
+            resume_from: None,
             sandbox: self.sandbox.clone(),
             tenant: TENANT.into(),
             image: Default::default(),

@@ -287,6 +287,7 @@ mod command_attempts {
             checkpoint_dir: directory.join("worker/job-1"),
             attempt_directory: directory.join(format!("worker/job-1.attempt-{number}.run")),
             profile: false,
+            resume_from: None,
             sandbox: Some(sandbox.clone()),
             tenant: "alice".into(),
             image: Default::default(),

@@ -590,6 +590,7 @@ mod pinned_attempts {
             checkpoint_dir: worker.join("job-pinned"),
             attempt_directory: worker.join(format!("job-pinned.attempt-{number}.run")),
             profile: false,
+            resume_from: None,
             sandbox: Some(sandbox.clone()),
             tenant: "alice".into(),
             image: assigned,

@@ -12,6 +12,8 @@
 //! - `validate`: its checks, with field paths; [`validate::ValidatedSpec`], either kind
 //!   of job, is `crate::workload::Workload` under its older name;
 //! - `image`: the image a program runs in and the secret that pulls it;
+//! - `checkpoint`: the checkpoints a program reports (`CARVE_CHECKPOINT`) and the
+//!   variables its next attempt resumes from;
 //! - `render`: placeholders to the argv and environment of one attempt;
 //! - `memory_model`: the fitted model, its predictions and refinement;
 //! - `metrics`: the results a program reports (`accuracy`, `val_loss`, `metric_*`) and
@@ -20,6 +22,7 @@
 //! - `oom`: telling an OOM from other failures by the guard's record and the frameworks'
 //!   messages.
 
+pub mod checkpoint;
 pub mod image;
 pub mod memory_model;
 pub mod metrics;

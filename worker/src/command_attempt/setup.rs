@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use carve_core::command::checkpoint::{ENVIRONMENT_RESUME_FROM, ENVIRONMENT_RESUME_STEP};
 use carve_core::command::render::{render_command, render_gang_member_command};
 use tokio::process::Command;
 
@@ -91,6 +92,14 @@ impl<P: CommandProcesses> Runner<'_, P> {
             ENVIRONMENT_SLICE_BYTES.to_string(),
             launch.slice_bytes.to_string(),
         );
+        // The checkpoint the scheduler recorded, when this node holds its copy.
+        if let Some(resume) = &plan.resume {
+            environment.insert(
+                ENVIRONMENT_RESUME_FROM.to_string(),
+                resume.path.to_string_lossy().into_owned(),
+            );
+            environment.insert(ENVIRONMENT_RESUME_STEP.to_string(), resume.step.to_string());
+        }
         // A gang member's rendezvous deadline and gang (RANK and the others are core's).
         environment.extend(self.gang.into_iter().flat_map(|gang| gang.environment()));
         // Python block-buffers stdout into a pipe: what a program printed would reach
@@ -160,7 +169,8 @@ impl<P: CommandProcesses> Runner<'_, P> {
     /// The container of one run: the program sees the system directories, its working
     /// directory read-only (the attempt's own directory, read-write, when the spec names
     /// none), its checkpoint directory and its attempt's directory read-write (both
-    /// given to its tenant's uid), the guard read-only, and its GPU.
+    /// given to its tenant's uid), the recorded checkpoint it resumes from and the guard
+    /// read-only, and its GPU.
     fn contain(
         &self,
         sandbox: &Sandbox,
@@ -195,6 +205,11 @@ impl<P: CommandProcesses> Runner<'_, P> {
         if !plan.checkpoint_dir.starts_with(&launch.attempt_directory) {
             give_directory_to(&plan.checkpoint_dir, owner)?;
             host_paths.push(HostPath::writable(&plan.checkpoint_dir));
+        }
+        // The recorded checkpoints, read-only: the run cannot change what it resumes from.
+        if let Some(resume) = &plan.resume {
+            give_directory_to(&resume.recorded_directory, owner)?;
+            host_paths.push(HostPath::read_only(&resume.recorded_directory));
         }
         if let Some(guard) = guard {
             host_paths.push(HostPath::read_only(guard.library()));

@@ -27,6 +27,7 @@ pub mod container_root;
 pub mod layout;
 mod pull;
 mod unpack;
+pub(crate) use unpack::remove_without_following;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -435,15 +435,19 @@ fn apply_whiteout(root: &Path, components: &[OsString]) -> Result<(), UnpackErro
 }
 
 /// Removes whatever is at `path` without following it: a file, a link, or a directory
-/// with everything in it (`remove_dir_all` does not follow links either).
-fn remove_entry(path: &Path) -> Result<(), UnpackError> {
+/// with everything in it (`remove_dir_all` does not follow links either); nothing there
+/// is no error.
+pub(crate) fn remove_without_following(path: &Path) -> std::io::Result<()> {
     match std::fs::symlink_metadata(path) {
         Ok(metadata) if metadata.is_dir() => std::fs::remove_dir_all(path),
         Ok(_) => std::fs::remove_file(path),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(error) => Err(error),
     }
-    .map_err(io(format!("cannot remove {}", path.display())))
+}
+
+fn remove_entry(path: &Path) -> Result<(), UnpackError> {
+    remove_without_following(path).map_err(io(format!("cannot remove {}", path.display())))
 }
 
 fn create_directory(path: &Path) -> Result<(), UnpackError> {

@@ -85,6 +85,7 @@ impl Worker {
             checkpoint_dir,
             attempt_directory: attempt_directory(directory, attempt),
             profile: assignment.profile,
+            resume_from: assignment.resume_from.clone(),
             sandbox: self.sandbox.clone(),
             tenant: assignment.tenant.clone(),
             devices: if gpu.simulated {

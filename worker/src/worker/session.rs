@@ -3,6 +3,8 @@
 //! recorded checkpoints the other, until the connection ends or no leader answers.
 
 use super::*;
+use crate::command_checkpoint::recorded_directory;
+use crate::gang_member::member_checkpoint_directory;
 
 /// The most cached image digests a heartbeat names (the scheduler reads no more).
 const CACHED_IMAGES_REPORTED: usize = 64;
@@ -294,18 +296,27 @@ impl Worker {
         }
     }
 
-    /// The scheduler stored a checkpoint as its job's: what it supersedes in the job's
-    /// directory goes ([`crate::checkpoint_files`]), off the async runtime.
+    /// The scheduler stored a checkpoint as its job's: what it supersedes goes, off the
+    /// async runtime: a command job's older recorded copies
+    /// ([`crate::command_checkpoint`]), or an engine job's older files in its directory
+    /// ([`crate::checkpoint_files`]).
     fn delete_superseded_checkpoints(&self, recorded: v1::scheduler_message::CheckpointRecorded) {
         let (Some(attempt), Some(checkpoint)) = (recorded.attempt, recorded.checkpoint) else {
             return;
         };
         let directory = job_directory(&self.config.checkpoint_directory, &attempt);
+        let copies = recorded_directory(&member_checkpoint_directory(
+            &directory,
+            attempt.gang_rank.unwrap_or(0),
+        ));
         tokio::task::spawn_blocking(move || {
             let location = PathBuf::from(&checkpoint.location);
-            for deleted in
+            let deleted = if location.starts_with(&copies) {
+                crate::command_checkpoint::delete_superseded_copies(&copies, &location)
+            } else {
                 crate::checkpoint_files::delete_superseded(&directory, &attempt.job_id, &location)
-            {
+            };
+            for deleted in deleted {
                 tracing::debug!(job = %attempt.job_id, file = %deleted.display(), "deleted a superseded checkpoint");
             }
         });
