@@ -165,15 +165,14 @@ async fn ready_workers(channel: &Channel) -> usize {
         .unwrap_or(0)
 }
 
-/// The last checkpoint the scheduler recorded for `attempt_number`, from the job's log
-/// ("checkpoint of step S written to L", written when it stored one).
-async fn last_recorded_checkpoint(
+/// The newest 200 lines of the log of `job_id`'s attempt `attempt_number`.
+async fn attempt_log(
     channel: &Channel,
     user: &str,
     job_id: &str,
     attempt_number: u32,
-) -> Option<(u64, String)> {
-    let lines = JobServiceClient::new(channel.clone())
+) -> Vec<v1::JobLogLine> {
+    JobServiceClient::new(channel.clone())
         .get_job_logs(authorized(
             v1::GetJobLogsRequest {
                 job_id: job_id.into(),
@@ -187,7 +186,18 @@ async fn last_recorded_checkpoint(
         .await
         .unwrap()
         .into_inner()
-        .lines;
+        .lines
+}
+
+/// The last checkpoint the scheduler recorded for `attempt_number`, from the job's log
+/// ("checkpoint of step S written to L", written when it stored one).
+async fn last_recorded_checkpoint(
+    channel: &Channel,
+    user: &str,
+    job_id: &str,
+    attempt_number: u32,
+) -> Option<(u64, String)> {
+    let lines = attempt_log(channel, user, job_id, attempt_number).await;
     lines.iter().rev().find_map(|line| {
         let rest = line.message.strip_prefix("checkpoint of step ")?;
         let (step, location) = rest.split_once(" written to ")?;
@@ -422,6 +432,11 @@ fn parent_of(process_id: u32) -> Option<u32> {
 /// runs elsewhere, so never two programs of the job at once (sampled every 20 ms) nor
 /// two running attempts in the store. Fails with the supervisor off (`supervision:
 /// None` in `worker/command_launch.rs`): both programs ran at once.
+///
+/// The program checkpoints every 5 steps by rewriting one file in place and printing
+/// `CARVE_CHECKPOINT`; the stale one goes on doing so while its worker is frozen. The
+/// next attempt resumes from exactly the step the scheduler recorded: the file it is
+/// given (`CARVE_RESUME_FROM`) holds that step, and `CARVE_RESUME_STEP` says it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_workers_command_program_is_stopped_by_its_supervisor_before_its_job_runs_elsewhere()
  {
@@ -441,7 +456,14 @@ async fn a_frozen_workers_command_program_is_stopped_by_its_supervisor_before_it
         "command": {
             "argv": [
                 "/bin/sh", "-c",
-                "trap '' TERM; i=0; while true; do i=$((i+1)); echo CARVE_PROGRESS step=$i; sleep 0.05; done",
+                concat!(
+                    "trap '' TERM; i=0; ",
+                    "if [ -n \"$CARVE_RESUME_FROM\" ]; then i=$(cat \"$CARVE_RESUME_FROM\"); ",
+                    "echo \"resumed at step $i, recorded as $CARVE_RESUME_STEP\"; fi; ",
+                    "while true; do i=$((i+1)); echo CARVE_PROGRESS step=$i; ",
+                    "if [ $((i % 5)) -eq 0 ]; then echo $i > \"$1/model\"; ",
+                    "echo \"CARVE_CHECKPOINT step=$i path=model\"; fi; sleep 0.05; done",
+                ),
                 COMMAND_PROGRAM_NAME, "{checkpoint_dir}",
             ],
             "global_batch": 8, "micro_batch": 8, "steps": 1_000_000_000u64,
@@ -476,6 +498,17 @@ async fn a_frozen_workers_command_program_is_stopped_by_its_supervisor_before_it
         || (!live_command_programs(&job_id).is_empty()).then_some(()),
     )
     .await;
+    let deadline = tokio::time::Instant::now() + HANG_GUARD;
+    while last_recorded_checkpoint(&channel, user, &job_id, 1)
+        .await
+        .is_none()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "attempt 1 has a recorded checkpoint (hang guard)"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     workers.0.insert(
         "b",
         start_worker(&address, token_b, &checkpoints, "frozen-command-node-b"),
@@ -512,6 +545,25 @@ async fn a_frozen_workers_command_program_is_stopped_by_its_supervisor_before_it
     )
     .await;
     let job = poll_job(&channel, user, &job_id, "", |_| true).await;
+    // Attempt 1's reports are fenced now: its last recorded checkpoint is final.
+    let (recorded_step, _) = last_recorded_checkpoint(&channel, user, &job_id, 1)
+        .await
+        .expect("attempt 1 recorded a checkpoint");
+    let deadline = tokio::time::Instant::now() + HANG_GUARD;
+    let resumed = loop {
+        let lines = attempt_log(&channel, user, &job_id, 2).await;
+        if let Some(line) = lines
+            .iter()
+            .find(|line| line.message.starts_with("resumed at step "))
+        {
+            break line.message.clone();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "attempt 2 says where it resumed (hang guard): {lines:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     signal(workers.0["a"].id(), "CONT");
     JobServiceClient::new(channel.clone())
         .cancel_job(authorized(
@@ -541,6 +593,11 @@ async fn a_frozen_workers_command_program_is_stopped_by_its_supervisor_before_it
         overlaps.is_empty(),
         "two programs of the job ran at once (pids): {:?}",
         &overlaps[..overlaps.len().min(5)]
+    );
+    assert_eq!(
+        resumed,
+        format!("resumed at step {recorded_step}, recorded as {recorded_step}"),
+        "attempt 2 resumed from the step the scheduler recorded for attempt 1"
     );
     let (first, second) = (&job.attempts[0], &job.attempts[1]);
     assert_ne!(first.worker_id, second.worker_id, "{job:#?}");
