@@ -7,6 +7,8 @@
 //! - `command_attempt`: the worker's side of a command job's attempt (the user's own
 //!   program under the guard, its output, its profile runs, its end classified);
 //! - `command_output`: a command's output: bounded lines, `CARVE_PROGRESS` lines;
+//! - `command_checkpoint`: a command's reported checkpoints (`CARVE_CHECKPOINT`), copied
+//!   where the program cannot write before they are reported, and resumed from;
 //! - `attempt_child`: the attempt process itself (`carve-worker attempt ...`);
 //! - `leader_lease`: the worker's own count of its lease, and stopping its attempts when
 //!   no leader heard it for half of it; `attempt_lease`: an engine attempt process's
