@@ -88,8 +88,8 @@ pub fn training_final_reports(attempt: &v1::AttemptRef, record: RunRecord) -> Ve
             Body::Oom(v1::worker_message::OomReport {
                 attempt: Some(attempt.clone()),
                 report: Some(v1::OutOfMemoryReport::from(*report)),
-                // The program resumes from its own checkpoint directory, which the
-                // scheduler does not track.
+                // Its reported checkpoints went out as `CheckpointWritten` before this
+                // (the run's recorder finished first); None keeps the recorded one.
                 checkpoint: None,
                 detected_by: source.name().to_string(),
                 evidence: evidence.clone(),
