@@ -435,6 +435,9 @@ impl Scheduler {
         session_id: u64,
         report: WorkerReport,
     ) -> Result<(), SchedulerError> {
+        // A leader past its self-fence (woken from a freeze, say) handles no report,
+        // not even one that only logs: the worker sends it again to the new leader.
+        self.require_leader()?;
         if !self.is_current_session(worker_id, session_id) {
             return Err(ApiError::FailedPrecondition(format!(
                 "this session of worker {worker_id} was replaced or ended; reports go on \
@@ -523,6 +526,12 @@ impl Scheduler {
                     return Err(self.fenced(&attempt));
                 }
                 if let Some(checkpoint) = checkpoint {
+                    let mut job = self.store.get_job(&attempt.job_id).await?;
+                    job.checkpoint_location = Some(checkpoint.location.clone());
+                    job.checkpoint_step = checkpoint.step as i64;
+                    self.update_job(&job).await?;
+                    // Said once stored: a leader deposed while it handled this report
+                    // (its fenced write refused) must not log a checkpoint nobody kept.
                     self.emit_attempt_line(
                         &attempt,
                         format!(
@@ -530,10 +539,6 @@ impl Scheduler {
                             checkpoint.step, checkpoint.location
                         ),
                     );
-                    let mut job = self.store.get_job(&attempt.job_id).await?;
-                    job.checkpoint_location = Some(checkpoint.location.clone());
-                    job.checkpoint_step = checkpoint.step as i64;
-                    self.update_job(&job).await?;
                     // Stored: the worker may now delete what this one supersedes.
                     self.send_to_worker(
                         worker_id,
