@@ -351,7 +351,8 @@ pub async fn check_database(url: &str, timeout: Duration) -> Result<(), Schedule
     if !is_postgres_url(url) {
         return Ok(());
     }
-    let options = PgConnectOptions::from_str(url).map_err(|error| {
+    // The pool's own options: what this connection meets is what the pool's will.
+    let options = postgres_connect_options(url, &StoreOptions::default()).map_err(|error| {
         SchedulerError::invalid_argument(
             "database_url",
             format!("not a usable PostgreSQL URL: {error}"),
