@@ -17,7 +17,7 @@ use carve_worker::attempt_limits::{DEFAULT_MEASURE_INTERVAL, RunLimits};
 use carve_worker::command_supervisor::{SuperviseArguments, supervise_command};
 use carve_worker::gang_member::{GangSettings, parse_gang_ports};
 use carve_worker::gpus::parse_simulated_gpus;
-use carve_worker::image::ImageSettings;
+use carve_worker::image::{ImageSettings, RegistryAuthority, read_registry_authority};
 use carve_worker::sandbox::cdi::DEFAULT_CDI_DIRECTORIES;
 use carve_worker::sandbox::{
     AttemptLimits, DEFAULT_FIRST_HOST_UID, SandboxPolicy, SandboxSettings, TenantLimits,
@@ -158,6 +158,11 @@ struct Arguments {
     /// org.opencontainers.image.ref.name (an air-gapped node's images). Repeat for more.
     #[arg(long = "image-layout", value_name = "DIR")]
     image_layout: Vec<PathBuf>,
+    /// The certificate authority (a PEM file) that signed a private registry's
+    /// certificate, trusted for that registry alone (HOST[:PORT] as image references
+    /// write it), which is then always reached over HTTPS. Repeat for more.
+    #[arg(long = "registry-ca", value_name = "REGISTRY=FILE", value_parser = read_registry_authority)]
+    registry_ca: Vec<RegistryAuthority>,
     /// The address gang members on other nodes reach this node's rank-0 members at
     /// (reported at registration). Default: the local address of this node's route to
     /// the scheduler, else 127.0.0.1.
@@ -321,6 +326,7 @@ fn run(arguments: Arguments) -> Result<()> {
             cache_limit_bytes: arguments.image_cache_limit,
             insecure_registries: arguments.insecure_registry,
             layout_directories: arguments.image_layout,
+            registry_authorities: arguments.registry_ca,
             ..ImageSettings::under(&config.checkpoint_directory)
         }),
     };

@@ -117,6 +117,7 @@ async fn image(
         cache_limit_bytes: 1 << 30,
         insecure_registries: Vec::new(),
         layout_directories: vec![layout],
+        registry_authorities: Vec::new(),
     })
     .unwrap();
     let pulled = cache
@@ -339,6 +340,7 @@ mod command_attempts {
                 cache_limit_bytes: 1 << 30,
                 insecure_registries: Vec::new(),
                 layout_directories: vec![directory.path().join("layout")],
+                registry_authorities: Vec::new(),
             }),
             ..SandboxSettings::default()
         };

@@ -11,114 +11,24 @@
 //! Needs `docker-registry` (CI installs it); elsewhere the test says why it cannot run,
 //! and in CI (`CI` set) it fails instead.
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::Duration;
 
 use carve_worker::image::layout::{LayerToWrite, WrittenImage, tar_of_files, write_image};
 use carve_worker::image::{
-    Compression, ImageCache, ImageFailure, ImageRequest, ImageSettings, RegistryCredential,
+    Compression, ImageCache, ImageFailure, ImageRequest, ImageSettings, RegistryAuthority,
+    RegistryCredential,
 };
 use oci_client::Reference;
-use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::manifest::{OCI_IMAGE_INDEX_MEDIA_TYPE, OCI_IMAGE_MEDIA_TYPE};
 use oci_client::secrets::RegistryAuth;
 
-const REGISTRY_BINARY: &str = "docker-registry";
-const USER: &str = "carve";
-const PASSWORD: &str = "carve-test-password";
-/// bcrypt of PASSWORD (distribution's htpasswd takes bcrypt only).
-const PASSWORD_BCRYPT: &str = "$2b$12$g4f1iZnow/LhgRpUyGQKcOOz.Z2yOSguKE9e5xMdTsCK0XmkpjTKi";
-
-/// A registry process on 127.0.0.1, killed when dropped.
-struct Registry {
-    child: Child,
-    address: String,
-    _directory: tempfile::TempDir,
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn registry_binary() -> Option<PathBuf> {
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|directory| directory.join(REGISTRY_BINARY))
-            .find(|path| path.is_file())
-    });
-    match found {
-        Some(path) => Some(path),
-        None if std::env::var_os("CI").is_none() => {
-            eprintln!(
-                "skipped: no {REGISTRY_BINARY} on PATH (apt-get install docker-registry); CI fails here"
-            );
-            None
-        }
-        None => panic!("CI must have {REGISTRY_BINARY} (.ci/run installs it)"),
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Starts a registry, private (htpasswd) or open, and waits until it answers.
-fn start_registry(binary: &Path, private: bool) -> Registry {
-    let directory = tempfile::tempdir().unwrap();
-    // The port is chosen free and then handed to the registry; a second try covers the
-    // rare case of another process taking it meanwhile.
-    for _ in 0..5 {
-        let address = format!("127.0.0.1:{}", free_port());
-        let mut config = format!(
-            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\n\
-             http:\n  addr: {address}\n  secret: carve-test\n",
-            directory.path().join("data").display()
-        );
-        if private {
-            let htpasswd = directory.path().join("htpasswd");
-            std::fs::write(&htpasswd, format!("{USER}:{PASSWORD_BCRYPT}\n")).unwrap();
-            config.push_str(&format!(
-                "auth:\n  htpasswd:\n    realm: carve\n    path: {}\n",
-                htpasswd.display()
-            ));
-        }
-        let config_path = directory.path().join("config.yml");
-        std::fs::write(&config_path, config).unwrap();
-        let mut child = Command::new(binary)
-            .arg("serve")
-            .arg(&config_path)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        for _ in 0..200 {
-            if std::net::TcpStream::connect(&address).is_ok() {
-                return Registry {
-                    child,
-                    address,
-                    _directory: directory,
-                };
-            }
-            if child.try_wait().unwrap().is_some() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    panic!("{REGISTRY_BINARY} did not start");
-}
+#[path = "support/registry.rs"]
+mod registry_support;
+use registry_support::{
+    PASSWORD, Registry, USER, client, push, push_manifest, registry_binary, start_registry,
+    start_tls_registry, tls_client,
+};
 
 /// The test image: the static busybox as /bin/busybox with /bin/sh linked to it, and a
 /// shell stand-in for a training program that prints what it sees.
@@ -147,62 +57,6 @@ fn test_image_layers() -> Vec<LayerToWrite> {
     ]
 }
 
-fn client() -> oci_client::Client {
-    carve_worker::image::install_crypto_provider();
-    oci_client::Client::new(ClientConfig {
-        protocol: ClientProtocol::Http,
-        ..ClientConfig::default()
-    })
-}
-
-/// Pushes `image` (its blobs, then its manifest's exact bytes) as `reference`.
-async fn push(
-    client: &oci_client::Client,
-    reference: &str,
-    image: &WrittenImage,
-    auth: &RegistryAuth,
-) {
-    let reference: Reference = reference.parse().unwrap();
-    client
-        .store_auth_if_needed(reference.resolve_registry(), auth)
-        .await;
-    client
-        .auth(&reference, auth, oci_client::RegistryOperation::Push)
-        .await
-        .unwrap();
-    let blobs = std::iter::once((&image.manifest.config, &image.config_bytes))
-        .chain(image.manifest.layers.iter().zip(&image.layer_blobs));
-    for (descriptor, bytes) in blobs {
-        client
-            .push_blob(&reference, bytes.clone(), &descriptor.digest)
-            .await
-            .unwrap();
-    }
-    push_manifest(
-        client,
-        &reference,
-        image.manifest_bytes.clone(),
-        OCI_IMAGE_MEDIA_TYPE,
-    )
-    .await;
-}
-
-async fn push_manifest(
-    client: &oci_client::Client,
-    reference: &Reference,
-    bytes: Vec<u8>,
-    media_type: &str,
-) {
-    client
-        .push_manifest_raw(
-            reference,
-            bytes,
-            http::HeaderValue::from_str(media_type).unwrap(),
-        )
-        .await
-        .unwrap();
-}
-
 fn sha256(bytes: &[u8]) -> String {
     use sha2::Digest;
     format!("sha256:{:x}", sha2::Sha256::digest(bytes))
@@ -217,6 +71,7 @@ fn cache(directory: &Path, registries: &[&Registry]) -> ImageCache {
             .map(|registry| registry.address.clone())
             .collect(),
         layout_directories: Vec::new(),
+        registry_authorities: Vec::new(),
     })
     .unwrap()
 }
@@ -352,6 +207,74 @@ async fn an_image_pushed_to_a_registry_is_pulled_once_for_every_attempt() {
     let pulled = second.acquire(&request(&by_digest), None).await.unwrap();
     assert!(pulled.pulled_now);
     assert!(pulled.rootfs.join("opt/train.sh").exists());
+}
+
+/// A registry on loopback that speaks only TLS, its certificate signed by a private CA
+/// (`--registry-ca`): with that CA named for it the worker pulls over HTTPS; with
+/// another CA named for it (an impostor's certificate, as far as the worker knows) the
+/// pull is refused, and so it is with no CA named (loopback means plain HTTP then).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_behind_a_private_ca_is_pulled_from_only_with_that_ca_named() {
+    let Some(binary) = registry_binary() else {
+        return;
+    };
+    let directory = tempfile::tempdir().unwrap();
+    let authority = carve_testing::certificates::TestAuthority::new("carve registry CA").unwrap();
+    let server = authority.issue_server(&["127.0.0.1", "localhost"]).unwrap();
+    let (certificate, key) = (
+        directory.path().join("registry.pem"),
+        directory.path().join("registry.key"),
+    );
+    std::fs::write(&certificate, &server.certificate_pem).unwrap();
+    std::fs::write(&key, &server.private_key_pem).unwrap();
+    let registry = start_tls_registry(&binary, &certificate, &key);
+    let image = write_image(
+        &directory.path().join("layout"),
+        "train:1",
+        &test_image_layers(),
+        &[],
+        None,
+    )
+    .unwrap();
+    let tagged = format!("{}/team/train:1", registry.address);
+    push(
+        &tls_client(&authority.certificate_pem()),
+        &tagged,
+        &image,
+        &RegistryAuth::Anonymous,
+    )
+    .await;
+
+    let cache_trusting = |name: &str, authority_pem: Option<String>| {
+        ImageCache::open(&ImageSettings {
+            cache_directory: directory.path().join(name),
+            cache_limit_bytes: 1 << 30,
+            insecure_registries: Vec::new(),
+            layout_directories: Vec::new(),
+            registry_authorities: authority_pem
+                .map(|pem| RegistryAuthority {
+                    registry: registry.address.clone(),
+                    certificates_pem: pem.into_bytes(),
+                })
+                .into_iter()
+                .collect(),
+        })
+        .unwrap()
+    };
+    let trusting = cache_trusting("trusting", Some(authority.certificate_pem()));
+    let pulled = trusting.acquire(&request(&tagged), None).await.unwrap();
+    assert!(pulled.pulled_now);
+    assert_eq!(pulled.record.digest, image.manifest_digest);
+
+    let other = carve_testing::certificates::TestAuthority::new("another CA").unwrap();
+    let impostor = cache_trusting("impostor", Some(other.certificate_pem()));
+    let failure = impostor.acquire(&request(&tagged), None).await.unwrap_err();
+    assert!(
+        failure.to_string().to_lowercase().contains("certificate"),
+        "{failure}"
+    );
+    let naming_none = cache_trusting("naming-none", None);
+    assert!(naming_none.acquire(&request(&tagged), None).await.is_err());
 }
 
 fn cache_at(directory: &Path, registry: &Registry) -> ImageCache {
@@ -549,6 +472,7 @@ mod pinned_attempts {
                 cache_limit_bytes: 1 << 30,
                 insecure_registries: vec![registry.address.clone()],
                 layout_directories: Vec::new(),
+                registry_authorities: Vec::new(),
             }),
             ..SandboxSettings::default()
         };

@@ -26,6 +26,7 @@
 pub mod container_root;
 pub mod layout;
 mod pull;
+mod registry_authorities;
 mod unpack;
 pub(crate) use unpack::remove_without_following;
 
@@ -37,6 +38,7 @@ use std::sync::{Arc, Mutex};
 use oci_client::Reference;
 use oci_client::client::{ClientConfig, ClientProtocol};
 
+pub use registry_authorities::{RegistryAuthority, read_registry_authority};
 pub use unpack::{Compression, UnpackError, UnpackSummary, apply_layer, resolve_in_root};
 
 use pull::Source;
@@ -57,6 +59,8 @@ pub struct ImageSettings {
     /// `--image-layout DIR`: OCI image layout directories looked in before any registry
     /// (an air-gapped node's images), by `org.opencontainers.image.ref.name`.
     pub layout_directories: Vec<PathBuf>,
+    /// `--registry-ca REGISTRY=FILE`: private registries' certificate authorities.
+    pub registry_authorities: Vec<RegistryAuthority>,
 }
 
 impl ImageSettings {
@@ -67,6 +71,7 @@ impl ImageSettings {
             cache_limit_bytes: DEFAULT_CACHE_LIMIT_BYTES,
             insecure_registries: Vec::new(),
             layout_directories: Vec::new(),
+            registry_authorities: Vec::new(),
         }
     }
 }
@@ -193,6 +198,7 @@ struct CacheInner {
     limit_bytes: u64,
     /// `--insecure-registry`: registries reached over plain HTTP.
     insecure_registries: Vec<String>,
+    registry_authorities: Vec<RegistryAuthority>,
     layouts: Vec<PathBuf>,
     state: Mutex<CacheState>,
     /// One lock per digest being pulled: a second request for it waits, then finds it.
@@ -312,6 +318,7 @@ impl ImageCache {
                 directory,
                 limit_bytes: settings.cache_limit_bytes,
                 insecure_registries: settings.insecure_registries.clone(),
+                registry_authorities: settings.registry_authorities.clone(),
                 layouts: settings.layout_directories.clone(),
                 state: Mutex::new(state),
                 pulls: Mutex::new(HashMap::new()),
@@ -323,7 +330,8 @@ impl ImageCache {
 
     /// A registry client for one request. A registry on loopback (`localhost`,
     /// `127.0.0.0/8`, `[::1]`) is reached over plain HTTP, as Docker does: nothing
-    /// between the worker and it can read or change the traffic.
+    /// between the worker and it can read or change the traffic; unless the operator
+    /// named its CA (`registry_authorities`), which only its requests trust.
     fn client(&self, reference: &Reference) -> oci_client::Client {
         let mut insecure = self.inner.insecure_registries.clone();
         let registry = reference.registry();
@@ -336,7 +344,9 @@ impl ImageCache {
             || host
                 .parse::<std::net::Ipv4Addr>()
                 .is_ok_and(|address| address.is_loopback());
-        if loopback {
+        let authorities =
+            registry_authorities::authorities_for(&self.inner.registry_authorities, registry);
+        if loopback && authorities.is_empty() {
             insecure.push(registry.to_string());
         }
         let protocol = if insecure.is_empty() {
@@ -346,6 +356,7 @@ impl ImageCache {
         };
         let mut config = ClientConfig {
             protocol,
+            extra_root_certificates: authorities,
             ..ClientConfig::default()
         };
         config.platform_resolver = Some(Box::new(oci_client::client::current_platform_resolver));

@@ -336,7 +336,14 @@ fn parse_document(bytes: &[u8]) -> Result<Document, ImageFailure> {
 /// The failure a registry's answer means for the job: missing, refused credential,
 /// digest, or the registry being unreachable (which a later attempt may not meet).
 fn registry_failure(reference: &Reference, error: OciDistributionError) -> ImageFailure {
-    let text = error.to_string();
+    // With its causes: "error sending request" alone hides the refused certificate or
+    // the refused connection an operator needs to see.
+    let text = std::iter::successors(Some(&error as &dyn std::error::Error), |error| {
+        error.source()
+    })
+    .map(ToString::to_string)
+    .collect::<Vec<_>>()
+    .join(": ");
     match &error {
         OciDistributionError::ImageManifestNotFoundError(_) => {
             ImageFailure::NotFound(format!("{reference} is not in its registry"))

@@ -10,6 +10,7 @@ fn settings(directory: &Path, layout: &Path, limit: u64) -> ImageSettings {
         cache_limit_bytes: limit,
         insecure_registries: Vec::new(),
         layout_directories: vec![layout.to_path_buf()],
+        registry_authorities: Vec::new(),
     }
 }
 
