@@ -22,6 +22,7 @@ use tonic::server::NamedService;
 
 use crate::auth::{Role, generate_id, generate_secret, hash_secret};
 use crate::error::SchedulerError;
+use crate::scheduler::sealed_secrets::seal_again;
 use crate::scheduler::{Candidate, Scheduler, SchedulerSettings, now_ms};
 use crate::services::Services;
 use crate::store::leadership::SingleNodeLock;
@@ -258,10 +259,19 @@ pub async fn run_announcing_readiness(
             path.display()
         );
     }
-    if config.settings.secrets_key.is_none() {
+    if config.settings.sealing.key.is_none() {
         tracing::warn!(
             "tenants' secrets (registry credentials) are stored unsealed in the database: \
              give the scheduler --secrets-key-file to seal them"
+        );
+    }
+    // After a key rotation (or a key first set), values the old key sealed (or none did)
+    // are sealed with the new one, so the old key can go.
+    let sealed_again = seal_again(&store, &config.settings.sealing).await?;
+    if sealed_again > 0 {
+        tracing::info!(
+            sealed_again,
+            "tenants' secrets sealed again with the current --secrets-key-file"
         );
     }
     let postgres = store.backend() == Backend::Postgres;

@@ -125,6 +125,11 @@ pub struct GivenSettings {
     /// scheduler's user alone. Without one they are stored as they are.
     #[arg(long, env = "CARVE_SECRETS_KEY_FILE")]
     pub secrets_key_file: Option<PathBuf>,
+    /// A key --secrets-key-file replaced (same form): values it sealed still open, and
+    /// the scheduler seals them again with the new key at start. Repeat for more.
+    #[arg(long = "secrets-previous-key-file", value_name = "FILE")]
+    #[serde(default)]
+    pub secrets_previous_key_files: Vec<PathBuf>,
 }
 
 impl GivenSettings {
@@ -173,6 +178,8 @@ pub struct Settings {
     pub ignored: Vec<String>,
     /// The file of the key secrets are sealed with.
     pub secrets_key_file: Option<PathBuf>,
+    /// The files of the keys it replaced.
+    pub secrets_previous_key_files: Vec<PathBuf>,
 }
 
 /// `on`/`off` (or `true`/`false`), for a switch given as a flag or variable.
@@ -294,7 +301,7 @@ pub fn resolve(
                 .map_or(defaults.min_slice_bytes, |mib| mib.saturating_mul(1 << 20)),
             fair_share_half_life,
             // Read by `Settings::load`, with the other files.
-            secrets_key: None,
+            sealing: Default::default(),
         },
         ignored: given
             .checkpoint_dir
@@ -312,6 +319,11 @@ pub fn resolve(
         tls,
         tls_client_ca,
         secrets_key_file: given.secrets_key_file.or(file.secrets_key_file),
+        secrets_previous_key_files: if given.secrets_previous_key_files.is_empty() {
+            file.secrets_previous_key_files
+        } else {
+            given.secrets_previous_key_files
+        },
     })
 }
 
@@ -368,7 +380,18 @@ impl Settings {
         };
         let mut scheduler = self.scheduler;
         if let Some(path) = &self.secrets_key_file {
-            scheduler.secrets_key = Some(read_secrets_key(path)?);
+            scheduler.sealing.key = Some(read_secrets_key(path)?);
+        }
+        if !self.secrets_previous_key_files.is_empty() && scheduler.sealing.key.is_none() {
+            anyhow::bail!(
+                "--secrets-previous-key-file needs --secrets-key-file: the key that replaced it"
+            );
+        }
+        for path in &self.secrets_previous_key_files {
+            scheduler
+                .sealing
+                .previous_keys
+                .push(read_secrets_key(path)?);
         }
         let config = SchedulerConfig {
             database_url,

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use carve_proto::v1;
 use carve_proto::v1::secret_service_client::SecretServiceClient;
+use carve_scheduler::scheduler::sealed_secrets::{Sealing, SecretsKey};
 use tonic::Code;
 
 #[path = "support/worker.rs"]
@@ -274,10 +275,9 @@ const SECRETS_KEY: &str = "5b1f0e9c2d7a4e3b8c6f1a0d9e2b7c4a3f8e1d6c0b9a2e7f4d3c8
 /// are): the file holds the password and Bob's job pulls with Alice's credential.
 #[tokio::test]
 async fn with_a_secrets_key_the_database_holds_no_credential_and_a_moved_value_opens_nowhere() {
-    let key =
-        carve_scheduler::scheduler::sealed_secrets::SecretsKey::from_hex(SECRETS_KEY).unwrap();
+    let key = SecretsKey::from_hex(SECRETS_KEY).unwrap();
     let cluster = cluster::start_adjusted(Duration::from_secs(30), |settings| {
-        settings.secrets_key = Some(key);
+        settings.sealing.key = Some(key);
     })
     .await;
     let channel = cluster::channel(&cluster).await;
@@ -348,4 +348,106 @@ async fn with_a_secrets_key_the_database_holds_no_credential_and_a_moved_value_o
         "Bob's job pulls with {:?}",
         bobs.image_pull_credential
     );
+}
+
+/// A scheduler on the SQLite database at `url` with `sealing`: its address and what
+/// stops it (awaited: the database's lock is free again after).
+async fn scheduler_with_sealing(
+    url: &str,
+    sealing: Sealing,
+) -> (
+    String,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    let mut config = cluster::test_config(url.to_string(), Duration::from_secs(30), None);
+    config.settings.sealing = sealing;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        carve_scheduler::server::run(config, listener, async {
+            let _ = stopped.await;
+        })
+        .await
+        .unwrap();
+    });
+    (address, stop, running)
+}
+
+/// A key rotation: the scheduler restarted with a new `--secrets-key-file` and the old
+/// key as `--secrets-previous-key-file` still gives a job the credential the old key
+/// sealed, and has sealed it again with the new key: it opens with the new key alone
+/// and no longer with the old one, so the old key can be retired. Fails without the
+/// previous key (the job pulls with no credential) and without sealing again at start
+/// (the stored value still needs the old key).
+#[tokio::test]
+async fn after_a_key_rotation_old_secrets_still_pull_and_are_sealed_again_with_the_new_key() {
+    let old = SecretsKey::from_hex(SECRETS_KEY).unwrap();
+    let new = SecretsKey::from_hex(&"5a".repeat(32)).unwrap();
+    let directory = tempfile::tempdir().unwrap();
+    let url = cluster::sqlite_url(directory.path());
+    let value = format!("robot:{PASSWORD}");
+
+    let (address, stop, running) = scheduler_with_sealing(
+        &url,
+        Sealing {
+            key: Some(old.clone()),
+            previous_keys: Vec::new(),
+        },
+    )
+    .await;
+    let channel = cluster::connect(&address).await;
+    let (alice, worker_token) = tenant_with_tokens(&channel, "alice", v1::Quota::default()).await;
+    create_secret(&channel, &alice, "", "registry", &value)
+        .await
+        .unwrap();
+    let _ = stop.send(());
+    running.await.unwrap();
+
+    let (address, _stop, _running) = scheduler_with_sealing(
+        &url,
+        Sealing {
+            key: Some(new.clone()),
+            previous_keys: vec![old.clone()],
+        },
+    )
+    .await;
+    let channel = cluster::connect(&address).await;
+    let mut worker =
+        test_worker::TestWorker::connect(&channel, &worker_token, "gpu-a", 16 << 30).await;
+    submit(
+        &channel,
+        &alice,
+        &image_job("rotated", Some("registry")),
+        "",
+    )
+    .await
+    .unwrap();
+    let credential = worker
+        .next_assignment()
+        .await
+        .image_pull_credential
+        .expect("the credential the old key sealed");
+    assert_eq!(
+        (credential.username.as_str(), credential.password.as_str()),
+        ("robot", PASSWORD)
+    );
+
+    let stored = carve_scheduler::store::Store::open(&url)
+        .await
+        .unwrap()
+        .secret_value("alice", "registry")
+        .await
+        .unwrap()
+        .unwrap();
+    let opened_by = |key: &SecretsKey| {
+        Sealing {
+            key: Some(key.clone()),
+            previous_keys: Vec::new(),
+        }
+        .open("alice", "registry", &stored)
+    };
+    assert_eq!(opened_by(&new).unwrap(), value.as_bytes());
+    assert!(opened_by(&old).is_err(), "still sealed with the old key");
 }

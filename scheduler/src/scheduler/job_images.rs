@@ -141,12 +141,10 @@ impl Scheduler {
         let credential = registry_credential(value)
             .map_err(|reason| SchedulerError::invalid_argument("value", reason))?;
         let value = format!("{}:{}", credential.username, credential.password);
-        let stored = super::sealed_secrets::seal(
-            self.settings.secrets_key.as_ref(),
-            &tenant,
-            name,
-            value.as_bytes(),
-        )?;
+        let stored = self
+            .settings
+            .sealing
+            .seal(&tenant, name, value.as_bytes())?;
         let record = self
             .store
             .create_secret(&tenant, name, &stored, replace, now_ms())
@@ -220,12 +218,7 @@ impl Scheduler {
         let credential = match workload.image_pull_secret() {
             Some(secret) => match self.store.secret_value(&job.tenant, secret).await? {
                 Some(stored) => {
-                    let opened = super::sealed_secrets::open(
-                        self.settings.secrets_key.as_ref(),
-                        &job.tenant,
-                        secret,
-                        &stored,
-                    );
+                    let opened = self.settings.sealing.open(&job.tenant, secret, &stored);
                     let credential = opened
                         .and_then(|value| registry_credential(&value).map_err(str::to_string));
                     match credential {

@@ -95,9 +95,10 @@ pub struct SchedulerSettings {
     pub min_slice_bytes: u64,
     /// Past usage counts half as much in fair share after this long (issue 32).
     pub fair_share_half_life: Duration,
-    /// The key tenants' secrets are sealed with in the store (`--secrets-key-file`);
-    /// `None` stores them as they are ([`sealed_secrets`]).
-    pub secrets_key: Option<sealed_secrets::SecretsKey>,
+    /// The key tenants' secrets are sealed with in the store (`--secrets-key-file`; none
+    /// stores them as they are) and the keys it replaced, which still open them
+    /// (`--secrets-previous-key-file`) ([`sealed_secrets`]).
+    pub sealing: sealed_secrets::Sealing,
 }
 
 impl Default for SchedulerSettings {
@@ -114,7 +115,7 @@ impl Default for SchedulerSettings {
             fair_share_half_life: Duration::from_millis(
                 carve_core::usage::DEFAULT_HALF_LIFE_MS as u64,
             ),
-            secrets_key: None,
+            sealing: sealed_secrets::Sealing::default(),
         }
     }
 }

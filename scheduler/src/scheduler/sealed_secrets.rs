@@ -6,13 +6,19 @@
 //!
 //! Without a key, values are stored as they are, and the scheduler says so when it
 //! starts. A value stored before the key was set still reads (it lacks the seal's
-//! prefix) and is sealed when it is next written; a sealed value read without the key
-//! is refused, naming the setting.
+//! prefix); a sealed value read without the key is refused, naming the setting.
+//!
+//! Rotation: the new key is `--secrets-key-file`, the old one
+//! `--secrets-previous-key-file`. Values open with either (GCM's tag tells which key
+//! sealed a value), and at start the scheduler seals again with the new key every value
+//! the old key sealed or none did ([`Sealing::needs_sealing_again`]); once it said so,
+//! the old key can go.
 
 use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
 use ring::rand::{SecureRandom, SystemRandom};
 
 use crate::error::SchedulerError;
+use crate::store::Store;
 use carve_proto::ApiError;
 
 /// What every sealed value starts with, then the nonce, the ciphertext and its tag.
@@ -69,6 +75,72 @@ fn row_of(tenant: &str, name: &str) -> Vec<u8> {
     row.push(0);
     row.extend_from_slice(name.as_bytes());
     row
+}
+
+/// The keys a scheduler holds: the one it seals with and those it still opens with.
+#[derive(Debug, Clone, Default)]
+pub struct Sealing {
+    pub key: Option<SecretsKey>,
+    /// Keys replaced by `key`: values they sealed still open, and are sealed again.
+    pub previous_keys: Vec<SecretsKey>,
+}
+
+impl Sealing {
+    /// `value` as stored for `tenant`'s secret `name` ([`seal`] with the current key).
+    pub fn seal(&self, tenant: &str, name: &str, value: &[u8]) -> Result<Vec<u8>, SchedulerError> {
+        seal(self.key.as_ref(), tenant, name, value)
+    }
+
+    /// The value `stored` holds, opened with the current key or a previous one.
+    pub fn open(&self, tenant: &str, name: &str, stored: &[u8]) -> Result<Vec<u8>, String> {
+        let current = open(self.key.as_ref(), tenant, name, stored);
+        if current.is_ok() || !stored.starts_with(SEALED_PREFIX) {
+            return current;
+        }
+        self.previous_keys
+            .iter()
+            .find_map(|key| open(Some(key), tenant, name, stored).ok())
+            .ok_or_else(|| current.unwrap_err())
+    }
+
+    /// Whether `stored` should be sealed again with the current key: it opens, and not
+    /// with that key (a previous key sealed it, or it is stored as it is).
+    pub fn needs_sealing_again(&self, tenant: &str, name: &str, stored: &[u8]) -> bool {
+        let Some(key) = &self.key else {
+            return false;
+        };
+        if !stored.starts_with(SEALED_PREFIX) {
+            return true;
+        }
+        open(Some(key), tenant, name, stored).is_err() && self.open(tenant, name, stored).is_ok()
+    }
+}
+
+/// Seals again with the current key every stored value that needs it
+/// ([`Sealing::needs_sealing_again`]): after a rotation, or when a key was first set.
+/// Returns how many it sealed again; a value its tenant replaced meanwhile is left to
+/// that newer write, and one no key opens is left as it is (its reads say why).
+pub async fn seal_again(store: &Store, sealing: &Sealing) -> Result<usize, SchedulerError> {
+    if sealing.key.is_none() {
+        return Ok(0);
+    }
+    let mut sealed_again = 0;
+    for (tenant, name, stored) in store.secrets_with_values().await? {
+        if !sealing.needs_sealing_again(&tenant, &name, &stored) {
+            continue;
+        }
+        let Ok(value) = sealing.open(&tenant, &name, &stored) else {
+            continue;
+        };
+        let resealed = sealing.seal(&tenant, &name, &value)?;
+        if store
+            .replace_secret_value_if(&tenant, &name, &stored, &resealed)
+            .await?
+        {
+            sealed_again += 1;
+        }
+    }
+    Ok(sealed_again)
 }
 
 /// `value` as stored for `tenant`'s secret `name`: sealed with `key`, or as it is without
@@ -184,6 +256,35 @@ mod tests {
         assert_eq!(seal(None, "acme", "r", b"u:p").unwrap(), b"u:p");
         assert_eq!(open(Some(&key()), "acme", "r", b"u:p").unwrap(), b"u:p");
         assert_eq!(open(None, "acme", "r", b"u:p").unwrap(), b"u:p");
+    }
+
+    #[test]
+    fn after_a_rotation_old_values_open_and_are_sealed_again_with_the_new_key() {
+        let old = key();
+        let new = SecretsKey::from_hex(&"ab".repeat(SECRETS_KEY_BYTES)).unwrap();
+        let sealed_by_old = seal(Some(&old), "alice", "registry", b"robot:pw").unwrap();
+        let plain = b"robot:pw".to_vec();
+        let rotated = Sealing {
+            key: Some(new.clone()),
+            previous_keys: vec![old.clone()],
+        };
+        assert_eq!(
+            rotated.open("alice", "registry", &sealed_by_old).unwrap(),
+            b"robot:pw"
+        );
+        assert!(rotated.needs_sealing_again("alice", "registry", &sealed_by_old));
+        assert!(rotated.needs_sealing_again("alice", "registry", &plain));
+        let sealed_by_new = rotated.seal("alice", "registry", b"robot:pw").unwrap();
+        assert!(!rotated.needs_sealing_again("alice", "registry", &sealed_by_new));
+        // The previous key opens only what it sealed, in its own row.
+        assert!(rotated.open("bob", "registry", &sealed_by_old).is_err());
+        let new_only = Sealing {
+            key: Some(new),
+            previous_keys: Vec::new(),
+        };
+        assert!(new_only.open("alice", "registry", &sealed_by_old).is_err());
+        // A value no key opens is left alone, not sealed again as garbage.
+        assert!(!new_only.needs_sealing_again("alice", "registry", &sealed_by_old));
     }
 
     #[test]

@@ -402,3 +402,38 @@ fn help_names_every_environment_variable_and_hides_secrets() {
     // Ignored, kept only so old configurations start: not offered to new ones.
     assert!(!help.contains("CARVE_CHECKPOINT_DIR"), "{help}");
 }
+
+/// A rotation's old key alone would seal nothing and open only old values: refused
+/// without the key that replaced it; with it, both keys are read.
+#[test]
+fn a_previous_secrets_key_needs_the_current_one() {
+    let directory = tempfile::tempdir().unwrap();
+    let key_file = |name: &str, digits: &str| {
+        let path = directory.path().join(name);
+        std::fs::write(&path, digits.repeat(32)).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        path
+    };
+    let (current, previous) = (key_file("current", "ab"), key_file("previous", "cd"));
+    let given = |current: Option<&Path>| GivenSettings {
+        database: Some(format!(
+            "sqlite://{}",
+            directory.path().join("carve.db").display()
+        )),
+        secrets_key_file: current.map(Path::to_path_buf),
+        secrets_previous_key_files: vec![previous.clone()],
+        ..GivenSettings::default()
+    };
+    let refused = resolve(given(None), GivenSettings::default(), None)
+        .unwrap()
+        .load()
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("needs --secrets-key-file"), "{refused}");
+    let (_, config) = resolve(given(Some(&current)), GivenSettings::default(), None)
+        .unwrap()
+        .load()
+        .unwrap();
+    assert!(config.settings.sealing.key.is_some());
+    assert_eq!(config.settings.sealing.previous_keys.len(), 1);
+}

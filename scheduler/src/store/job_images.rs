@@ -3,9 +3,10 @@
 //! digest each job's image resolved to at its first pull (`job_image_digests`).
 //!
 //! Every secret statement names the tenant: no read or write of one tenant's secrets can
-//! reach another's. A secret's value is read by exactly one method,
+//! reach another's. A secret's value is read by two methods only:
 //! [`Store::secret_value`], which placement calls for the assignment of an attempt that
-//! needs it; listings never select the column.
+//! needs it, and [`Store::secrets_with_values`], for sealing them again at start after a
+//! key rotation; listings never select the column.
 
 use std::collections::HashMap;
 
@@ -130,6 +131,44 @@ impl Store {
                 .await?
         });
         Ok(found.map(|(value,)| value))
+    }
+
+    /// Every tenant's secrets with their values, for sealing them again after a key
+    /// rotation (`sealed_secrets::seal_again`), the one other reader of values.
+    pub async fn secrets_with_values(
+        &self,
+    ) -> Result<Vec<(String, String, Vec<u8>)>, SchedulerError> {
+        let rows = with_pool!(self, pool => {
+            sqlx::query_as("SELECT tenant, name, value FROM tenant_secrets ORDER BY tenant, name")
+                .fetch_all(pool)
+                .await?
+        });
+        Ok(rows)
+    }
+
+    /// Replaces `tenant`'s secret `name`'s value by `new` if it is still `expected` (a
+    /// value its tenant replaced meanwhile stays); whether it did.
+    pub async fn replace_secret_value_if(
+        &self,
+        tenant: &str,
+        name: &str,
+        expected: &[u8],
+        new: &[u8],
+    ) -> Result<bool, SchedulerError> {
+        let replaced = with_pool!(self, pool => {
+            sqlx::query(
+                "UPDATE tenant_secrets SET value = $1 \
+                 WHERE tenant = $2 AND name = $3 AND value = $4",
+            )
+            .bind(new)
+            .bind(tenant)
+            .bind(name)
+            .bind(expected)
+            .execute(pool)
+            .await?
+            .rows_affected()
+        });
+        Ok(replaced == 1)
     }
 
     /// Records `digest` as what `job_id`'s image resolved to, unless one is recorded
