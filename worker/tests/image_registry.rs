@@ -27,35 +27,8 @@ use oci_client::secrets::RegistryAuth;
 mod registry_support;
 use registry_support::{
     PASSWORD, Registry, USER, client, push, push_manifest, registry_binary, start_registry,
-    start_tls_registry, tls_client,
+    start_tls_registry, test_image_layers, tls_client,
 };
-
-/// The test image: the static busybox as /bin/busybox with /bin/sh linked to it, and a
-/// shell stand-in for a training program that prints what it sees.
-fn test_image_layers() -> Vec<LayerToWrite> {
-    let busybox = std::fs::read("/bin/busybox").ok();
-    let busybox = busybox.as_deref().unwrap_or(b"#!not-busybox\n");
-    let train = b"#!/bin/sh\necho \"training in $(cat /etc/carve-image)\"\n";
-    vec![
-        LayerToWrite {
-            tar: tar_of_files(
-                &[("bin/busybox", busybox, 0o755)],
-                &[("bin/sh", "busybox"), ("bin/cat", "busybox")],
-            ),
-            compression: Compression::Gzip,
-        },
-        LayerToWrite {
-            tar: tar_of_files(
-                &[
-                    ("etc/carve-image", b"carve test image\n", 0o644),
-                    ("opt/train.sh", train, 0o755),
-                ],
-                &[],
-            ),
-            compression: Compression::Zstd,
-        },
-    ]
-}
 
 fn sha256(bytes: &[u8]) -> String {
     use sha2::Digest;

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use carve_worker::image::layout::WrittenImage;
+use carve_worker::image::Compression;
+use carve_worker::image::layout::{LayerToWrite, WrittenImage, tar_of_files};
 use oci_client::Reference;
 use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol};
 use oci_client::manifest::OCI_IMAGE_MEDIA_TYPE;
@@ -193,4 +194,31 @@ pub async fn push_manifest(
         )
         .await
         .unwrap();
+}
+
+/// The test image: the static busybox as /bin/busybox with /bin/sh linked to it, and a
+/// shell stand-in for a training program that prints what it sees.
+pub fn test_image_layers() -> Vec<LayerToWrite> {
+    let busybox = std::fs::read("/bin/busybox").ok();
+    let busybox = busybox.as_deref().unwrap_or(b"#!not-busybox\n");
+    let train = b"#!/bin/sh\necho \"training in $(cat /etc/carve-image)\"\n";
+    vec![
+        LayerToWrite {
+            tar: tar_of_files(
+                &[("bin/busybox", busybox, 0o755)],
+                &[("bin/sh", "busybox"), ("bin/cat", "busybox")],
+            ),
+            compression: Compression::Gzip,
+        },
+        LayerToWrite {
+            tar: tar_of_files(
+                &[
+                    ("etc/carve-image", b"carve test image\n", 0o644),
+                    ("opt/train.sh", train, 0o755),
+                ],
+                &[],
+            ),
+            compression: Compression::Zstd,
+        },
+    ]
 }
