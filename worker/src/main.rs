@@ -158,6 +158,11 @@ struct Arguments {
     /// org.opencontainers.image.ref.name (an air-gapped node's images). Repeat for more.
     #[arg(long = "image-layout", value_name = "DIR")]
     image_layout: Vec<PathBuf>,
+    /// A `docker save` (any Docker version), `podman save` or OCI archive whose images
+    /// are read before any registry's, by the names it gives them (an air-gapped node's
+    /// images). Unpacked once into the image cache. Repeat for more.
+    #[arg(long = "image-archive", value_name = "FILE")]
+    image_archive: Vec<PathBuf>,
     /// The certificate authority (a PEM file) that signed a private registry's
     /// certificate, trusted for that registry alone (HOST[:PORT] as image references
     /// write it), which is then always reached over HTTPS. Repeat for more.
@@ -327,6 +332,7 @@ fn run(arguments: Arguments) -> Result<()> {
             insecure_registries: arguments.insecure_registry,
             layout_directories: arguments.image_layout,
             registry_authorities: arguments.registry_ca,
+            archives: arguments.image_archive,
             ..ImageSettings::under(&config.checkpoint_directory)
         }),
     };

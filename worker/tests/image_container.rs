@@ -118,6 +118,7 @@ async fn image(
         insecure_registries: Vec::new(),
         layout_directories: vec![layout],
         registry_authorities: Vec::new(),
+        archives: Vec::new(),
     })
     .unwrap();
     let pulled = cache
@@ -341,6 +342,7 @@ mod command_attempts {
                 insecure_registries: Vec::new(),
                 layout_directories: vec![directory.path().join("layout")],
                 registry_authorities: Vec::new(),
+                archives: Vec::new(),
             }),
             ..SandboxSettings::default()
         };

@@ -45,6 +45,7 @@ fn cache(directory: &Path, registries: &[&Registry]) -> ImageCache {
             .collect(),
         layout_directories: Vec::new(),
         registry_authorities: Vec::new(),
+        archives: Vec::new(),
     })
     .unwrap()
 }
@@ -231,6 +232,7 @@ async fn a_registry_behind_a_private_ca_is_pulled_from_only_with_that_ca_named()
                 })
                 .into_iter()
                 .collect(),
+            archives: Vec::new(),
         })
         .unwrap()
     };
@@ -446,6 +448,7 @@ mod pinned_attempts {
                 insecure_registries: vec![registry.address.clone()],
                 layout_directories: Vec::new(),
                 registry_authorities: Vec::new(),
+                archives: Vec::new(),
             }),
             ..SandboxSettings::default()
         };

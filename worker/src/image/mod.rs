@@ -23,6 +23,7 @@
 //! The files are the worker's (root's) on the host, read-only to everyone else; a
 //! container sees an image's root read-only (`sandbox/`).
 
+mod archive;
 pub mod container_root;
 pub mod layout;
 mod pull;
@@ -61,6 +62,9 @@ pub struct ImageSettings {
     pub layout_directories: Vec<PathBuf>,
     /// `--registry-ca REGISTRY=FILE`: private registries' certificate authorities.
     pub registry_authorities: Vec<RegistryAuthority>,
+    /// `--image-archive FILE`: `docker save` (or OCI) tarballs read as layouts, after
+    /// the layout directories ([`archive`]).
+    pub archives: Vec<PathBuf>,
 }
 
 impl ImageSettings {
@@ -72,6 +76,7 @@ impl ImageSettings {
             insecure_registries: Vec::new(),
             layout_directories: Vec::new(),
             registry_authorities: Vec::new(),
+            archives: Vec::new(),
         }
     }
 }
@@ -274,6 +279,13 @@ impl ImageCache {
             "cannot resolve {}",
             directory.display()
         )))?;
+        let mut layouts = settings.layout_directories.clone();
+        for archive in &settings.archives {
+            layouts.push(
+                archive::archive_layout(archive, &directory.join("archives"))
+                    .map_err(ImageFailure::Io)?,
+            );
+        }
         let mut state = CacheState::default();
         let mut found: Vec<(std::time::SystemTime, String, u64)> = Vec::new();
         let images = directory.join("images");
@@ -319,7 +331,7 @@ impl ImageCache {
                 limit_bytes: settings.cache_limit_bytes,
                 insecure_registries: settings.insecure_registries.clone(),
                 registry_authorities: settings.registry_authorities.clone(),
-                layouts: settings.layout_directories.clone(),
+                layouts,
                 state: Mutex::new(state),
                 pulls: Mutex::new(HashMap::new()),
                 pulls_done: AtomicU64::new(0),

@@ -428,7 +428,8 @@ async fn read_layout_blob(
 
 /// The manifest digest an OCI layout's `index.json` gives `reference` under: an entry
 /// whose `org.opencontainers.image.ref.name` is the reference in full
-/// (`registry/repository:tag`) or without its registry (`repository:tag`), or, for a
+/// (`registry/repository:tag`), without its registry (`repository:tag`) or any name that
+/// means the same reference (`busybox:latest` for Docker Hub's), or, for a
 /// reference pinned by digest, an entry of that digest. `None`: the layout does not have
 /// the image.
 pub(super) async fn find_in_layout(
@@ -481,7 +482,14 @@ pub(super) async fn find_in_layout(
             entry
                 .annotations
                 .get("org.opencontainers.image.ref.name")
-                .is_some_and(|name| name == canonical || *name == short)
+                .is_some_and(|name| {
+                    name == canonical
+                        || *name == short
+                        // `busybox:latest`, as `docker save` names it, is Docker Hub's.
+                        || name
+                            .parse::<Reference>()
+                            .is_ok_and(|named| named.whole() == reference.whole())
+                })
         })
         .map(|entry| entry.digest))
 }

@@ -11,6 +11,7 @@ fn settings(directory: &Path, layout: &Path, limit: u64) -> ImageSettings {
         insecure_registries: Vec::new(),
         layout_directories: vec![layout.to_path_buf()],
         registry_authorities: Vec::new(),
+        archives: Vec::new(),
     }
 }
 
