@@ -20,6 +20,7 @@ use carve_proto::v1::job_service_client::JobServiceClient;
 use carve_scheduler::scheduler::SchedulerSettings;
 use carve_scheduler::server::SchedulerConfig;
 use carve_worker::gpus::{SimulatedGpu, parse_simulated_gpus};
+use carve_worker::image::ImageSettings;
 use carve_worker::nvml::discover_nvml_gpus;
 use carve_worker::sandbox::{SandboxPolicy, uncontained_reason};
 use carve_worker::{WorkerConfig, run_worker};
@@ -34,6 +35,8 @@ use crate::client::output::{
 };
 use crate::client::overrides::toml_to_json;
 use crate::spec_input::make_command_directory_absolute;
+
+mod demo_image;
 
 /// The tenant `carve dev` creates and hands out a user token for.
 pub const DEV_TENANT: &str = "dev";
@@ -200,7 +203,8 @@ async fn run_cluster(
         let (user_token, worker_token) = create_tenant_and_tokens(admin).await?;
         let channel = connect_channel(&endpoint, None, None, &user_token).await?;
         let real_gpus = arguments.real_gpus;
-        let worker = start_worker(&endpoint, worker_token, gpus, real_gpus, program, &data_dir);
+        let (worker, demo_image) =
+            start_worker(&endpoint, worker_token, gpus, real_gpus, program, &data_dir);
         println!(
             "carve dev: a scheduler and a worker ({}) are running",
             if real_gpus {
@@ -216,7 +220,7 @@ async fn run_cluster(
         println!("  export CARVE_ENDPOINT={endpoint} CARVE_TOKEN={user_token}");
         let code = if arguments.demo {
             tokio::select! {
-                code = run_demo(&channel, &data_dir) => code?,
+                code = run_demo(&channel, &data_dir, demo_image) => code?,
                 () = shutdown_signal() => {
                     println!("interrupted; stopping");
                     ExitCode::from(FailureKind::Interrupted)
@@ -308,6 +312,7 @@ fn start_scheduler(
     })
 }
 
+/// The worker, and whether the demo's image job can run on it (else why not).
 fn start_worker(
     endpoint: &str,
     worker_token: String,
@@ -315,7 +320,7 @@ fn start_worker(
     real_gpus: bool,
     program: PathBuf,
     data_dir: &Path,
-) -> Stoppable {
+) -> (Stoppable, Result<(), String>) {
     let mut config = WorkerConfig::new(endpoint, worker_token, gpus, program);
     // Simulated GPUs alone unless asked: a dev cluster on a GPU machine behaves the same
     // as anywhere else.
@@ -328,16 +333,30 @@ fn start_worker(
     // only what others may read), never the worker's own directory.
     config.sandbox.policy = SandboxPolicy::IfAvailable;
     config.sandbox.job_paths = vec![PathBuf::from("/")];
-    if let Some(reason) = uncontained_reason(&config.sandbox) {
-        println!(
-            "WARNING: attempts are NOT contained: each runs with your rights (its files, \
-             processes and network), because {reason}. Install runc (apt-get install runc) \
-             and run carve dev as root to contain them."
-        );
-    }
+    let demo_image = match uncontained_reason(&config.sandbox) {
+        Some(reason) => {
+            println!(
+                "WARNING: attempts are NOT contained: each runs with your rights (its files, \
+                 processes and network), because {reason}. Install runc (apt-get install \
+                 runc) and run carve dev as root to contain them."
+            );
+            Err("images run only in contained attempts".to_string())
+        }
+        // Job images (`command.image`) from registries, and the demo's own image.
+        None => {
+            let layout = demo_image::write_demo_image(data_dir);
+            let mut images = ImageSettings::under(&config.checkpoint_directory);
+            images.layout_directories = layout.iter().cloned().collect();
+            config.sandbox.images = Some(images);
+            layout.map(|_| ())
+        }
+    };
     config.reconnect_backoff_initial = Duration::from_millis(50);
     config.reconnect_backoff_max = Duration::from_secs(1);
-    Stoppable::spawn("worker", move |stopped| run_worker(config, stopped))
+    (
+        Stoppable::spawn("worker", move |stopped| run_worker(config, stopped)),
+        demo_image,
+    )
 }
 
 /// Creates the `dev` tenant (unless a reused data dir has it) and returns a new user
@@ -401,7 +420,11 @@ fn demo_command_spec_json(data_dir: &Path) -> Result<Option<String>> {
 }
 
 /// Submits the demo examples, follows them to their end and prints the summary.
-async fn run_demo(channel: &AuthenticatedChannel, data_dir: &Path) -> Result<ExitCode> {
+async fn run_demo(
+    channel: &AuthenticatedChannel,
+    data_dir: &Path,
+    demo_image: Result<(), String>,
+) -> Result<ExitCode> {
     let started = Instant::now();
     let mut client = JobServiceClient::new(channel.clone());
     let mut jobs = Vec::new();
@@ -415,6 +438,14 @@ async fn run_demo(channel: &AuthenticatedChannel, data_dir: &Path) -> Result<Exi
     }
     if let Some(spec_json) = demo_command_spec_json(data_dir)? {
         submissions.push((DEMO_COMMAND_FILE, "a user's program".to_string(), spec_json));
+    }
+    match demo_image {
+        Ok(()) => submissions.push((
+            demo_image::DEMO_IMAGE,
+            "a program in its own image".to_string(),
+            demo_image::demo_image_spec_json(),
+        )),
+        Err(reason) => println!("skipping the job in {}: {reason}", demo_image::DEMO_IMAGE),
     }
     for (file, what, spec_json) in submissions {
         let request = v1::SubmitJobRequest {

@@ -115,6 +115,24 @@ fn the_demo_trains_every_example_to_success_and_prints_a_summary() {
             "{job}: {row}\n{context}"
         );
     }
+    // The job in the demo's own image ran where attempts are contained (CI's machine);
+    // elsewhere the demo said why it skipped it.
+    match stdout
+        .lines()
+        .find(|line| line.starts_with("skipping the job in carve.local/dev/standin:1"))
+    {
+        Some(skipped) => assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must run the image job: {skipped}\n{context}"
+        ),
+        None => {
+            let row = rows
+                .iter()
+                .find(|row| row.starts_with("standin-in-an-image "))
+                .unwrap_or_else(|| panic!("the image job is not in the summary\n{context}"));
+            assert_eq!(row.split_whitespace().nth(1), Some("succeeded"), "{row}");
+        }
+    }
     // The 128 MiB example was shrunk into its slice, and the table says so.
     let shrunk = rows
         .iter()
