@@ -47,7 +47,7 @@ fn image(layout: &Path, ref_name: &str, name: &str, size: usize) -> layout::Writ
     .unwrap()
 }
 
-fn request(reference: &str) -> ImageRequest {
+pub(super) fn request(reference: &str) -> ImageRequest {
     ImageRequest {
         reference: reference.to_string(),
         pinned_digest: None,

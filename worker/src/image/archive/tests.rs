@@ -1,5 +1,6 @@
 use super::super::layout::{oci_architecture, tar_of_files, write_image};
-use super::super::{ImageCache, ImageRequest, ImageSettings};
+use super::super::tests::request;
+use super::super::{ImageCache, ImageSettings};
 use super::*;
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -61,14 +62,6 @@ fn cache(
         registry_authorities: Vec::new(),
         archives,
     })
-}
-
-fn request(reference: &str) -> ImageRequest {
-    ImageRequest {
-        reference: reference.to_string(),
-        pinned_digest: None,
-        credential: None,
-    }
 }
 
 #[tokio::test]
