@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use carve_worker::image::layout::{LayerToWrite, tar_of_files, write_image};
+use carve_worker::image::layout::{LayerToWrite, is_static_executable, tar_of_files, write_image};
 use carve_worker::image::{Compression, ImageCache, ImageRequest, ImageSettings, PulledImage};
 use carve_worker::sandbox::{
     ContainerRequest, HostPath, Sandbox, SandboxPolicy, SandboxSettings, container_exit_status,
@@ -23,7 +23,7 @@ fn sandbox(directory: &Path) -> Option<Sandbox> {
         policy: SandboxPolicy::Required,
         ..SandboxSettings::default()
     };
-    let busybox_is_static = std::fs::read(BUSYBOX).is_ok_and(|bytes| is_static_elf(&bytes));
+    let busybox_is_static = std::fs::read(BUSYBOX).is_ok_and(|bytes| is_static_executable(&bytes));
     let ready = match Sandbox::open(&settings, directory, "test-node") {
         Ok(Some(sandbox)) if busybox_is_static => Ok(sandbox),
         Ok(Some(_)) => Err(format!(
@@ -40,32 +40,6 @@ fn sandbox(directory: &Path) -> Option<Sandbox> {
         }
         Err(reason) => panic!("CI must be able to run image containers: {reason}"),
     }
-}
-
-/// Whether `bytes` is a 64-bit ELF without a program interpreter (`PT_INTERP`): a
-/// dynamically linked busybox needs a libc the image does not have.
-fn is_static_elf(bytes: &[u8]) -> bool {
-    let read = |offset: usize, length: usize| -> Option<u64> {
-        let slice = bytes.get(offset..offset + length)?;
-        Some(
-            slice
-                .iter()
-                .rev()
-                .fold(0, |value, byte| value << 8 | u64::from(*byte)),
-        )
-    };
-    if bytes.get(..5) != Some(b"\x7fELF\x02") {
-        return false;
-    }
-    let (Some(table), Some(entry_size), Some(count)) =
-        (read(0x20, 8), read(0x36, 2), read(0x38, 2))
-    else {
-        return false;
-    };
-    (0..count).all(|index| {
-        let offset = (table + index * entry_size) as usize;
-        read(offset, 4).is_some_and(|kind| kind != 3)
-    })
 }
 
 /// The test image, from an OCI layout (the cache's air-gapped source): busybox with its

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use carve_worker::image::Compression;
-use carve_worker::image::layout::{LayerToWrite, tar_of_files, write_image};
+use carve_worker::image::layout::{LayerToWrite, is_static_executable, tar_of_files, write_image};
 
 /// The demo image's name, which its layout gives it.
 pub const DEMO_IMAGE: &str = "carve.local/dev/standin:1";
@@ -99,60 +99,4 @@ pub fn demo_image_spec_json() -> String {
         "resources": { "vram": "256MiB" },
     })
     .to_string()
-}
-
-/// Whether `elf` is an ELF executable without a program interpreter (`PT_INTERP`): one
-/// that runs in an image holding no dynamic loader or libc.
-fn is_static_executable(elf: &[u8]) -> bool {
-    const PT_INTERP: u32 = 3;
-    let read_u16 = |at: usize| {
-        elf.get(at..at + 2)
-            .map(|bytes| u16::from_le_bytes([bytes[0], bytes[1]]))
-    };
-    let read_u32 = |at: usize| {
-        elf.get(at..at + 4)
-            .map(|bytes| u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
-    };
-    let read_u64 = |at: usize| {
-        elf.get(at..at + 8)
-            .map(|bytes| u64::from_le_bytes(bytes.try_into().unwrap_or_default()))
-    };
-    // A 64-bit little-endian ELF file, as on every node Carve runs on.
-    if elf.get(..6) != Some(b"\x7fELF\x02\x01".as_slice()) {
-        return false;
-    }
-    let (Some(table), Some(entry_size), Some(entries)) =
-        (read_u64(0x20), read_u16(0x36), read_u16(0x38))
-    else {
-        return false;
-    };
-    (0..usize::from(entries)).all(|index| {
-        let at = usize::try_from(table)
-            .unwrap_or(usize::MAX)
-            .saturating_add(index * usize::from(entry_size));
-        read_u32(at).is_some_and(|kind| kind != PT_INTERP)
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_dynamically_linked_program_is_not_static() {
-        // This test's own binary is linked dynamically (it has an interpreter).
-        let own = std::fs::read(std::env::current_exe().unwrap()).unwrap();
-        assert!(!is_static_executable(&own));
-        assert!(!is_static_executable(b"#!/bin/sh\n"));
-        if let Ok(busybox) = std::fs::read(BUSYBOX) {
-            // Debian's busybox-static, where CI installs it.
-            let linked = std::process::Command::new("file").arg(BUSYBOX).output();
-            if let Ok(output) = linked {
-                let said = String::from_utf8_lossy(&output.stdout);
-                if said.contains("statically linked") {
-                    assert!(is_static_executable(&busybox), "{said}");
-                }
-            }
-        }
-    }
 }

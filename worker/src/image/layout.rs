@@ -154,6 +154,33 @@ fn add_to_index(directory: &Path, manifest: &OciDescriptor, ref_name: &str) -> s
     )
 }
 
+/// Whether `bytes` is a 64-bit ELF without a program interpreter (`PT_INTERP`): one that
+/// runs in an image holding no dynamic loader or libc (a dynamically linked busybox
+/// would need the host's).
+pub fn is_static_executable(bytes: &[u8]) -> bool {
+    let read = |offset: usize, length: usize| -> Option<u64> {
+        let slice = bytes.get(offset..offset + length)?;
+        Some(
+            slice
+                .iter()
+                .rev()
+                .fold(0, |value, byte| value << 8 | u64::from(*byte)),
+        )
+    };
+    if bytes.get(..5) != Some(b"\x7fELF\x02") {
+        return false;
+    }
+    let (Some(table), Some(entry_size), Some(count)) =
+        (read(0x20, 8), read(0x36, 2), read(0x38, 2))
+    else {
+        return false;
+    };
+    (0..count).all(|index| {
+        let offset = (table + index * entry_size) as usize;
+        read(offset, 4).is_some_and(|kind| kind != 3)
+    })
+}
+
 /// This node's architecture as OCI names it.
 pub fn oci_architecture() -> &'static str {
     match std::env::consts::ARCH {

@@ -268,3 +268,11 @@ async fn a_hostile_layer_is_refused_and_nothing_is_cached() {
     assert!(!Path::new("/tmp/carve-image-escape").exists());
     assert!(cache.cached_digests().is_empty());
 }
+
+#[test]
+fn a_dynamically_linked_program_or_a_script_is_not_a_static_executable() {
+    // This test's own binary has an interpreter (it is linked dynamically).
+    let own = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+    assert!(!layout::is_static_executable(&own));
+    assert!(!layout::is_static_executable(b"#!/bin/sh\n"));
+}
