@@ -19,11 +19,11 @@ use std::path::{Component, Path, PathBuf};
 
 use oci_client::manifest::{
     IMAGE_CONFIG_MEDIA_TYPE, IMAGE_LAYER_GZIP_MEDIA_TYPE, IMAGE_LAYER_MEDIA_TYPE,
-    OCI_IMAGE_INDEX_MEDIA_TYPE, OCI_IMAGE_MEDIA_TYPE, OciDescriptor, OciImageManifest,
+    OCI_IMAGE_MEDIA_TYPE, OciDescriptor, OciImageManifest,
 };
 use sha2::{Digest, Sha256};
 
-use super::layout::IMAGE_LAYER_ZSTD_MEDIA_TYPE;
+use super::layout::{IMAGE_LAYER_ZSTD_MEDIA_TYPE, add_to_index, create_layout, write_blob};
 
 /// The OCI layout `archive` is read as, unpacked under `archives_directory` (made the
 /// first time, or when the archive's size or modification time changed).
@@ -95,9 +95,8 @@ fn layout_of_docker_archive(contents: &Path, layout: &Path) -> Result<(), String
         .map_err(|error| format!("cannot read manifest.json: {error}"))?;
     let images: Vec<DockerArchiveImage> = serde_json::from_slice(&manifest_json)
         .map_err(|error| format!("manifest.json is not a docker save manifest: {error}"))?;
-    let blobs = layout.join("blobs").join("sha256");
-    std::fs::create_dir_all(&blobs).map_err(|error| format!("cannot write the layout: {error}"))?;
-    let mut index_entries = Vec::new();
+    let failed = |error: std::io::Error| format!("cannot write the layout: {error}");
+    let blobs = create_layout(layout).map_err(failed)?;
     for image in images {
         let config = blob_of(contents, &image.config, &blobs, |_| {
             IMAGE_CONFIG_MEDIA_TYPE.to_string()
@@ -115,34 +114,12 @@ fn layout_of_docker_archive(contents: &Path, layout: &Path) -> Result<(), String
             ..OciImageManifest::default()
         };
         let bytes = serde_json::to_vec(&manifest).map_err(|error| error.to_string())?;
-        let digest = format!("sha256:{:x}", Sha256::digest(&bytes));
-        std::fs::write(blobs.join(digest.trim_start_matches("sha256:")), &bytes)
-            .map_err(|error| format!("cannot write the layout: {error}"))?;
+        let descriptor = write_blob(&blobs, &bytes, OCI_IMAGE_MEDIA_TYPE).map_err(failed)?;
         for tag in image.repo_tags.unwrap_or_default() {
-            index_entries.push(serde_json::json!({
-                "mediaType": OCI_IMAGE_MEDIA_TYPE,
-                "digest": digest,
-                "size": bytes.len(),
-                "annotations": { "org.opencontainers.image.ref.name": tag },
-            }));
+            add_to_index(layout, &descriptor, &tag).map_err(failed)?;
         }
     }
-    let index = serde_json::json!({
-        "schemaVersion": 2,
-        "mediaType": OCI_IMAGE_INDEX_MEDIA_TYPE,
-        "manifests": index_entries,
-    });
-    std::fs::write(
-        layout.join("oci-layout"),
-        br#"{"imageLayoutVersion":"1.0.0"}"#,
-    )
-    .and_then(|()| {
-        std::fs::write(
-            layout.join("index.json"),
-            serde_json::to_vec_pretty(&index).map_err(std::io::Error::other)?,
-        )
-    })
-    .map_err(|error| format!("cannot write the layout: {error}"))
+    Ok(())
 }
 
 /// The archive's file `relative` (a regular file inside `contents`, never through a

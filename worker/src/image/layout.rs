@@ -48,12 +48,7 @@ pub fn write_image(
     env: &[String],
     working_directory: Option<&str>,
 ) -> std::io::Result<WrittenImage> {
-    let blobs = directory.join("blobs").join("sha256");
-    std::fs::create_dir_all(&blobs)?;
-    std::fs::write(
-        directory.join("oci-layout"),
-        br#"{"imageLayoutVersion":"1.0.0"}"#,
-    )?;
+    let blobs = create_layout(directory)?;
     let mut layer_descriptors = Vec::new();
     let mut layer_blobs = Vec::new();
     let mut diff_ids = Vec::new();
@@ -105,6 +100,18 @@ pub fn write_image(
     })
 }
 
+/// Makes `directory` an OCI layout (its `oci-layout` file and blob directory, whose path
+/// it returns), keeping what it holds already.
+pub(super) fn create_layout(directory: &Path) -> std::io::Result<PathBuf> {
+    let blobs = directory.join("blobs").join("sha256");
+    std::fs::create_dir_all(&blobs)?;
+    std::fs::write(
+        directory.join("oci-layout"),
+        br#"{"imageLayoutVersion":"1.0.0"}"#,
+    )?;
+    Ok(blobs)
+}
+
 /// The layout's blob file of `digest`.
 pub fn blob_path(directory: &Path, digest: &str) -> PathBuf {
     directory
@@ -113,7 +120,11 @@ pub fn blob_path(directory: &Path, digest: &str) -> PathBuf {
         .join(digest.trim_start_matches("sha256:"))
 }
 
-fn write_blob(blobs: &Path, bytes: &[u8], media_type: &str) -> std::io::Result<OciDescriptor> {
+pub(super) fn write_blob(
+    blobs: &Path,
+    bytes: &[u8],
+    media_type: &str,
+) -> std::io::Result<OciDescriptor> {
     let digest = sha256_digest(bytes);
     std::fs::write(blobs.join(digest.trim_start_matches("sha256:")), bytes)?;
     Ok(OciDescriptor {
@@ -124,7 +135,13 @@ fn write_blob(blobs: &Path, bytes: &[u8], media_type: &str) -> std::io::Result<O
     })
 }
 
-fn add_to_index(directory: &Path, manifest: &OciDescriptor, ref_name: &str) -> std::io::Result<()> {
+/// Names `manifest` `ref_name` in the layout's `index.json` (made when missing), in place
+/// of an entry of that name.
+pub(super) fn add_to_index(
+    directory: &Path,
+    manifest: &OciDescriptor,
+    ref_name: &str,
+) -> std::io::Result<()> {
     let path = directory.join("index.json");
     let mut index: serde_json::Value = match std::fs::read(&path) {
         Ok(bytes) => serde_json::from_slice(&bytes).map_err(std::io::Error::other)?,
