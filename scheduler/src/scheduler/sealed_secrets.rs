@@ -11,7 +11,7 @@
 //! Rotation: the new key is `--secrets-key-file`, the old one
 //! `--secrets-previous-key-file`. Values open with either (GCM's tag tells which key
 //! sealed a value), and at start the scheduler seals again with the new key every value
-//! the old key sealed or none did ([`Sealing::needs_sealing_again`]); once it said so,
+//! the old key sealed or none did ([`Sealing::value_to_seal_again`]); once it said so,
 //! the old key can go.
 
 use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
@@ -103,21 +103,25 @@ impl Sealing {
             .ok_or_else(|| current.unwrap_err())
     }
 
-    /// Whether `stored` should be sealed again with the current key: it opens, and not
-    /// with that key (a previous key sealed it, or it is stored as it is).
-    pub fn needs_sealing_again(&self, tenant: &str, name: &str, stored: &[u8]) -> bool {
-        let Some(key) = &self.key else {
-            return false;
-        };
+    /// The value `stored` holds when it should be sealed again with the current key: it
+    /// opens, and not with that key (a previous key sealed it, or it is stored as it is).
+    /// `None` without a current key, for a value it sealed, and for one no key opens.
+    pub fn value_to_seal_again(&self, tenant: &str, name: &str, stored: &[u8]) -> Option<Vec<u8>> {
+        let key = self.key.as_ref()?;
         if !stored.starts_with(SEALED_PREFIX) {
-            return true;
+            return Some(stored.to_vec());
         }
-        open(Some(key), tenant, name, stored).is_err() && self.open(tenant, name, stored).is_ok()
+        if open(Some(key), tenant, name, stored).is_ok() {
+            return None;
+        }
+        self.previous_keys
+            .iter()
+            .find_map(|previous| open(Some(previous), tenant, name, stored).ok())
     }
 }
 
 /// Seals again with the current key every stored value that needs it
-/// ([`Sealing::needs_sealing_again`]): after a rotation, or when a key was first set.
+/// ([`Sealing::value_to_seal_again`]): after a rotation, or when a key was first set.
 /// Returns how many it sealed again; a value its tenant replaced meanwhile is left to
 /// that newer write, and one no key opens is left as it is (its reads say why).
 pub async fn seal_again(store: &Store, sealing: &Sealing) -> Result<usize, SchedulerError> {
@@ -126,10 +130,7 @@ pub async fn seal_again(store: &Store, sealing: &Sealing) -> Result<usize, Sched
     }
     let mut sealed_again = 0;
     for (tenant, name, stored) in store.secrets_with_values().await? {
-        if !sealing.needs_sealing_again(&tenant, &name, &stored) {
-            continue;
-        }
-        let Ok(value) = sealing.open(&tenant, &name, &stored) else {
+        let Some(value) = sealing.value_to_seal_again(&tenant, &name, &stored) else {
             continue;
         };
         let resealed = sealing.seal(&tenant, &name, &value)?;
@@ -272,10 +273,24 @@ mod tests {
             rotated.open("alice", "registry", &sealed_by_old).unwrap(),
             b"robot:pw"
         );
-        assert!(rotated.needs_sealing_again("alice", "registry", &sealed_by_old));
-        assert!(rotated.needs_sealing_again("alice", "registry", &plain));
+        assert_eq!(
+            rotated
+                .value_to_seal_again("alice", "registry", &sealed_by_old)
+                .unwrap(),
+            b"robot:pw"
+        );
+        assert_eq!(
+            rotated
+                .value_to_seal_again("alice", "registry", &plain)
+                .unwrap(),
+            b"robot:pw"
+        );
         let sealed_by_new = rotated.seal("alice", "registry", b"robot:pw").unwrap();
-        assert!(!rotated.needs_sealing_again("alice", "registry", &sealed_by_new));
+        assert!(
+            rotated
+                .value_to_seal_again("alice", "registry", &sealed_by_new)
+                .is_none()
+        );
         // The previous key opens only what it sealed, in its own row.
         assert!(rotated.open("bob", "registry", &sealed_by_old).is_err());
         let new_only = Sealing {
@@ -284,7 +299,11 @@ mod tests {
         };
         assert!(new_only.open("alice", "registry", &sealed_by_old).is_err());
         // A value no key opens is left alone, not sealed again as garbage.
-        assert!(!new_only.needs_sealing_again("alice", "registry", &sealed_by_old));
+        assert!(
+            new_only
+                .value_to_seal_again("alice", "registry", &sealed_by_old)
+                .is_none()
+        );
     }
 
     #[test]
